@@ -1,0 +1,18 @@
+"""Auto-MAP: find, check and apply fast distributed execution plans for JAX training steps."""
+
+from ._cluster import Cluster as Cluster
+from ._cluster import Link as Link
+from ._errors import ApplyError as ApplyError
+from ._errors import AutomapError as AutomapError
+from ._errors import CaptureError as CaptureError
+from ._errors import ClusterError as ClusterError
+from ._errors import InfeasibleError as InfeasibleError
+from ._errors import ModelError as ModelError
+from ._errors import PlanError as PlanError
+from ._graph import Graph as Graph
+from ._graph import Role as Role
+from ._plan import Collective as Collective
+from ._plan import Cost as Cost
+from ._plan import Plan as Plan
+from ._plan import Stage as Stage
+from ._version import __version__ as __version__

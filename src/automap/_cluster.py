@@ -1,0 +1,228 @@
+"""Clusters: device figures, node hierarchy, and how mesh axes map onto links.
+
+The presets carry public figures (peak, HBM, bandwidths) from the brief's table; the
+efficiency factors are ours, calibrated by `automap calibrate` where devices are at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._errors import ClusterError
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One mesh axis's collective link, per device and per direction."""
+
+    bandwidth: float  # bytes/s each device can send on this axis (one direction)
+    latency: float  # seconds per collective step (alpha)
+    kind: str  # "intra" (NVLink/ICI), "inter" (network), "mixed" (spans both: the slower)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A homogeneous cluster of accelerators grouped into nodes."""
+
+    name: str
+    devices: int
+    devices_per_node: int
+    """Devices sharing the fast intra-node link (8 GPUs per node; the whole slice on TPU)."""
+    peak_flops: float
+    """Dense bf16 (v100: fp16) peak per device, FLOP/s."""
+    hbm_bytes: float
+    """Device memory, bytes."""
+    hbm_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra_bandwidth: float
+    """Per-device, per-direction intra-node link bandwidth, bytes/s (NVLink: half the
+    both-directions figure)."""
+    inter_bandwidth: float
+    """Per-device, per-direction network bandwidth, bytes/s (the node's NICs shared by its
+    devices)."""
+    intra_latency: float = 5e-6
+    """Seconds per step of a collective on the intra-node link."""
+    inter_latency: float = 15e-6
+    """Seconds per step of a collective across nodes."""
+    matmul_efficiency: float = 0.6
+    """Fraction of peak that large matmuls and convolutions reach."""
+    memory_efficiency: float = 0.8
+    """Fraction of HBM bandwidth that memory-bound ops reach."""
+    comm_efficiency: float = 0.8
+    """Fraction of link bandwidth that collectives reach (bus bandwidth / link bandwidth)."""
+    memory_reserve: float = 0.1
+    """Fraction of HBM kept free for the runtime, workspace and fragmentation."""
+
+    # ---- construction -----------------------------------------------------------------
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(_PRESETS)
+
+    @classmethod
+    def preset(cls, name: str, devices: int = 8, **overrides: Any) -> Cluster:
+        key = name.lower()
+        if key not in _PRESETS:
+            raise ClusterError(
+                f"unknown cluster preset {name!r}; choose one of {', '.join(_PRESETS)} "
+                "or load a cluster file with Cluster.from_file."
+            )
+        fields = dict(_PRESETS[key])
+        fields.update(overrides)
+        per_node = fields.pop("devices_per_node", 8)
+        return cls(name=key, devices=devices, devices_per_node=min(per_node, devices), **fields)._checked()
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "cluster") -> Cluster:
+        d = dict(d)
+        base = d.pop("preset", None)
+        try:
+            if base is not None:
+                return cls.preset(str(base), **d)
+            names = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(d) - names
+            if unknown:
+                raise ClusterError(
+                    f"{source}: unknown field(s) {sorted(unknown)}; known: {sorted(names)}."
+                )
+            return cls(**d)._checked()
+        except TypeError as e:
+            raise ClusterError(f"{source} is not a valid cluster description: {e}.") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Cluster:
+        path = Path(path)
+        if not path.exists():
+            raise ClusterError(f"no cluster file at {path}: check the path.")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                raw = yaml.safe_load(text)
+            else:
+                raw = json.loads(text)
+        except Exception as e:  # noqa: BLE001 - any parse error means the same to the user
+            raise ClusterError(f"{path} could not be parsed ({e}).") from None
+        if not isinstance(raw, Mapping):
+            raise ClusterError(f"{path} must hold a mapping of cluster fields.")
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_devices(self, devices: int) -> Cluster:
+        return dataclasses.replace(
+            self, devices=devices, devices_per_node=min(self.devices_per_node, devices)
+        )._checked()
+
+    def _checked(self) -> Cluster:
+        if self.devices < 1:
+            raise ClusterError(f"a cluster needs at least one device, got {self.devices}.")
+        if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
+            raise ClusterError(
+                f"{self.devices} devices do not fill whole nodes of {self.devices_per_node}; "
+                f"use a multiple of {self.devices_per_node}."
+            )
+        return self
+
+    # ---- derived figures --------------------------------------------------------------
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.devices // self.devices_per_node)
+
+    @property
+    def memory_limit(self) -> float:
+        """Usable bytes per device."""
+        return self.hbm_bytes * (1.0 - self.memory_reserve)
+
+    def axis_links(self, mesh: Mapping[str, int]) -> dict[str, Link]:
+        """The link each mesh axis runs on.
+
+        Devices are laid out in row-major mesh order (the last axis varies fastest), the
+        order `jax.make_mesh` uses: an axis whose devices all sit in one node runs on the
+        intra-node link, an axis whose stride is a whole node runs on the network, and an
+        axis that spans both is as slow as its slowest hop.
+        """
+        sizes = list(mesh.values())
+        if math.prod(sizes) > self.devices:
+            raise ClusterError(
+                f"mesh {dict(mesh)} needs {math.prod(sizes)} devices; the cluster has "
+                f"{self.devices}."
+            )
+        links: dict[str, Link] = {}
+        stride = 1
+        for name, size in reversed(list(mesh.items())):
+            span = stride * size
+            if size == 1 or span <= self.devices_per_node:
+                links[name] = Link(self.intra_bandwidth, self.intra_latency, "intra")
+            elif stride >= self.devices_per_node:
+                links[name] = Link(self.inter_bandwidth, self.inter_latency, "inter")
+            else:
+                links[name] = Link(self.inter_bandwidth, self.inter_latency, "mixed")
+            stride = span
+        return {name: links[name] for name in mesh}
+
+
+# Public figures from the brief; per-direction link bandwidths are half the
+# both-directions NVLink figure; network per device is the node's NICs / 8 GPUs.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "v100": dict(
+        peak_flops=125e12,
+        hbm_bytes=32 * GB,
+        hbm_bandwidth=0.9e12,
+        intra_bandwidth=150 * GB,
+        inter_bandwidth=4 * 100e9 / 8 / 8,
+    ),
+    "a100": dict(
+        peak_flops=312e12,
+        hbm_bytes=80 * GB,
+        hbm_bandwidth=2.0e12,
+        intra_bandwidth=300 * GB,
+        inter_bandwidth=8 * 200e9 / 8 / 8,
+    ),
+    "h100": dict(
+        peak_flops=989e12,
+        hbm_bytes=80 * GB,
+        hbm_bandwidth=3.35e12,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=8 * 400e9 / 8 / 8,
+    ),
+    "h200": dict(
+        peak_flops=989e12,
+        hbm_bytes=141 * GB,
+        hbm_bandwidth=4.8e12,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=8 * 400e9 / 8 / 8,
+    ),
+    # TPU v4: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s; ICI links inside a slice are
+    # treated as one "node" (a 3D torus has no slow tier inside a slice).
+    "tpu-v4": dict(
+        peak_flops=275e12,
+        hbm_bytes=32 * 2**30,
+        hbm_bandwidth=1.2e12,
+        intra_bandwidth=135 * GB,
+        inter_bandwidth=25 * GB,
+        devices_per_node=4096,
+    ),
+    # The local CPU (virtual devices): modest figures, recalibrate with `automap calibrate`.
+    "cpu": dict(
+        peak_flops=50e9,
+        hbm_bytes=4 * GB,
+        hbm_bandwidth=10 * GB,
+        intra_bandwidth=5 * GB,
+        inter_bandwidth=5 * GB,
+        devices_per_node=4096,
+        matmul_efficiency=0.5,
+        memory_efficiency=0.5,
+        comm_efficiency=0.5,
+    ),
+}

@@ -1,0 +1,34 @@
+"""Errors a user can cause, each with a message that names the problem and the fix.
+
+The CLI prints these as one line (no traceback); the Python API raises them as they are.
+"""
+
+from __future__ import annotations
+
+
+class AutomapError(Exception):
+    """Base class: something the user gave Auto-MAP cannot be used as it is."""
+
+
+class CaptureError(AutomapError):
+    """The step function could not be traced into a program Auto-MAP can read."""
+
+
+class PlanError(AutomapError):
+    """A plan is corrupt, of an unknown version, or made for another program or mesh."""
+
+
+class ApplyError(AutomapError):
+    """A plan cannot run here: a dimension not divisible by its axis, too few devices..."""
+
+
+class ClusterError(AutomapError):
+    """An unknown preset, a malformed cluster file, or a device count that does not fit."""
+
+
+class InfeasibleError(AutomapError):
+    """No plan in the space fits the devices' memory."""
+
+
+class ModelError(AutomapError):
+    """An unknown zoo model or a bad override."""

@@ -1,0 +1,124 @@
+"""The captured program: tensors, ops and inputs, as plain frozen data.
+
+A `Graph` is what every other part of Auto-MAP reads: linkage groups are built over its
+tensor dimensions, the cost model walks its ops, and `apply` re-runs its jaxpr. It is made
+by `capture` (see `_capture.py`) and never mutated afterwards.
+
+Identifiers are plain ints: a tensor's id is its index in `Graph.tensors`, an op's index is
+its position in `Graph.ops` (program order, nested calls inlined). Both are deterministic
+for the same program, so plans may refer to them (checked by `Graph.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+class Role(enum.StrEnum):
+    """What an input leaf is to the training step; drives ZeRO and data-parallel choices."""
+
+    PARAM = "param"
+    OPT_STATE = "opt_state"
+    BATCH = "batch"
+    OTHER = "other"
+
+
+class TensorKind(enum.StrEnum):
+    INPUT = "input"  # a leaf of the step's arguments
+    CONST = "const"  # a literal or a closed-over constant
+    INTERMEDIATE = "intermediate"  # produced by an op
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    id: int
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float32", "bfloat16", "int32"
+    kind: TensorKind
+    producer: int | None = None  # index of the op that writes it (None for inputs/consts)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    index: int
+    primitive: str  # jaxpr primitive name, e.g. "dot_general"
+    inputs: tuple[int, ...]  # tensor ids, in operand order (literals included as CONST tensors)
+    outputs: tuple[int, ...]  # tensor ids
+    # The eqn's params, as JAX gives them (dimension_numbers, axes, permutation, ...).
+    # Not serialized: a Graph is rebuilt by capture, never loaded from disk.
+    params: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
+    flops: float  # for the whole op (loops: the body's times the trip count)
+    bytes_read: int
+    bytes_written: int
+    trip_count: int = 1  # >1 for scan/while kept as one op
+    name_stack: str = ""  # JAX name stack: where in the user's code the op came from
+    known: bool = True  # False for a primitive without a sharding/cost rule (kept replicated)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLeaf:
+    path: str  # jax.tree_util.keystr of the leaf within the argument tuple, e.g. "[0]['params']['w']"
+    arg_index: int  # which positional argument of the step it belongs to
+    tensor: int  # tensor id
+    role: Role
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLeaf:
+    path: str  # keystr of the leaf within the step's output pytree
+    tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[InputLeaf, ...]
+    outputs: tuple[OutputLeaf, ...]
+    fingerprint: str  # hash of the program's structure: ops, shapes, dtypes, input paths
+    # The traced program and argument structure, for apply/verify. Not compared.
+    jaxpr: Any = dataclasses.field(compare=False, repr=False, default=None)
+    in_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
+    out_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+    def leaves(self, role: Role) -> tuple[InputLeaf, ...]:
+        return tuple(leaf for leaf in self.inputs if leaf.role == role)
+
+    def role_bytes(self, role: Role) -> int:
+        return sum(self.tensors[leaf.tensor].nbytes for leaf in self.leaves(role))
+
+    def param_count(self) -> int:
+        return sum(self.tensors[leaf.tensor].size for leaf in self.leaves(Role.PARAM))
+
+    def consumers(self) -> tuple[tuple[int, ...], ...]:
+        """For each tensor id, the indices of the ops that read it (program order)."""
+        users: list[list[int]] = [[] for _ in self.tensors]
+        for op in self.ops:
+            for t in dict.fromkeys(op.inputs):
+                users[t].append(op.index)
+        return tuple(tuple(u) for u in users)

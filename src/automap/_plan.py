@@ -1,0 +1,254 @@
+"""The plan and its predicted cost: plain frozen data, saved as JSON.
+
+A plan says *what* to do (mesh, a PartitionSpec per input leaf, constraints at internal
+tensors, pipeline stages, microbatches, ZeRO stage); `apply` says *how*. Keeping them
+apart lets every searcher produce the same thing and lets a plan travel as a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from ._errors import PlanError
+from ._version import PLAN_SCHEMA_VERSION, __version__
+
+# One entry per tensor dimension: the mesh axis that splits it, several axes, or None.
+SpecEntry = str | tuple[str, ...] | None
+Spec = tuple[SpecEntry, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective the plan implies, summed over the step."""
+
+    kind: str  # "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
+    axis: str  # mesh axis name (or "+"-joined names for a collective over several axes)
+    bytes: float  # bytes per device entering the collective, summed over all its occurrences
+    count: int  # how many times it happens in one step
+    time_s: float  # predicted time, summed
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted cost of one training step on one device (the slowest one)."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    memory_bytes: float  # peak per device
+    mfu: float  # model FLOPs utilization: useful flops / (step time x peak x devices)
+    feasible: bool = True
+    reason: str = ""  # why not feasible, in words
+    memory_limit_bytes: float = math.inf
+    # Peak memory split: "params", "grads", "opt_state", "activations", "other".
+    memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    collectives: tuple[Collective, ...] = ()
+    # Per-op (op index, compute seconds, communication seconds); not saved in plan files.
+    per_op: tuple[tuple[int, float, float], ...] = dataclasses.field(
+        default=(), compare=False, repr=False
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("per_op")
+        d["memory_limit_bytes"] = _finite_or_none(self.memory_limit_bytes)
+        d["memory_breakdown"] = dict(self.memory_breakdown)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Cost:
+        d = dict(d)
+        d["collectives"] = tuple(Collective(**c) for c in d.get("collectives", ()))
+        limit = d.get("memory_limit_bytes")
+        d["memory_limit_bytes"] = math.inf if limit is None else float(limit)
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous range of the graph's ops on its own sub-mesh."""
+
+    op_start: int  # first op index (inclusive)
+    op_stop: int  # last op index (exclusive)
+    devices: tuple[int, ...]  # indices into jax.devices()
+    mesh: Mapping[str, int]  # the stage's sub-mesh: axis name -> size
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a plan came from: enough to rebuild the step and to refuse a wrong program."""
+
+    searcher: str = ""
+    seed: int = 0
+    search_time_s: float = 0.0
+    version: str = __version__
+    fingerprint: str = ""  # Graph.fingerprint of the program the plan was made for
+    model: str | None = None  # zoo model name, if made for one
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fn: str | None = None  # "package.module:function" for --fn plans
+    cluster: str = ""
+    devices: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A distributed execution plan for one captured training step."""
+
+    mesh: Mapping[str, int]  # axis name -> size, in mesh order
+    specs: Mapping[str, Spec]  # input leaf path (keystr) -> spec
+    out_specs: Mapping[str, Spec] = dataclasses.field(default_factory=dict)  # output leaf path
+    constraints: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # tensor id -> spec
+    stages: tuple[Stage, ...] = ()  # empty or one stage: no pipeline
+    microbatches: int = 1
+    schedule: str = "1f1b"  # "gpipe" or "1f1b"
+    zero_stage: int = 0
+    remat: bool = False
+    name: str = ""  # e.g. "megatron_dp", or the searcher's name
+    predicted: Cost | None = None
+    provenance: Provenance = dataclasses.field(default_factory=Provenance)
+    # Searcher-specific decisions (e.g. group -> axis), JSON-able, for reports and resume.
+    decisions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # The argument pytree structure, when known (not saved): lets in_specs be a real pytree.
+    in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values()) if self.mesh else 1
+
+    @property
+    def in_specs(self) -> Any:
+        """PartitionSpecs for the step's arguments: a pytree matching them when the plan was
+        made in this process, else a dict keyed by each leaf's path."""
+        by_path = {path: PartitionSpec(*spec) for path, spec in self.specs.items()}
+        if self.in_tree is None:
+            return by_path
+        import jax
+
+        paths = [jax.tree_util.keystr(p) for p, _ in _paths_of(self.in_tree)]
+        return jax.tree_util.tree_unflatten(self.in_tree, [by_path[p] for p in paths])
+
+    # ---- JSON -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "name": self.name,
+            "mesh": dict(self.mesh),
+            "specs": {k: _spec_to_json(v) for k, v in self.specs.items()},
+            "out_specs": {k: _spec_to_json(v) for k, v in self.out_specs.items()},
+            "constraints": {str(k): _spec_to_json(v) for k, v in self.constraints.items()},
+            "stages": [
+                {
+                    "op_start": s.op_start,
+                    "op_stop": s.op_stop,
+                    "devices": list(s.devices),
+                    "mesh": dict(s.mesh),
+                }
+                for s in self.stages
+            ],
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "zero_stage": self.zero_stage,
+            "remat": self.remat,
+            "predicted": None if self.predicted is None else self.predicted.to_dict(),
+            "provenance": dataclasses.asdict(self.provenance),
+            "decisions": dict(self.decisions),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "plan") -> Plan:
+        if not isinstance(d, Mapping):
+            raise PlanError(f"{source} is not a plan: expected a JSON object at the top level.")
+        version = d.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanError(
+                f"{source} has plan schema version {version!r}; this automap ({__version__}) "
+                f"reads version {PLAN_SCHEMA_VERSION}. Re-create the plan with `automap plan`."
+            )
+        try:
+            return cls(
+                mesh={str(k): int(v) for k, v in d["mesh"].items()},
+                specs={k: _spec_from_json(v) for k, v in d["specs"].items()},
+                out_specs={k: _spec_from_json(v) for k, v in d.get("out_specs", {}).items()},
+                constraints={
+                    int(k): _spec_from_json(v) for k, v in d.get("constraints", {}).items()
+                },
+                stages=tuple(
+                    Stage(
+                        op_start=int(s["op_start"]),
+                        op_stop=int(s["op_stop"]),
+                        devices=tuple(int(x) for x in s["devices"]),
+                        mesh={str(k): int(v) for k, v in s["mesh"].items()},
+                    )
+                    for s in d.get("stages", ())
+                ),
+                microbatches=int(d.get("microbatches", 1)),
+                schedule=str(d.get("schedule", "1f1b")),
+                zero_stage=int(d.get("zero_stage", 0)),
+                remat=bool(d.get("remat", False)),
+                name=str(d.get("name", "")),
+                predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
+                provenance=Provenance(**d.get("provenance", {})),
+                decisions=dict(d.get("decisions", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(
+                f"{source} is corrupt ({type(e).__name__}: {e}). "
+                "Re-create it with `automap plan`."
+            ) from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"no plan file at {path}: check the path.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(
+                f"{path} is not valid JSON ({e}); it is not a plan file or it is corrupt. "
+                "Re-create it with `automap plan`."
+            ) from None
+        return cls.from_dict(raw, source=str(path))
+
+
+def _finite_or_none(x: float) -> float | None:
+    return None if math.isinf(x) else x
+
+
+def _spec_to_json(spec: Spec) -> list[Any]:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_from_json(raw: Any) -> Spec:
+    if not isinstance(raw, list):
+        raise TypeError(f"a spec must be a list, got {raw!r}")
+    out: list[SpecEntry] = []
+    for e in raw:
+        if e is None or isinstance(e, str):
+            out.append(e)
+        elif isinstance(e, list) and all(isinstance(a, str) for a in e):
+            out.append(tuple(e))
+        else:
+            raise TypeError(f"a spec entry must be null, an axis name or a list of them: {e!r}")
+    return tuple(out)
+
+
+def _paths_of(treedef: Any) -> list[tuple[Any, Any]]:
+    import jax
+
+    dummy = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    return jax.tree_util.tree_flatten_with_path(dummy)[0]

@@ -1,0 +1,10 @@
+"""Test set-up: JAX on the CPU with 8 virtual devices, set before any backend starts."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
