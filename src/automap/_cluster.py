@@ -77,7 +77,9 @@ class Cluster:
         fields = dict(_PRESETS[key])
         fields.update(overrides)
         per_node = fields.pop("devices_per_node", 8)
-        return cls(name=key, devices=devices, devices_per_node=min(per_node, devices), **fields)._checked()
+        return cls(
+            name=key, devices=devices, devices_per_node=min(per_node, devices), **fields
+        )._checked()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "cluster") -> Cluster:
@@ -109,7 +111,7 @@ class Cluster:
                 raw = yaml.safe_load(text)
             else:
                 raw = json.loads(text)
-        except Exception as e:  # noqa: BLE001 - any parse error means the same to the user
+        except Exception as e:  # any parse error means the same to the user
             raise ClusterError(f"{path} could not be parsed ({e}).") from None
         if not isinstance(raw, Mapping):
             raise ClusterError(f"{path} must hold a mapping of cluster fields.")

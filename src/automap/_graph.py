@@ -78,7 +78,9 @@ class Op:
 
 @dataclasses.dataclass(frozen=True)
 class InputLeaf:
-    path: str  # jax.tree_util.keystr of the leaf within the argument tuple, e.g. "[0]['params']['w']"
+    path: (
+        str  # jax.tree_util.keystr of the leaf within the argument tuple, e.g. "[0]['params']['w']"
+    )
     arg_index: int  # which positional argument of the step it belongs to
     tensor: int  # tensor id
     role: Role

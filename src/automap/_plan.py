@@ -201,8 +201,7 @@ class Plan:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanError(
-                f"{source} is corrupt ({type(e).__name__}: {e}). "
-                "Re-create it with `automap plan`."
+                f"{source} is corrupt ({type(e).__name__}: {e}). Re-create it with `automap plan`."
             ) from None
 
     def save(self, path: str | Path) -> Path:

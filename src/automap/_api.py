@@ -1,0 +1,203 @@
+"""The public entry points: plan, estimate, expert_plans.
+
+Each captures the step once, builds its linkage groups and a cost model, and hands them to
+a searcher. The heavy parts live in their own modules; this one only wires them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ._capture import capture
+from ._cluster import Cluster
+from ._cost import CostModel
+from ._errors import AutomapError, InfeasibleError, PlanError
+from ._expert import expert_plans_for
+from ._graph import Graph
+from ._linkage import Groups, build_groups
+from ._plan import Cost, Plan, Provenance
+from ._version import __version__
+
+SEARCHERS = ("dqn", "ilp", "dp", "exhaustive", "expert", "random", "mcmc")
+TASKS = ("shard", "replicate", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One planning problem: the captured program, its groups and a cost model."""
+
+    graph: Graph
+    groups: Groups
+    cluster: Cluster
+    cost_model: CostModel
+
+    @classmethod
+    def build(
+        cls, step_fn: Callable, args: Sequence[Any], cluster: Cluster, roles: Any = None
+    ) -> Problem:
+        graph = capture(step_fn, *args, roles=roles)
+        groups = build_groups(graph)
+        return cls(graph, groups, cluster, CostModel(graph, cluster, groups))
+
+    def estimate(self, plan: Plan) -> Cost:
+        return self.cost_model.estimate(plan)
+
+    def priced(self, plan: Plan) -> Plan:
+        return dataclasses.replace(plan, predicted=self.estimate(plan))
+
+
+def plan(
+    step_fn: Callable,
+    *args: Any,
+    cluster: Cluster,
+    searcher: str = "auto",
+    tasks: str | Sequence[str] = "auto",
+    budget_s: float = 60.0,
+    seed: int = 0,
+    roles: Any = None,
+    origin: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Find a fast feasible plan for `step_fn(*args)` on `cluster`.
+
+    `searcher="auto"` picks the strongest searcher this version has. `origin` records
+    what the plan was made for (zoo model and overrides, or an `--fn` path) so that
+    `automap apply plan.json` can rebuild the step.
+    """
+    name = _check_searcher(searcher)
+    _check_tasks(tasks)
+    start = time.perf_counter()
+    problem = Problem.build(step_fn, args, cluster, roles)
+    if name == "expert":
+        best = _best_expert(problem)
+    else:  # pragma: no cover - guarded by _check_searcher
+        raise AssertionError(name)
+    elapsed = time.perf_counter() - start
+    provenance = Provenance(
+        searcher=name,
+        seed=seed,
+        search_time_s=round(elapsed, 3),
+        version=__version__,
+        fingerprint=problem.graph.fingerprint,
+        cluster=cluster.name,
+        devices=cluster.devices,
+        **dict(origin or {}),
+    )
+    return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
+
+
+def estimate(
+    step_fn: Callable, *args: Any, plan: Plan, cluster: Cluster, roles: Any = None
+) -> Cost:
+    """The cost model's prediction for `plan` applied to `step_fn(*args)` on `cluster`."""
+    problem = Problem.build(step_fn, args, cluster, roles)
+    _check_fits(problem.graph, plan)
+    return problem.estimate(plan)
+
+
+def expert_plans(
+    step_fn: Callable, *args: Any, cluster: Cluster, roles: Any = None
+) -> dict[str, Plan]:
+    """The hand-written plans (data_parallel, zero1-3, megatron, megatron_dp, ...), each
+    with its predicted cost; infeasible ones are kept, marked by `predicted.feasible`."""
+    problem = Problem.build(step_fn, args, cluster, roles)
+    return _priced_experts(problem)
+
+
+def _priced_experts(problem: Problem) -> dict[str, Plan]:
+    plans = expert_plans_for(problem.graph, problem.groups, problem.cluster, problem.estimate)
+    tree = problem.graph.in_tree
+    out = {}
+    for name, p in plans.items():
+        p = problem.priced(p)
+        provenance = dataclasses.replace(
+            p.provenance,
+            searcher="expert",
+            fingerprint=problem.graph.fingerprint,
+            cluster=problem.cluster.name,
+            devices=problem.cluster.devices,
+        )
+        decisions = {**p.decisions, "arg_roles": arg_roles(problem.graph)}
+        out[name] = dataclasses.replace(p, provenance=provenance, in_tree=tree, decisions=decisions)
+    return out
+
+
+def arg_roles(graph: Graph) -> dict[str, str]:
+    """The role of each positional argument (its leaves' most common role), for reports."""
+    counts: dict[int, Counter[str]] = {}
+    for leaf in graph.inputs:
+        counts.setdefault(leaf.arg_index, Counter())[leaf.role.value] += 1
+    return {str(i): c.most_common(1)[0][0] for i, c in sorted(counts.items())}
+
+
+def _best_expert(problem: Problem) -> Plan:
+    plans = _priced_experts(problem)
+    feasible = [p for p in plans.values() if p.predicted is not None and p.predicted.feasible]
+    if not feasible:
+        raise InfeasibleError(_infeasible_message(problem, plans))
+    return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
+
+
+def _infeasible_message(problem: Problem, plans: Mapping[str, Plan]) -> str:
+    if not plans:
+        return (
+            "no expert plan applies to this program on "
+            f"{problem.cluster.devices} devices: no batch dimension or block dimension divides "
+            "by the device count. Use a batch size divisible by the device count."
+        )
+    least = min(plans.values(), key=lambda p: p.predicted.memory_bytes if p.predicted else math.inf)
+    need = least.predicted.memory_bytes if least.predicted else math.nan
+    return (
+        f"no plan fits in memory: the leanest ({least.name}) needs {need / 1e9:.1f} GB per "
+        f"device, the limit is {problem.cluster.memory_limit / 1e9:.1f} GB on "
+        f"{problem.cluster.name}. Use more devices, a smaller batch, or a larger device."
+    )
+
+
+def _check_searcher(searcher: str) -> str:
+    if searcher == "auto":
+        return "expert"
+    if searcher not in SEARCHERS:
+        raise AutomapError(
+            f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
+        )
+    if searcher != "expert":
+        raise AutomapError(
+            f"searcher {searcher!r} is not available in automap {__version__} yet; "
+            "use searcher='expert' (or 'auto')."
+        )
+    return searcher
+
+
+def _check_tasks(tasks: str | Sequence[str]) -> None:
+    if tasks == "auto":
+        return
+    items = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    bad = [t for t in items if t not in TASKS]
+    if bad or not items:
+        raise AutomapError(
+            f"unknown task(s) {bad or items!r}; tasks is 'auto' or a subset of {TASKS}."
+        )
+
+
+def _check_fits(graph: Graph, plan: Plan) -> None:
+    fp = plan.provenance.fingerprint
+    if fp and fp != graph.fingerprint:
+        raise PlanError(
+            f"plan {plan.name or ''!s} was made for another program (fingerprint {fp[:12]}, "
+            f"this one is {graph.fingerprint[:12]}): re-plan for this step function."
+        )
+    paths = {leaf.path for leaf in graph.inputs}
+    missing = sorted(paths - set(plan.specs))
+    extra = sorted(set(plan.specs) - paths)
+    if missing or extra:
+        raise PlanError(
+            "plan does not match this program's inputs: "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}. "
+            "Re-plan for this step function."
+        )

@@ -1,0 +1,240 @@
+"""The `automap` command line: a thin Typer shell over the Python API.
+
+Every command prints a Rich table for people, or JSON with `--json`; an error a user can
+cause (a bad model name, a corrupt plan) is printed as one line naming the fix, with exit
+code 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from ._errors import AutomapError
+
+app = typer.Typer(
+    name="automap",
+    help="Auto-MAP: find, check and apply distributed execution plans for JAX training steps.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Zoo model name (see `automap models`).")
+]
+FnOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fn", help="package.module:function returning (step_fn, args) for your own step."
+    ),
+]
+OverrideOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Model override KEY=VALUE (layers, hidden, heads, batch, seq, image, dtype...); repeatable.",
+    ),
+]
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster", "-c", help="Preset name (a100, h100, ...) or a cluster YAML/JSON file."
+    ),
+]
+DevicesOpt = Annotated[
+    int, typer.Option("--devices", "-n", help="Number of devices in the cluster.")
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print only what is asked for (errors still show).")
+]
+
+
+def _cpu_devices(n: int) -> None:
+    """Give this process `n` virtual CPU devices; must run before JAX starts a backend."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(n, 1))
+
+
+@app.command()
+def models(as_json: JsonOpt = False) -> None:
+    """List the built-in benchmark models."""
+    from ._zoo import list_models
+
+    infos = list_models()
+    if as_json:
+        print(json.dumps([_info_dict(i) for i in infos], indent=2))
+        return
+    from ._report_text import models_table
+
+    console.print(models_table(infos))
+
+
+@app.command("capture")
+def capture_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    groups: Annotated[
+        bool, typer.Option("--groups", help="Also print the linkage groups.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Capture a training step and summarize its program: ops, parameters, FLOPs, memory."""
+    from ._capture import capture
+    from ._report_text import capture_summary, groups_summary
+
+    step_fn, args, _ = _load_step(model, fn, override)
+    graph = capture(step_fn, *args)
+    summary = capture_summary(graph)
+    group_info = None
+    if groups:
+        from ._linkage import build_groups
+
+        group_info = groups_summary(graph, build_groups(graph))
+    if as_json:
+        print(json.dumps({"capture": summary, "groups": group_info}, indent=2, default=str))
+        return
+    from ._report_text import print_capture
+
+    print_capture(console, summary, group_info)
+
+
+@app.command("plan")
+def plan_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    cluster: ClusterOpt = "a100",
+    devices: DevicesOpt = 8,
+    searcher: Annotated[
+        str, typer.Option(help="dqn, ilp, dp, exhaustive, expert, random, mcmc, or auto.")
+    ] = "auto",
+    budget: Annotated[float, typer.Option("--budget", help="Search budget in seconds.")] = 60.0,
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same plan.")] = 0,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the plan as JSON here.")
+    ] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Find a plan for a model on a cluster and print it (mesh, shardings, predicted cost)."""
+    from ._api import plan
+    from ._report_text import plan_dict, print_plan
+
+    step_fn, args, origin = _load_step(model, fn, override)
+    the_cluster = _load_cluster(cluster, devices)
+    result = plan(
+        step_fn,
+        *args,
+        cluster=the_cluster,
+        searcher=searcher,
+        budget_s=budget,
+        seed=seed,
+        origin=origin,
+    )
+    if output is not None:
+        result.save(output)
+    if as_json:
+        print(json.dumps(plan_dict(result), indent=2))
+    elif not quiet:
+        print_plan(console, result, the_cluster)
+        if output is not None:
+            console.print(f"plan saved to [bold]{output}[/bold]")
+
+
+@app.command("apply")
+def apply_cmd(
+    plan_file: Annotated[Path, typer.Argument(help="A plan made by `automap plan -o`.")],
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check", help="Run the plan on the local devices and compare with the unsharded step."
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a saved plan on the local devices; with --check, compare its numbers with one device."""
+    from ._plan import Plan
+
+    the_plan = Plan.load(plan_file)
+    _cpu_devices(max(8, the_plan.devices))
+    from ._check import check_plan
+
+    result = check_plan(the_plan, run_only=not check)
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        from ._report_text import print_check
+
+        print_check(console, result)
+    if check and not result["equal"]:
+        raise typer.Exit(1)
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(info)
+
+
+def _parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise AutomapError(f"--set takes KEY=VALUE, got {item!r} (e.g. --set layers=2).")
+        key, raw = item.split("=", 1)
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word such as float32
+        out[key.strip()] = value
+    return out
+
+
+def _load_step(model: str | None, fn: str | None, override: list[str] | None):
+    """(step_fn, args, origin) from a zoo model or a user's `module:function`."""
+    from ._origin import load_fn, load_zoo
+
+    if (model is None) == (fn is None):
+        raise AutomapError("give exactly one of --model NAME or --fn package.module:function.")
+    if model is not None:
+        return load_zoo(model, _parse_overrides(override), abstract=True)
+    if override:
+        raise AutomapError(
+            "--set overrides apply to zoo models; change your --fn function instead."
+        )
+    return load_fn(fn)
+
+
+def _load_cluster(cluster: str, devices: int):
+    from ._cluster import Cluster
+
+    path = Path(cluster)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return Cluster.from_file(path).with_devices(devices)
+    return Cluster.preset(cluster, devices=devices)
+
+
+def main() -> None:
+    try:
+        app()
+    except AutomapError as e:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

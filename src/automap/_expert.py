@@ -1,0 +1,113 @@
+"""Expert plans: the hand-written strategies a practitioner would try first.
+
+Each is expressed as an assignment of linkage groups to mesh axes, so it works on any
+captured program (a Flax, Keras-on-JAX or plain-JAX step), not only on the zoo: the
+batch group goes on "data", and Megatron's column-then-row split is the set of
+parameter groups that live inside a block (attention heads, MLP hidden, vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from ._cluster import Cluster
+from ._graph import Graph
+from ._linkage import Group, Groups, plan_from_assignment
+from ._plan import Plan
+
+DATA, MODEL = "data", "model"
+
+Assignment = dict[int, str | None]
+
+
+def batch_groups(groups: Groups) -> list[Group]:
+    return [g for g in groups.groups if g.batch and not g.conflicted]
+
+
+def block_groups(groups: Groups) -> list[Group]:
+    """Groups Megatron splits: parameter dimensions internal to a block.
+
+    Every parameter group except the residual stream's: that one ties the hidden size of
+    every layer (residual adds, layer norms, every projection's input), so it has by far the
+    most members; splitting it is sequence/feature parallelism, not Megatron.
+    """
+    candidates = [g for g in groups.groups if g.param_dims and not g.batch and not g.conflicted]
+    if len(candidates) < 2:
+        return candidates
+    residual = max(candidates, key=lambda g: (len(g.members), g.bytes))
+    return [g for g in candidates if g.id != residual.id]
+
+
+def _assign(groups: list[Group], axis: str, size: int) -> Assignment:
+    # An axis may split a group only where every member dimension divides evenly.
+    return {g.id: axis for g in groups if size > 1 and g.divisor % size == 0}
+
+
+def _tp_sizes(cluster: Cluster) -> list[int]:
+    """Tensor-parallel sizes Megatron would use: powers of two inside one node."""
+    sizes, tp = [], 2
+    while tp <= min(cluster.devices_per_node, cluster.devices):
+        if cluster.devices % tp == 0:
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def expert_assignments(
+    graph: Graph, groups: Groups, cluster: Cluster
+) -> dict[str, tuple[dict[str, int], Assignment, int]]:
+    """Name -> (mesh, assignment, ZeRO stage) for every expert plan that applies here."""
+    n = cluster.devices
+    data = _assign(batch_groups(groups), DATA, n)
+    out: dict[str, tuple[dict[str, int], Assignment, int]] = {}
+    if data:
+        out["data_parallel"] = ({DATA: n}, data, 0)
+        for stage in (1, 2, 3):
+            out[f"zero{stage}"] = ({DATA: n}, data, stage)
+    blocks = block_groups(groups)
+    tp_all = _assign(blocks, MODEL, n)
+    if tp_all:
+        out["megatron"] = ({MODEL: n}, tp_all, 0)
+    for tp in _tp_sizes(cluster):
+        dp = n // tp
+        if dp == 1:
+            continue
+        assignment = {**_assign(batch_groups(groups), DATA, dp), **_assign(blocks, MODEL, tp)}
+        if any(a == MODEL for a in assignment.values()):
+            out[f"megatron_dp_tp{tp}"] = ({DATA: dp, MODEL: tp}, assignment, 0)
+    return out
+
+
+def expert_plans_for(
+    graph: Graph,
+    groups: Groups,
+    cluster: Cluster,
+    estimate: Callable[[Plan], object] | None = None,
+) -> dict[str, Plan]:
+    """Build every expert plan; `megatron_dp` is the best of the tensor-parallel sizes tried
+    inside a node (by `estimate`, or the largest when there is no estimate)."""
+    plans: dict[str, Plan] = {}
+    for name, (mesh, assignment, zero) in expert_assignments(graph, groups, cluster).items():
+        plans[name] = plan_from_assignment(
+            graph, groups, mesh, assignment, name=name, zero_stage=zero
+        )
+    hybrids = {k: v for k, v in plans.items() if k.startswith("megatron_dp_tp")}
+    for k in hybrids:
+        del plans[k]
+    if hybrids:
+        if estimate is None:
+            best = max(hybrids, key=lambda k: int(k.removeprefix("megatron_dp_tp")))
+        else:
+            best = min(hybrids, key=lambda k: _rank(estimate(hybrids[k])))
+        plans["megatron_dp"] = _renamed(hybrids[best], "megatron_dp")
+    return plans
+
+
+def _rank(cost: object) -> tuple[bool, float]:
+    return (not getattr(cost, "feasible", True), float(getattr(cost, "step_time_s", math.inf)))
+
+
+def _renamed(plan: Plan, name: str) -> Plan:
+    return dataclasses.replace(plan, name=name)
