@@ -103,6 +103,12 @@ class Graph:
     jaxpr: Any = dataclasses.field(compare=False, repr=False, default=None)
     in_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
     out_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
+    # For the interpreter (`_interpret.py`): the inlined JaxprEqn of each op (aligned with
+    # `ops`), and the value of each CONST tensor (literals, closed-over constants).
+    eqns: tuple[Any, ...] = dataclasses.field(compare=False, repr=False, default=())
+    const_values: Mapping[int, Any] = dataclasses.field(
+        compare=False, repr=False, default_factory=dict
+    )
 
     @property
     def total_flops(self) -> float:
