@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

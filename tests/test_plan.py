@@ -1,0 +1,88 @@
+import json
+
+import pytest
+from jax.sharding import PartitionSpec
+
+import automap as am
+from automap._plan import Provenance
+
+
+def _plan() -> am.Plan:
+    cost = am.Cost(
+        step_time_s=0.5,
+        compute_s=0.4,
+        comm_s=0.1,
+        bubble_s=0.0,
+        memory_bytes=1e9,
+        mfu=0.4,
+        memory_limit_bytes=7.2e10,
+        memory_breakdown={"params": 5e8, "activations": 5e8},
+        collectives=(am.Collective("all-reduce", "data", 4e8, 1, 0.1),),
+    )
+    return am.Plan(
+        mesh={"data": 2, "model": 4},
+        specs={"[0]['w']": ("data", None), "[1]['x']": (("data", "model"), None)},
+        out_specs={"[1]['w']": ("data", None)},
+        constraints={7: (None, "model")},
+        microbatches=4,
+        zero_stage=1,
+        name="megatron_dp",
+        predicted=cost,
+        provenance=Provenance(searcher="expert", model="mlp", overrides={"layers": 2}),
+        decisions={"assignment": {"3": "model"}},
+    )
+
+
+def test_save_load_round_trip(tmp_path):
+    plan = _plan()
+    loaded = am.Plan.load(plan.save(tmp_path / "p.json"))
+    assert loaded == plan
+    assert loaded.devices == 8
+    assert loaded.in_specs["[1]['x']"] == PartitionSpec(("data", "model"), None)
+
+
+def test_unbounded_memory_limit_survives_json(tmp_path):
+    plan = _plan()
+    import dataclasses
+    import math
+
+    cost = dataclasses.replace(plan.predicted, memory_limit_bytes=math.inf)
+    loaded = am.Plan.load(dataclasses.replace(plan, predicted=cost).save(tmp_path / "p.json"))
+    assert math.isinf(loaded.predicted.memory_limit_bytes)
+
+
+def test_in_specs_is_a_pytree_when_the_structure_is_known():
+    import jax
+
+    args = ({"w": 1.0}, {"x": 2.0})
+    plan = am.Plan(
+        mesh={"data": 2},
+        specs={"[0]['w']": ("data",), "[1]['x']": ()},
+        in_tree=jax.tree_util.tree_structure(args),
+    )
+    assert plan.in_specs == ({"w": PartitionSpec("data")}, {"x": PartitionSpec()})
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "not a plan"),
+        (json.dumps({"schema_version": 99}), "schema version 99"),
+        (json.dumps({"schema_version": 1, "mesh": {"data": 2}}), "corrupt"),
+        (
+            json.dumps({"schema_version": 1, "mesh": {"data": 2}, "specs": {"[0]": [3]}}),
+            "corrupt",
+        ),
+    ],
+)
+def test_bad_plan_files_get_clear_errors(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(am.PlanError, match=message):
+        am.Plan.load(path)
+
+
+def test_missing_plan_file(tmp_path):
+    with pytest.raises(am.PlanError, match="no plan file"):
+        am.Plan.load(tmp_path / "nope.json")
