@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")  # the Keras example runs on JAX
 
 import jax
 

@@ -74,8 +74,8 @@ def plan(
     problem = Problem.build(step_fn, args, cluster, roles)
     if name == "expert":
         best = _best_expert(problem)
-    else:  # pragma: no cover - guarded by _check_searcher
-        raise AssertionError(name)
+    else:
+        best = _search_space(problem, name, budget_s, seed)
     elapsed = time.perf_counter() - start
     provenance = Provenance(
         searcher=name,
@@ -142,6 +142,38 @@ def _best_expert(problem: Problem) -> Plan:
     return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
 
 
+def _search_space(problem: Problem, name: str, budget_s: float, seed: int) -> Plan:
+    """Run a space searcher (random, exhaustive, mcmc) and turn its best point into a plan."""
+    from ._search import Tracker, search_exhaustive, search_mcmc, search_random
+    from ._space import ShardSpace
+
+    space = ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
+    tracker = Tracker(budget_s=budget_s)
+    if name == "random":
+        search_random(space, tracker, seed)
+    elif name == "mcmc":
+        search_mcmc(space, tracker, seed)
+    else:
+        try:
+            search_exhaustive(space, tracker)
+        except ValueError as e:
+            raise AutomapError(str(e)) from None
+    if tracker.best is None:
+        raise InfeasibleError(
+            f"the {name} search found no feasible plan in {tracker.evaluated} tries; "
+            "give it a larger --budget, or use more devices or a smaller batch."
+        )
+    mesh_index, options, zero = tracker.best
+    plan = space.to_plan(mesh_index, options, zero, name=name)
+    decisions = {
+        **plan.decisions,
+        "arg_roles": arg_roles(problem.graph),
+        "evaluated": tracker.evaluated,
+        "time_to_best_s": round(tracker.time_to_best_s, 3),
+    }
+    return dataclasses.replace(plan, decisions=decisions)
+
+
 def _infeasible_message(problem: Problem, plans: Mapping[str, Plan]) -> str:
     if not plans:
         return (
@@ -165,10 +197,10 @@ def _check_searcher(searcher: str) -> str:
         raise AutomapError(
             f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
         )
-    if searcher != "expert":
+    if searcher not in ("expert", "random", "exhaustive", "mcmc"):
         raise AutomapError(
             f"searcher {searcher!r} is not available in automap {__version__} yet; "
-            "use searcher='expert' (or 'auto')."
+            "use 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
         )
     return searcher
 
