@@ -1,0 +1,241 @@
+"""Read the collectives XLA really inserted from partitioned HLO text.
+
+`jax.jit(f, in_shardings=...).lower(*abstract).compile().as_text()` is the program after
+the SPMD partitioner; its collectives are the ground truth the cost model is held against
+(`_verify.py`). Bytes follow the convention of docs/DESIGN.md (per device, per occurrence):
+all-reduce the buffer, all-gather the result, reduce-scatter the operand, all-to-all and
+collective-permute the operand; a tuple counts the sum of its parts, once.
+
+Replica groups print in several forms, all seen with jax 0.10 on the CPU and all handled:
+explicit `{{0,1,2,3},{4,5,6,7}}`, iota `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)`, and mesh form
+`mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`, optionally with `device_ids=([2,4]T(1,0))`.
+Each is turned into explicit device-id groups and then mapped onto the plan's mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Bytes per element of every HLO primitive type; sub-byte types count fractional bytes.
+_DTYPE_BYTES: dict[str, float] = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0, "opaque": 0,
+}  # fmt: skip
+
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
+_CALLEE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation|"
+    r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?"
+    r"\s*\{([^}]*)\}"
+)
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+    """One collective instruction of the compiled program."""
+
+    name: str  # HLO instruction name, e.g. "all-reduce.3"
+    kind: str  # one of KINDS (async -start/-done pairs are one collective)
+    bytes: float  # per device, per occurrence, by the DESIGN.md convention
+    # Device-id groups; for collective-permute, the (source, target) pairs.
+    groups: tuple[tuple[int, ...], ...]
+    count: int = 1  # occurrences per step (trip count of enclosing while loops)
+    shape: str = ""  # the result shape as printed
+
+
+def dtype_bytes(dtype: str) -> float:
+    if dtype in _DTYPE_BYTES:
+        return _DTYPE_BYTES[dtype]
+    if dtype.startswith("f8") or dtype.startswith("f4") or dtype.startswith("f6"):
+        return int(dtype[1]) / 8  # f8e4m3fn, f8e5m2, f4e2m1fn, ...
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape; a tuple is the sum of its parts (layouts are ignored)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d)
+        total += n * dtype_bytes(dtype)
+    return total
+
+
+def _iota(dims: list[int], perm: list[int] | None = None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def parse_replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Explicit device-id groups of one instruction line, whatever form XLA printed."""
+    if m := _PAIRS.search(line):
+        return tuple(tuple(_ints(p)) for p in re.findall(r"\{(\d+,\d+)\}", m.group(1)))
+    if m := _IOTA.search(line):
+        shape = _ints(m.group(1))
+        perm = _ints(m.group(3)) if m.group(3) else None
+        ids = _iota(_ints(m.group(2)), perm).reshape(shape)
+        return tuple(tuple(int(x) for x in row) for row in ids)
+    if m := _MESH.search(line):
+        return _mesh_groups(m.group(1), m.group(2), m.group(3))
+    if m := _EXPLICIT.search(line):
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+        if groups:
+            return groups
+    # No groups printed (or `{}`): one group of every device.
+    return (tuple(range(num_devices)),)
+
+
+def _mesh_groups(axes_text: str, ids_text: str | None, kept_text: str) -> tuple:
+    """Groups of the mesh form: devices that differ only along the axes in braces."""
+    names = re.findall(r"'([^']+)'=(\d+)", axes_text)
+    sizes = [int(s) for _, s in names]
+    if ids_text is None:
+        ids = np.arange(math.prod(sizes))
+    elif ids_text.startswith("["):
+        m = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text)
+        assert m is not None
+        ids = _iota(_ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None)
+    else:
+        ids = np.array(_ints(ids_text))
+    # Split sub-axes `'a':(k)m` (size m after a pre-size k) into their own dimensions.
+    dims: list[int] = []
+    labels: list[str] = []
+    subs = dict.fromkeys((n for n, _ in names), None)
+    for ref in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", kept_text):
+        subs[ref[0]] = (int(ref[1]), int(ref[2])) if ref[1] else subs[ref[0]] or "whole"
+    for (name, _), size in zip(names, sizes, strict=True):
+        sub = subs[name]
+        if isinstance(sub, tuple):
+            pre, m = sub
+            dims += [pre, m, size // (pre * m)]
+            labels += ["", name, ""]
+        else:
+            dims.append(size)
+            labels.append(name if sub == "whole" else "")
+    grid = ids.reshape(dims)
+    kept = [i for i, lab in enumerate(labels) if lab]
+    rest = [i for i in range(len(dims)) if i not in kept]
+    rows = grid.transpose(rest + kept).reshape(-1, math.prod(dims[i] for i in kept) if kept else 1)
+    return tuple(tuple(int(x) for x in row) for row in rows)
+
+
+def axis_of(kind: str, groups: tuple[tuple[int, ...], ...], mesh: Mapping[str, int]) -> str:
+    """The plan's mesh axes along which a collective's devices vary, "+"-joined in mesh
+    order ("" when no device talks to another: a no-op collective)."""
+    names, sizes = list(mesh), list(mesh.values())
+    n = math.prod(sizes)
+    varying = [False] * len(names)
+    for group in groups:
+        members = [d for d in group if d < n]
+        if len(members) != len(group):
+            raise ValueError(f"device ids {group} exceed the mesh {dict(mesh)} ({n} devices)")
+        if kind == "collective-permute" and group[0] == group[1]:
+            continue  # a device keeping its own data moves nothing
+        coords = np.array(np.unravel_index(members, sizes)) if sizes else np.zeros((0, 1))
+        for i, row in enumerate(coords):
+            varying[i] |= bool(np.any(row != row[0]))
+    return "+".join(name for name, v in zip(names, varying, strict=True) if v)
+
+
+def _split(line: str) -> tuple[str, str, str, str] | None:
+    """(name, shape, opcode, rest) of an instruction line, or None for other lines."""
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end() :]
+    if rest.startswith("("):  # a tuple shape: up to the matching parenthesis
+        depth, end = 0, len(rest)
+        for end, ch in enumerate(rest, start=1):  # noqa: B007 - `end` is used below
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        shape, rest = rest[:end], rest[end:]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    if not op:
+        return None
+    return m.group(1), shape, op.group(1), rest[op.end() :]
+
+
+def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
+    """Every collective of a compiled HLO module, with its bytes and device groups.
+
+    A collective inside a while loop with a known trip count counts that many times.
+    """
+    if num_devices is None:
+        m = re.search(r"num_partitions=(\d+)", hlo_text)
+        num_devices = int(m.group(1)) if m else 1
+    comps: dict[str, list[tuple[str, str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if h := _COMP_HEADER.match(line):
+            current = h.group(2)
+            comps[current] = []
+            entry = current if h.group(1) else entry
+        elif current is not None and (parts := _split(line)):
+            comps[current].append((*parts, line))
+    mult: dict[str, int] = dict.fromkeys(comps, 0)
+
+    def visit(comp: str, times: int) -> None:
+        mult[comp] += times
+        for _, _, opcode, _, line in comps[comp]:
+            if opcode.endswith("-done"):
+                continue  # an async pair calls its body once, from -start
+            trip = _TRIP.search(line)
+            for role, callee in _CALLEE.findall(line):
+                for c in re.findall(r"[\w.\-]+", callee.replace("%", "")):
+                    if c in comps:
+                        visit(c, times * (int(trip.group(1)) if trip and role == "body" else 1))
+
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
+    visit(entry, 1)
+    out: list[HloCollective] = []
+    for comp, instrs in comps.items():
+        by_name = {i[0]: i for i in instrs}
+        for name, shape, opcode, rest, line in instrs:
+            kind = opcode.removesuffix("-done")
+            if kind not in KINDS or opcode.endswith("-start") or mult[comp] == 0:
+                continue
+            src = line
+            if opcode.endswith("-done"):  # groups live on the matching -start
+                start = re.match(r"\s*%?([\w.\-]+)", rest)
+                src = by_name[start.group(1)][4] if start and start.group(1) in by_name else line
+            groups = parse_replica_groups(src, num_devices)
+            nbytes = shape_bytes(shape)
+            if kind == "reduce-scatter":  # operand = result times the group size
+                nbytes *= len(groups[0])
+            out.append(HloCollective(name, kind, nbytes, groups, mult[comp], shape))
+    return out
+
+
+def comm_bytes(collectives: list[HloCollective], mesh: Mapping[str, int]) -> dict[str, float]:
+    """Bytes per "kind@axis", summed over every occurrence (no-op collectives dropped)."""
+    totals: dict[str, float] = {}
+    for c in collectives:
+        axis = axis_of(c.kind, c.groups, mesh)
+        if axis:
+            key = f"{c.kind}@{axis}"
+            totals[key] = totals.get(key, 0.0) + c.bytes * c.count
+    return totals
