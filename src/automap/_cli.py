@@ -7,9 +7,10 @@ code 2, never as a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,6 +61,20 @@ QuietOpt = Annotated[
 ]
 
 
+def _friendly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Print an error the user can fix as one line (exit code 2), not a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except AutomapError as e:
+            Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
 def _cpu_devices(n: int) -> None:
     """Give this process `n` virtual CPU devices; must run before JAX starts a backend."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -69,6 +84,7 @@ def _cpu_devices(n: int) -> None:
 
 
 @app.command()
+@_friendly
 def models(as_json: JsonOpt = False) -> None:
     """List the built-in benchmark models."""
     from ._zoo import list_models
@@ -83,6 +99,7 @@ def models(as_json: JsonOpt = False) -> None:
 
 
 @app.command("capture")
+@_friendly
 def capture_cmd(
     model: ModelOpt = None,
     fn: FnOpt = None,
@@ -113,6 +130,7 @@ def capture_cmd(
 
 
 @app.command("plan")
+@_friendly
 def plan_cmd(
     model: ModelOpt = None,
     fn: FnOpt = None,
@@ -156,6 +174,7 @@ def plan_cmd(
 
 
 @app.command("apply")
+@_friendly
 def apply_cmd(
     plan_file: Annotated[Path, typer.Argument(help="A plan made by `automap plan -o`.")],
     check: Annotated[
@@ -229,11 +248,7 @@ def _load_cluster(cluster: str, devices: int):
 
 
 def main() -> None:
-    try:
-        app()
-    except AutomapError as e:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False)
-        sys.exit(2)
+    app()
 
 
 if __name__ == "__main__":

@@ -18,11 +18,19 @@ from ._space import ShardSpace
 Point = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, ZeRO stage)
 
 
+# A time budget is turned into a number of cost-model evaluations at this nominal rate, so
+# that the same seed gives the same plan on a fast machine and a slow one. Wall time is
+# only a safety stop at SAFETY x the budget.
+EVALS_PER_SECOND = 200
+SAFETY = 5.0
+
+
 @dataclasses.dataclass
 class Tracker:
     """Best feasible point so far, with the time it took to find it and a curve."""
 
     budget_s: float
+    max_evals: int = 0  # 0: derived from budget_s
     start: float = dataclasses.field(default_factory=time.perf_counter)
     best: Point | None = None
     best_time: float = math.inf
@@ -41,8 +49,12 @@ class Tracker:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def __post_init__(self) -> None:
+        if self.max_evals <= 0:
+            self.max_evals = max(1, int(self.budget_s * EVALS_PER_SECOND))
+
     def out_of_time(self) -> bool:
-        return self.elapsed >= self.budget_s
+        return self.evaluated >= self.max_evals or self.elapsed >= SAFETY * self.budget_s
 
 
 def _options_of(space: ShardSpace, mesh_index: int, rng: np.random.Generator) -> tuple[int, ...]:

@@ -1,0 +1,65 @@
+"""The `automap` command line, driven in-process."""
+
+import json
+
+from typer.testing import CliRunner
+
+from automap._cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_models_lists_the_zoo():
+    result = run("models", "--json")
+    assert result.exit_code == 0, result.output
+    names = {m["name"] for m in json.loads(result.output)}
+    assert {"mlp", "bert-base", "bert-large", "gpt-6.7b", "vgg19", "resnet50"} <= names
+
+
+def test_capture_summarizes_a_model():
+    result = run("capture", "--model", "mlp", "--groups", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["capture"]["ops"] > 0 and out["capture"]["parameters"] > 0
+    assert out["groups"]["stats"]
+
+
+def test_plan_save_and_check(tmp_path):
+    path = tmp_path / "plan.json"
+    result = run(
+        "plan",
+        "--model",
+        "mlp",
+        "--set",
+        "dtype=float32",
+        "--cluster",
+        "cpu",
+        "--devices",
+        "8",
+        "--searcher",
+        "expert",
+        "-o",
+        str(path),
+    )
+    assert result.exit_code == 0, result.output
+    assert "mesh" in result.output and "step time" in result.output
+    checked = run("apply", str(path), "--check", "--json")
+    assert checked.exit_code == 0, checked.output
+    report = json.loads(checked.output)
+    assert report["equal"] is True and report["reduced"] is False
+
+
+def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
+    result = run("plan", "--model", "no-such-model")
+    assert result.exit_code == 2
+    assert "error:" in result.output and "Traceback" not in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    result = run("apply", str(bad), "--check")
+    assert result.exit_code == 2 and "not valid JSON" in result.output
+    result = run("plan", "--model", "mlp", "--fn", "x:y")
+    assert result.exit_code == 2 and "exactly one of" in result.output

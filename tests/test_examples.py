@@ -1,0 +1,37 @@
+"""Third-party training steps (Flax, Keras on JAX) plan and apply with equal numerics."""
+
+import jax
+import numpy as np
+import pytest
+
+import automap as am
+
+CPU8 = am.Cluster.preset("cpu", devices=8)
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("module", ["examples.flax_mlp", "examples.keras_mlp"])
+def test_third_party_steps_plan_and_apply(module):
+    import importlib
+
+    step_fn, args = importlib.import_module(module).make_step()
+    experts = am.expert_plans(step_fn, *args, cluster=CPU8)
+    assert {"data_parallel", "megatron"} <= set(experts)
+    for name in ("data_parallel", "megatron_dp"):
+        plan = experts[name]
+        _same(am.apply(step_fn, plan)(*args), jax.jit(step_fn)(*args))
+
+
+def test_roles_of_the_keras_step():
+    from examples.keras_mlp import make_step
+
+    step_fn, args = make_step()
+    graph = am.capture(step_fn, *args)
+    roles = {leaf.arg_index: leaf.role for leaf in graph.inputs}
+    assert roles[0] == am.Role.PARAM
+    assert roles[2] == am.Role.OPT_STATE
+    assert roles[3] == am.Role.BATCH
