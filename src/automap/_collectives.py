@@ -1,0 +1,86 @@
+"""Alpha-beta times of collectives on one mesh axis, vectorized over many occurrences.
+
+Per axis of n devices with per-device bandwidth bw (link bandwidth x comm efficiency) and
+per-step latency alpha:
+
+- all-reduce, ring: 2(n-1)/n * B/bw + 2(n-1) alpha; tree (reduce then broadcast along a
+  binary tree): 2 B/bw + 2 ceil(log2 n) alpha. The cheaper wins: trees for small messages.
+- all-gather / reduce-scatter, ring: (n-1)/n * B/bw + (n-1) alpha; recursive doubling:
+  same bandwidth term, ceil(log2 n) alpha.
+- all-to-all: (n-1)/n * B/bw + (n-1) alpha (each device sends n-1 pieces).
+- collective-permute: B/bw + alpha.
+
+B is the full buffer in the DESIGN.md convention: the all-reduce buffer, the all-gather
+result, the reduce-scatter operand, the all-to-all operand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._cluster import Cluster
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+AR, RS, AG, A2A, CP = range(len(KINDS))
+
+
+class AxisCosts:
+    """Per-kind, per-axis (alpha, beta) pairs for one mesh; axis code 0 is "no axis"."""
+
+    def __init__(self, cluster: Cluster, mesh: Mapping[str, int]):
+        links = cluster.axis_links(mesh) if mesh else {}
+        k = len(mesh) + 1
+        n = np.ones(k)
+        bw = np.full(k, np.inf)
+        lat = np.zeros(k)
+        for i, (name, size) in enumerate(mesh.items(), start=1):
+            n[i] = size
+            bw[i] = links[name].bandwidth * cluster.comm_efficiency
+            lat[i] = links[name].latency
+        log = np.ceil(np.log2(np.maximum(n, 1)))
+        frac = (n - 1) / n
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(np.isinf(bw), 0.0, 1.0 / bw)
+        # [kind, variant, axis] for alpha (per occurrence) and beta (per byte).
+        self.alpha = np.zeros((len(KINDS), 2, k))
+        self.beta = np.zeros((len(KINDS), 2, k))
+        self.alpha[AR] = [2 * (n - 1) * lat, 2 * log * lat]
+        self.beta[AR] = [2 * frac * inv, 2 * inv]
+        for kind in (RS, AG):
+            self.alpha[kind] = [(n - 1) * lat, log * lat]
+            self.beta[kind] = [frac * inv, frac * inv]
+        self.alpha[A2A] = [(n - 1) * lat] * 2
+        self.beta[A2A] = [frac * inv] * 2
+        self.alpha[CP] = [np.where(n > 1, lat, 0.0)] * 2
+        self.beta[CP] = [np.where(n > 1, inv, 0.0)] * 2
+        self.alpha[:, :, 0] = 0.0
+        self.beta[:, :, 0] = 0.0
+        self.names = ("", *mesh)
+        self.sizes = n
+
+    def time(self, kind: np.ndarray, axis: np.ndarray, nbytes: np.ndarray, count: np.ndarray):
+        """Seconds for `count` occurrences moving `nbytes` in all (arrays, one per row)."""
+        ring = count * self.alpha[kind, 0, axis] + nbytes * self.beta[kind, 0, axis]
+        tree = count * self.alpha[kind, 1, axis] + nbytes * self.beta[kind, 1, axis]
+        return np.minimum(ring, tree)
+
+    def time1(self, kind: int, axis: int, nbytes: float, count: int = 1) -> float:
+        return float(
+            self.time(np.array([kind]), np.array([axis]), np.array([nbytes]), np.array([count]))[0]
+        )
+
+
+def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Reference formula (tests, docs): ring all-reduce of nbytes over n devices."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def tree_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * nbytes / bandwidth + 2 * math.ceil(math.log2(n)) * latency

@@ -1,0 +1,280 @@
+"""Linkage groups: the union of tensor dimensions tied by the primitives' rules.
+
+Deciding the mesh axis of one group decides every tensor dimension in it, so the search
+space is one choice per group rather than one per tensor dimension (the paper's pruning).
+Repeated layers give groups of the same signature; they share a `layer_class`, so a coarse
+space decides once per class and a fine one per group.
+
+This module also turns an assignment {group id: mesh axis or None} into per-tensor
+layouts and into a `Plan` that `apply` can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._graph import Graph, Role
+from ._plan import Plan, Spec
+from ._rules import rule
+
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    id: int
+    members: tuple[tuple[int, int], ...]  # (tensor id, dim), sorted
+    divisor: int  # gcd of member sizes: an axis of size k may split the group iff divisor % k == 0
+    conflicted: bool  # two dims of one tensor in the group: cannot be split
+    batch: bool  # holds dim 0 of a batch input
+    param_dims: tuple[tuple[str, int], ...]  # (input leaf path, dim) of parameter leaves
+    bytes: int  # bytes of the distinct tensors touched
+    flops: float  # flops of the ops touching it
+    layer_class: int  # groups of repeated layers with the same signature share a class
+    reduced: bool  # some op sums over it: splitting it implies partial sums (all-reduces)
+
+    @property
+    def splittable(self) -> bool:
+        return self.divisor > 1 and not self.conflicted
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    groups: tuple[Group, ...]
+    tensor_groups: tuple[tuple[int, ...], ...]  # per tensor id: the group id of each dim
+
+    def of(self, tensor: int, dim: int) -> int:
+        return self.tensor_groups[tensor][dim]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    @property
+    def batch_group(self) -> int | None:
+        return next((g.id for g in self.groups if g.batch and g.splittable), None)
+
+    def decision_groups(self) -> tuple[int, ...]:
+        """Ids of the groups a searcher decides (the splittable ones), by bytes descending."""
+        ids = [g.id for g in self.groups if g.splittable]
+        return tuple(sorted(ids, key=lambda i: (-self.groups[i].bytes, i)))
+
+    def classes(self) -> dict[int, tuple[int, ...]]:
+        """Layer class -> ids of its splittable groups (the coarse space's decisions)."""
+        out: dict[int, list[int]] = {}
+        for g in self.groups:
+            if g.splittable:
+                out.setdefault(g.layer_class, []).append(g.id)
+        return {c: tuple(ids) for c, ids in out.items()}
+
+    def stats(self) -> dict[str, int]:
+        """Space sizes before and after pruning: tensor dims, groups, decisions."""
+        dims = sum(len(t) for t in self.tensor_groups)
+        return {
+            "dims": dims,
+            "splittable_dims": sum(len(g.members) for g in self.groups if g.splittable),
+            "groups": len(self.groups),
+            "decisions": len(self.decision_groups()),
+            "decisions_layer_grouped": len(self.classes()),
+        }
+
+    def largest(self, n: int = 10) -> tuple[Group, ...]:
+        return tuple(self.groups[i] for i in self.decision_groups()[:n])
+
+
+def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
+    """Union-find over (tensor, dim) pairs tied by each op's rule."""
+    offsets = np.zeros(len(graph.tensors) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([t.ndim for t in graph.tensors])
+    parent = list(range(int(offsets[-1])))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    reduced_flat: set[int] = set()
+    op_dims: list[list[int]] = []
+    for op in graph.ops:
+        r = rule(op, graph)
+        for (ta, da), (tb, db) in r.ties:
+            a, b = find(int(offsets[ta]) + da), find(int(offsets[tb]) + db)
+            if a != b:
+                parent[max(a, b)] = min(a, b)  # smaller root: deterministic ids
+        reduced_flat.update(int(offsets[t]) + d for t, d in r.reduced)
+        touched = [*op.inputs, *op.outputs]
+        op_dims.append([int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)])
+
+    roots = [find(x) for x in range(len(parent))]
+    gid_of_root: dict[int, int] = {}
+    for r in roots:  # group ids in order of first (tensor, dim): deterministic
+        gid_of_root.setdefault(r, len(gid_of_root))
+    flat_gid = np.array([gid_of_root[r] for r in roots], dtype=np.int64)
+    n = len(gid_of_root)
+    members: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for t in graph.tensors:
+        for d in range(t.ndim):
+            members[flat_gid[offsets[t.id] + d]].append((t.id, d))
+
+    flops = np.zeros(n)
+    for op, dims in zip(graph.ops, op_dims, strict=True):
+        for g in set(flat_gid[dims].tolist()):
+            flops[g] += op.flops
+    reduced = np.zeros(n, dtype=bool)
+    reduced[flat_gid[sorted(reduced_flat)]] = True
+    batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
+    param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
+
+    groups = []
+    for gid, mem in enumerate(members):
+        tensors = [t for t, _ in mem]
+        sizes = [graph.tensors[t].shape[d] for t, d in mem]
+        groups.append(
+            dict(
+                id=gid,
+                members=tuple(mem),
+                divisor=math.gcd(*sizes),
+                conflicted=len(set(tensors)) < len(tensors),
+                batch=any(m in batch_dims for m in mem),
+                param_dims=tuple((param_path[t], d) for t, d in mem if t in param_path),
+                bytes=sum(graph.tensors[t].nbytes for t in set(tensors)),
+                flops=float(flops[gid]),
+                reduced=bool(reduced[gid]),
+            )
+        )
+    classes = _layer_classes(graph, groups, layer_grouping)
+    tensor_groups = tuple(
+        tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
+    )
+    return Groups(
+        tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
+        tensor_groups,
+    )
+
+
+def _layer_classes(graph: Graph, groups: list[dict], layer_grouping: bool) -> list[int]:
+    """One class per signature. A group touching parameters is known by its parameters'
+    paths with digits normalized (`layer_3` ~ `layer_7`) plus its size; other groups by
+    their structure (divisor, member count, producers' primitives)."""
+    if not layer_grouping:
+        return list(range(len(groups)))
+    producer = [
+        "input" if t.producer is None else graph.ops[t.producer].primitive for t in graph.tensors
+    ]
+    sigs: dict[tuple, int] = {}
+    out = []
+    for g in groups:
+        if g["param_dims"]:
+            key: tuple = tuple(sorted({(_DIGITS.sub("#", p), d) for p, d in g["param_dims"]}))
+        else:
+            key = tuple(sorted((producer[t], graph.tensors[t].ndim, d) for t, d in g["members"]))
+        sig = (key, g["divisor"], len(g["members"]), g["batch"])
+        out.append(sigs.setdefault(sig, len(sigs)))
+    return out
+
+
+def expand_classes(groups: Groups, by_class: Mapping[int, str | None]) -> dict[int, str | None]:
+    """A coarse (per layer class) assignment as a per-group one."""
+    return {gid: by_class[c] for c, ids in groups.classes().items() if c in by_class for gid in ids}
+
+
+def layouts(graph: Graph, groups: Groups, assignment: Mapping[int, str | None]) -> tuple[Spec, ...]:
+    """Per tensor, the mesh axis of each dim. One axis cannot split two dims of a tensor:
+    the dim whose group has the smaller id keeps it (the same rule in the cost model)."""
+    out = []
+    for tg in groups.tensor_groups:
+        spec: list[str | None] = []
+        taken: dict[str, int] = {}
+        for g in tg:
+            axis = assignment.get(g)
+            if axis is not None and (axis not in taken or taken[axis] > g):
+                if axis in taken:  # an earlier dim with a larger group id gives it up
+                    spec[spec.index(axis)] = None
+                taken[axis] = g
+                spec.append(axis)
+            else:
+                spec.append(None)
+        out.append(tuple(spec))
+    return tuple(out)
+
+
+# Anchors: ops whose result layout XLA must be told (it may pick another otherwise).
+_ANCHORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add"})
+
+
+def plan_from_assignment(
+    graph: Graph,
+    groups: Groups,
+    mesh: Mapping[str, int],
+    assignment: Mapping[int, str | None],
+    *,
+    name: str = "",
+    zero_stage: int = 0,
+    data_axis: str = "data",
+) -> Plan:
+    """The plan that realizes an assignment: input/output specs and internal constraints."""
+    assignment = {int(g): a for g, a in assignment.items() if a is not None}
+    lay = layouts(graph, groups, assignment)
+    specs: dict[str, Spec] = {}
+    for leaf in graph.inputs:
+        spec = lay[leaf.tensor]
+        shape = graph.tensors[leaf.tensor].shape
+        zero = (leaf.role == Role.OPT_STATE and zero_stage >= 1) or (
+            leaf.role == Role.PARAM and zero_stage >= 3
+        )
+        if zero and data_axis in mesh and mesh[data_axis] > 1:
+            spec = zero_spec(spec, shape, mesh, data_axis)
+        specs[leaf.path] = spec
+    out_specs: dict[str, Spec] = {}
+    for leaf in graph.outputs:
+        same = specs.get(leaf.path)
+        # New params and optimizer state keep their inputs' specs: the loop can go on.
+        if same is not None and len(same) == graph.tensors[leaf.tensor].ndim:
+            out_specs[leaf.path] = same
+        else:
+            out_specs[leaf.path] = lay[leaf.tensor]
+    constraints: dict[int, Spec] = {}
+    if math.prod(mesh.values()) > 1:
+        for op in graph.ops:
+            dropped = any(
+                _dropped(lay[t], groups.tensor_groups[t], assignment)
+                for t in (*op.inputs, *op.outputs)
+            )
+            if op.primitive in _ANCHORS or dropped:
+                for t in op.outputs:
+                    if graph.tensors[t].ndim:
+                        constraints[t] = lay[t]
+    return Plan(
+        mesh=dict(mesh),
+        specs=specs,
+        out_specs=out_specs,
+        constraints=constraints,
+        zero_stage=zero_stage,
+        name=name,
+        decisions={"assignment": {str(g): a for g, a in sorted(assignment.items())}},
+    )
+
+
+def _dropped(spec: Spec, tg: tuple[int, ...], assignment: Mapping[int, str]) -> bool:
+    return any(s is None and g in assignment for s, g in zip(spec, tg, strict=True))
+
+
+def zero_spec(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int], data_axis: str) -> Spec:
+    """Add the data axis to one dim (ZeRO): the first unsplit dim it divides, else the first
+    split dim whose shard it divides. Left alone when no dim fits (a scalar count)."""
+    if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
+        return spec
+    n = mesh[data_axis]
+    for d, e in enumerate(spec):
+        if e is None and shape[d] % n == 0:
+            return (*spec[:d], data_axis, *spec[d + 1 :])
+    for d, e in enumerate(spec):
+        axes = (e,) if isinstance(e, str) else e
+        if e is not None and shape[d] % (n * math.prod(mesh[a] for a in axes)) == 0:
+            return (*spec[:d], (*axes, data_axis), *spec[d + 1 :])
+    return spec

@@ -1,0 +1,195 @@
+"""The cost model's precomputed tables (see `_cost.py` for what they mean).
+
+Built once per graph and cluster. A *set* is a sorted tuple of splittable group ids: the
+groups of one tensor's dims, or of an op's iteration space. Every per-plan quantity is a
+function of which mesh axes a set holds, so tables index sets rather than tensors, and
+rows with identical structure are merged ahead of time (summing bytes and occurrences:
+collective times are linear in both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ._cluster import Cluster
+from ._graph import Graph, Role
+from ._linkage import Groups
+from ._memory import Residuals
+from ._rules import rule
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTable:
+    """Candidate collectives, one row each: they happen when `group`'s axis calls for it."""
+
+    group: np.ndarray  # the group whose split triggers the row
+    tset: np.ndarray  # set of the tensor moved (bytes are divided by its sharding)
+    small: np.ndarray  # set of the op's groups with a smaller id (they win a shared axis)
+    tsmall: np.ndarray  # reshard: set of the tensor's groups with a smaller id
+    other: np.ndarray  # reshard: the tensor's other groups the op keeps (all-to-all test)
+    untied: np.ndarray  # reshard: the op needs this dim whole
+    nbytes: np.ndarray  # unsharded bytes of the tensor, summed over merged rows
+    count: np.ndarray  # occurrences merged into the row
+    grad: np.ndarray  # the result has a parameter's layout: a gradient collective
+    op: np.ndarray  # op index (the first one, for merged rows)
+
+    def merged(self) -> RowTable:
+        if len(self.group) == 0:
+            return self
+        keys = np.stack(
+            [
+                self.group,
+                self.tset,
+                self.small,
+                self.tsmall,
+                self.other,
+                self.untied.astype(np.int64),
+                self.grad.astype(np.int64),
+            ],
+            axis=1,
+        )
+        uniq, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        n = len(uniq)
+        return RowTable(
+            group=uniq[:, 0],
+            tset=uniq[:, 1],
+            small=uniq[:, 2],
+            tsmall=uniq[:, 3],
+            other=uniq[:, 4],
+            untied=uniq[:, 5].astype(bool),
+            grad=uniq[:, 6].astype(bool),
+            nbytes=np.bincount(inv, self.nbytes, minlength=n),
+            count=np.bincount(inv, self.count, minlength=n),
+            op=self.op[first],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    sets: np.ndarray  # [n_sets, K] group ids, padded with n_groups (always unsplit)
+    splittable: np.ndarray  # [n_groups + 1]
+    divisor: np.ndarray  # [n_groups + 1]
+    op_set: np.ndarray  # [n_ops] iteration set of each op
+    op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
+    compute_coef: np.ndarray  # [n_sets] op_coef summed by set
+    remat_coef: np.ndarray  # [n_sets] forward ops run again under rematerialization
+    param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
+    opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
+    other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
+    act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
+    act_remat_coef: np.ndarray  # same under rematerialization
+    partial: RowTable  # merged, for evaluate
+    reshard: RowTable
+    partial_full: RowTable  # one row per op, for the per-op breakdown
+    reshard_full: RowTable
+
+
+def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
+    ng = len(groups.groups)
+    split = np.array([g.splittable for g in groups.groups] + [False])
+    set_ids: dict[tuple[int, ...], int] = {}
+
+    def sid(gs) -> int:
+        key = tuple(sorted({g for g in gs if split[g]}))
+        return set_ids.setdefault(key, len(set_ids))
+
+    tg = groups.tensor_groups
+    tset = [sid(g) for g in tg]
+    param_sets = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
+    flop_rate = cluster.peak_flops * cluster.matmul_efficiency
+    byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
+    forward = set(res.forward_ops)
+
+    op_set, op_coef, remat = [], [], []
+    prow: list[tuple] = []
+    rrow: dict[tuple, tuple] = {}
+    for op in graph.ops:
+        r = rule(op, graph)
+        outs = {g for o in op.outputs for g in tg[o] if split[g]}
+        red = {g for t, d in r.reduced if split[g := tg[t][d]]} - outs
+        it = outs | red
+        op_set.append(sid(it))
+        if r.compute == "matmul":
+            coef = op.flops / flop_rate
+        elif r.compute == "memory":
+            coef = (op.bytes_read + op.bytes_written) / byte_rate
+        else:
+            coef = 0.0
+        op_coef.append(coef)
+        remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
+        for g in sorted(red):
+            small = sid(x for x in it if x < g)
+            for o in op.outputs:
+                nb = graph.tensors[o].nbytes
+                prow.append((g, tset[o], small, 0, 0, False, nb, tset[o] in param_sets, op.index))
+        for u in dict.fromkeys(op.inputs):
+            ugs = {g for g in tg[u] if split[g]}
+            for d, h in enumerate(tg[u]):
+                if not split[h]:
+                    continue
+                untied = h not in it
+                op_small = {x for x in it if x < h}
+                if not untied and op_small <= ugs:
+                    continue  # the op drops the axis exactly where the tensor does
+                key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}))
+                if key not in rrow:
+                    small_u = sid(x for x in ugs if x < h)
+                    nb = graph.tensors[u].nbytes
+                    rrow[key] = (h, tset[u], key[3], small_u, key[4], untied, nb, False, op.index)
+
+    n_sets = len(set_ids)
+    width = max(1, *(len(k) for k in set_ids))
+    sets = np.full((n_sets, width), ng, dtype=np.int64)
+    for key, i in set_ids.items():
+        sets[i, : len(key)] = key
+
+    def by_set(tensors) -> np.ndarray:
+        out = np.zeros(n_sets)
+        for t in tensors:
+            out[tset[t]] += graph.tensors[t].nbytes
+        return out
+
+    op_set_a = np.array(op_set, dtype=np.int64)
+    op_coef_a = np.array(op_coef, dtype=float)
+    partial_full = _rows(prow)
+    reshard_full = _rows(list(rrow.values()))
+    return Tables(
+        sets=sets,
+        splittable=split,
+        divisor=np.array([g.divisor for g in groups.groups] + [1], dtype=np.int64),
+        op_set=op_set_a,
+        op_coef=op_coef_a,
+        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets),
+        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets),
+        param_coef=by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM)),
+        opt_coef=by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE)),
+        other_coef=by_set(
+            leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
+        ),
+        act_coef=by_set(res.saved),
+        act_remat_coef=by_set(res.saved_remat),
+        partial=partial_full.merged(),
+        reshard=reshard_full.merged(),
+        partial_full=partial_full,
+        reshard_full=reshard_full,
+    )
+
+
+def _rows(rows: list[tuple]) -> RowTable:
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 9
+    i64 = lambda c: np.array(c, dtype=np.int64)  # noqa: E731
+    return RowTable(
+        group=i64(cols[0]),
+        tset=i64(cols[1]),
+        small=i64(cols[2]),
+        tsmall=i64(cols[3]),
+        other=i64(cols[4]),
+        untied=np.array(cols[5], dtype=bool),
+        nbytes=np.array(cols[6], dtype=float),
+        count=np.ones(len(rows)),
+        grad=np.array(cols[7], dtype=bool),
+        op=i64(cols[8]),
+    )
