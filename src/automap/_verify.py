@@ -1,0 +1,264 @@
+"""verify: hold a plan against what XLA really compiles, and against the unsharded step.
+
+The plan is compiled by XLA's SPMD partitioner on a CPU mesh of the plan's shape with
+abstract arguments (nothing allocated), its collectives are read from the HLO text
+(`_hlo.py`) and compared, kind by kind and axis by axis, with the cost model's. With
+concrete small arguments the plan is also run and compared with `jax.jit(fn)`.
+
+Virtual CPU devices are fixed when JAX starts, so a plan for more devices than this
+process has is verified in a fresh Python process (`verify_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _errors
+from ._apply import Prepared, check_plan, make_mesh
+from ._errors import ApplyError, AutomapError
+from ._hlo import comm_bytes, parse_collectives
+from ._plan import Plan
+
+TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
+# A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
+# is "trivial": it can be absent from one side without a mismatch. This is what a
+# combined scalar loss all-reduce or a tiny bias reshard looks like.
+TRIVIAL = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The cost model's collectives against XLA's, and numerics against the plain step."""
+
+    mesh: Mapping[str, int]
+    # True/False once compared; None when no cost model prediction was available.
+    collectives_match: bool | None
+    predicted_comm_bytes: Mapping[str, float]  # "kind@axis" -> bytes per device per step
+    xla_comm_bytes: Mapping[str, float]
+    mismatches: tuple[str, ...] = ()  # one line in words per disagreement
+    numerics_ok: bool | None = None  # None: no concrete arguments were given
+    max_abs_err: float | None = None
+
+    def summary(self) -> str:
+        mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
+        lines = [f"verify: mesh {mesh} ({int(np.prod(list(self.mesh.values())))} CPU devices)"]
+        verdict = {True: "match", False: "DO NOT MATCH", None: "not compared (no cost model)"}
+        lines.append(
+            f"collectives: {verdict[self.collectives_match]} (each kind@axis within "
+            f"{TOLERANCE:.0%} in bytes; under {TRIVIAL:.0%} of all traffic is trivial)"
+        )
+        keys = sorted(set(self.predicted_comm_bytes) | set(self.xla_comm_bytes))
+        width = max([len(k) for k in keys] + [9])
+        lines.append(f"  {'kind@axis':<{width}}  {'predicted':>12}  {'XLA':>12}")
+        for k in keys:
+            p, x = self.predicted_comm_bytes.get(k), self.xla_comm_bytes.get(k)
+            lines.append(f"  {k:<{width}}  {_fmt(p):>12}  {_fmt(x):>12}")
+        lines += [f"  - {m}" for m in self.mismatches]
+        if self.numerics_ok is not None:
+            ok = "ok" if self.numerics_ok else "DIFFERENT"
+            lines.append(f"numerics vs the unsharded step: {ok} (max |err| {self.max_abs_err:.3g})")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+        return cls(**{**d, "mismatches": tuple(d.get("mismatches", ()))})
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def compare(predicted: Mapping[str, float], xla: Mapping[str, float]) -> tuple[bool, list[str]]:
+    """Whether every non-trivial kind@axis agrees within TOLERANCE, and why not."""
+    total = max(sum(predicted.values()), sum(xla.values()))
+    out = []
+    for key in sorted(set(predicted) | set(xla)):
+        p, x = predicted.get(key, 0.0), xla.get(key, 0.0)
+        if max(p, x) < TRIVIAL * total or abs(p - x) <= TOLERANCE * max(p, x):
+            continue
+        kind, _, axis = key.partition("@")
+        if p == 0:
+            out.append(f"XLA inserts {kind} over {axis} ({_fmt(x)}) that the cost model misses")
+        elif x == 0:
+            out.append(f"the cost model predicts {kind} over {axis} ({_fmt(p)}); XLA has none")
+        else:
+            out.append(f"{kind} over {axis}: predicted {_fmt(p)}, XLA {_fmt(x)} ({p / x - 1:+.1%})")
+    return not out, out
+
+
+def predicted_bytes(
+    fn: Callable, plan: Plan, args: tuple, cluster: Any = None
+) -> dict[str, float] | None:
+    """The cost model's bytes per kind@axis, or None when no cost model is installed."""
+    try:
+        from ._cost import CostModel
+    except ImportError:
+        return None
+    from ._capture import capture
+    from ._cluster import Cluster
+
+    cluster = cluster or Cluster.preset("cpu", devices=plan.devices)
+    cost = CostModel(capture(fn, *args), cluster).estimate(plan)
+    out: dict[str, float] = {}
+    for c in cost.collectives:
+        key = f"{c.kind}@{c.axis}"
+        out[key] = out.get(key, 0.0) + float(c.bytes)
+    return out
+
+
+def _cpu_devices(n: int) -> list[Any]:
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        raise ApplyError(
+            f"verify compiles the plan on {n} CPU devices but this process has {len(devices)}. "
+            f"Run it in a process started with jax.config.update('jax_num_cpu_devices', {n}) "
+            f"(or XLA_FLAGS=--xla_force_host_platform_device_count={n}) before JAX starts, "
+            "or call automap._verify.verify_in_subprocess(plan), which does that for you."
+        )
+    return devices
+
+
+def compile_plan(fn: Callable, plan: Plan, args: tuple) -> tuple[Prepared, Any]:
+    """`fn` under `plan` compiled by XLA on a CPU mesh; arguments stay abstract. The
+    executable is kept so that a numerics check runs it without compiling twice."""
+    mesh = make_mesh(plan, _cpu_devices(plan.devices))
+    prepared = Prepared(fn, plan, mesh, args)
+    return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+
+
+def compiled_text(fn: Callable, plan: Plan, args: tuple) -> str:
+    """The partitioned HLO text of `fn` under `plan` (what `_hlo` reads)."""
+    return compile_plan(fn, plan, args)[1].as_text()
+
+
+def verify(
+    fn: Callable,
+    plan: Plan,
+    *args: Any,
+    cluster: Any = None,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> VerifyReport:
+    """Compile `fn` under `plan` with XLA and compare its collectives with the cost model's.
+
+    `args` may be arrays or ShapeDtypeStructs; when every leaf is a concrete array, the
+    plan is also run and its outputs compared with `jax.jit(fn)`'s (rtol/atol).
+    """
+    if len(plan.stages) > 1:
+        raise ApplyError(
+            "pipeline plans cannot be verified yet: there is no pipeline runtime in this version."
+        )
+    check_plan(plan)
+    prepared, compiled = compile_plan(fn, plan, args)
+    xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
+    predicted = predicted_bytes(fn, plan, args, cluster)
+    if predicted is None:
+        match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
+    else:
+        match, mismatches = compare(predicted, xla)
+    report = VerifyReport(dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches))
+    leaves = jax.tree_util.tree_leaves(args)
+    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        got = compiled(*jax.device_put(leaves, prepared.in_shardings))
+        ok, err = _numerics(fn, got, args, rtol, atol)
+        report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
+    return report
+
+
+def _numerics(fn: Callable, got: Any, args: tuple, rtol: float, atol: float) -> tuple[bool, float]:
+    want = jax.jit(fn)(*jax.device_put(args, jax.devices("cpu")[0]))  # one device, unsharded
+    got_l, got_t = jax.tree_util.tree_flatten(got)
+    want_l, want_t = jax.tree_util.tree_flatten(want)
+    if got_t != want_t:
+        return False, float("inf")
+    ok, err = True, 0.0
+    for g, w in zip(got_l, want_l, strict=True):
+        g, w = np.asarray(g, dtype=np.float64), np.asarray(w, dtype=np.float64)
+        err = max(err, float(np.max(np.abs(g - w), initial=0.0)))
+        ok &= g.shape == w.shape and bool(np.allclose(g, w, rtol=rtol, atol=atol))
+    return ok, err
+
+
+def verify_in_subprocess(
+    plan: Plan | str | Path,
+    *,
+    cluster: Any = None,
+    concrete: bool = False,
+    timeout: float | None = None,
+) -> VerifyReport:
+    """`verify` in a fresh Python with as many virtual CPU devices as the plan needs.
+
+    The step is rebuilt from the plan's provenance (a zoo model or a `--fn` target);
+    `concrete=True` also runs the numerics check on random or seeded arguments.
+    """
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    n = max(plan.devices, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = plan.save(Path(tmp) / "plan.json")
+        # `-c`, not `-m`: the module may already be imported by the package's __init__.
+        child = "import sys; from automap._verify import _main; _main(sys.argv[1:])"
+        cmd = [sys.executable, "-c", child, str(plan_path)]
+        if cluster is not None:
+            (Path(tmp) / "cluster.json").write_text(json.dumps(cluster.to_dict()))
+            cmd += ["--cluster", str(Path(tmp) / "cluster.json")]
+        cmd += ["--concrete"] if concrete else []
+        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+        env = {
+            **os.environ,
+            "XLA_FLAGS": flags.strip(),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(n),
+        }
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_MARK):
+            result = json.loads(line[len(_MARK) :])
+            if "error" in result:
+                raise getattr(_errors, result["type"], AutomapError)(result["error"])
+            return VerifyReport.from_dict(result)
+    raise AutomapError(
+        f"verify in a subprocess failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
+
+
+_MARK = "AUTOMAP-VERIFY-REPORT "
+
+
+def _main(argv: list[str]) -> None:
+    """Child side of verify_in_subprocess: one JSON line on stdout, errors included."""
+    from ._cluster import Cluster
+    from ._origin import rebuild
+
+    try:
+        plan = Plan.load(argv[0])
+        cluster = (
+            Cluster.from_file(argv[argv.index("--cluster") + 1]) if "--cluster" in argv else None
+        )
+        fn, args, _ = rebuild(plan.provenance, abstract="--concrete" not in argv)
+        result = verify(fn, plan, *args, cluster=cluster).to_dict()
+    except AutomapError as e:
+        result = {"error": str(e), "type": type(e).__name__}
+    print(_MARK + json.dumps(result))

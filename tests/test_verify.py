@@ -1,0 +1,114 @@
+"""verify: XLA's collectives read back, compared with the cost model; numerics checked."""
+
+import importlib.util
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from automap import ApplyError, Plan
+from automap._plan import Provenance, Stage
+from automap._verify import VerifyReport, compare, verify, verify_in_subprocess
+from test_apply import megatron_rule, mlp_args, mlp_step, specs_for
+
+HAS_COST = importlib.util.find_spec("automap._cost") is not None
+
+
+def test_compare_rules():
+    assert compare({}, {}) == (True, [])
+    same = {"all-reduce@data": 1000.0}
+    assert compare(same, {"all-reduce@data": 1040.0})[0]  # within 5%
+    ok, why = compare(same, {"all-reduce@data": 1100.0})
+    assert not ok and "all-reduce over data: predicted" in why[0] and "-9.1%" in why[0]
+    # Under 1% of all traffic is trivial on either side; above it, absence is a mismatch.
+    assert compare(same, {"all-reduce@data": 1000.0, "all-reduce@model": 9.0})[0]
+    ok, why = compare(same, {"all-reduce@data": 1000.0, "all-gather@model": 50.0})
+    assert not ok and why == ["XLA inserts all-gather over model (50 B) that the cost model misses"]
+    ok, why = compare({**same, "all-to-all@data+model": 2048.0}, same)
+    assert not ok and "predicts all-to-all over data+model (2.00 KiB); XLA has none" in why[0]
+
+
+def test_report_round_trip_and_summary():
+    report = VerifyReport(
+        mesh={"data": 2, "model": 4},
+        collectives_match=False,
+        predicted_comm_bytes={"all-reduce@data": 4096.0},
+        xla_comm_bytes={"all-reduce@data": 2048.0, "all-gather@model": 10.0},
+        mismatches=("all-reduce over data: predicted 4.00 KiB, XLA 2.00 KiB (+100.0%)",),
+        numerics_ok=True,
+        max_abs_err=1e-7,
+    )
+    assert VerifyReport.from_dict(report.to_dict()) == report
+    text = report.summary()
+    assert "DO NOT MATCH" in text and "all-gather@model" in text and "numerics" in text
+    assert "mesh data=2 × model=4 (8 CPU devices)" in text
+
+
+def test_verify_mlp_concrete():
+    args = mlp_args()
+    plan = Plan(mesh={"data": 2, "model": 4}, specs=specs_for(args, megatron_rule("data", "model")))
+    report = verify(mlp_step, plan, *args)
+    # Row-parallel partial sums over "model", gradients over "data"; biases replicated on
+    # "model" add their gradient all-reduce too. The exact split is XLA's; the axes are not.
+    assert set(report.xla_comm_bytes) == {"all-reduce@data", "all-reduce@model"}
+    assert report.xla_comm_bytes["all-reduce@model"] >= 16 * 16 * 4 / 2
+    assert report.numerics_ok is True and report.max_abs_err < 1e-5
+    if not HAS_COST:
+        assert report.collectives_match is None
+    else:
+        assert report.collectives_match in (True, False) and report.predicted_comm_bytes
+    assert "collectives:" in report.summary()
+
+
+def test_verify_abstract_args_allocate_nothing_and_skip_numerics():
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_args())
+    plan = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    report = verify(mlp_step, plan, *args)
+    assert report.numerics_ok is None and report.max_abs_err is None
+    assert list(report.xla_comm_bytes) == ["all-reduce@data"]
+    params_bytes = (32 * 64 + 64 + 64 * 16 + 16) * 4
+    assert params_bytes <= report.xla_comm_bytes["all-reduce@data"] <= params_bytes + 64
+
+
+def test_verify_needs_enough_cpu_devices():
+    args = mlp_args()
+    plan = Plan(mesh={"data": 16}, specs=specs_for(args, megatron_rule("data", None)))
+    with pytest.raises(ApplyError, match=r"16 CPU devices.*has 8.*verify_in_subprocess"):
+        verify(mlp_step, plan, *args)
+
+
+def test_verify_refuses_pipelines():
+    stages = (Stage(0, 1, (0,), {"data": 1}), Stage(1, 2, (1,), {"data": 1}))
+    with pytest.raises(ApplyError, match="pipeline"):
+        verify(mlp_step, Plan(mesh={"data": 2}, specs={}, stages=stages), *mlp_args())
+
+
+def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):
+    # A --fn target the child can import: it rebuilds the step from the plan's provenance.
+    (tmp_path / "tiny_step.py").write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp
+
+            def step(w, x):
+                g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+                return w - 0.1 * g
+
+            def make():
+                return step, (jax.ShapeDtypeStruct((32, 16), jnp.float32),
+                              jax.ShapeDtypeStruct((64, 32), jnp.float32))
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    plan = Plan(
+        mesh={"data": 4, "model": 4},
+        specs={"[0]": (None, "model"), "[1]": ("data", None)},
+        provenance=Provenance(fn="tiny_step:make"),
+    )
+    report = verify_in_subprocess(plan, timeout=120)
+    assert report.mesh == {"data": 4, "model": 4}
+    # The weight gradient is a partial sum over the batch split: one all-reduce on "data".
+    assert report.xla_comm_bytes["all-reduce@data"] == pytest.approx(32 * 4 * 4)
+    assert np.isclose(sum(report.xla_comm_bytes.values()), 32 * 4 * 4)
