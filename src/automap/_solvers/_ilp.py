@@ -1,0 +1,296 @@
+"""Exact MILP over a factored plan space (Alpa-style intra-operator formulation), via HiGHS.
+
+Variables:
+    x[u, o] binary, one per unit u and allowed option o; sum_o x[u, o] = 1.
+    y[f, c] in [0, 1], one per factor block f (factors merged on their unit set, arity >= 2)
+        and joint configuration c of its units whose options are allowed and whose time and
+        memory entries are all finite.
+Constraints:
+    marginals: for every unit u of block f and allowed option o,
+        sum_{c : c_u = o} y[f, c] = x[u, o].
+        With x one-hot these force y to the single configuration x picks (so y needs no
+        integrality: fewer integer columns, same optimum), and make y <= x and sum_c y = 1
+        implied; an excluded (forbidden) configuration makes the matching x combination
+        infeasible.
+    memory, for each time point p: sum of memory entries times x (arity 1) or y (arity >= 2)
+        <= memory_limit minus the point's constant memory; rows scaled by 1 / memory_limit so
+        HiGHS's absolute feasibility tolerance becomes a relative one on bytes.
+Objective: sum of time entries times x or y, plus constant_time; divided by the largest
+    coefficient so that HiGHS's absolute gap tolerance means the same on any time scale.
+
+The model is exact for the factor model: every assignment's cost is the sum of its factor
+entries, and the ILP's feasible integral points are exactly the feasible assignments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time as _time
+
+import highspy
+import numpy as np
+
+from ._factor import MEMORY_RTOL, FactorProblem, Solution, evaluate, merge_factors
+
+_INF = highspy.kHighsInf
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance with logging off.
+
+    HiGHS prints its banner from C on the first construction in a process, before any option
+    can be set; pointing file descriptor 1 at /dev/null for that moment keeps CLI output
+    (and JSON written to stdout) clean.
+    """
+    sys.stdout.flush()
+    with contextlib.ExitStack() as stack:
+        try:
+            saved = os.dup(1)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+        except OSError:  # no real stdout (embedded interpreters): nothing to hide
+            saved = None
+        if saved is not None:
+            os.dup2(devnull, 1)
+            os.close(devnull)
+            stack.callback(os.close, saved)
+            stack.callback(os.dup2, saved, 1)
+        highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    return highs
+
+
+class _Columns:
+    """Column store: cost, bounds, integrality, and COO entries grouped later into CSC."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.cost: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.integer: list[np.ndarray] = []
+
+    def add(self, cost: np.ndarray, upper: np.ndarray, integer: bool) -> np.ndarray:
+        ids = np.arange(self.n, self.n + cost.size)
+        self.n += cost.size
+        self.cost.append(cost)
+        self.upper.append(upper)
+        self.integer.append(np.full(cost.size, integer))
+        return ids
+
+
+def _build(problem: FactorProblem):
+    """Arrays of the MILP, or None when the problem is trivially infeasible."""
+    limit = float(problem.memory_limit)
+    has_limit = bool(np.isfinite(limit) and problem.memory_factors)
+    n_points = len(problem.memory_factors)
+    # Merge on unit sets across time and memory so one y block carries both.
+    time_tables = merge_factors(problem.time_factors)
+    memory_tables = [merge_factors(point) for point in problem.memory_factors]
+    keys = set(time_tables).union(*memory_tables)
+
+    constant_time = float(problem.constant_time) + float(time_tables.pop((), 0.0))
+    constant_memory = np.array([float(m.pop((), 0.0)) for m in memory_tables])  # (points,)
+    keys.discard(())
+    if not np.isfinite(constant_time) or not np.all(np.isfinite(constant_memory)):
+        return None
+    if has_limit and np.any(constant_memory > limit * (1.0 + MEMORY_RTOL)):
+        return None
+
+    def tables(units):
+        shape = tuple(problem.n_options[u] for u in units)
+        time = time_tables.get(units, np.zeros(shape))
+        memory = [m.get(units, np.zeros(shape)) for m in memory_tables]
+        return time, memory
+
+    cols = _Columns()
+    rows: list[np.ndarray] = []
+    entry_cols: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    lower: list[np.ndarray] = []
+    upper: list[np.ndarray] = []
+    n_rows = 0
+
+    def add_rows(count: int, lo: float, hi: float) -> int:
+        nonlocal n_rows
+        lower.append(np.full(count, lo))
+        upper.append(np.full(count, hi))
+        n_rows += count
+        return n_rows - count
+
+    def add_entries(r, c, v) -> None:
+        rows.append(np.asarray(r, dtype=np.int64))
+        entry_cols.append(np.asarray(c, dtype=np.int64))
+        values.append(np.asarray(v, dtype=np.float64))
+
+    memory_row = add_rows(n_points, -_INF, 1.0) if has_limit else -1
+    if has_limit:
+        upper[-1] = 1.0 - constant_memory / limit
+
+    def add_memory(col_ids, memory) -> None:
+        if not has_limit:
+            return
+        for p, table in enumerate(memory):
+            nz = table != 0.0
+            add_entries(np.full(nz.sum(), memory_row + p), col_ids[nz], table[nz] / limit)
+
+    # x: one binary per allowed option; single-unit factors cost straight on x.
+    x_col = []  # per unit: option -> column id, -1 where masked
+    for u, mask in enumerate(problem.allowed):
+        opts = np.flatnonzero(mask)
+        if opts.size == 0:
+            return None
+        time, memory = tables((u,)) if (u,) in keys else (np.zeros(mask.size), [])
+        finite = np.isfinite(time[opts]) & np.all(
+            [np.isfinite(m[opts]) for m in memory] or [np.ones(opts.size, bool)], axis=0
+        )
+        cost = np.where(finite, time[opts], 0.0)
+        ids = cols.add(cost, finite.astype(np.float64), integer=True)
+        mapping = np.full(mask.size, -1, dtype=np.int64)
+        mapping[opts] = ids
+        x_col.append(mapping)
+        r = add_rows(1, 1.0, 1.0)
+        add_entries(np.full(ids.size, r), ids, np.ones(ids.size))
+        add_memory(ids, [np.where(finite, m[opts], 0.0) for m in memory])
+
+    # y: one block per unit set of arity >= 2.
+    for units in sorted(k for k in keys if len(k) >= 2):
+        time, memory = tables(units)
+        valid = np.isfinite(time)
+        for m in memory:
+            valid &= np.isfinite(m)
+        for axis, u in enumerate(units):
+            shape = [1] * len(units)
+            shape[axis] = -1
+            valid &= problem.allowed[u].reshape(shape)
+        configs = np.argwhere(valid)  # (c, arity) option ids, row-major order
+        if configs.size == 0:
+            return None
+        index = tuple(configs.T)
+        ids = cols.add(time[index], np.ones(len(configs)), integer=False)
+        for axis, u in enumerate(units):
+            # One marginal row per allowed option of u: sum of y with c_u = o, minus x[u, o].
+            opts = np.flatnonzero(problem.allowed[u])
+            local = np.full(problem.allowed[u].size, -1, dtype=np.int64)
+            local[opts] = np.arange(opts.size)
+            base = add_rows(opts.size, 0.0, 0.0)
+            add_entries(base + local[configs[:, axis]], ids, np.ones(ids.size))
+            add_entries(base + np.arange(opts.size), x_col[u][opts], -np.ones(opts.size))
+        add_memory(ids, [m[index] for m in memory])
+
+    cost = np.concatenate(cols.cost) if cols.n else np.zeros(0)
+    model = {
+        "cost": cost,
+        "upper": np.concatenate(cols.upper) if cols.n else np.zeros(0),
+        "integer": np.concatenate(cols.integer) if cols.n else np.zeros(0, bool),
+        "rows": np.concatenate(rows) if rows else np.zeros(0, np.int64),
+        "cols": np.concatenate(entry_cols) if rows else np.zeros(0, np.int64),
+        "values": np.concatenate(values) if rows else np.zeros(0),
+        "row_lower": np.concatenate(lower) if lower else np.zeros(0),
+        "row_upper": np.concatenate(upper) if upper else np.zeros(0),
+        "constant_time": constant_time,
+        "x_col": x_col,
+    }
+    return model
+
+
+def _lp(model) -> highspy.HighsLp:
+    """Column-wise HighsLp from the COO entries, objective scaled to unit magnitude."""
+    n_cols = model["cost"].size
+    order = np.lexsort((model["rows"], model["cols"]))
+    cols = model["cols"][order]
+    lp = highspy.HighsLp()
+    lp.num_col_ = n_cols
+    lp.num_row_ = model["row_lower"].size
+    scale = float(np.max(np.abs(model["cost"]), initial=0.0)) or 1.0
+    lp.col_cost_ = model["cost"] / scale
+    lp.col_lower_ = np.zeros(n_cols)
+    lp.col_upper_ = model["upper"]
+    lp.row_lower_ = model["row_lower"]
+    lp.row_upper_ = model["row_upper"]
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.searchsorted(cols, np.arange(n_cols + 1)).astype(np.int32)
+    lp.a_matrix_.index_ = model["rows"][order].astype(np.int32)
+    lp.a_matrix_.value_ = model["values"][order]
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+        for i in model["integer"]
+    ]
+    return lp
+
+
+def solve_ilp(
+    problem: FactorProblem, *, time_limit_s: float = 60.0, mip_rel_gap: float = 0.0
+) -> Solution:
+    """Solve the factored plan space exactly with HiGHS (see the module docstring).
+
+    `time`, `memory` and `feasible` of the result come from `evaluate` on the chosen options,
+    not from the solver's objective, so they are exactly comparable with other searchers.
+    `optimal` is True only when HiGHS proves optimality (to `mip_rel_gap`) and the plan
+    checks feasible; on a time limit the best plan found is returned with its gap.
+    """
+    start = _time.perf_counter()
+    model = _build(problem)
+
+    def infeasible(status: str, explored: int = 0) -> Solution:
+        return Solution(
+            choices=(),
+            time=np.inf,
+            memory=np.inf,
+            feasible=False,
+            optimal=False,
+            gap=np.inf,
+            solve_time_s=_time.perf_counter() - start,
+            explored=explored,
+            status=status,
+        )
+
+    if model is None:
+        return infeasible("infeasible")
+    if model["cost"].size == 0:  # no units: the one empty assignment, nothing to solve
+        time, memory, feasible = evaluate(problem, ())
+        if not feasible:
+            return infeasible("infeasible")
+        return Solution(
+            (), time, memory, True, True, 0.0, _time.perf_counter() - start, 0, "optimal"
+        )
+    highs = _new_highs()
+    # A fixed seed: the same problem gives the same plan every run. The thread count is left
+    # alone: HiGHS's scheduler is process-wide, and asking for another count than an earlier
+    # user of highspy in this process makes every later solve fail.
+    highs.setOptionValue("random_seed", 0)
+    highs.setOptionValue("time_limit", float(time_limit_s))
+    highs.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    highs.setOptionValue("mip_abs_gap", 1e-9)  # the objective is scaled to O(1)
+    highs.setOptionValue("mip_feasibility_tolerance", 1e-9)
+    highs.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    if highs.passModel(_lp(model)) == highspy.HighsStatus.kError:
+        raise RuntimeError("HiGHS refused the model built for this FactorProblem")
+    if highs.run() == highspy.HighsStatus.kError:
+        # An error is not a proof of infeasibility: never report it as one.
+        raise RuntimeError(f"HiGHS failed: {highs.modelStatusToString(highs.getModelStatus())}")
+    status = highs.getModelStatus()
+    info = highs.getInfo()
+    nodes = int(info.mip_node_count)
+    has_point = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    if not has_point:
+        return infeasible(highs.modelStatusToString(status).lower(), nodes)
+
+    x = np.asarray(highs.getSolution().col_value)
+    choices = tuple(
+        int(np.flatnonzero(mapping >= 0)[np.argmax(x[mapping[mapping >= 0]])])
+        for mapping in model["x_col"]
+    )
+    time, memory, feasible = evaluate(problem, choices)
+    proven = status == highspy.HighsModelStatus.kOptimal
+    return Solution(
+        choices=choices,
+        time=time,
+        memory=memory,
+        feasible=feasible,
+        optimal=bool(proven and feasible),
+        gap=float(info.mip_gap),
+        solve_time_s=_time.perf_counter() - start,
+        explored=nodes,
+        status=highs.modelStatusToString(status).lower(),
+    )

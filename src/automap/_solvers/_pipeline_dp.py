@@ -1,0 +1,280 @@
+"""Optimal contiguous pipeline stage partition (PipeDream / DAPPLE / Alpa style), exactly.
+
+The step time of a pipeline with S stages and M microbatches (GPipe and 1F1B alike: both
+run every microbatch through every stage once forward and once backward, and their bubbles
+are the same length) is
+
+    step = sum_s tau_s + (M - 1) * max_s tau_s
+
+where tau_s is the time stage s spends on one microbatch, forward plus backward:
+
+    tau_s = sum_{layers i in s} t[i]  +  p[last layer of s]     (p only if s is not last)
+    p[k]  = 2 * (p2p_latency + c[k] / p2p_bandwidth)
+
+p[k] is the point-to-point traffic on the cut after layer k: activations sent forward and
+their gradients sent back, both c[k] bytes, charged to the sending stage (not overlapped).
+The first microbatch crosses every stage (the sum); the other M - 1 follow at the pace of
+the slowest stage (the max).
+
+Memory of stage s (0-based) is its layers' parameter/optimizer bytes plus the activations
+it keeps for backward: sum m[i] + k_s * sum a[i], where k_s = M for GPipe (all forwards
+before any backward) and k_s = min(M, S - s) for 1F1B (stage s holds at most S - s
+microbatches in flight). A stage over the memory limit is infeasible.
+
+The max term makes a plain DP inexact; the standard exact trick (Alpa's stage DP) is to
+fix the bottleneck: for every candidate value B of a stage time, a DP finds the least
+sum_s tau_s with every tau_s <= B, and the answer is the least (M - 1) * B + that sum over
+all B. At the optimal partition's own bottleneck the DP finds a partition at least as good,
+and no B yields a value below the true cost of the partition it finds, so this is exact.
+Candidates run in increasing order, batched in numpy, and stop once (M - 1) * B plus the
+unconstrained least sum cannot beat the best found.
+
+`optimal_partition` takes any (S, L, L) table of stage times, so the two-level combination
+(intra-stage plans from the ILP per layer range and stage) plugs straight in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time as _time
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSolution:
+    """A stage partition and its cost.
+
+    Attributes:
+        stages: per stage, the half-open layer range (start, stop); `()` when infeasible.
+        time: pipeline step time (the module formula); inf when infeasible.
+        stage_times: tau_s per stage (seconds per microbatch, forward + backward + p2p).
+        stage_memory: bytes per device of each stage (when memory tables were given).
+        feasible: a partition exists within the memory limit.
+        solve_time_s: wall time of the solve.
+        explored: bottleneck candidates for which the DP ran.
+    """
+
+    stages: tuple[tuple[int, int], ...]
+    time: float
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    feasible: bool
+    solve_time_s: float
+    explored: int
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Layer index after which each cut falls (stop - 1 of all but the last stage)."""
+        return tuple(stop - 1 for _, stop in self.stages[:-1])
+
+
+def pipeline_step_time(stage_times, n_microbatches: int) -> float:
+    """sum_s tau_s + (M - 1) * max_s tau_s: the formula the DP minimizes."""
+    stage_times = np.asarray(stage_times, dtype=np.float64)
+    return float(stage_times.sum() + (n_microbatches - 1) * stage_times.max())
+
+
+def activation_copies(n_stages: int, n_microbatches: int, schedule: str) -> np.ndarray:
+    """Microbatches of activations each stage keeps: M (GPipe) or min(M, S - s) (1F1B)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "gpipe":
+        return np.full(n_stages, n_microbatches, dtype=np.int64)
+    return np.minimum(n_microbatches, n_stages - np.arange(n_stages))
+
+
+def stage_tables(
+    layer_time,
+    layer_memory,
+    layer_activation,
+    cut_bytes,
+    *,
+    n_stages: int,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    p2p_bandwidth: float = np.inf,
+    p2p_latency: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stage time and memory of every (stage s, first layer i, last layer j), (S, L, L) each.
+
+    Entries with j < i are inf. `cut_bytes[k]` is the activation size crossing the cut
+    after layer k, k < L - 1.
+    """
+    t = np.asarray(layer_time, dtype=np.float64)  # (L,)
+    L = t.size
+    m = np.asarray(layer_memory, dtype=np.float64).reshape(L)
+    a = np.asarray(layer_activation, dtype=np.float64).reshape(L)
+    c = np.asarray(cut_bytes, dtype=np.float64).reshape(L - 1) if L else np.zeros(0)
+    p2p = np.append(2.0 * (p2p_latency + c / p2p_bandwidth), 0.0)  # (L,), no cut after last
+
+    def range_sums(x):  # (L, L): sum of x[i..j]
+        prefix = np.concatenate([[0.0], np.cumsum(x)])
+        return prefix[None, 1:] - prefix[:-1, None]
+
+    valid = np.triu(np.ones((L, L), dtype=bool))  # (L, L): j >= i
+    compute = range_sums(t)
+    is_last = np.arange(n_stages) == n_stages - 1  # (S,)
+    time = compute[None] + np.where(is_last[:, None, None], 0.0, p2p[None, None, :])
+    copies = activation_copies(n_stages, n_microbatches, schedule)  # (S,)
+    memory = range_sums(m)[None] + copies[:, None, None] * range_sums(a)[None]
+    time = np.where(valid[None], time, np.inf)
+    memory = np.where(valid[None], memory, np.inf)
+    return time, memory
+
+
+def _dp(cost: np.ndarray, bounds: np.ndarray, trace: bool = False):
+    """Least sum of stage times with every stage <= bound, for a batch of bounds.
+
+    cost: (S, L, L) stage times (inf = not allowed). bounds: (nb,).
+    Returns the sums (nb,) and, with `trace`, the argmin start index tables (S, nb, L).
+    """
+    n_stages, L, _ = cost.shape
+    nb = bounds.size
+    best = np.full((nb, L), np.inf)  # (nb, L): least sum covering layers 0..j
+    starts = np.zeros((n_stages, nb, L), dtype=np.int64) if trace else None
+    for s in range(n_stages):
+        capped = np.where(cost[s][None] <= bounds[:, None, None], cost[s][None], np.inf)
+        if s == 0:
+            best = capped[:, 0, :]  # (nb, L): stage 0 always starts at layer 0
+            continue
+        before = np.concatenate([np.full((nb, 1), np.inf), best[:, :-1]], axis=1)  # (nb, L)
+        total = before[:, :, None] + capped  # (nb, L start, L end)
+        if trace:
+            starts[s] = np.argmin(total, axis=1)
+        best = total.min(axis=1)
+    return best[:, L - 1], starts
+
+
+def _least_bottleneck(cost: np.ndarray) -> float:
+    """min over partitions of max_s tau_s (a min-max DP), inf when no partition exists."""
+    n_stages, L, _ = cost.shape
+    best = cost[0, 0, :]  # (L,): least bottleneck covering layers 0..j with stage 0 only
+    for s in range(1, n_stages):
+        before = np.concatenate([[np.inf], best[:-1]])  # (L,) by start layer
+        best = np.maximum(before[:, None], cost[s]).min(axis=0)
+    return float(best[L - 1])
+
+
+def optimal_partition(
+    stage_time,
+    n_microbatches: int,
+    *,
+    stage_memory=None,
+    memory_limit: float = np.inf,
+    chunk_elements: int = 1 << 20,
+) -> PipelineSolution:
+    """Exact least-step-time contiguous partition, from per-(stage, range) tables.
+
+    Args:
+        stage_time: (S, L, L) tau of stage s holding layers i..j (inf where not allowed).
+        n_microbatches: M >= 1.
+        stage_memory: optional (S, L, L) bytes of the same; entries over `memory_limit`
+            (or infinite) make that stage placement infeasible.
+    """
+    start = _time.perf_counter()
+    cost = np.array(stage_time, dtype=np.float64)
+    n_stages, L, _ = cost.shape
+    if n_stages < 1:
+        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    memory = None if stage_memory is None else np.asarray(stage_memory, dtype=np.float64)
+    # A range must hold at least one layer, whatever the caller's table says below the diagonal.
+    cost[:, ~np.triu(np.ones((L, L), dtype=bool))] = np.inf
+    if memory is not None:
+        cost[~(np.isfinite(memory) & (memory <= memory_limit))] = np.inf
+
+    unconstrained, _ = _dp(cost, np.array([np.inf]))
+    explored = 1
+    best_value, best_bound = float(unconstrained[0]), np.inf
+    if n_microbatches > 1 and np.isfinite(best_value):
+        # Below the least achievable bottleneck every DP is infinite; above the bound where
+        # (M - 1) * B alone, plus the least sum, exceeds a known plan, none can win.
+        least_bottleneck = _least_bottleneck(cost)
+        sums, _ = _dp(cost, np.array([least_bottleneck]))
+        best_value = (n_microbatches - 1) * least_bottleneck + float(sums[0])
+        best_bound = least_bottleneck
+        explored += 1
+        ceiling = (best_value - unconstrained[0]) / (n_microbatches - 1)
+        candidates = np.unique(cost[(cost > least_bottleneck) & (cost <= ceiling)])
+        chunk = max(1, chunk_elements // max(1, L * L))
+        for lo in range(0, candidates.size, chunk):
+            bounds = candidates[lo : lo + chunk]  # ascending
+            # Any bound >= this one costs at least (M - 1) * B + the unconstrained sum.
+            if (n_microbatches - 1) * bounds[0] + unconstrained[0] >= best_value:
+                break
+            sums, _ = _dp(cost, bounds)
+            explored += bounds.size
+            values = (n_microbatches - 1) * bounds + sums
+            i = int(np.argmin(values))
+            if values[i] < best_value:
+                best_value, best_bound = float(values[i]), float(bounds[i])
+
+    if not np.isfinite(best_value):
+        return PipelineSolution((), np.inf, (), (), False, _time.perf_counter() - start, explored)
+    _, starts = _dp(cost, np.array([best_bound]), trace=True)
+    stages = []
+    stop = L
+    for s in range(n_stages - 1, -1, -1):
+        first = int(starts[s, 0, stop - 1]) if s else 0
+        stages.append((first, stop))
+        stop = first
+    stages.reverse()
+    times = tuple(float(cost[s, i, j - 1]) for s, (i, j) in enumerate(stages))
+    mem = (
+        ()
+        if memory is None
+        else tuple(float(memory[s, i, j - 1]) for s, (i, j) in enumerate(stages))
+    )
+    return PipelineSolution(
+        stages=tuple(stages),
+        time=pipeline_step_time(times, n_microbatches),
+        stage_times=times,
+        stage_memory=mem,
+        feasible=True,
+        solve_time_s=_time.perf_counter() - start,
+        explored=explored,
+    )
+
+
+def optimal_pipeline(
+    layer_time,
+    layer_memory,
+    layer_activation,
+    cut_bytes,
+    *,
+    n_stages: int,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    memory_limit: float = np.inf,
+    p2p_bandwidth: float = np.inf,
+    p2p_latency: float = 0.0,
+) -> PipelineSolution:
+    """Exact optimal partition of L layers into `n_stages` contiguous stages.
+
+    Args:
+        layer_time: (L,) forward + backward seconds of each layer for one microbatch.
+        layer_memory: (L,) parameter, gradient and optimizer bytes of each layer.
+        layer_activation: (L,) activation bytes each layer keeps per microbatch.
+        cut_bytes: (L - 1,) activation bytes crossing the cut after layer k.
+        n_stages, n_microbatches, schedule: S, M, "gpipe" or "1f1b" (memory only).
+        memory_limit: bytes per device of every stage.
+        p2p_bandwidth, p2p_latency: bytes/s and seconds of a stage-to-stage send.
+
+    See the module docstring for the exact objective and memory formulas.
+    """
+    time, memory = stage_tables(
+        layer_time,
+        layer_memory,
+        layer_activation,
+        cut_bytes,
+        n_stages=n_stages,
+        n_microbatches=n_microbatches,
+        schedule=schedule,
+        p2p_bandwidth=p2p_bandwidth,
+        p2p_latency=p2p_latency,
+    )
+    return optimal_partition(time, n_microbatches, stage_memory=memory, memory_limit=memory_limit)
