@@ -265,22 +265,38 @@ def test_random_programs_random_plans(case):
 # ---- a zoo transformer, once the zoo exists -----------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("automap._zoo") is None, reason="no zoo yet")
 def test_bert_two_layers_megatron_dp():
     from automap._zoo import get_model
 
-    model = get_model("bert-base", layers=2, hidden=64, heads=4, seq=16, batch=8, dtype="float32")
+    model = get_model(
+        "bert-base", layers=2, hidden=64, heads=4, seq=16, batch=8, vocab=128, dtype="float32"
+    )
     args = model.concrete_args(0)
+    column = ("['query']", "['key']", "['value']", "['wi']")  # output features split
+    row = ("['attention']['out']", "['wo']")  # input features split: partial sums
 
     def rule(path, x):
-        if path.startswith("[2]") and x.ndim >= 1:  # the batch: its first dim on "data"
+        if path.startswith("[2]"):  # the batch: sequences on "data"
             return ("data",) + (None,) * (x.ndim - 1)
-        # Column-parallel q/k/v and the first feed-forward kernel, row-parallel the rest.
-        if x.ndim >= 2 and any(k in path for k in ("query", "key", "value", "ff1", "intermediate")):
+        if any(k in path for k in column):
             return (None,) * (x.ndim - 1) + ("model",)
-        if x.ndim >= 2 and any(k in path for k in ("out", "ff2", "output")):
-            return ("model",) + (None,) * (x.ndim - 1)
+        if any(k in path for k in row) and path.endswith("['kernel']"):
+            return ("model", None)
         return (None,) * x.ndim
 
     plan = Plan(mesh={"data": 2, "model": 4}, specs=specs_for(args, rule))
-    assert_same(apply(model.step_fn, plan)(*args), jax.jit(model.step_fn)(*args), atol=1e-5)
+    assert sum("model" in spec for spec in plan.specs.values()) == 3 * 2 * 10  # params, mu, nu
+    got = apply(model.step_fn, plan)(*args)
+    want = jax.jit(model.step_fn)(*args)
+
+    # The key bias has a zero gradient in exact arithmetic (softmax ignores a per-query
+    # constant), so its float-noise gradient is what Adam normalizes: the new value is
+    # noise of size lr. It is held to that; everything else to reassociation error.
+    def strip(tree, noisy):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return [x for p, x in leaves if ("['key']['bias']" in jax.tree_util.keystr(p)) == noisy]
+
+    assert_same(strip(got, False), strip(want, False), rtol=1e-4, atol=1e-5)
+    assert_same(strip(got, True), strip(want, True), rtol=0, atol=2e-4)
