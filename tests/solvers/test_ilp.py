@@ -44,7 +44,7 @@ def test_ilp_matches_exhaustive(seed):
 
 def test_ilp_handles_arity_four_and_repeated_unit_sets():
     rng = np.random.default_rng(7)
-    problem = random_problem(rng, n_units=5, n_time_factors=10, max_arity=4)
+    problem = random_problem(rng, n_units=5, n_time_factors=6, max_arity=4)
     # Same unit set in two orders: merged into one block of y variables.
     table = rng.random((problem.n_options[0], problem.n_options[1]))
     problem = FactorProblem(

@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 
 from automap._solvers import (
+    Factor,
+    FactorProblem,
     activation_copies,
     optimal_partition,
     optimal_pipeline,
+    optimal_two_level,
     pipeline_step_time,
+    solve_exhaustive,
 )
 
 
@@ -153,3 +157,63 @@ def test_dp_scales_to_a_hundred_layers():
     )
     assert solution.feasible and len(solution.stages) == 8
     assert solution.solve_time_s < 5.0
+
+
+def _layered_stage_problems(rng, L, S):
+    """Per-layer costs over two units each, plus a resharding factor between neighbours;
+    the stage memory limit shrinks for early stages as 1F1B's activation copies would."""
+    sizes = [tuple(int(x) for x in rng.integers(2, 4, size=2)) for _ in range(L + 1)]
+    layers = [
+        (
+            n,
+            rng.integers(1, 20, size=n) * 1e-3,  # time over the layer's two units
+            rng.integers(1, 10, size=n[0]) * 1e8,  # memory of unit 0
+            rng.integers(0, 5, size=(n[1], after[1])) * 1e-3,  # reshard to the next layer
+        )
+        for n, after in itertools.pairwise(sizes)
+    ]
+    limits = [rng.uniform(1.5, 3.5) * 1e9 / (S - s) for s in range(S)]
+
+    def stage_problem(s, start, stop):
+        n_options, time, memory = [], [], []
+        for k, layer in enumerate(layers[start:stop]):
+            n, table, mem, reshard = layer
+            n_options += n
+            time.append(Factor((2 * k, 2 * k + 1), table))
+            memory.append(Factor((2 * k,), mem))
+            if start + k + 1 < stop:  # the next layer's unit 1 reads this layer's unit 1
+                time.append(Factor((2 * k + 1, 2 * k + 3), reshard))
+        return FactorProblem(
+            n_options=tuple(n_options),
+            allowed=tuple(np.ones(n, bool) for n in n_options),
+            time_factors=tuple(time),
+            memory_factors=(tuple(memory),),
+            memory_limit=limits[s],
+        )
+
+    return stage_problem
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_level_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L, S, M = int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 6))
+    S = min(S, L)
+    stage_problem = _layered_stage_problems(rng, L, S)
+    p2p = rng.integers(0, 3, size=L - 1) * 1e-3
+    best = np.inf
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        b = (0, *cuts, L)
+        plans = [solve_exhaustive(stage_problem(s, b[s], b[s + 1])) for s in range(S)]
+        if all(p.feasible for p in plans):
+            times = [
+                p.time + (p2p[b[s + 1] - 1] if s < S - 1 else 0.0) for s, p in enumerate(plans)
+            ]
+            best = min(best, sum(times) + (M - 1) * max(times))
+    partition, inner = optimal_two_level(
+        stage_problem, n_layers=L, n_stages=S, n_microbatches=M, p2p_time=p2p
+    )
+    assert partition.feasible == np.isfinite(best)
+    if np.isfinite(best):
+        assert partition.time == pytest.approx(best, rel=1e-9)
+        assert len(inner) == S and all(plan.optimal for plan in inner)

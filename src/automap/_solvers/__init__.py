@@ -19,5 +19,6 @@ from ._pipeline_dp import PipelineSolution as PipelineSolution
 from ._pipeline_dp import activation_copies as activation_copies
 from ._pipeline_dp import optimal_partition as optimal_partition
 from ._pipeline_dp import optimal_pipeline as optimal_pipeline
+from ._pipeline_dp import optimal_two_level as optimal_two_level
 from ._pipeline_dp import pipeline_step_time as pipeline_step_time
 from ._pipeline_dp import stage_tables as stage_tables

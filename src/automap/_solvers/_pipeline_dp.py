@@ -29,16 +29,22 @@ and no B yields a value below the true cost of the partition it finds, so this i
 Candidates run in increasing order, batched in numpy, and stop once (M - 1) * B plus the
 unconstrained least sum cannot beat the best found.
 
-`optimal_partition` takes any (S, L, L) table of stage times, so the two-level combination
-(intra-stage plans from the ILP per layer range and stage) plugs straight in.
+`optimal_partition` takes any (S, L, L) table of stage times; `optimal_two_level` fills it
+with the optimal intra-stage plan of every (stage, layer range) (Alpa's two levels: the
+ILP inside a stage, this DP across stages). Exact too: stages do not share decisions, and
+the step time only grows with each stage's time, so each stage takes its own optimum.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time as _time
+from collections.abc import Callable
 
 import numpy as np
+
+from ._factor import FactorProblem, Solution
+from ._ilp import solve_ilp
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -278,3 +284,49 @@ def optimal_pipeline(
         p2p_latency=p2p_latency,
     )
     return optimal_partition(time, n_microbatches, stage_memory=memory, memory_limit=memory_limit)
+
+
+def optimal_two_level(
+    stage_problem: Callable[[int, int, int], FactorProblem | None],
+    *,
+    n_layers: int,
+    n_stages: int,
+    n_microbatches: int,
+    p2p_time=None,
+    solver: Callable[[FactorProblem], Solution] = solve_ilp,
+) -> tuple[PipelineSolution, tuple[Solution, ...]]:
+    """Best partition with the best intra-stage plan in every stage.
+
+    Args:
+        stage_problem: `(s, start, stop) -> FactorProblem` of stage s holding layers
+            [start, stop) on its sub-mesh, with that stage's memory limit (activation copies
+            of the schedule included); None where the placement is not allowed.
+        n_layers, n_stages, n_microbatches: L, S, M.
+        p2p_time: (L - 1,) seconds per microbatch of the cut after layer k (both
+            directions), added to every stage but the last; zeros when None.
+        solver: the intra-stage solver, `solve_ilp` or `solve_exhaustive`.
+
+    Returns:
+        The partition (its `stage_memory` holds each stage plan's peak memory) and the
+        intra-stage plan of each of its stages. Only ranges some partition can use are
+        solved: stage s starts at layer >= s and leaves a layer for each later stage.
+    """
+    L, S = n_layers, n_stages
+    p2p = np.zeros(L) if p2p_time is None else np.append(np.asarray(p2p_time, float), 0.0)
+    time = np.full((S, L, L), np.inf)
+    memory = np.full((S, L, L), np.inf)
+    plans: dict[tuple[int, int, int], Solution] = {}
+    for s in range(S):
+        for i in range(s, L - (S - s) + 1):
+            for j in range(i, L - (S - s) + 1):
+                problem = stage_problem(s, i, j + 1)
+                if problem is None:
+                    continue
+                plan = solver(problem)
+                if plan.feasible:
+                    plans[s, i, j] = plan
+                    time[s, i, j] = plan.time + (p2p[j] if s < S - 1 else 0.0)
+                    memory[s, i, j] = plan.memory
+    partition = optimal_partition(time, n_microbatches, stage_memory=memory)
+    inner = tuple(plans[s, i, j - 1] for s, (i, j) in enumerate(partition.stages))
+    return partition, inner
