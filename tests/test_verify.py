@@ -9,7 +9,7 @@ import pytest
 
 from automap import ApplyError, Plan
 from automap._plan import Provenance, Stage
-from automap._verify import VerifyReport, compare, verify, verify_in_subprocess
+from automap._verify import VerifyReport, as_on_cpu, compare, verify, verify_in_subprocess
 from test_apply import megatron_rule, mlp_args, mlp_step, specs_for
 
 HAS_COST = importlib.util.find_spec("automap._cost") is not None
@@ -29,6 +29,12 @@ def test_compare_rules():
     assert not ok and "predicts all-to-all over data+model (2.00 KiB); XLA has none" in why[0]
 
 
+def test_reduce_scatter_compared_as_cpu_all_reduce():
+    # XLA's CPU backend all-reduces and slices where a GPU reduce-scatters: same bytes.
+    predicted = {"reduce-scatter@data": 100.0, "all-reduce@data": 50.0, "all-gather@model": 7.0}
+    assert as_on_cpu(predicted) == {"all-reduce@data": 150.0, "all-gather@model": 7.0}
+
+
 def test_report_round_trip_and_summary():
     report = VerifyReport(
         mesh={"data": 2, "model": 4},
@@ -36,13 +42,14 @@ def test_report_round_trip_and_summary():
         predicted_comm_bytes={"all-reduce@data": 4096.0},
         xla_comm_bytes={"all-reduce@data": 2048.0, "all-gather@model": 10.0},
         mismatches=("all-reduce over data: predicted 4.00 KiB, XLA 2.00 KiB (+100.0%)",),
+        notes=("a caveat",),
         numerics_ok=True,
         max_abs_err=1e-7,
     )
     assert VerifyReport.from_dict(report.to_dict()) == report
     text = report.summary()
     assert "DO NOT MATCH" in text and "all-gather@model" in text and "numerics" in text
-    assert "mesh data=2 × model=4 (8 CPU devices)" in text
+    assert "mesh data=2 × model=4 (8 CPU devices)" in text and "note: a caveat" in text
 
 
 def test_verify_mlp_concrete():
@@ -112,3 +119,19 @@ def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):
     # The weight gradient is a partial sum over the batch split: one all-reduce on "data".
     assert report.xla_comm_bytes["all-reduce@data"] == pytest.approx(32 * 4 * 4)
     assert np.isclose(sum(report.xla_comm_bytes.values()), 32 * 4 * 4)
+
+
+def test_zoo_step_in_16_bit_gets_a_note():
+    from automap._zoo import get_model
+
+    model = get_model("mlp", dtype="bfloat16", layers=1, hidden=64)
+    args = model.abstract_args()
+
+    def batch_on_data(path, x):
+        split = path.startswith("[2]") and x.ndim > 0
+        return ("data",) * split + (None,) * (x.ndim - split)
+
+    plan = Plan(mesh={"data": 8}, specs=specs_for(args, batch_on_data))
+    report = verify(model.step_fn, plan, *args)
+    assert "all-reduce@data" in report.xla_comm_bytes
+    assert any("16-bit" in n for n in report.notes)

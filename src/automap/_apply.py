@@ -100,17 +100,20 @@ def _check_paths(plan: Plan, paths: list[str]) -> None:
 
 
 class Prepared:
-    """The jitted step and its shardings for one argument structure (no data touched)."""
+    """The jitted step and its shardings for one argument structure (no data touched).
 
-    def __init__(self, fn: Callable, plan: Plan, mesh: Mesh, args: tuple) -> None:
+    `graph`, when the caller already captured `fn` on these arguments, saves a capture."""
+
+    def __init__(
+        self, fn: Callable, plan: Plan, mesh: Mesh, args: tuple, graph: Any = None
+    ) -> None:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         _check_paths(plan, paths)
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", _shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        graph = None
-        if plan.provenance.fingerprint or plan.constraints:
+        if graph is None and (plan.provenance.fingerprint or plan.constraints):
             from ._capture import capture  # lazily: capture is only needed for these
 
             graph = capture(fn, *args)

@@ -47,6 +47,7 @@ class VerifyReport:
     predicted_comm_bytes: Mapping[str, float]  # "kind@axis" -> bytes per device per step
     xla_comm_bytes: Mapping[str, float]
     mismatches: tuple[str, ...] = ()  # one line in words per disagreement
+    notes: tuple[str, ...] = ()  # caveats that are not disagreements
     numerics_ok: bool | None = None  # None: no concrete arguments were given
     max_abs_err: float | None = None
 
@@ -65,6 +66,7 @@ class VerifyReport:
             p, x = self.predicted_comm_bytes.get(k), self.xla_comm_bytes.get(k)
             lines.append(f"  {k:<{width}}  {_fmt(p):>12}  {_fmt(x):>12}")
         lines += [f"  - {m}" for m in self.mismatches]
+        lines += [f"  note: {n}" for n in self.notes]
         if self.numerics_ok is not None:
             ok = "ok" if self.numerics_ok else "DIFFERENT"
             lines.append(f"numerics vs the unsharded step: {ok} (max |err| {self.max_abs_err:.3g})")
@@ -77,7 +79,8 @@ class VerifyReport:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
-        return cls(**{**d, "mismatches": tuple(d.get("mismatches", ()))})
+        tuples = {k: tuple(d.get(k, ())) for k in ("mismatches", "notes")}
+        return cls(**{**d, **tuples})
 
 
 def _fmt(n: float | None) -> str:
@@ -107,24 +110,48 @@ def compare(predicted: Mapping[str, float], xla: Mapping[str, float]) -> tuple[b
     return not out, out
 
 
-def predicted_bytes(
-    fn: Callable, plan: Plan, args: tuple, cluster: Any = None
-) -> dict[str, float] | None:
+def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, float] | None:
     """The cost model's bytes per kind@axis, or None when no cost model is installed."""
     try:
         from ._cost import CostModel
     except ImportError:
         return None
-    from ._capture import capture
     from ._cluster import Cluster
 
     cluster = cluster or Cluster.preset("cpu", devices=plan.devices)
-    cost = CostModel(capture(fn, *args), cluster).estimate(plan)
     out: dict[str, float] = {}
-    for c in cost.collectives:
+    for c in CostModel(graph, cluster).estimate(plan).collectives:
         key = f"{c.kind}@{c.axis}"
         out[key] = out.get(key, 0.0) + float(c.bytes)
     return out
+
+
+def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
+    """The predicted collectives as XLA's CPU backend lowers them.
+
+    Seen with jax 0.10: the CPU backend never emits reduce-scatter; where a GPU would
+    reduce-scatter it all-reduces the whole buffer and slices its shard. Both count the
+    whole buffer (docs/DESIGN.md), so a predicted reduce-scatter is compared as an
+    all-reduce of the same bytes on the same axis. The cost model keeps predicting
+    reduce-scatter: that is what the real accelerators run.
+    """
+    out: dict[str, float] = {}
+    for key, nbytes in predicted.items():
+        key = key.replace("reduce-scatter@", "all-reduce@")
+        out[key] = out.get(key, 0.0) + nbytes
+    return out
+
+
+def _half_precision_note(graph: Any) -> tuple[str, ...]:
+    # Seen with jax 0.10: XLA's CPU backend runs bf16/f16 collectives in f32 (it converts
+    # around them), so a 16-bit step's bytes read double here what a GPU or TPU moves.
+    if graph is None or not any(t.dtype in ("bfloat16", "float16") for t in graph.tensors):
+        return ()
+    return (
+        "the step computes in 16-bit floats, which XLA on the CPU communicates as f32: "
+        "XLA's bytes for those tensors are doubled; verify a float32 variant to compare "
+        "like with like",
+    )
 
 
 def _cpu_devices(n: int) -> list[Any]:
@@ -139,11 +166,11 @@ def _cpu_devices(n: int) -> list[Any]:
     return devices
 
 
-def compile_plan(fn: Callable, plan: Plan, args: tuple) -> tuple[Prepared, Any]:
+def compile_plan(fn: Callable, plan: Plan, args: tuple, graph: Any = None) -> tuple[Prepared, Any]:
     """`fn` under `plan` compiled by XLA on a CPU mesh; arguments stay abstract. The
     executable is kept so that a numerics check runs it without compiling twice."""
     mesh = make_mesh(plan, _cpu_devices(plan.devices))
-    prepared = Prepared(fn, plan, mesh, args)
+    prepared = Prepared(fn, plan, mesh, args, graph=graph)
     return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
 
 
@@ -170,14 +197,19 @@ def verify(
             "pipeline plans cannot be verified yet: there is no pipeline runtime in this version."
         )
     check_plan(plan)
-    prepared, compiled = compile_plan(fn, plan, args)
+    from ._capture import capture
+
+    graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
+    prepared, compiled = compile_plan(fn, plan, args, graph=graph)
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
-    predicted = predicted_bytes(fn, plan, args, cluster)
+    predicted = predicted_bytes(graph, plan, cluster)
     if predicted is None:
         match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
     else:
-        match, mismatches = compare(predicted, xla)
-    report = VerifyReport(dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches))
+        match, mismatches = compare(as_on_cpu(predicted), xla)
+    report = VerifyReport(
+        dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches), _half_precision_note(graph)
+    )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         got = compiled(*jax.device_put(leaves, prepared.in_shardings))
