@@ -63,3 +63,14 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     assert result.exit_code == 2 and "not valid JSON" in result.output
     result = run("plan", "--model", "mlp", "--fn", "x:y")
     assert result.exit_code == 2 and "exactly one of" in result.output
+
+
+def test_report_draws_a_saved_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    made = run("plan", "--model", "mlp", "--cluster", "cpu", "--devices", "8", "-o", str(path))
+    assert made.exit_code == 0, made.output
+    html = tmp_path / "report.html"
+    result = run("report", str(path), "-o", str(html), "--png", str(tmp_path / "r.png"))
+    assert result.exit_code == 0, result.output
+    assert "data:image/png;base64," in html.read_text()
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

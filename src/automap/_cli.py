@@ -203,6 +203,30 @@ def apply_cmd(
         raise typer.Exit(1)
 
 
+@app.command("report")
+@_friendly
+def report_cmd(
+    plan_file: Annotated[Path, typer.Argument(help="A plan made by `automap plan -o`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")] = Path(
+        "report.html"
+    ),
+    png: Annotated[
+        Path | None, typer.Option("--png", help="Also write the panels as one PNG.")
+    ] = None,
+    curve: Annotated[
+        Path | None,
+        typer.Option("--curve", help="Learning-curve CSV (default: <plan>.curve.csv if present)."),
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Draw a plan: mesh, shardings, pipeline schedule, memory, learning curve, step time."""
+    from ._report import write_report
+
+    path = write_report(plan_file, output, png=png, curve=curve)
+    if not quiet:
+        console.print(f"report written to [bold]{path}[/bold]" + (f" and {png}" if png else ""))
+
+
 def _info_dict(info: Any) -> dict[str, Any]:
     import dataclasses
 
