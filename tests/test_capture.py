@@ -272,3 +272,109 @@ def test_bert_large_flops_match_the_analytic_count():
     assert 330e6 < g.param_count() < 345e6
     roles = {leaf.role for leaf in g.inputs}
     assert roles == {Role.PARAM, Role.OPT_STATE, Role.BATCH}
+
+
+def _max_abs_diff(a, b):
+    return max(
+        float(jnp.max(jnp.abs(u - v)))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_equinox_step_roles_and_replay():
+    eqx = pytest.importorskip("equinox")
+    from automap._interpret import run_graph
+
+    params, static = eqx.partition(eqx.nn.MLP(5, 3, 16, 2, key=jax.random.key(0)), eqx.is_array)
+    tx = optax.adam(1e-3)
+
+    def step(model, opt_state, x, y):
+        def loss(p):
+            return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(model)
+        updates, opt_state = tx.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    args = (params, tx.init(params), jnp.ones((8, 5)), jnp.ones((8, 3)))
+    g = capture(step, *args)
+    roles = {leaf.path: leaf.role for leaf in g.inputs}
+    assert roles["[0].layers[0].weight"] is Role.PARAM
+    assert roles["[1][0].mu.layers[0].weight"] is Role.OPT_STATE
+    assert roles["[2]"] is Role.BATCH and roles["[3]"] is Role.BATCH
+    replay = jax.jit(lambda *a: run_graph(g, *a))(*args)
+    assert _max_abs_diff(replay, jax.jit(step)(*args)) <= 1e-6
+
+
+def test_keras_stateless_step_roles_and_replay():
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras was imported with another backend")
+    from automap._interpret import run_graph
+
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+    opt = keras.optimizers.Adam(1e-3)
+    opt.build(model.trainable_variables)
+    mse = keras.losses.MeanSquaredError()
+
+    def step(trainable_variables, non_trainable_variables, optimizer_variables, x, y):
+        def loss(tv, ntv):
+            pred, ntv = model.stateless_call(tv, ntv, x, training=True)
+            return mse(y, pred), ntv
+
+        (value, ntv), grads = jax.value_and_grad(loss, has_aux=True)(
+            trainable_variables, non_trainable_variables
+        )
+        tv, ov = opt.stateless_apply(optimizer_variables, grads, trainable_variables)
+        return value, tv, ntv, ov
+
+    values = lambda vs: [v.value for v in vs]  # noqa: E731
+    args = (values(model.trainable_variables), values(model.non_trainable_variables))
+    args = (*args, values(opt.variables), jnp.ones((8, 5)), jnp.ones((8, 3)))
+    g = capture(step, *args)
+    by_arg = {i: {leaf.role for leaf in g.inputs if leaf.arg_index == i} for i in range(5)}
+    assert by_arg == {
+        0: {Role.PARAM},
+        1: {Role.OTHER},
+        2: {Role.OPT_STATE},
+        3: {Role.BATCH},
+        4: {Role.BATCH},
+    }
+    replay = jax.jit(lambda *a: run_graph(g, *a))(*args)
+    assert _max_abs_diff(replay, jax.jit(step)(*args)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_gpt_6_7b_captures_abstractly_in_little_memory():
+    # In a fresh process, so the figure is capture's own peak and not the test session's.
+    import subprocess
+    import sys
+    import textwrap
+
+    _zoo()
+    code = textwrap.dedent(
+        """
+        import resource
+        from automap._capture import capture
+        from automap._zoo import get_model
+        spec = get_model("gpt-6.7b")
+        graph = capture(spec.step_fn, *spec.abstract_args())
+        assert graph.param_count() > 6.5e9
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+        """
+    )
+    env = {**__import__("os").environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak_gib = int(out.stdout.split()[-1]) / 2**20
+    assert peak_gib < 1.0, f"peak RSS {peak_gib:.2f} GiB"

@@ -58,7 +58,8 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
        a path through ".opt_state"/"['opt_state']" (Flax's TrainState); or, in an
        argument not named like parameters, a path through optax's state fields (".mu",
        ".nu", ".count", ".inner_state", ".trace") → OPT_STATE.
-    3. Non-trainable state: a path through "batch_stats" or a TrainState's ".step" → OTHER.
+    3. Non-trainable state: an argument named non_... (Keras's non_trainable_variables), a
+       path through "batch_stats" or a TrainState's ".step" → OTHER.
     4. Parameters: an argument named params, variables, weights, model,
        trainable_variables...; or a path through ".params"/"['params']" in an argument not
        named like a batch → PARAM.
@@ -251,12 +252,14 @@ def _infer_roles(
         batch_named = name in _BATCH_NAMES or bool(_BATCH_NAME.search(name))
         role: Role | None = _override(overrides, path, name, i)
         if role is None:
-            param_named = name in _PARAM_NAMES or bool(_PARAM_NAME.search(name))
+            # Keras's non_trainable_variables (BatchNorm statistics, seeds) are not trained.
+            untrained = name.startswith("non_")
+            param_named = not untrained and (name in _PARAM_NAMES or bool(_PARAM_NAME.search(name)))
             opt_path = any(m in rest for m in _OPT_MARKERS[:2])
             optax_field = any(m in rest for m in _OPT_MARKERS[2:]) and not param_named
             if opt_path or optax_field or _OPT_NAME.search(name):
                 role = Role.OPT_STATE
-            elif any(m in rest for m in _OTHER_MARKERS):
+            elif untrained or any(m in rest for m in _OTHER_MARKERS):
                 role = Role.OTHER
             elif param_named or (any(m in rest for m in _PARAM_MARKERS) and not batch_named):
                 role = Role.PARAM
