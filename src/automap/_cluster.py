@@ -59,6 +59,9 @@ class Cluster:
     """Fraction of link bandwidth that collectives reach (bus bandwidth / link bandwidth)."""
     memory_reserve: float = 0.1
     """Fraction of HBM kept free for the runtime, workspace and fragmentation."""
+    collective_float_bytes: int = 0
+    """Least bytes per element a floating-point collective moves: XLA's CPU backend runs
+    bf16/f16 collectives in f32 (4); GPUs and TPUs move bf16 as is (0: the tensor's own)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -226,5 +229,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
         comm_efficiency=0.5,
+        collective_float_bytes=4,
     ),
 }

@@ -130,10 +130,14 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
+    # Dead tensors (never read, not a step output) are never split: splitting them changes
+    # nothing, and a group of them would be a decision without consequence.
+    used = {t for op in graph.ops for t in op.inputs} | {leaf.tensor for leaf in graph.outputs}
     groups = []
     for gid, mem in enumerate(members):
         tensors = [t for t, _ in mem]
-        sizes = [graph.tensors[t].shape[d] for t, d in mem]
+        alive = any(t in used for t in tensors)
+        sizes = [graph.tensors[t].shape[d] if alive else 1 for t, d in mem]
         groups.append(
             dict(
                 id=gid,

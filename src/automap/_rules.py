@@ -106,12 +106,13 @@ Ties = list[tuple[DimRef, DimRef]]
 
 
 def _elementwise(op: Op, shapes: Sequence, outs: Sequence) -> tuple[Ties, list]:
-    # Scalars (rank 0, e.g. select_n's predicate or clamp's bounds) broadcast implicitly.
+    # Scalars (rank 0, e.g. select_n's predicate or clamp's bounds) and size-1 dims
+    # (jax 0.10 lets `eq` take (32, 1) and (1, 16) operands) broadcast implicitly.
     ties: Ties = []
     for o, oshape in zip(op.outputs, outs, strict=False):
         for t, shape in zip(op.inputs, shapes, strict=False):
-            if tuple(shape) == tuple(oshape):
-                ties += [((t, d), (o, d)) for d in range(len(shape))]
+            if len(shape) == len(oshape):
+                ties += [((t, d), (o, d)) for d in range(len(shape)) if shape[d] == oshape[d]]
     return ties, []
 
 

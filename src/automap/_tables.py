@@ -102,6 +102,15 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
     forward = set(res.forward_ops)
+    wide = cluster.collective_float_bytes
+
+    def comm_bytes(t: int) -> float:
+        """Bytes a collective moves for tensor t (16-bit floats widened where the backend
+        widens them, see Cluster.collective_float_bytes)."""
+        x = graph.tensors[t]
+        if wide and x.dtype in ("bfloat16", "float16") and x.itemsize < wide:
+            return x.size * wide
+        return x.nbytes
 
     op_set, op_coef, remat = [], [], []
     prow: list[tuple] = []
@@ -123,7 +132,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         for g in sorted(red):
             small = sid(x for x in it if x < g)
             for o in op.outputs:
-                nb = graph.tensors[o].nbytes
+                nb = comm_bytes(o)
                 prow.append((g, tset[o], small, 0, 0, False, nb, tset[o] in param_sets, op.index))
         for u in dict.fromkeys(op.inputs):
             ugs = {g for g in tg[u] if split[g]}
@@ -137,7 +146,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}))
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
-                    nb = graph.tensors[u].nbytes
+                    nb = comm_bytes(u)
                     rrow[key] = (h, tset[u], key[3], small_u, key[4], untied, nb, False, op.index)
 
     n_sets = len(set_ids)
