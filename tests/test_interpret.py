@@ -140,3 +140,16 @@ def test_zoo_step_reduced_variant_runs_through_the_interpreter():
     graph = capture(spec.step_fn, *args)
     got = jax.jit(lambda *a: run_graph(graph, *a))(*args)
     _assert_same(got, jax.jit(spec.step_fn)(*args), atol=1e-5)
+
+
+def test_outputs_that_are_inputs_or_literals():
+    def step(params, batch):
+        return params, 3.0, params["w"] * batch
+
+    args = ({"w": jnp.ones(3), "unused": None}, jnp.arange(3.0))
+    graph = capture(step, *args)
+    out = run_graph(graph, *args)
+    assert isinstance(out[1], jax.Array) and float(out[1]) == 3.0
+    want = step(*args)
+    _assert_same((out[0], out[2]), (want[0], want[2]))
+    _assert_same(jax.jit(lambda *a: run_graph(graph, *a))(*args), jax.jit(step)(*args))

@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from ._graph import Graph, TensorKind
 
 Constrain = Callable[[int, Any], Any]
@@ -53,7 +56,13 @@ def eval_graph(
         for t in op.inputs:
             if last_use[t] == op.index and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
                 env[t] = None
-    return [env[leaf.tensor] for leaf in graph.outputs]
+    # A literal returned as is would leave as a jaxpr literal type, not an array.
+    return [
+        jnp.asarray(env[leaf.tensor])
+        if graph.tensors[leaf.tensor].kind is TensorKind.CONST
+        else env[leaf.tensor]
+        for leaf in graph.outputs
+    ]
 
 
 def _last_uses(graph: Graph) -> list[int]:
@@ -69,7 +78,5 @@ def _last_uses(graph: Graph) -> list[int]:
 
 def run_graph(graph: Graph, *args: Any, constrain: Constrain | None = None) -> Any:
     """`eval_graph` on the step's own (pytree) arguments, returning its output pytree."""
-    import jax
-
     flat = jax.tree_util.tree_leaves(args)
     return graph.out_tree.unflatten(eval_graph(graph, flat, constrain))
