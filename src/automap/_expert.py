@@ -33,11 +33,14 @@ def block_groups(groups: Groups) -> list[Group]:
     every layer (residual adds, layer norms, every projection's input), so it has by far the
     most members; splitting it is sequence/feature parallelism, not Megatron.
     """
-    candidates = [g for g in groups.groups if g.param_dims and not g.batch and not g.conflicted]
-    if len(candidates) < 2:
-        return candidates
+    candidates = [g for g in groups.groups if g.param_dims and not g.batch]
+    if not candidates:
+        return []
+    # Found among all parameter groups: the residual group is often conflicted itself (a
+    # square [hidden, hidden] weight ties both its dims to it), and must still be the one
+    # left out, not the next largest.
     residual = max(candidates, key=lambda g: (len(g.members), g.bytes))
-    return [g for g in candidates if g.id != residual.id]
+    return [g for g in candidates if g.id != residual.id and not g.conflicted]
 
 
 def _assign(groups: list[Group], axis: str, size: int) -> Assignment:
