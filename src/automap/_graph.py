@@ -28,6 +28,19 @@ class Role(enum.StrEnum):
     OTHER = "other"
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element; JAX's extended dtypes (PRNG keys such as "key<fry>") included."""
+    import jax.numpy as jnp
+
+    try:
+        return jnp.dtype(dtype).itemsize
+    except TypeError:
+        if dtype.startswith("key<"):
+            # A threefry key is two uint32 words; other implementations are no larger.
+            return 8
+        raise
+
+
 class TensorKind(enum.StrEnum):
     INPUT = "input"  # a leaf of the step's arguments
     CONST = "const"  # a literal or a closed-over constant
@@ -52,7 +65,7 @@ class Tensor:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        return dtype_itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

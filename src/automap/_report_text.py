@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ._graph import Graph, Role
@@ -158,7 +159,8 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
     table.add_column("×", justify="right")
     table.add_column("sharding")
     for pattern, count, spec in param_rows(plan):
-        table.add_row(pattern, str(count), spec)
+        # Escaped: Rich reads "[model]" or "['params']" as markup tags and prints nothing.
+        table.add_row(escape(pattern), str(count), escape(spec))
     console.print(table)
     cost = plan.predicted
     if cost is not None:
