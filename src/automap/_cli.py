@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ._errors import AutomapError
 
@@ -200,6 +201,29 @@ def apply_cmd(
 
         print_check(console, result)
     if check and not result["equal"]:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+@_friendly
+def verify_cmd(
+    plan_file: Annotated[Path, typer.Argument(help="A plan made by `automap plan -o`.")],
+    numerics: Annotated[
+        bool,
+        typer.Option("--numerics", help="Also run it on random arguments and compare numbers."),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compile a plan with XLA on a CPU mesh of its shape and hold XLA's collectives against
+    the cost model's (kind, mesh axis, bytes)."""
+    from ._verify import verify_in_subprocess
+
+    report = verify_in_subprocess(plan_file, concrete=numerics)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        console.print(escape(report.summary()))
+    if report.collectives_match is False or report.numerics_ok is False:
         raise typer.Exit(1)
 
 
