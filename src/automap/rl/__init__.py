@@ -1,0 +1,18 @@
+"""Reinforcement learning for planning: the Gymnasium environment, the DQN agent, the search."""
+
+from ._agent import DQNAgent as DQNAgent
+from ._agent import DQNConfig as DQNConfig
+from ._agent import TrainState as TrainState
+from ._agent import double_q_targets as double_q_targets
+from ._agent import greedy_action as greedy_action
+from ._agent import select_action as select_action
+from ._agent import train_step as train_step
+from ._env import DecisionProcess as DecisionProcess
+from ._env import PlanningEnv as PlanningEnv
+from ._env import plan_reward as plan_reward
+from ._replay import Batch as Batch
+from ._replay import PrioritizedReplay as PrioritizedReplay
+from ._replay import Sampler as Sampler
+from ._replay import SumTree as SumTree
+from ._search import SearchResult as SearchResult
+from ._search import search as search

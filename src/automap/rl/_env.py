@@ -1,0 +1,185 @@
+"""The planning problem as a Gymnasium environment, over any `DecisionProcess`.
+
+A decision process is the sequence of discrete choices that builds one plan (a mesh axis per
+linkage group, a cut point, a stage count, ...). It lives in `automap._space`; this module only
+wraps it so that any RL library, and our own agent, can drive it through the Gymnasium API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.envs.registration import EnvSpec
+
+INFEASIBLE_PENALTY = 10.0
+
+
+@runtime_checkable
+class DecisionProcess(Protocol):
+    """A finite sequence of masked discrete decisions that ends in a scored plan."""
+
+    obs_dim: int
+    """Size of the feature vector: fixed, so that one network serves models of any size."""
+    n_actions: int
+    """The largest number of choices at any step; the invalid ones are masked."""
+    baseline_time: float
+    """Step time of data parallelism (or the best expert plan): the reward's unit."""
+
+    def reset(self) -> None: ...
+    def observation(self) -> np.ndarray: ...  # [obs_dim] float32
+    def action_mask(self) -> np.ndarray: ...  # [n_actions] bool, some True while not done
+    def step(self, action: int) -> None: ...
+    def done(self) -> bool: ...
+    def result(self) -> tuple[float, bool, float]: ...  # (step time s, feasible, over-ratio)
+    def decisions(self) -> tuple[int, ...]: ...
+
+
+def plan_reward(
+    time_s: float,
+    feasible: bool,
+    over_ratio: float,
+    baseline_time: float,
+    penalty: float = INFEASIBLE_PENALTY,
+) -> float:
+    """-time / baseline for a feasible plan (data parallel scores -1); -(penalty + over-ratio)
+    for an infeasible one, so that of two infeasible plans the one less over memory is better."""
+    if feasible:
+        return -float(time_s) / float(baseline_time)
+    return -(penalty + float(over_ratio))
+
+
+class _MaskedDiscrete(spaces.Discrete):
+    """Discrete whose `sample()` draws among the environment's currently valid actions.
+
+    Generic drivers (random agents, `check_env`) sample from the action space without knowing
+    about masks; drawing only valid actions lets them run on a masked planning problem.
+    """
+
+    def __init__(self, n: int, current_mask: Any, seed: int | None = None):
+        super().__init__(n, seed=seed)
+        self._current_mask = current_mask
+
+    def sample(self, mask: np.ndarray | None = None, probability: np.ndarray | None = None):
+        if mask is None and probability is None:
+            mask = self._current_mask().astype(np.int8)
+            if not mask.any():  # the episode is over: any action will be refused anyway
+                mask = None
+        return super().sample(mask=mask, probability=probability)
+
+
+class PlanningEnv(gym.Env):
+    """Gymnasium environment over a decision process.
+
+    `PlanningEnv(process)` wraps a `DecisionProcess`; `PlanningEnv(graph, cluster, task)`
+    builds the process for one exploration task ("shard", "replicate", "pipeline", "hybrid")
+    with `automap._space.make_process`. Each step takes one decision; the reward is 0 until
+    the plan is complete, then `plan_reward`. `info["action_mask"]` gives the valid actions
+    after every reset and step; taking a masked action raises ValueError.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    def __init__(
+        self,
+        process: Any,
+        cluster: Any = None,
+        task: str | None = None,
+        *,
+        infeasible_penalty: float = INFEASIBLE_PENALTY,
+    ):
+        if cluster is not None or task is not None:
+            process = _make_process(process, cluster, task)
+        elif not isinstance(process, DecisionProcess):
+            raise TypeError(
+                "PlanningEnv takes a DecisionProcess, or (graph, cluster, task); "
+                f"got {type(process).__name__}"
+            )
+        self.process = process
+        self.infeasible_penalty = infeasible_penalty
+        # Finite bounds: check_env warns about infinite ones, and features are finite anyway.
+        big = np.finfo(np.float32).max
+        self.observation_space = spaces.Box(-big, big, (process.obs_dim,), np.float32)
+        self.action_space = _MaskedDiscrete(process.n_actions, self._current_mask)
+        self._finished = True
+        # A spec lets generic tools (gymnasium.make, check_env's render and close checks)
+        # rebuild this environment; the process travels in its kwargs.
+        self.spec = EnvSpec(
+            "automap/Planning-v0",
+            entry_point=PlanningEnv,
+            kwargs={"process": process, "infeasible_penalty": infeasible_penalty},
+        )
+
+    @classmethod
+    def for_task(cls, graph: Any, cluster: Any, task: str, **kwargs: Any) -> PlanningEnv:
+        """The environment of one exploration task on one model and cluster."""
+        return cls(_make_process(graph, cluster, task), **kwargs)
+
+    def _current_mask(self) -> np.ndarray:
+        if self._finished:
+            return np.zeros(self.process.n_actions, bool)
+        return np.asarray(self.process.action_mask(), bool)
+
+    def _observe(self) -> np.ndarray:
+        obs = np.array(self.process.observation(), np.float32)  # [obs_dim], a fresh copy
+        if obs.shape != (self.process.obs_dim,):
+            raise ValueError(
+                f"the process's observation has shape {obs.shape}, "
+                f"expected ({self.process.obs_dim},)"
+            )
+        return obs
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.process.reset()
+        self._finished = self.process.done()
+        if self._finished:
+            raise ValueError("the decision process has no decisions to take")
+        return self._observe(), {"action_mask": self._current_mask()}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self._finished:
+            raise RuntimeError("the episode is over: call reset() before step()")
+        mask = self._current_mask()
+        a = int(action)
+        if not 0 <= a < mask.shape[0] or not mask[a]:
+            raise ValueError(
+                f"action {a} is not valid here; valid actions: {np.flatnonzero(mask).tolist()}"
+            )
+        self.process.step(a)
+        obs = self._observe()
+        if not self.process.done():
+            return obs, 0.0, False, False, {"action_mask": self._current_mask()}
+        self._finished = True
+        time_s, feasible, over = self.process.result()
+        reward = plan_reward(
+            time_s, feasible, over, self.process.baseline_time, self.infeasible_penalty
+        )
+        info = {
+            "action_mask": self._current_mask(),
+            "step_time_s": float(time_s),
+            "feasible": bool(feasible),
+            "over_ratio": float(over),
+            "decisions": tuple(int(d) for d in self.process.decisions()),
+        }
+        return obs, reward, True, False, info
+
+
+def _make_process(graph: Any, cluster: Any, task: str | None) -> DecisionProcess:
+    # Imported here: the decision spaces are built by another module, and the agent and the
+    # environment shell must stay usable (and testable) on their own.
+    try:
+        from automap import _space
+    except ImportError as err:
+        raise NotImplementedError(
+            "PlanningEnv(graph, cluster, task) needs automap._space.make_process, "
+            "which is not available in this build"
+        ) from err
+    make_process = getattr(_space, "make_process", None)
+    if make_process is None:
+        raise NotImplementedError("automap._space has no make_process(graph, cluster, task)")
+    return make_process(graph, cluster, task)

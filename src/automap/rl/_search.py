@@ -1,0 +1,139 @@
+"""The DQN search loop, readable top to bottom (CleanRL style).
+
+Episodes build plans one decision at a time; every step is stored in the replay and, after a
+warm-up, followed by one training step. The best finished plan is kept: the fastest feasible
+one, or while none is feasible, the one least over memory. Expert plans given as
+`seed_episodes` are played first, so they seed the replay and count as candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._agent import DQNAgent, DQNConfig
+from ._env import DecisionProcess, PlanningEnv
+
+OnEpisode = Callable[[int, float, float, float, "float | None"], None]
+"""on_episode(episode, best_time, current_time, epsilon_or_noise, loss)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What a search found and how it got there."""
+
+    best_decisions: tuple[int, ...]
+    """The decisions of the best plan (the process rebuilds the plan from them)."""
+    best_time: float
+    """Its predicted step time in seconds (inf if no episode finished)."""
+    best_feasible: bool
+    """Whether it fits in memory."""
+    episodes: int
+    """Episodes played, seed episodes included."""
+    time_to_best_s: float
+    """Seconds from the start of the search to the first time the best plan was seen."""
+    curve: list[dict[str, Any]]
+    """One row per episode: episode, elapsed_s, best_time, current_time, feasible,
+    exploration (epsilon or noise scale), loss (mean over the episode, None before training)."""
+
+
+def _better(time_s: float, feasible: bool, over: float, best: tuple[float, bool, float]) -> bool:
+    best_time, best_feasible, best_over = best
+    if feasible != best_feasible:
+        return feasible
+    if feasible:
+        return time_s < best_time
+    return (over, time_s) < (best_over, best_time)
+
+
+def search(
+    process: DecisionProcess,
+    *,
+    budget_s: float,
+    seed: int = 0,
+    config: DQNConfig | None = None,
+    agent: DQNAgent | None = None,
+    seed_episodes: Sequence[Sequence[int]] = (),
+    on_episode: OnEpisode | None = None,
+) -> SearchResult:
+    """Search the plans of `process` with a DQN agent for `budget_s` seconds.
+
+    `agent` continues (or warm-starts from) an existing agent; otherwise a fresh one is made
+    from `config` and `seed`. The loop also stops after `config.max_episodes` episodes.
+    """
+    env = PlanningEnv(process)
+    if agent is None:
+        agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+    config = agent.config
+    start = time.perf_counter()
+    best = (float("inf"), False, float("inf"))  # (time, feasible, over-ratio)
+    best_decisions: tuple[int, ...] = ()
+    time_to_best = 0.0
+    curve: list[dict[str, Any]] = []
+    episode = 0
+
+    while True:
+        elapsed = time.perf_counter() - start
+        # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
+        if episode >= len(seed_episodes) and (
+            elapsed >= budget_s
+            or (config.max_episodes is not None and episode >= config.max_episodes)
+        ):
+            break
+        forced = list(seed_episodes[episode]) if episode < len(seed_episodes) else None
+
+        # --- play one episode, learning at every step ---
+        obs, info = env.reset(seed=seed + episode)
+        mask = info["action_mask"]
+        losses: list[float] = []
+        t, done = 0, False
+        while not done:
+            if forced is not None:
+                if t >= len(forced):
+                    raise ValueError(f"seed episode {episode} ends before the plan is complete")
+                action = forced[t]
+            else:
+                action = agent.act(obs, mask)
+            next_obs, reward, done, _, info = env.step(action)
+            next_mask = info["action_mask"]
+            agent.observe(obs, mask, action, reward, next_obs, next_mask, done)
+            loss = agent.update()
+            if loss is not None:
+                losses.append(loss)
+            obs, mask, t = next_obs, next_mask, t + 1
+        if forced is not None and t != len(forced):
+            raise ValueError(
+                f"seed episode {episode} has {len(forced)} decisions, the plan took {t}"
+            )
+
+        # --- keep the best plan ---
+        time_s, feasible, over = info["step_time_s"], info["feasible"], info["over_ratio"]
+        if _better(time_s, feasible, over, best):
+            best = (time_s, feasible, over)
+            best_decisions = info["decisions"]
+            time_to_best = time.perf_counter() - start
+        episode += 1
+
+        row = {
+            "episode": episode,
+            "elapsed_s": time.perf_counter() - start,
+            "best_time": best[0],
+            "current_time": time_s,
+            "feasible": feasible,
+            "exploration": agent.exploration,
+            "loss": sum(losses) / len(losses) if losses else None,
+        }
+        curve.append(row)
+        if on_episode is not None:
+            on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
+
+    return SearchResult(
+        best_decisions=best_decisions,
+        best_time=best[0],
+        best_feasible=best[1],
+        episodes=episode,
+        time_to_best_s=time_to_best,
+        curve=curve,
+    )
