@@ -72,20 +72,32 @@ def plan(
     _check_tasks(tasks)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
+    best = run_searcher(problem, name, budget_s, seed)
+    # The whole call, capture included: what the user waited for.
+    provenance = dataclasses.replace(
+        best.provenance,
+        search_time_s=round(time.perf_counter() - start, 3),
+        **dict(origin or {}),
+    )
+    return dataclasses.replace(best, provenance=provenance)
+
+
+def run_searcher(problem: Problem, name: str, budget_s: float, seed: int) -> Plan:
+    """One searcher on a built problem: its best plan, priced, with provenance."""
+    name = _check_searcher(name)
+    start = time.perf_counter()
     if name == "expert":
         best = _best_expert(problem)
     else:
         best = _search_space(problem, name, budget_s, seed)
-    elapsed = time.perf_counter() - start
     provenance = Provenance(
         searcher=name,
         seed=seed,
-        search_time_s=round(elapsed, 3),
+        search_time_s=round(time.perf_counter() - start, 3),
         version=__version__,
         fingerprint=problem.graph.fingerprint,
-        cluster=cluster.name,
-        devices=cluster.devices,
-        **dict(origin or {}),
+        cluster=problem.cluster.name,
+        devices=problem.cluster.devices,
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
 

@@ -174,6 +174,55 @@ def plan_cmd(
             console.print(f"plan saved to [bold]{output}[/bold]")
 
 
+@app.command("compare")
+@_friendly
+def compare_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    cluster: ClusterOpt = "a100",
+    devices: DevicesOpt = 8,
+    searchers: Annotated[
+        str, typer.Option(help="Comma-separated searchers to run side by side.")
+    ] = "expert,exhaustive,random,mcmc",
+    budget: Annotated[float, typer.Option("--budget", help="Budget per searcher, seconds.")] = 30.0,
+    seed: Annotated[int, typer.Option(help="Random seed for every searcher.")] = 0,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the rows as JSON to this file.")
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Every searcher side by side on one model and cluster, under the same cost model."""
+    from ._compare import compare, to_json
+    from ._report_text import compare_table
+
+    step_fn, args, origin = _load_step(model, fn, override)
+    the_cluster = _load_cluster(cluster, devices)
+    names = [s.strip() for s in searchers.split(",") if s.strip()]
+    with console.status("planning...", spinner="dots") as status:
+
+        def progress(row) -> None:
+            status.update(f"planning... {row.searcher} done ({row.search_time_s:.1f} s)")
+
+        rows = compare(
+            step_fn,
+            *args,
+            cluster=the_cluster,
+            searchers=names,
+            budget_s=budget,
+            seed=seed,
+            origin=origin,
+            on_row=None if quiet else progress,
+        )
+    what = origin.get("model") or origin.get("fn")
+    if json_out is not None:
+        json_out.write_text(json.dumps(to_json(what, the_cluster, rows), indent=2) + "\n")
+    if not quiet:
+        console.print(compare_table(what, the_cluster, rows))
+        if json_out is not None:
+            console.print(f"rows written to [bold]{json_out}[/bold]")
+
+
 @app.command("apply")
 @_friendly
 def apply_cmd(

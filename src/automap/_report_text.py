@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -196,3 +196,38 @@ def print_check(console: Console, result: Mapping[str, Any]) -> None:
     console.print(
         f"sharded vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
     )
+
+
+def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
+    from ._compare import speedups
+
+    ups = speedups(rows)
+    table = Table(title=f"{what} on {cluster.name} × {cluster.devices}: every searcher")
+    for col in (
+        "searcher",
+        "plan",
+        "step time",
+        "vs DP",
+        "memory/device",
+        "feasible",
+        "search",
+        "MFU",
+    ):
+        table.add_column(col, justify="left" if col in ("searcher", "plan") else "right")
+    for i, r in enumerate(rows):
+        if r.plan is None:
+            table.add_row(
+                r.searcher, "—", "—", "—", "—", "no", f"{r.search_time_s:.1f} s", escape(r.note)
+            )
+            continue
+        table.add_row(
+            r.searcher,
+            r.plan_name,
+            human_time(r.step_time_s),
+            "—" if ups[i] is None else f"{ups[i]:.2f}×",
+            human_bytes(r.memory_bytes),
+            "yes" if r.feasible else "no",
+            f"{r.search_time_s:.1f} s",
+            f"{r.mfu:.1%}",
+        )
+    return table

@@ -1,0 +1,119 @@
+"""`automap compare`: every searcher side by side on one problem, in one run.
+
+The program is captured once and every searcher plans it under the same cost model, so
+the rows differ only in how they search. Expert rows carry each expert plan's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ._api import Problem, _priced_experts, run_searcher
+from ._cluster import Cluster
+from ._errors import AutomapError
+from ._plan import Plan
+
+DEFAULT_SEARCHERS = ("expert", "exhaustive", "random", "mcmc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    searcher: str
+    plan_name: str
+    step_time_s: float | None
+    memory_bytes: float | None
+    feasible: bool
+    search_time_s: float
+    mfu: float | None
+    plan: Plan | None
+    note: str = ""  # why a searcher gave no plan (space too large, nothing feasible...)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "searcher": self.searcher,
+            "plan_name": self.plan_name,
+            "step_time_s": self.step_time_s,
+            "memory_bytes": self.memory_bytes,
+            "feasible": self.feasible,
+            "search_time_s": round(self.search_time_s, 3),
+            "mfu": self.mfu,
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "note": self.note,
+        }
+
+
+def _row(searcher: str, plan: Plan, seconds: float) -> Row:
+    cost = plan.predicted
+    return Row(
+        searcher=searcher,
+        plan_name=plan.name,
+        step_time_s=None if cost is None else cost.step_time_s,
+        memory_bytes=None if cost is None else cost.memory_bytes,
+        feasible=bool(cost and cost.feasible),
+        search_time_s=seconds,
+        mfu=None if cost is None else cost.mfu,
+        plan=plan,
+    )
+
+
+def compare(
+    step_fn: Callable,
+    *args: Any,
+    cluster: Cluster,
+    searchers: Sequence[str] = DEFAULT_SEARCHERS,
+    budget_s: float = 30.0,
+    seed: int = 0,
+    origin: Mapping[str, Any] | None = None,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Plan `step_fn(*args)` with each searcher under the same budget and cost model."""
+    problem = Problem.build(step_fn, args, cluster, None)
+    rows: list[Row] = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    for name in searchers:
+        start = time.perf_counter()
+        if name == "expert":
+            for plan in _priced_experts(problem).values():
+                add(_row("expert", _with_origin(plan, origin), time.perf_counter() - start))
+            continue
+        try:
+            plan = run_searcher(problem, name, budget_s, seed)
+        except AutomapError as e:
+            add(Row(name, "", None, None, False, time.perf_counter() - start, None, None, str(e)))
+            continue
+        add(_row(name, _with_origin(plan, origin), time.perf_counter() - start))
+    return rows
+
+
+def _with_origin(plan: Plan, origin: Mapping[str, Any] | None) -> Plan:
+    if not origin:
+        return plan
+    return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, **origin))
+
+
+def speedups(rows: Sequence[Row]) -> dict[int, float | None]:
+    """Speed-up of each row over data parallel (None where either is missing/infeasible)."""
+    base = next(
+        (r.step_time_s for r in rows if r.plan_name == "data_parallel" and r.feasible), None
+    )
+    return {
+        i: (base / r.step_time_s if base and r.step_time_s and r.feasible else None)
+        for i, r in enumerate(rows)
+    }
+
+
+def to_json(model: str, cluster: Cluster, rows: Sequence[Row]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "cluster": cluster.name,
+        "devices": cluster.devices,
+        "rows": [r.to_dict() for r in rows],
+    }

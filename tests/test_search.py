@@ -1,0 +1,104 @@
+"""The shard space, its pruning, and the searchers that need no learning."""
+
+import pytest
+
+import automap as am
+from automap._api import Problem, run_searcher
+from automap._compare import compare, speedups, to_json
+from automap._search import Tracker, evaluate, search_exhaustive, search_mcmc, search_random
+from automap._space import Pruning, ShardSpace, candidate_meshes
+from automap._zoo import get_model
+
+
+@pytest.fixture(scope="module")
+def problem():
+    spec = get_model("mlp", layers=3, hidden=64, features=32, classes=8, batch=16)
+    return Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 8), None)
+
+
+def _space(problem, **pruning):
+    return ShardSpace(
+        problem.graph, problem.groups, problem.cluster, problem.cost_model, Pruning(**pruning)
+    )
+
+
+def test_candidate_meshes_and_symmetry():
+    assert candidate_meshes(8) == [
+        {"data": 8},
+        {"data": 4, "model": 2},
+        {"data": 2, "model": 4},
+        {"model": 8},
+    ]
+    assert len(candidate_meshes(8, symmetry=False)) == 6
+
+
+def test_each_pruning_shrinks_the_space(problem):
+    full = _space(problem).size()
+    assert full > 0
+    assert _space(problem, masks=False).size() > full
+    assert _space(problem, symmetry=False).size() > full
+    assert _space(problem, zero=False).size() < full
+
+
+def test_masks_forbid_one_axis_twice_in_a_tensor(problem):
+    space = _space(problem)
+    mesh = {"data": 2, "model": 4}
+    for unit, neighbours in enumerate(space.neighbours):
+        for other in neighbours:
+            taken = [None] * len(space.units)
+            taken[other] = 2  # the other unit took "model"
+            assert not space.allowed(mesh, unit, taken)[2]
+
+
+def test_exhaustive_is_the_optimum_of_the_space(problem):
+    space = _space(problem)
+    tracker = search_exhaustive(space, Tracker(budget_s=60))
+    assert tracker.evaluated == space.size()
+    rand = search_random(space, Tracker(budget_s=1, max_evals=300), seed=0)
+    assert tracker.best_time <= rand.best_time
+    assert evaluate(space, tracker.best).step_time_s == pytest.approx(tracker.best_time)
+
+
+def test_searchers_are_deterministic_under_a_seed(problem):
+    space = _space(problem)
+    a = search_mcmc(space, Tracker(budget_s=1, max_evals=200), seed=3)
+    b = search_mcmc(space, Tracker(budget_s=1, max_evals=200), seed=3)
+    assert a.best == b.best and a.curve == b.curve
+    p1 = run_searcher(problem, "random", budget_s=1.0, seed=1)
+    p2 = run_searcher(problem, "random", budget_s=1.0, seed=1)
+    assert p1.specs == p2.specs and p1.mesh == p2.mesh
+
+
+def test_searched_plans_are_never_worse_than_experts_in_the_space(problem):
+    exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0)
+    expert = run_searcher(problem, "expert", budget_s=60, seed=0)
+    assert exhaustive.predicted.step_time_s <= expert.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_compare_rows_and_json():
+    spec = get_model("mlp", layers=2, hidden=32, features=16, classes=4, batch=8)
+    cluster = am.Cluster.preset("cpu", devices=8)
+    rows = compare(
+        spec.step_fn,
+        *spec.abstract_args(),
+        cluster=cluster,
+        searchers=("expert", "random", "dqn"),
+        budget_s=0.5,
+    )
+    names = [r.searcher for r in rows]
+    assert names.count("expert") >= 4 and "random" in names
+    dqn = rows[-1]
+    assert dqn.plan is None and "not available" in dqn.note
+    assert any(v is not None for v in speedups(rows).values())
+    out = to_json("mlp", cluster, rows)
+    assert set(out) == {"model", "cluster", "devices", "rows"}
+    assert {
+        "searcher",
+        "plan_name",
+        "step_time_s",
+        "memory_bytes",
+        "feasible",
+        "search_time_s",
+        "mfu",
+        "plan",
+    } <= set(out["rows"][0])
