@@ -59,6 +59,14 @@ def random_plan(graph, groups, rng, zero: bool):
     )
 
 
+def _shape_of(why: str) -> str:
+    """A disagreement without its numbers, so that alike ones are counted together."""
+    m = re.match(r"(.*): predicted .*\(([+-])[\d.]+%\)$", why)
+    if m:
+        return f"{m.group(1)}: predicted {'more' if m.group(2) == '+' else 'less'} than XLA"
+    return re.sub(r" \([^)]*B\)", "", why)
+
+
 def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> dict:
     from automap._capture import capture
     from automap._hlo import comm_bytes, parse_collectives
@@ -87,8 +95,7 @@ def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> 
             sys.exit("no cost model (automap._cost) in this installation: nothing to compare")
         ok, why = compare(as_on_cpu(predicted), xla)
         matched += ok
-        # Count reasons by shape ("all-gather over model: predicted ..."), not by numbers.
-        reasons.update(re.sub(r"\(.*?\)|[\d.]+ [KMG]?i?B", "…", w) for w in why)
+        reasons.update(_shape_of(w) for w in why)
         if verbose and not ok:
             mesh = "×".join(f"{k}{v}" for k, v in plan.mesh.items())
             print(f"  {name} plan {i} ({mesh}, zero {plan.zero_stage}):", *why, sep="\n    ")

@@ -181,7 +181,9 @@ def _split(line: str) -> tuple[str, str, str, str] | None:
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
     """Every collective of a compiled HLO module, with its bytes and device groups.
 
-    A collective inside a while loop with a known trip count counts that many times.
+    A collective inside a while loop with a known trip count counts that many times (an
+    unknown trip count counts once). Every branch of a conditional counts once, as if all
+    ran: training steps seldom branch, and an upper bound is the safer error for a check.
     """
     if num_devices is None:
         m = re.search(r"num_partitions=(\d+)", hlo_text)
