@@ -152,7 +152,7 @@ def test_real_data_parallel_one_tuple_all_reduce():
     text = compiled((), (), ("data", None))
     assert "replica_groups=mesh[" in text  # the mesh form, as XLA prints it here
     (c,) = parse_collectives(text)
-    assert c.kind == "all-reduce" and c.count == 1
+    assert c.kind == "all-reduce" and c.count == 1 and "dot_general" in c.op_name
     # XLA combined the loss scalar and both gradients into one tuple all-reduce.
     assert comm_bytes([c], MESH) == {"all-reduce@data": 4 + (64 * 128 + 128 * 32) * 4}
 

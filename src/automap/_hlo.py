@@ -58,6 +58,7 @@ class HloCollective:
     groups: tuple[tuple[int, ...], ...]
     count: int = 1  # occurrences per step (trip count of enclosing while loops)
     shape: str = ""  # the result shape as printed
+    op_name: str = ""  # the JAX op it came from (metadata), for finding where it comes from
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -228,7 +229,18 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
             nbytes = shape_bytes(shape)
             if kind == "reduce-scatter":  # operand = result times the group size
                 nbytes *= len(groups[0])
-            out.append(HloCollective(name, kind, nbytes, groups, mult[comp], shape))
+            op_name = re.search(r'op_name="([^"]*)"', src)
+            out.append(
+                HloCollective(
+                    name,
+                    kind,
+                    nbytes,
+                    groups,
+                    mult[comp],
+                    shape,
+                    op_name.group(1) if op_name else "",
+                )
+            )
     return out
 
 
