@@ -79,7 +79,7 @@ def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> 
     graph = capture(model.step_fn, *args)  # once: every plan refers to this program
     groups = build_groups(graph)
     rng = np.random.default_rng(seed)
-    matched, errors, reasons = 0, 0, collections.Counter()
+    matched, errors, reasons, cases = 0, 0, collections.Counter(), []
     t0 = time.perf_counter()
     for i in range(plans):
         plan = random_plan(graph, groups, rng, zero)
@@ -96,6 +96,17 @@ def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> 
         ok, why = compare(as_on_cpu(predicted), xla)
         matched += ok
         reasons.update(_shape_of(w) for w in why)
+        # Every case, for --json: a corpus the cost model can be regression-tested on.
+        cases.append(
+            dict(
+                mesh=dict(plan.mesh),
+                zero_stage=plan.zero_stage,
+                assignment=plan.decisions.get("assignment", {}),
+                predicted=predicted,
+                xla=xla,
+                match=ok,
+            )
+        )
         if verbose and not ok:
             mesh = "×".join(f"{k}{v}" for k, v in plan.mesh.items())
             print(f"  {name} plan {i} ({mesh}, zero {plan.zero_stage}):", *why, sep="\n    ")
@@ -107,6 +118,7 @@ def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> 
         "fraction": matched / plans if plans else float("nan"),
         "seconds": time.perf_counter() - t0,
         "reasons": reasons.most_common(5),
+        "cases": cases,
     }
 
 
