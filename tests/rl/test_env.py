@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from automap.rl import DecisionProcess, PlanningEnv, plan_reward, search
+from automap.rl import DecisionProcess, PlanningEnv, plan_reward, search, write_curve
 
 from .toy import SMALL, AssignmentProcess
 
@@ -98,7 +98,7 @@ def test_invalid_actions_and_misuse_raise():
         PlanningEnv(object())
 
 
-def test_search_plays_seed_episodes_first_and_keeps_the_best():
+def test_search_plays_seed_episodes_first_and_keeps_the_best(tmp_path):
     process = AssignmentProcess(seed=0)
     optimum, best, _ = process.exhaustive()
     calls = []
@@ -119,6 +119,9 @@ def test_search_plays_seed_episodes_first_and_keeps_the_best():
     assert result.curve[1]["current_time"] == pytest.approx(optimum)
     assert result.time_to_best_s <= result.curve[1]["elapsed_s"]
     assert set(result.curve[0]) >= {"episode", "best_time", "current_time", "exploration", "loss"}
+    write_curve(result.curve, tmp_path / "curve.csv")
+    lines = (tmp_path / "curve.csv").read_text().splitlines()
+    assert lines[0].startswith("episode,elapsed_s,best_time") and len(lines) == 7
 
 
 def test_search_rejects_a_wrong_seed_episode_and_stops_on_time():
@@ -127,3 +130,7 @@ def test_search_rejects_a_wrong_seed_episode_and_stops_on_time():
         search(process, budget_s=10, seed_episodes=[(0, 0)])
     result = search(process, budget_s=0.0, config=SMALL)
     assert result.episodes == 0 and math.isinf(result.best_time) and not result.best_feasible
+    # stop_at ends the search on the first plan that good: here the seeded baseline.
+    config = dataclasses.replace(SMALL, max_episodes=50)
+    result = search(process, budget_s=60, config=config, seed_episodes=[(0,) * 8], stop_at=1e9)
+    assert result.episodes == 1

@@ -16,3 +16,4 @@ from ._replay import Sampler as Sampler
 from ._replay import SumTree as SumTree
 from ._search import SearchResult as SearchResult
 from ._search import search as search
+from ._search import write_curve as write_curve

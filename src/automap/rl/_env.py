@@ -174,7 +174,9 @@ def _make_process(graph: Any, cluster: Any, task: str | None) -> DecisionProcess
     # environment shell must stay usable (and testable) on their own.
     try:
         from automap import _space
-    except ImportError as err:
+    except ModuleNotFoundError as err:
+        if err.name != "automap._space":  # a broken import inside _space must surface as is
+            raise
         raise NotImplementedError(
             "PlanningEnv(graph, cluster, task) needs automap._space.make_process, "
             "which is not available in this build"

@@ -8,9 +8,11 @@ one, or while none is feasible, the one least over memory. Expert plans given as
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._agent import DQNAgent, DQNConfig
@@ -57,11 +59,14 @@ def search(
     agent: DQNAgent | None = None,
     seed_episodes: Sequence[Sequence[int]] = (),
     on_episode: OnEpisode | None = None,
+    stop_at: float | None = None,
 ) -> SearchResult:
     """Search the plans of `process` with a DQN agent for `budget_s` seconds.
 
     `agent` continues (or warm-starts from) an existing agent; otherwise a fresh one is made
-    from `config` and `seed`. The loop also stops after `config.max_episodes` episodes.
+    from `config` and `seed`. The loop also stops after `config.max_episodes` episodes, and
+    as soon as a feasible plan at or under `stop_at` seconds is found (for benchmarks and
+    tests that know the optimum and measure the time to reach it).
     """
     env = PlanningEnv(process)
     if agent is None:
@@ -128,6 +133,8 @@ def search(
         curve.append(row)
         if on_episode is not None:
             on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
+        if stop_at is not None and best[1] and best[0] <= stop_at:
+            break
 
     return SearchResult(
         best_decisions=best_decisions,
@@ -137,3 +144,17 @@ def search(
         time_to_best_s=time_to_best,
         curve=curve,
     )
+
+
+CURVE_FIELDS = (
+    "episode", "elapsed_s", "best_time", "current_time", "feasible", "exploration", "loss",
+)  # fmt: skip
+
+
+def write_curve(curve: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """The learning curve as CSV, one row per episode (an empty loss before training starts)."""
+    with Path(path).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CURVE_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in curve:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in CURVE_FIELDS})
