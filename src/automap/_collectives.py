@@ -28,23 +28,28 @@ AR, RS, AG, A2A, CP = range(len(KINDS))
 
 
 class AxisCosts:
-    """Per-kind, per-axis (alpha, beta) pairs for one mesh; axis code 0 is "no axis"."""
+    """Per-kind (alpha, beta) pairs for one mesh, indexed by an axis *mask*: bit i-1 set for
+    mesh axis i (mesh order), so a collective over several axes ("data+model") is one
+    index. Mask 0 is "no axis" (free). A multi-axis group runs at its slowest link."""
 
     def __init__(self, cluster: Cluster, mesh: Mapping[str, int]):
         links = cluster.axis_links(mesh) if mesh else {}
-        k = len(mesh) + 1
+        names = list(mesh)
+        k = 1 << len(names)
         n = np.ones(k)
         bw = np.full(k, np.inf)
         lat = np.zeros(k)
-        for i, (name, size) in enumerate(mesh.items(), start=1):
-            n[i] = size
-            bw[i] = links[name].bandwidth * cluster.comm_efficiency
-            lat[i] = links[name].latency
+        labels = [""] * k
+        for m in range(1, k):
+            axes = [names[i] for i in range(len(names)) if m >> i & 1]
+            n[m] = math.prod(mesh[a] for a in axes)
+            bw[m] = min(links[a].bandwidth for a in axes) * cluster.comm_efficiency
+            lat[m] = max(links[a].latency for a in axes)
+            labels[m] = "+".join(axes)
         log = np.ceil(np.log2(np.maximum(n, 1)))
         frac = (n - 1) / n
-        with np.errstate(divide="ignore", invalid="ignore"):
-            inv = np.where(np.isinf(bw), 0.0, 1.0 / bw)
-        # [kind, variant, axis] for alpha (per occurrence) and beta (per byte).
+        inv = np.where(np.isinf(bw), 0.0, 1.0 / np.where(np.isinf(bw), 1.0, bw))
+        # [kind, variant (ring, tree), mask] for alpha (per occurrence) and beta (per byte).
         self.alpha = np.zeros((len(KINDS), 2, k))
         self.beta = np.zeros((len(KINDS), 2, k))
         self.alpha[AR] = [2 * (n - 1) * lat, 2 * log * lat]
@@ -58,8 +63,11 @@ class AxisCosts:
         self.beta[CP] = [np.where(n > 1, inv, 0.0)] * 2
         self.alpha[:, :, 0] = 0.0
         self.beta[:, :, 0] = 0.0
-        self.names = ("", *mesh)
-        self.sizes = n
+        self.names = tuple(labels)
+        # sizes[a] for axis code a (1-based, 0 = none); bit[a] its mask.
+        self.sizes = np.array([1.0, *mesh.values()])
+        self.bit = np.array([0] + [1 << i for i in range(len(names))], dtype=np.int64)
+        self.masks = k
 
     def time(self, kind: np.ndarray, axis: np.ndarray, nbytes: np.ndarray, count: np.ndarray):
         """Seconds for `count` occurrences moving `nbytes` in all (arrays, one per row)."""

@@ -177,7 +177,11 @@ class CostModel:
 
         m = max(1, int(microbatches))
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
-        parts = [_partial_rows(partial, A, P, S, inv, m), _reshard_rows(reshard, A, P, S, inv, m)]
+        bit = ac.bit
+        parts = [
+            _partial_rows(partial, A, P, S, bit, inv, m),
+            _reshard_rows(reshard, A, P, S, bit, inv, m),
+        ]
         kind = np.concatenate([p[0] for p in parts])
         axis = np.concatenate([p[1] for p in parts])
         nbytes = np.concatenate([p[2] for p in parts])
@@ -191,7 +195,7 @@ class CostModel:
         D = S[d] if d else 1.0
         if zero_stage >= 1 and D > 1:
             # Gradients reduce-scattered over data, updated (or used) parameters gathered.
-            zg = grad & (axis == d) & (kind == C.AR)
+            zg = grad & (axis == bit[d]) & (kind == C.AR)
             kind = np.where(zg, C.RS, kind)
             extra = np.where(zg)[0]
             kind = np.concatenate([kind, np.full(len(extra), C.AG)])
@@ -203,16 +207,16 @@ class CostModel:
                 ops = np.concatenate([ops, ops[extra]])
 
         # Gradient collectives: one combined occurrence per (kind, axis).
-        nk = len(C.KINDS)
-        key = kind * (k + 1) + axis
-        comb_bytes = np.bincount(key[grad], nbytes[grad], minlength=nk * (k + 1))
-        comb_any = np.bincount(key[grad], minlength=nk * (k + 1)) > 0
+        nk, nm = len(C.KINDS), ac.masks
+        key = kind * nm + axis
+        comb_bytes = np.bincount(key[grad], nbytes[grad], minlength=nk * nm)
+        comb_any = np.bincount(key[grad], minlength=nk * nm) > 0
         ng = ~grad
-        tot_bytes = np.bincount(key[ng], nbytes[ng], minlength=nk * (k + 1)) + comb_bytes
-        tot_count = np.bincount(key[ng], count[ng], minlength=nk * (k + 1)) + comb_any
+        tot_bytes = np.bincount(key[ng], nbytes[ng], minlength=nk * nm) + comb_bytes
+        tot_count = np.bincount(key[ng], count[ng], minlength=nk * nm) + comb_any
         row_time = ac.time(kind[ng], axis[ng], nbytes[ng], count[ng])
-        tot_time = np.bincount(key[ng], row_time, minlength=nk * (k + 1)).astype(float)
-        kk, aa = np.divmod(np.arange(nk * (k + 1)), k + 1)
+        tot_time = np.bincount(key[ng], row_time, minlength=nk * nm).astype(float)
+        kk, aa = np.divmod(np.arange(nk * nm), nm)
         tot_time += np.where(comb_any, ac.time(kk, aa, comb_bytes, comb_any.astype(float)), 0.0)
         comm = float(tot_time.sum())
         collectives = tuple(
@@ -282,26 +286,34 @@ class CostModel:
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
 
 
-def _partial_rows(R: RowTable, A, P, S, inv, m):
-    a = A[R.group]
-    active = (a > 0) & ~P[R.small, a]
-    in_out = P[R.tset, a]
+def _partial_rows(R: RowTable, A, P, S, bit, inv, m):
+    a = A[R.group]  # [rows, KR]
+    act = (a > 0) & ~P[R.small, a]
+    inout = act & P[R.tset[:, None], a]
+    ar = np.bitwise_or.reduce(np.where(act & ~inout, bit[a], 0), axis=1)
+    rs = np.bitwise_or.reduce(np.where(inout, bit[a], 0), axis=1)
     base = R.nbytes * inv[R.tset]
-    kind = np.where(in_out, C.RS, C.AR)
-    nbytes = np.where(in_out, base * S[a], base)
     count = np.where(R.grad, R.count, R.count * m)
-    return _active(active, kind, a, nbytes, count, R.grad, R.op)
+    # Split on axes the output keeps: reduce-scatter of the unsplit result over them;
+    # split on the others: all-reduce over their joint axes.
+    rs_bytes = base * np.prod(np.where(inout, S[a], 1.0), axis=1)
+    i, j = np.nonzero(ar)[0], np.nonzero(rs)[0]
+    kind = np.concatenate([np.full(len(i), C.AR), np.full(len(j), C.RS)])
+    idx = np.concatenate([i, j])
+    nbytes = np.concatenate([base[i], rs_bytes[j]])
+    return kind, np.concatenate([ar[i], rs[j]]), nbytes, count[idx], R.grad[idx], R.op[idx]
 
 
-def _reshard_rows(R: RowTable, A, P, S, inv, m):
-    a = A[R.group]
+def _reshard_rows(R: RowTable, A, P, S, bit, inv, m):
+    h = R.group[:, 0]
+    a = A[h]
     has = (a > 0) & ~P[R.tsmall, a]
-    active = has & (R.untied | P[R.small, a])
+    active = has & (R.untied | P[R.small[:, 0], a])
     a2a = P[R.other, a]
     base = R.nbytes * inv[R.tset]
     kind = np.where(a2a, C.A2A, C.AG)
     nbytes = np.where(a2a, base, base * S[a])
-    return _active(active, kind, a, nbytes, R.count * m, R.grad, R.op)
+    return _active(active, kind, bit[a], nbytes, R.count * m, R.grad, R.op)
 
 
 def _active(active, kind, a, nbytes, count, grad, op):

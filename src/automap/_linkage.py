@@ -99,6 +99,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
         return x
 
     reduced_flat: set[int] = set()
+    whole_flat: set[int] = set()
     op_dims: list[list[int]] = []
     for op in graph.ops:
         r = rule(op, graph)
@@ -107,6 +108,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
             if a != b:
                 parent[max(a, b)] = min(a, b)  # smaller root: deterministic ids
         reduced_flat.update(int(offsets[t]) + d for t, d in r.reduced)
+        whole_flat.update(int(offsets[t]) + d for t, d in r.whole)
         touched = [*op.inputs, *op.outputs]
         op_dims.append([int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)])
 
@@ -127,17 +129,19 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
             flops[g] += op.flops
     reduced = np.zeros(n, dtype=bool)
     reduced[flat_gid[sorted(reduced_flat)]] = True
+    whole = np.zeros(n, dtype=bool)
+    whole[flat_gid[sorted(whole_flat)]] = True
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
-    # Dead tensors (never read, not a step output) are never split: splitting them changes
-    # nothing, and a group of them would be a decision without consequence.
+    # Divisor 1 (never split) for groups of dead tensors (never read, not a step output:
+    # a decision without consequence) and groups a rule keeps whole (conv spatial dims).
     used = {t for op in graph.ops for t in op.inputs} | {leaf.tensor for leaf in graph.outputs}
     groups = []
     for gid, mem in enumerate(members):
         tensors = [t for t, _ in mem]
-        alive = any(t in used for t in tensors)
-        sizes = [graph.tensors[t].shape[d] if alive else 1 for t, d in mem]
+        free = not whole[gid] and any(t in used for t in tensors)
+        sizes = [graph.tensors[t].shape[d] if free else 1 for t, d in mem]
         groups.append(
             dict(
                 id=gid,

@@ -34,6 +34,10 @@ class Rule:
     reduced: tuple[DimRef, ...]
     compute: str  # "matmul" (flops-bound), "memory" (bandwidth-bound) or "free" (metadata)
     known: bool = True
+    # Dims kept whole on every device whatever the plan: the spatial dims of convolutions
+    # and pooling windows. XLA can split them with halo exchanges (collective-permutes),
+    # which this model does not cost, so their groups are never split.
+    whole: tuple[DimRef, ...] = ()
 
 
 # Elementwise primitives: same-shaped operands and results, every dim tied.
@@ -82,7 +86,22 @@ def rule(op: Op, graph: Graph) -> Rule:
         compute = "free"
     else:
         compute = "memory"
-    return Rule(ties, reduced, compute)
+    whole: tuple[DimRef, ...] = ()
+    if op.primitive == "conv_general_dilated":
+        dn = op.params["dimension_numbers"]
+        specs = (dn.lhs_spec, dn.rhs_spec, dn.out_spec)
+        refs = (op.inputs[0], op.inputs[1], op.outputs[0])
+        whole = tuple((t, d) for t, spec in zip(refs, specs, strict=True) for d in spec[2:])
+    elif op.primitive in WINDOW or op.primitive.startswith("select_and_"):
+        wd, ws = op.params["window_dimensions"], op.params["window_strides"]
+        dims = [d for d in range(len(wd)) if wd[d] != 1 or ws[d] != 1]
+        whole = tuple(
+            (t, d)
+            for t in (*op.inputs, *op.outputs)
+            for d in dims
+            if graph.tensors[t].ndim == len(wd)
+        )
+    return Rule(ties, reduced, compute, whole=whole)
 
 
 def dim_ties(op: Op, graph: Graph) -> list[tuple[DimRef, DimRef]]:

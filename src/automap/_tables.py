@@ -22,11 +22,16 @@ from ._rules import rule
 
 @dataclasses.dataclass(frozen=True)
 class RowTable:
-    """Candidate collectives, one row each: they happen when `group`'s axis calls for it."""
+    """Candidate collectives, one row each: they happen when `group`'s axis calls for it.
 
-    group: np.ndarray  # the group whose split triggers the row
+    Partial-sum rows (one per op output) hold the op's reduced groups in `group` as a
+    padded [rows, KR] matrix with `small` alongside: the axes of all the groups that are
+    split end up in one collective over their joint mesh axes ("data+model"), as in XLA.
+    Reshard rows (one per input dim) have a single column."""
+
+    group: np.ndarray  # [rows, KR] the group(s) whose split triggers the row
+    small: np.ndarray  # [rows, KR] set of the op's groups with a smaller id (they win an axis)
     tset: np.ndarray  # set of the tensor moved (bytes are divided by its sharding)
-    small: np.ndarray  # set of the op's groups with a smaller id (they win a shared axis)
     tsmall: np.ndarray  # reshard: set of the tensor's groups with a smaller id
     other: np.ndarray  # reshard: the tensor's other groups the op keeps (all-to-all test)
     untied: np.ndarray  # reshard: the op needs this dim whole
@@ -36,31 +41,25 @@ class RowTable:
     op: np.ndarray  # op index (the first one, for merged rows)
 
     def merged(self) -> RowTable:
-        if len(self.group) == 0:
+        if len(self.tset) == 0:
             return self
-        keys = np.stack(
-            [
-                self.group,
-                self.tset,
-                self.small,
-                self.tsmall,
-                self.other,
-                self.untied.astype(np.int64),
-                self.grad.astype(np.int64),
-            ],
-            axis=1,
+        kr = self.group.shape[1]
+        cols = [self.tset, self.tsmall, self.other, self.untied, self.grad]
+        keys = np.concatenate(
+            [self.group, self.small, np.stack([c.astype(np.int64) for c in cols], axis=1)], axis=1
         )
         uniq, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         inv = inv.reshape(-1)
         n = len(uniq)
+        rest = uniq[:, 2 * kr :]
         return RowTable(
-            group=uniq[:, 0],
-            tset=uniq[:, 1],
-            small=uniq[:, 2],
-            tsmall=uniq[:, 3],
-            other=uniq[:, 4],
-            untied=uniq[:, 5].astype(bool),
-            grad=uniq[:, 6].astype(bool),
+            group=uniq[:, :kr],
+            small=uniq[:, kr : 2 * kr],
+            tset=rest[:, 0],
+            tsmall=rest[:, 1],
+            other=rest[:, 2],
+            untied=rest[:, 3].astype(bool),
+            grad=rest[:, 4].astype(bool),
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
@@ -129,11 +128,12 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             coef = 0.0
         op_coef.append(coef)
         remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
-        for g in sorted(red):
-            small = sid(x for x in it if x < g)
+        if red:
+            gs = sorted(red)
+            small = [sid(x for x in it if x < g) for g in gs]
             for o in op.outputs:
                 nb = comm_bytes(o)
-                prow.append((g, tset[o], small, 0, 0, False, nb, tset[o] in param_sets, op.index))
+                prow.append((gs, small, tset[o], 0, 0, False, nb, tset[o] in param_sets, op.index))
         for u in dict.fromkeys(op.inputs):
             ugs = {g for g in tg[u] if split[g]}
             for d, h in enumerate(tg[u]):
@@ -147,8 +147,19 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
                     nb = comm_bytes(u)
-                    rrow[key] = (h, tset[u], key[3], small_u, key[4], untied, nb, False, op.index)
+                    rrow[key] = (
+                        [h],
+                        [key[3]],
+                        tset[u],
+                        small_u,
+                        key[4],
+                        untied,
+                        nb,
+                        False,
+                        op.index,
+                    )
 
+    empty = sid(())
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
     sets = np.full((n_sets, width), ng, dtype=np.int64)
@@ -163,8 +174,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
 
     op_set_a = np.array(op_set, dtype=np.int64)
     op_coef_a = np.array(op_coef, dtype=float)
-    partial_full = _rows(prow)
-    reshard_full = _rows(list(rrow.values()))
+    partial_full = _rows(prow, ng, empty)
+    reshard_full = _rows(list(rrow.values()), ng, empty)
     return Tables(
         sets=sets,
         splittable=split,
@@ -187,18 +198,24 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     )
 
 
-def _rows(rows: list[tuple]) -> RowTable:
+def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
+    """Rows as arrays; the group and small lists padded to one width (pad: never split)."""
+    kr = max([1] + [len(r[0]) for r in rows])
+    group = np.full((len(rows), kr), pad_group, dtype=np.int64)
+    small = np.full((len(rows), kr), empty_set, dtype=np.int64)
+    for i, r in enumerate(rows):
+        group[i, : len(r[0])] = r[0]
+        small[i, : len(r[1])] = r[1]
     cols = list(zip(*rows, strict=True)) if rows else [()] * 9
-    i64 = lambda c: np.array(c, dtype=np.int64)  # noqa: E731
     return RowTable(
-        group=i64(cols[0]),
-        tset=i64(cols[1]),
-        small=i64(cols[2]),
-        tsmall=i64(cols[3]),
-        other=i64(cols[4]),
+        group=group,
+        small=small,
+        tset=np.array(cols[2], dtype=np.int64),
+        tsmall=np.array(cols[3], dtype=np.int64),
+        other=np.array(cols[4], dtype=np.int64),
         untied=np.array(cols[5], dtype=bool),
         nbytes=np.array(cols[6], dtype=float),
         count=np.ones(len(rows)),
         grad=np.array(cols[7], dtype=bool),
-        op=i64(cols[8]),
+        op=np.array(cols[8], dtype=np.int64),
     )
