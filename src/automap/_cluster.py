@@ -62,6 +62,9 @@ class Cluster:
     collective_float_bytes: int = 0
     """Least bytes per element a floating-point collective moves: XLA's CPU backend runs
     bf16/f16 collectives in f32 (4); GPUs and TPUs move bf16 as is (0: the tensor's own)."""
+    reduce_scatter: bool = True
+    """Whether XLA turns an all-reduce whose result is then split into a reduce-scatter
+    (its GPU and TPU pipelines do; the CPU one all-reduces the whole buffer and slices)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -230,5 +233,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         memory_efficiency=0.5,
         comm_efficiency=0.5,
         collective_float_bytes=4,
+        reduce_scatter=False,
     ),
 }

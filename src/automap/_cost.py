@@ -179,7 +179,7 @@ class CostModel:
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
         bit = ac.bit
         parts = [
-            _partial_rows(partial, A, P, S, bit, inv, m),
+            _partial_rows(partial, A, P, S, bit, inv, m, self.cluster.reduce_scatter),
             _reshard_rows(reshard, A, P, S, bit, inv, m),
         ]
         kind = np.concatenate([p[0] for p in parts])
@@ -286,7 +286,7 @@ class CostModel:
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
 
 
-def _partial_rows(R: RowTable, A, P, S, bit, inv, m):
+def _partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     a = A[R.group]  # [rows, KR]
     act = (a > 0) & ~P[R.small, a]
     inout = act & P[R.tset[:, None], a]
@@ -295,8 +295,11 @@ def _partial_rows(R: RowTable, A, P, S, bit, inv, m):
     base = R.nbytes * inv[R.tset]
     count = np.where(R.grad, R.count, R.count * m)
     # Split on axes the output keeps: reduce-scatter of the unsplit result over them;
-    # split on the others: all-reduce over their joint axes.
+    # split on the others: all-reduce over their joint axes. Without reduce-scatters
+    # (XLA on the CPU) one all-reduce of the unsplit result over all of them.
     rs_bytes = base * np.prod(np.where(inout, S[a], 1.0), axis=1)
+    if not reduce_scatter:
+        ar, rs, base = ar | rs, np.zeros_like(rs), rs_bytes
     i, j = np.nonzero(ar)[0], np.nonzero(rs)[0]
     kind = np.concatenate([np.full(len(i), C.AR), np.full(len(j), C.RS)])
     idx = np.concatenate([i, j])

@@ -226,7 +226,15 @@ def plan_from_assignment(
     data_axis: str = "data",
 ) -> Plan:
     """The plan that realizes an assignment: input/output specs and internal constraints."""
-    assignment = {int(g): a for g, a in assignment.items() if a is not None}
+    # Only splits the group can take (as the cost model reads the assignment): an axis on
+    # an unsplittable group, or one whose size does not divide the group, is dropped.
+    assignment = {
+        int(g): a
+        for g, a in assignment.items()
+        if a in mesh
+        and groups.groups[int(g)].splittable
+        and groups.groups[int(g)].divisor % mesh[a] == 0
+    }
     lay = layouts(graph, groups, assignment)
     specs: dict[str, Spec] = {}
     for leaf in graph.inputs:

@@ -111,6 +111,14 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             return x.size * wide
         return x.nbytes
 
+    # XLA removes dead code: ops none of whose results reach a step output cost nothing.
+    live = {leaf.tensor for leaf in graph.outputs}
+    live_ops = set()
+    for op in reversed(graph.ops):
+        if any(t in live for t in op.outputs):
+            live_ops.add(op.index)
+            live.update(op.inputs)
+
     op_set, op_coef, remat = [], [], []
     prow: list[tuple] = []
     rrow: dict[tuple, tuple] = {}
@@ -126,6 +134,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             coef = (op.bytes_read + op.bytes_written) / byte_rate
         else:
             coef = 0.0
+        if op.index not in live_ops:
+            op_coef.append(0.0)
+            remat.append(0.0)
+            continue
         op_coef.append(coef)
         remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
         if red:
