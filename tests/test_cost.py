@@ -1,0 +1,208 @@
+"""The cost model: collectives of the textbook plans, memory, feasibility, alpha-beta
+formulas, the fast path against the plan path, and one plan held against XLA."""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from automap._capture import capture
+from automap._cluster import Cluster
+from automap._collectives import AR, AxisCosts, ring_allreduce_time, tree_allreduce_time
+from automap._cost import CostModel
+from automap._graph import Role
+from automap._linkage import build_groups, plan_from_assignment
+from automap._zoo import get_model
+
+A100 = Cluster.preset("a100", devices=16)
+
+
+def sds(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@functools.cache
+def mlp():
+    def loss(params, x):
+        h = jnp.tanh(x @ params["w1"] + params["b1"])
+        return (h @ params["w2"]).sum()
+
+    params = {"w1": sds(64, 256), "b1": sds(256), "w2": sds(256, 32)}
+    g = capture(jax.grad(loss), params, sds(32, 64), roles={0: "param", 1: "batch"})
+    return g, build_groups(g)
+
+
+@functools.cache
+def gpt():
+    spec = get_model("gpt2-xl", layers=2, hidden=64, heads=4, vocab=128, seq=16, batch=8)
+    args = spec.abstract_args()
+    g = capture(spec.step_fn, *args)
+    return spec, args, g, build_groups(g)
+
+
+def param_group(g, groups, suffix, dim):
+    (t,) = [x.tensor for x in g.leaves(Role.PARAM) if x.path.endswith(suffix)]
+    return groups.of(t, dim)
+
+
+def megatron(g, groups, layers=2):
+    out = {}
+    for i in range(layers):
+        out[param_group(g, groups, f"layer_{i}']['attention']['query']['kernel']", 1)] = "model"
+        out[param_group(g, groups, f"layer_{i}']['mlp']['wi']['kernel']", 1)] = "model"
+    return out
+
+
+def by_key(cost):
+    return {(c.kind, c.axis): c for c in cost.collectives}
+
+
+def test_data_parallel_all_reduces_the_gradients_once():
+    g, groups = mlp()
+    cost = CostModel(g, A100, groups).evaluate({groups.batch_group: "data"}, {"data": 8})
+    (ar,) = cost.collectives
+    assert (ar.kind, ar.axis, ar.count) == ("all-reduce", "data", 1)  # one tuple all-reduce
+    assert ar.bytes == g.role_bytes(Role.PARAM)  # gradient bytes
+    n, link = 8, A100.axis_links({"data": 8})["data"]
+    expected = ring_allreduce_time(ar.bytes, n, link.bandwidth * A100.comm_efficiency, link.latency)
+    assert ar.time_s == pytest.approx(
+        min(
+            expected,
+            tree_allreduce_time(ar.bytes, n, link.bandwidth * A100.comm_efficiency, link.latency),
+        )
+    )
+    assert cost.comm_s == pytest.approx(ar.time_s)
+
+
+def test_megatron_all_reduces_activations_twice_per_layer_forward():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    cost = model.evaluate(megatron(g, groups), {"model": 4}, detail=True)
+    (ar,) = cost.collectives
+    assert (ar.kind, ar.axis) == ("all-reduce", "model")
+    forward = model.tables.op_coef.size and max(i for i in range(len(g.ops)) if i <= _boundary(g))
+    fwd_ops = [i for i, _, comm in cost.per_op if comm > 0 and i <= forward]
+    assert len(fwd_ops) == 2 * 2  # attention out and MLP out, in each of 2 layers
+    activation = 8 * 16 * 64 * 2  # one bf16 [batch, seq, hidden] per all-reduce
+    assert ar.bytes == ar.count * activation
+    # No gradient all-reduce: every device holds its own shard of the weights.
+    assert not any(c.axis == "data" for c in cost.collectives)
+
+
+def _boundary(g):
+    from automap._memory import find_residuals
+
+    return find_residuals(g).boundary
+
+
+def test_memory_decreases_with_sharding_and_zero():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    dp = {groups.batch_group: "data"}
+    none = model.evaluate({}, {"data": 8})
+    data = model.evaluate(dp, {"data": 8})
+    hybrid = model.evaluate({**dp, **megatron(g, groups)}, {"data": 2, "model": 4})
+    assert none.memory_bytes > data.memory_bytes
+    assert hybrid.memory_breakdown["params"] < data.memory_breakdown["params"]
+    zero = [model.evaluate(dp, {"data": 8}, zero_stage=z) for z in range(4)]
+    mem = [z.memory_bytes for z in zero]
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+    assert zero[1].memory_breakdown["opt_state"] == pytest.approx(
+        zero[0].memory_breakdown["opt_state"] / 8, rel=0.01
+    )
+    # ZeRO moves the same bytes: a reduce-scatter and an all-gather for one all-reduce.
+    k1 = by_key(zero[1])
+    assert k1[("reduce-scatter", "data")].bytes == k1[("all-gather", "data")].bytes
+    acts = model.evaluate(dp, {"data": 8}, microbatches=4).memory_breakdown["activations"]
+    assert acts == pytest.approx(data.memory_breakdown["activations"] / 4)
+    remat = model.evaluate(dp, {"data": 8}, remat=True)
+    assert remat.memory_breakdown["activations"] < data.memory_breakdown["activations"]
+    assert remat.compute_s > data.compute_s
+
+
+def test_over_the_memory_limit_is_infeasible_with_a_reason():
+    _, _, g, groups = gpt()
+    tiny = dataclasses.replace(Cluster.preset("cpu", devices=8), hbm_bytes=1e6)
+    cost = CostModel(g, tiny, groups).evaluate({}, {"data": 8})
+    assert not cost.feasible
+    assert "GB per device" in cost.reason and "activations" in cost.reason
+    assert cost.memory_limit_bytes == tiny.memory_limit
+    assert CostModel(g, A100, groups).evaluate({}, {"data": 8}).feasible
+
+
+def test_compute_divides_by_the_sharding_and_mfu_is_sane():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    one = model.evaluate({}, {"data": 8}, detail=True)
+    dp = model.evaluate({groups.batch_group: "data"}, {"data": 8}, detail=True)
+    dots = [op.index for op in g.ops if op.primitive == "dot_general"]
+    # Every matmul of a training step touches the batch (forward, and the weight gradients
+    # contract over it); the optimizer's elementwise update does not, and stays whole.
+    assert sum(dp.per_op[i][1] for i in dots) == pytest.approx(
+        sum(one.per_op[i][1] for i in dots) / 8
+    )
+    assert one.compute_s / 8 < dp.compute_s < one.compute_s
+    assert 0 < dp.mfu <= 1 and dp.step_time_s == pytest.approx(dp.compute_s + dp.comm_s)
+
+
+def test_estimate_matches_evaluate_and_reads_specs_without_decisions():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    mesh = {"data": 2, "model": 4}
+    plan = plan_from_assignment(g, groups, mesh, assignment, zero_stage=1)
+    fast = model.evaluate(assignment, mesh, zero_stage=1)
+    est = model.estimate(plan)
+    assert est.step_time_s == pytest.approx(fast.step_time_s)
+    assert est.memory_bytes == pytest.approx(fast.memory_bytes)
+    assert len(est.per_op) == len(g.ops)
+    assert sum(c for _, c, _ in est.per_op) == pytest.approx(est.compute_s)
+    derived = model.estimate(dataclasses.replace(plan, decisions={}))
+    assert derived.step_time_s == pytest.approx(est.step_time_s)
+    assert by_key(derived) == by_key(est)
+
+
+def test_codes_array_is_the_dict_assignment():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    mesh = {"data": 2, "model": 4}
+    codes = np.zeros(len(groups.groups), dtype=np.int64)
+    for gid, axis in assignment.items():
+        codes[gid] = list(mesh).index(axis) + 1
+    assert model.evaluate(codes, mesh) == model.evaluate(assignment, mesh)
+    # A split the group cannot take (4 heads on 8 devices) is ignored.
+    heads = param_group(g, groups, "layer_0']['attention']['query']['kernel']", 1)
+    assert model.evaluate({heads: "model"}, {"model": 8}) == model.evaluate({}, {"model": 8})
+
+
+def test_alpha_beta_per_axis():
+    mesh = {"data": 2, "model": 8}
+    ac = AxisCosts(A100, mesh)
+    links = A100.axis_links(mesh)
+    assert links["model"].kind == "intra" and links["data"].kind == "inter"
+    model, data = 2, 1  # axis masks: bit i-1 for axis i in mesh order
+    big = ac.time1(AR, model, 1e9)
+    bw = links["model"].bandwidth * A100.comm_efficiency
+    assert big == pytest.approx(ring_allreduce_time(1e9, 8, bw, links["model"].latency))
+    small = ac.time1(AR, model, 8.0)
+    assert small == pytest.approx(tree_allreduce_time(8.0, 8, bw, links["model"].latency))
+    assert ac.time1(AR, data, 1e9) > ac.time1(AR, model, 1e9) / 4  # the network is slower
+    assert ac.names[data | model] == "data+model"
+    assert ac.time1(AR, 0, 1e9) == 0.0
+
+
+def test_gpt_plan_matches_xla_collectives():
+    from automap._verify import verify
+
+    spec, args, g, groups = gpt()
+    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    plan = plan_from_assignment(g, groups, {"data": 2, "model": 4}, assignment)
+    report = verify(spec.step_fn, plan, *args)
+    assert report.collectives_match, report.summary()
+    total = sum(report.xla_comm_bytes.values())
+    assert math.isclose(sum(report.predicted_comm_bytes.values()), total, rel_tol=0.05)
