@@ -206,3 +206,27 @@ def test_gpt_plan_matches_xla_collectives():
     assert report.collectives_match, report.summary()
     total = sum(report.xla_comm_bytes.values())
     assert math.isclose(sum(report.predicted_comm_bytes.values()), total, rel_tol=0.05)
+
+
+def test_one_group_delta_equals_a_full_evaluation():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    mesh = {"data": 2, "model": 4}
+    base_assignment = {groups.batch_group: "data"}
+    base = model.state(base_assignment, mesh)
+    current = dict(base_assignment)
+    for gid, axis in megatron(g, groups).items():
+        cost, base = model.evaluate_delta(base, {gid: axis}, zero_stage=1)
+        current[gid] = axis
+        same(cost, model.evaluate(current, mesh, zero_stage=1))
+    back, _ = model.evaluate_delta(base, {gid: None})
+    del current[gid]
+    same(back, model.evaluate(current, mesh))
+
+
+def same(a, b):
+    assert a.step_time_s == pytest.approx(b.step_time_s)
+    assert a.memory_bytes == pytest.approx(b.memory_bytes)
+    assert by_key(a).keys() == by_key(b).keys()
+    for k, c in by_key(a).items():
+        assert (c.bytes, c.count) == (pytest.approx(by_key(b)[k].bytes), by_key(b)[k].count)

@@ -66,6 +66,8 @@ class AxisCosts:
         self.names = tuple(labels)
         # sizes[a] for axis code a (1-based, 0 = none); bit[a] its mask.
         self.sizes = np.array([1.0, *mesh.values()])
+        self.int_sizes = self.sizes.astype(np.int64)
+        self.codes = {name: i for i, name in enumerate(names, start=1)}
         self.bit = np.array([0] + [1 << i for i in range(len(names))], dtype=np.int64)
         self.masks = k
 

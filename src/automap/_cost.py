@@ -29,6 +29,7 @@ conservative prediction) + the pipeline bubble (`pipeline_cost`, 0 without stage
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from . import _collectives as C
+from . import _kernel as K
 from ._cluster import Cluster
 from ._graph import Graph, Role
 from ._linkage import Groups, build_groups
@@ -64,6 +66,7 @@ class CostModel:
         self.tables = build_tables(graph, self.groups, cluster, find_residuals(graph))
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
+        self._touch_cache: dict[tuple[int, ...], tuple] = {}
 
     # ---- public -----------------------------------------------------------------------
 
@@ -80,8 +83,8 @@ class CostModel:
     ) -> Cost:
         """Cost of an assignment {group id: axis} (or an array of axis codes, 1-based in
         mesh order, 0 for none) on a mesh. `detail` adds the per-op breakdown (slower)."""
-        codes = self.codes(assignment, mesh)
-        return self._evaluate(codes, dict(mesh), zero_stage, microbatches, remat, data_axis, detail)
+        st = self._state(self.codes(assignment, mesh), dict(mesh), microbatches, remat, detail)
+        return self._finish(st, zero_stage, data_axis, detail)
 
     def estimate(self, plan: Plan) -> Cost:
         """Cost of a plan: its recorded assignment, else one read back from its specs."""
@@ -101,7 +104,7 @@ class CostModel:
         bubble = self.pipeline_cost(plan, cost)
         if bubble:
             step = cost.step_time_s + bubble
-            return _replace(
+            return dataclasses.replace(
                 cost, step_time_s=step, bubble_s=bubble, mfu=self._mfu(step, plan.devices)
             )
         return cost
@@ -114,17 +117,17 @@ class CostModel:
         """Axis code per group (+ a trailing 0 for padding), dropping splits the group cannot
         take: unsplittable groups and axes whose size does not divide the group."""
         n = len(self.groups.groups)
+        ac = self._costs_for(mesh)
+        codes = np.zeros(n + 1, dtype=np.int64)
         if isinstance(assignment, Mapping):
-            names = {name: i for i, name in enumerate(mesh, start=1)}
-            codes = np.zeros(n + 1, dtype=np.int64)
-            for g, axis in assignment.items():
-                if axis is not None and axis in names:
-                    codes[int(g)] = names[axis]
+            names = ac.codes
+            pairs = [(int(g), names[a]) for g, a in assignment.items() if a in names]
+            if pairs:
+                idx, val = zip(*pairs, strict=True)
+                codes[list(idx)] = val
         else:
-            codes = np.zeros(n + 1, dtype=np.int64)
             codes[:n] = np.asarray(assignment, dtype=np.int64)[:n]
-        sizes = np.array([1, *mesh.values()], dtype=np.int64)
-        ok = self.tables.splittable & (self.tables.divisor % sizes[codes] == 0)
+        ok = self.tables.splittable & (self.tables.divisor % ac.int_sizes[codes] == 0)
         return np.where(ok, codes, 0)
 
     def assignment_from_specs(self, plan: Plan, data_axis: str = "data") -> dict[int, str]:
@@ -152,96 +155,152 @@ class CostModel:
 
     # ---- the kernel -------------------------------------------------------------------
 
-    def _costs_for(self, mesh: dict[str, int]) -> C.AxisCosts:
+    def _costs_for(self, mesh: Mapping[str, int]) -> C.AxisCosts:
         key = tuple(mesh.items())
         if key not in self._axis_costs:
             self._axis_costs[key] = C.AxisCosts(self.cluster, mesh)
         return self._axis_costs[key]
 
-    def _evaluate(self, A, mesh, zero_stage, microbatches, remat, data_axis, detail) -> Cost:
+    def state(
+        self,
+        assignment,
+        mesh: Mapping[str, int],
+        *,
+        microbatches: int = 1,
+        remat: bool = False,
+        detail: bool = False,
+    ) -> K.State:
+        """An evaluated assignment, the base of `evaluate_delta`."""
+        return self._state(self.codes(assignment, mesh), dict(mesh), microbatches, remat, detail)
+
+    def evaluate_delta(
+        self,
+        base: K.State,
+        changes: Mapping[int, str | None],
+        *,
+        zero_stage: int = 0,
+        data_axis: str | None = None,
+    ) -> tuple[Cost, K.State]:
+        """The cost of `base` with a few groups moved to other axes, recomputing only the
+        sets and rows that mention them. Returns the cost and the new state (the base of
+        the next move when a searcher accepts this one)."""
+        T, mesh = self.tables, base.mesh
+        ac = self._costs_for(mesh)
+        names = {name: i for i, name in enumerate(mesh, start=1)}
+        A = base.codes.copy()
+        for g, axis in changes.items():
+            code = names.get(axis, 0) if axis is not None else 0
+            ok = T.splittable[g] and T.divisor[g] % int(ac.sizes[code]) == 0
+            A[g] = code if ok else 0
+        gs = [g for g in changes if A[g] != base.codes[g]]
+        if not gs:
+            return self._finish(base, zero_stage, data_axis), base
+        sets, sub_sets, sub_p, sub_r, idx = self._touched(gs)
+        P, inv = base.P.copy(), base.inv.copy()
+        P[sets], inv[sets] = K.set_axes(A, sub_sets, ac.sizes)
+        key, nbytes, count, grad, time = K.rows(
+            sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.reduce_scatter
+        )
+        # One signed pass: the touched rows' new contributions minus their old ones.
+        both = K.sums(
+            np.concatenate([key, base.key[idx]]),
+            np.concatenate([nbytes, -base.nbytes[idx]]),
+            np.concatenate([count, -base.count[idx]]),
+            np.concatenate([grad, grad]),
+            np.concatenate([time, -base.time[idx]]),
+            len(C.KINDS) * ac.masks,
+            signed=True,
+        )
+        state = K.State(
+            codes=A,
+            mesh=mesh,
+            microbatches=base.microbatches,
+            remat=base.remat,
+            P=P,
+            inv=inv,
+            key=_patch(base.key, idx, key),
+            nbytes=_patch(base.nbytes, idx, nbytes),
+            count=_patch(base.count, idx, count),
+            time=_patch(base.time, idx, time),
+            sums=base.sums + both,
+        )
+        return self._finish(state, zero_stage, data_axis), state
+
+    def _touched(self, gs) -> tuple:
+        """Sets holding any of the groups and the rows that read them (as sub-tables, and
+        as indices of their virtual rows): cached, searchers revisit the same groups."""
+        key = tuple(sorted(gs))
+        hit = self._touch_cache.get(key)
+        if hit is None:
+            T = self.tables
+            in_set = np.isin(T.sets, key).any(axis=1)
+            p, r = T.partial, T.reshard
+            prow = np.nonzero(
+                np.isin(p.group, key).any(axis=1) | in_set[p.small].any(axis=1) | in_set[p.tset]
+            )[0]
+            rrow = np.nonzero(
+                np.isin(r.group[:, 0], key)
+                | in_set[r.small[:, 0]]
+                | in_set[r.tset]
+                | in_set[r.tsmall]
+                | in_set[r.other]
+            )[0]
+            sets = np.nonzero(in_set)[0]
+            n_p = len(p.tset)
+            idx = np.concatenate([prow, prow + n_p, rrow + 2 * n_p])
+            hit = (sets, T.sets[sets], _take(p, prow), _take(r, rrow), idx)
+            if len(self._touch_cache) < 4096:
+                self._touch_cache[key] = hit
+        return hit
+
+    def _state(self, A, mesh, microbatches, remat, detail) -> K.State:
         T = self.tables
         ac = self._costs_for(mesh)
-        S = ac.sizes
-        k = len(mesh)
-        AS = A[T.sets]  # [n_sets, K] axis code of each group of each set
-        P = np.zeros((AS.shape[0], k + 1), dtype=bool)  # set holds axis a
-        div = np.ones(AS.shape[0])
-        for a in range(1, k + 1):
-            P[:, a] = (a == AS).any(axis=1)
-            div *= np.where(P[:, a], S[a], 1.0)
-        inv = 1.0 / div
-
-        compute = float(T.compute_coef @ inv)
-        if remat:
-            compute += float(T.remat_coef @ inv)
-
+        P, inv = K.set_axes(A, T.sets, ac.sizes)
         m = max(1, int(microbatches))
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
-        bit = ac.bit
-        parts = [
-            _partial_rows(partial, A, P, S, bit, inv, m, self.cluster.reduce_scatter),
-            _reshard_rows(reshard, A, P, S, bit, inv, m),
-        ]
-        kind = np.concatenate([p[0] for p in parts])
-        axis = np.concatenate([p[1] for p in parts])
-        nbytes = np.concatenate([p[2] for p in parts])
-        count = np.concatenate([p[3] for p in parts])
-        grad = np.concatenate([p[4] for p in parts])
-        ops = np.concatenate([p[5] for p in parts]) if detail else None
+        key, nbytes, count, grad, time = K.rows(
+            partial, reshard, A, P, inv, ac, m, self.cluster.reduce_scatter
+        )
+        sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+        return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
+    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
+        T, mesh = self.tables, st.mesh
+        ac = self._costs_for(mesh)
+        inv, P = st.inv, st.P
+        compute = float(T.compute_coef @ inv)
+        if st.remat:
+            compute += float(T.remat_coef @ inv)
         if data_axis is None:
             data_axis = "data" if "data" in mesh else None
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
-        D = S[d] if d else 1.0
-        if zero_stage >= 1 and D > 1:
-            # Gradients reduce-scattered over data, updated (or used) parameters gathered.
-            zg = grad & (axis == bit[d]) & (kind == C.AR)
-            kind = np.where(zg, C.RS, kind)
-            extra = np.where(zg)[0]
-            kind = np.concatenate([kind, np.full(len(extra), C.AG)])
-            axis = np.concatenate([axis, axis[extra]])
-            nbytes = np.concatenate([nbytes, nbytes[extra]])
-            count = np.concatenate([count, count[extra]])
-            grad = np.concatenate([grad, grad[extra]])
-            if detail:
-                ops = np.concatenate([ops, ops[extra]])
-
-        # Gradient collectives: one combined occurrence per (kind, axis).
-        nk, nm = len(C.KINDS), ac.masks
-        key = kind * nm + axis
-        comb_bytes = np.bincount(key[grad], nbytes[grad], minlength=nk * nm)
-        comb_any = np.bincount(key[grad], minlength=nk * nm) > 0
-        ng = ~grad
-        tot_bytes = np.bincount(key[ng], nbytes[ng], minlength=nk * nm) + comb_bytes
-        tot_count = np.bincount(key[ng], count[ng], minlength=nk * nm) + comb_any
-        row_time = ac.time(kind[ng], axis[ng], nbytes[ng], count[ng])
-        tot_time = np.bincount(key[ng], row_time, minlength=nk * nm).astype(float)
-        kk, aa = np.divmod(np.arange(nk * nm), nm)
-        tot_time += np.where(comb_any, ac.time(kk, aa, comb_bytes, comb_any.astype(float)), 0.0)
+        D = ac.sizes[d] if d else 1.0
+        zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
+        tot_time, tot_bytes, tot_count, kk, aa = K.totals(st.sums, ac, zero_mask)
         comm = float(tot_time.sum())
         collectives = tuple(
             Collective(
                 C.KINDS[kk[i]],
                 ac.names[aa[i]],
                 float(tot_bytes[i]),
-                int(tot_count[i]),
+                round(tot_count[i]),
                 float(tot_time[i]),
             )
-            for i in np.nonzero(tot_count)[0]
-            if aa[i] > 0
+            for i in np.nonzero((tot_count > 0) & (aa > 0))[0]
         )
-
-        zdiv = np.where(P[:, d], 1.0, D) if d else np.ones_like(inv)
-        params = float(T.param_coef @ (inv / (zdiv if zero_stage >= 3 else 1.0)))
-        grads = float(T.param_coef @ (inv / (zdiv if zero_stage >= 2 else 1.0)))
-        opt = float(T.opt_coef @ (inv / (zdiv if zero_stage >= 1 else 1.0)))
-        acts = float((T.act_remat_coef if remat else T.act_coef) @ inv) / m
-        other = float(T.other_coef @ inv)
+        # [params, opt, acts, remat acts, other] bytes, sharded; with ZeRO also over data.
+        plain = T.memory_coef @ inv
+        zeroed = T.memory_coef[:2] @ (inv / np.where(P[:, d], 1.0, D)) if zero_mask else plain
+        params = float(zeroed[0] if zero_stage >= 3 else plain[0])
+        grads = float(zeroed[0] if zero_stage >= 2 else plain[0])
+        opt = float(zeroed[1] if zero_stage >= 1 else plain[1])
+        acts = float(plain[3] if st.remat else plain[2]) / st.microbatches
+        other = float(plain[4])
         memory = params + grads + opt + acts + other
         limit = self.cluster.memory_limit
-        feasible = memory <= limit
         reason = ""
-        if not feasible:
+        if memory > limit:
             reason = (
                 f"needs {memory / 1e9:.2f} GB per device (parameters {params / 1e9:.2f}, "
                 f"gradients {grads / 1e9:.2f}, optimizer state {opt / 1e9:.2f}, activations "
@@ -250,17 +309,16 @@ class CostModel:
             )
         per_op: tuple = ()
         if detail:
-            per_op = self._per_op(inv, ops[ng], row_time)
+            per_op = self._per_op(st)
         step = compute + comm
-        devices = math.prod(mesh.values()) if mesh else 1
         return Cost(
             step_time_s=step,
             compute_s=compute,
             comm_s=comm,
             bubble_s=0.0,
             memory_bytes=memory,
-            mfu=self._mfu(step, devices),
-            feasible=feasible,
+            mfu=self._mfu(step, math.prod(mesh.values()) if mesh else 1),
+            feasible=memory <= limit,
             reason=reason,
             memory_limit_bytes=limit,
             memory_breakdown={
@@ -279,52 +337,20 @@ class CostModel:
             return 0.0
         return self._total_flops / (step * self.cluster.peak_flops * devices)
 
-    def _per_op(self, inv, ops, row_time) -> tuple[tuple[int, float, float], ...]:
+    def _per_op(self, st: K.State) -> tuple[tuple[int, float, float], ...]:
+        """(op, compute s, comm s) per op; gradient collectives (combined) are not split."""
         T = self.tables
-        comp = T.op_coef * inv[T.op_set]
-        comm = np.bincount(ops, row_time, minlength=len(comp))
+        comp = T.op_coef * st.inv[T.op_set]
+        ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
+        comm = np.bincount(ops, st.time, minlength=len(comp))
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
 
 
-def _partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
-    a = A[R.group]  # [rows, KR]
-    act = (a > 0) & ~P[R.small, a]
-    inout = act & P[R.tset[:, None], a]
-    ar = np.bitwise_or.reduce(np.where(act & ~inout, bit[a], 0), axis=1)
-    rs = np.bitwise_or.reduce(np.where(inout, bit[a], 0), axis=1)
-    base = R.nbytes * inv[R.tset]
-    count = np.where(R.grad, R.count, R.count * m)
-    # Split on axes the output keeps: reduce-scatter of the unsplit result over them;
-    # split on the others: all-reduce over their joint axes. Without reduce-scatters
-    # (XLA on the CPU) one all-reduce of the unsplit result over all of them.
-    rs_bytes = base * np.prod(np.where(inout, S[a], 1.0), axis=1)
-    if not reduce_scatter:
-        ar, rs, base = ar | rs, np.zeros_like(rs), rs_bytes
-    i, j = np.nonzero(ar)[0], np.nonzero(rs)[0]
-    kind = np.concatenate([np.full(len(i), C.AR), np.full(len(j), C.RS)])
-    idx = np.concatenate([i, j])
-    nbytes = np.concatenate([base[i], rs_bytes[j]])
-    return kind, np.concatenate([ar[i], rs[j]]), nbytes, count[idx], R.grad[idx], R.op[idx]
+def _take(R: RowTable, idx: np.ndarray) -> RowTable:
+    return RowTable(**{f.name: getattr(R, f.name)[idx] for f in dataclasses.fields(R)})
 
 
-def _reshard_rows(R: RowTable, A, P, S, bit, inv, m):
-    h = R.group[:, 0]
-    a = A[h]
-    has = (a > 0) & ~P[R.tsmall, a]
-    active = has & (R.untied | P[R.small[:, 0], a])
-    a2a = P[R.other, a]
-    base = R.nbytes * inv[R.tset]
-    kind = np.where(a2a, C.A2A, C.AG)
-    nbytes = np.where(a2a, base, base * S[a])
-    return _active(active, kind, bit[a], nbytes, R.count * m, R.grad, R.op)
-
-
-def _active(active, kind, a, nbytes, count, grad, op):
-    i = np.nonzero(active)[0]
-    return kind[i], a[i], nbytes[i], count[i], grad[i], op[i]
-
-
-def _replace(cost: Cost, **kw) -> Cost:
-    import dataclasses
-
-    return dataclasses.replace(cost, **kw)
+def _patch(a: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out[idx] = values
+    return out

@@ -80,6 +80,7 @@ class Tables:
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
+    memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
@@ -188,6 +189,12 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_coef_a = np.array(op_coef, dtype=float)
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
+    param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
+    opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
+    other_coef = by_set(
+        leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
+    )
+    act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
     return Tables(
         sets=sets,
         splittable=split,
@@ -196,13 +203,12 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         op_coef=op_coef_a,
         compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets),
         remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets),
-        param_coef=by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM)),
-        opt_coef=by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE)),
-        other_coef=by_set(
-            leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
-        ),
-        act_coef=by_set(res.saved),
-        act_remat_coef=by_set(res.saved_remat),
+        param_coef=param_coef,
+        opt_coef=opt_coef,
+        other_coef=other_coef,
+        act_coef=act_coef,
+        act_remat_coef=act_remat_coef,
+        memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
         partial=partial_full.merged(),
         reshard=reshard_full.merged(),
         partial_full=partial_full,
