@@ -20,7 +20,7 @@ import numpy as np
 
 from ._graph import Graph, Role
 from ._plan import Plan, Spec
-from ._rules import rule
+from ._rules import minor_factors, rule
 
 _DIGITS = re.compile(r"\d+")
 
@@ -100,6 +100,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
 
     reduced_flat: set[int] = set()
     whole_flat: set[int] = set()
+    minor_flat: list[tuple[int, int]] = []
     op_dims: list[list[int]] = []
     for op in graph.ops:
         r = rule(op, graph)
@@ -109,6 +110,10 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
                 parent[max(a, b)] = min(a, b)  # smaller root: deterministic ids
         reduced_flat.update(int(offsets[t]) + d for t, d in r.reduced)
         whole_flat.update(int(offsets[t]) + d for t, d in r.whole)
+        minor_flat += [
+            (int(offsets[a[0]]) + a[1], int(offsets[b[0]]) + b[1])
+            for a, b in minor_factors(op, graph)
+        ]
         touched = [*op.inputs, *op.outputs]
         op_dims.append([int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)])
 
@@ -131,6 +136,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
     reduced[flat_gid[sorted(reduced_flat)]] = True
     whole = np.zeros(n, dtype=bool)
     whole[flat_gid[sorted(whole_flat)]] = True
+    whole |= _pinned_minors(graph, members, flat_gid, minor_flat, whole)
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
@@ -163,6 +169,22 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
         tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
         tensor_groups,
     )
+
+
+def _pinned_minors(graph, members, flat_gid, minor_flat, whole) -> np.ndarray:
+    """Groups of minor reshape factors whose major factor can be split (head_dim next to
+    heads): kept whole. Splitting both is what XLA would express as one dim on two axes
+    (then an all-reduce over both at the next matmul); splitting head_dim is never useful."""
+    out = np.zeros(len(members), dtype=bool)
+    for major, minor in minor_flat:
+        gm, gn = flat_gid[major], flat_gid[minor]
+        if gm == gn or whole[gm]:
+            continue
+        tensors = [t for t, _ in members[gm]]
+        sizes = [graph.tensors[t].shape[d] for t, d in members[gm]]
+        if len(set(tensors)) == len(tensors) and math.gcd(*sizes) > 1:
+            out[gn] = True
+    return out
 
 
 def _layer_classes(graph: Graph, groups: list[dict], layer_grouping: bool) -> list[int]:

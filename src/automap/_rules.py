@@ -245,9 +245,14 @@ def reshape_ties(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]
     """Dim pairs a reshape keeps: walk both shapes in blocks of equal product and tie the
     major (first, non-1) dims of each block. Splitting hidden into heads x head_dim ties
     hidden to heads: a block split of hidden on k devices is a split of heads on k."""
+    return [(ia[0], jb[0]) for ia, jb in reshape_blocks(src, dst)]
+
+
+def reshape_blocks(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list, list]]:
+    """The blocks of equal product (source dims, destination dims), size-1 dims left out."""
     a = [d for d in range(len(src)) if src[d] != 1]
     b = [d for d in range(len(dst)) if dst[d] != 1]
-    ties: list[tuple[int, int]] = []
+    blocks: list[tuple[list, list]] = []
     i = j = 0
     while i < len(a) and j < len(b):
         ia, jb = [a[i]], [b[j]]
@@ -263,9 +268,22 @@ def reshape_ties(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int]
                 jb.append(b[j])
                 j += 1
             else:
-                return ties  # shapes do not line up (cannot happen for a valid reshape)
-        ties.append((ia[0], jb[0]))
-    return ties
+                return blocks  # shapes do not line up (cannot happen for a valid reshape)
+        blocks.append((ia, jb))
+    return blocks
+
+
+def minor_factors(op: Op, graph: Graph) -> list[tuple[DimRef, DimRef]]:
+    """(major, minor) dims a reshape merges into one (heads, head_dim -> hidden). With both
+    split, XLA keeps the merged dim split on both axes, which one axis per group cannot
+    express: `build_groups` keeps such minor dims whole when their major can be split."""
+    if op.primitive != "reshape" or op.params.get("dimensions") is not None:
+        return []
+    t, o = op.inputs[0], op.outputs[0]
+    out = []
+    for ia, jb in reshape_blocks(graph.tensors[t].shape, graph.tensors[o].shape):
+        out += [((t, ia[0]), (t, d)) for d in ia[1:]] + [((o, jb[0]), (o, d)) for d in jb[1:]]
+    return out
 
 
 def _pad(op, shapes, outs):
