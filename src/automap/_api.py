@@ -61,8 +61,11 @@ def plan(
     seed: int = 0,
     roles: Any = None,
     origin: Mapping[str, Any] | None = None,
+    progress: bool = False,
 ) -> Plan:
     """Find a fast feasible plan for `step_fn(*args)` on `cluster`.
+
+    `progress=True` shows a progress bar with the best step time so far.
 
     `searcher="auto"` picks the strongest searcher this version has. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
@@ -72,7 +75,7 @@ def plan(
     _check_tasks(tasks)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
-    best = run_searcher(problem, name, budget_s, seed)
+    best = run_searcher(problem, name, budget_s, seed, progress)
     # The whole call, capture included: what the user waited for.
     provenance = dataclasses.replace(
         best.provenance,
@@ -82,14 +85,16 @@ def plan(
     return dataclasses.replace(best, provenance=provenance)
 
 
-def run_searcher(problem: Problem, name: str, budget_s: float, seed: int) -> Plan:
+def run_searcher(
+    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+) -> Plan:
     """One searcher on a built problem: its best plan, priced, with provenance."""
     name = _check_searcher(name)
     start = time.perf_counter()
     if name == "expert":
         best = _best_expert(problem)
     else:
-        best = _search_space(problem, name, budget_s, seed)
+        best = _search_space(problem, name, budget_s, seed, progress)
     provenance = Provenance(
         searcher=name,
         seed=seed,
@@ -154,36 +159,24 @@ def _best_expert(problem: Problem) -> Plan:
     return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
 
 
-def _search_space(problem: Problem, name: str, budget_s: float, seed: int) -> Plan:
-    """Run a space searcher (random, exhaustive, mcmc) and turn its best point into a plan."""
-    from ._search import Tracker, search_exhaustive, search_mcmc, search_random
-    from ._space import ShardSpace
+def _search_space(
+    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+) -> Plan:
+    """A space searcher's best plan; the DQN's is never worse than the best expert plan."""
+    from ._searchers import run_space_searcher, with_stats
 
-    space = ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
-    tracker = Tracker(budget_s=budget_s)
-    if name == "random":
-        search_random(space, tracker, seed)
-    elif name == "mcmc":
-        search_mcmc(space, tracker, seed)
-    else:
+    found, stats = run_space_searcher(problem, name, budget_s, seed, progress)
+    plan = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
+    if name == "dqn":
         try:
-            search_exhaustive(space, tracker)
-        except ValueError as e:
-            raise AutomapError(str(e)) from None
-    if tracker.best is None:
-        raise InfeasibleError(
-            f"the {name} search found no feasible plan in {tracker.evaluated} tries; "
-            "give it a larger --budget, or use more devices or a smaller batch."
-        )
-    mesh_index, options, zero = tracker.best
-    plan = space.to_plan(mesh_index, options, zero, name=name)
-    decisions = {
-        **plan.decisions,
-        "arg_roles": arg_roles(problem.graph),
-        "evaluated": tracker.evaluated,
-        "time_to_best_s": round(tracker.time_to_best_s, 3),
-    }
-    return dataclasses.replace(plan, decisions=decisions)
+            expert = _best_expert(problem)
+        except InfeasibleError:
+            return plan
+        if expert.predicted.step_time_s < plan.predicted.step_time_s:
+            return dataclasses.replace(
+                expert, name=f"dqn ({expert.name})", decisions={**expert.decisions, **stats}
+            )
+    return plan
 
 
 def _infeasible_message(problem: Problem, plans: Mapping[str, Plan]) -> str:
@@ -204,15 +197,15 @@ def _infeasible_message(problem: Problem, plans: Mapping[str, Plan]) -> str:
 
 def _check_searcher(searcher: str) -> str:
     if searcher == "auto":
-        return "expert"
+        return "dqn"
     if searcher not in SEARCHERS:
         raise AutomapError(
             f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
         )
-    if searcher not in ("expert", "random", "exhaustive", "mcmc"):
+    if searcher not in ("expert", "random", "exhaustive", "mcmc", "dqn"):
         raise AutomapError(
             f"searcher {searcher!r} is not available in automap {__version__} yet; "
-            "use 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
+            "use 'dqn', 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
         )
     return searcher
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class Tracker:
     time_to_best_s: float = 0.0
     evaluated: int = 0
     curve: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+    # Called after each evaluation with (point, cost, best time so far): progress bars.
+    on_offer: Callable[[Point, Cost, float], None] | None = None
 
     def offer(self, point: Point, cost: Cost) -> None:
         self.evaluated += 1
@@ -44,6 +47,8 @@ class Tracker:
             self.best, self.best_time = point, cost.step_time_s
             self.time_to_best_s = self.elapsed
         self.curve.append((self.evaluated, self.best_time, cost.step_time_s))
+        if self.on_offer is not None:
+            self.on_offer(point, cost, self.best_time)
 
     @property
     def elapsed(self) -> float:

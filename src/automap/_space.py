@@ -30,6 +30,7 @@ from ._plan import Cost, Plan
 DATA, MODEL = "data", "model"
 OPTIONS = (None, DATA, MODEL)
 ZERO_STAGES = (0, 1, 2, 3)
+TASKS = ("shard", "replicate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +125,20 @@ class ShardSpace:
         cluster: Cluster,
         cost_model: CostModel,
         pruning: Pruning = Pruning(),
+        task: str = "shard",
     ):
         self.graph, self.groups, self.cluster, self.cost_model = graph, groups, cluster, cost_model
         self.pruning = pruning
-        self.meshes = candidate_meshes(cluster.devices, pruning.symmetry)
+        if task not in TASKS:
+            raise ValueError(f"unknown space task {task!r}; this space serves {TASKS}")
+        self.task = task
+        # The replication task is data parallelism alone: which dimensions go on the data
+        # axis (the batch, found by the search) and which ZeRO stage.
+        self.meshes = (
+            candidate_meshes(cluster.devices, pruning.symmetry)
+            if task == "shard"
+            else [{DATA: cluster.devices}]
+        )
         self.units = build_units(graph, groups, pruning.layer_grouping)
         self.neighbours = _cooccurrence(groups, self.units)
 
@@ -204,3 +215,34 @@ class ShardSpace:
             zero_stage=zero_stage,
         )
         return dataclasses.replace(plan, predicted=self.cost_model.estimate(plan))
+
+
+def make_process(graph: Graph, cluster: Cluster, task: str = "shard", pruning: Pruning = Pruning()):
+    """A DecisionProcess for the DQN (automap.rl) over this program's space for `task`."""
+    from ._linkage import build_groups
+    from ._process import ShardProcess
+
+    if task not in TASKS:
+        raise ValueError(
+            f"task {task!r} has no decision process yet; available: {', '.join(TASKS)}"
+        )
+    groups = build_groups(graph, layer_grouping=pruning.layer_grouping)
+    cost_model = CostModel(graph, cluster, groups)
+    space = ShardSpace(graph, groups, cluster, cost_model, pruning, task=task)
+    return ShardProcess(space, baseline_time(space))
+
+
+def baseline_time(space: ShardSpace) -> float:
+    """The reward's yardstick: data parallelism's step time, else the best expert's, else
+    the plan with nothing split."""
+    from ._expert import expert_plans_for
+
+    plans = expert_plans_for(space.graph, space.groups, space.cluster)
+    costs = {name: space.cost_model.estimate(p) for name, p in plans.items()}
+    dp = costs.get("data_parallel")
+    if dp is not None and dp.feasible:
+        return dp.step_time_s
+    feasible = [c.step_time_s for c in costs.values() if c.feasible]
+    if feasible:
+        return min(feasible)
+    return space.evaluate(0, [0] * len(space.units)).step_time_s

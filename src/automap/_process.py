@@ -1,0 +1,172 @@
+"""The shard space as a sequential decision process, for the DQN agent (`automap.rl`).
+
+An episode is: choose the mesh, then one option per unit (keep whole, split on data, split
+on model) in program order, then a ZeRO stage when the mesh has a data axis. Observations
+are fixed-size feature vectors of the next decision and of the plan so far, so one network
+serves models of any size (and a trained agent can warm-start another model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ._space import DATA, MODEL, OPTIONS, ShardSpace
+
+N_ACTIONS = 8  # enough for the meshes of up to 128 devices, the 3 options and 4 ZeRO stages
+OBS_DIM = 24
+_MESH, _UNIT, _ZERO = 0, 1, 2
+
+
+class ShardProcess:
+    """DecisionProcess over a ShardSpace (see automap.rl.DecisionProcess)."""
+
+    obs_dim = OBS_DIM
+
+    def __init__(self, space: ShardSpace, baseline_time: float):
+        self.space = space
+        self.baseline_time = float(baseline_time)
+        self.n_actions = max(N_ACTIONS, len(space.meshes))
+        units = space.units
+        self._total_bytes = sum(u.bytes for u in units) or 1.0
+        self._total_flops = sum(u.flops for u in units) or 1.0
+        self._log_devices = math.log2(max(space.cluster.devices, 2))
+        self.reset()
+
+    # ---- the protocol -----------------------------------------------------------------
+
+    def reset(self) -> None:
+        self._mesh: int | None = None
+        self._options: list[int] = []
+        self._zero: int | None = None
+        self._actions: list[int] = []
+        self._running = 1.0  # predicted time of the partial plan / baseline
+
+    def _phase(self) -> int:
+        if self._mesh is None:
+            return _MESH
+        if len(self._options) < len(self.space.units):
+            return _UNIT
+        return _ZERO
+
+    def done(self) -> bool:
+        if self._mesh is None or len(self._options) < len(self.space.units):
+            return False
+        return self._zero is not None or len(self._zero_options()) == 1
+
+    def _zero_options(self) -> tuple[int, ...]:
+        return self.space.zero_options(self.space.meshes[self._mesh])
+
+    def action_mask(self) -> np.ndarray:
+        mask = np.zeros(self.n_actions, bool)
+        phase = self._phase()
+        if phase == _MESH:
+            mask[: len(self.space.meshes)] = True
+        elif phase == _UNIT:
+            mesh = self.space.meshes[self._mesh]
+            allowed = self.space.allowed(mesh, len(self._options), self._options)
+            mask[: len(OPTIONS)] = allowed
+        else:
+            mask[list(self._zero_options())] = True
+        return mask
+
+    def step(self, action: int) -> None:
+        action = int(action)
+        if not self.action_mask()[action]:
+            raise ValueError(f"action {action} is masked in this state")
+        self._actions.append(action)
+        phase = self._phase()
+        if phase == _MESH:
+            self._mesh = action
+        elif phase == _UNIT:
+            self._options.append(action)
+        else:
+            self._zero = action
+        if phase != _ZERO:
+            self._running = self._partial_time() / self.baseline_time
+
+    def _partial_time(self) -> float:
+        # Undecided units count as kept whole: the running cost of the plan so far.
+        options = self._options + [0] * (len(self.space.units) - len(self._options))
+        return self.space.evaluate(self._mesh, options).step_time_s
+
+    def result(self) -> tuple[float, bool, float]:
+        cost = self.space.evaluate(self._mesh, self._options, zero_stage=self._zero or 0)
+        over = max(0.0, cost.memory_bytes / max(cost.memory_limit_bytes, 1.0) - 1.0)
+        return cost.step_time_s, cost.feasible, over
+
+    def decisions(self) -> tuple[int, ...]:
+        return tuple(self._actions)
+
+    def observation(self) -> np.ndarray:
+        obs = np.zeros(OBS_DIM, np.float32)
+        phase = self._phase()
+        obs[phase] = 1.0  # [0:3] phase one-hot
+        n_units = max(len(self.space.units), 1)
+        obs[3] = len(self._options) / n_units  # progress
+        if self._mesh is not None:
+            mesh = self.space.meshes[self._mesh]
+            obs[4] = math.log2(mesh.get(DATA, 1)) / self._log_devices
+            obs[5] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
+            obs[6] = float(next(iter(mesh)) == MODEL) if len(mesh) > 1 else 0.0  # model outer
+        obs[7] = min(self._running, 10.0) / 10.0  # running cost / baseline, clipped
+        if phase == _UNIT:
+            self._unit_features(obs)
+        # [18:21] how the bytes decided so far are split: whole, data, model
+        for k, unit in zip(self._options, self.space.units, strict=False):
+            obs[18 + k] += unit.bytes / self._total_bytes
+        obs[21] = len(self.space.units) / 256.0  # size of the problem
+        obs[22] = self._log_devices / 10.0
+        obs[23] = 1.0 if self.space.pruning.zero else 0.0
+        return obs
+
+    def _unit_features(self, obs: np.ndarray) -> None:
+        i = len(self._options)
+        unit = self.space.units[i]
+        mesh = self.space.meshes[self._mesh]
+        obs[8] = unit.bytes / self._total_bytes
+        obs[9] = unit.flops / self._total_flops
+        obs[10] = float(unit.params)
+        obs[11] = float(unit.batch)
+        obs[12] = unit.position
+        obs[13] = float(unit.divisor % mesh.get(DATA, 1) == 0)
+        obs[14] = float(unit.divisor % mesh.get(MODEL, 1) == 0)
+        neighbours = self.space.neighbours[i]
+        decided = [self._options[v] for v in neighbours if v < i]
+        if decided:
+            obs[15] = sum(k == 1 for k in decided) / len(decided)  # neighbours on data
+            obs[16] = sum(k == 2 for k in decided) / len(decided)  # neighbours on model
+        obs[17] = len(neighbours) / max(len(self.space.units), 1)
+
+    # ---- to and from plans ------------------------------------------------------------
+
+    def to_point(self, decisions: Sequence[int]) -> tuple[int, tuple[int, ...], int]:
+        mesh, rest = decisions[0], list(decisions[1:])
+        options = tuple(rest[: len(self.space.units)])
+        zero = rest[len(self.space.units)] if len(rest) > len(self.space.units) else 0
+        return mesh, options, zero
+
+    def decisions_for(
+        self, mesh: Mapping[str, int], assignment: Mapping[int, str | None], zero_stage: int
+    ) -> tuple[int, ...] | None:
+        """The decision sequence of a plan given as an assignment (an expert plan), if it is
+        a point of this space (same mesh, every unit's groups on one option, not masked)."""
+        if dict(mesh) not in self.space.meshes:
+            return None
+        mesh_index = self.space.meshes.index(dict(mesh))
+        options: list[int] = []
+        for u, unit in enumerate(self.space.units):
+            chosen = {assignment.get(g) for g in unit.groups}
+            if len(chosen) != 1:
+                return None
+            k = OPTIONS.index(chosen.pop())
+            if not self.space.allowed(self.space.meshes[mesh_index], u, options)[k]:
+                return None
+            options.append(k)
+        zeros = self.space.zero_options(self.space.meshes[mesh_index])
+        if zero_stage not in zeros:
+            return None
+        tail = (zero_stage,) if len(zeros) > 1 else ()
+        return (mesh_index, *options, *tail)

@@ -1,0 +1,168 @@
+"""Running a space searcher (dqn, random, mcmc, exhaustive) on a built problem.
+
+Every searcher explores the same `ShardSpace` under the same cost model and hands back its
+best point as a plan, with the learning curve (one row per episode or evaluation) in
+`plan.decisions["curve"]`. Budgets are counted in episodes or evaluations at a nominal
+rate (see `_search.EVALS_PER_SECOND`), so the same seed gives the same plan anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ._errors import AutomapError, InfeasibleError
+from ._expert import expert_assignments
+from ._plan import Plan
+from ._search import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
+from ._space import ShardSpace, baseline_time
+
+if TYPE_CHECKING:
+    from ._api import Problem
+
+# The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
+EPISODES_PER_SECOND = 10
+
+
+def run_space_searcher(
+    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+) -> tuple[Plan, dict[str, Any]]:
+    """(best plan, search stats) for searcher `name` over the problem's shard space."""
+    space = ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
+    with _Progress(progress, name) as bar:
+        if name == "dqn":
+            point, stats = _dqn(space, budget_s, seed, bar)
+        else:
+            point, stats = _classic(space, name, budget_s, seed, bar)
+    if point is None:
+        raise InfeasibleError(
+            f"the {name} search found no feasible plan in {stats['evaluated']} tries; "
+            "give it a larger budget, or use more devices or a smaller batch."
+        )
+    plan = space.to_plan(*point, name=name)
+    return plan, stats
+
+
+def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: _Progress):
+    tracker = Tracker(budget_s=budget_s)
+    bar.start(tracker.max_evals if name != "exhaustive" else space.size())
+    tracker.on_offer = bar.advance
+    if name == "random":
+        search_random(space, tracker, seed)
+    elif name == "mcmc":
+        search_mcmc(space, tracker, seed, start=_expert_start(space))
+    elif name == "exhaustive":
+        try:
+            search_exhaustive(space, tracker)
+        except ValueError as e:
+            raise AutomapError(str(e)) from None
+    else:
+        raise AutomapError(f"no space searcher called {name!r}")
+    curve = [
+        {"episode": i, "best_time": best, "current_time": current}
+        for i, best, current in tracker.curve
+    ]
+    stats = {
+        "evaluated": tracker.evaluated,
+        "time_to_best_s": round(tracker.time_to_best_s, 3),
+        "curve": curve,
+    }
+    return tracker.best, stats
+
+
+def _expert_start(space: ShardSpace):
+    """MCMC starts from the best expert plan that is a point of the space, when there is one."""
+    from ._process import ShardProcess
+
+    process = ShardProcess(space, 1.0)
+    best, best_time = None, float("inf")
+    for mesh, assignment, zero in expert_assignments(
+        space.graph, space.groups, space.cluster
+    ).values():
+        decisions = process.decisions_for(mesh, assignment, zero)
+        if decisions is None:
+            continue
+        point = process.to_point(decisions)
+        cost = space.evaluate(point[0], point[1], zero_stage=point[2])
+        if cost.feasible and cost.step_time_s < best_time:
+            best, best_time = point, cost.step_time_s
+    return best
+
+
+def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
+    from ._process import ShardProcess
+    from .rl import DQNConfig
+    from .rl import search as dqn_search
+
+    process = ShardProcess(space, baseline_time(space))
+    seeds = []
+    for mesh, assignment, zero in expert_assignments(
+        space.graph, space.groups, space.cluster
+    ).values():
+        decisions = process.decisions_for(mesh, assignment, zero)
+        if decisions is not None and decisions not in seeds:
+            seeds.append(decisions)
+    episodes = max(len(seeds) + 1, int(budget_s * EPISODES_PER_SECOND))
+    bar.start(episodes)
+
+    def on_episode(episode, best, current, exploration, loss) -> None:
+        bar.advance(best_time=best)
+
+    result = dqn_search(
+        process,
+        budget_s=SAFETY * budget_s,
+        seed=seed,
+        config=DQNConfig(max_episodes=episodes),
+        seed_episodes=seeds,
+        on_episode=on_episode,
+    )
+    stats = {
+        "evaluated": result.episodes,
+        "episodes": result.episodes,
+        "time_to_best_s": round(result.time_to_best_s, 3),
+        "curve": result.curve,
+    }
+    if not result.best_feasible:
+        return None, stats
+    return process.to_point(result.best_decisions), stats
+
+
+class _Progress:
+    """A Rich progress bar with the best step time so far, or nothing when quiet."""
+
+    def __init__(self, enabled: bool, name: str):
+        self.enabled, self.name = enabled, name
+        self._bar = self._task = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("best {task.fields[best]}"), transient=True,
+            )  # fmt: skip
+            self._bar.__enter__()
+        return self
+
+    def start(self, total: int) -> None:
+        if self._bar is not None:
+            self._task = self._bar.add_task(self.name, total=total, best="—")
+
+    def advance(self, point: Any = None, cost: Any = None, best_time: float | None = None) -> None:
+        if self._bar is None or self._task is None:
+            return
+        fields = {}
+        if best_time is not None and best_time < float("inf"):
+            fields["best"] = f"{best_time * 1e3:.2f} ms"
+        elif cost is not None and getattr(cost, "feasible", False):
+            fields["best"] = f"{cost.step_time_s * 1e3:.2f} ms (last feasible)"
+        self._bar.update(self._task, advance=1, **fields)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+def with_stats(plan: Plan, stats: dict[str, Any], extra: dict[str, Any]) -> Plan:
+    return dataclasses.replace(plan, decisions={**plan.decisions, **extra, **stats})
