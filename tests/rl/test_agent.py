@@ -154,6 +154,12 @@ def test_warm_start_takes_weights_only():
     other = DQNAgent(process.obs_dim + 1, process.n_actions, config)
     with pytest.raises(ValueError, match="obs_dim"):
         other.from_state_dict(trained.to_state_dict())
+    for hidden in ((8, 8), (32,)):  # other widths, another depth
+        other = DQNAgent(
+            process.obs_dim, process.n_actions, dataclasses.replace(config, hidden=hidden)
+        )
+        with pytest.raises(ValueError, match="hidden"):
+            other.from_state_dict(trained.to_state_dict(), weights_only=True)
 
 
 # The learning test's settings: the defaults, but returns over 5 of the 8 steps (3 is the

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from automap.rl import DecisionProcess, PlanningEnv, plan_reward, search, write_curve
+from automap.rl import DecisionProcess, DQNAgent, PlanningEnv, plan_reward, search, write_curve
 
 from .toy import SMALL, AssignmentProcess
 
@@ -127,7 +127,10 @@ def test_search_plays_seed_episodes_first_and_keeps_the_best(tmp_path):
 def test_search_rejects_a_wrong_seed_episode_and_stops_on_time():
     process = AssignmentProcess(seed=0)
     with pytest.raises(ValueError, match="ends before"):
-        search(process, budget_s=10, seed_episodes=[(0, 0)])
+        search(process, budget_s=10, config=SMALL, seed_episodes=[(0, 0)])
+    agent = DQNAgent(process.obs_dim, process.n_actions, SMALL)
+    with pytest.raises(ValueError, match="either an agent or a config"):
+        search(process, budget_s=10, agent=agent, config=dataclasses.replace(SMALL, n_step=2))
     result = search(process, budget_s=0.0, config=SMALL)
     assert result.episodes == 0 and math.isinf(result.best_time) and not result.best_feasible
     # stop_at ends the search on the first plan that good: here the seeded baseline.

@@ -298,8 +298,19 @@ class DQNAgent:
             )
         s = self.state
         restore = flax.serialization.from_state_dict
-        params = jax.tree.map(jnp.asarray, restore(s.params, state["params"]))
-        target = jax.tree.map(jnp.asarray, restore(s.target_params, state["target_params"]))
+        mismatch = ValueError(
+            f"the saved network does not match this agent's hidden layers {self.config.hidden}"
+        )
+        try:
+            params = jax.tree.map(jnp.asarray, restore(s.params, state["params"]))
+            target = jax.tree.map(jnp.asarray, restore(s.target_params, state["target_params"]))
+        except ValueError as err:  # another depth, or noisy against plain layers
+            raise mismatch from err
+        # from_state_dict matches names, not shapes: a network of other widths must not slip in.
+        if [x.shape for x in jax.tree.leaves(params)] != [
+            x.shape for x in jax.tree.leaves(s.params)
+        ]:
+            raise mismatch
         if weights_only:
             opt_state = make_optimizer(self.config).init(params)
             self.state = TrainState(params, target, opt_state, s.step, s.rng)

@@ -69,6 +69,8 @@ def search(
     tests that know the optimum and measure the time to reach it).
     """
     env = PlanningEnv(process)
+    if agent is not None and config is not None and config != agent.config:
+        raise ValueError("pass either an agent or a config: the agent brings its own config")
     if agent is None:
         agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
     config = agent.config
