@@ -163,15 +163,25 @@ def plan_cmd(
         budget_s=budget,
         seed=seed,
         origin=origin,
+        progress=not (quiet or as_json),
     )
+    curve_path = None
     if output is not None:
         result.save(output)
+        if result.decisions.get("curve"):
+            from .rl import write_curve
+
+            # Next to the plan, where `automap report` looks for it.
+            curve_path = output.with_name(output.stem + ".curve.csv")
+            write_curve(result.decisions["curve"], curve_path)
     if as_json:
         print(json.dumps(plan_dict(result), indent=2))
     elif not quiet:
         print_plan(console, result, the_cluster)
         if output is not None:
             console.print(f"plan saved to [bold]{output}[/bold]")
+        if curve_path is not None:
+            console.print(f"learning curve saved to [bold]{curve_path}[/bold]")
 
 
 @app.command("compare")
