@@ -7,8 +7,10 @@ numpy operations over those tables:
 
 - a set's sharding divisor = the product of the distinct mesh-axis sizes on its groups;
 - compute: per op, flops / divisor / (peak x matmul efficiency) for dot/conv, bytes /
-  divisor / (HBM bandwidth x memory efficiency) for the rest (metadata ops are free);
-  ops sharing an iteration set are summed ahead of time, so compute is one dot product;
+  divisor / (HBM bandwidth x memory efficiency) for the rest, where an op that XLA fuses
+  (elementwise, layout, reductions) only pays for the tensors entering or leaving its
+  fusion (`_tables._fused_bytes`); ops sharing an iteration set are summed ahead of
+  time, so compute is one dot product;
 - partial sums: a reduced group split on axis a, when a is not dropped inside the op,
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
   itself split on a (what XLA's SPMD partitioner does);

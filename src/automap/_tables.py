@@ -17,7 +17,7 @@ from ._cluster import Cluster
 from ._graph import Graph, Role
 from ._linkage import Groups
 from ._memory import Residuals
-from ._rules import rule
+from ._rules import ELEMENTWISE, FREE, REDUCE_SUM_LIKE, rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +102,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
     forward = set(res.forward_ops)
+    fused_bytes = _fused_bytes(graph, res)
     wide = cluster.collective_float_bytes
 
     def comm_bytes(t: int) -> float:
@@ -131,6 +132,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         op_set.append(sid(it))
         if r.compute == "matmul":
             coef = op.flops / flop_rate
+        elif op.primitive in FUSIBLE:
+            coef = fused_bytes[op.index] / byte_rate
         elif r.compute == "memory":
             coef = (op.bytes_read + op.bytes_written) / byte_rate
         else:
@@ -214,6 +217,50 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         partial_full=partial_full,
         reshard_full=reshard_full,
     )
+
+
+# Ops XLA fuses into loops over their operands (elementwise chains, layout changes,
+# reductions as fusion roots): only tensors entering or leaving a fusion touch HBM.
+FUSIBLE = (
+    ELEMENTWISE
+    | FREE
+    | REDUCE_SUM_LIKE
+    | {
+        "transpose",
+        "concatenate",
+        "pad",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "rev",
+        "split",
+        "argmax",
+        "argmin",
+    }
+)
+
+
+def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
+    """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours: it
+    reads its operands that live in memory and writes its results that must (read by an
+    op that cannot fuse, a step output, kept for backward, or a reduction's result)."""
+    fusible = [op.primitive in FUSIBLE for op in graph.ops]
+    in_memory = np.zeros(len(graph.tensors), dtype=bool)
+    for t in graph.tensors:
+        p = t.producer
+        in_memory[t.id] = p is None or not fusible[p] or graph.ops[p].primitive in REDUCE_SUM_LIKE
+    for op in graph.ops:
+        if not fusible[op.index]:
+            in_memory[list(op.inputs)] = True
+    in_memory[[leaf.tensor for leaf in graph.outputs]] = True
+    in_memory[list(res.saved)] = True
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        if fusible[op.index]:
+            touched = [t for t in (*op.inputs, *op.outputs) if in_memory[t]]
+            out[op.index] = nbytes[touched].sum()
+    return out
 
 
 def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
