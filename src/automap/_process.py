@@ -35,6 +35,12 @@ class ShardProcess:
         self._log_devices = math.log2(max(space.cluster.devices, 2))
         self.reset()
 
+    def __deepcopy__(self, memo: dict) -> ShardProcess:
+        # The space (graph, groups, cost model) is read-only and holds a traced program that
+        # cannot be copied: a copy shares it and starts a fresh episode (Gymnasium's spec
+        # rebuilds environments by deep-copying their arguments).
+        return ShardProcess(self.space, self.baseline_time)
+
     # ---- the protocol -----------------------------------------------------------------
 
     def reset(self) -> None:
@@ -63,7 +69,10 @@ class ShardProcess:
         mask = np.zeros(self.n_actions, bool)
         phase = self._phase()
         if phase == _MESH:
-            mask[: len(self.space.meshes)] = True
+            # Every action is valid here (Gymnasium's checker replays a sampled action after
+            # a reset): actions past the last mesh choose the last one. Meshes are ordered by
+            # model-axis size, so action k means the same on 16 devices as on 32 (transfer).
+            mask[:] = True
         elif phase == _UNIT:
             mesh = self.space.meshes[self._mesh]
             allowed = self.space.allowed(mesh, len(self._options), self._options)
@@ -79,7 +88,7 @@ class ShardProcess:
         self._actions.append(action)
         phase = self._phase()
         if phase == _MESH:
-            self._mesh = action
+            self._mesh = min(action, len(self.space.meshes) - 1)
         elif phase == _UNIT:
             self._options.append(action)
         else:
@@ -143,7 +152,7 @@ class ShardProcess:
     # ---- to and from plans ------------------------------------------------------------
 
     def to_point(self, decisions: Sequence[int]) -> tuple[int, tuple[int, ...], int]:
-        mesh, rest = decisions[0], list(decisions[1:])
+        mesh, rest = min(decisions[0], len(self.space.meshes) - 1), list(decisions[1:])
         options = tuple(rest[: len(self.space.units)])
         zero = rest[len(self.space.units)] if len(rest) > len(self.space.units) else 0
         return mesh, options, zero
