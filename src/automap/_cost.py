@@ -279,7 +279,16 @@ class CostModel:
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = ac.sizes[d] if d else 1.0
         zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
-        tot_time, tot_bytes, tot_count, kk, aa = K.totals(st.sums, ac, zero_mask)
+        zero_bytes, zero_count = 0.0, 0
+        if zero_mask:
+            # Parameters not already split on data, by layout: gathered 2x (3x for ZeRO-3).
+            times = 3 if zero_stage >= 3 else 2
+            free = ~P[:, d]
+            zero_bytes = times * float(T.param_coef @ (inv * free))
+            zero_count = times * int(T.param_leaves @ free)
+        tot_time, tot_bytes, tot_count, kk, aa = K.totals(
+            st.sums, ac, zero_mask, zero_bytes, zero_count
+        )
         comm = float(tot_time.sum())
         collectives = tuple(
             Collective(

@@ -114,19 +114,22 @@ def sums(key, nbytes, count, grad, time, n: int, signed: bool = False) -> np.nda
     )
 
 
-def totals(s: np.ndarray, ac: C.AxisCosts, zero_data_mask: int):
-    """Per (kind, axis mask): time, bytes and count, gradient collectives combined. With
-    ZeRO (`zero_data_mask` the data axis' mask, else 0) the gradient all-reduce over data
-    becomes a reduce-scatter plus an all-gather of the parameters (same bytes)."""
+def totals(s: np.ndarray, ac: C.AxisCosts, zero_mask: int, zero_bytes: float, zero_count: int):
+    """Per (kind, axis mask): time, bytes and count, gradient collectives combined.
+
+    ZeRO as XLA compiles it from specs alone (checked on the CPU): the gradient all-reduce
+    stays, the Adam update runs whole, so the moments sharded over data are gathered (two
+    all-gathers of the parameters' size; ZeRO-3 gathers the parameters for use as well).
+    `zero_bytes`/`zero_count` are those all-gathers over the data axis' `zero_mask`."""
     nm = ac.masks
-    g_bytes, g_any = s[3].copy(), s[4] > 0
-    if zero_data_mask:
-        i = C.AR * nm + zero_data_mask
-        if g_any[i]:
-            for kind in (C.RS, C.AG):
-                g_bytes[kind * nm + zero_data_mask] += g_bytes[i]
-                g_any[kind * nm + zero_data_mask] = True
-            g_bytes[i], g_any[i] = 0.0, False
+    g_time = np.zeros(len(s[0]))
+    g_bytes, g_any = s[3], s[4] > 0
     kk, aa = np.divmod(np.arange(len(g_bytes)), nm)
     g_time = np.where(g_any, ac.time(kk, aa, g_bytes, g_any.astype(float)), 0.0)
-    return s[0] + g_time, s[1] + g_bytes, s[2] + g_any, kk, aa
+    time, nbytes, count = s[0] + g_time, s[1] + g_bytes, s[2] + g_any
+    if zero_mask and zero_count:
+        i = C.AG * nm + zero_mask
+        time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
+        nbytes[i] += zero_bytes
+        count[i] += zero_count
+    return time, nbytes, count, kk, aa

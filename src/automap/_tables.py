@@ -81,6 +81,7 @@ class Tables:
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
+    param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
@@ -212,6 +213,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         act_coef=act_coef,
         act_remat_coef=act_remat_coef,
         memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
+        param_leaves=np.bincount(
+            [tset[x.tensor] for x in graph.leaves(Role.PARAM) if graph.tensors[x.tensor].ndim],
+            minlength=n_sets,
+        ).astype(float),
         partial=partial_full.merged(),
         reshard=reshard_full.merged(),
         partial_full=partial_full,
