@@ -20,8 +20,10 @@ numpy operations over those tables:
   free local slice;
 - gradient all-reduces (partial sums whose result has a parameter's layout) are combined
   into one tuple collective per axis, as XLA's all-reduce combiner does;
-- ZeRO (stage >= 1) turns the gradient all-reduce on the data axis into a reduce-scatter
-  plus an all-gather of the updated (stage 1, 2) or used (stage 3) parameters;
+- ZeRO (stage >= 1), as XLA compiles a plan whose specs shard the optimizer state over
+  data: the gradient all-reduce stays and the Adam update gathers the sharded moments,
+  two all-gathers of the parameters' size (three with ZeRO-3, which also gathers the
+  parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
   plus activations kept for backward (`_memory.py`) by their layouts, / microbatches.
 
