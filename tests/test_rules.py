@@ -327,3 +327,12 @@ def test_gradient_bytes_of_a_linear_layer():
     (ar,) = cost.collectives
     assert (ar.kind, ar.axis, ar.bytes) == ("all-reduce", "data", 32 * 8 * 4)
     assert np.isclose(sum(c for _, c, _ in cost.per_op), cost.compute_s)
+
+
+def test_loops_are_one_op_taken_whole():
+    def fn(c):
+        return lax.scan(lambda c, _: (c * 2.0, None), c, None, length=3)[0]
+
+    g, op = only_op(fn, sds(4, 8), primitive="scan")
+    r = rule(op, g)
+    assert r.known and not r.ties and not r.reduced and r.compute == "loop"

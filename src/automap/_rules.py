@@ -32,7 +32,7 @@ DimRef = tuple[int, int]  # (tensor id, dim)
 class Rule:
     ties: tuple[tuple[DimRef, DimRef], ...]
     reduced: tuple[DimRef, ...]
-    compute: str  # "matmul" (flops-bound), "memory" (bandwidth-bound) or "free" (metadata)
+    compute: str  # "matmul" (flops), "memory" (bandwidth), "loop" (either) or "free"
     known: bool = True
     # Dims kept whole on every device whatever the plan: the spatial dims of convolutions
     # and pooling windows. XLA can split them with halo exchanges (collective-permutes),
@@ -65,6 +65,7 @@ REDUCE_SUM_LIKE = frozenset(
 )
 ARG_REDUCE = frozenset({"argmax", "argmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+LOOPS = frozenset({"scan", "while", "cond"})
 WINDOW = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"})
 
 
@@ -80,7 +81,9 @@ def rule(op: Op, graph: Graph) -> Rule:
     ties, reduced = fn(op, shapes, out_shapes)
     ties = tuple((a, b) for a, b in ties if _size(graph, a) > 1 and _size(graph, b) > 1 and a != b)
     reduced = tuple(r for r in reduced if _size(graph, r) > 1)
-    if op.primitive in ("dot_general", "conv_general_dilated"):
+    if op.primitive in LOOPS:
+        compute = "loop"
+    elif op.primitive in ("dot_general", "conv_general_dilated"):
         compute = "matmul"
     elif op.primitive in FREE:
         compute = "free"
@@ -414,6 +417,9 @@ _RULES = {
     "rev": _rev,
     "optimization_barrier": _positional,
     "iota": _no_ties,
+    # Loops and conditionals stay one op (capture): their bodies are not looked into, so
+    # every operand is taken whole (replicated), which is safe if not clever.
+    **{p: _no_ties for p in ("scan", "while", "cond")},
     "rng_bit_generator": _no_ties,
     "rng_uniform": _no_ties,
     **{p: _reduce for p in REDUCE_SUM_LIKE | ARG_REDUCE},

@@ -133,6 +133,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         op_set.append(sid(it))
         if r.compute == "matmul":
             coef = op.flops / flop_rate
+        elif r.compute == "loop":  # a body of matmuls or of memory traffic: the slower
+            coef = max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
         elif op.primitive in FUSIBLE:
             coef = fused_bytes[op.index] / byte_rate
         elif r.compute == "memory":
