@@ -234,3 +234,12 @@ def same(a, b):
     assert by_key(a).keys() == by_key(b).keys()
     for k, c in by_key(a).items():
         assert (c.bytes, c.count) == (pytest.approx(by_key(b)[k].bytes), by_key(b)[k].count)
+
+
+def test_per_op_breakdown_adds_up():
+    _, _, g, groups = gpt()
+    model = CostModel(g, A100, groups)
+    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    cost = model.evaluate(assignment, {"data": 2, "model": 4}, detail=True)
+    assert sum(c for _, c, _ in cost.per_op) == pytest.approx(cost.compute_s)
+    assert sum(m for _, _, m in cost.per_op) == pytest.approx(cost.comm_s)

@@ -351,11 +351,19 @@ class CostModel:
         return self._total_flops / (step * self.cluster.peak_flops * devices)
 
     def _per_op(self, st: K.State) -> tuple[tuple[int, float, float], ...]:
-        """(op, compute s, comm s) per op; gradient collectives (combined) are not split."""
+        """(op, compute s, comm s) per op; a combined gradient collective's time is shared
+        among the ops whose partial sums it completes, by bytes."""
         T = self.tables
+        ac = self._costs_for(st.mesh)
         comp = T.op_coef * st.inv[T.op_set]
         ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
-        comm = np.bincount(ops, st.time, minlength=len(comp))
+        grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
+        g_bytes, g_any = st.sums[3], st.sums[4] > 0
+        kk, aa = np.divmod(np.arange(len(g_bytes)), ac.masks)
+        g_time = np.where(g_any, ac.time(kk, aa, g_bytes, g_any.astype(float)), 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(grad, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
+        comm = np.bincount(ops, st.time + np.nan_to_num(share), minlength=len(comp))
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
 
 
