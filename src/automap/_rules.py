@@ -194,24 +194,14 @@ def _all_but(op: Op, shapes: Sequence, outs: Sequence, axis: int) -> Ties:
     return ties
 
 
-def _cumulative(op, shapes, outs):
-    return _all_but(op, shapes, outs, op.params["axis"]), []
+def _all_but_param(name: str | None):
+    """Rule tying every dim but the one named by param `name` (None: the last dim)."""
 
+    def fn(op, shapes, outs):
+        axis = len(shapes[0]) - 1 if name is None else op.params[name]
+        return _all_but(op, shapes, outs, axis), []
 
-def _concatenate(op, shapes, outs):
-    return _all_but(op, shapes, outs, op.params["dimension"]), []
-
-
-def _split(op, shapes, outs):
-    return _all_but(op, shapes, outs, op.params["axis"]), []
-
-
-def _sort(op, shapes, outs):
-    return _all_but(op, shapes, outs, op.params["dimension"]), []
-
-
-def _top_k(op, shapes, outs):
-    return _all_but(op, shapes, outs, len(shapes[0]) - 1), []
+    return fn
 
 
 def _same_size_dims(src: int, dst: int, sshape, dshape, dims) -> Ties:
@@ -370,11 +360,6 @@ def _window(op, shapes, outs):
     return ties, []
 
 
-def _dynamic_slice(op, shapes, outs):
-    t, o = op.inputs[0], op.outputs[0]
-    return _same_size_dims(t, o, shapes[0], outs[0], range(len(shapes[0]))), []
-
-
 def _rev(op, shapes, outs):
     t, o = op.inputs[0], op.outputs[0]
     rev = set(op.params["dimensions"])
@@ -400,11 +385,11 @@ _RULES = {
     "reshape": _reshape,
     "transpose": _transpose,
     "squeeze": _squeeze,
-    "concatenate": _concatenate,
-    "split": _split,
+    "concatenate": _all_but_param("dimension"),
+    "split": _all_but_param("axis"),
     "pad": _pad,
     "slice": _slice,
-    "dynamic_slice": _dynamic_slice,
+    "dynamic_slice": _slice,
     "dynamic_update_slice": _dynamic_update_slice,
     "gather": _gather,
     "scatter-add": _scatter,
@@ -412,8 +397,8 @@ _RULES = {
     "scatter": _scatter,
     "select_and_scatter_add": _window,
     "select_and_gather_add": _window,
-    "sort": _sort,
-    "top_k": _top_k,
+    "sort": _all_but_param("dimension"),
+    "top_k": _all_but_param(None),
     "rev": _rev,
     "optimization_barrier": _positional,
     "iota": _no_ties,
@@ -423,7 +408,7 @@ _RULES = {
     "rng_bit_generator": _no_ties,
     "rng_uniform": _no_ties,
     **{p: _reduce for p in REDUCE_SUM_LIKE | ARG_REDUCE},
-    **{p: _cumulative for p in CUMULATIVE},
+    **{p: _all_but_param("axis") for p in CUMULATIVE},
     **{p: _window for p in WINDOW},
 }
 KNOWN_PRIMITIVES = frozenset(_RULES) | ELEMENTWISE
