@@ -70,6 +70,14 @@ class AxisCosts:
         self.codes = {name: i for i, name in enumerate(names, start=1)}
         self.bit = np.array([0] + [1 << i for i in range(len(names))], dtype=np.int64)
         self.masks = k
+        # [variant, kind * masks + mask]: the same tables flattened for keyed lookups.
+        self._flat_alpha = self.alpha.transpose(1, 0, 2).reshape(2, -1)
+        self._flat_beta = self.beta.transpose(1, 0, 2).reshape(2, -1)
+
+    def by_key(self, key: np.ndarray, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """`time` for rows keyed kind * masks + axis mask (one gather per table)."""
+        a, b = self._flat_alpha[:, key], self._flat_beta[:, key]
+        return np.minimum(count * a[0] + nbytes * b[0], count * a[1] + nbytes * b[1])
 
     def time(self, kind: np.ndarray, axis: np.ndarray, nbytes: np.ndarray, count: np.ndarray):
         """Seconds for `count` occurrences moving `nbytes` in all (arrays, one per row)."""

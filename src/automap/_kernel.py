@@ -93,8 +93,8 @@ def rows(partial: RowTable, reshard: RowTable, A, P, inv, ac: C.AxisCosts, m, re
     nbytes = np.concatenate([pb, rb])
     count = np.concatenate([pc, rc])
     grad = np.concatenate([partial.grad, partial.grad, reshard.grad])
-    time = np.where(grad, 0.0, ac.time(kind, mask, nbytes, count))
-    return kind * ac.masks + mask, nbytes, count, grad, time
+    key = kind * ac.masks + mask
+    return key, nbytes, count, grad, np.where(grad, 0.0, ac.by_key(key, nbytes, count))
 
 
 def sums(key, nbytes, count, grad, time, n: int, signed: bool = False) -> np.ndarray:
