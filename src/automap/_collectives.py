@@ -73,6 +73,8 @@ class AxisCosts:
         # [variant, kind * masks + mask]: the same tables flattened for keyed lookups.
         self._flat_alpha = self.alpha.transpose(1, 0, 2).reshape(2, -1)
         self._flat_beta = self.beta.transpose(1, 0, 2).reshape(2, -1)
+        self.keys = np.arange(len(KINDS) * k)
+        self.key_kind, self.key_mask = np.divmod(self.keys, k)
 
     def by_key(self, key: np.ndarray, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
         """`time` for rows keyed kind * masks + axis mask (one gather per table)."""

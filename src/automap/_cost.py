@@ -359,8 +359,7 @@ class CostModel:
         ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
         grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
         g_bytes, g_any = st.sums[3], st.sums[4] > 0
-        kk, aa = np.divmod(np.arange(len(g_bytes)), ac.masks)
-        g_time = np.where(g_any, ac.time(kk, aa, g_bytes, g_any.astype(float)), 0.0)
+        g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(grad, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
         comm = np.bincount(ops, st.time + np.nan_to_num(share), minlength=len(comp))

@@ -121,15 +121,12 @@ def totals(s: np.ndarray, ac: C.AxisCosts, zero_mask: int, zero_bytes: float, ze
     stays, the Adam update runs whole, so the moments sharded over data are gathered (two
     all-gathers of the parameters' size; ZeRO-3 gathers the parameters for use as well).
     `zero_bytes`/`zero_count` are those all-gathers over the data axis' `zero_mask`."""
-    nm = ac.masks
-    g_time = np.zeros(len(s[0]))
     g_bytes, g_any = s[3], s[4] > 0
-    kk, aa = np.divmod(np.arange(len(g_bytes)), nm)
-    g_time = np.where(g_any, ac.time(kk, aa, g_bytes, g_any.astype(float)), 0.0)
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
     time, nbytes, count = s[0] + g_time, s[1] + g_bytes, s[2] + g_any
     if zero_mask and zero_count:
-        i = C.AG * nm + zero_mask
+        i = C.AG * ac.masks + zero_mask
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
-    return time, nbytes, count, kk, aa
+    return time, nbytes, count, ac.key_kind, ac.key_mask
