@@ -13,7 +13,10 @@ numpy operations over those tables:
   time, so compute is one dot product;
 - partial sums: a reduced group split on axis a, when a is not dropped inside the op,
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
-  itself split on a (what XLA's SPMD partitioner does);
+  itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
+  `Cluster.reduce_scatter`). Several reduced groups on several axes: one collective
+  over their joint axes ("data+model"). Bytes follow DESIGN.md; 16-bit floats are
+  widened where the backend widens them (`Cluster.collective_float_bytes`: the CPU);
 - resharding: an input dim split on a that the op needs whole (untied, or the axis is
   dropped by the op's own layout): an all-gather on a, or an all-to-all when the op wants
   a on another dim of that input. A dim the op wants split but that arrives whole is a
