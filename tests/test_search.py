@@ -82,13 +82,13 @@ def test_compare_rows_and_json():
         spec.step_fn,
         *spec.abstract_args(),
         cluster=cluster,
-        searchers=("expert", "random", "dqn"),
+        searchers=("expert", "random", "dp"),
         budget_s=0.5,
     )
     names = [r.searcher for r in rows]
     assert names.count("expert") >= 4 and "random" in names
-    dqn = rows[-1]
-    assert dqn.plan is None and "not available" in dqn.note
+    dp = rows[-1]
+    assert dp.plan is None and "not available" in dp.note
     assert any(v is not None for v in speedups(rows).values())
     out = to_json("mlp", cluster, rows)
     assert set(out) == {"model", "cluster", "devices", "rows"}

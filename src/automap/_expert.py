@@ -40,7 +40,30 @@ def block_groups(groups: Groups) -> list[Group]:
     # square [hidden, hidden] weight ties both its dims to it), and must still be the one
     # left out, not the next largest.
     residual = max(candidates, key=lambda g: (len(g.members), g.bytes))
-    return [g for g in candidates if g.id != residual.id and not g.conflicted]
+    kept = [g for g in candidates if g.id != residual.id and not g.conflicted]
+    return _alternating(groups, kept)
+
+
+def _alternating(groups: Groups, candidates: list[Group]) -> list[Group]:
+    """Megatron's column-then-row pattern: in program order, skip a group that shares a
+    tensor with one already split (W2 of an MLP chain splits its input, so its output, the
+    next layer's input, stays whole). Without it both dims of a weight would want the same
+    axis, which no layout can give."""
+    first = {g.id: min(t for t, _ in g.members) for g in candidates}
+    wanted = {g.id for g in candidates}
+    partners: dict[int, set[int]] = {gid: set() for gid in wanted}
+    for tensor_groups in groups.tensor_groups:
+        present = wanted.intersection(tensor_groups)
+        for gid in present:
+            partners[gid] |= present - {gid}
+    picked: list[Group] = []
+    taken: set[int] = set()
+    for g in sorted(candidates, key=lambda g: (first[g.id], g.id)):
+        if partners[g.id] & taken:
+            continue
+        picked.append(g)
+        taken.add(g.id)
+    return picked
 
 
 def _assign(groups: list[Group], axis: str, size: int) -> Assignment:

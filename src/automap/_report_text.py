@@ -202,7 +202,11 @@ def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
     from ._compare import speedups
 
     ups = speedups(rows)
-    table = Table(title=f"{what} on {cluster.name} × {cluster.devices}: every searcher")
+    notes: list[str] = []
+    table = Table(
+        title=f"{what} on {cluster.name} × {cluster.devices}: every searcher",
+        caption_justify="left",
+    )
     for col in (
         "searcher",
         "plan",
@@ -216,9 +220,9 @@ def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
         table.add_column(col, justify="left" if col in ("searcher", "plan") else "right")
     for i, r in enumerate(rows):
         if r.plan is None:
-            table.add_row(
-                r.searcher, "—", "—", "—", "—", "no", f"{r.search_time_s:.1f} s", escape(r.note)
-            )
+            # The reason goes under the table: a narrow column would shred it.
+            table.add_row(r.searcher, "—", "—", "—", "—", "no", f"{r.search_time_s:.1f} s", "—")
+            notes.append(f"{r.searcher}: {r.note}")
             continue
         table.add_row(
             r.searcher,
@@ -230,4 +234,6 @@ def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
             f"{r.search_time_s:.1f} s",
             f"{r.mfu:.1%}",
         )
+    if notes:
+        table.caption = escape("\n".join(notes))
     return table

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._api import Problem
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
-EPISODES_PER_SECOND = 10
+EPISODES_PER_SECOND = 40
 
 
 def run_space_searcher(
@@ -32,6 +32,8 @@ def run_space_searcher(
     with _Progress(progress, name) as bar:
         if name == "dqn":
             point, stats = _dqn(space, budget_s, seed, bar)
+        elif name == "ilp":
+            point, stats = _ilp(space, budget_s, bar)
         else:
             point, stats = _classic(space, name, budget_s, seed, bar)
     if point is None:
@@ -68,6 +70,13 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: _Pro
         "curve": curve,
     }
     return tracker.best, stats
+
+
+def _ilp(space: ShardSpace, budget_s: float, bar: _Progress):
+    from ._ilp import search_ilp
+
+    bar.start(sum(len([z for z in space.zero_options(m) if z != 1]) for m in space.meshes))
+    return search_ilp(space, time_limit_s=max(budget_s, 1.0), on_solve=bar.advance)
 
 
 def _expert_start(space: ShardSpace):

@@ -82,12 +82,15 @@ def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit
         if g.conflicted or g.divisor <= 1:
             continue
         key_of[g.id] = g.layer_class if layer_grouping else -1 - g.id
-    buckets: dict[int, list[int]] = {}
+    by_class: dict[int, list[int]] = {}
     for gid, key in key_of.items():
-        buckets.setdefault(key, []).append(gid)
+        by_class.setdefault(key, []).append(gid)
+    partners = _group_partners(groups, set(key_of))
     n_tensors = max(1, len(graph.tensors))
     units = []
-    for gids in buckets.values():
+    for gids in (
+        b for members in by_class.values() for b in _colour(members, partners, first_tensor)
+    ):
         gs = [groups.groups[i] for i in sorted(gids)]
         units.append(
             Unit(
@@ -102,6 +105,37 @@ def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit
         )
     units.sort(key=lambda u: (u.position, u.groups))
     return units
+
+
+def _group_partners(groups: Groups, wanted: set[int]) -> dict[int, set[int]]:
+    """For each group, the groups it shares a tensor with."""
+    partners: dict[int, set[int]] = {gid: set() for gid in wanted}
+    for tensor_groups in groups.tensor_groups:
+        present = wanted.intersection(tensor_groups)
+        for gid in present:
+            partners[gid] |= present - {gid}
+    return partners
+
+
+def _colour(
+    members: list[int], partners: dict[int, set[int]], first: dict[int, int]
+) -> list[list[int]]:
+    """Split one layer class into buckets whose groups never share a tensor.
+
+    Consecutive layers of one width (an MLP chain, a VGG block) fall in one class, but a
+    weight between them holds both their groups: one decision for both would put one axis
+    twice on that weight. Greedy colouring in program order keeps every other layer
+    together, which is also Megatron's column/row alternation.
+    """
+    buckets: list[list[int]] = []
+    for gid in sorted(members, key=lambda g: (first[g], g)):
+        for bucket in buckets:
+            if not partners[gid].intersection(bucket):
+                bucket.append(gid)
+                break
+        else:
+            buckets.append([gid])
+    return buckets
 
 
 def _cooccurrence(groups: Groups, units: Sequence[Unit]) -> list[set[int]]:
