@@ -202,10 +202,10 @@ def _check_searcher(searcher: str) -> str:
         raise AutomapError(
             f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
         )
-    if searcher not in ("expert", "random", "exhaustive", "mcmc", "dqn"):
+    if searcher not in ("expert", "random", "exhaustive", "mcmc", "dqn", "ilp"):
         raise AutomapError(
             f"searcher {searcher!r} is not available in automap {__version__} yet; "
-            "use 'dqn', 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
+            "use 'dqn', 'ilp', 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
         )
     return searcher
 

@@ -1,0 +1,143 @@
+"""searcher="ilp": the factored cost is the cost model's, and its optimum is exhaustive's."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import automap as am
+from automap._api import Problem, run_searcher
+from automap._capture import capture
+from automap._cost import CostModel
+from automap._errors import InfeasibleError
+from automap._ilp import MeshTerms, fine_space, search_ilp
+from automap._linkage import build_groups
+from automap._search import Tracker, _options_of, search_exhaustive
+from automap._solvers import evaluate_batch
+from automap._space import ShardSpace
+from automap._zoo import get_model
+
+# Small variants whose spaces the exhaustive searcher enumerates in about a second; odd
+# sizes (heads 3, batch 6, vocab 90) let the masks keep the T5 and VGG spaces small.
+CASES = {
+    "mlp": ("mlp", dict(layers=3, hidden=64, features=32, classes=8, batch=16), "a100", 8),
+    "bert": ("bert-base", dict(layers=2, hidden=128, heads=8, seq=32, batch=8), "a100", 16),
+    "gpt": (
+        "gpt2-xl",
+        dict(layers=2, hidden=128, heads=8, seq=32, batch=8, vocab=512),
+        "a100",
+        8,
+    ),
+    "t5": (
+        "t5-base",
+        dict(layers=1, hidden=36, heads=3, ff=72, seq=12, target_seq=6, batch=6, vocab=90),
+        "v100",
+        8,
+    ),
+    "vgg": (
+        "vgg19",
+        dict(depth=11, hidden=3, ff=30, image=32, classes=5, batch=6),
+        "v100",
+        8,
+    ),
+}
+
+_graphs: dict = {}
+
+
+def problem_for(case: str, **cluster_overrides) -> Problem:
+    """The case's problem; each model is captured once per test session."""
+    name, overrides, preset, devices = CASES[case]
+    if case not in _graphs:
+        spec = get_model(name, **overrides)
+        graph = capture(spec.step_fn, *spec.abstract_args())
+        _graphs[case] = (graph, build_groups(graph))
+    graph, groups = _graphs[case]
+    cluster = am.Cluster.preset(preset, devices, **cluster_overrides)
+    return Problem(graph, groups, cluster, CostModel(graph, cluster, groups))
+
+
+def space_of(problem: Problem) -> ShardSpace:
+    return ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
+
+
+@pytest.mark.parametrize("case", ["bert", "t5"])
+def test_factor_sums_are_the_cost_models_figures(case):
+    """On random points of every mesh and ZeRO stage (ZeRO-1 too, which the search skips),
+    the factors with their auxiliary units at their best give the cost model's step time,
+    memory and feasibility."""
+    space = space_of(problem_for(case))
+    rng = np.random.default_rng(0)
+    for mesh_index, mesh in enumerate(space.meshes):
+        terms = MeshTerms(space, mesh_index)
+        for zero in space.zero_options(mesh):
+            problem = terms.problem(zero)
+            aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
+            for _ in range(6):
+                options = _options_of(space, mesh_index, rng)
+                cost = space.evaluate(mesh_index, options, zero_stage=zero)
+                rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
+                time, memory, feasible = evaluate_batch(problem, rows)
+                best = int(np.argmin(time))
+                assert time[best] == pytest.approx(cost.step_time_s, rel=1e-9)
+                assert memory[best] == pytest.approx(cost.memory_bytes, rel=1e-9)
+                assert feasible[best] == cost.feasible
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ilp_finds_the_exhaustive_optimum(case):
+    problem = problem_for(case)
+    exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0)
+    ilp = run_searcher(problem, "ilp", budget_s=60, seed=0)
+    assert ilp.predicted.feasible
+    assert ilp.predicted.step_time_s == pytest.approx(exhaustive.predicted.step_time_s, rel=1e-9)
+    stats = ilp.decisions
+    assert stats["optimal"] and stats["gap"] <= 1e-9
+    # Each MILP's objective at its point is the cost model's figure: the factoring is exact.
+    assert stats["objective_error"] <= 1e-6
+    assert stats["evaluated"] == len(stats["curve"]) > 0
+
+
+def test_memory_limit_moves_the_optimum_and_the_ilp_follows():
+    free = run_searcher(problem_for("bert"), "exhaustive", budget_s=60, seed=0).predicted
+    seen = set()
+    # Limits below the unconstrained optimum's memory: first another mesh, then ZeRO.
+    for fraction in (0.9, 0.5, 0.2):
+        hbm = free.memory_bytes * fraction / 0.9  # 10% of HBM is the default reserve
+        problem = problem_for("bert", hbm_bytes=hbm)
+        exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0)
+        ilp = run_searcher(problem, "ilp", budget_s=60, seed=0)
+        assert ilp.predicted.feasible and ilp.predicted.memory_bytes <= problem.cluster.memory_limit
+        assert ilp.predicted.step_time_s == pytest.approx(
+            exhaustive.predicted.step_time_s, rel=1e-9
+        )
+        assert ilp.predicted.step_time_s > free.step_time_s * (1 + 1e-6)
+        seen.add((tuple(ilp.mesh.items()), ilp.zero_stage))
+    assert len(seen) >= 2
+
+
+def test_no_plan_fits_means_infeasible_for_both():
+    problem = problem_for("mlp", hbm_bytes=1e3)
+    with pytest.raises(InfeasibleError):
+        run_searcher(problem, "exhaustive", budget_s=60, seed=0)
+    with pytest.raises(InfeasibleError, match="ilp"):
+        run_searcher(problem, "ilp", budget_s=60, seed=0)
+
+
+def test_per_group_space_is_solved_exactly_too():
+    space = fine_space(space_of(problem_for("bert")))
+    assert len(space.units) > len(space_of(problem_for("bert")).units)
+    point, stats = search_ilp(space)
+    tracker = search_exhaustive(space, Tracker(budget_s=60))
+    found = space.evaluate(point[0], point[1], zero_stage=point[2]).step_time_s
+    assert found == pytest.approx(tracker.best_time, rel=1e-9)
+    assert stats["optimal"] and stats["objective_error"] <= 1e-6
+
+
+def test_ilp_is_a_public_searcher():
+    name, overrides, _, _ = CASES["mlp"]
+    spec = get_model(name, **overrides)
+    plan = am.plan(
+        spec.step_fn, *spec.abstract_args(), cluster=am.Cluster.preset("a100", 8), searcher="ilp"
+    )
+    assert plan.provenance.searcher == "ilp" and plan.predicted.feasible
