@@ -276,6 +276,11 @@ CASES = {
         (sds(16, 32),),
         [("model", None)],
     ),
+    "argmax along a split axis: all-gather": (
+        lambda x: jnp.argmax(x, 1),
+        (sds(16, 32),),
+        [(None, "model")],
+    ),
     "vocabulary-split embedding: all-reduce": (
         lambda ids, e: e[ids],
         (sds(4, 8, dtype=jnp.int32), sds(32, 16)),

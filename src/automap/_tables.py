@@ -17,7 +17,7 @@ from ._cluster import Cluster
 from ._graph import Graph, Role
 from ._linkage import Groups
 from ._memory import Residuals
-from ._rules import ELEMENTWISE, FREE, REDUCE_SUM_LIKE, rule
+from ._rules import ARG_REDUCE, ELEMENTWISE, FREE, REDUCE_SUM_LIKE, rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +166,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
                     nb = comm_bytes(u)
+                    if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
+                        nb += graph.tensors[u].size * 4
                     rrow[key] = (
                         [h],
                         [key[3]],
