@@ -277,6 +277,7 @@ def plan_from_assignment(
         else:
             out_specs[leaf.path] = lay[leaf.tensor]
     constraints: dict[int, Spec] = {}
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
     if math.prod(mesh.values()) > 1:
         for op in graph.ops:
             dropped = any(
@@ -284,6 +285,12 @@ def plan_from_assignment(
                 for t in (*op.inputs, *op.outputs)
             )
             if op.primitive in _ANCHORS or dropped:
+                for t in op.outputs:
+                    if graph.tensors[t].ndim:
+                        constraints[t] = lay[t]
+            elif zero_stage >= 3 and params.intersection(op.inputs):
+                # ZeRO-3: a parameter is gathered where it is first used (its cast to the
+                # compute dtype); unconstrained, XLA would split the matmul over data.
                 for t in op.outputs:
                     if graph.tensors[t].ndim:
                         constraints[t] = lay[t]
