@@ -200,12 +200,14 @@ def test_alpha_beta_per_axis():
     assert ac.time1(AR, 0, 1e9) == 0.0
 
 
-def test_gpt_plan_matches_xla_collectives():
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_gpt_plan_matches_xla_collectives(zero_stage):
     from automap._verify import verify
 
     spec, args, g, groups = gpt()
     assignment = {groups.batch_group: "data", **megatron(g, groups)}
-    plan = plan_from_assignment(g, groups, {"data": 2, "model": 4}, assignment)
+    mesh = {"data": 2, "model": 4}
+    plan = plan_from_assignment(g, groups, mesh, assignment, zero_stage=zero_stage)
     report = verify(spec.step_fn, plan, *args)
     assert report.collectives_match, report.summary()
     total = sum(report.xla_comm_bytes.values())
