@@ -21,7 +21,9 @@ at once. Two parts are not separable, and are made exact with auxiliary units:
   dropped.
 - ZeRO's all-gathers of the moments (and parameters) are one collective of summed bytes
   and counts: linear when one variant dominates (always so for all-gathers), else again an
-  auxiliary unit.
+  auxiliary unit. One corner is not exact: the cost model skips that collective when no
+  parameter of rank >= 1 is left off the data axis, where the factors still charge beta x
+  the bytes of the scalar parameters left (an overestimate of a few bytes' transfer).
 
 The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
 factors that forbid one axis on two units sharing a tensor. ZeRO-1 is skipped: ZeRO-2 has
@@ -340,8 +342,8 @@ def search_ilp(
                 if cost.feasible and cost.step_time_s < best_time:
                     best, best_time = point, cost.step_time_s
                     time_to_best = _time.perf_counter() - start
-                if on_solve is not None:
-                    on_solve(point, cost, best_time)
+            if on_solve is not None:  # after every MILP, infeasible ones too (cost None)
+                on_solve(point if cost is not None else None, cost, best_time)
             current = cost.step_time_s if cost is not None else np.inf
             curve.append(
                 {"episode": len(curve) + 1, "best_time": best_time, "current_time": current}
