@@ -33,6 +33,9 @@ class ShardProcess:
         self._total_bytes = sum(u.bytes for u in units) or 1.0
         self._total_flops = sum(u.flops for u in units) or 1.0
         self._log_devices = math.log2(max(space.cluster.devices, 2))
+        # Per mesh: the cost model's state of the plan with nothing split and its step time;
+        # each episode patches it one unit at a time (`CostModel.evaluate_delta`).
+        self._whole: dict[int, tuple[object, float]] = {}
         self.reset()
 
     def __deepcopy__(self, memo: dict) -> ShardProcess:
@@ -49,6 +52,7 @@ class ShardProcess:
         self._zero: int | None = None
         self._actions: list[int] = []
         self._running = 1.0  # predicted time of the partial plan / baseline
+        self._cost_state = None  # the cost model's state of the partial plan
 
     def _phase(self) -> int:
         if self._mesh is None:
@@ -89,17 +93,34 @@ class ShardProcess:
         phase = self._phase()
         if phase == _MESH:
             self._mesh = min(action, len(self.space.meshes) - 1)
+            self._cost_state, time_s = self._whole_plan(self._mesh)
+            self._running = time_s / self.baseline_time
         elif phase == _UNIT:
+            unit = self.space.units[len(self._options)]
             self._options.append(action)
+            # Undecided units count as kept whole, so keeping this one whole changes nothing;
+            # a split patches only the rows its groups touch.
+            if OPTIONS[action] is not None:
+                change = {g: OPTIONS[action] for g in unit.groups}
+                cost, self._cost_state = self.space.cost_model.evaluate_delta(
+                    self._cost_state, change
+                )
+                self._running = cost.step_time_s / self.baseline_time
         else:
             self._zero = action
-        if phase != _ZERO:
-            self._running = self._partial_time() / self.baseline_time
 
-    def _partial_time(self) -> float:
-        # Undecided units count as kept whole: the running cost of the plan so far.
-        options = self._options + [0] * (len(self.space.units) - len(self._options))
-        return self.space.evaluate(self._mesh, options).step_time_s
+    def _whole_plan(self, mesh_index: int) -> tuple[object, float]:
+        if mesh_index not in self._whole:
+            mesh = self.space.meshes[mesh_index]
+            state = self.space.cost_model.state({}, mesh)
+            time_s = self.space.cost_model.evaluate({}, mesh).step_time_s
+            self._whole[mesh_index] = (state, time_s)
+        return self._whole[mesh_index]
+
+    def running_cost(self) -> float:
+        """The partial plan's step time relative to the baseline (undecided units whole):
+        the potential of the DQN's shaped rewards (automap.rl.ShapedProcess)."""
+        return self._running
 
     def result(self) -> tuple[float, bool, float]:
         cost = self.space.evaluate(self._mesh, self._options, zero_stage=self._zero or 0)

@@ -7,6 +7,7 @@ wraps it so that any RL library, and our own agent, can drive it through the Gym
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import gymnasium as gym
@@ -37,17 +38,27 @@ class DecisionProcess(Protocol):
     def decisions(self) -> tuple[int, ...]: ...
 
 
+@runtime_checkable
+class ShapedProcess(DecisionProcess, Protocol):
+    """A decision process that can also price the partial plan, for per-step rewards."""
+
+    def running_cost(self) -> float: ...  # the partial plan's step time / baseline_time
+
+
 def plan_reward(
     time_s: float,
     feasible: bool,
     over_ratio: float,
     baseline_time: float,
     penalty: float = INFEASIBLE_PENALTY,
+    log_scale: bool = False,
 ) -> float:
-    """-time / baseline for a feasible plan (data parallel scores -1); -(penalty + over-ratio)
-    for an infeasible one, so that of two infeasible plans the one less over memory is better."""
+    """-time / baseline for a feasible plan (data parallel scores -1), or -log(time / baseline)
+    with `log_scale`; -(penalty + over-ratio) for an infeasible one, so that of two infeasible
+    plans the one less over memory is better."""
     if feasible:
-        return -float(time_s) / float(baseline_time)
+        ratio = float(time_s) / float(baseline_time)
+        return -math.log(ratio) if log_scale else -ratio
     return -(penalty + float(over_ratio))
 
 
@@ -78,6 +89,13 @@ class PlanningEnv(gym.Env):
     with `automap._space.make_process`. Each step takes one decision; the reward is 0 until
     the plan is complete, then `plan_reward`. `info["action_mask"]` gives the valid actions
     after every reset and step; taking a masked action raises ValueError.
+
+    `shaping=True` (for a `ShapedProcess`) adds potential-based shaping (Ng et al., 1999)
+    with potential -running_cost(): each step is rewarded by how much it lowered the
+    partial plan's cost, and the last step gets `plan_reward` plus the running cost before
+    it. An episode's rewards add up to `plan_reward` plus the (constant) running cost at
+    reset, so the best plan is unchanged, but every decision gets its own signal at once
+    rather than a share of one reward at the end.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -89,6 +107,8 @@ class PlanningEnv(gym.Env):
         task: str | None = None,
         *,
         infeasible_penalty: float = INFEASIBLE_PENALTY,
+        shaping: bool = False,
+        log_scale: bool = False,
     ):
         if cluster is not None or task is not None:
             process = _make_process(process, cluster, task)
@@ -99,6 +119,10 @@ class PlanningEnv(gym.Env):
             )
         self.process = process
         self.infeasible_penalty = infeasible_penalty
+        if shaping and not isinstance(process, ShapedProcess):
+            raise TypeError("reward shaping needs a process with running_cost()")
+        self.shaping, self.log_scale = shaping, log_scale
+        self._potential = 0.0
         # Finite bounds: check_env warns about infinite ones, and features are finite anyway.
         big = np.finfo(np.float32).max
         self.observation_space = spaces.Box(-big, big, (process.obs_dim,), np.float32)
@@ -109,7 +133,12 @@ class PlanningEnv(gym.Env):
         self.spec = EnvSpec(
             "automap/Planning-v0",
             entry_point=PlanningEnv,
-            kwargs={"process": process, "infeasible_penalty": infeasible_penalty},
+            kwargs={
+                "process": process,
+                "infeasible_penalty": infeasible_penalty,
+                "shaping": shaping,
+                "log_scale": log_scale,
+            },
         )
 
     @classmethod
@@ -139,7 +168,14 @@ class PlanningEnv(gym.Env):
         self._finished = self.process.done()
         if self._finished:
             raise ValueError("the decision process has no decisions to take")
+        self._potential = self._running()
         return self._observe(), {"action_mask": self._current_mask()}
+
+    def _running(self) -> float:
+        if not self.shaping:
+            return 0.0
+        running = float(self.process.running_cost())
+        return math.log(running) if self.log_scale else running
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         if self._finished:
@@ -152,12 +188,22 @@ class PlanningEnv(gym.Env):
             )
         self.process.step(a)
         obs = self._observe()
+        before = self._potential
         if not self.process.done():
-            return obs, 0.0, False, False, {"action_mask": self._current_mask()}
+            # Shaped: the step's own change of the partial plan's cost (potential-based, so
+            # the episode's rewards still add up to the plan's reward, less a constant).
+            self._potential = self._running()
+            reward = before - self._potential
+            return obs, reward, False, False, {"action_mask": self._current_mask()}
         self._finished = True
         time_s, feasible, over = self.process.result()
-        reward = plan_reward(
-            time_s, feasible, over, self.process.baseline_time, self.infeasible_penalty
+        reward = before + plan_reward(
+            time_s,
+            feasible,
+            over,
+            self.process.baseline_time,
+            self.infeasible_penalty,
+            log_scale=self.log_scale,
         )
         info = {
             "action_mask": self._current_mask(),

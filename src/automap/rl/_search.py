@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ._agent import DQNAgent, DQNConfig
-from ._env import DecisionProcess, PlanningEnv
+from ._env import DecisionProcess, PlanningEnv, ShapedProcess
 
 OnEpisode = Callable[[int, float, float, float, "float | None"], None]
 """on_episode(episode, best_time, current_time, epsilon_or_noise, loss)."""
@@ -68,18 +70,25 @@ def search(
     as soon as a feasible plan at or under `stop_at` seconds is found (for benchmarks and
     tests that know the optimum and measure the time to reach it).
     """
-    env = PlanningEnv(process)
     if agent is not None and config is not None and config != agent.config:
         raise ValueError("pass either an agent or a config: the agent brings its own config")
     if agent is None:
         agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
     config = agent.config
+    env = PlanningEnv(
+        process,
+        shaping=config.shaped_rewards and isinstance(process, ShapedProcess),
+        log_scale=config.log_rewards,
+    )
     start = time.perf_counter()
     best = (float("inf"), False, float("inf"))  # (time, feasible, over-ratio)
     best_decisions: tuple[int, ...] = ()
     time_to_best = 0.0
     curve: list[dict[str, Any]] = []
     episode = 0
+    # Seeded by the agent's progress too, so that a resumed search does not replay the
+    # branch points of the first one.
+    rng = np.random.default_rng([seed, agent.env_steps])
 
     while True:
         elapsed = time.perf_counter() - start
@@ -90,6 +99,12 @@ def search(
         ):
             break
         forced = list(seed_episodes[episode]) if episode < len(seed_episodes) else None
+        # Go-Explore style: some episodes return to the best plan so far along its own
+        # decisions, leave it at one random step, and let the agent finish from there. The
+        # greedy policy alone revisits its own plan; this explores around the best one.
+        branch = -1
+        if forced is None and best_decisions and rng.random() < config.explore_from_best:
+            branch = int(rng.integers(len(best_decisions)))
 
         # --- play one episode, learning at every step ---
         obs, info = env.reset(seed=seed + episode)
@@ -101,6 +116,12 @@ def search(
                 if t >= len(forced):
                     raise ValueError(f"seed episode {episode} ends before the plan is complete")
                 action = forced[t]
+            elif t < branch:
+                action = best_decisions[t]
+            elif t == branch:
+                others = np.flatnonzero(mask)
+                others = others[others != best_decisions[t]]
+                action = int(rng.choice(others)) if len(others) else best_decisions[t]
             else:
                 action = agent.act(obs, mask)
             next_obs, reward, done, _, info = env.step(action)
