@@ -57,6 +57,16 @@ def problem_for(case: str, **cluster_overrides) -> Problem:
     return Problem(graph, groups, cluster, CostModel(graph, cluster, groups))
 
 
+_optima: dict = {}
+
+
+def exhaustive_plan(case: str):
+    """The exhaustive searcher's plan on the case's own cluster (computed once)."""
+    if case not in _optima:
+        _optima[case] = run_searcher(problem_for(case), "exhaustive", budget_s=60, seed=0)
+    return _optima[case]
+
+
 def space_of(problem: Problem) -> ShardSpace:
     return ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
 
@@ -86,9 +96,8 @@ def test_factor_sums_are_the_cost_models_figures(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_ilp_finds_the_exhaustive_optimum(case):
-    problem = problem_for(case)
-    exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0)
-    ilp = run_searcher(problem, "ilp", budget_s=60, seed=0)
+    exhaustive = exhaustive_plan(case)
+    ilp = run_searcher(problem_for(case), "ilp", budget_s=60, seed=0)
     assert ilp.predicted.feasible
     assert ilp.predicted.step_time_s == pytest.approx(exhaustive.predicted.step_time_s, rel=1e-9)
     stats = ilp.decisions
@@ -99,7 +108,7 @@ def test_ilp_finds_the_exhaustive_optimum(case):
 
 
 def test_memory_limit_moves_the_optimum_and_the_ilp_follows():
-    free = run_searcher(problem_for("bert"), "exhaustive", budget_s=60, seed=0).predicted
+    free = exhaustive_plan("bert").predicted
     seen = set()
     # Limits below the unconstrained optimum's memory: first another mesh, then ZeRO.
     for fraction in (0.9, 0.5, 0.2):
@@ -114,6 +123,16 @@ def test_memory_limit_moves_the_optimum_and_the_ilp_follows():
         assert ilp.predicted.step_time_s > free.step_time_s * (1 + 1e-6)
         seen.add((tuple(ilp.mesh.items()), ilp.zero_stage))
     assert len(seen) >= 2
+
+
+@pytest.mark.parametrize(("case", "fraction"), [("t5", 0.5), ("vgg", 0.3)])
+def test_ilp_matches_exhaustive_under_tight_memory(case, fraction):
+    free = exhaustive_plan(case).predicted
+    problem = problem_for(case, hbm_bytes=free.memory_bytes * fraction / 0.9)
+    exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0).predicted
+    ilp = run_searcher(problem, "ilp", budget_s=60, seed=0)
+    assert ilp.zero_stage > 0  # these limits need ZeRO
+    assert ilp.predicted.step_time_s == pytest.approx(exhaustive.step_time_s, rel=1e-9)
 
 
 def test_no_plan_fits_means_infeasible_for_both():

@@ -311,59 +311,86 @@ def search_ilp(
 ) -> tuple[tuple[int, tuple[int, ...], int] | None, dict[str, Any]]:
     """The best point of the space (mesh index, options, ZeRO stage) and the search stats.
 
-    One MILP per mesh and ZeRO stage (stage 1 skipped, see the module doc), each with
-    `time_limit_s`. `on_solve(point, cost, best time)` is called after each (progress)."""
-    start = _time.perf_counter()
-    best, best_time, time_to_best = None, np.inf, 0.0
-    curve, gaps, errors, sizes = [], [0.0], [0.0], [(0, 0)]
-    optimal, solve_time = True, 0.0
+    Per mesh, first stage 0 with no memory limit: ZeRO only adds gathers, so that optimum
+    bounds every stage of the mesh from below. A mesh whose bound is no better than the
+    best plan so far is skipped; one whose unlimited optimum fits in memory is solved by
+    it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc). Each
+    MILP gets `time_limit_s`; `on_solve(point, cost, best time)` follows each (progress)."""
+    run = _Run(space, time_limit_s, on_solve)
     for mesh_index, mesh in enumerate(space.meshes):
         terms = MeshTerms(space, mesh_index)
+        solution, bound = run.solve(terms, 0, np.inf)
+        if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
+            continue  # nothing on this mesh, or nothing better than the best so far
+        if solution.optimal and bound.feasible:
+            continue  # the unlimited optimum fits: no stage of this mesh does better
         for zero in (z for z in space.zero_options(mesh) if z != 1):
-            limit, cost = space.cluster.memory_limit, None
-            for _ in range(3):
-                problem = terms.problem(zero, limit)
-                sizes.append(problem_size(problem))
-                solution = solve_ilp(problem, time_limit_s=time_limit_s)
-                solve_time += solution.solve_time_s
-                if not solution.feasible:
-                    # Proven infeasible is still a proof; a time-out without a plan is not.
-                    optimal &= solution.status == "infeasible"
-                    cost = None
-                    break
-                point = (mesh_index, tuple(solution.choices[: terms.n_units]), zero)
-                cost = space.evaluate(*point[:2], zero_stage=zero)
-                if cost.feasible:
-                    break
-                # Over the limit by a rounding of the factor sums: ask again a hair below.
-                limit *= 1.0 - 1e-9
-            if cost is not None:
-                optimal &= solution.optimal
-                gaps.append(solution.gap)
-                errors.append(abs(solution.time - cost.step_time_s) / cost.step_time_s)
-                if cost.feasible and cost.step_time_s < best_time:
-                    best, best_time = point, cost.step_time_s
-                    time_to_best = _time.perf_counter() - start
-            if on_solve is not None:  # after every MILP, infeasible ones too (cost None)
-                on_solve(point if cost is not None else None, cost, best_time)
-            current = cost.step_time_s if cost is not None else np.inf
-            curve.append(
-                {"episode": len(curve) + 1, "best_time": best_time, "current_time": current}
-            )
-    if max(errors) > 1e-6:
-        # The factors no longer mirror the cost model (it changed under them): the plan is
-        # still priced by the cost model, but is no longer proven the optimum.
-        _log.warning("ILP objective differs from the cost model by %.2g (relative)", max(errors))
-        optimal = False
-    stats = {
-        "evaluated": len(curve),
-        "time_to_best_s": round(time_to_best, 3),
-        "optimal": bool(optimal),
-        "gap": float(max(gaps)),
-        "solve_time_s": round(solve_time, 3),
-        "factors": max(f for f, _ in sizes),
-        "variables": max(v for _, v in sizes),
-        "objective_error": float(max(errors)),
-        "curve": curve,
-    }
-    return best, stats
+            run.solve(terms, zero, space.cluster.memory_limit)
+    return run.best, run.stats()
+
+
+class _Run:
+    """The MILPs of one search: the best point so far and the figures for the stats."""
+
+    def __init__(self, space: ShardSpace, time_limit_s: float, on_solve):
+        self.space, self.time_limit_s, self.on_solve = space, time_limit_s, on_solve
+        self.start = _time.perf_counter()
+        self.best, self.best_time, self.time_to_best = None, np.inf, 0.0
+        self.curve, self.gaps, self.errors, self.sizes = [], [0.0], [0.0], [(0, 0)]
+        self.optimal, self.solve_time = True, 0.0
+
+    def solve(self, terms: MeshTerms, zero: int, limit: float):
+        """Solve one MILP; returns its solution and the cost model's cost of its point (None
+        when it has none). Only points the cost model calls feasible become the best."""
+        space, cost = self.space, None
+        for _ in range(3):
+            problem = terms.problem(zero, limit)
+            self.sizes.append(problem_size(problem))
+            solution = solve_ilp(problem, time_limit_s=self.time_limit_s)
+            self.solve_time += solution.solve_time_s
+            if not solution.feasible:
+                cost = None
+                break
+            point = (terms.mesh_index, tuple(solution.choices[: terms.n_units]), zero)
+            cost = space.evaluate(*point[:2], zero_stage=zero)
+            if cost.feasible or not np.isfinite(limit):
+                break
+            # Over the limit by a rounding of the factor sums: ask again a hair below.
+            limit *= 1.0 - 1e-9
+        if cost is None:
+            # Proven infeasible is still a proof; a time-out without a plan is not.
+            self.optimal &= solution.status == "infeasible"
+            solution = dataclasses.replace(solution, optimal=solution.status == "infeasible")
+        else:
+            self.optimal &= solution.optimal
+            self.gaps.append(solution.gap)
+            self.errors.append(abs(solution.time - cost.step_time_s) / cost.step_time_s)
+            if cost.feasible and cost.step_time_s < self.best_time:
+                self.best, self.best_time = point, cost.step_time_s
+                self.time_to_best = _time.perf_counter() - self.start
+        if self.on_solve is not None:  # after every MILP, infeasible ones too (cost None)
+            self.on_solve(point if cost is not None else None, cost, self.best_time)
+        current = cost.step_time_s if cost is not None else np.inf
+        self.curve.append(
+            {"episode": len(self.curve) + 1, "best_time": self.best_time, "current_time": current}
+        )
+        return solution, cost
+
+    def stats(self) -> dict[str, Any]:
+        optimal = self.optimal
+        if max(self.errors) > 1e-6:
+            # The factors no longer mirror the cost model (it changed under them): the plan
+            # is still priced by the cost model, but no longer proven the optimum.
+            _log.warning("ILP objective differs from the cost model by %.2g", max(self.errors))
+            optimal = False
+        return {
+            "evaluated": len(self.curve),
+            "time_to_best_s": round(self.time_to_best, 3),
+            "optimal": bool(optimal),
+            "gap": float(max(self.gaps)),
+            "solve_time_s": round(self.solve_time, 3),
+            "factors": max(f for f, _ in self.sizes),
+            "variables": max(v for _, v in self.sizes),
+            "objective_error": float(max(self.errors)),
+            "curve": self.curve,
+        }
