@@ -67,10 +67,26 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
 
 def test_report_draws_a_saved_plan(tmp_path):
     path = tmp_path / "plan.json"
-    made = run("plan", "--model", "mlp", "--cluster", "cpu", "--devices", "8", "-o", str(path))
+    made = run(
+        "plan",
+        "--model",
+        "mlp",
+        "--cluster",
+        "cpu",
+        "--devices",
+        "8",
+        "--searcher",
+        "dqn",
+        "--budget",
+        "1",
+        "-o",
+        str(path),
+    )
     assert made.exit_code == 0, made.output
     html = tmp_path / "report.html"
     result = run("report", str(path), "-o", str(html), "--png", str(tmp_path / "r.png"))
     assert result.exit_code == 0, result.output
     assert "data:image/png;base64," in html.read_text()
+    assert (tmp_path / "plan.curve.csv").exists()  # the DQN's curve, drawn in the report
+    assert "Learning curve" in html.read_text() or "learning curve" in html.read_text()
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
