@@ -1,16 +1,19 @@
 """ILP solve times on the shard space (issue 4 asks for them): one MILP per mesh and ZeRO
-stage, HiGHS through highspy, against the best expert plan under the same cost model.
+stage at most, HiGHS through highspy, against the best expert plan under the same cost model.
 
     python benchmarks/bench_ilp.py                 # bert-large/16, gpt-1.3b/32, gpt-6.7b/64
     python benchmarks/bench_ilp.py --fine          # also the per-group space (no grouping)
     python benchmarks/bench_ilp.py mlp:8 bert-base:16
 
 Columns: units and points of the space (layer-grouped unless "fine"; points past 1e6 per
-mesh are the product of the per-unit option counts, an upper bound), MILPs solved,
-factors and columns (binaries plus joint-option variables) of the largest MILP, HiGHS time
-summed over the MILPs, the whole search's wall time (factor building included), whether
-every MILP was proven optimal and the worst gap, then the ILP's step time, the best
-expert's and their ratio (both priced by `CostModel.estimate`, as plans are). Single-threaded numpy; HiGHS picks its own threads.
+mesh are the product of the per-unit option counts, an upper bound); MILPs solved (per
+mesh ZeRO-0 without a memory limit, a lower bound, then ZeRO 0/2/3 under the limit only
+when that bound could still win and its plan does not fit); factors and columns
+(binaries plus joint-option variables) of the largest MILP; HiGHS time summed over the
+MILPs; the whole search's wall time (factor building included); whether every MILP was
+proven optimal, and the worst gap; the ILP's step time, the best expert's and their
+ratio (both priced by `CostModel.estimate`, as plans are). Single-threaded numpy; HiGHS
+picks its own threads.
 """
 
 from __future__ import annotations
