@@ -37,6 +37,13 @@ def run_space_searcher(
         else:
             point, stats = _classic(space, name, budget_s, seed, bar)
     if point is None:
+        if name == "exhaustive" or (name == "ilp" and stats.get("optimal")):
+            # Proven: no budget would help.
+            raise InfeasibleError(
+                f"no plan in the space fits in memory on {problem.cluster.devices} × "
+                f"{problem.cluster.name} (the {name} search covers all of it); use more "
+                "devices, a smaller batch, or a device with more memory."
+            )
         raise InfeasibleError(
             f"the {name} search found no feasible plan in {stats['evaluated']} tries; "
             "give it a larger budget, or use more devices or a smaller batch."
