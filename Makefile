@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/automap plan --model bert-large --cluster a100 --devices 16
+	$(BIN)/automap plan --model bert-large --cluster a100 --devices 16 --budget 20
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
