@@ -63,14 +63,20 @@ def test_expert_plans_replay_as_decision_sequences(bert):
     assert replayed >= 4
 
 
-def test_dqn_plans_are_real_and_never_worse_than_the_experts(bert):
+def test_dqn_plans_are_real_reach_the_optimum_and_beat_the_experts(bert):
     spec, _ = bert
     problem = Problem.build(spec.step_fn, spec.abstract_args(), A100x16, None)
     optimum = run_searcher(problem, "exhaustive", budget_s=60, seed=0).predicted.step_time_s
     expert = run_searcher(problem, "expert", budget_s=60, seed=0).predicted.step_time_s
-    assert optimum < expert  # the space holds something better than the experts
-    dqn = run_searcher(problem, "dqn", budget_s=3, seed=0)
-    assert optimum * (1 - 1e-9) <= dqn.predicted.step_time_s <= expert
-    assert dqn.decisions["curve"] and dqn.decisions["episodes"] == 120
-    again = run_searcher(problem, "dqn", budget_s=3, seed=0)
-    assert again.specs == dqn.specs and again.mesh == dqn.mesh  # same seed, same plan
+    assert optimum < 0.9 * expert  # the space holds something clearly better than the experts
+    # 240 episodes: over 12 seeds the DQN reached this space's optimum after 130 episodes
+    # (median) and always within 480 (benchmarks/bench_dqn.py); random search needs ~1,600.
+    for seed in (0, 1):
+        dqn = run_searcher(problem, "dqn", budget_s=6, seed=seed)
+        assert dqn.predicted.step_time_s <= optimum * (1 + 1e-9), seed
+        assert dqn.decisions["curve"] and dqn.decisions["episodes"] == 240
+        if seed == 0:
+            again = run_searcher(problem, "dqn", budget_s=6, seed=0)
+            assert again.specs == dqn.specs and again.mesh == dqn.mesh  # same seed, same plan
+            curve = [row["current_time"] for row in dqn.decisions["curve"]]
+            assert curve == [row["current_time"] for row in again.decisions["curve"]]

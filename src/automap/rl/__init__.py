@@ -9,6 +9,7 @@ from ._agent import select_action as select_action
 from ._agent import train_step as train_step
 from ._env import DecisionProcess as DecisionProcess
 from ._env import PlanningEnv as PlanningEnv
+from ._env import ShapedProcess as ShapedProcess
 from ._env import plan_reward as plan_reward
 from ._replay import Batch as Batch
 from ._replay import PrioritizedReplay as PrioritizedReplay

@@ -44,11 +44,14 @@ class DQNConfig:
     epsilon_decay_steps: int = 1000
     """Epsilon-greedy: environment steps over which epsilon falls linearly to its end value."""
     gamma: float = 1.0
-    """Discount. Episodes have a fixed, finite number of decisions and the only reward comes at
-    the end, so discounting would only shrink the signal: 1 keeps Q = expected final reward."""
+    """Discount. Episodes have a fixed, finite number of decisions, so discounting would only
+    shrink the signal: 1 keeps Q = the plan's final reward, and keeps the potential-based
+    shaping exact (its rewards telescope only undiscounted)."""
     n_step: int = 1
-    """Length of the multi-step return (Rainbow's 3; on 8-decision toy problems 5 did about as
-    well or slightly better: 6 of 9 runs at the optimum against 5 of 9)."""
+    """Length of the multi-step return. Rainbow's 3 helps when the reward comes only at the
+    end; with shaped per-step rewards a longer return mostly adds the cost of the next
+    exploratory decisions to this one's target. Tiny BERT space, 12 seeds, 480 episodes:
+    n=1 reached the optimum in 12, n=2 in 2, n=3 in about a third."""
     reward_scale: float = 10.0
     """Rewards are multiplied by this before they are stored. Plans often differ by a few
     percent of the baseline time; scaling the differences up keeps them above the noise of the
@@ -90,7 +93,10 @@ class DQNConfig:
     """Reward each decision by how much it lowers the partial plan's cost (potential-based
     shaping, see PlanningEnv) when the process can price partial plans."""
     log_rewards: bool = True
-    """Score a plan by -log(time / baseline) rather than -time / baseline: ..."""
+    """Score a plan by -log(time / baseline) rather than -time / baseline. Plans span two
+    orders of magnitude (12x the baseline on the tiny BERT space) while the ones that matter
+    differ by percents: the log keeps the bad ones from dominating the loss and scores a
+    10% gain the same at any distance from the baseline."""
     explore_from_best: float = 0.5
     """Share of episodes that follow the best plan so far up to a random step, take another
     action there and let the agent finish (Go-Explore's return-then-explore)."""
