@@ -245,3 +245,19 @@ def test_per_op_breakdown_adds_up():
     cost = model.evaluate(assignment, {"data": 2, "model": 4}, detail=True)
     assert sum(c for _, c, _ in cost.per_op) == pytest.approx(cost.compute_s)
     assert sum(m for _, _, m in cost.per_op) == pytest.approx(cost.comm_s)
+
+
+def test_fast_evaluation_equals_the_detailed_estimate():
+    # The searchers optimize evaluate(); plans are priced by estimate(): they must agree,
+    # or an exact optimum of one is not the optimum of the other.
+    import automap as am
+    from automap._api import Problem, _priced_experts
+    from automap._zoo import get_model
+
+    spec = get_model("bert-base", layers=2, hidden=128, heads=8, seq=32, batch=8)
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16), None)
+    for name, plan in _priced_experts(problem).items():
+        assignment = {int(k): v for k, v in plan.decisions["assignment"].items()}
+        fast = problem.cost_model.evaluate(assignment, plan.mesh, zero_stage=plan.zero_stage)
+        assert fast.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12), name
+        assert fast.memory_bytes == pytest.approx(plan.predicted.memory_bytes, rel=1e-12), name

@@ -44,7 +44,11 @@ class RowTable:
         if len(self.tset) == 0:
             return self
         kr = self.group.shape[1]
-        cols = [self.tset, self.tsmall, self.other, self.untied, self.grad]
+        # Bytes per occurrence are part of the key: each occurrence picks the cheaper of ring
+        # and tree for its own size, and rows of one size merged keep that choice exact
+        # (merging sizes would price their sum, which is never cheaper).
+        per_occurrence = np.rint(self.nbytes / np.maximum(self.count, 1)).astype(np.int64)
+        cols = [self.tset, self.tsmall, self.other, self.untied, self.grad, per_occurrence]
         keys = np.concatenate(
             [self.group, self.small, np.stack([c.astype(np.int64) for c in cols], axis=1)], axis=1
         )
