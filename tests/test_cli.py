@@ -90,3 +90,18 @@ def test_report_draws_a_saved_plan(tmp_path):
     assert (tmp_path / "plan.curve.csv").exists()  # the DQN's curve, drawn in the report
     assert "Learning curve" in html.read_text() or "learning curve" in html.read_text()
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
+    out = tmp_path / "cluster.yaml"
+    result = run("calibrate", "--devices", "8", "--quick", "-o", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    cal = json.loads(result.output)["calibration"]
+    assert cal["devices"] == 8 and cal["matmul_flops"] > 1e8
+    assert cal["link_bandwidth"] > 0 and cal["link_latency"] > 0
+    import automap as am
+
+    cluster = am.Cluster.from_file(out)
+    assert cluster.peak_flops == cal["matmul_flops"] and cluster.devices == 8
+    planned = run("plan", "--model", "mlp", "--cluster", str(out), "--searcher", "expert", "-q")
+    assert planned.exit_code == 0, planned.output

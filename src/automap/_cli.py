@@ -7,6 +7,7 @@ code 2, never as a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -284,6 +285,42 @@ def verify_cmd(
         console.print(escape(report.summary()))
     if report.collectives_match is False or report.numerics_ok is False:
         raise typer.Exit(1)
+
+
+@app.command("calibrate")
+@_friendly
+def calibrate_cmd(
+    devices: Annotated[
+        int, typer.Option("--devices", "-n", help="Virtual CPU devices to measure (CPU only).")
+    ] = 8,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Cluster file to write.")] = Path(
+        "cluster.yaml"
+    ),
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: seconds, rougher.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure the local devices (matmul rate, memory bandwidth, all-reduce bandwidth and
+    latency over a mesh axis) and write a cluster file for --cluster."""
+    _cpu_devices(devices)
+    import jax
+
+    from ._calibrate import measure, to_cluster, write_cluster
+
+    cal = measure(quick=quick)
+    memory = None
+    if jax.devices()[0].platform == "cpu":
+        # Virtual CPU devices share the machine's memory.
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cal.devices
+    path = write_cluster(to_cluster(cal, memory_bytes=memory), output)
+    if as_json:
+        print(json.dumps({"calibration": dataclasses.asdict(cal), "file": str(path)}, indent=2))
+        return
+    console.print(
+        f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
+        f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
+        f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+    )
+    console.print(f"cluster written to [bold]{path}[/bold] (use --cluster {path})")
 
 
 @app.command("report")
