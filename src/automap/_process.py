@@ -16,7 +16,7 @@ import numpy as np
 from ._space import DATA, MODEL, OPTIONS, ShardSpace
 
 N_ACTIONS = 8  # enough for the meshes of up to 128 devices, the 3 options and 4 ZeRO stages
-OBS_DIM = 24
+OBS_DIM = 26
 _MESH, _UNIT, _ZERO = 0, 1, 2
 
 
@@ -35,7 +35,7 @@ class ShardProcess:
         self._log_devices = math.log2(max(space.cluster.devices, 2))
         # Per mesh: the cost model's state of the plan with nothing split and its step time;
         # each episode patches it one unit at a time (`CostModel.evaluate_delta`).
-        self._whole: dict[int, tuple[object, float]] = {}
+        self._whole: dict[int, tuple[object, tuple[float, bool, float]]] = {}
         self.reset()
 
     def __deepcopy__(self, memo: dict) -> ShardProcess:
@@ -51,7 +51,9 @@ class ShardProcess:
         self._options: list[int] = []
         self._zero: int | None = None
         self._actions: list[int] = []
-        self._running = 1.0  # predicted time of the partial plan / baseline
+        # (step time s, fits, over-ratio) of the partial plan, undecided units whole; before
+        # the mesh is chosen, the baseline's time (a constant: the first potential).
+        self._running = (self.baseline_time, True, 0.0)
         self._cost_state = None  # the cost model's state of the partial plan
 
     def _phase(self) -> int:
@@ -93,8 +95,7 @@ class ShardProcess:
         phase = self._phase()
         if phase == _MESH:
             self._mesh = min(action, len(self.space.meshes) - 1)
-            self._cost_state, time_s = self._whole_plan(self._mesh)
-            self._running = time_s / self.baseline_time
+            self._cost_state, self._running = self._whole_plan(self._mesh)
         elif phase == _UNIT:
             unit = self.space.units[len(self._options)]
             self._options.append(action)
@@ -105,27 +106,25 @@ class ShardProcess:
                 cost, self._cost_state = self.space.cost_model.evaluate_delta(
                     self._cost_state, change
                 )
-                self._running = cost.step_time_s / self.baseline_time
+                self._running = _summary(cost)
         else:
             self._zero = action
 
-    def _whole_plan(self, mesh_index: int) -> tuple[object, float]:
+    def _whole_plan(self, mesh_index: int) -> tuple[object, tuple[float, bool, float]]:
         if mesh_index not in self._whole:
             mesh = self.space.meshes[mesh_index]
             state = self.space.cost_model.state({}, mesh)
-            time_s = self.space.cost_model.evaluate({}, mesh).step_time_s
-            self._whole[mesh_index] = (state, time_s)
+            self._whole[mesh_index] = (state, _summary(self.space.cost_model.evaluate({}, mesh)))
         return self._whole[mesh_index]
 
-    def running_cost(self) -> float:
-        """The partial plan's step time relative to the baseline (undecided units whole):
-        the potential of the DQN's shaped rewards (automap.rl.ShapedProcess)."""
+    def running(self) -> tuple[float, bool, float]:
+        """(step time s, fits, over-ratio) of the partial plan, undecided units whole and
+        ZeRO off: the potential of the DQN's shaped rewards (automap.rl.ShapedProcess)."""
         return self._running
 
     def result(self) -> tuple[float, bool, float]:
         cost = self.space.evaluate(self._mesh, self._options, zero_stage=self._zero or 0)
-        over = max(0.0, cost.memory_bytes / max(cost.memory_limit_bytes, 1.0) - 1.0)
-        return cost.step_time_s, cost.feasible, over
+        return _summary(cost)
 
     def decisions(self) -> tuple[int, ...]:
         return tuple(self._actions)
@@ -141,7 +140,8 @@ class ShardProcess:
             obs[4] = math.log2(mesh.get(DATA, 1)) / self._log_devices
             obs[5] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
             obs[6] = float(next(iter(mesh)) == MODEL) if len(mesh) > 1 else 0.0  # model outer
-        obs[7] = min(self._running, 10.0) / 10.0  # running cost / baseline, clipped
+        time_s, _, over = self._running
+        obs[7] = min(time_s / self.baseline_time, 10.0) / 10.0  # running cost, clipped
         if phase == _UNIT:
             self._unit_features(obs)
         # [18:21] how the bytes decided so far are split: whole, data, model
@@ -150,6 +150,9 @@ class ShardProcess:
         obs[21] = len(self.space.units) / 256.0  # size of the problem
         obs[22] = self._log_devices / 10.0
         obs[23] = 1.0 if self.space.pruning.zero else 0.0
+        # [24:26] memory of the plan so far: how far over the limit, and whether it fits.
+        obs[24] = min(over, 10.0) / 10.0
+        obs[25] = float(over == 0.0)
         return obs
 
     def _unit_features(self, obs: np.ndarray) -> None:
@@ -200,3 +203,9 @@ class ShardProcess:
             return None
         tail = (zero_stage,) if len(zeros) > 1 else ()
         return (mesh_index, *options, *tail)
+
+
+def _summary(cost) -> tuple[float, bool, float]:
+    """(step time s, fits, how far over the memory limit as a ratio) of a Cost."""
+    over = max(0.0, cost.memory_bytes / max(cost.memory_limit_bytes, 1.0) - 1.0)
+    return cost.step_time_s, cost.feasible, over

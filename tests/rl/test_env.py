@@ -137,3 +137,38 @@ def test_search_rejects_a_wrong_seed_episode_and_stops_on_time():
     config = dataclasses.replace(SMALL, max_episodes=50)
     result = search(process, budget_s=60, config=config, seed_episodes=[(0,) * 8], stop_at=1e9)
     assert result.episodes == 1
+
+
+class ShapedToy(AssignmentProcess):
+    """The toy, also pricing its partial plan (undecided units on option 0)."""
+
+    def running(self) -> tuple[float, bool, float]:
+        full = tuple(self._taken) + (0,) * (self.n_units - len(self._taken))
+        over = max(0.0, self.mem(full) / self.limit - 1.0)
+        return self.cost(full), over == 0.0, over
+
+
+@pytest.mark.parametrize("log_scale", [False, True])
+def test_shaped_rewards_add_up_to_the_plan_reward(log_scale):
+    process = ShapedToy(seed=3)
+    env = PlanningEnv(process, shaping=True, log_scale=log_scale)
+    rng = np.random.default_rng(0)
+    start = plan_reward(*process.running(), process.baseline_time, log_scale=log_scale)
+    for _ in range(20):
+        _, info = env.reset()
+        total, done = 0.0, False
+        while not done:
+            action = int(rng.choice(np.flatnonzero(info["action_mask"])))
+            _, reward, done, _, info = env.step(action)
+            total += reward
+        final = plan_reward(
+            info["step_time_s"],
+            info["feasible"],
+            info["over_ratio"],
+            process.baseline_time,
+            log_scale=log_scale,
+        )
+        # Potential-based: the episode's return is the plan's reward less a constant.
+        assert total == pytest.approx(final - start, abs=1e-9)
+    with pytest.raises(TypeError, match="running"):
+        PlanningEnv(AssignmentProcess(), shaping=True)

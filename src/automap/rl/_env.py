@@ -42,7 +42,7 @@ class DecisionProcess(Protocol):
 class ShapedProcess(DecisionProcess, Protocol):
     """A decision process that can also price the partial plan, for per-step rewards."""
 
-    def running_cost(self) -> float: ...  # the partial plan's step time / baseline_time
+    def running(self) -> tuple[float, bool, float]: ...  # like result(), of the plan so far
 
 
 def plan_reward(
@@ -91,11 +91,12 @@ class PlanningEnv(gym.Env):
     after every reset and step; taking a masked action raises ValueError.
 
     `shaping=True` (for a `ShapedProcess`) adds potential-based shaping (Ng et al., 1999)
-    with potential -running_cost(): each step is rewarded by how much it lowered the
-    partial plan's cost, and the last step gets `plan_reward` plus the running cost before
-    it. An episode's rewards add up to `plan_reward` plus the (constant) running cost at
-    reset, so the best plan is unchanged, but every decision gets its own signal at once
-    rather than a share of one reward at the end.
+    whose potential is the `plan_reward` of the plan so far (`running()`: the undecided
+    parts as the process fills them in): each step is rewarded by how much it improved
+    that, in time or in memory over the limit, and the last step by the finished plan's
+    reward less the potential before it. An episode's rewards add up to `plan_reward`
+    less the (constant) potential at reset, so the best plan is unchanged, but every
+    decision gets its own signal at once rather than a share of one reward at the end.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -120,7 +121,7 @@ class PlanningEnv(gym.Env):
         self.process = process
         self.infeasible_penalty = infeasible_penalty
         if shaping and not isinstance(process, ShapedProcess):
-            raise TypeError("reward shaping needs a process with running_cost()")
+            raise TypeError("reward shaping needs a process with running()")
         self.shaping, self.log_scale = shaping, log_scale
         self._potential = 0.0
         # Finite bounds: check_env warns about infinite ones, and features are finite anyway.
@@ -172,10 +173,18 @@ class PlanningEnv(gym.Env):
         return self._observe(), {"action_mask": self._current_mask()}
 
     def _running(self) -> float:
-        if not self.shaping:
-            return 0.0
-        running = float(self.process.running_cost())
-        return math.log(running) if self.log_scale else running
+        """The potential: the reward the plan so far would get (0 without shaping)."""
+        return self._reward(*self.process.running()) if self.shaping else 0.0
+
+    def _reward(self, time_s: float, feasible: bool, over: float) -> float:
+        return plan_reward(
+            time_s,
+            feasible,
+            over,
+            self.process.baseline_time,
+            self.infeasible_penalty,
+            log_scale=self.log_scale,
+        )
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         if self._finished:
@@ -193,18 +202,11 @@ class PlanningEnv(gym.Env):
             # Shaped: the step's own change of the partial plan's cost (potential-based, so
             # the episode's rewards still add up to the plan's reward, less a constant).
             self._potential = self._running()
-            reward = before - self._potential
+            reward = self._potential - before
             return obs, reward, False, False, {"action_mask": self._current_mask()}
         self._finished = True
         time_s, feasible, over = self.process.result()
-        reward = before + plan_reward(
-            time_s,
-            feasible,
-            over,
-            self.process.baseline_time,
-            self.infeasible_penalty,
-            log_scale=self.log_scale,
-        )
+        reward = self._reward(time_s, feasible, over) - before
         info = {
             "action_mask": self._current_mask(),
             "step_time_s": float(time_s),
