@@ -347,6 +347,51 @@ def report_cmd(
         console.print(f"report written to [bold]{path}[/bold]" + (f" and {png}" if png else ""))
 
 
+@app.command("bench")
+@_friendly
+def bench_cmd(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="4 small-to-mid models, 3 s budgets: a few minutes.")
+    ] = False,
+    budget: Annotated[
+        float | None,
+        typer.Option("--budget", help="Seconds per searcher and seed (default 3 quick, 20 full)."),
+    ] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per learned searcher.")] = 1,
+    models: Annotated[
+        str | None, typer.Option("--models", help="Comma-separated zoo models (default: all).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Markdown file to write.")] = Path(
+        "BENCHMARKS.md"
+    ),
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write every row as JSON here.")
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Every zoo model on its preset clusters: data parallel, best expert, exact optimum,
+    DQN, random and MCMC; the cost model's fidelity against XLA and its speed."""
+    from . import _bench
+    from ._bench_md import write
+
+    if seeds < 1 or (budget is not None and budget <= 0):
+        raise AutomapError("--seeds must be at least 1 and --budget positive (e.g. --budget 5).")
+    names = [m.strip() for m in models.split(",") if m.strip()] if models else None
+    # The command as it reproduces this run, every default spelled out.
+    command = "automap bench" + (" --quick" if quick else "")
+    command += f" --budget {budget:g}" if budget is not None else ""
+    command += f" --seeds {seeds}" + (f" --models {','.join(names)}" if names else "")
+    command += f" --out {out}" if out is not None else ""
+    settings = (_bench.quick_settings if quick else _bench.full_settings)(command, seeds=seeds)
+    if budget is not None:
+        settings = dataclasses.replace(settings, budget_s=budget)
+    cases = _bench.select(_bench.QUICK if quick else _bench.FULL, names)
+    result = _bench.run_bench(cases, settings, progress=not quiet)
+    write(result, out, json_out)
+    if not quiet:
+        console.print(f"benchmarks written to [bold]{out}[/bold] in {result['wall_s']:.0f} s")
+
+
 def _info_dict(info: Any) -> dict[str, Any]:
     import dataclasses
 

@@ -1,0 +1,85 @@
+"""`automap bench`: a tiny run gives the tables, the header and JSON rows; t-1% is read right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from automap import _bench
+from automap._bench_md import to_markdown, write
+from automap._cli import app
+from automap._compare import Row
+from automap._plan import Plan, Provenance
+
+TINY = dict(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def result():
+    # One small zoo variant with tiny budgets; fidelity on one MLP plan, speed on the MLP.
+    case = _bench.Case("bert-base", "a100", 8, TINY)
+    settings = _bench.Settings(0.1, 1, ("mlp",), 1, "mlp", "automap bench --tiny")
+    return _bench.run_bench([case], settings, progress=False)
+
+
+def test_markdown_has_header_and_tables(result, tmp_path):
+    out, js = tmp_path / "B.md", tmp_path / "b.json"
+    write(result, out, js)
+    text = out.read_text()
+    assert text == to_markdown(result)
+    for field in ("| command | `automap bench --tiny` |", "| date |", "| machine |", "jax "):
+        assert field in text
+    assert "## Plans: every searcher against the exact optimum" in text
+    assert "| bert-base layers=2" in text and "a100 × 8" in text
+    assert "| mlp | 1 |" in text  # the fidelity table's row
+    assert "plans/s" in text
+    case = json.loads(js.read_text())["cases"][0]
+    assert case["optimum"]["proof"].startswith("ILP optimal")
+    assert "exhaustive agrees" in case["optimum"]["proof"]  # the tiny space is enumerable
+    assert set(case["searchers"]) == {"dqn", "random", "mcmc"}
+    for runs in case["searchers"].values():
+        assert runs[0]["ratio"] >= 1 - 1e-9  # nothing beats the proven optimum
+    keys = {"searcher", "plan_name", "step_time_s", "memory_bytes", "feasible", "seed"}
+    assert all(keys <= set(row) for row in case["rows"])
+    assert {r["searcher"] for r in case["rows"]} >= {"expert", "ilp", "exhaustive", "dqn"}
+
+
+def _row(curve: list[dict], evaluated: int, seconds: float) -> Row:
+    plan = Plan(
+        name="random",
+        mesh={"data": 8},
+        specs={},
+        decisions={"curve": curve, "evaluated": evaluated},
+        provenance=Provenance(searcher="random", search_time_s=seconds),
+    )
+    return Row("random", "random", 1.0, 0.0, True, seconds, None, plan)
+
+
+def test_time_to_1pct_from_evaluations_and_from_elapsed():
+    inf = float("inf")
+    curve = [{"episode": i, "best_time": b, "current_time": b} for i, b in [(1, inf), (2, 2.0)]]
+    curve.append({"episode": 3, "best_time": 1.005, "current_time": 1.005})
+    # Random/MCMC curves count evaluations: 3 of 10 in 2 s.
+    assert _bench.within_1pct(_row(curve, 10, 2.0), 1.0) == (pytest.approx(0.6), 3)
+    assert _bench.within_1pct(_row(curve[:2], 10, 2.0), 1.0) is None
+    # DQN rows carry their own clock; an infeasible episode's time never counts.
+    dqn = [
+        {"episode": 1, "elapsed_s": 0.1, "best_time": 0.5, "current_time": 0.5, "feasible": False},
+        {"episode": 2, "elapsed_s": 0.2, "best_time": 1.0, "current_time": 1.0, "feasible": True},
+    ]
+    assert _bench.within_1pct(_row(dqn, 2, 1.0), 1.0) == (0.2, 2)
+
+
+def test_select_and_cli_errors():
+    assert [c.model for c in _bench.select(_bench.QUICK, ["t5-base"])] == ["t5-base"]
+    assert {c.label for c in _bench.select(_bench.QUICK, ["gpt-6.7b"])} == {
+        "a100 × 64",
+        "h100 × 64",
+    }
+    runner = CliRunner()
+    bad = runner.invoke(app, ["bench", "--seeds", "0"])
+    assert bad.exit_code == 2 and "--seeds" in bad.output
+    unknown = runner.invoke(app, ["bench", "--models", "nope"])
+    assert unknown.exit_code == 2 and "unknown model" in unknown.output
