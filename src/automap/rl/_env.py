@@ -218,18 +218,8 @@ class PlanningEnv(gym.Env):
 
 
 def _make_process(graph: Any, cluster: Any, task: str | None) -> DecisionProcess:
-    # Imported here: the decision spaces are built by another module, and the agent and the
-    # environment shell must stay usable (and testable) on their own.
-    try:
-        from automap import _space
-    except ModuleNotFoundError as err:
-        if err.name != "automap._space":  # a broken import inside _space must surface as is
-            raise
-        raise NotImplementedError(
-            "PlanningEnv(graph, cluster, task) needs automap._space.make_process, "
-            "which is not available in this build"
-        ) from err
-    make_process = getattr(_space, "make_process", None)
-    if make_process is None:
-        raise NotImplementedError("automap._space has no make_process(graph, cluster, task)")
-    return make_process(graph, cluster, task)
+    # Imported here: the decision spaces import the cost model, which the agent and the
+    # environment shell do not need when driven by any other DecisionProcess.
+    from automap._space import make_process
+
+    return make_process(graph, cluster, task or "shard")
