@@ -89,7 +89,7 @@ def quick_settings(command: str, budget_s: float = 3.0, seeds: int = 1) -> Setti
 
 
 def full_settings(command: str, budget_s: float = 20.0, seeds: int = 1) -> Settings:
-    return Settings(budget_s, seeds, ("mlp", "bert", "gpt", "vgg19"), 20, "bert-large", command)
+    return Settings(budget_s, seeds, ("mlp", "bert", "gpt", "vgg19"), 10, "bert-large", command)
 
 
 def select(cases: Sequence[Case], models: Sequence[str] | None) -> tuple[Case, ...]:
@@ -334,7 +334,11 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         for case in cases:
 
             def step(what: str, case: Case = case) -> None:
-                bar.update(task, advance=1, description=f"{case.model} {case.label}: {what}")
+                text = f"{case.model} {case.label}: {what}"
+                bar.update(task, advance=1, description=text)
+                if progress and not bar.console.is_terminal:
+                    # No live bar in a log file: one line per step shows where a run is.
+                    print(f"[{time.perf_counter() - start:6.0f} s] {text}", file=sys.stderr)
 
             results.append(bench_case(case, s, step))
         bar.update(task, description=f"cost model fidelity against XLA ({s.fidelity_plans} plans)")
