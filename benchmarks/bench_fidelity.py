@@ -41,22 +41,22 @@ MODELS = {
     "gpt": ("gpt2-xl", SMALL),
     "vgg19": ("vgg19", dict(hidden=8, ff=64, image=32, classes=16, batch=16, dtype="float32")),
 }
-MESHES = ({"data": 8}, {"model": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2})
 
 
-def random_plan(graph, groups, rng, zero: bool):
-    """A random valid plan: every axis choice divides its group's dimensions."""
-    from automap._linkage import plan_from_assignment
+def random_plan(graph, groups, rng, zero: bool, masks: bool = True):
+    """A random plan of the space the searchers explore (per group, both mesh orders): with
+    masks, exactly the plans a searcher can return (every axis divides its group, no axis
+    twice in one tensor); without, any axis that divides (a stress test of conflicts)."""
+    from automap._cluster import Cluster
+    from automap._cost import CostModel
+    from automap._search import random_point
+    from automap._space import Pruning, ShardSpace
 
-    mesh = MESHES[rng.integers(len(MESHES))]
-    assignment = {}
-    for gid in groups.decision_groups():
-        options = [None] + [a for a, n in mesh.items() if groups.groups[gid].divisor % n == 0]
-        assignment[gid] = options[rng.integers(len(options))]
-    zero_stage = int(rng.choice([0, 1, 3])) if zero and "data" in mesh else 0
-    return plan_from_assignment(
-        graph, groups, mesh, assignment, name="random", zero_stage=zero_stage
-    )
+    pruning = Pruning(layer_grouping=False, masks=masks, symmetry=False, zero=zero)
+    cluster = Cluster.preset("cpu", devices=8)
+    space = ShardSpace(graph, groups, cluster, CostModel(graph, cluster, groups), pruning)
+    mesh_index, options, zero_stage = random_point(space, rng)
+    return space.to_plan(mesh_index, options, zero_stage, name="random")
 
 
 def _shape_of(why: str) -> str:
@@ -67,7 +67,9 @@ def _shape_of(why: str) -> str:
     return re.sub(r" \([^)]*B\)", "", why)
 
 
-def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> dict:
+def bench_model(
+    name: str, plans: int, seed: int, zero: bool, verbose: bool, masks: bool = True
+) -> dict:
     from automap._capture import capture
     from automap._hlo import comm_bytes, parse_collectives
     from automap._linkage import build_groups
@@ -82,7 +84,7 @@ def bench_model(name: str, plans: int, seed: int, zero: bool, verbose: bool) -> 
     matched, errors, reasons, cases = 0, 0, collections.Counter(), []
     t0 = time.perf_counter()
     for i in range(plans):
-        plan = random_plan(graph, groups, rng, zero)
+        plan = random_plan(graph, groups, rng, zero, masks)
         try:
             _, compiled = compile_plan(model.step_fn, plan, args, graph=graph)
             xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
@@ -129,9 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--zero", action="store_true", help="also draw ZeRO-1/3 stages")
     parser.add_argument("--verbose", action="store_true", help="print every disagreement")
+    parser.add_argument(
+        "--no-masks", action="store_true", help="draw plans that break the space's masks too"
+    )
     parser.add_argument("--json", help="write the results to this file")
     opts = parser.parse_args(argv)
-    rows = [bench_model(m, opts.plans, opts.seed, opts.zero, opts.verbose) for m in opts.models]
+    rows = [
+        bench_model(m, opts.plans, opts.seed, opts.zero, opts.verbose, not opts.no_masks)
+        for m in opts.models
+    ]
     print(f"\n{'model':<8} {'plans':>6} {'match':>6} {'errors':>7} {'fraction':>9} {'s/plan':>7}")
     for r in rows:
         per = r["seconds"] / max(r["plans"], 1)
