@@ -105,9 +105,11 @@ def _optimum_cell(opt: dict | None, dp: float | None) -> str:
 
 def _fidelity_lines(rows: list[dict] | str) -> list[str]:
     head = (
-        "Fidelity against XLA (`benchmarks/bench_fidelity.py`): random valid plans on 8 "
-        "virtual CPU devices, each compiled by XLA; a plan matches when the collectives in "
-        "XLA's HLO are the cost model's, kind by kind and mesh axis by axis, within 5% in bytes."
+        "Fidelity against XLA (`benchmarks/bench_fidelity.py`, its default draw): random "
+        "plans of the space the searchers explore (masks on: every axis divides its group, "
+        "no axis twice in one tensor) on 8 virtual CPU devices, each compiled by XLA; a plan "
+        "matches when the collectives in XLA's HLO are the cost model's, kind by kind and "
+        "mesh axis by axis, within 5% in bytes."
     )
     if isinstance(rows, str):
         return [head, "", f"Fidelity: {rows}."]
