@@ -88,17 +88,7 @@ def solve_exhaustive(
 
     elapsed = _time.perf_counter() - start
     if best_index is None:
-        return Solution(
-            choices=(),
-            time=np.inf,
-            memory=np.inf,
-            feasible=False,
-            optimal=False,
-            gap=np.inf,
-            solve_time_s=elapsed,
-            explored=size,
-            status="infeasible",
-        )
+        return Solution.infeasible(elapsed, size)
     return Solution(
         choices=tuple(int(options[u][d]) for u, d in enumerate(best_index)),
         time=best_time,

@@ -122,6 +122,11 @@ class Solution:
     explored: int
     status: str
 
+    @classmethod
+    def infeasible(cls, solve_time_s: float, explored: int, status: str = "infeasible"):
+        """No feasible plan: empty choices, infinite time and memory."""
+        return cls((), np.inf, np.inf, False, False, np.inf, solve_time_s, explored, status)
+
 
 def space_size(problem: FactorProblem) -> int:
     """Number of assignments that respect the masks (an exact Python int)."""

@@ -233,17 +233,7 @@ def solve_ilp(
     model = _build(problem)
 
     def infeasible(status: str, explored: int = 0) -> Solution:
-        return Solution(
-            choices=(),
-            time=np.inf,
-            memory=np.inf,
-            feasible=False,
-            optimal=False,
-            gap=np.inf,
-            solve_time_s=_time.perf_counter() - start,
-            explored=explored,
-            status=status,
-        )
+        return Solution.infeasible(_time.perf_counter() - start, explored, status)
 
     if model is None:
         return infeasible("infeasible")
