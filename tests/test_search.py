@@ -102,3 +102,22 @@ def test_compare_rows_and_json():
         "mfu",
         "plan",
     } <= set(out["rows"][0])
+
+
+def test_tasks_choose_the_space(problem):
+    import automap as am
+    from automap._zoo import get_model
+
+    spec = get_model("mlp", layers=3, hidden=64, features=32, classes=8, batch=16)
+    cluster = am.Cluster.preset("a100", 8)
+    for searcher in ("expert", "exhaustive"):
+        plan = am.plan(
+            spec.step_fn,
+            *spec.abstract_args(),
+            cluster=cluster,
+            searcher=searcher,
+            tasks=("replicate",),
+        )
+        assert set(plan.mesh) == {"data"}, searcher
+    with pytest.raises(am.AutomapError, match="pipeline task is not available"):
+        am.plan(spec.step_fn, *spec.abstract_args(), cluster=cluster, tasks=("pipeline",))

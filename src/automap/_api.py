@@ -72,10 +72,10 @@ def plan(
     `automap apply plan.json` can rebuild the step.
     """
     name = _check_searcher(searcher)
-    _check_tasks(tasks)
+    task = _check_tasks(tasks)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
-    best = run_searcher(problem, name, budget_s, seed, progress)
+    best = run_searcher(problem, name, budget_s, seed, progress, task)
     # The whole call, capture included: what the user waited for.
     provenance = dataclasses.replace(
         best.provenance,
@@ -86,15 +86,20 @@ def plan(
 
 
 def run_searcher(
-    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+    problem: Problem,
+    name: str,
+    budget_s: float,
+    seed: int,
+    progress: bool = False,
+    task: str = "shard",
 ) -> Plan:
     """One searcher on a built problem: its best plan, priced, with provenance."""
     name = _check_searcher(name)
     start = time.perf_counter()
     if name == "expert":
-        best = _best_expert(problem)
+        best = _best_expert(problem, task)
     else:
-        best = _search_space(problem, name, budget_s, seed, progress)
+        best = _search_space(problem, name, budget_s, seed, progress, task)
     provenance = Provenance(
         searcher=name,
         seed=seed,
@@ -151,8 +156,10 @@ def arg_roles(graph: Graph) -> dict[str, str]:
     return {str(i): c.most_common(1)[0][0] for i, c in sorted(counts.items())}
 
 
-def _best_expert(problem: Problem) -> Plan:
+def _best_expert(problem: Problem, task: str = "shard") -> Plan:
     plans = _priced_experts(problem)
+    if task == "replicate":  # data parallelism and ZeRO only
+        plans = {k: p for k, p in plans.items() if set(p.mesh) == {"data"}}
     feasible = [p for p in plans.values() if p.predicted is not None and p.predicted.feasible]
     if not feasible:
         raise InfeasibleError(_infeasible_message(problem, plans))
@@ -160,12 +167,17 @@ def _best_expert(problem: Problem) -> Plan:
 
 
 def _search_space(
-    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+    problem: Problem,
+    name: str,
+    budget_s: float,
+    seed: int,
+    progress: bool = False,
+    task: str = "shard",
 ) -> Plan:
     """A space searcher's best plan; the DQN's is never worse than the best expert plan."""
     from ._searchers import run_space_searcher, with_stats
 
-    found, stats = run_space_searcher(problem, name, budget_s, seed, progress)
+    found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task)
     plan = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
     if name == "dqn":
         try:
@@ -210,15 +222,23 @@ def _check_searcher(searcher: str) -> str:
     return searcher
 
 
-def _check_tasks(tasks: str | Sequence[str]) -> None:
+def _check_tasks(tasks: str | Sequence[str]) -> str:
+    """The space to search: "shard" (mesh, tensor sharding and ZeRO) unless only
+    "replicate" (data parallelism and ZeRO) is asked for."""
     if tasks == "auto":
-        return
+        return "shard"
     items = (tasks,) if isinstance(tasks, str) else tuple(tasks)
     bad = [t for t in items if t not in TASKS]
     if bad or not items:
         raise AutomapError(
             f"unknown task(s) {bad or items!r}; tasks is 'auto' or a subset of {TASKS}."
         )
+    if "pipeline" in items:
+        raise AutomapError(
+            f"the pipeline task is not available in automap {__version__} yet; "
+            "use tasks=('shard',), ('replicate',) or 'auto'."
+        )
+    return "shard" if "shard" in items else "replicate"
 
 
 def _check_fits(graph: Graph, plan: Plan) -> None:

@@ -25,10 +25,17 @@ EPISODES_PER_SECOND = 40
 
 
 def run_space_searcher(
-    problem: Problem, name: str, budget_s: float, seed: int, progress: bool = False
+    problem: Problem,
+    name: str,
+    budget_s: float,
+    seed: int,
+    progress: bool = False,
+    task: str = "shard",
 ) -> tuple[Plan, dict[str, Any]]:
-    """(best plan, search stats) for searcher `name` over the problem's shard space."""
-    space = ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
+    """(best plan, search stats) for searcher `name` over the problem's space for `task`."""
+    space = ShardSpace(
+        problem.graph, problem.groups, problem.cluster, problem.cost_model, task=task
+    )
     with _Progress(progress, name) as bar:
         if name == "dqn":
             point, stats = _dqn(space, budget_s, seed, bar)
