@@ -197,5 +197,5 @@ def _coerce(model: str, key: str, annotation: str, value: Any) -> Any:
         elif kind == "str" and isinstance(value, str):
             return value
     except ValueError:
-        pass
+        pass  # an unparsable string: the same error as a value of the wrong type, below
     raise ModelError(f"{model}: override {key}={value!r} is not a valid {annotation}")
