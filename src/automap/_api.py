@@ -99,7 +99,12 @@ def run_searcher(
     if name == "expert":
         best = _best_expert(problem, task)
     else:
-        best = _search_space(problem, name, budget_s, seed, progress, task)
+        from ._searchers import run_space_searcher, with_stats
+
+        found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task)
+        best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
+        if name == "dqn":
+            best = _no_worse_than_experts(problem, best, stats, task)
     provenance = Provenance(
         searcher=name,
         seed=seed,
@@ -166,28 +171,16 @@ def _best_expert(problem: Problem, task: str = "shard") -> Plan:
     return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
 
 
-def _search_space(
-    problem: Problem,
-    name: str,
-    budget_s: float,
-    seed: int,
-    progress: bool = False,
-    task: str = "shard",
-) -> Plan:
-    """A space searcher's best plan; the DQN's is never worse than the best expert plan."""
-    from ._searchers import run_space_searcher, with_stats
-
-    found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task)
-    plan = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
-    if name == "dqn":
-        try:
-            expert = _best_expert(problem)
-        except InfeasibleError:
-            return plan
-        if expert.predicted.step_time_s < plan.predicted.step_time_s:
-            return dataclasses.replace(
-                expert, name=f"dqn ({expert.name})", decisions={**expert.decisions, **stats}
-            )
+def _no_worse_than_experts(problem: Problem, plan: Plan, stats: dict, task: str) -> Plan:
+    """The DQN hands back the best expert plan of its task when it found nothing better."""
+    try:
+        expert = _best_expert(problem, task)
+    except InfeasibleError:
+        return plan
+    if expert.predicted.step_time_s < plan.predicted.step_time_s:
+        return dataclasses.replace(
+            expert, name=f"dqn ({expert.name})", decisions={**expert.decisions, **stats}
+        )
     return plan
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ._cluster import Cluster
 from ._graph import Graph
-from ._linkage import Group, Groups, plan_from_assignment
+from ._linkage import Group, Groups, group_partners, plan_from_assignment
 from ._plan import Plan
 
 DATA, MODEL = "data", "model"
@@ -50,12 +50,7 @@ def _alternating(groups: Groups, candidates: list[Group]) -> list[Group]:
     next layer's input, stays whole). Without it both dims of a weight would want the same
     axis, which no layout can give."""
     first = {g.id: min(t for t, _ in g.members) for g in candidates}
-    wanted = {g.id for g in candidates}
-    partners: dict[int, set[int]] = {gid: set() for gid in wanted}
-    for tensor_groups in groups.tensor_groups:
-        present = wanted.intersection(tensor_groups)
-        for gid in present:
-            partners[gid] |= present - {gid}
+    partners = group_partners(groups, {g.id for g in candidates})
     picked: list[Group] = []
     taken: set[int] = set()
     for g in sorted(candidates, key=lambda g: (first[g.id], g.id)):

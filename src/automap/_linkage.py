@@ -309,6 +309,17 @@ def _dropped(spec: Spec, tg: tuple[int, ...], assignment: Mapping[int, str]) -> 
     return any(s is None and g in assignment for s, g in zip(spec, tg, strict=True))
 
 
+def group_partners(groups: Groups, wanted: set[int]) -> dict[int, set[int]]:
+    """For each group in `wanted`, the groups of `wanted` it shares a tensor with: two
+    such groups cannot take the same mesh axis."""
+    partners: dict[int, set[int]] = {gid: set() for gid in wanted}
+    for tensor_groups in groups.tensor_groups:
+        present = wanted.intersection(tensor_groups)
+        for gid in present:
+            partners[gid] |= present - {gid}
+    return partners
+
+
 def zero_spec(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int], data_axis: str) -> Spec:
     """Add the data axis to one dim (ZeRO): the first unsplit dim it divides, else the first
     split dim whose shard it divides. Left alone when no dim fits (a scalar count)."""

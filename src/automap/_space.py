@@ -24,7 +24,7 @@ import numpy as np
 from ._cluster import Cluster
 from ._cost import CostModel
 from ._graph import Graph
-from ._linkage import Groups, plan_from_assignment
+from ._linkage import Groups, group_partners, plan_from_assignment
 from ._plan import Cost, Plan
 
 DATA, MODEL = "data", "model"
@@ -85,7 +85,7 @@ def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit
     by_class: dict[int, list[int]] = {}
     for gid, key in key_of.items():
         by_class.setdefault(key, []).append(gid)
-    partners = _group_partners(groups, set(key_of))
+    partners = group_partners(groups, set(key_of))
     n_tensors = max(1, len(graph.tensors))
     units = []
     for gids in (
@@ -105,16 +105,6 @@ def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit
         )
     units.sort(key=lambda u: (u.position, u.groups))
     return units
-
-
-def _group_partners(groups: Groups, wanted: set[int]) -> dict[int, set[int]]:
-    """For each group, the groups it shares a tensor with."""
-    partners: dict[int, set[int]] = {gid: set() for gid in wanted}
-    for tensor_groups in groups.tensor_groups:
-        present = wanted.intersection(tensor_groups)
-        for gid in present:
-            partners[gid] |= present - {gid}
-    return partners
 
 
 def _colour(
