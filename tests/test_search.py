@@ -121,3 +121,40 @@ def test_tasks_choose_the_space(problem):
         assert set(plan.mesh) == {"data"}, searcher
     with pytest.raises(am.AutomapError, match="pipeline task is not available"):
         am.plan(spec.step_fn, *spec.abstract_args(), cluster=cluster, tasks=("pipeline",))
+
+
+def _interrupt_at(monkeypatch, n: int) -> None:
+    """Ctrl-C, deterministically: the n-th cost evaluation raises KeyboardInterrupt."""
+    import automap._search as search_module
+
+    real, calls = search_module.evaluate, [0]
+
+    def evaluate(space, point):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(space, point)
+
+    monkeypatch.setattr(search_module, "evaluate", evaluate)
+
+
+@pytest.mark.parametrize("searcher", ["random", "mcmc"])
+def test_ctrl_c_keeps_the_best_plan_so_far(problem, monkeypatch, searcher):
+    _interrupt_at(monkeypatch, 30)
+    spec = get_model("mlp", layers=3, hidden=64, features=32, classes=8, batch=16)
+    plan = am.plan(
+        spec.step_fn, *spec.abstract_args(), cluster=problem.cluster, searcher=searcher,
+        budget_s=60.0,
+    )  # fmt: skip
+    assert plan.decisions["interrupted"] is True
+    assert plan.decisions["evaluated"] == 29  # stopped at once, not after the budget
+    dp = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=problem.cluster)
+    assert plan.predicted.step_time_s <= dp["data_parallel"].predicted.step_time_s
+
+
+def test_ctrl_c_before_any_plan_propagates(problem, monkeypatch):
+    _interrupt_at(monkeypatch, 1)
+    tracker = Tracker(budget_s=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        search_random(_space(problem), tracker, seed=0)
+    assert tracker.best is None and not tracker.interrupted

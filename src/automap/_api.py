@@ -65,7 +65,9 @@ def plan(
 ) -> Plan:
     """Find a fast feasible plan for `step_fn(*args)` on `cluster`.
 
-    `progress=True` shows a progress bar with the best step time so far.
+    `progress=True` shows a progress bar with the best step time so far. Ctrl-C stops the
+    search and returns the best plan so far, with `plan.decisions["interrupted"] = True`
+    (never worse than the best expert plan); before anything feasible is found it raises.
 
     `searcher="auto"` picks the strongest searcher this version has. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
@@ -103,7 +105,8 @@ def run_searcher(
 
         found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task)
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
-        if name == "dqn":
+        # An interrupted search may not have caught up with the experts yet.
+        if name == "dqn" or stats.get("interrupted"):
             best = _no_worse_than_experts(problem, best, stats, task)
     provenance = Provenance(
         searcher=name,
@@ -172,14 +175,15 @@ def _best_expert(problem: Problem, task: str = "shard") -> Plan:
 
 
 def _no_worse_than_experts(problem: Problem, plan: Plan, stats: dict, task: str) -> Plan:
-    """The DQN hands back the best expert plan of its task when it found nothing better."""
+    """The best expert plan of the task when the search found nothing better (the DQN
+    always; other searchers when Ctrl-C stopped them early)."""
     try:
         expert = _best_expert(problem, task)
     except InfeasibleError:
         return plan
     if expert.predicted.step_time_s < plan.predicted.step_time_s:
         return dataclasses.replace(
-            expert, name=f"dqn ({expert.name})", decisions={**expert.decisions, **stats}
+            expert, name=f"{plan.name} ({expert.name})", decisions={**expert.decisions, **stats}
         )
     return plan
 

@@ -6,10 +6,11 @@ learning curve, so that every searcher reports the same figures side by side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -40,6 +41,8 @@ class Tracker:
     curve: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     # Called after each evaluation with (point, cost, best time so far): progress bars.
     on_offer: Callable[[Point, Cost, float], None] | None = None
+    # Set when Ctrl-C ended the search early: `best` is the best so far, not the budget's.
+    interrupted: bool = False
 
     def offer(self, point: Point, cost: Cost) -> None:
         self.evaluated += 1
@@ -60,6 +63,18 @@ class Tracker:
 
     def out_of_time(self) -> bool:
         return self.evaluated >= self.max_evals or self.elapsed >= SAFETY * self.budget_s
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Ctrl-C inside ends the search and keeps the best point so far, marked
+        `interrupted`: a long search a user stops is not wasted. With no feasible point yet
+        there is nothing worth keeping, so the interrupt goes on to the caller."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.best is None:
+                raise
+            self.interrupted = True
 
 
 def _options_of(space: ShardSpace, mesh_index: int, rng: np.random.Generator) -> tuple[int, ...]:
@@ -85,9 +100,10 @@ def evaluate(space: ShardSpace, point: Point) -> Cost:
 def search_random(space: ShardSpace, tracker: Tracker, seed: int) -> Tracker:
     """Uniform random valid points until the budget runs out."""
     rng = np.random.default_rng(seed)
-    while not tracker.out_of_time():
-        point = random_point(space, rng)
-        tracker.offer(point, evaluate(space, point))
+    with tracker.interruptible():
+        while not tracker.out_of_time():
+            point = random_point(space, rng)
+            tracker.offer(point, evaluate(space, point))
     return tracker
 
 
@@ -99,17 +115,18 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
             f"the space has {size:,} points, more than the exhaustive limit {max_points:,}; "
             "use searcher='ilp' or a smaller model."
         )
-    for mesh_index, mesh in enumerate(space.meshes):
-        stack: list[tuple[int, ...]] = [()]
-        while stack:
-            chosen = stack.pop()
-            if len(chosen) == len(space.units):
-                for zero in space.zero_options(mesh):
-                    point = (mesh_index, chosen, zero)
-                    tracker.offer(point, evaluate(space, point))
-                continue
-            mask = space.allowed(mesh, len(chosen), chosen)
-            stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask)[::-1])
+    with tracker.interruptible():
+        for mesh_index, mesh in enumerate(space.meshes):
+            stack: list[tuple[int, ...]] = [()]
+            while stack:
+                chosen = stack.pop()
+                if len(chosen) == len(space.units):
+                    for zero in space.zero_options(mesh):
+                        point = (mesh_index, chosen, zero)
+                        tracker.offer(point, evaluate(space, point))
+                    continue
+                mask = space.allowed(mesh, len(chosen), chosen)
+                stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask)[::-1])
     return tracker
 
 
@@ -124,19 +141,20 @@ def search_mcmc(
     """Simulated annealing (FlexFlow-style): change one decision, accept by Metropolis on
     the step time relative to the current one; restarts from the best on a new mesh."""
     rng = np.random.default_rng(seed)
-    current = start or random_point(space, rng)
-    current_cost = evaluate(space, current)
-    tracker.offer(current, current_cost)
-    temp = temperature
-    while not tracker.out_of_time():
-        proposal = _neighbour(space, current, rng)
-        cost = evaluate(space, proposal)
-        tracker.offer(proposal, cost)
-        old = _energy(current_cost)
-        new = _energy(cost)
-        if new <= old or rng.random() < math.exp(-(new - old) / max(temp * old, 1e-12)):
-            current, current_cost = proposal, cost
-        temp *= cooling
+    with tracker.interruptible():
+        current = start or random_point(space, rng)
+        current_cost = evaluate(space, current)
+        tracker.offer(current, current_cost)
+        temp = temperature
+        while not tracker.out_of_time():
+            proposal = _neighbour(space, current, rng)
+            cost = evaluate(space, proposal)
+            tracker.offer(proposal, cost)
+            old = _energy(current_cost)
+            new = _energy(cost)
+            if new <= old or rng.random() < math.exp(-(new - old) / max(temp * old, 1e-12)):
+                current, current_cost = proposal, cost
+            temp *= cooling
     return tracker
 
 

@@ -32,7 +32,11 @@ def run_space_searcher(
     progress: bool = False,
     task: str = "shard",
 ) -> tuple[Plan, dict[str, Any]]:
-    """(best plan, search stats) for searcher `name` over the problem's space for `task`."""
+    """(best plan, search stats) for searcher `name` over the problem's space for `task`.
+
+    Ctrl-C during the search stops it and hands back the best plan so far, with
+    `stats["interrupted"] = True`; before any feasible plan is found it propagates.
+    """
     space = ShardSpace(
         problem.graph, problem.groups, problem.cluster, problem.cost_model, task=task
     )
@@ -83,6 +87,8 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: _Pro
         "time_to_best_s": round(tracker.time_to_best_s, 3),
         "curve": curve,
     }
+    if tracker.interrupted:
+        stats["interrupted"] = True
     return tracker.best, stats
 
 
@@ -145,6 +151,11 @@ def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
         "time_to_best_s": round(result.time_to_best_s, 3),
         "curve": result.curve,
     }
+    if result.interrupted:
+        if not result.best_feasible:
+            # Stopped before any plan fit in memory: nothing worth keeping.
+            raise KeyboardInterrupt
+        stats["interrupted"] = True
     if not result.best_feasible:
         return None, stats
     return process.to_point(result.best_decisions), stats

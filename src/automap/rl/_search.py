@@ -41,6 +41,8 @@ class SearchResult:
     curve: list[dict[str, Any]]
     """One row per episode: episode, elapsed_s, best_time, current_time, feasible,
     exploration (epsilon or noise scale), loss (mean over the episode, None before training)."""
+    interrupted: bool = False
+    """Whether Ctrl-C ended the search before its budget: the best plan is the best so far."""
 
 
 def _better(time_s: float, feasible: bool, over: float, best: tuple[float, bool, float]) -> bool:
@@ -68,7 +70,8 @@ def search(
     `agent` continues (or warm-starts from) an existing agent; otherwise a fresh one is made
     from `config` and `seed`. The loop also stops after `config.max_episodes` episodes, and
     as soon as a feasible plan at or under `stop_at` seconds is found (for benchmarks and
-    tests that know the optimum and measure the time to reach it).
+    tests that know the optimum and measure the time to reach it). Ctrl-C (KeyboardInterrupt)
+    ends it early with the best plan so far and `interrupted=True`.
     """
     if agent is not None and config is not None and config != agent.config:
         raise ValueError("pass either an agent or a config: the agent brings its own config")
@@ -90,74 +93,82 @@ def search(
     # branch points of the first one.
     rng = np.random.default_rng([seed, agent.env_steps])
 
-    while True:
-        elapsed = time.perf_counter() - start
-        # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
-        if episode >= len(seed_episodes) and (
-            elapsed >= budget_s
-            or (config.max_episodes is not None and episode >= config.max_episodes)
-        ):
-            break
-        forced = list(seed_episodes[episode]) if episode < len(seed_episodes) else None
-        # Go-Explore style: some episodes return to the best plan so far along its own
-        # decisions, leave it at one random step, and let the agent finish from there. The
-        # greedy policy alone revisits its own plan; this explores around the best one.
-        branch = -1
-        if forced is None and best_decisions and rng.random() < config.explore_from_best:
-            branch = int(rng.integers(len(best_decisions)))
+    interrupted = False
+    try:
+        while True:
+            elapsed = time.perf_counter() - start
+            # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
+            if episode >= len(seed_episodes) and (
+                elapsed >= budget_s
+                or (config.max_episodes is not None and episode >= config.max_episodes)
+            ):
+                break
+            forced = list(seed_episodes[episode]) if episode < len(seed_episodes) else None
+            # Go-Explore style: some episodes return to the best plan so far along its own
+            # decisions, leave it at one random step, and let the agent finish from there. The
+            # greedy policy alone revisits its own plan; this explores around the best one.
+            branch = -1
+            if forced is None and best_decisions and rng.random() < config.explore_from_best:
+                branch = int(rng.integers(len(best_decisions)))
 
-        # --- play one episode, learning at every step ---
-        obs, info = env.reset(seed=seed + episode)
-        mask = info["action_mask"]
-        losses: list[float] = []
-        t, done = 0, False
-        while not done:
-            if forced is not None:
-                if t >= len(forced):
-                    raise ValueError(f"seed episode {episode} ends before the plan is complete")
-                action = forced[t]
-            elif t < branch:
-                action = best_decisions[t]
-            elif t == branch:
-                others = np.flatnonzero(mask)
-                others = others[others != best_decisions[t]]
-                action = int(rng.choice(others)) if len(others) else best_decisions[t]
-            else:
-                action = agent.act(obs, mask)
-            next_obs, reward, done, _, info = env.step(action)
-            next_mask = info["action_mask"]
-            agent.observe(obs, mask, action, reward, next_obs, next_mask, done)
-            loss = agent.update()
-            if loss is not None:
-                losses.append(loss)
-            obs, mask, t = next_obs, next_mask, t + 1
-        if forced is not None and t != len(forced):
-            raise ValueError(
-                f"seed episode {episode} has {len(forced)} decisions, the plan took {t}"
-            )
+            # --- play one episode, learning at every step ---
+            obs, info = env.reset(seed=seed + episode)
+            mask = info["action_mask"]
+            losses: list[float] = []
+            t, done = 0, False
+            while not done:
+                if forced is not None:
+                    if t >= len(forced):
+                        raise ValueError(f"seed episode {episode} ends before the plan is complete")
+                    action = forced[t]
+                elif t < branch:
+                    action = best_decisions[t]
+                elif t == branch:
+                    others = np.flatnonzero(mask)
+                    others = others[others != best_decisions[t]]
+                    action = int(rng.choice(others)) if len(others) else best_decisions[t]
+                else:
+                    action = agent.act(obs, mask)
+                next_obs, reward, done, _, info = env.step(action)
+                next_mask = info["action_mask"]
+                agent.observe(obs, mask, action, reward, next_obs, next_mask, done)
+                loss = agent.update()
+                if loss is not None:
+                    losses.append(loss)
+                obs, mask, t = next_obs, next_mask, t + 1
+            if forced is not None and t != len(forced):
+                raise ValueError(
+                    f"seed episode {episode} has {len(forced)} decisions, the plan took {t}"
+                )
 
-        # --- keep the best plan ---
-        time_s, feasible, over = info["step_time_s"], info["feasible"], info["over_ratio"]
-        if _better(time_s, feasible, over, best):
-            best = (time_s, feasible, over)
-            best_decisions = info["decisions"]
-            time_to_best = time.perf_counter() - start
-        episode += 1
+            # --- keep the best plan ---
+            time_s, feasible, over = info["step_time_s"], info["feasible"], info["over_ratio"]
+            if _better(time_s, feasible, over, best):
+                best = (time_s, feasible, over)
+                best_decisions = info["decisions"]
+                time_to_best = time.perf_counter() - start
+            episode += 1
 
-        row = {
-            "episode": episode,
-            "elapsed_s": time.perf_counter() - start,
-            "best_time": best[0],
-            "current_time": time_s,
-            "feasible": feasible,
-            "exploration": agent.exploration,
-            "loss": sum(losses) / len(losses) if losses else None,
-        }
-        curve.append(row)
-        if on_episode is not None:
-            on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
-        if stop_at is not None and best[1] and best[0] <= stop_at:
-            break
+            row = {
+                "episode": episode,
+                "elapsed_s": time.perf_counter() - start,
+                "best_time": best[0],
+                "current_time": time_s,
+                "feasible": feasible,
+                "exploration": agent.exploration,
+                "loss": sum(losses) / len(losses) if losses else None,
+            }
+            curve.append(row)
+            if on_episode is not None:
+                on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
+            if stop_at is not None and best[1] and best[0] <= stop_at:
+                break
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best plan so far rather than throwing the search away; before
+        # the first finished episode there is no plan, so the interrupt goes on.
+        if not best_decisions:
+            raise
+        interrupted = True
 
     return SearchResult(
         best_decisions=best_decisions,
@@ -166,6 +177,7 @@ def search(
         episodes=episode,
         time_to_best_s=time_to_best,
         curve=curve,
+        interrupted=interrupted,
     )
 
 
