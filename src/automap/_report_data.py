@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ._cluster import Cluster
 from ._errors import ClusterError
+from ._pipeline._schedule import simulate
 from ._plan import Cost, Plan, Spec
 
 LINK_WORDS = {"intra": "in node", "inter": "across nodes", "mixed": "spans nodes"}
@@ -74,54 +75,9 @@ def _ranges(xs: list[int]) -> str:
 def pipeline_ops(
     stages: int, microbatches: int, schedule: str, times: Sequence[tuple[float, float]]
 ) -> list[tuple[int, str, int, float, float]]:
-    """Simulate a GPipe or 1F1B schedule: (stage, "F"/"B", microbatch, start, end) per op.
-
-    Each stage runs its ops in the schedule's order; an op starts when its stage is free and
-    its input is ready (forward: the previous stage's forward; backward: the next stage's
-    backward, or the last stage's own forward). Point-to-point sends are not drawn.
-    """
-    orders = []
-    for s in range(stages):
-        if schedule == "gpipe":
-            order = [("F", m) for m in range(microbatches)] + [
-                ("B", m) for m in reversed(range(microbatches))
-            ]
-        else:  # 1F1B: warm up with enough forwards to fill the pipe, then alternate
-            warm = min(stages - s - 1, microbatches)
-            order = [("F", m) for m in range(warm)]
-            for i in range(microbatches - warm):
-                order += [("F", warm + i), ("B", i)]
-            order += [("B", m) for m in range(microbatches - warm, microbatches)]
-        orders.append(order)
-    done: dict[tuple[int, str, int], float] = {}
-    free, ptr, ops = [0.0] * stages, [0] * stages, []
-    while any(ptr[s] < len(orders[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            while ptr[s] < len(orders[s]):
-                kind, m = orders[s][ptr[s]]
-                dep = (
-                    (s - 1, "F", m)
-                    if kind == "F"
-                    else (s + 1, "B", m)
-                    if s < stages - 1
-                    else (s, "F", m)
-                )
-                if kind == "F" and s == 0:
-                    ready = 0.0
-                elif dep in done:
-                    ready = done[dep]
-                else:
-                    break
-                start = max(free[s], ready)
-                end = start + times[s][0 if kind == "F" else 1]
-                done[(s, kind, m)], free[s] = end, end
-                ops.append((s, kind, m, start, end))
-                ptr[s] += 1
-                progressed = True
-        if not progressed:  # pragma: no cover - both schedules are deadlock-free
-            raise RuntimeError("pipeline schedule deadlocked")
-    return ops
+    """The schedule simulated in time, (stage, "F"/"B", microbatch, start, end) per unit:
+    the same simulation the cost model and the runtime use (point-to-point not drawn)."""
+    return simulate(stages, microbatches, schedule, times)
 
 
 def stage_times(plan: Plan) -> tuple[list[tuple[float, float]], str]:

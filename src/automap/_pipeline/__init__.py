@@ -1,0 +1,1 @@
+"""Pipeline plans: stage partition of a captured step, schedules, runtime and cost."""

@@ -1,0 +1,307 @@
+"""Which pipeline stage and which phase of the step each op of a training step belongs to.
+
+A captured training step is forward, then backward (jax emits every primal op before the
+transposed ones), then the optimizer update. A pipeline plan cuts the *forward* ops into
+contiguous ranges in program order, one per stage (`Plan.stages`); everything else follows
+the tensors it reads:
+
+- phase. An op that touches the batch dimension (a tensor dim in the batch linkage group)
+  runs once per microbatch: "fwd" up to the loss, "bwd" after it. Its batch-free outputs
+  that leave the per-microbatch region (gradients, the loss sum) are *accumulated*: summed
+  over microbatches, which is exact because each is a sum over examples (a reduce_sum or a
+  contraction over the batch). Ops that only read inputs run once per step before the
+  microbatches ("pre": casting a weight), ops downstream of accumulated tensors once after
+  them ("post": the loss division, the optimizer update).
+- stage. Forward ops take the stage of their range. A backward op takes the lowest stage
+  among the tensors it reads, so that backward data only ever flows to lower stages (the
+  order every schedule runs them in), and an op that reads only inputs or constants (the
+  cotangent seed) the highest stage among its readers. Update ops run where their largest
+  input lives (a gradient: the stage that owns the parameter); pre ops on the lowest stage
+  that reads them.
+
+Microbatching is exact only when examples do not mix: a batch statistic fed back into
+per-example work (batch normalization), per-example random numbers, or a batch reduction
+that is not a sum (a max) would change with the microbatch size. `partition` refuses
+those with `microbatches > 1`, naming the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from .._errors import PlanError
+from .._graph import Graph, Role
+from .._linkage import Groups
+from .._memory import find_residuals
+
+
+class Phase(enum.StrEnum):
+    PRE = "pre"  # once per step, before the microbatches (reads only inputs)
+    FWD = "fwd"  # once per microbatch, forward
+    BWD = "bwd"  # once per microbatch, backward
+    POST = "post"  # once per step, after the microbatches (reads accumulated sums)
+
+
+#: Primitives whose batch-free output is a sum over the examples they read.
+_SUMS = frozenset(
+    {"reduce_sum", "dot_general", "conv_general_dilated", "scatter-add", "scatter_add"}
+)
+#: Primitives whose values depend on where an example sits in the batch.
+_RANDOM = frozenset({"random_bits", "threefry2x32", "random_wrap", "rng_bit_generator"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Stage and phase of every op; the tensors summed over microbatches."""
+
+    n_stages: int
+    forward_end: int  # index of the last forward op (the loss)
+    op_stage: tuple[int, ...]  # per op
+    op_phase: tuple[Phase, ...]  # per op
+    accumulated: tuple[int, ...]  # tensor ids summed over microbatches, ascending
+    batched: frozenset[int]  # tensor ids that carry the batch dimension
+
+    def ops(self, stage: int, phase: Phase) -> tuple[int, ...]:
+        """Op indices of one stage and phase, in program order."""
+        return tuple(
+            i
+            for i, (s, p) in enumerate(zip(self.op_stage, self.op_phase, strict=True))
+            if s == stage and p == phase
+        )
+
+
+def forward_ops(graph: Graph, groups: Groups) -> tuple[int, ...]:
+    """Indices of the per-microbatch forward ops: the ops a plan's stage ranges cut."""
+    end = _forward_end(graph)
+    batched = _batched(graph, groups)
+    return tuple(op.index for op in graph.ops[: end + 1] if any(t in batched for t in _touched(op)))
+
+
+def partition(
+    graph: Graph, groups: Groups, bounds: Sequence[tuple[int, int]], microbatches: int = 1
+) -> Partition:
+    """Assign every op a stage and a phase; `bounds` are the stages' (op_start, op_stop)."""
+    n_stages = len(bounds)
+    end = _forward_end(graph)
+    batched = _batched(graph, groups)
+    n = len(graph.ops)
+    consumers = graph.consumers()
+    per_mb = _per_microbatch(graph, batched, consumers)
+    _check_bounds(bounds, max((i for i in range(end + 1) if per_mb[i]), default=end))
+    accumulated, after = _accumulated(graph, per_mb, batched, consumers)
+    if microbatches > 1:
+        _check_examples_independent(graph, per_mb, after, set(accumulated), batched)
+    else:
+        # One microbatch is the whole batch: a batch statistic read back by per-example
+        # work (batch norm) is simply part of the microbatch's own work.
+        for op in reversed(graph.ops):
+            if after[op.index] and any(per_mb[c] for t in op.outputs for c in consumers[t]):
+                per_mb[op.index] = True
+        accumulated, after = _accumulated(graph, per_mb, batched, consumers)
+
+    phase = [
+        (Phase.FWD if i <= end else Phase.BWD)
+        if per_mb[i]
+        else (Phase.POST if after[i] else Phase.PRE)
+        for i in range(n)
+    ]
+    stage: list[int | None] = [None] * n
+    for s, (start, stop) in enumerate(bounds):
+        for i in range(start, min(stop, n)):
+            if phase[i] is Phase.FWD:
+                stage[i] = s
+    # Backward and update ops follow their inputs (program order = dependency order).
+    for op in graph.ops:
+        i = op.index
+        if phase[i] not in (Phase.BWD, Phase.POST):
+            continue
+        placed = [
+            (stage[p], graph.tensors[t].nbytes)
+            for t in op.inputs
+            if (p := _producer(graph, t)) is not None and stage[p] is not None
+        ]
+        if not placed:
+            continue  # reads only inputs and constants: placed by its readers below
+        if phase[i] is Phase.BWD:
+            stage[i] = min(s for s, _ in placed)
+        else:  # the largest input (a gradient) says which stage owns this update
+            stage[i] = min(placed, key=lambda sb: (-sb[1], sb[0]))[0]
+    # Ops that read only inputs and constants take their place from their readers.
+    for op in reversed(graph.ops):
+        i = op.index
+        if stage[i] is not None:
+            continue
+        readers = [stage[c] for t in op.outputs for c in consumers[t] if stage[c] is not None]
+        if phase[i] is Phase.BWD:
+            stage[i] = max(readers, default=n_stages - 1)
+        else:
+            stage[i] = min(readers, default=0)
+    result = Partition(
+        n_stages=n_stages,
+        forward_end=end,
+        op_stage=tuple(int(s) for s in stage),  # type: ignore[arg-type]
+        op_phase=tuple(phase),
+        accumulated=tuple(accumulated),
+        batched=frozenset(batched),
+    )
+    _check_flow(graph, result)
+    return result
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _touched(op) -> tuple[int, ...]:
+    return (*op.inputs, *op.outputs)
+
+
+def _producer(graph: Graph, tensor: int) -> int | None:
+    return graph.tensors[tensor].producer
+
+
+def _per_microbatch(graph: Graph, batched: set[int], consumers) -> list[bool]:
+    """Ops run once per microbatch: those touching the batch, except statistics of the
+    input data alone (the token count a loss divides by) and the ops they are made from:
+    those run once on the whole batch before the microbatches, which keeps them exact."""
+    per_mb = [any(t in batched for t in _touched(op)) for op in graph.ops]
+    model = {leaf.tensor for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)}
+    data_only = [False] * len(graph.ops)
+    for op in graph.ops:
+        data_only[op.index] = all(
+            t not in model and (p is None or data_only[p])
+            for t in op.inputs
+            for p in (graph.tensors[t].producer,)
+        )
+    whole_batch = [False] * len(graph.ops)
+    for op in reversed(graph.ops):  # readers before the ops they read
+        statistic = per_mb[op.index] and any(t not in batched for t in op.outputs)
+        feeds = any(whole_batch[c] for t in op.outputs for c in consumers[t])
+        whole_batch[op.index] = data_only[op.index] and (statistic or feeds)
+    return [p and not w for p, w in zip(per_mb, whole_batch, strict=True)]
+
+
+def _accumulated(graph: Graph, per_mb: list[bool], batched: set[int], consumers):
+    """Batch-free tensors leaving the per-microbatch ops (summed over microbatches), and
+    which other ops depend on them (they run after the microbatches)."""
+    outputs = {leaf.tensor for leaf in graph.outputs}
+    accumulated = sorted(
+        t
+        for op in graph.ops
+        if per_mb[op.index]
+        for t in op.outputs
+        if t not in batched and (t in outputs or any(not per_mb[c] for c in consumers[t]))
+    )
+    acc = set(accumulated)
+    after = [False] * len(graph.ops)
+    for op in graph.ops:
+        if not per_mb[op.index]:
+            after[op.index] = any(
+                t in acc or (p is not None and after[p])
+                for t in op.inputs
+                for p in (graph.tensors[t].producer,)
+            )
+    return accumulated, after
+
+
+def _forward_end(graph: Graph) -> int:
+    state = {leaf.path for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)}
+    has_loss = any(
+        graph.tensors[leaf.tensor].ndim == 0 and leaf.path not in state for leaf in graph.outputs
+    )
+    if not has_loss:
+        raise PlanError(
+            "a pipeline plan needs the step to return its loss (a float scalar output): that "
+            "is where the forward pass ends and the backward pass begins. Return the loss "
+            "from the step, or make a plan without pipeline stages."
+        )
+    return find_residuals(graph).boundary
+
+
+def _batched(graph: Graph, groups: Groups) -> set[int]:
+    batch = groups.batch_group
+    if batch is None:
+        raise PlanError(
+            "a pipeline plan needs a batch dimension to split into microbatches, and this "
+            "step has none that can be split (is the batch size 1, or is no argument named "
+            "`batch`? pass roles= to capture). Make a plan without pipeline stages."
+        )
+    return {t.id for t in graph.tensors if batch in groups.tensor_groups[t.id]}
+
+
+def _check_bounds(bounds: Sequence[tuple[int, int]], last_forward: int) -> None:
+    if not bounds:
+        raise PlanError("a pipeline partition needs at least one stage.")
+    expected = 0
+    for s, (start, stop) in enumerate(bounds):
+        if start != expected or stop <= start:
+            raise PlanError(
+                f"pipeline stage {s} covers ops [{start}, {stop}), but stages must cover the "
+                f"forward ops in order without gaps (stage {s} should start at op {expected}, "
+                "and each stage needs at least one op). Fix the plan's stages."
+            )
+        expected = stop
+    if expected <= last_forward:
+        raise PlanError(
+            f"the pipeline stages end at op {expected}, before the forward pass does (op "
+            f"{last_forward}): the last stage must cover it. Fix the plan's stages."
+        )
+
+
+def _check_examples_independent(graph, per_mb, after, acc, batched) -> None:
+    """Refuse microbatching where it would change the step's result (see module doc)."""
+    fix = "Use one microbatch, or a plan without pipelining."
+    for op in graph.ops:
+        if per_mb[op.index] and op.primitive in _RANDOM:
+            raise PlanError(
+                f"op {op.index} ({op.primitive}) draws random numbers per example: splitting "
+                f"the batch into microbatches would change them. {fix}"
+            )
+        if per_mb[op.index]:
+            # A batch-free value made from the batch (a reduction over it) read again by
+            # per-example work: its value depends on which examples the microbatch holds.
+            mixed = [
+                t
+                for t in op.inputs
+                if t not in batched
+                and (p := graph.tensors[t].producer) is not None
+                and (per_mb[p] or after[p])
+            ]
+            if mixed:
+                raise PlanError(
+                    f"op {op.index} ({op.primitive}) feeds a statistic of the whole batch "
+                    f"(tensor {mixed[0]}) back into per-example work (batch normalization?): "
+                    f"microbatches would compute it over part of the batch only. {fix}"
+                )
+    for t in sorted(acc):
+        p = graph.ops[graph.tensors[t].producer]
+        if p.primitive not in _SUMS:
+            raise PlanError(
+                f"op {p.index} ({p.primitive}) reduces over the batch in a way that is not a "
+                f"sum, so its result cannot be accumulated over microbatches. {fix}"
+            )
+
+
+def _check_flow(graph: Graph, part: Partition) -> None:
+    """Every schedule runs fwd(s) before fwd(s+1) and bwd(s+1) before bwd(s): refuse an
+    assignment whose data would flow against that (a sign of a misread forward pass)."""
+    for op in graph.ops:
+        i, s, ph = op.index, part.op_stage[op.index], part.op_phase[op.index]
+        for t in op.inputs:
+            p = graph.tensors[t].producer
+            if p is None:
+                continue
+            ps, pph = part.op_stage[p], part.op_phase[p]
+            bad = (ph is Phase.FWD and (pph is Phase.BWD or ps > s)) or (
+                ph is Phase.BWD and pph is Phase.BWD and ps < s
+            )
+            if ph in (Phase.FWD, Phase.BWD) and pph is Phase.POST:
+                bad = True
+            if bad:
+                raise PlanError(
+                    f"op {i} ({op.primitive}, {ph} on stage {s}) reads tensor {t} made by op "
+                    f"{p} ({pph} on stage {ps}): no pipeline schedule can run that order. "
+                    "The step's forward and backward passes could not be told apart; make a "
+                    "plan without pipeline stages."
+                )
