@@ -107,6 +107,12 @@ class Prepared:
     def __init__(
         self, fn: Callable, plan: Plan, mesh: Mesh, args: tuple, graph: Any = None
     ) -> None:
+        self.feed = None
+        if jax.process_count() > 1:  # each process feeds its share of the batch
+            from ._distributed import Feed
+
+            self.feed = Feed(fn, mesh, args, graph)
+            args = self.feed.global_args  # the program is traced at the global shapes
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         _check_paths(plan, paths)
@@ -154,6 +160,8 @@ class Prepared:
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Flat abstract arguments carrying the plan's shardings (for lower/compile)."""
         leaves = jax.tree_util.tree_leaves(args)
+        if self.feed is not None:  # the process-local batch shares stand for global arrays
+            leaves = self.feed.global_leaves
         return [
             jax.ShapeDtypeStruct(_shape(x), _dtype(x), sharding=s)
             for x, s in zip(leaves, self.in_shardings, strict=True)
@@ -161,6 +169,8 @@ class Prepared:
 
     def __call__(self, args: tuple) -> Any:
         leaves = jax.tree_util.tree_leaves(args)
+        if self.feed is not None:
+            return self.jitted(*self.feed.place(leaves, self.in_shardings))
         return self.jitted(*jax.device_put(leaves, self.in_shardings))
 
 
