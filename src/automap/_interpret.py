@@ -14,7 +14,7 @@ them apart). Results are the same; only memory and scheduling can differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,43 +37,57 @@ def eval_graph(
     """
     if len(flat_args) != len(graph.inputs):
         raise ValueError(f"expected {len(graph.inputs)} input leaves, got {len(flat_args)}")
+    env = {leaf.tensor: value for leaf, value in zip(graph.inputs, flat_args, strict=True)}
+    wanted = [leaf.tensor for leaf in graph.outputs]
+    return eval_ops(graph, range(len(graph.ops)), env, wanted, constrain)
+
+
+def eval_ops(
+    graph: Graph,
+    op_indices: Iterable[int],
+    env: Mapping[int, Any],
+    wanted: Sequence[int],
+    constrain: Constrain | None = None,
+    consts: Mapping[int, Any] | None = None,
+) -> list[Any]:
+    """Evaluate some of `graph`'s ops (in the order given) and return the `wanted` tensors.
+
+    `env` holds the value of every non-constant tensor the ops read from outside them;
+    `consts` the CONST tensors' values (default `graph.const_values`: the pipeline runtime
+    passes a mix of two captures' constants). This is `eval_graph` for a piece of a
+    program: a pipeline stage's forward ops, say, with the activations it receives.
+    """
     if len(graph.eqns) != len(graph.ops):
         raise ValueError("graph has no eqns: it was not made by automap.capture")
-    env: list[Any] = [None] * len(graph.tensors)
-    for leaf, value in zip(graph.inputs, flat_args, strict=True):
-        env[leaf.tensor] = value
-    for tid, value in graph.const_values.items():
-        env[tid] = value
-    last_use = _last_uses(graph)
-    for op, eqn in zip(graph.ops, graph.eqns, strict=True):
-        invals = [env[t] for t in op.inputs]
+    ops = list(op_indices)
+    values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
+    values.update(env)
+    keep = set(wanted)
+    last_use: dict[int, int] = {}
+    for k, i in enumerate(ops):
+        for t in graph.ops[i].inputs:
+            last_use[t] = k
+    for k, i in enumerate(ops):
+        op, eqn = graph.ops[i], graph.eqns[i]
+        invals = [values[t] for t in op.inputs]
         outvals = eqn.primitive.bind(*invals, **eqn.params)
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for tid, value in zip(op.outputs, outvals, strict=True):
-            env[tid] = constrain(tid, value) if constrain is not None else value
+            values[tid] = constrain(tid, value) if constrain is not None else value
         # Drop values no later op or output needs: keeps eager (un-jitted) runs lean.
         for t in op.inputs:
-            if last_use[t] == op.index and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
-                env[t] = None
+            if (
+                last_use[t] == k
+                and t not in keep
+                and graph.tensors[t].kind is TensorKind.INTERMEDIATE
+            ):
+                values.pop(t, None)
     # A literal returned as is would leave as a jaxpr literal type, not an array.
     return [
-        jnp.asarray(env[leaf.tensor])
-        if graph.tensors[leaf.tensor].kind is TensorKind.CONST
-        else env[leaf.tensor]
-        for leaf in graph.outputs
+        jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
+        for t in wanted
     ]
-
-
-def _last_uses(graph: Graph) -> list[int]:
-    """For each tensor, the index of the last op that reads it (len(ops) for outputs)."""
-    last = [-1] * len(graph.tensors)
-    for op in graph.ops:
-        for t in op.inputs:
-            last[t] = op.index
-    for leaf in graph.outputs:
-        last[leaf.tensor] = len(graph.ops)
-    return last
 
 
 def run_graph(graph: Graph, *args: Any, constrain: Constrain | None = None) -> Any:
