@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from automap._cli import app
@@ -105,3 +106,164 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     assert cluster.peak_flops == cal["matmul_flops"] and cluster.devices == 8
     planned = run("plan", "--model", "mlp", "--cluster", str(out), "--searcher", "expert", "-q")
     assert planned.exit_code == 0, planned.output
+
+
+def test_every_command_has_help_an_example_and_option_help():
+    import typer
+
+    from automap._cli_app import app as shared_app
+
+    assert shared_app is app
+    top = run("--help")
+    assert top.exit_code == 0, top.output
+    group = typer.main.get_command(app)
+    assert {"plan", "compare", "apply", "verify", "report", "calibrate", "bench"} <= set(
+        group.commands
+    )
+    for name, command in group.commands.items():
+        assert name in top.output
+        result = run(name, "--help")
+        assert result.exit_code == 0, (name, result.output)
+        assert "Example: automap " + name in (command.help or ""), name
+        for param in command.params:
+            if not getattr(param, "hidden", False):
+                assert (getattr(param, "help", None) or "").strip(), (name, param.name)
+
+
+def test_long_commands_take_quiet_and_json():
+    import typer
+
+    group = typer.main.get_command(app)
+    for name in ("plan", "compare", "apply", "verify", "calibrate", "report", "bench", "capture"):
+        flags = {opt for p in group.commands[name].params for opt in getattr(p, "opts", [])}
+        assert {"--quiet", "-q", "--json"} <= flags, name
+
+
+def _fn_module(tmp_path, monkeypatch, body: str) -> str:
+    (tmp_path / "user_step.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_step:make_step"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("plan", "--model", "mlp", "--devices", "0"), "--devices must be at least 1"),
+        (("plan", "--model", "mlp", "--devices", "-3"), "--devices must be at least 1"),
+        (("compare", "--model", "mlp", "-n", "0"), "--devices must be at least 1"),
+        (("calibrate", "--devices", "0"), "--devices must be at least 1"),
+        (("plan", "--model", "mlp", "--budget", "0"), "--budget is seconds"),
+        (("compare", "--model", "mlp", "--budget", "-1"), "--budget is seconds"),
+        (("bench", "--budget", "0"), "--budget is seconds"),
+        (("plan", "--model", "mlp", "--searcher", "nope"), "unknown searcher 'nope'"),
+        (("compare", "--model", "mlp", "--searchers", "expert,nope"), "unknown searcher(s) nope"),
+        (("plan", "--fn", "no_such_module_here:make"), "cannot import"),
+        (("compare", "--model", "mlp", "stray"), "unexpected argument 'stray'"),
+    ],
+)
+def test_more_user_errors_name_the_fix(args, message):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == ""
+
+
+def test_fn_errors_are_one_line(tmp_path, monkeypatch):
+    target = _fn_module(tmp_path, monkeypatch, "def make_step():\n    return 42\n")
+    result = run("plan", "--fn", target)
+    assert result.exit_code == 2 and "must return (step_fn, args)" in result.stderr
+    target = _fn_module(tmp_path, monkeypatch, "def make_step(size):\n    return size\n")
+    monkeypatch.delitem(__import__("sys").modules, "user_step", raising=False)
+    result = run("plan", "--fn", target)
+    assert result.exit_code == 2, result.output
+    assert "failed with TypeError" in result.stderr and "take no arguments" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["apply", "verify", "report"])
+def test_a_plan_file_that_is_a_directory(tmp_path, command):
+    result = run(command, str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "is a directory, not a plan file" in result.stderr
+
+
+MLP_PLAN = ("plan", "--model", "mlp", "--set", "dtype=float32", "--cluster", "cpu")
+
+
+def test_json_is_alone_on_stdout_and_quiet_prints_nothing(tmp_path):
+    result = run(*MLP_PLAN, "--searcher", "random", "--budget", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mesh"]
+    quiet = run(*MLP_PLAN, "--searcher", "expert", "-q", "-o", str(tmp_path / "p.json"))
+    assert quiet.exit_code == 0 and quiet.output == ""
+    assert (tmp_path / "p.json").exists()
+
+
+def test_compare_json_to_stdout_to_a_file_and_the_old_spelling(tmp_path):
+    base = ("compare", "--model", "mlp", "--cluster", "cpu", "--searchers", "expert,random")
+    result = run(*base, "--budget", "0.2", "--json")
+    assert result.exit_code == 0, result.output
+    assert {r["searcher"] for r in json.loads(result.stdout)["rows"]} == {"expert", "random"}
+    out = tmp_path / "rows.json"
+    result = run(*base, "--budget", "0.2", "--json-out", str(out), "-q")
+    assert result.exit_code == 0 and result.output == "" and json.loads(out.read_text())["rows"]
+    old = tmp_path / "old.json"
+    result = run(*base, "--budget", "0.2", "--json", str(old))
+    assert result.exit_code == 0, result.output
+    assert json.loads(old.read_text())["rows"] and "--json-out" in result.stderr
+    assert "random" in result.stdout  # the table, as `--json FILE` always printed
+
+
+def _interrupt_at(monkeypatch, n: int) -> None:
+    """Ctrl-C without a signal: the n-th evaluation of a whole plan raises KeyboardInterrupt."""
+    from automap._space import ShardSpace
+
+    real, calls = ShardSpace.evaluate, [0]
+
+    def evaluate(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardSpace, "evaluate", evaluate)
+
+
+@pytest.mark.parametrize("searcher", ["random", "dqn"])
+def test_ctrl_c_in_plan_saves_the_best_plan_so_far(tmp_path, monkeypatch, searcher):
+    import automap as am
+
+    _interrupt_at(monkeypatch, 12)
+    path = tmp_path / "best.json"
+    result = run(*MLP_PLAN, "--searcher", searcher, "--budget", "60", "-o", str(path))
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip() == f"search interrupted: the best plan so far is saved to {path}"
+    assert result.stdout == ""
+    plan = am.Plan.load(path)
+    assert plan.decisions["interrupted"] is True and plan.predicted.feasible
+
+
+def test_ctrl_c_in_plan_without_output_keeps_an_existing_plan_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("mine")
+    _interrupt_at(monkeypatch, 12)
+    result = run(*MLP_PLAN, "--searcher", "random", "--json")
+    assert result.exit_code == 130, result.output
+    assert (tmp_path / "plan.json").read_text() == "mine"
+    assert "saved to plan-1.json" in result.stderr
+    assert json.loads(result.stdout)["mesh"]  # --json still prints the plan, alone
+    _interrupt_at(monkeypatch, 1)
+    result = run(*MLP_PLAN, "--searcher", "random")
+    assert result.exit_code == 130 and "before any feasible plan" in result.stderr
+
+
+def test_ctrl_c_in_compare_keeps_the_rows_so_far(monkeypatch):
+    _interrupt_at(monkeypatch, 12)
+    searchers = ("--searchers", "expert,random,mcmc", "--budget", "60", "--json")
+    result = run("compare", "--model", "mlp", "--cluster", "cpu", *searchers)
+    assert result.exit_code == 130, result.output
+    out = json.loads(result.stdout)
+    assert out["interrupted"] is True
+    assert [r["searcher"] for r in out["rows"]][-1] == "random"  # mcmc never started
+    assert out["rows"][-1]["note"].startswith("interrupted") and out["rows"][-1]["feasible"]
+    assert "comparison interrupted" in result.stderr

@@ -170,11 +170,14 @@ class _Progress:
 
     def __enter__(self) -> _Progress:
         if self.enabled:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+            # On stderr: stdout is for the answer (a table, or JSON a script reads).
             self._bar = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("best {task.fields[best]}"), transient=True,
+                console=Console(stderr=True),
             )  # fmt: skip
             self._bar.__enter__()
         return self
