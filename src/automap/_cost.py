@@ -31,7 +31,8 @@ numpy operations over those tables:
   plus activations kept for backward (`_memory.py`) by their layouts, / microbatches.
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
-conservative prediction) + the pipeline bubble (`pipeline_cost`, 0 without stages).
+conservative prediction). Plans with pipeline stages are timed by their schedule on top of
+these per-op costs (`_pipeline/_cost.py`: bubble, point-to-point sends, memory per stage).
 """
 
 from __future__ import annotations
@@ -94,31 +95,34 @@ class CostModel:
         return self._finish(st, zero_stage, data_axis, detail)
 
     def estimate(self, plan: Plan) -> Cost:
-        """Cost of a plan: its recorded assignment, else one read back from its specs."""
-        raw = plan.decisions.get("assignment") if plan.decisions else None
-        if raw is not None:
-            assignment = {int(g): a for g, a in raw.items()}
-        else:
-            assignment = self.assignment_from_specs(plan)
-        cost = self.evaluate(
-            assignment,
+        """Cost of a plan: its recorded assignment, else one read back from its specs. A
+        plan with pipeline stages is timed by its schedule (`_pipeline/_cost.py`)."""
+        if len(plan.stages) > 1:
+            from ._pipeline._cost import estimate_pipeline  # the pipeline model builds on this one
+
+            return estimate_pipeline(self, plan).cost
+        return self.evaluate(
+            self.plan_assignment(plan),
             plan.mesh,
             zero_stage=plan.zero_stage,
             microbatches=plan.microbatches,
             remat=plan.remat,
             detail=True,
         )
-        bubble = self.pipeline_cost(plan, cost)
-        if bubble:
-            step = cost.step_time_s + bubble
-            return dataclasses.replace(
-                cost, step_time_s=step, bubble_s=bubble, mfu=self._mfu(step, plan.devices)
-            )
-        return cost
 
-    def pipeline_cost(self, plan: Plan, cost: Cost) -> float:
-        """Hook for the pipeline schedule (bubble and sends): 0 without stages."""
-        return 0.0
+    def plan_assignment(self, plan: Plan) -> dict[int, str]:
+        """A plan's assignment {group: axis}: as recorded, else read back from its specs."""
+        raw = plan.decisions.get("assignment") if plan.decisions else None
+        if raw is not None:
+            return {int(g): a for g, a in raw.items()}
+        return self.assignment_from_specs(plan)
+
+    def op_state(self, assignment, mesh: Mapping[str, int]) -> tuple[K.State, C.AxisCosts]:
+        """An assignment evaluated with one collective row per op (the full tables) for the
+        whole batch at once, and its mesh's axis costs: the base of per-op and per-stage
+        costs (`_pipeline/_cost.py`)."""
+        st = self._state(self.codes(assignment, mesh), dict(mesh), 1, False, True)
+        return st, self._costs_for(mesh)
 
     def codes(self, assignment, mesh: Mapping[str, int]) -> np.ndarray:
         """Axis code per group (+ a trailing 0 for padding), dropping splits the group cannot
