@@ -37,24 +37,26 @@ def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def check_plan(plan: Plan) -> None:
-    """Refusals that need no arguments: pipelines, unknown or repeated axis names."""
+    """Refusals that need no arguments: unknown or repeated axis names.
+
+    A pipeline plan's specs name the axes of its stages' meshes (never "pipe"): each
+    stage runs every tensor it computes on its own sub-mesh."""
+    meshes = [dict(plan.mesh)]
     if len(plan.stages) > 1:
-        raise ApplyError(
-            f"the plan has {len(plan.stages)} pipeline stages, and pipeline execution is not "
-            "available in this version of automap (the pipeline runtime is a later issue). "
-            "Make a plan without pipelining (tasks=('shard', 'replicate')) to run it."
-        )
+        meshes = [dict(stage.mesh) for stage in plan.stages]
     where = [("input", p, s) for p, s in plan.specs.items()]
     where += [("output", p, s) for p, s in plan.out_specs.items()]
     where += [("internal tensor", str(t), s) for t, s in plan.constraints.items()]
     for what, path, spec in where:
         used = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
-        unknown = sorted(set(used) - set(plan.mesh))
-        if unknown:
-            raise PlanError(
-                f"the spec {spec} of {what} {path} names mesh axes {unknown} that the plan's "
-                f"mesh {dict(plan.mesh)} does not have. Fix the spec or the mesh."
-            )
+        for mesh in meshes:
+            unknown = sorted(set(used) - set(mesh))
+            if unknown:
+                kind = "a pipeline stage's mesh" if len(meshes) > 1 else "the plan's mesh"
+                raise PlanError(
+                    f"the spec {spec} of {what} {path} names mesh axes {unknown} that "
+                    f"{kind} {mesh} does not have. Fix the spec or the mesh."
+                )
         if len(used) != len(set(used)):
             raise PlanError(
                 f"the spec {spec} of {what} {path} uses one mesh axis twice; an axis can "
@@ -218,6 +220,10 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     numpy or jax arrays; they are placed with the plan's shardings. The step is traced
     and compiled once per argument structure.
     """
+    if len(plan.stages) > 1:  # stages on sub-meshes, fed microbatch by microbatch
+        from ._pipeline._runtime import apply_pipeline
+
+        return apply_pipeline(fn, plan, devices)
     check_plan(plan)
     mesh = make_mesh(plan, devices)
     cache: dict[Any, Prepared] = {}
