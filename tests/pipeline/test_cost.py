@@ -1,0 +1,191 @@
+"""The pipeline cost model: the textbook bubble, microbatches and schedules, memory per
+stage, conservation of the per-op costs, and the schedule it times against the runtime's."""
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+import automap as am
+from automap._capture import capture
+from automap._cluster import Cluster
+from automap._cost import CostModel
+from automap._expert import expert_assignments
+from automap._linkage import build_groups, plan_from_assignment
+from automap._pipeline._cost import estimate_pipeline, op_costs, pipeline_decisions, stage_costs
+from automap._pipeline._partition import Phase, forward_ops, partition
+from automap._pipeline._schedule import stage_orders
+from automap._plan import Plan, Stage
+from automap._report_data import stage_times
+from automap._solvers._pipeline_dp import pipeline_step_time
+from automap._zoo import get_model
+
+A100 = Cluster.preset("a100", devices=16)
+#: Sends cost nothing: the schedule alone makes the bubble.
+FREE_LINKS = Cluster.preset("a100", devices=16, intra_bandwidth=math.inf, inter_bandwidth=math.inf)
+FREE_LINKS = dataclasses.replace(FREE_LINKS, intra_latency=0.0, inter_latency=0.0)
+
+
+@functools.cache
+def zoo(name: str):
+    spec = get_model(name, layers=4, hidden=64, heads=4, batch=8, seq=16)
+    args = spec.abstract_args()
+    graph = capture(spec.step_fn, *args)
+    return spec, args, graph, build_groups(graph)
+
+
+@functools.cache
+def model(name: str, cluster: Cluster = A100) -> CostModel:
+    _, _, graph, groups = zoo(name)
+    return CostModel(graph, cluster, groups)
+
+
+def stage_plan(name, stages, microbatches=1, schedule="1f1b", kind="megatron_dp_tp2", zero=0):
+    """`stages` equal ranges of the forward ops, each on a 2 x 2 (data x model) mesh."""
+    _, _, graph, groups = zoo(name)
+    mesh, assignment, _ = expert_assignments(graph, groups, A100.with_devices(4))[kind]
+    inner = plan_from_assignment(graph, groups, mesh, assignment, zero_stage=zero)
+    fwd = forward_ops(graph, groups)
+    cuts = [fwd[i * len(fwd) // stages] for i in range(1, stages)]
+    per = math.prod(mesh.values())
+    bounds = list(zip([0, *cuts], [*cuts, fwd[-1] + 1], strict=True))
+    return dataclasses.replace(
+        inner,
+        mesh={"pipe": stages, **mesh} if stages > 1 else mesh,
+        stages=tuple(
+            Stage(a, b, tuple(range(s * per, (s + 1) * per)), mesh)
+            for s, (a, b) in enumerate(bounds)
+        ),
+        microbatches=microbatches,
+        schedule=schedule,
+        decisions={"assignment": {str(g): a for g, a in assignment.items()}},
+    )
+
+
+def bounds_of(plan: Plan):
+    return [(s.op_start, s.op_stop) for s in plan.stages]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_equal_stages_bubble_is_the_textbook_fraction(schedule, m):
+    S = 4
+    cm = model("gpt2-xl", FREE_LINKS)
+    plan = stage_plan("gpt2-xl", S, m, schedule)
+    part = partition(cm.graph, cm.groups, bounds_of(plan), m)
+    oc = op_costs(cm, {}, {"data": 2, "model": 2})
+    # Every stage's forward costs 1 ms and its backward 2 ms per microbatch; nothing else.
+    compute = np.zeros(len(cm.graph.ops))
+    for s in range(S):
+        for phase, ms in ((Phase.FWD, 1e-3), (Phase.BWD, 2e-3)):
+            ops = part.ops(s, phase)
+            compute[list(ops)] = ms * m / len(ops)
+    zero = np.zeros_like(compute)
+    oc = dataclasses.replace(oc, compute=compute, remat_compute=zero, row_count=oc.row_count * 0.0)
+    pc = stage_costs(cm, part, oc, m, schedule)
+    assert np.array(pc.stage_times) == pytest.approx(np.array([(1e-3, 2e-3)] * S))
+    assert pc.cost.bubble_s / pc.cost.step_time_s == pytest.approx((S - 1) / (m + S - 1))
+    # The exact stage DP's formula agrees on equal stages.
+    assert pc.cost.step_time_s == pytest.approx(pipeline_step_time([3e-3] * S, m))
+
+
+def test_more_microbatches_make_a_smaller_bubble():
+    cm = model("gpt2-xl")
+    fractions = []
+    for m in (1, 2, 4, 8):
+        cost = estimate_pipeline(cm, stage_plan("gpt2-xl", 4, m)).cost
+        assert cost.feasible
+        assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s + cost.bubble_s)
+        fractions.append(cost.bubble_s / cost.step_time_s)
+    assert all(a > b for a, b in itertools.pairwise(fractions)), fractions
+
+
+@pytest.mark.parametrize("name", ["gpt2-xl", "bert-base"])
+def test_gpipe_holds_more_activations_than_1f1b(name):
+    cm = model(name)
+    gpipe = estimate_pipeline(cm, stage_plan(name, 4, 4, "gpipe"))
+    ofob = estimate_pipeline(cm, stage_plan(name, 4, 4, "1f1b"))
+    assert gpipe.in_flight == (4, 4, 4, 4) and ofob.in_flight == (4, 3, 2, 1)
+    g_act = [d["activations"] for d in gpipe.stage_memory]
+    o_act = [d["activations"] for d in ofob.stage_memory]
+    assert g_act[0] == pytest.approx(o_act[0])  # the first stage holds S = m in both
+    assert all(g > o for g, o in zip(g_act[1:], o_act[1:], strict=True))
+    assert gpipe.cost.memory_bytes >= ofob.cost.memory_bytes
+    # Same work either way; only the order (and so the memory) differs.
+    assert np.array(gpipe.stage_times) == pytest.approx(np.array(ofob.stage_times))
+
+
+def test_a_stage_over_the_memory_limit_is_infeasible_and_named():
+    plan = stage_plan("gpt2-xl", 4, 4)
+    pc = estimate_pipeline(model("gpt2-xl"), plan)
+    worst = int(np.argmax(pc.stage_memory_bytes))
+    limit = 0.99 * max(pc.stage_memory_bytes)
+    tight = dataclasses.replace(A100, hbm_bytes=limit / (1 - A100.memory_reserve))
+    cost = model("gpt2-xl", tight).estimate(plan)
+    assert not cost.feasible
+    assert f"pipeline stage {worst} needs" in cost.reason
+    roomy = dataclasses.replace(A100, hbm_bytes=1.02 * limit / (1 - A100.memory_reserve))
+    assert model("gpt2-xl", roomy).estimate(plan).feasible
+
+
+def test_the_single_stage_plan_costs_what_it_did():
+    cm = model("gpt2-xl")
+    plan = stage_plan("gpt2-xl", 1, 2)
+    assignment = cm.plan_assignment(plan)
+    before = cm.evaluate(assignment, plan.mesh, microbatches=2, detail=True)
+    assert cm.estimate(plan) == before
+    assert cm.estimate(dataclasses.replace(plan, stages=())) == before
+
+
+@pytest.mark.parametrize(("zero", "remat"), [(0, False), (1, False), (3, True)])
+def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
+    cm = model("gpt2-xl")
+    _, _, graph, groups = zoo("gpt2-xl")
+    mesh, assignment, _ = expert_assignments(graph, groups, A100.with_devices(4))["megatron_dp_tp2"]
+    whole = cm.evaluate(assignment, mesh, zero_stage=zero, remat=remat)
+    oc = op_costs(cm, assignment, mesh, zero_stage=zero, remat=remat)
+    assert (oc.compute + oc.remat_compute).sum() == pytest.approx(whole.compute_s)
+    assert (oc.comm + oc.grad_comm + oc.zero_comm).sum() == pytest.approx(whole.comm_s)
+    # Cut in stages at one microbatch, every op still runs once: compute is conserved.
+    plan = stage_plan("gpt2-xl", 4, 1)
+    part = partition(graph, groups, bounds_of(plan), 1)
+    pc = stage_costs(cm, part, oc, 1)
+    assert sum(c for _, c, _ in pc.cost.per_op) == pytest.approx(oc.compute.sum())
+    assert pc.op_run_s.sum() >= (oc.compute + oc.comm).sum()
+
+
+def test_simulated_order_is_each_stages_schedule():
+    cm = model("gpt2-xl")
+    for schedule in ("gpipe", "1f1b"):
+        pc = estimate_pipeline(cm, stage_plan("gpt2-xl", 4, 6, schedule))
+        orders = stage_orders(4, 6, schedule)
+        for s in range(4):
+            mine = sorted((start, k, m) for st, k, m, start, _ in pc.ops if st == s)
+            assert [(k, m) for _, k, m in mine] == orders[s]
+
+
+def test_public_estimate_and_report_decisions():
+    spec, args, _, _ = zoo("gpt2-xl")
+    plan = stage_plan("gpt2-xl", 2, 4)
+    pc = estimate_pipeline(model("gpt2-xl"), plan)
+    assert am.estimate(spec.step_fn, *args, plan=plan, cluster=A100) == pc.cost
+    assert pc.cost.bubble_s > 0 and pc.cost.mfu > 0
+    noted = dataclasses.replace(plan, decisions={**plan.decisions, **pipeline_decisions(pc)})
+    times, unit = stage_times(noted)
+    assert unit == "ms" and np.array(times) == pytest.approx(np.array(pc.stage_times))
+
+
+def test_the_runtime_runs_the_order_the_model_times():
+    runtime = pytest.importorskip("automap._pipeline._runtime")
+    spec, _, _, _ = zoo("gpt2-xl")
+    plan = stage_plan("gpt2-xl", 2, 4, "1f1b")  # 2 stages x 4 devices: the 8 CPU devices
+    run = runtime.apply_pipeline(spec.step_fn, plan)
+    run(*spec.concrete_args())
+    pc = estimate_pipeline(model("gpt2-xl"), plan)
+    for s in range(2):
+        executed = [(k, m) for st, k, m in run.trace if st == s]
+        timed = sorted((start, k, m) for st, k, m, start, _ in pc.ops if st == s)
+        assert executed == [(k, m) for _, k, m in timed]
