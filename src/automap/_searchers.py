@@ -169,15 +169,17 @@ class _Progress:
         self._bar = self._task = None
 
     def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.console import Console
+        from rich.console import Console
+
+        # On stderr: stdout is for the answer (a table, or JSON a script reads). Only on a
+        # terminal: in a log file a live bar is noise (and leaves a stray blank line).
+        console = Console(stderr=True)
+        if self.enabled and console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-            # On stderr: stdout is for the answer (a table, or JSON a script reads).
             self._bar = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("best {task.fields[best]}"), transient=True,
-                console=Console(stderr=True),
+                TextColumn("best {task.fields[best]}"), transient=True, console=console,
             )  # fmt: skip
             self._bar.__enter__()
         return self
