@@ -127,10 +127,11 @@ def test_too_many_devices():
         apply(mlp_step, plan)
 
 
-def test_pipeline_plans_refused():
+def test_pipeline_plan_specs_name_the_stage_mesh():
+    # Pipeline plans run (tests/pipeline); their specs may not name the "pipe" axis.
     stages = (Stage(0, 5, (0, 1, 2, 3), {"data": 4}), Stage(5, 9, (4, 5, 6, 7), {"data": 4}))
-    plan = Plan(mesh={"data": 8}, specs={}, stages=stages)
-    with pytest.raises(ApplyError, match="pipeline execution is not available"):
+    plan = Plan(mesh={"pipe": 2, "data": 4}, specs={"[0]['w1']": ("pipe", None)}, stages=stages)
+    with pytest.raises(PlanError, match="pipeline stage's mesh"):
         apply(mlp_step, plan)
 
 

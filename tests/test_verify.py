@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from automap import ApplyError, Cluster, Plan
+from automap import ApplyError, Cluster, Plan, PlanError
 from automap._plan import Provenance, Stage
 from automap._verify import VerifyReport, as_on_cpu, compare, verify, verify_in_subprocess
 from test_apply import megatron_rule, mlp_args, mlp_step, specs_for
@@ -85,10 +85,13 @@ def test_verify_needs_enough_cpu_devices():
         verify(mlp_step, plan, *args)
 
 
-def test_verify_refuses_pipelines():
+def test_verify_checks_pipeline_plans_like_apply():
+    # Pipeline plans are run and compared (tests/pipeline/test_runtime.py); a plan for
+    # other inputs is refused as apply refuses it.
     stages = (Stage(0, 1, (0,), {"data": 1}), Stage(1, 2, (1,), {"data": 1}))
-    with pytest.raises(ApplyError, match="pipeline"):
-        verify(mlp_step, Plan(mesh={"data": 2}, specs={}, stages=stages), *mlp_args())
+    plan = Plan(mesh={"pipe": 2, "data": 1}, specs={}, stages=stages)
+    with pytest.raises(PlanError, match="do not match the plan"):
+        verify(mlp_step, plan, *mlp_args())
 
 
 def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):

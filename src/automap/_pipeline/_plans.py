@@ -11,6 +11,7 @@ boundaries among a few dozen candidates instead of thousands of ops.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -50,9 +51,9 @@ def crossing_bytes(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], np.nd
 def cut_candidates(graph: Graph, groups: Groups) -> tuple[int, ...]:
     """Forward op indices where a pipeline stage may start (op 0 excluded).
 
-    The layer-boundary level is the lowest valley bottom of the crossing bytes that is not
-    negligible (at least FLOOR of the median crossing): the residual stream between
-    layers. Every maximal run of cuts within BAND of it gives one candidate, its cheapest
+    The layer-boundary level is the commonest valley bottom of the crossing bytes among
+    those not negligible (at least FLOOR of the median crossing): the residual stream
+    between repeated layers. Every maximal run of cuts within BAND of it gives one candidate, its cheapest
     (first) cut. The band lets a run go through a layer norm
     (the residual plus its per-token statistics) but not through a block's body."""
     fwd, cross = crossing_bytes(graph, groups)
@@ -66,8 +67,11 @@ def cut_candidates(graph: Graph, groups: Groups) -> tuple[int, ...]:
     ]
     # Bottoms far below the activations (the token ids before the embedding, the loss's
     # scalars) are cheap cuts too, but they are not the level a layer boundary sits at.
+    # Repeated layers repeat their boundary's crossing: the commonest bottom is the level.
     level = [b for b in bottoms if b >= FLOOR * float(np.median(inner))] or bottoms
-    low = inner <= BAND * min(level)
+    counts = collections.Counter(level)
+    typical = min(counts, key=lambda b: (-counts[b], b))
+    low = inner <= BAND * typical
     out, k = [], 0
     while k < len(inner):
         if not low[k]:
