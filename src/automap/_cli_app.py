@@ -110,8 +110,9 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def busy(message: str, enabled: bool) -> Iterator[Any]:
-    """A spinner on stderr while a slow step runs (None when quiet or printing JSON)."""
-    if not enabled:
+    """A spinner on stderr while a slow step runs (None when quiet or printing JSON, and
+    off a terminal, where a log would only get a stray blank line from it)."""
+    if not (enabled and err_console.is_terminal):
         yield None
         return
     with err_console.status(message, spinner="dots") as status:
