@@ -74,7 +74,7 @@ def plan(
     `automap apply plan.json` can rebuild the step.
     """
     name = _check_searcher(searcher)
-    task = _check_tasks(tasks)
+    task = _check_tasks(tasks, name)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
     best = run_searcher(problem, name, budget_s, seed, progress, task)
@@ -93,13 +93,17 @@ def run_searcher(
     budget_s: float,
     seed: int,
     progress: bool = False,
-    task: str = "shard",
+    task: str | None = None,
 ) -> Plan:
-    """One searcher on a built problem: its best plan, priced, with provenance."""
+    """One searcher on a built problem: its best plan, priced, with provenance. `task`
+    None is the searcher's widest: "hybrid" for dp and expert, "shard" for the others."""
     name = _check_searcher(name)
+    task = _check_tasks("auto", name) if task is None else task
     start = time.perf_counter()
     if name == "expert":
         best = _best_expert(problem, task)
+    elif name == "dp":
+        best = _hybrid_dp(problem, budget_s, task)
     else:
         from ._searchers import run_space_searcher, with_stats
 
@@ -138,8 +142,14 @@ def expert_plans(
     return _priced_experts(problem)
 
 
-def _priced_experts(problem: Problem) -> dict[str, Plan]:
+def _priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
     plans = expert_plans_for(problem.graph, problem.groups, problem.cluster, problem.estimate)
+    if pipelines:
+        from ._pipeline._experts import pipeline_experts
+
+        plans.update(
+            pipeline_experts(problem.graph, problem.groups, problem.cluster, problem.estimate)
+        )
     tree = problem.graph.in_tree
     out = {}
     for name, p in plans.items():
@@ -165,9 +175,11 @@ def arg_roles(graph: Graph) -> dict[str, str]:
 
 
 def _best_expert(problem: Problem, task: str = "shard") -> Plan:
-    plans = _priced_experts(problem)
+    plans = _priced_experts(problem, pipelines=task in ("pipeline", "hybrid"))
     if task == "replicate":  # data parallelism and ZeRO only
         plans = {k: p for k, p in plans.items() if set(p.mesh) == {"data"}}
+    elif task == "pipeline":
+        plans = {k: p for k, p in plans.items() if len(p.stages) > 1}
     feasible = [p for p in plans.values() if p.predicted is not None and p.predicted.feasible]
     if not feasible:
         raise InfeasibleError(_infeasible_message(problem, plans))
@@ -211,19 +223,19 @@ def _check_searcher(searcher: str) -> str:
         raise AutomapError(
             f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
         )
-    if searcher not in ("expert", "random", "exhaustive", "mcmc", "dqn", "ilp"):
-        raise AutomapError(
-            f"searcher {searcher!r} is not available in automap {__version__} yet; "
-            "use 'dqn', 'ilp', 'expert', 'random', 'exhaustive' or 'mcmc' (or 'auto')."
-        )
     return searcher
 
 
-def _check_tasks(tasks: str | Sequence[str]) -> str:
-    """The space to search: "shard" (mesh, tensor sharding and ZeRO) unless only
-    "replicate" (data parallelism and ZeRO) is asked for."""
+#: Searchers whose space holds pipeline plans (the others search one stage).
+PIPELINE_SEARCHERS = ("dp", "expert")
+
+
+def _check_tasks(tasks: str | Sequence[str], searcher: str = "dqn") -> str:
+    """The space to search: "shard" (mesh, tensor sharding and ZeRO), "replicate" (data
+    parallelism and ZeRO), "pipeline" (pipelines only) or "hybrid" (all of them). "auto"
+    is the widest space the searcher has."""
     if tasks == "auto":
-        return "shard"
+        return "hybrid" if searcher in PIPELINE_SEARCHERS else "shard"
     items = (tasks,) if isinstance(tasks, str) else tuple(tasks)
     bad = [t for t in items if t not in TASKS]
     if bad or not items:
@@ -231,11 +243,43 @@ def _check_tasks(tasks: str | Sequence[str]) -> str:
             f"unknown task(s) {bad or items!r}; tasks is 'auto' or a subset of {TASKS}."
         )
     if "pipeline" in items:
-        raise AutomapError(
-            f"the pipeline task is not available in automap {__version__} yet; "
-            "use tasks=('shard',), ('replicate',) or 'auto'."
-        )
+        if searcher not in PIPELINE_SEARCHERS:
+            raise AutomapError(
+                f"searcher {searcher!r} does not search pipeline plans in automap "
+                f"{__version__}; use searcher='dp' (exact stage cuts over the hybrid space) "
+                "or 'expert', or leave 'pipeline' out of tasks."
+            )
+        return "pipeline" if len(items) == 1 else "hybrid"
     return "shard" if "shard" in items else "replicate"
+
+
+def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
+    """The dp searcher: pipelines by the exact stage DP, and for the hybrid task the
+    one-stage optimum (the ILP) too; the faster feasible one wins."""
+    from ._pipeline._search import search_dp
+    from ._searchers import run_space_searcher, with_stats
+
+    candidates = []
+    start = time.perf_counter()
+    if task != "pipeline":
+        try:
+            found, _ = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
+        except InfeasibleError:
+            found = None  # nothing fits on one stage: pipelines may
+        if found is not None and found.predicted is not None and found.predicted.feasible:
+            candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
+    left = max(1.0, budget_s - (time.perf_counter() - start))
+    piped, stats = search_dp(problem, left)
+    if piped is not None:
+        candidates.append(piped)
+    if not candidates:
+        raise InfeasibleError(
+            f"no plan fits in memory on {problem.cluster.devices} {problem.cluster.name} "
+            "devices, with or without pipeline stages (ZeRO and rematerialization tried). "
+            "Use more devices, a smaller batch, or a larger device."
+        )
+    best = min(candidates, key=lambda p: p.predicted.step_time_s)
+    return with_stats(best, stats, {"arg_roles": arg_roles(problem.graph)})
 
 
 def _check_fits(graph: Graph, plan: Plan) -> None:

@@ -1,0 +1,127 @@
+"""The dp searcher (hybrid space, exact stage cuts) and the pipeline expert plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+import automap as am
+from automap._api import Problem
+from automap._errors import AutomapError
+from automap._pipeline._cost import estimate_pipeline, op_costs
+from automap._pipeline._experts import pipeline_experts
+from automap._pipeline._partition import partition
+from automap._pipeline._plans import cut_candidates, pipeline_plan
+from automap._pipeline._search import (
+    Point,
+    _optimal_cuts,
+    _polish,
+    microbatch_counts,
+    search_dp,
+)
+from automap._zoo import get_model
+
+from ._models import assert_same
+
+SMALL = dict(layers=4, hidden=64, heads=4, batch=16, seq=16)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = get_model("gpt2-xl", **SMALL)
+    return spec, Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 8))
+
+
+def test_microbatch_counts_divide_the_batch_over_data():
+    assert microbatch_counts(16, 2, 2, True) == [2, 4, 8]
+    assert microbatch_counts(16, 2, 4, False) == [1]
+    assert microbatch_counts(8, 8, 4, True) == [1]  # nothing >= S divides: the largest
+
+
+def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
+    """For one outer point, the DP's cuts, polished against the whole pipeline model, are
+    as good as the best of every cut set (the DP alone misses the once-per-step sends of
+    the tied embedding, which dominate a model this narrow)."""
+    _, pb = gpt
+    graph, groups, model = pb.graph, pb.groups, pb.cost_model
+    cands = cut_candidates(graph, groups)
+    bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
+    fine = partition(graph, groups, bounds, 1)
+    mesh, assignment = {"data": 4}, {groups.batch_group: "data"}
+    oc = op_costs(model, assignment, mesh)
+    point = Point(stages=2, stage_mesh=mesh, microbatches=4, intra="test")
+    cuts = _optimal_cuts(model, fine, cands, oc, point, "1f1b")
+
+    def priced(cut_set):
+        plan = pipeline_plan(graph, groups, cut_set, mesh, assignment, 4, "1f1b")
+        return estimate_pipeline(model, plan).cost.step_time_s
+
+    brute = min(priced(c) for c in itertools.combinations(cands, 1))
+    assert cuts is not None and cuts[0] in cands
+    plan = pipeline_plan(graph, groups, cuts, mesh, assignment, 4, "1f1b")
+    plan = dataclasses.replace(plan, predicted=estimate_pipeline(model, plan).cost)
+    polished = _polish(model, plan, cands)
+    assert polished.predicted.step_time_s <= plan.predicted.step_time_s
+    assert priced(tuple(polished.decisions["cuts"])) == pytest.approx(
+        polished.predicted.step_time_s
+    )
+    assert polished.predicted.step_time_s <= brute * 1.02
+
+
+def test_search_dp_returns_a_priced_feasible_pipeline(gpt):
+    _, pb = gpt
+    plan, stats = search_dp(pb, budget_s=120)
+    assert stats["complete"] and stats["points"] > 0
+    assert plan is not None and len(plan.stages) >= 2 and plan.predicted.feasible
+    again = estimate_pipeline(pb.cost_model, plan).cost
+    assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert plan.decisions["stage_times"] and set(plan.decisions["cuts"]) <= set(
+        cut_candidates(pb.graph, pb.groups)
+    )
+
+
+def test_pipelines_make_a_model_fit_that_one_stage_cannot(gpt):
+    """Under a memory limit below every one-stage plan, the dp searcher still finds a plan,
+    with stages, and the expert pipelines are there too."""
+    spec, pb = gpt
+    dp = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=pb.cluster)
+    one_stage = [p.predicted.memory_bytes for p in dp.values() if len(p.stages) <= 1]
+    piped = [p for p in dp.values() if len(p.stages) > 1]
+    assert {"gpipe_uniform"} <= set(dp) and piped
+    limit = min(one_stage) * 0.9
+    tight = dataclasses.replace(pb.cluster, hbm_bytes=limit / (1.0 - pb.cluster.memory_reserve))
+    assert tight.memory_limit == pytest.approx(limit)
+    plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=tight, searcher="dp", budget_s=60)
+    assert len(plan.stages) >= 2 and plan.predicted.feasible
+    assert plan.predicted.memory_bytes <= limit
+
+
+def test_megatron_3d_puts_tensor_parallel_inside_the_node():
+    spec = get_model("gpt2-xl", **{**SMALL, "batch": 32})
+    pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16))
+    plans = pipeline_experts(pb.graph, pb.groups, pb.cluster, pb.estimate)
+    p = plans["megatron_3d"]
+    assert p.mesh["model"] == 8 and p.mesh["pipe"] >= 2
+    assert len(p.stages) == p.mesh["pipe"]
+
+
+def test_only_dp_and_expert_search_pipelines(gpt):
+    spec, pb = gpt
+    with pytest.raises(AutomapError, match="searcher='dp'"):
+        am.plan(spec.step_fn, *spec.abstract_args(), cluster=pb.cluster, tasks=("pipeline",))
+
+
+def test_a_dp_plan_runs_and_computes_the_same_numbers():
+    """Plans that really run: the dp searcher's pipeline on the 8 CPU devices."""
+    spec = get_model("gpt2-xl", layers=2, hidden=32, heads=4, batch=8, seq=8, dtype="float32")
+    cluster = am.Cluster.preset("cpu", 8)
+    plan = am.plan(
+        spec.step_fn, *spec.abstract_args(), cluster=cluster, searcher="dp", tasks=("pipeline",)
+    )
+    assert len(plan.stages) >= 2
+    args = spec.concrete_args(0)
+    got = am.apply(spec.step_fn, plan)(*args)
+    want = spec.step_fn(*args)
+    assert_same(got, want, spec.config["learning_rate"])
