@@ -17,7 +17,13 @@ import automap as am
 from automap._errors import AutomapError
 from automap._plan import Provenance
 from automap._report import render_report, write_report
-from automap._report_data import pipeline_ops, read_curve, sharding_rows, stage_times
+from automap._report_data import (
+    memory_bars,
+    pipeline_ops,
+    read_curve,
+    sharding_rows,
+    stage_times,
+)
 from automap._report_plots import mesh_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -168,7 +174,7 @@ def pipeline_report(tmp_path_factory):
 def test_pipeline_plan_draws_the_schedule(pipeline_report):
     page = pipeline_report.read_text()
     _check_page(page, n_images=6)  # mesh, sharding, schedule, memory, curve, breakdown
-    assert "1F1B: 4 stages × 8 microbatches, 27% idle (simulated)" in page
+    assert "1F1B: 4 stages × 8 microbatches, 27% idle (simulated from the stage times" in page
     assert "equal shares of the predicted compute" in page
 
 
@@ -219,12 +225,8 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.mark.skipif(
-    _chromium() is None,
-    reason="Chromium is not installed (apt-get install -y chromium): the browser check is skipped",
-)
-def test_report_renders_in_headless_chromium(tmp_path, pipeline_report):
-    flags = [
+def _chromium_flags(tmp_path: Path) -> list[str]:
+    return [
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
@@ -236,6 +238,14 @@ def test_report_renders_in_headless_chromium(tmp_path, pipeline_report):
         f"--user-data-dir={tmp_path / 'profile'}",
         "--window-size=1200,2000",
     ]
+
+
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="Chromium is not installed (apt-get install -y chromium): the browser check is skipped",
+)
+def test_report_renders_in_headless_chromium(tmp_path, pipeline_report):
+    flags = _chromium_flags(tmp_path)
     url = pipeline_report.resolve().as_uri()
     dom = subprocess.run(
         [_chromium(), *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120
@@ -263,3 +273,70 @@ def test_mesh_layout_keeps_every_axis_a_direction():
     assert pos[32][0] > pos[7][0] + 1  # the pipe blocks stand apart
     pos, across, _ = mesh_layout({"data": 64})
     assert across == "data = 64, 8 per row →" and pos[9] == (1.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def dp_plan():
+    """A real pipeline plan from the dp searcher: a small gpt on 8 a100s, pipelines only."""
+    from automap._zoo import get_model
+
+    spec = get_model("gpt2-xl", layers=4, hidden=64, heads=4, batch=16, seq=16)
+    cluster = am.Cluster.preset("a100", devices=8)
+    plan = am.plan(
+        spec.step_fn,
+        *spec.abstract_args(),
+        cluster=cluster,
+        searcher="dp",
+        tasks=("pipeline",),
+        budget_s=30,
+    )
+    assert len(plan.stages) >= 2 and plan.mesh["pipe"] == len(plan.stages)
+    return plan
+
+
+def test_dp_pipeline_plan_report_has_the_pipeline_sections(dp_plan, tmp_path):
+    n = len(dp_plan.stages)
+    page = write_report(dp_plan, tmp_path / "dp.html").read_text()
+    _check_page(page, n_images=5)  # mesh, sharding, schedule, memory, breakdown
+    # The schedule is the cost model's, read from the plan, not equal shares.
+    assert "plan.decisions[&#x27;stage_times&#x27;]" in page
+    assert stage_times(dp_plan)[0] == [tuple(t) for t in dp_plan.decisions["stage_times"]]
+    assert f"{n} stages × {dp_plan.microbatches} microbatches" in page
+    # The mesh names the pipe axis and the devices of every stage.
+    assert "pipe=" in page and "dashed box is one stage" in page
+    for s, st in enumerate(dp_plan.stages):
+        first, last = min(st.devices), max(st.devices)
+        assert f"stage {s}: devices {first}–{last} ({len(st.devices)})" in page
+        assert f"<td>[{st.op_start}, {st.op_stop})</td>" in page  # the stages table
+        assert f"<th>stage {s}, bytes per device</th>" in page  # one memory column per stage
+    assert "specs are on the stage mesh" in page
+    # Memory bars per stage against the limit, from plan.decisions["stage_memory"].
+    assert [name for name, _ in memory_bars(dp_plan)] == [f"stage {s}" for s in range(n)]
+
+
+def test_dp_pipeline_plan_prints_its_stages(dp_plan):
+    from rich.console import Console
+
+    from automap._report_text import print_plan
+
+    console = Console(width=160, record=True)
+    print_plan(console, dp_plan, am.Cluster.preset("a100", devices=8))
+    text = console.export_text()
+    assert f"Pipeline: {len(dp_plan.stages)} stages, {dp_plan.microbatches} microbatches" in text
+    assert "bubble" in text and dp_plan.schedule in text
+    for st in dp_plan.stages:
+        assert f"[{st.op_start}, {st.op_stop})" in text
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Chromium is not installed: browser check skipped")
+def test_dp_pipeline_report_renders_in_headless_chromium(dp_plan, tmp_path):
+    page = write_report(dp_plan, tmp_path / "dp.html")
+    dom = subprocess.run(
+        [_chromium(), *_chromium_flags(tmp_path), "--dump-dom", page.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "<h2>Pipeline schedule</h2>" in dom.stdout and "<th>ops (forward cut)</th>" in dom.stdout
+    assert dom.stdout.count("<img ") == 5

@@ -31,10 +31,32 @@ class Row:
     plan: Plan | None
     note: str = ""  # why a searcher gave no plan (space too large, nothing feasible...)
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of the row's plan (1: no pipeline, 0: no plan)."""
+        return 0 if self.plan is None else max(1, len(self.plan.stages))
+
+    @property
+    def shape(self) -> str:
+        """The plan's mesh, and for a pipeline its microbatches and schedule, in words:
+        "pipe 4 × data 2 × model 4, 16 mb 1f1b". Plan names alone do not say it (an
+        expert pipeline is named by its recipe, not its stage count)."""
+        if self.plan is None:
+            return ""
+        mesh = " × ".join(f"{k} {v}" for k, v in self.plan.mesh.items()) or "one device"
+        if self.stages > 1:
+            mesh += f", {self.plan.microbatches} mb {self.plan.schedule}"
+        if self.plan.zero_stage:
+            mesh += f", ZeRO-{self.plan.zero_stage}"
+        return mesh
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "searcher": self.searcher,
             "plan_name": self.plan_name,
+            "shape": self.shape,
+            "stages": self.stages,
+            "microbatches": None if self.plan is None else self.plan.microbatches,
             "step_time_s": self.step_time_s,
             "memory_bytes": self.memory_bytes,
             "feasible": self.feasible,

@@ -36,6 +36,7 @@ from ._report_data import (
     pipeline_ops,
     read_curve,
     sharding_rows,
+    stage_rows,
     stage_times,
 )
 from ._report_text import human_bytes, human_time, spec_text
@@ -206,7 +207,12 @@ def _mesh_fig(plan: Plan, cluster: Cluster | None, fig: Any = None) -> Any:
 def _mesh_note(plan: Plan, cluster: Cluster | None) -> str:
     text = "Devices are numbered as jax.devices() orders them; the last mesh axis varies fastest."
     if len(plan.stages) > 1:
-        text += " sN under a device: the pipeline stage it runs."
+        text += (
+            ' The "pipe" axis is the pipeline: each dashed box is one stage\'s sub-mesh, and '
+            "sN under a device is the stage it runs. "
+            + "; ".join(f"stage {r[0]}: devices {r[2]}" for r in stage_rows(plan))
+            + "."
+        )
     if cluster is None:
         text += " Cluster unknown: node boundaries not drawn (pass a cluster to see them)."
     return _note(text)
@@ -218,7 +224,8 @@ def _mesh_note(plan: Plan, cluster: Cluster | None) -> str:
 def _sharding_fig(plan: Plan, fig: Any = None) -> Any:
     rows = sharding_rows(plan)[:MAX_HEATMAP_ROWS]
     fig = fig or plots.new_figure(11.0, 1.2 + 0.26 * max(len(rows), 1))
-    plots.draw_sharding(fig, [r[0] for r in rows], [r[1] for r in rows], list(plan.mesh))
+    axes = [k for k in plan.mesh if k != "pipe"]  # the pipe axis splits layers, not tensors
+    plots.draw_sharding(fig, [r[0] for r in rows], [r[1] for r in rows], axes)
     return fig
 
 
@@ -228,6 +235,13 @@ def _sharding_section(plan: Plan) -> tuple[str, str]:
     if len(rows) > MAX_HEATMAP_ROWS:
         note += (
             f" The map shows the first {MAX_HEATMAP_ROWS} of {len(rows)} rows; the table lists all."
+        )
+    if len(plan.stages) > 1:
+        stage_axes = " × ".join(k for k in plan.mesh if k != "pipe") or "one device"
+        note += (
+            f" A pipeline plan's specs are on the stage mesh ({stage_axes}): every stage "
+            "splits the parameters it holds this way; the pipe axis splits no tensor, it "
+            "gives each stage its own layers (see the stages table under the schedule)."
         )
     if plan.zero_stage:
         note += f" ZeRO stage {plan.zero_stage}: optimizer state (from stage 2 also gradients) is split on the data axis."
@@ -262,22 +276,50 @@ def _schedule_fig(plan: Plan, fig: Any = None) -> tuple[Any | None, str]:
         f"{plan.schedule.upper()}: {n} stages × {plan.microbatches} microbatches, {idle:.0%} idle"
     )
     plots.draw_schedule(fig, ops, n, title, unit)
-    source = (
-        "plan.decisions['stage_times']"
-        if plan.decisions.get("stage_times")
-        else "equal shares of the predicted compute"
-        if unit == "ms"
-        else "unit times (no prediction in this plan)"
-    )
-    note = f"{title} (simulated). Stage times: {source}; backward drawn as twice the forward."
+    given = plan.decisions.get("stage_times")
+    if given and len(given) == n:
+        pairs = all(isinstance(t, Sequence) for t in given)
+        source = "the cost model's forward and backward of each stage per microbatch"
+        source += " (plan.decisions['stage_times'])" + (
+            "" if pairs else "; a single number is drawn as 1/3 forward, 2/3 backward"
+        )
+    elif unit == "ms":
+        source = "equal shares of the predicted compute; backward drawn as twice the forward"
+    else:
+        source = "unit times (no prediction in this plan); backward twice the forward"
+    note = f"{title} (simulated from the stage times: {source})."
     if cost is not None:
-        note += f" The cost model's bubble: {human_time(cost.bubble_s)}."
+        # The drawing is the microbatch phase alone; the cost model's step also holds what
+        # runs once per step (the update) and the point-to-point sends between stages.
+        note += (
+            f" Drawn span {human_time(span)}; the cost model's step {human_time(cost.step_time_s)} "
+            f"adds the once-per-step work (the optimizer update) and the sends between "
+            f"stages; its bubble (idle time of the busiest stage): {human_time(cost.bubble_s)}."
+        )
     return fig, note
+
+
+STAGE_HEAD = (
+    "stage",
+    "ops (forward cut)",
+    "devices",
+    "stage mesh",
+    "forward / mb",
+    "backward / mb",
+    "memory / device",
+)
 
 
 def _schedule_section(plan: Plan) -> tuple[str, str]:
     fig, note = _schedule_fig(plan)
-    return ("" if fig is None else _img(fig, "pipeline schedule")), _note(note)
+    text = _note(note)
+    if len(plan.stages) > 1:
+        text += _table(STAGE_HEAD, stage_rows(plan)) + _note(
+            "Ops: each stage's range of the captured program's op indices; its forward ops "
+            "are those in the range, its backward and update ops follow their inputs' stage. "
+            "mb: one microbatch."
+        )
+    return ("" if fig is None else _img(fig, "pipeline schedule")), text
 
 
 # ---- (4) memory, (5) curve, (6) step-time breakdown --------------------------------------
@@ -299,11 +341,23 @@ def _memory_section(plan: Plan, cluster: Cluster | None) -> tuple[str, str]:
     if plan.predicted is None:
         return "", _note("no prediction in this plan")
     limit = _limit(plan, cluster)
-    rows = [(k, human_bytes(v)) for k, v in memory_bars(plan)[0][1].items()]
-    rows.append(("limit", human_bytes(limit) if math.isfinite(limit) else "unknown"))
-    return _img(_memory_fig(plan, cluster), "memory per device"), _table(
-        ("part", "bytes per device"), rows
+    bars = memory_bars(plan)
+    parts = list(dict.fromkeys(k for _, d in bars for k in d))  # every part, first-seen order
+    rows = [(k, *(human_bytes(d.get(k, 0.0)) for _, d in bars)) for k in parts]
+    rows.append(("total", *(human_bytes(sum(d.values())) for _, d in bars)))
+    shown = human_bytes(limit) if math.isfinite(limit) else "unknown"
+    rows.append(("limit", *([shown] * len(bars))))
+    head = ("part", *(f"{name}, bytes per device" for name, _ in bars))
+    note = (
+        _note(
+            "One bar per pipeline stage (plan.decisions['stage_memory']): a stage's devices "
+            "hold its own layers' parameters, gradients and optimizer state, and the "
+            "activations of the microbatches in flight under the schedule."
+        )
+        if len(bars) > 1
+        else ""
     )
+    return _img(_memory_fig(plan, cluster), "memory per device"), _table(head, rows) + note
 
 
 def _curve_fig(curve: Mapping[str, list[float]], fig: Any = None) -> Any:

@@ -16,6 +16,7 @@ from ._cluster import Cluster
 from ._errors import ClusterError
 from ._pipeline._schedule import simulate
 from ._plan import Cost, Plan, Spec
+from ._report_text import human_bytes, human_time
 
 LINK_WORDS = {"intra": "in node", "inter": "across nodes", "mixed": "spans nodes"}
 CURVE_ALIASES = {  # the DQN searcher's own row names, read as the documented columns
@@ -156,3 +157,39 @@ def axis_links(plan: Plan, cluster: Cluster | None) -> dict[str, str]:
         return {k: LINK_WORDS[v.kind] for k, v in cluster.axis_links(plan.mesh).items()}
     except ClusterError:  # a plan for more devices than this cluster: draw it without links
         return {}
+
+
+def device_ranges(devices: Sequence[int]) -> str:
+    """ "0–3" for a contiguous block (as pipeline stages have), else the list folded."""
+    xs = sorted(devices)
+    return _ranges(xs) if xs else "—"
+
+
+def stage_rows(plan: Plan) -> list[tuple[str, ...]]:
+    """Per pipeline stage: its forward op range, its devices, its mesh, its (forward,
+    backward) seconds per microbatch and its memory per device, as the plan records them
+    (`stage_times`, `stage_memory` in its decisions: blank where it has none)."""
+    times = plan.decisions.get("stage_times") or []
+    memory = plan.decisions.get("stage_memory") or []
+    rows = []
+    for s, st in enumerate(plan.stages):
+        mesh = " × ".join(f"{k}={v}" for k, v in st.mesh.items()) or "one device"
+        fwd = bwd = mem = ""
+        if len(times) == len(plan.stages):
+            t = times[s]
+            f, b = (t[0], t[1]) if isinstance(t, Sequence) else (t / 3, 2 * t / 3)
+            fwd, bwd = human_time(float(f)), human_time(float(b))
+        if len(memory) == len(plan.stages):
+            mem = human_bytes(sum(float(v) for v in memory[s].values()))
+        rows.append(
+            (
+                str(s),
+                f"[{st.op_start}, {st.op_stop})",
+                f"{device_ranges(st.devices)} ({len(st.devices)})",
+                mesh,
+                fwd,
+                bwd,
+                mem,
+            )
+        )
+    return rows

@@ -120,9 +120,12 @@ def draw_mesh(
         if text_size:
             label = str(d) if not stage_of or d not in stage_of else f"{d}\ns{stage_of[d]}"
             ax.text(x + 0.45, -y - 0.45, label, ha="center", va="center", fontsize=text_size)
+    if stage_of:
+        _outline_stages(ax, pos, stage_of)
     xs, ys = [p[0] for p in pos], [p[1] for p in pos]
+    top = 0.5 if stage_of else 0.2  # room for the stage labels above the first row
     ax.set_xlim(min(xs) - 0.2, max(xs) + 1.1)
-    ax.set_ylim(-max(ys) - 1.1, 0.2)
+    ax.set_ylim(-max(ys) - 1.1, top)
     ax.set_xticks([])
     ax.set_yticks([])
     for side in ax.spines.values():
@@ -148,6 +151,29 @@ def draw_mesh(
         ax.legend(
             handles=handles, title=title, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8
         )
+
+
+def _outline_stages(
+    ax: Any, pos: Sequence[tuple[float, float]], stage_of: Mapping[int, int]
+) -> None:
+    """A dashed box around each pipeline stage's devices, labelled above: the stages are
+    blocks of the "pipe" axis, so each box holds one sub-mesh and no other stage's device."""
+    from matplotlib.patches import Rectangle
+
+    for stage in sorted(set(stage_of.values())):
+        mine = [pos[d] for d, s in stage_of.items() if s == stage and d < len(pos)]
+        if not mine:
+            continue
+        x0, x1 = min(p[0] for p in mine), max(p[0] for p in mine) + 0.9
+        y0, y1 = min(p[1] for p in mine), max(p[1] for p in mine) + 0.9
+        color = AXIS_COLORS[stage % len(AXIS_COLORS)]
+        ax.add_patch(
+            Rectangle(
+                (x0 - 0.08, -y0 + 0.08), x1 - x0 + 0.16, -(y1 - y0 + 0.16),
+                fill=False, edgecolor=color, ls="--", lw=1.6,
+            )
+        )  # fmt: skip
+        ax.text(x0, -y0 + 0.14, f"stage {stage}", color=color, fontsize=8, va="bottom")
 
 
 # ---- (2) which tensor dimension is split on which axis -----------------------------------

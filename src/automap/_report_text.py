@@ -153,7 +153,10 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
     mesh = " × ".join(f"{k}={v}" for k, v in plan.mesh.items())
     console.print(
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
+        + ("   remat: yes" if plan.remat else "")
     )
+    if len(plan.stages) > 1:
+        console.print(stages_table(plan))
     table = Table(title="Parameters")
     table.add_column("parameter (layers folded)")
     table.add_column("×", justify="right")
@@ -178,6 +181,33 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
         c.add_row("MFU", f"{cost.mfu:.1%}")
         c.add_row("feasible", "yes" if cost.feasible else f"no: {cost.reason}")
         console.print(c)
+
+
+def stages_table(plan: Plan) -> Table:
+    """A pipeline plan's stages: where each starts, its devices and mesh, its time per
+    microbatch and memory (from the plan's decisions), with the schedule and bubble."""
+    from ._report_data import stage_rows
+
+    cost = plan.predicted
+    title = (
+        f"Pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule}"
+    )
+    if cost is not None and cost.step_time_s > 0:
+        share = cost.bubble_s / cost.step_time_s
+        title += f", bubble {human_time(cost.bubble_s)} ({share:.0%} of the step)"
+    table = Table(title=title, caption_justify="left")
+    head = ("stage", "ops", "devices", "stage mesh", "fwd / mb", "bwd / mb", "memory")
+    for col in head:
+        table.add_column(
+            col, justify="right" if col in ("fwd / mb", "bwd / mb", "memory") else "left"
+        )
+    for row in stage_rows(plan):
+        table.add_row(*(escape(c) for c in row))
+    table.caption = (
+        "ops: the stage's range of op indices (its forward ops; backward and update ops "
+        "follow their inputs' stage). mb: one microbatch."
+    )
+    return table
 
 
 def print_check(console: Console, result: Mapping[str, Any]) -> None:
@@ -210,6 +240,7 @@ def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
     for col in (
         "searcher",
         "plan",
+        "mesh / pipeline",
         "step time",
         "vs DP",
         "memory/device",
@@ -217,16 +248,20 @@ def compare_table(what: str, cluster: Any, rows: Sequence[Any]) -> Table:
         "search",
         "MFU",
     ):
-        table.add_column(col, justify="left" if col in ("searcher", "plan") else "right")
+        left = col in ("searcher", "plan") or col.startswith("mesh")
+        table.add_column(col, justify="left" if left else "right")
     for i, r in enumerate(rows):
         if r.plan is None:
             # The reason goes under the table: a narrow column would shred it.
-            table.add_row(r.searcher, "—", "—", "—", "—", "no", f"{r.search_time_s:.1f} s", "—")
+            table.add_row(
+                r.searcher, "—", "—", "—", "—", "—", "no", f"{r.search_time_s:.1f} s", "—"
+            )
             notes.append(f"{r.searcher}: {r.note}")
             continue
         table.add_row(
             r.searcher,
-            r.plan_name,
+            escape(r.plan_name),
+            r.shape,
             human_time(r.step_time_s),
             "—" if ups[i] is None else f"{ups[i]:.2f}×",
             human_bytes(r.memory_bytes),
