@@ -227,7 +227,10 @@ def _check_searcher(searcher: str) -> str:
 
 
 #: Searchers whose space holds pipeline plans (the others search one stage).
-PIPELINE_SEARCHERS = ("dp", "expert")
+PIPELINE_SEARCHERS = ("dp", "expert", "dqn")
+#: Searchers whose "auto" task is the hybrid space. The DQN's stays the shard task: its
+#: pipeline tasks price a whole schedule per episode, and the default plan must stay fast.
+AUTO_HYBRID = ("dp", "expert")
 
 
 def _check_tasks(tasks: str | Sequence[str], searcher: str = "dqn") -> str:
@@ -235,7 +238,7 @@ def _check_tasks(tasks: str | Sequence[str], searcher: str = "dqn") -> str:
     parallelism and ZeRO), "pipeline" (pipelines only) or "hybrid" (all of them). "auto"
     is the widest space the searcher has."""
     if tasks == "auto":
-        return "hybrid" if searcher in PIPELINE_SEARCHERS else "shard"
+        return "hybrid" if searcher in AUTO_HYBRID else "shard"
     items = (tasks,) if isinstance(tasks, str) else tuple(tasks)
     bad = [t for t in items if t not in TASKS]
     if bad or not items:

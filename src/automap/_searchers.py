@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
+# The same for the pipeline and hybrid tasks, whose episodes each price a whole pipeline
+# schedule (and the hybrid's a stage DP): about a tenth of the rate.
+PIPELINE_EPISODES_PER_SECOND = 4
 
 
 def run_space_searcher(
@@ -37,9 +40,19 @@ def run_space_searcher(
     Ctrl-C during the search stops it and hands back the best plan so far, with
     `stats["interrupted"] = True`; before any feasible plan is found it propagates.
     """
+    pipelined = task in ("pipeline", "hybrid")
     space = ShardSpace(
-        problem.graph, problem.groups, problem.cluster, problem.cost_model, task=task
+        problem.graph,
+        problem.groups,
+        problem.cluster,
+        problem.cost_model,
+        task="shard" if pipelined else task,
     )
+    if pipelined:
+        if name != "dqn":
+            raise AutomapError(f"the {name} searcher has no {task} task; use dqn or dp")
+        with _Progress(progress, name) as bar:
+            return _dqn_pipeline(space, task, budget_s, seed, bar)
     with _Progress(progress, name) as bar:
         if name == "dqn":
             point, stats = _dqn(space, budget_s, seed, bar)
@@ -120,8 +133,6 @@ def _expert_start(space: ShardSpace):
 
 def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
     from ._process import ShardProcess
-    from .rl import DQNConfig
-    from .rl import search as dqn_search
 
     process = ShardProcess(space, baseline_time(space))
     seeds = []
@@ -131,7 +142,68 @@ def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
         decisions = process.decisions_for(mesh, assignment, zero)
         if decisions is not None and decisions not in seeds:
             seeds.append(decisions)
-    episodes = max(len(seeds) + 1, int(budget_s * EPISODES_PER_SECOND))
+    point, stats = _run_dqn(process, seeds, budget_s, seed, bar, EPISODES_PER_SECOND)
+    return (None if point is None else process.to_point(point)), stats
+
+
+def _dqn_pipeline(space: ShardSpace, task: str, budget_s: float, seed: int, bar: _Progress):
+    """The DQN on the pipeline or hybrid task: its best plan (priced by the pipeline cost
+    model) and stats. Seeded with the expert recipes: the shard experts on one stage, and
+    data parallel or Megatron x data stages at every power-of-two stage count."""
+    from ._pipeline._process import PipelineProcess, make_pipeline_process
+
+    process = make_pipeline_process(space, task, baseline_time(space))
+    seeds: list[tuple[int, ...]] = []
+    if isinstance(process, PipelineProcess):
+        # Each stage count with its quick-picked stages, the most microbatches, balanced cuts.
+        for k, S in enumerate(process.stage_choices):
+            if S & (S - 1) == 0:
+                m = len(process.micro_choices(process.intra(S), S)) - 1
+                seeds.append((k, m, *(2,) * (S - 1)))
+    else:
+        for mesh, assignment, zero in expert_assignments(
+            space.graph, space.groups, space.cluster
+        ).values():
+            seeds.append(process.decisions_for(1, mesh, assignment, zero, 1))
+        seeds.extend(_pipeline_seeds(process))
+    seeds = list(dict.fromkeys(s for s in seeds if s is not None))
+    decisions, stats = _run_dqn(process, seeds, budget_s, seed, bar, PIPELINE_EPISODES_PER_SECOND)
+    if decisions is None:
+        raise InfeasibleError(
+            f"the dqn search found no feasible {task} plan in {stats['evaluated']} episodes; "
+            "give it a larger budget, or use more devices or a smaller batch."
+        )
+    return process.to_plan(decisions, name="dqn"), stats
+
+
+def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
+    """Hybrid decisions of the pipeline experts' recipes: every power-of-two S, stages data
+    parallel or Megatron over the node x data, the most microbatches, ZeRO and remat off."""
+    from ._expert import DATA, MODEL, _assign, batch_groups, block_groups
+    from ._pipeline._search import microbatch_counts
+
+    groups, cluster, out = process.space.groups, process.space.cluster, []
+    for S in process.stage_choices[1:]:
+        per = cluster.devices // S
+        if S & (S - 1):
+            continue
+        for tp in {1, min(cluster.devices_per_node, per)}:
+            mesh = {k: v for k, v in ((DATA, per // tp), (MODEL, tp)) if v > 1} or {DATA: 1}
+            assignment = {
+                **_assign(batch_groups(groups), DATA, per // tp),
+                **_assign(block_groups(groups), MODEL, tp),
+            }
+            ms = microbatch_counts(process.pricer.batch, per // tp, S, process.pricer.microbatching)
+            out.append(process.decisions_for(S, mesh, assignment, 0, ms[-1]))
+    return out
+
+
+def _run_dqn(process, seeds, budget_s: float, seed: int, bar: _Progress, rate: float):
+    """(the best feasible decisions or None, stats) of a DQN search over `process`."""
+    from .rl import DQNConfig
+    from .rl import search as dqn_search
+
+    episodes = max(len(seeds) + 1, int(budget_s * rate))
     bar.start(episodes)
 
     def on_episode(episode, best, current, exploration, loss) -> None:
@@ -158,7 +230,7 @@ def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
         stats["interrupted"] = True
     if not result.best_feasible:
         return None, stats
-    return process.to_point(result.best_decisions), stats
+    return result.best_decisions, stats
 
 
 class _Progress:

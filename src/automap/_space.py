@@ -246,13 +246,21 @@ def make_process(graph: Graph, cluster: Cluster, task: str = "shard", pruning: P
     from ._linkage import build_groups
     from ._process import ShardProcess
 
-    if task not in TASKS:
+    pipelined = task in ("pipeline", "hybrid")
+    if task not in TASKS and not pipelined:
         raise ValueError(
-            f"task {task!r} has no decision process yet; available: {', '.join(TASKS)}"
+            f"task {task!r} has no decision process; available: "
+            f"{', '.join(TASKS)}, pipeline, hybrid"
         )
     groups = build_groups(graph, layer_grouping=pruning.layer_grouping)
     cost_model = CostModel(graph, cluster, groups)
-    space = ShardSpace(graph, groups, cluster, cost_model, pruning, task=task)
+    space = ShardSpace(
+        graph, groups, cluster, cost_model, pruning, task="shard" if pipelined else task
+    )
+    if pipelined:
+        from ._pipeline._process import make_pipeline_process
+
+        return make_pipeline_process(space, task, baseline_time(space))
     return ShardProcess(space, baseline_time(space))
 
 
