@@ -20,7 +20,7 @@ TINY = dict(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512)
 def result():
     # One small zoo variant with tiny budgets; fidelity on one MLP plan, speed on the MLP.
     case = _bench.Case("bert-base", "a100", 8, TINY)
-    settings = _bench.Settings(0.1, 1, ("mlp",), 1, "mlp", "automap bench --tiny")
+    settings = _bench.Settings(0.1, 1, ("mlp",), 1, "mlp", "automap bench --tiny", dp_budget_s=10.0)
     return _bench.run_bench([case], settings, progress=False)
 
 
@@ -43,7 +43,32 @@ def test_markdown_has_header_and_tables(result, tmp_path):
         assert runs[0]["ratio"] >= 1 - 1e-9  # nothing beats the proven optimum
     keys = {"searcher", "plan_name", "step_time_s", "memory_bytes", "feasible", "seed"}
     assert all(keys <= set(row) for row in case["rows"])
-    assert {r["searcher"] for r in case["rows"]} >= {"expert", "ilp", "exhaustive", "dqn"}
+    assert {r["searcher"] for r in case["rows"]} >= {"expert", "ilp", "exhaustive", "dqn", "dp"}
+
+
+def test_hybrid_column_is_the_dp_searchers_answer(result):
+    case = result["cases"][0]
+    hybrid, optimum = case["hybrid"], case["optimum"]
+    # The dp searcher returns the faster of the one-stage optimum and its best pipeline.
+    assert hybrid["time_s"] <= optimum["time_s"] * (1 + 1e-9)
+    assert hybrid["ratio"] == pytest.approx(hybrid["time_s"] / optimum["time_s"])
+    piped = [r for r in case["rows"] if r["searcher"] == "dp"]
+    assert len(piped) == 1
+    if piped[0]["feasible"]:  # the pipeline row: stages in its plan and in its shape
+        assert piped[0]["stages"] >= 2 and piped[0]["shape"].startswith("pipe ")
+        assert hybrid["pipeline_s"] == pytest.approx(piped[0]["step_time_s"])
+    assert hybrid["stages"] >= 1 and hybrid["microbatches"] >= 1
+    text = to_markdown(result)
+    assert "| hybrid |" in text and "Hybrid: the `dp` searcher" in text
+    shape = (
+        f"{hybrid['stages']} stages × {hybrid['microbatches']} mb"
+        if hybrid["stages"] > 1
+        else "1 stage, "
+    )
+    assert shape in text
+    # Pipeline experts are in the expert column's candidates.
+    names = {r["plan_name"] for r in case["rows"] if r["searcher"] == "expert"}
+    assert "gpipe_uniform" in names
 
 
 def _row(curve: list[dict], evaluated: int, seconds: float) -> Row:

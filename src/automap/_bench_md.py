@@ -62,11 +62,21 @@ def to_markdown(result: dict) -> str:
         "first came within 1% of the optimum (seconds, and the episode or evaluation); "
         "the DQN's first episodes replay the expert plans and MCMC starts from the best one, "
         'so #1 means an expert plan was already optimal. "(expert)": the DQN did not beat the best expert plan and handed '
-        "that back.",
+        "that back. The best expert includes the pipeline experts (GPipe with uniform "
+        "stages, Megatron 3-D: tensor parallel in the node × pipeline × data), so its ratio "
+        "may be under 1.",
         "",
-        "| model | cluster | points | data parallel | best expert | optimum | proof "
+        "Hybrid: the `dp` searcher with pipelines allowed (stage count, stage mesh, "
+        "microbatches, ZeRO and rematerialization enumerated; stage cuts by the exact DP), "
+        f"{s.get('dp_budget_s', 60.0):g} s per case. It returns the faster of its best "
+        "pipeline and the one-stage optimum: the cell gives its time, its ratio to the "
+        "one-stage optimum in brackets, its stages × microbatches and stage mesh; "
+        '"1 stage" means no pipeline beat the optimum (the best pipeline\'s time follows). '
+        '"(budget)": the pipeline space was not searched to the end.',
+        "",
+        "| model | cluster | points | data parallel | best expert | optimum | proof | hybrid "
         "| DQN | DQN ratio | DQN t-1% | random ratio | random t-1% | mcmc ratio | mcmc t-1% |",
-        "|---|---|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|---|--:|--:|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for c in result["cases"]:
         opt, expert = c["optimum"], c["best_expert"]
@@ -79,6 +89,7 @@ def to_markdown(result: dict) -> str:
             _expert_cell(expert, opt),
             _optimum_cell(opt, c["data_parallel_s"]),
             "—" if opt is None else opt["proof"],
+            _hybrid_cell(c.get("hybrid")),
             _ms(min(dqn_times)) if dqn_times else "—",
         ]
         for name in SEARCHERS:
@@ -94,6 +105,18 @@ def _expert_cell(expert: dict | None, opt: dict | None) -> str:
         return "none feasible"
     ratio = f" ({expert['time_s'] / opt['time_s']:.3f})" if opt else ""
     return f"{expert['name']} {_ms(expert['time_s'])}{ratio}"
+
+
+def _hybrid_cell(h: dict | None) -> str:
+    if h is None:
+        return "none feasible"
+    ratio = f" ({h['ratio']:.3f})" if h["ratio"] is not None else ""
+    if h["stages"] > 1:
+        shape = f"{h['stages']} stages × {h['microbatches']} mb, {h['mesh']}"
+    else:
+        best = _ms(h["pipeline_s"]) if h["pipeline_s"] else "none fits"
+        shape = f"1 stage, {h['mesh']}; best pipeline {best}"
+    return f"{_ms(h['time_s'])}{ratio}, {shape}" + ("" if h["complete"] else " (budget)")
 
 
 def _optimum_cell(opt: dict | None, dp: float | None) -> str:
