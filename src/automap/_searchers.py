@@ -150,7 +150,8 @@ def _dqn_pipeline(space: ShardSpace, task: str, budget_s: float, seed: int, bar:
     """The DQN on the pipeline or hybrid task: its best plan (priced by the pipeline cost
     model) and stats. Seeded with the expert recipes: the shard experts on one stage, and
     data parallel or Megatron x data stages at every power-of-two stage count."""
-    from ._pipeline._process import PipelineProcess, make_pipeline_process
+    from ._pipeline._hybrid import make_pipeline_process
+    from ._pipeline._process import PipelineProcess
 
     process = make_pipeline_process(space, task, baseline_time(space))
     seeds: list[tuple[int, ...]] = []

@@ -258,7 +258,7 @@ def make_process(graph: Graph, cluster: Cluster, task: str = "shard", pruning: P
         graph, groups, cluster, cost_model, pruning, task="shard" if pipelined else task
     )
     if pipelined:
-        from ._pipeline._process import make_pipeline_process
+        from ._pipeline._hybrid import make_pipeline_process
 
         return make_pipeline_process(space, task, baseline_time(space))
     return ShardProcess(space, baseline_time(space))

@@ -9,9 +9,10 @@ from gymnasium.utils.env_checker import check_env
 import automap as am
 from automap._api import Problem, _best_expert
 from automap._pipeline._cost import estimate_pipeline
+from automap._pipeline._hybrid import HybridProcess, make_pipeline_process
 from automap._pipeline._partition import partition
 from automap._pipeline._pricer import PipelinePricer
-from automap._pipeline._process import HybridProcess, PipelineProcess, make_pipeline_process
+from automap._pipeline._process import PipelineProcess
 from automap._process import ShardProcess
 from automap._space import ShardSpace, baseline_time
 from automap._zoo import get_model

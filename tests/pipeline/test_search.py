@@ -107,10 +107,16 @@ def test_megatron_3d_puts_tensor_parallel_inside_the_node():
     assert len(p.stages) == p.mesh["pipe"]
 
 
-def test_only_dp_and_expert_search_pipelines(gpt):
+def test_one_stage_searchers_refuse_the_pipeline_task(gpt):
     spec, pb = gpt
     with pytest.raises(AutomapError, match="searcher='dp'"):
-        am.plan(spec.step_fn, *spec.abstract_args(), cluster=pb.cluster, tasks=("pipeline",))
+        am.plan(
+            spec.step_fn,
+            *spec.abstract_args(),
+            cluster=pb.cluster,
+            searcher="random",
+            tasks=("pipeline",),
+        )
 
 
 def test_a_dp_plan_runs_and_computes_the_same_numbers():
