@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._capture import capture
@@ -62,6 +63,9 @@ def plan(
     roles: Any = None,
     origin: Mapping[str, Any] | None = None,
     progress: bool = False,
+    agent_in: str | Path | None = None,
+    agent_out: str | Path | None = None,
+    resume: str | Path | None = None,
 ) -> Plan:
     """Find a fast feasible plan for `step_fn(*args)` on `cluster`.
 
@@ -72,12 +76,17 @@ def plan(
     `searcher="auto"` picks the strongest searcher this version has. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
     `automap apply plan.json` can rebuild the step.
+
+    The DQN only: `agent_in` warm-starts the search from the network of an agent saved by
+    `agent_out` (on another model, say); `resume` is a search-state file, continued from
+    when it exists and rewritten when the search ends (Ctrl-C included), with `budget_s`
+    the total over every run: the same seed then gives the plan of one unbroken search.
     """
     name = _check_searcher(searcher)
     task = _check_tasks(tasks, name)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
-    best = run_searcher(problem, name, budget_s, seed, progress, task)
+    best = run_searcher(problem, name, budget_s, seed, progress, task, agent_in, agent_out, resume)
     # The whole call, capture included: what the user waited for.
     provenance = dataclasses.replace(
         best.provenance,
@@ -94,20 +103,34 @@ def run_searcher(
     seed: int,
     progress: bool = False,
     task: str | None = None,
+    agent_in: str | Path | None = None,
+    agent_out: str | Path | None = None,
+    resume: str | Path | None = None,
 ) -> Plan:
     """One searcher on a built problem: its best plan, priced, with provenance. `task`
-    None is the searcher's widest: "hybrid" for dp and expert, "shard" for the others."""
+    None is the searcher's widest: "hybrid" for dp and expert, "shard" for the others.
+    `agent_in`, `agent_out` and `resume` are the DQN's files (see `plan`)."""
     name = _check_searcher(name)
     task = _check_tasks("auto", name) if task is None else task
+    from ._searchers import DQNFiles
+
+    files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
+    if files and name != "dqn":
+        raise AutomapError(
+            f"agent_in, agent_out and resume are for the dqn searcher, not {name}: "
+            "use searcher='dqn' or leave them out"
+        )
     start = time.perf_counter()
     if name == "expert":
         best = _best_expert(problem, task)
     elif name == "dp":
         best = _hybrid_dp(problem, budget_s, task)
+        if best.decisions.get("interrupted"):
+            best = _no_worse_than_experts(problem, best, {"interrupted": True}, task)
     else:
         from ._searchers import run_space_searcher, with_stats
 
-        found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task)
+        found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task, files)
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
         # An interrupted search may not have caught up with the experts yet.
         if name == "dqn" or stats.get("interrupted"):
@@ -264,17 +287,27 @@ def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
 
     candidates = []
     start = time.perf_counter()
-    if task != "pipeline":
-        try:
-            found, _ = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
-        except InfeasibleError:
-            found = None  # nothing fits on one stage: pipelines may
-        if found is not None and found.predicted is not None and found.predicted.feasible:
-            candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
-    left = max(1.0, budget_s - (time.perf_counter() - start))
-    piped, stats = search_dp(problem, left)
-    if piped is not None:
-        candidates.append(piped)
+    stats: dict[str, Any] = {}
+    try:
+        if task != "pipeline":
+            try:
+                found, one = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
+            except InfeasibleError:
+                found, one = None, {}  # nothing fits on one stage: pipelines may
+            if found is not None and found.predicted is not None and found.predicted.feasible:
+                candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
+            if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
+                raise KeyboardInterrupt
+        left = max(1.0, budget_s - (time.perf_counter() - start))
+        piped, stats = search_dp(problem, left)
+        if piped is not None:
+            candidates.append(piped)
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best plan so far (`run_searcher` then checks it against the
+        # experts); before any, it propagates.
+        if not candidates:
+            raise
+        stats = {**stats, "interrupted": True}
     if not candidates:
         raise InfeasibleError(
             f"no plan fits in memory on {problem.cluster.devices} {problem.cluster.name} "

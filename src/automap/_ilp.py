@@ -317,15 +317,21 @@ def search_ilp(
     it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc). Each
     MILP gets `time_limit_s`; `on_solve(point, cost, best time)` follows each (progress)."""
     run = _Run(space, time_limit_s, on_solve)
-    for mesh_index, mesh in enumerate(space.meshes):
-        terms = MeshTerms(space, mesh_index)
-        solution, bound = run.solve(terms, 0, np.inf)
-        if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
-            continue  # nothing on this mesh, or nothing better than the best so far
-        if solution.optimal and bound.feasible:
-            continue  # the unlimited optimum fits: no stage of this mesh does better
-        for zero in (z for z in space.zero_options(mesh) if z != 1):
-            run.solve(terms, zero, space.cluster.memory_limit)
+    try:
+        for mesh_index, mesh in enumerate(space.meshes):
+            terms = MeshTerms(space, mesh_index)
+            solution, bound = run.solve(terms, 0, np.inf)
+            if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
+                continue  # nothing on this mesh, or nothing better than the best so far
+            if solution.optimal and bound.feasible:
+                continue  # the unlimited optimum fits: no stage of this mesh does better
+            for zero in (z for z in space.zero_options(mesh) if z != 1):
+                run.solve(terms, zero, space.cluster.memory_limit)
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best point so far (no longer a proof of optimality).
+        if run.best is None:
+            raise
+        return run.best, {**run.stats(), "optimal": False, "interrupted": True}
     return run.best, run.stats()
 
 

@@ -131,3 +131,56 @@ def test_a_dp_plan_runs_and_computes_the_same_numbers():
     got = am.apply(spec.step_fn, plan)(*args)
     want = spec.step_fn(*args)
     assert_same(got, want, spec.config["learning_rate"])
+
+
+def test_ctrl_c_keeps_the_best_pipeline_so_far(gpt, monkeypatch):
+    """Deterministic Ctrl-C: the third outer point raises KeyboardInterrupt."""
+    import automap._pipeline._search as search_module
+
+    spec, pb = gpt
+    real, calls = search_module._solve_point, [0]
+
+    def solve_point(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "_solve_point", solve_point)
+    plan = am.plan(
+        spec.step_fn,
+        *spec.abstract_args(),
+        cluster=pb.cluster,
+        searcher="dp",
+        tasks=("pipeline",),
+        budget_s=60,
+    )
+    assert plan.decisions["interrupted"] and len(plan.stages) >= 2
+    assert plan.predicted.feasible
+    calls[0] = 0
+    monkeypatch.setattr(
+        search_module, "_solve_point", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    with pytest.raises(KeyboardInterrupt):  # nothing found yet: Ctrl-C goes through
+        search_dp(pb, budget_s=60)
+
+
+def test_ctrl_c_during_the_ilp_keeps_its_best_point(monkeypatch):
+    import automap._ilp as ilp_module
+    from automap._ilp import search_ilp
+    from automap._space import ShardSpace
+
+    spec = get_model("gpt2-xl", **SMALL)
+    pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 8))
+    space = ShardSpace(pb.graph, pb.groups, pb.cluster, pb.cost_model)
+    real, calls = ilp_module.solve_ilp, [0]
+
+    def solve(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ilp_module, "solve_ilp", solve)
+    point, stats = search_ilp(space)
+    assert point is not None and stats["interrupted"] and not stats["optimal"]

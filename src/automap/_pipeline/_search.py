@@ -77,7 +77,6 @@ def search_dp(
 ) -> tuple[Plan | None, dict[str, Any]]:
     """The best pipeline plan of the hybrid space (None when no point fits) and stats."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
-    cluster = problem.cluster
     start = _time.perf_counter()
     cands = cut_candidates(graph, groups)
     stats: dict[str, Any] = {"cut_candidates": len(cands), "points": 0, "complete": True}
@@ -91,42 +90,53 @@ def search_dp(
     except PlanError as e:  # batch norm and the like: one microbatch only
         microbatching, stats["microbatching"] = False, str(e)
     batch = groups.groups[groups.batch_group].divisor
+    found: list[Plan] = []
     best: Plan | None = None
     best_time = np.inf
-    found: list[Plan] = []
+    try:
+        for point, assignment in _points(model, cands, batch, microbatching):
+            if _time.perf_counter() - start > budget_s:
+                stats["complete"] = False
+                break
+            stats["points"] += 1
+            plan = _solve_point(model, fine, cands, point, assignment, schedule)
+            if plan is not None:
+                found.append(plan)
+                if plan.predicted.step_time_s < best_time:
+                    best, best_time = plan, plan.predicted.step_time_s
+            if on_point is not None:
+                on_point(plan, best_time)
+        # The DP's objective leaves out what happens once per step (a tied embedding sent
+        # between its stages, the slowest stage's update): polish the best few against
+        # the whole model by moving one cut at a time to a neighbouring candidate.
+        for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
+            if _time.perf_counter() - start > budget_s:
+                stats["complete"] = False
+                break
+            plan = _polish(model, plan, cands)
+            if plan.predicted.step_time_s < best_time:
+                best, best_time = plan, plan.predicted.step_time_s
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best pipeline so far.
+        if best is None:
+            raise
+        stats["complete"], stats["interrupted"] = False, True
+    return best, _finish(stats, start, best_time)
+
+
+def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool):
+    """The outer level, (point, intra-stage assignment) by stage count, stage mesh,
+    intra-stage plan and microbatch count."""
+    graph, groups, cluster = model.graph, model.groups, model.cluster
     for S in stage_counts(cluster.devices, len(cands)):
         per_stage = cluster.devices // S
-        sub = cluster.with_devices(per_stage)
-        space = ShardSpace(graph, groups, sub, model)
+        space = ShardSpace(graph, groups, cluster.with_devices(per_stage), model)
         for mesh_index, mesh in enumerate(candidate_meshes(per_stage)):
             if mesh.get(MODEL, 1) > cluster.devices_per_node:
                 continue  # tensor parallel across nodes: never worth it
-            data = mesh.get(DATA, 1)
             for intra, assignment in _intra_plans(space, mesh_index, mesh).items():
-                for m in microbatch_counts(batch, data, S, microbatching):
-                    if _time.perf_counter() - start > budget_s:
-                        stats["complete"] = False
-                        return best, _finish(stats, start, best_time)
-                    stats["points"] += 1
-                    point = Point(S, mesh, m, intra)
-                    plan = _solve_point(model, fine, cands, point, assignment, schedule)
-                    if plan is not None:
-                        found.append(plan)
-                    if plan is not None and plan.predicted.step_time_s < best_time:
-                        best, best_time = plan, plan.predicted.step_time_s
-                    if on_point is not None:
-                        on_point(plan, best_time)
-    # The DP's objective leaves out what happens once per step (a tied embedding sent
-    # between its stages, the slowest stage's update): polish the best few against the
-    # whole model by moving one cut at a time to a neighbouring candidate.
-    for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
-        if _time.perf_counter() - start > budget_s:
-            stats["complete"] = False
-            break
-        plan = _polish(model, plan, cands)
-        if plan.predicted.step_time_s < best_time:
-            best, best_time = plan, plan.predicted.step_time_s
-    return best, _finish(stats, start, best_time)
+                for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
+                    yield Point(S, mesh, m, intra), assignment
 
 
 def _intra_plans(space: ShardSpace, mesh_index: int, mesh: dict[str, int]) -> dict[str, dict]:
