@@ -184,3 +184,16 @@ def test_ctrl_c_during_the_ilp_keeps_its_best_point(monkeypatch):
     monkeypatch.setattr(ilp_module, "solve_ilp", solve)
     point, stats = search_ilp(space)
     assert point is not None and stats["interrupted"] and not stats["optimal"]
+
+
+def test_the_pipeline_experts_apply_with_the_same_numbers():
+    """Every expert plan applies through am.apply and passes the numerics check:
+    gpipe_uniform too, now that pipelines run."""
+    spec = get_model("gpt2-xl", layers=2, hidden=32, heads=4, batch=8, seq=8, dtype="float32")
+    cluster = am.Cluster.preset("cpu", 8)
+    plans = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=cluster)
+    plan = plans["gpipe_uniform"]
+    assert len(plan.stages) >= 2
+    args = spec.concrete_args(0)
+    got = am.apply(spec.step_fn, plan)(*args)
+    assert_same(got, spec.step_fn(*args), spec.config["learning_rate"])
