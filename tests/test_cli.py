@@ -267,3 +267,47 @@ def test_ctrl_c_in_compare_keeps_the_rows_so_far(monkeypatch):
     assert [r["searcher"] for r in out["rows"]][-1] == "random"  # mcmc never started
     assert out["rows"][-1]["note"].startswith("interrupted") and out["rows"][-1]["feasible"]
     assert "comparison interrupted" in result.stderr
+
+
+MLP_DQN = ("plan", "--model", "mlp", "--set", "layers=2", "--set", "hidden=64")
+MLP_DQN += ("--cluster", "cpu", "--devices", "8", "--searcher", "dqn", "--seed", "1", "--quiet")
+
+
+def test_plan_resume_continues_the_saved_search(tmp_path):
+    path = tmp_path / "plan.json"
+    state = tmp_path / "plan.search.msgpack"
+    first = run(*MLP_DQN, "--budget", "0.5", "-o", str(path))
+    assert first.exit_code == 0, first.output
+    assert state.exists()
+    more = run(*MLP_DQN, "--budget", "1", "-o", str(path), "--resume")
+    assert more.exit_code == 0, more.output
+    resumed = json.loads(path.read_text())["decisions"]
+    assert resumed["episodes"] == 40  # 20 from the first run, 20 more: the total budget
+    whole = run(*MLP_DQN, "--budget", "1", "-o", str(tmp_path / "whole.json"))
+    assert whole.exit_code == 0, whole.output
+    unbroken = json.loads((tmp_path / "whole.json").read_text())["decisions"]
+    assert [r["current_time"] for r in resumed["curve"]] == [
+        r["current_time"] for r in unbroken["curve"]
+    ]
+
+
+def test_plan_resume_and_agent_errors_are_one_line(tmp_path):
+    no_output = run(*MLP_DQN, "--budget", "0.5", "--resume")
+    assert no_output.exit_code == 2 and "--resume needs -o" in no_output.output
+    nothing = run(*MLP_DQN, "--budget", "0.5", "--resume", "-o", str(tmp_path / "p.json"))
+    assert nothing.exit_code == 2 and "without --resume first" in nothing.output
+    bad = tmp_path / "agent.msgpack"
+    bad.write_text("not an agent")
+    corrupt = run(*MLP_DQN, "--budget", "0.5", "--agent", str(bad))
+    assert corrupt.exit_code == 2 and "--save-agent" in corrupt.output
+    assert "Traceback" not in corrupt.output
+
+
+def test_plan_saves_an_agent_that_warm_starts_another_plan(tmp_path):
+    agent = tmp_path / "agent.msgpack"
+    saved = run(*MLP_DQN, "--budget", "0.5", "--save-agent", str(agent))
+    assert saved.exit_code == 0, saved.output
+    assert agent.stat().st_size > 0
+    warm = run(*MLP_DQN, "--budget", "0.5", "--agent", str(agent), "--json")
+    assert warm.exit_code == 0, warm.output
+    assert json.loads(warm.output)["predicted"]["feasible"]

@@ -72,10 +72,30 @@ def plan_cmd(
     ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
+    agent: Annotated[
+        Path | None,
+        typer.Option(
+            "--agent", help="DQN: warm-start from the network of this saved agent (--save-agent)."
+        ),
+    ] = None,
+    save_agent: Annotated[
+        Path | None,
+        typer.Option("--save-agent", help="DQN: save the trained agent to this file."),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="DQN: continue the search saved next to -o's plan (a stopped search, or a "
+            "finished one given a larger total --budget).",
+        ),
+    ] = False,
 ) -> None:
     """Find a plan for a model on a cluster and print it: mesh, shardings, predicted cost.
 
     Ctrl-C saves the best plan so far (to -o, else a new plan.json) and exits with 130.
+    With -o, the DQN also keeps its search state next to the plan (plan.search.msgpack):
+    --resume continues from it.
 
     Example: automap plan --model bert-large --cluster a100 --devices 16 -o plan.json
     """
@@ -83,6 +103,7 @@ def plan_cmd(
     from ._report_text import plan_dict, print_plan
 
     check_budget(budget)
+    state = _search_state(output, searcher, resume)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     try:
@@ -95,6 +116,9 @@ def plan_cmd(
             seed=seed,
             origin=origin,
             progress=not (quiet or as_json),
+            agent_in=agent,
+            agent_out=save_agent,
+            resume=state,
         )
     except KeyboardInterrupt:
         note("interrupted before any feasible plan was found; nothing saved.")
@@ -112,9 +136,35 @@ def plan_cmd(
             console.print(f"plan saved to [bold]{output}[/bold]")
         if curve_path is not None:
             console.print(f"learning curve saved to [bold]{curve_path}[/bold]")
+        if state is not None and state.exists():
+            console.print(f"search state saved to [bold]{state}[/bold] (go on with --resume)")
     if interrupted:
         note(f"search interrupted: the best plan so far is saved to {output}")
         raise typer.Exit(INTERRUPTED)
+
+
+def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | None:
+    """Where the DQN keeps its search state: next to the plan, like its curve. A search
+    without --resume starts afresh, so an older state there is removed first."""
+    if searcher not in ("dqn", "auto"):
+        if resume:
+            raise AutomapError(f"--resume is for the dqn searcher, not {searcher}")
+        return None
+    if output is None:
+        if resume:
+            raise AutomapError(
+                "--resume needs -o PLAN: the search state is kept next to the plan it made"
+            )
+        return None
+    state = output.with_name(output.stem + ".search.msgpack")
+    if resume and not state.exists():
+        raise AutomapError(
+            f"nothing to resume: no search state at {state}; run the same command "
+            "without --resume first"
+        )
+    if not resume:
+        state.unlink(missing_ok=True)
+    return state
 
 
 def _save(result: Any, output: Path) -> Path | None:

@@ -9,6 +9,7 @@ rate (see `_search.EVALS_PER_SECOND`), so the same seed gives the same plan anyw
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._errors import AutomapError, InfeasibleError
@@ -27,6 +28,22 @@ EPISODES_PER_SECOND = 40
 PIPELINE_EPISODES_PER_SECOND = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class DQNFiles:
+    """The files a DQN search reads and writes besides the plan."""
+
+    agent_in: Path | None = None
+    """Warm start: the network weights of the agent saved here (a fresh replay)."""
+    agent_out: Path | None = None
+    """Save the trained agent here when the search ends."""
+    resume: Path | None = None
+    """The search state: continued from when the file exists, (re)written when the search
+    ends, Ctrl-C included. The budget is the total over every run."""
+
+    def __bool__(self) -> bool:
+        return any((self.agent_in, self.agent_out, self.resume))
+
+
 def run_space_searcher(
     problem: Problem,
     name: str,
@@ -34,12 +51,19 @@ def run_space_searcher(
     seed: int,
     progress: bool = False,
     task: str = "shard",
+    files: DQNFiles = DQNFiles(),
 ) -> tuple[Plan, dict[str, Any]]:
     """(best plan, search stats) for searcher `name` over the problem's space for `task`.
 
     Ctrl-C during the search stops it and hands back the best plan so far, with
     `stats["interrupted"] = True`; before any feasible plan is found it propagates.
+    `files` (agents and search states) are for the DQN only.
     """
+    if files and name != "dqn":
+        raise AutomapError(
+            f"agent files and resume are for the dqn searcher, not {name}: "
+            "use searcher='dqn' or leave them out"
+        )
     pipelined = task in ("pipeline", "hybrid")
     space = ShardSpace(
         problem.graph,
@@ -52,10 +76,10 @@ def run_space_searcher(
         if name != "dqn":
             raise AutomapError(f"the {name} searcher has no {task} task; use dqn or dp")
         with _Progress(progress, name) as bar:
-            return _dqn_pipeline(space, task, budget_s, seed, bar)
+            return _dqn_pipeline(space, task, budget_s, seed, bar, files)
     with _Progress(progress, name) as bar:
         if name == "dqn":
-            point, stats = _dqn(space, budget_s, seed, bar)
+            point, stats = _dqn(space, budget_s, seed, bar, files)
         elif name == "ilp":
             point, stats = _ilp(space, budget_s, bar)
         else:
@@ -131,7 +155,9 @@ def _expert_start(space: ShardSpace):
     return best
 
 
-def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
+def _dqn(
+    space: ShardSpace, budget_s: float, seed: int, bar: _Progress, files: DQNFiles = DQNFiles()
+):
     from ._process import ShardProcess
 
     process = ShardProcess(space, baseline_time(space))
@@ -142,11 +168,13 @@ def _dqn(space: ShardSpace, budget_s: float, seed: int, bar: _Progress):
         decisions = process.decisions_for(mesh, assignment, zero)
         if decisions is not None and decisions not in seeds:
             seeds.append(decisions)
-    point, stats = _run_dqn(process, seeds, budget_s, seed, bar, EPISODES_PER_SECOND)
+    point, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files)
     return (None if point is None else process.to_point(point)), stats
 
 
-def _dqn_pipeline(space: ShardSpace, task: str, budget_s: float, seed: int, bar: _Progress):
+def _dqn_pipeline(
+    space: ShardSpace, task: str, budget_s: float, seed: int, bar: _Progress, files: DQNFiles
+):
     """The DQN on the pipeline or hybrid task: its best plan (priced by the pipeline cost
     model) and stats. Seeded with the expert recipes: the shard experts on one stage, and
     data parallel or Megatron x data stages at every power-of-two stage count."""
@@ -168,7 +196,8 @@ def _dqn_pipeline(space: ShardSpace, task: str, budget_s: float, seed: int, bar:
             seeds.append(process.decisions_for(1, mesh, assignment, zero, 1))
         seeds.extend(_pipeline_seeds(process))
     seeds = list(dict.fromkeys(s for s in seeds if s is not None))
-    decisions, stats = _run_dqn(process, seeds, budget_s, seed, bar, PIPELINE_EPISODES_PER_SECOND)
+    rate = PIPELINE_EPISODES_PER_SECOND
+    decisions, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, rate, files)
     if decisions is None:
         raise InfeasibleError(
             f"the dqn search found no feasible {task} plan in {stats['evaluated']} episodes; "
@@ -199,13 +228,50 @@ def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
     return out
 
 
-def _run_dqn(process, seeds, budget_s: float, seed: int, bar: _Progress, rate: float):
-    """(the best feasible decisions or None, stats) of a DQN search over `process`."""
-    from .rl import DQNConfig
+def _run_dqn(
+    process,
+    space: ShardSpace,
+    seeds,
+    budget_s: float,
+    seed: int,
+    bar: _Progress,
+    rate: float,
+    files: DQNFiles = DQNFiles(),
+):
+    """(the best feasible decisions or None, stats) of a DQN search over `process`, a
+    decision process over `space` (or over pipelines of it)."""
+    from .rl import DQNAgent, DQNConfig
     from .rl import search as dqn_search
+    from .rl._checkpoint import CheckpointError, SearchCheckpoint, load_agent_state
 
     episodes = max(len(seeds) + 1, int(budget_s * rate))
+    config = DQNConfig(max_episodes=episodes)
+    # What a saved search state must have been made for to be resumed here.
+    key = {
+        "program": space.graph.fingerprint,
+        "cluster": f"{space.cluster.devices} x {space.cluster.name}",
+        "process": type(process).__name__,
+        "seed": seed,
+    }
+    agent = resume = None
+    try:
+        if files.resume is not None and files.resume.exists():
+            resume = SearchCheckpoint.load(files.resume)
+            resume.check_key(key, files.resume)
+        elif files.agent_in is not None:
+            agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+            agent.from_state_dict(load_agent_state(files.agent_in), weights_only=True)
+    except CheckpointError as err:
+        raise AutomapError(str(err)) from None
+    except ValueError as err:  # the agent's network does not fit this process
+        raise AutomapError(
+            f"the agent in {files.agent_in} does not fit this search ({err}); "
+            "train one with this version and task (agent_out= / --save-agent), or leave it out"
+        ) from None
+
     bar.start(episodes)
+    if resume is not None:
+        bar.advance_to(min(resume.episode, episodes))
 
     def on_episode(episode, best, current, exploration, loss) -> None:
         bar.advance(best_time=best)
@@ -214,10 +280,16 @@ def _run_dqn(process, seeds, budget_s: float, seed: int, bar: _Progress, rate: f
         process,
         budget_s=SAFETY * budget_s,
         seed=seed,
-        config=DQNConfig(max_episodes=episodes),
+        config=None if agent is not None else config,
+        agent=agent,
         seed_episodes=seeds,
         on_episode=on_episode,
+        resume=resume,
     )
+    if files.resume is not None and result.checkpoint is not None:
+        dataclasses.replace(result.checkpoint, key=key).save(files.resume)
+    if files.agent_out is not None and result.agent is not None:
+        result.agent.save(files.agent_out)
     stats = {
         "evaluated": result.episodes,
         "episodes": result.episodes,
@@ -260,6 +332,10 @@ class _Progress:
     def start(self, total: int) -> None:
         if self._bar is not None:
             self._task = self._bar.add_task(self.name, total=total, best="—")
+
+    def advance_to(self, completed: int) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=completed)
 
     def advance(self, point: Any = None, cost: Any = None, best_time: float | None = None) -> None:
         if self._bar is None or self._task is None:

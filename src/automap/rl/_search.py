@@ -4,12 +4,18 @@ Episodes build plans one decision at a time; every step is stored in the replay 
 warm-up, followed by one training step. The best finished plan is kept: the fastest feasible
 one, or while none is feasible, the one least over memory. Expert plans given as
 `seed_episodes` are played first, so they seed the replay and count as candidates.
+
+Ctrl-C ends the search at the end of the episode it is in (a second one at once), so
+that the state it hands back (`SearchResult.checkpoint`) is a whole number of episodes and
+resuming it plays on exactly as if the search had never stopped.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._agent import DQNAgent, DQNConfig
+from ._checkpoint import SearchCheckpoint, rng_from_state
 from ._env import DecisionProcess, PlanningEnv, ShapedProcess
 
 OnEpisode = Callable[[int, float, float, float, "float | None"], None]
@@ -43,6 +50,10 @@ class SearchResult:
     exploration (epsilon or noise scale), loss (mean over the episode, None before training)."""
     interrupted: bool = False
     """Whether Ctrl-C ended the search before its budget: the best plan is the best so far."""
+    checkpoint: SearchCheckpoint | None = None
+    """The whole state of the search when it stopped: `search(resume=...)` goes on from it."""
+    agent: DQNAgent | None = None
+    """The trained agent (to save for a warm start elsewhere)."""
 
 
 def _better(time_s: float, feasible: bool, over: float, best: tuple[float, bool, float]) -> bool:
@@ -64,6 +75,7 @@ def search(
     seed_episodes: Sequence[Sequence[int]] = (),
     on_episode: OnEpisode | None = None,
     stop_at: float | None = None,
+    resume: SearchCheckpoint | None = None,
 ) -> SearchResult:
     """Search the plans of `process` with a DQN agent for `budget_s` seconds.
 
@@ -72,11 +84,18 @@ def search(
     as soon as a feasible plan at or under `stop_at` seconds is found (for benchmarks and
     tests that know the optimum and measure the time to reach it). Ctrl-C (KeyboardInterrupt)
     ends it early with the best plan so far and `interrupted=True`.
+
+    `resume` goes on from a stopped search's `checkpoint` (same process and seed): its
+    episodes count toward `config.max_episodes`, which is the total over every run.
     """
     if agent is not None and config is not None and config != agent.config:
         raise ValueError("pass either an agent or a config: the agent brings its own config")
+    if agent is not None and resume is not None:
+        raise ValueError("a resumed search brings its own agent: pass agent or resume, not both")
     if agent is None:
         agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+        if resume is not None:
+            agent.from_state_dict(resume.agent)
     config = agent.config
     env = PlanningEnv(
         process,
@@ -84,19 +103,30 @@ def search(
         log_scale=config.log_rewards,
     )
     start = time.perf_counter()
-    best = (float("inf"), False, float("inf"))  # (time, feasible, over-ratio)
-    best_decisions: tuple[int, ...] = ()
-    time_to_best = 0.0
-    curve: list[dict[str, Any]] = []
-    episode = 0
-    # Seeded by the agent's progress too, so that a resumed search does not replay the
-    # branch points of the first one.
-    rng = np.random.default_rng([seed, agent.env_steps])
+    if resume is None:
+        best = (float("inf"), False, float("inf"))  # (time, feasible, over-ratio)
+        best_decisions: tuple[int, ...] = ()
+        time_to_best, before, episode = 0.0, 0.0, 0
+        curve: list[dict[str, Any]] = []
+        # Seeded by the agent's progress too, so that a search continuing a given agent
+        # does not replay the branch points of the one that trained it.
+        rng = np.random.default_rng([seed, agent.env_steps])
+    else:
+        best, best_decisions = resume.best, resume.best_decisions
+        time_to_best, before, episode = resume.time_to_best_s, resume.elapsed_s, resume.episode
+        curve = list(resume.curve)
+        rng = rng_from_state(resume.rng_state)
 
-    interrupted = False
+    interrupted = mid_episode = False
+    ctrl_c = _CtrlC()
     try:
         while True:
             elapsed = time.perf_counter() - start
+            if ctrl_c.pressed:
+                if not best_decisions:
+                    raise KeyboardInterrupt
+                interrupted = True
+                break
             # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
             if episode >= len(seed_episodes) and (
                 elapsed >= budget_s
@@ -112,6 +142,7 @@ def search(
                 branch = int(rng.integers(len(best_decisions)))
 
             # --- play one episode, learning at every step ---
+            mid_episode = True
             obs, info = env.reset(seed=seed + episode)
             mask = info["action_mask"]
             losses: list[float] = []
@@ -146,12 +177,13 @@ def search(
             if _better(time_s, feasible, over, best):
                 best = (time_s, feasible, over)
                 best_decisions = info["decisions"]
-                time_to_best = time.perf_counter() - start
+                time_to_best = before + time.perf_counter() - start
             episode += 1
+            mid_episode = False
 
             row = {
                 "episode": episode,
-                "elapsed_s": time.perf_counter() - start,
+                "elapsed_s": before + time.perf_counter() - start,
                 "best_time": best[0],
                 "current_time": time_s,
                 "feasible": feasible,
@@ -169,7 +201,24 @@ def search(
         if not best_decisions:
             raise
         interrupted = True
+        if mid_episode:
+            # The unfinished episode's steps are in the replay already (a resume then differs
+            # from an unbroken search); the ones still waiting for their n-step return would
+            # be joined to the next episode's: drop them.
+            agent.replay.discard_pending()
+    finally:
+        ctrl_c.restore()
 
+    checkpoint = SearchCheckpoint(
+        agent=agent.to_state_dict(),
+        episode=episode,
+        best=best,
+        best_decisions=best_decisions,
+        time_to_best_s=time_to_best,
+        elapsed_s=before + time.perf_counter() - start,
+        rng_state=rng.bit_generator.state,
+        curve=curve,
+    )
     return SearchResult(
         best_decisions=best_decisions,
         best_time=best[0],
@@ -178,7 +227,33 @@ def search(
         time_to_best_s=time_to_best,
         curve=curve,
         interrupted=interrupted,
+        checkpoint=checkpoint,
+        agent=agent,
     )
+
+
+class _CtrlC:
+    """While a search runs, the first Ctrl-C only asks it to stop after the episode it is in
+    (so its state is whole episodes and resumes exactly); a second one interrupts at once.
+
+    Signal handlers can only be set from the main thread: elsewhere Ctrl-C is left alone
+    (KeyboardInterrupt, handled by `search` as before).
+    """
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 CURVE_FIELDS = (
