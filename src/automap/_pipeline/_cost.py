@@ -330,14 +330,19 @@ def estimate_pipeline(model: CostModel, plan: Plan) -> PipelineCost:
             )
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
-    oc = op_costs(
+    return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, plan.schedule)
+
+
+def plan_op_costs(model: CostModel, plan: Plan) -> OpCosts:
+    """`op_costs` of a pipeline plan's intra-stage plan (its assignment, stage mesh, ZeRO
+    stage and rematerialization)."""
+    return op_costs(
         model,
         model.plan_assignment(plan),
-        stage_mesh,
+        {k: v for k, v in plan.mesh.items() if k != "pipe"},
         zero_stage=plan.zero_stage,
         remat=plan.remat,
     )
-    return stage_costs(model, part, oc, plan.microbatches, plan.schedule)
 
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:

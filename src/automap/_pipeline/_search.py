@@ -32,7 +32,13 @@ from .._plan import Plan
 from .._solvers._ilp import solve_ilp
 from .._solvers._pipeline_dp import optimal_partition
 from .._space import ShardSpace, candidate_meshes
-from ._cost import estimate_pipeline, op_costs, pipeline_decisions, stage_costs
+from ._cost import (
+    estimate_pipeline,
+    op_costs,
+    pipeline_decisions,
+    plan_op_costs,
+    stage_costs,
+)
 from ._partition import Phase, partition
 from ._plans import cut_candidates, pipeline_plan
 from ._traffic import in_flight
@@ -225,13 +231,7 @@ def _polish(model, plan: Plan, cands: tuple[int, ...]) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
     whole pipeline model says the step gets faster (the intra-stage plan fixed)."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
-    oc = op_costs(
-        model,
-        model.plan_assignment(plan),
-        stage_mesh,
-        zero_stage=plan.zero_stage,
-        remat=plan.remat,
-    )
+    oc = plan_op_costs(model, plan)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
