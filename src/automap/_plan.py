@@ -59,8 +59,12 @@ class Cost:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("per_op")
+        # Plain JSON types even when a cost was computed with numpy scalars.
+        d["feasible"] = bool(self.feasible)
+        for key in ("step_time_s", "compute_s", "comm_s", "bubble_s", "memory_bytes", "mfu"):
+            d[key] = float(d[key])
+        d["memory_breakdown"] = {k: float(v) for k, v in self.memory_breakdown.items()}
         d["memory_limit_bytes"] = _finite_or_none(self.memory_limit_bytes)
-        d["memory_breakdown"] = dict(self.memory_breakdown)
         return d
 
     @classmethod

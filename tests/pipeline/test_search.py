@@ -197,3 +197,15 @@ def test_the_pipeline_experts_apply_with_the_same_numbers():
     args = spec.concrete_args(0)
     got = am.apply(spec.step_fn, plan)(*args)
     assert_same(got, spec.step_fn(*args), spec.config["learning_rate"])
+
+
+def test_a_dp_plan_survives_a_round_trip_through_json(gpt, tmp_path):
+    _, pb = gpt
+    plan, _ = search_dp(pb, budget_s=30)
+    loaded = am.Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.stages == plan.stages and loaded.mesh == plan.mesh
+    assert loaded.predicted.feasible is True
+    assert loaded.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert estimate_pipeline(pb.cost_model, loaded).cost.step_time_s == pytest.approx(
+        plan.predicted.step_time_s
+    )

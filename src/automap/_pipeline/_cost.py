@@ -284,7 +284,7 @@ def stage_costs(
         bubble_s=step - float(own[b]),
         memory_bytes=float(totals[worst]),
         mfu=graph.total_flops / (step * cluster.peak_flops * devices) if step > 0 else 0.0,
-        feasible=totals[worst] <= limit,
+        feasible=bool(totals[worst] <= limit),
         reason=reason,
         memory_limit_bytes=limit,
         memory_breakdown=dict(memory[worst]),
