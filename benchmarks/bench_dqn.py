@@ -10,7 +10,11 @@ many seeds came within 1%, and the median time to within 1% (seconds and episode
 evaluations) read from the learning curve; "-" when a seed never got there. Times start
 when the search starts (the problem is built once per model, outside the clock); the DQN's
 jitted steps are compiled by a warm-up run first, once per process. An ablation table then
-gives the space's size and the DQN's time to 1% with each pruning switched off.
+gives the space's size and the DQN's time to 1% with each pruning switched off. A transfer
+table (`--transfer`) trains an agent on bert-base (a100 x 16), then searches bert-large and
+gpt-1.3b from scratch and warm-started from its network, with and without the expert seeds.
+
+    python benchmarks/bench_dqn.py --models none --transfer --budget 30 --seeds 3
 
 Every search runs its whole budget (budgets are counted in episodes or evaluations, so a
 seed gives the same plan anywhere); only the figures read from the curves are timings.
@@ -22,7 +26,9 @@ import argparse
 import importlib.util
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per process, as the target says
 
@@ -30,13 +36,21 @@ import automap as am
 from automap._api import Problem, run_searcher
 from automap._process import ShardProcess
 from automap._search import SAFETY, Tracker, search_mcmc, search_random
-from automap._searchers import EPISODES_PER_SECOND, _dqn, _expert_start, _Progress
+from automap._searchers import (
+    EPISODES_PER_SECOND,
+    _dqn,
+    _expert_start,
+    _Progress,
+    expert_seeds,
+)
 from automap._space import Pruning, ShardSpace, baseline_time
 from automap._zoo import get_model
-from automap.rl import DQNConfig, search
+from automap.rl import DQNAgent, DQNConfig, search
+from automap.rl._checkpoint import load_agent_state
 
 # name -> (zoo model, overrides, chip, devices)
 MODELS = {
+    "bert-base": ("bert-base", {}, "a100", 16),
     "tiny-bert": ("bert-base", dict(layers=2, hidden=128, heads=8, seq=32, batch=8), "a100", 16),
     "vgg19": ("vgg19", dict(batch=32), "v100", 8),
     "resnet50": ("resnet50", {}, "v100", 8),
@@ -45,7 +59,7 @@ MODELS = {
     "gpt-1.3b": ("gpt-1.3b", {}, "a100", 32),
     "t5-large": ("t5-large", {}, "a100", 16),
     # A small GPT on many devices: the DQN once missed its optimum by 1.8x here.
-    "gpt-small": ("gpt2-xl", dict(layers=8, hidden=256, heads=8), "a100", 16),
+    "gpt-small": ("gpt2-xl", dict(layers=8, hidden=256, heads=4), "a100", 16),
 }
 QUICK = ("tiny-bert", "vgg19")
 EXHAUSTIVE_MAX = 200_000
@@ -181,6 +195,64 @@ def ablation(name: str, space: ShardSpace, opt: float, budget: float, seeds: int
     return rows
 
 
+TRANSFER_FROM, TRANSFER_TO = "bert-base", ("bert-large", "gpt-1.3b")
+
+
+def run_dqn_from(
+    space: ShardSpace,
+    budget: float,
+    seed: int,
+    agent: Path | None,
+    experts: bool,
+    stop_at: float | None = None,
+):
+    """The DQN as searcher="dqn" runs it, warm-started from `agent`'s network when given,
+    with or without the expert plans as seed episodes; it stops early at `stop_at`."""
+    process = ShardProcess(space, baseline_time(space))
+    seeds = expert_seeds(process) if experts else []
+    config = DQNConfig(max_episodes=max(len(seeds) + 1, int(budget * EPISODES_PER_SECOND)))
+    learner = None
+    if agent is not None:
+        learner = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+        learner.from_state_dict(load_agent_state(agent), weights_only=True)
+    result = search(
+        process,
+        budget_s=SAFETY * budget,
+        seed=seed,
+        config=None if learner else config,
+        agent=learner,
+        seed_episodes=seeds,
+        stop_at=stop_at,
+    )
+    return [(r["elapsed_s"], r["episode"], r["best_time"]) for r in result.curve], result.agent
+
+
+def transfer(budget: float, seeds: int) -> list[str]:
+    """Rows: target model, seeds, then time/episodes to within 1% of the ILP optimum from
+    scratch and warm-started, with the expert seed episodes and without (cold)."""
+    _, source, _ = build(TRANSFER_FROM)
+    path = Path(tempfile.mkdtemp()) / "bert-base.agent"
+    _, agent = run_dqn_from(source, budget, 0, None, experts=True)
+    agent.save(path)
+    rows = [f"trained on {TRANSFER_FROM} a100x16: {agent.env_steps} steps, {budget}s budget"]
+    for name in TRANSFER_TO:
+        problem, space, _ = build(name)
+        opt = run_searcher(problem, "ilp", 120, 0).predicted.step_time_s
+        target = opt * WITHIN
+        cells = []
+        for experts in (True, False):
+            for start in (None, path):
+                hits = [
+                    time_to(run_dqn_from(space, budget, seed, start, experts, target)[0], target)
+                    for seed in range(seeds)
+                ]
+                n_hit = sum(h is not None for h in hits)
+                cells.append(f"{n_hit}/{seeds} {fmt_time(hits):>11}")
+        _, _, chip, devices = MODELS[name]
+        rows.append(f"{name:<10} {chip}x{devices:<3} {opt * 1e3:>9.4f}  " + "  ".join(cells))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated names")
@@ -188,12 +260,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per searcher")
     parser.add_argument("--ablation", default="tiny-bert,vgg19", help="models to ablate")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--transfer", action="store_true", help="the transfer table too")
     parser.add_argument("--searchers", default=",".join(RUNNERS), help="columns to run")
     parser.add_argument(
         "--exhaustive-max", type=int, default=EXHAUSTIVE_MAX, help="larger spaces use the ILP"
     )
     args = parser.parse_args()
-    names = list(QUICK) if args.quick else args.models.split(",")
+    names = list(QUICK) if args.quick else [m for m in args.models.split(",") if m in MODELS]
     ablate = [m for m in args.ablation.split(",") if m in names]
 
     warm_start = time.perf_counter()
@@ -215,6 +288,15 @@ def main() -> None:
         for name in ablate:
             for row in ablation(name, *kept[name], args.budget, args.seeds):
                 print(row, flush=True)
+
+    if args.transfer:
+        print(f"\nTransfer: time to within 1% of the ILP optimum, {args.seeds} seeds, median")
+        print(
+            f"{'model':<10} {'cluster':<8} {'opt ms':>9}  "
+            + "  ".join(f"{c:<15}" for c in ("scratch", "warm", "cold scratch", "cold warm"))
+        )
+        for row in transfer(args.budget, args.seeds):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -161,15 +161,22 @@ def _dqn(
     from ._process import ShardProcess
 
     process = ShardProcess(space, baseline_time(space))
-    seeds = []
+    seeds = expert_seeds(process)
+    point, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files)
+    return (None if point is None else process.to_point(point)), stats
+
+
+def expert_seeds(process) -> list[tuple[int, ...]]:
+    """The DQN's seed episodes on the shard task: the decisions of every expert plan that is
+    a point of the space."""
+    space, seeds = process.space, []
     for mesh, assignment, zero in expert_assignments(
         space.graph, space.groups, space.cluster
     ).values():
         decisions = process.decisions_for(mesh, assignment, zero)
         if decisions is not None and decisions not in seeds:
             seeds.append(decisions)
-    point, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files)
-    return (None if point is None else process.to_point(point)), stats
+    return seeds
 
 
 def _dqn_pipeline(
