@@ -11,14 +11,17 @@ partition the DP returns is priced again by the full pipeline model, which is wh
 them. ZeRO and rematerialization only trade time for memory, so they are tried only where
 the plain point has no partition that fits.
 
-Exact within a point in the DP's objective (per-microbatch stage time plus its sends); the
-outer enumeration is complete unless the budget runs out (the stats say so).
+Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
+objective leaves out what happens once per step (a tied embedding sent between its stages,
+the slowest stage's update), so the best few partitions are then polished against the
+whole model, one cut moved at a time. The outer enumeration is complete unless the budget
+runs out (the stats say so); the intra-stage plan is the same on every stage (Alpa's
+per-stage ILP, `optimal_two_level`, is not used here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time as _time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,8 +45,6 @@ from ._cost import (
 from ._partition import Phase, partition
 from ._plans import cut_candidates, pipeline_plan
 from ._traffic import in_flight
-
-_log = logging.getLogger("automap")
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3
