@@ -103,10 +103,7 @@ class HybridProcess(_Base):
         return mask
 
     def step(self, action: int) -> None:
-        action = int(action)
-        if not self.action_mask()[action]:
-            raise ValueError(f"action {action} is masked in this state")
-        phase = self._phase()
+        action, phase = self._checked(action)
         if phase == _STAGES:
             self._stages = self._stage_action(action)
             self.sub(self._stages).reset()

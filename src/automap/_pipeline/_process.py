@@ -54,6 +54,13 @@ class _Base:
         state = 2 * graph.role_bytes(Role.PARAM) + graph.role_bytes(Role.OPT_STATE)
         self._state_per_limit = state / self.cluster.memory_limit
 
+    def _checked(self, action: int) -> tuple[int, int]:
+        """(action, phase) for a step; a masked action is a caller's error."""
+        action = int(action)
+        if not self.action_mask()[action]:
+            raise ValueError(f"action {action} is masked in this state")
+        return action, self._phase()
+
     def _features(self, phase: int, mesh, stages: int, m: int | None, a, b) -> np.ndarray:
         """[OBS_DIM]: [0:3] off (the shard phases), [3] progress, [4:7] data, model and
         pipe axes (log, of the devices), [7] running cost, [8] phase, [9] microbatches,
@@ -183,10 +190,7 @@ class PipelineProcess(_Base):
         return mask
 
     def step(self, action: int) -> None:
-        action = int(action)
-        if not self.action_mask()[action]:
-            raise ValueError(f"action {action} is masked in this state")
-        phase = self._phase()
+        action, phase = self._checked(action)
         if phase == _STAGES:
             self._stages = self._stage_action(action)
         elif phase == _MICRO:
