@@ -120,7 +120,7 @@ def search_dp(
             if _time.perf_counter() - start > budget_s:
                 stats["complete"] = False
                 break
-            plan = _polish(model, plan, cands)
+            plan = _polish(model, plan, cands, deadline=start + budget_s)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
     except KeyboardInterrupt:
@@ -228,16 +228,17 @@ def _optimal_cuts(model, fine, cands, oc, point: Point, schedule) -> tuple[int, 
     return tuple(cands[i - 1] for i, _ in sol.stages[1:])
 
 
-def _polish(model, plan: Plan, cands: tuple[int, ...]) -> Plan:
+def _polish(model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
-    whole pipeline model says the step gets faster (the intra-stage plan fixed)."""
+    whole pipeline model says the step gets faster (the intra-stage plan fixed), until
+    `deadline` (a `time.perf_counter()` value) passes."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
     oc = plan_op_costs(model, plan)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
     improved = True
-    while improved:
+    while improved and _time.perf_counter() < deadline:
         improved = False
         for k in range(len(cuts)):
             for step in (-1, 1):
