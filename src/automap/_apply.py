@@ -213,6 +213,20 @@ def _structure_key(args: tuple) -> Any:
     return treedef, tuple((_shape(x), str(_dtype(x))) for x in leaves)
 
 
+def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:
+    """`prepare(*args)`: `make(args)` once per argument structure (tree, shapes, dtypes;
+    arrays or ShapeDtypeStructs), cached: checking and tracing happen once per structure."""
+    cache: dict[Any, Any] = {}
+
+    def prepare(*args: Any) -> Any:
+        key = _structure_key(args)
+        if key not in cache:
+            cache[key] = make(args)
+        return cache[key]
+
+    return prepare
+
+
 def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> Callable:
     """A callable that runs `fn` with the plan's shardings on `devices` (default: all).
 
@@ -226,14 +240,7 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
         return apply_pipeline(fn, plan, devices)
     check_plan(plan)
     mesh = make_mesh(plan, devices)
-    cache: dict[Any, Prepared] = {}
-
-    def prepare(*args: Any) -> Prepared:
-        """Check and trace for this argument structure (arrays or ShapeDtypeStructs)."""
-        key = _structure_key(args)
-        if key not in cache:
-            cache[key] = Prepared(fn, plan, mesh, args)
-        return cache[key]
+    prepare = per_structure(lambda args: Prepared(fn, plan, mesh, args))
 
     def run(*args: Any) -> Any:
         return prepare(*args)(args)

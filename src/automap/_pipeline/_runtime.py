@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._apply import _check_paths, _dtype, _shape, _structure_key, check_divisible, check_plan
+from .._apply import _check_paths, _dtype, _shape, check_divisible, check_plan, per_structure
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._interpret import eval_ops
@@ -57,13 +57,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     """
     check_plan(plan)
     meshes = stage_meshes(plan, devices)
-    cache: dict[Any, _Pipeline] = {}
-
-    def prepare(*args: Any) -> _Pipeline:
-        key = _structure_key(args)
-        if key not in cache:
-            cache[key] = _Pipeline(fn, plan, meshes, args)
-        return cache[key]
+    prepare = per_structure(lambda args: _Pipeline(fn, plan, meshes, args))
 
     def run(*args: Any) -> Any:
         pipe = prepare(*args)
