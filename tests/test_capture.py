@@ -208,6 +208,8 @@ def test_flax_train_state_roles_and_conv_step():
     assert roles["[0].params['Conv_0']['kernel']"] is Role.PARAM
     assert roles["[0].step"] is Role.OTHER
     assert roles["[2]"] is Role.BATCH and roles["[3]"] is Role.BATCH
+    # batch_stats is named like a batch but holds feature statistics: not trained, no batch.
+    assert all(r is Role.OTHER for p, r in roles.items() if p.startswith("[1]"))
     assert all(r is Role.OPT_STATE for p, r in roles.items() if p.startswith("[0].opt_state"))
     # Forward and dW: no dx, the images need no gradient.
     assert sum(op.primitive == "conv_general_dilated" for op in g.ops) == 2

@@ -41,6 +41,9 @@ _BATCH_NAME = re.compile(r"batch|input|label|target|token|image|feature|example"
 _OPT_MARKERS = (".opt_state", "['opt_state']", ".mu", ".nu", ".count", ".inner_state", ".trace")
 _PARAM_MARKERS = (".params", "['params']")
 _OTHER_MARKERS = ("['batch_stats']", ".batch_stats", ".step")
+# Arguments of non-trainable state: Keras's non_trainable_variables, Flax's batch_stats
+# passed on their own (named like a batch, but statistics of features, not examples).
+_OTHER_NAME = re.compile(r"^non_|stats")
 
 
 def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None = None) -> Graph:
@@ -58,8 +61,9 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
        a path through ".opt_state"/"['opt_state']" (Flax's TrainState); or, in an
        argument not named like parameters, a path through optax's state fields (".mu",
        ".nu", ".count", ".inner_state", ".trace") → OPT_STATE.
-    3. Non-trainable state: an argument named non_... (Keras's non_trainable_variables), a
-       path through "batch_stats" or a TrainState's ".step" → OTHER.
+    3. Non-trainable state: an argument named non_... (Keras's non_trainable_variables) or
+       ...stats (Flax's batch_stats), a path through "batch_stats" or a TrainState's
+       ".step" → OTHER.
     4. Parameters: an argument named params, variables, weights, model,
        trainable_variables...; or a path through ".params"/"['params']" in an argument not
        named like a batch → PARAM.
@@ -253,7 +257,7 @@ def _infer_roles(
         role: Role | None = _override(overrides, path, name, i)
         if role is None:
             # Keras's non_trainable_variables (BatchNorm statistics, seeds) are not trained.
-            untrained = name.startswith("non_")
+            untrained = bool(_OTHER_NAME.search(name))
             param_named = not untrained and (name in _PARAM_NAMES or bool(_PARAM_NAME.search(name)))
             opt_path = any(m in rest for m in _OPT_MARKERS[:2])
             optax_field = any(m in rest for m in _OPT_MARKERS[2:]) and not param_named
