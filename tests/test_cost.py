@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _cnn import CNN_ARGS, cnn, cnn_loss
 from automap._capture import capture
 from automap._cluster import Cluster
 from automap._collectives import AR, AxisCosts, ring_allreduce_time, tree_allreduce_time
 from automap._cost import CostModel
 from automap._graph import Role
 from automap._linkage import build_groups, plan_from_assignment
+from automap._verify import verify
 from automap._zoo import get_model
 
 A100 = Cluster.preset("a100", devices=16)
@@ -63,7 +65,7 @@ def by_key(cost):
 
 def test_data_parallel_all_reduces_the_gradients_once():
     g, groups = mlp()
-    cost = CostModel(g, A100, groups).evaluate({groups.batch_group: "data"}, {"data": 8})
+    cost = CostModel(g, A100, groups).evaluate({groups.batch_groups[0]: "data"}, {"data": 8})
     (ar,) = cost.collectives
     assert (ar.kind, ar.axis, ar.count) == ("all-reduce", "data", 1)  # one tuple all-reduce
     assert ar.bytes == g.role_bytes(Role.PARAM)  # gradient bytes
@@ -102,7 +104,7 @@ def _boundary(g):
 def test_memory_decreases_with_sharding_and_zero():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
-    dp = {groups.batch_group: "data"}
+    dp = {groups.batch_groups[0]: "data"}
     none = model.evaluate({}, {"data": 8})
     data = model.evaluate(dp, {"data": 8})
     hybrid = model.evaluate({**dp, **megatron(g, groups)}, {"data": 2, "model": 4})
@@ -142,7 +144,7 @@ def test_compute_divides_by_the_sharding_and_mfu_is_sane():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
     one = model.evaluate({}, {"data": 8}, detail=True)
-    dp = model.evaluate({groups.batch_group: "data"}, {"data": 8}, detail=True)
+    dp = model.evaluate({groups.batch_groups[0]: "data"}, {"data": 8}, detail=True)
     dots = [op.index for op in g.ops if op.primitive == "dot_general"]
     # Every matmul of a training step touches the batch (forward, and the weight gradients
     # contract over it); the optimizer's elementwise update does not, and stays whole.
@@ -156,7 +158,7 @@ def test_compute_divides_by_the_sharding_and_mfu_is_sane():
 def test_estimate_matches_evaluate_and_reads_specs_without_decisions():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
-    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    assignment = {groups.batch_groups[0]: "data", **megatron(g, groups)}
     mesh = {"data": 2, "model": 4}
     plan = plan_from_assignment(g, groups, mesh, assignment, zero_stage=1)
     fast = model.evaluate(assignment, mesh, zero_stage=1)
@@ -173,7 +175,7 @@ def test_estimate_matches_evaluate_and_reads_specs_without_decisions():
 def test_codes_array_is_the_dict_assignment():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
-    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    assignment = {groups.batch_groups[0]: "data", **megatron(g, groups)}
     mesh = {"data": 2, "model": 4}
     codes = np.zeros(len(groups.groups), dtype=np.int64)
     for gid, axis in assignment.items():
@@ -202,10 +204,8 @@ def test_alpha_beta_per_axis():
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_gpt_plan_matches_xla_collectives(zero_stage):
-    from automap._verify import verify
-
     spec, args, g, groups = gpt()
-    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    assignment = {groups.batch_groups[0]: "data", **megatron(g, groups)}
     mesh = {"data": 2, "model": 4}
     plan = plan_from_assignment(g, groups, mesh, assignment, zero_stage=zero_stage)
     report = verify(spec.step_fn, plan, *args)
@@ -218,7 +218,7 @@ def test_one_group_delta_equals_a_full_evaluation():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
     mesh = {"data": 2, "model": 4}
-    base_assignment = {groups.batch_group: "data"}
+    base_assignment = {groups.batch_groups[0]: "data"}
     base = model.state(base_assignment, mesh)
     current = dict(base_assignment)
     for gid, axis in megatron(g, groups).items():
@@ -241,7 +241,7 @@ def same(a, b):
 def test_per_op_breakdown_adds_up():
     _, _, g, groups = gpt()
     model = CostModel(g, A100, groups)
-    assignment = {groups.batch_group: "data", **megatron(g, groups)}
+    assignment = {groups.batch_groups[0]: "data", **megatron(g, groups)}
     cost = model.evaluate(assignment, {"data": 2, "model": 4}, detail=True)
     assert sum(c for _, c, _ in cost.per_op) == pytest.approx(cost.compute_s)
     assert sum(m for _, _, m in cost.per_op) == pytest.approx(cost.comm_s)
@@ -262,3 +262,26 @@ def test_fast_evaluation_equals_the_detailed_estimate():
         fast = problem.cost_model.evaluate(assignment, plan.mesh, zero_stage=plan.zero_stage)
         assert fast.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12), name
         assert fast.memory_bytes == pytest.approx(plan.predicted.memory_bytes, rel=1e-12), name
+
+
+def test_a_seam_moves_the_batch_only_where_its_sides_differ():
+    graph, groups = cnn()
+    _, whole = cnn(seams=False)
+    images, labels = (leaf.tensor for leaf in graph.leaves(Role.BATCH))
+    conv, dense = groups.of(images, 0), groups.of(labels, 0)
+    mesh, cpu = {"data": 8}, Cluster.preset("cpu", devices=8)
+    model = CostModel(graph, cpu, groups)
+    # Both sides on one axis: exactly the cost of the uncut batch (no spurious gather).
+    both = model.evaluate({conv: "data", dense: "data"}, mesh)
+    uncut = CostModel(graph, cpu, whole).evaluate({whole.batch_groups[0]: "data"}, mesh)
+    assert both.step_time_s == pytest.approx(uncut.step_time_s, rel=1e-12)
+    assert both.collectives == uncut.collectives
+    # Convolutions split, dense layers whole: the flatten gathers its [16, 8, 8, 8] input.
+    # Dense split, convolutions whole: the backward unflatten gathers its [16, 512] input.
+    for assignment, gathered in (({conv: "data"}, 16 * 512 * 4), ({dense: "data"}, 16 * 512 * 4)):
+        cost = model.evaluate(assignment, mesh)
+        (gather,) = [c for c in cost.collectives if c.kind == "all-gather"]
+        assert (gather.bytes, gather.count) == (gathered, 1)
+        plan = plan_from_assignment(graph, groups, mesh, assignment)
+        report = verify(jax.grad(cnn_loss), plan, *CNN_ARGS)
+        assert report.collectives_match, report.summary()

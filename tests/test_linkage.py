@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from _cnn import cnn
 from automap._capture import capture
 from automap._graph import Role
 from automap._linkage import build_groups, expand_classes, layouts, plan_from_assignment, zero_spec
@@ -65,7 +66,7 @@ def test_transformer_heads_apart_from_hidden_and_the_batch_found():
     assert groups.of(wi, 1) == groups.of(wo, 0) != hidden
     assert groups.groups[hidden].divisor == 64
     tokens = leaf(g, "['tokens']")
-    assert groups.batch_group == groups.of(tokens, 0)
+    assert groups.batch_groups == (groups.of(tokens, 0),)
     assert groups.groups[groups.of(tokens, 1)].conflicted  # the sequence meets itself in q.k
 
 
@@ -104,7 +105,7 @@ def test_plan_from_assignment_specs_out_specs_constraints():
     ff = groups.of(leaf(g, "layer_0']['mlp']['wi']['kernel']"), 1)
     mesh = {"data": 2, "model": 4}
     plan = plan_from_assignment(
-        g, groups, mesh, {groups.batch_group: "data", ff: "model"}, name="t"
+        g, groups, mesh, {groups.batch_groups[0]: "data", ff: "model"}, name="t"
     )
     assert plan.specs["[0]['params']['layer_0']['mlp']['wi']['kernel']"] == (None, "model")
     assert plan.specs["[2]['tokens']"] == ("data", None)
@@ -115,7 +116,7 @@ def test_plan_from_assignment_specs_out_specs_constraints():
     assert plan.constraints and all(
         len(s) == g.tensors[t].ndim for t, s in plan.constraints.items()
     )
-    assert plan.decisions["assignment"] == {str(groups.batch_group): "data", str(ff): "model"}
+    assert plan.decisions["assignment"] == {str(groups.batch_groups[0]): "data", str(ff): "model"}
     # A split the group cannot take (4 heads on 8 devices) is dropped, not applied.
     heads = groups.of(leaf(g, "layer_0']['attention']['query']['kernel']"), 1)
     plan = plan_from_assignment(g, groups, {"model": 8}, {heads: "model"})
@@ -146,3 +147,28 @@ def test_groups_cover_every_dim_once(layer_grouping):
         for t, d in grp.members:
             assert groups.of(t, d) == grp.id
             assert g.tensors[t].shape[d] % grp.divisor == 0
+
+
+def test_a_flatten_cuts_the_batch_between_convolutions_and_dense_layers():
+    graph, groups = cnn()
+    images, labels = (leaf.tensor for leaf in graph.leaves(Role.BATCH))
+    conv_batch, dense_batch = groups.of(images, 0), groups.of(labels, 0)
+    assert conv_batch != dense_batch
+    assert set(groups.batch_groups) == {conv_batch, dense_batch} and groups.batch_size == 16
+    # The forward flatten and its transpose in the backward pass, one seam each way.
+    assert {(s.before, s.after) for s in groups.seams} == {
+        (conv_batch, dense_batch),
+        (dense_batch, conv_batch),
+    }
+    for seam in groups.seams:
+        op = graph.ops[seam.op]
+        assert op.primitive == "reshape"
+        assert groups.of(op.inputs[0], 0) == seam.before
+        assert groups.of(op.outputs[0], 0) == seam.after
+    _, whole = cnn(seams=False)
+    assert len(whole.batch_groups) == 1 and not whole.seams
+
+
+def test_a_transformer_has_no_seam():
+    _, groups = gpt()
+    assert not groups.seams and len(groups.batch_groups) == 1

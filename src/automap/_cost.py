@@ -20,7 +20,8 @@ numpy operations over those tables:
 - resharding: an input dim split on a that the op needs whole (untied, or the axis is
   dropped by the op's own layout): an all-gather on a, or an all-to-all when the op wants
   a on another dim of that input. A dim the op wants split but that arrives whole is a
-  free local slice;
+  free local slice. At a seam (a flatten where the batch group was cut, `Seam`) the
+  input's batch dim moves only when the other side's group is not on the same axis;
 - gradient all-reduces (partial sums whose result has a parameter's layout) are combined
   into one tuple collective per axis, as XLA's all-reduce combiner does;
 - ZeRO (stage >= 1), as XLA compiles a plan whose specs shard the optimizer state over
@@ -255,6 +256,7 @@ class CostModel:
                 | in_set[r.tset]
                 | in_set[r.tsmall]
                 | in_set[r.other]
+                | in_set[r.peer]
             )[0]
             sets = np.nonzero(in_set)[0]
             n_p = len(p.tset)

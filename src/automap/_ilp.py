@@ -108,7 +108,7 @@ class MeshTerms:
             put(units.union(set_scope[p.tset[i]], *(set_scope[s] for s in p.small[i])), 1, i)
         for i in range(len(r.tset)):
             units = {int(unit_of[r.group[i, 0]])} - {-1}
-            sets = (r.small[i, 0], r.tset[i], r.tsmall[i], r.other[i])
+            sets = (r.small[i, 0], r.tset[i], r.tsmall[i], r.other[i], r.peer[i])
             put(units.union(*(set_scope[s] for s in sets)), 2, i)
         return [(k, *(np.array(x, dtype=np.int64) for x in v)) for k, v in buckets.items()]
 
@@ -129,7 +129,7 @@ class MeshTerms:
         local[gl] = np.arange(n_gl)
         p, r = T.partial, T.reshard
         used = [own, p.small[prows].ravel(), p.tset[prows], r.small[rrows, 0], r.tset[rrows]]
-        sl = np.unique(np.concatenate([*used, r.tsmall[rrows], r.other[rrows]]))
+        sl = np.unique(np.concatenate([*used, r.tsmall[rrows], r.other[rrows], r.peer[rrows]]))
         n_sl = len(sl)
         g_off = np.arange(n_c) * (n_gl + 1)
         s_off = np.arange(n_c) * n_sl
@@ -142,7 +142,7 @@ class MeshTerms:
                 x = getattr(R, f.name)[idx]
                 if f.name == "group":
                     x = (local[x][None] + g_off[:, None, None]).reshape(-1, x.shape[1])
-                elif f.name in ("small", "tset", "tsmall", "other"):
+                elif f.name in ("small", "tset", "tsmall", "other", "peer"):
                     pos = np.searchsorted(sl, x) if f.name in used else np.zeros_like(x)
                     off = s_off.reshape((-1,) + (1,) * x.ndim)
                     x = (pos[None] + off).reshape((-1, *x.shape[1:]))
@@ -152,7 +152,7 @@ class MeshTerms:
             return RowTable(**out)
 
         Rp = tiled(p, prows, ("small", "tset"))
-        Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other"))
+        Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
         key, nbytes, count, grad, rtime = K.rows(
             Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.reduce_scatter
         )

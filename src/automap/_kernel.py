@@ -75,7 +75,7 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
     """Virtual rows of reshard rows: all-gather, or all-to-all when the axis moves."""
     a = A[R.group[:, 0]]
-    active = (a > 0) & ~P[R.tsmall, a] & (R.untied | P[R.small[:, 0], a])
+    active = (a > 0) & ~P[R.tsmall, a] & ((R.untied & ~P[R.peer, a]) | P[R.small[:, 0], a])
     a2a = P[R.other, a]
     base = R.nbytes * inv[R.tset]
     kind = np.where(a2a, C.A2A, C.AG)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ._graph import Graph, Role
+from ._graph import Graph, Op, Role
 from ._plan import Plan, Spec
 from ._rules import minor_factors, rule
 
@@ -44,9 +44,21 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
+class Seam:
+    """A flatten where the batch group was cut in two (see `build_groups`): its input's
+    batch dim is in `before`, its output's in `after`. With the two on different axes the
+    op reshards (the cost model charges it); on the same axis it runs locally."""
+
+    op: int
+    before: int
+    after: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Groups:
     groups: tuple[Group, ...]
     tensor_groups: tuple[tuple[int, ...], ...]  # per tensor id: the group id of each dim
+    seams: tuple[Seam, ...] = ()
 
     def of(self, tensor: int, dim: int) -> int:
         return self.tensor_groups[tensor][dim]
@@ -55,8 +67,16 @@ class Groups:
         return len(self.groups)
 
     @property
-    def batch_group(self) -> int | None:
-        return next((g.id for g in self.groups if g.batch and g.splittable), None)
+    def batch_groups(self) -> tuple[int, ...]:
+        """The splittable groups of the batch dimension: one, or one per side of each seam
+        (the batch of convolutions and of the fully connected layers after a flatten)."""
+        return tuple(g.id for g in self.groups if g.batch and g.splittable)
+
+    @property
+    def batch_size(self) -> int | None:
+        """What every batch group divides by: the batch size, or None without a batch."""
+        ids = self.batch_groups
+        return math.gcd(*(self.groups[g].divisor for g in ids)) if ids else None
 
     def decision_groups(self) -> tuple[int, ...]:
         """Ids of the groups a searcher decides (the splittable ones), by bytes descending."""
@@ -86,28 +106,59 @@ class Groups:
         return tuple(self.groups[i] for i in self.decision_groups()[:n])
 
 
-def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
-    """Union-find over (tensor, dim) pairs tied by each op's rule."""
+def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = True) -> Groups:
+    """Union-find over (tensor, dim) pairs tied by each op's rule.
+
+    With `seams`, the batch dimension is cut at each flatten of per-example features
+    ([B, h, w, c] -> [B, h*w*c] and back, `_flatten_tie`) that parts convolutions from the
+    layers after them: the convolutions' batch and the fully connected layers' batch become
+    two groups, so a plan can split one and not the other ("one weird trick"). Where another
+    path still links the two sides they stay one group; other dims are never cut."""
     offsets = np.zeros(len(graph.tensors) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([t.ndim for t in graph.tensors])
-    parent = list(range(int(offsets[-1])))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    rules = [rule(op, graph) for op in graph.ops]
+    flat_ties = [
+        [(int(offsets[ta]) + da, int(offsets[tb]) + db) for (ta, da), (tb, db) in r.ties]
+        for r in rules
+    ]
+    find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
+    batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
+    batch_roots = {find(int(offsets[t]) + d) for t, d in batch_dims if graph.tensors[t].ndim}
+    cut: dict[int, tuple[int, int]] = {}  # op -> its flatten tie, when it is the batch's
+    if seams and batch_roots:
+        for op in graph.ops:
+            tie = _flatten_tie(op, graph)
+            if tie is not None and find(int(offsets[tie[0][0]])) in batch_roots:
+                cut[op.index] = (int(offsets[tie[0][0]]), int(offsets[tie[1][0]]))
+        # A flatten is a seam only where it parts convolutions from the layers after them.
+        conv = {t for op in graph.ops if op.primitive == "conv_general_dilated" for t in op.inputs}
+        while cut:  # cut; keep only the cuts that part conv from non-conv; again (shrinks)
+            kept = (
+                tie
+                for i, ties in enumerate(flat_ties)
+                for tie in ties
+                if cut.get(i) not in (tie, tie[::-1])
+            )
+            cut_find = _union(int(offsets[-1]), kept)
+            conv_roots = {
+                cut_find(int(offsets[t]) + d) for t in conv for d in range(graph.tensors[t].ndim)
+            }
+            parting = {
+                i: (x, y)
+                for i, (x, y) in cut.items()
+                if (cut_find(x) in conv_roots) != (cut_find(y) in conv_roots)
+            }
+            if parting == cut:
+                whole_find, find = find, cut_find
+                batch_flat = {x for x in range(int(offsets[-1])) if whole_find(x) in batch_roots}
+                break
+            cut = parting
 
     reduced_flat: set[int] = set()
     whole_flat: set[int] = set()
     minor_flat: list[tuple[int, int]] = []
     op_dims: list[list[int]] = []
-    for op in graph.ops:
-        r = rule(op, graph)
-        for (ta, da), (tb, db) in r.ties:
-            a, b = find(int(offsets[ta]) + da), find(int(offsets[tb]) + db)
-            if a != b:
-                parent[max(a, b)] = min(a, b)  # smaller root: deterministic ids
+    for op, r in zip(graph.ops, rules, strict=True):
         reduced_flat.update(int(offsets[t]) + d for t, d in r.reduced)
         whole_flat.update(int(offsets[t]) + d for t, d in r.whole)
         minor_flat += [
@@ -117,7 +168,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
         touched = [*op.inputs, *op.outputs]
         op_dims.append([int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)])
 
-    roots = [find(x) for x in range(len(parent))]
+    roots = [find(x) for x in range(int(offsets[-1]))]
     gid_of_root: dict[int, int] = {}
     for r in roots:  # group ids in order of first (tensor, dim): deterministic
         gid_of_root.setdefault(r, len(gid_of_root))
@@ -137,7 +188,13 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
     whole = np.zeros(n, dtype=bool)
     whole[flat_gid[sorted(whole_flat)]] = True
     whole |= _pinned_minors(graph, members, flat_gid, minor_flat, whole)
-    batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
+    if cut:  # every part of a cut batch group is a batch group
+        batch_dims = {
+            (t.id, d)
+            for t in graph.tensors
+            for d in range(t.ndim)
+            if int(offsets[t.id]) + d in batch_flat
+        }
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
     # Divisor 1 (never split) for groups of dead tensors (never read, not a step output:
@@ -165,10 +222,48 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True) -> Groups:
     tensor_groups = tuple(
         tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
     )
+    found = tuple(
+        Seam(op, int(flat_gid[a]), int(flat_gid[b]))
+        for op, (a, b) in sorted(cut.items())
+        if flat_gid[a] != flat_gid[b]
+    )
     return Groups(
         tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
         tensor_groups,
+        found,
     )
+
+
+def _union(n: int, ties) -> Callable[[int], int]:
+    """Union-find over n flat dims joined by `ties`; returns `find`. Roots are the smallest
+    member, so group ids do not depend on the order of the ties."""
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for x, y in ties:
+        a, b = find(x), find(y)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return find
+
+
+def _flatten_tie(op: Op, graph: Graph) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The dim-0 tie of a reshape that flattens per-example features into one dim ([B, h,
+    w, c] -> [B, h*w*c], dim 0 kept) or unflattens them (its transpose in the backward
+    pass)."""
+    if op.primitive != "reshape" or op.params.get("dimensions") is not None:
+        return None
+    (t,), (o,) = op.inputs, op.outputs
+    a, b = graph.tensors[t].shape, graph.tensors[o].shape
+    flat, features = (b, a) if len(b) <= len(a) else (a, b)
+    if len(flat) != 2 or len(features) < 3 or a[0] != b[0] or a[0] <= 1 or flat[1] <= 1:
+        return None  # also no flatten: one that only adds or drops dims of size 1
+    return (t, 0), (o, 0)
 
 
 def _pinned_minors(graph, members, flat_gid, minor_flat, whole) -> np.ndarray:
@@ -278,13 +373,16 @@ def plan_from_assignment(
             out_specs[leaf.path] = lay[leaf.tensor]
     constraints: dict[int, Spec] = {}
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    # A seam's result is pinned too: left free, XLA may keep the batch split through the
+    # flatten (and all-reduce the dense layers' gradients) where the plan has it whole.
+    seams = {s.op for s in groups.seams}
     if math.prod(mesh.values()) > 1:
         for op in graph.ops:
             dropped = any(
                 _dropped(lay[t], groups.tensor_groups[t], assignment)
                 for t in (*op.inputs, *op.outputs)
             )
-            if op.primitive in _ANCHORS or dropped:
+            if op.primitive in _ANCHORS or dropped or op.index in seams:
                 for t in op.outputs:
                     if graph.tensors[t].ndim:
                         constraints[t] = lay[t]

@@ -35,6 +35,9 @@ class RowTable:
     tsmall: np.ndarray  # reshard: set of the tensor's groups with a smaller id
     other: np.ndarray  # reshard: the tensor's other groups the op keeps (all-to-all test)
     untied: np.ndarray  # reshard: the op needs this dim whole
+    # reshard: a seam's other side (`Seam`): the row is idle when that set holds the axis,
+    # since the flatten then keeps the split; the empty set for every other row.
+    peer: np.ndarray
     nbytes: np.ndarray  # unsharded bytes of the tensor, summed over merged rows
     count: np.ndarray  # occurrences merged into the row
     grad: np.ndarray  # the result has a parameter's layout: a gradient collective
@@ -48,7 +51,15 @@ class RowTable:
         # and tree for its own size, and rows of one size merged keep that choice exact
         # (merging sizes would price their sum, which is never cheaper).
         per_occurrence = np.rint(self.nbytes / np.maximum(self.count, 1)).astype(np.int64)
-        cols = [self.tset, self.tsmall, self.other, self.untied, self.grad, per_occurrence]
+        cols = [
+            self.tset,
+            self.tsmall,
+            self.other,
+            self.untied,
+            self.grad,
+            self.peer,
+            per_occurrence,
+        ]
         keys = np.concatenate(
             [self.group, self.small, np.stack([c.astype(np.int64) for c in cols], axis=1)], axis=1
         )
@@ -64,6 +75,7 @@ class RowTable:
             other=rest[:, 2],
             untied=rest[:, 3].astype(bool),
             grad=rest[:, 4].astype(bool),
+            peer=rest[:, 5],
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
@@ -126,6 +138,11 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             live_ops.add(op.index)
             live.update(op.inputs)
 
+    empty = sid(())
+    # A seam's input batch dim is untied from its output's, but moves only when the two
+    # sides' axes differ: the other side is the row's peer (and, being the same logical
+    # dim, never takes the axis from it as another of the op's groups would).
+    after = {(s.op, s.before): s.after for s in groups.seams}
     op_set, op_coef, remat = [], [], []
     prow: list[tuple] = []
     rrow: dict[tuple, tuple] = {}
@@ -156,17 +173,20 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             small = [sid(x for x in it if x < g) for g in gs]
             for o in op.outputs:
                 nb = comm_bytes(o)
-                prow.append((gs, small, tset[o], 0, 0, False, nb, tset[o] in param_sets, op.index))
+                grad = tset[o] in param_sets
+                prow.append((gs, small, tset[o], 0, 0, False, nb, grad, op.index, empty))
         for u in dict.fromkeys(op.inputs):
             ugs = {g for g in tg[u] if split[g]}
             for d, h in enumerate(tg[u]):
                 if not split[h]:
                     continue
                 untied = h not in it
-                op_small = {x for x in it if x < h}
+                seam = after.get((op.index, h))
+                op_small = {x for x in it if x < h and x != seam}
                 if not untied and op_small <= ugs:
                     continue  # the op drops the axis exactly where the tensor does
-                key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}))
+                peer = empty if seam is None else sid((seam,))
+                key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
                     nb = comm_bytes(u)
@@ -182,9 +202,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                         nb,
                         False,
                         op.index,
+                        peer,
                     )
 
-    empty = sid(())
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
     sets = np.full((n_sets, width), ng, dtype=np.int64)
@@ -284,7 +304,7 @@ def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
     for i, r in enumerate(rows):
         group[i, : len(r[0])] = r[0]
         small[i, : len(r[1])] = r[1]
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 9
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 10
     return RowTable(
         group=group,
         small=small,
@@ -296,4 +316,5 @@ def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
         count=np.ones(len(rows)),
         grad=np.array(cols[7], dtype=bool),
         op=np.array(cols[8], dtype=np.int64),
+        peer=np.array(cols[9], dtype=np.int64),
     )

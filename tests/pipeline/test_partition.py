@@ -101,7 +101,7 @@ def test_uniform_cuts_and_the_plan_they_make():
     _, graph, groups = zoo("gpt2-xl")
     cuts = uniform_cuts(graph, groups, 4)
     assert len(cuts) == 3 and set(cuts) <= set(cut_candidates(graph, groups))
-    plan = pipeline_plan(graph, groups, cuts, {"data": 2}, {groups.batch_group: "data"}, 4)
+    plan = pipeline_plan(graph, groups, cuts, {"data": 2}, {groups.batch_groups[0]: "data"}, 4)
     assert plan.mesh == {"pipe": 4, "data": 2} and plan.devices == 8
     assert [s.devices for s in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [s.op_start for s in plan.stages] == [0, *cuts]

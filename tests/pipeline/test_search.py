@@ -49,7 +49,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     cands = cut_candidates(graph, groups)
     bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
     fine = partition(graph, groups, bounds, 1)
-    mesh, assignment = {"data": 4}, {groups.batch_group: "data"}
+    mesh, assignment = {"data": 4}, {groups.batch_groups[0]: "data"}
     oc = op_costs(model, assignment, mesh)
     point = Point(stages=2, stage_mesh=mesh, microbatches=4, intra="test")
     cuts = _optimal_cuts(model, fine, cands, oc, point, "1f1b")

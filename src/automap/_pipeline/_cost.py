@@ -124,8 +124,7 @@ def op_costs(
     row_op = np.concatenate([pf.op, pf.op, rf.op])
     row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])
     tset = np.concatenate([pf.tset, pf.tset, rf.tset])
-    batch = model.groups.batch_group
-    row_batched = (T.sets[tset] == batch).any(axis=1) if batch is not None else row_grad & False
+    row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(st.key[g], st.nbytes[g], minlength=len(ac.keys))

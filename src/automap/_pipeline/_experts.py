@@ -30,10 +30,10 @@ def pipeline_experts(
     graph: Graph, groups: Groups, cluster: Cluster, estimate: Callable[[Plan], Cost]
 ) -> dict[str, Plan]:
     """Name -> priced plan for each pipeline expert that applies (none without cuts)."""
-    if groups.batch_group is None:
+    if groups.batch_size is None:
         return {}
     cands = cut_candidates(graph, groups)
-    batch = groups.groups[groups.batch_group].divisor
+    batch = groups.batch_size
     out: dict[str, Plan] = {}
     tp = cluster.devices_per_node if cluster.devices > cluster.devices_per_node else 1
     recipes = {"gpipe_uniform": 1, "megatron_3d": tp} if tp > 1 else {"gpipe_uniform": 1}

@@ -220,14 +220,14 @@ def _forward_end(graph: Graph) -> int:
 
 
 def _batched(graph: Graph, groups: Groups) -> set[int]:
-    batch = groups.batch_group
-    if batch is None:
+    batch = set(groups.batch_groups)
+    if not batch:
         raise PlanError(
             "a pipeline plan needs a batch dimension to split into microbatches, and this "
             "step has none that can be split (is the batch size 1, or is no argument named "
             "`batch`? pass roles= to capture). Make a plan without pipeline stages."
         )
-    return {t.id for t in graph.tensors if batch in groups.tensor_groups[t.id]}
+    return {t.id for t in graph.tensors if batch.intersection(groups.tensor_groups[t.id])}
 
 
 def _check_bounds(bounds: Sequence[tuple[int, int]], last_forward: int) -> None:

@@ -81,7 +81,7 @@ class PipelinePricer:
     def __init__(self, model, schedule: str = "1f1b"):
         graph, groups = model.graph, model.groups
         self.model, self.schedule = model, schedule
-        self.cands = cut_candidates(graph, groups) if groups.batch_group is not None else ()
+        self.cands = cut_candidates(graph, groups) if groups.batch_size is not None else ()
         if not self.cands:
             raise AutomapError(
                 "this step has no place to cut it into pipeline stages (no batch dimension, "
@@ -94,7 +94,7 @@ class PipelinePricer:
         except PlanError:
             self.fine = partition(graph, groups, bounds, 1)
             self.microbatching = False
-        self.batch = groups.groups[groups.batch_group].divisor
+        self.batch = groups.batch_size
         self._seg = np.asarray(self.fine.op_stage)
         per_mb = [p in (Phase.FWD, Phase.BWD) for p in self.fine.op_phase]
         self._per_mb = np.array(per_mb)

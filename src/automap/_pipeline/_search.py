@@ -87,7 +87,7 @@ def search_dp(
     start = _time.perf_counter()
     cands = cut_candidates(graph, groups)
     stats: dict[str, Any] = {"cut_candidates": len(cands), "points": 0, "complete": True}
-    if not cands or groups.batch_group is None:
+    if not cands or groups.batch_size is None:
         return None, stats
     bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
     fine = partition(graph, groups, bounds, 1)
@@ -96,7 +96,7 @@ def search_dp(
         microbatching = True
     except PlanError as e:  # batch norm and the like: one microbatch only
         microbatching, stats["microbatching"] = False, str(e)
-    batch = groups.groups[groups.batch_group].divisor
+    batch = groups.batch_size
     found: list[Plan] = []
     best: Plan | None = None
     best_time = np.inf

@@ -39,10 +39,10 @@ class Segment:
 
 
 def batch_dim(groups: Groups, tensor: int) -> int | None:
-    """The dimension of `tensor` in the batch linkage group (at most one: the group is
-    splittable, so never two dims of one tensor)."""
-    batch = groups.batch_group
-    return next((d for d, g in enumerate(groups.tensor_groups[tensor]) if g == batch), None)
+    """The dimension of `tensor` in a batch linkage group (at most one: the groups are
+    splittable and the parts of one cut batch, so never two dims of one tensor)."""
+    batch = groups.batch_groups
+    return next((d for d, g in enumerate(groups.tensor_groups[tensor]) if g in batch), None)
 
 
 def micro_args(graph: Graph, groups: Groups, part: Partition, args: tuple, m: int) -> tuple:
@@ -82,14 +82,14 @@ def check_same_program(full: Graph, micro: Graph, groups: Groups, m: int) -> Non
                 f"op {a.index} is {a.primitive} at the full batch but {b.primitive} at the "
                 f"microbatch size (or reads other tensors). {fix}"
             )
-    batch = groups.batch_group
+    batch = groups.batch_groups
     consumers = full.consumers()
     outputs = {leaf.tensor for leaf in full.outputs}
     for t, u in zip(full.tensors, micro.tensors, strict=True):
         if not consumers[t.id] and t.id not in outputs:
             continue  # dead (a jvp's unused broadcast): no linkage tied it to the batch
         want = tuple(
-            n // m if g == batch else n
+            n // m if g in batch else n
             for n, g in zip(t.shape, groups.tensor_groups[t.id], strict=True)
         )
         if u.shape != want or u.dtype != t.dtype:
