@@ -53,3 +53,29 @@ def test_no_expert_when_nothing_divides():
     graph = capture(spec.step_fn, *spec.abstract_args())
     plans = expert_plans_for(graph, build_groups(graph), am.Cluster.preset("a100", devices=8))
     assert "data_parallel" not in plans and "megatron" not in plans
+
+
+def test_one_weird_trick_splits_the_convs_batch_and_the_dense_weights_and_runs():
+    spec = get_model(
+        "vgg19", depth=11, hidden=8, ff=64, image=32, classes=16, batch=16, dtype="float32"
+    )
+    cluster = am.Cluster.preset("v100", devices=8)
+    owt = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=cluster)["owt"]
+    assert owt.mesh == {"data": 8}
+    specs = {p: s for p, s in owt.specs.items() if p.startswith(("[0]", "[2]"))}
+    assert specs["[2]['images']"] == ("data", None, None, None)
+    assert specs["[2]['labels']"] == (None,)  # the dense layers see the whole batch
+    kernels = {p.split("'")[3]: s for p, s in specs.items() if p.endswith("['kernel']")}
+    assert all(not any(s) for s in kernels.values() if len(s) == 4)  # convs replicated
+    # Dense layers column, row, column parallel (the last one over the classes).
+    column, row = (None, "data"), ("data", None)
+    assert [kernels[f"layer_{i}"] for i in (8, 9, 10)] == [column, row, column]
+    report = am.verify(spec.step_fn, owt, *spec.concrete_args(0), cluster=cluster)
+    assert report.numerics_ok, report.summary()
+    assert report.collectives_match, report.summary()  # the flatten's gather included
+    assert "all-gather@data" in report.xla_comm_bytes
+
+
+def test_no_one_weird_trick_without_convolutions(bert):
+    graph, groups = bert
+    assert "owt" not in expert_plans_for(graph, groups, am.Cluster.preset("a100", devices=8))

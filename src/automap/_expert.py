@@ -61,6 +61,26 @@ def _alternating(groups: Groups, candidates: list[Group]) -> list[Group]:
     return picked
 
 
+def owt_groups(graph: Graph, groups: Groups) -> tuple[list[Group], list[Group]]:
+    """ "One weird trick" (Krizhevsky 2014): (the convolutions' batch groups, the fully
+    connected layers' groups Megatron-style). Empty unless a seam cut the batch at a flatten
+    (`build_groups`): without it the batch cannot be split for one and whole for the other.
+
+    FC groups are the parameter groups no convolution touches (conv kernels tie their
+    channels and biases), alternated column-then-row as in `block_groups`."""
+    if not groups.seams:
+        return [], []
+    conv = {t for op in graph.ops if op.primitive == "conv_general_dilated" for t in op.inputs}
+    conv_groups = {groups.of(t, d) for t in conv for d in range(graph.tensors[t].ndim)}
+    conv_batch = [g for g in batch_groups(groups) if g.id in conv_groups]
+    fc = [
+        g
+        for g in groups.groups
+        if g.param_dims and not g.batch and not g.conflicted and g.id not in conv_groups
+    ]
+    return conv_batch, _alternating(groups, fc)
+
+
 def _assign(groups: list[Group], axis: str, size: int) -> Assignment:
     # An axis may split a group only where every member dimension divides evenly.
     return {g.id: axis for g in groups if size > 1 and g.divisor % size == 0}
@@ -87,6 +107,12 @@ def expert_assignments(
         out["data_parallel"] = ({DATA: n}, data, 0)
         for stage in (1, 2, 3):
             out[f"zero{stage}"] = ({DATA: n}, data, stage)
+    conv_batch, fc = owt_groups(graph, groups)
+    owt = {**_assign(conv_batch, DATA, n), **_assign(fc, DATA, n)}
+    if any(g.id in owt for g in conv_batch) and any(g.id in owt for g in fc):
+        # One axis for both: every device holds a batch slice in the convolutions and a
+        # slice of each FC weight; the flatten gathers the batch between the two.
+        out["owt"] = ({DATA: n}, owt, 0)
     blocks = block_groups(groups)
     tp_all = _assign(blocks, MODEL, n)
     if tp_all:

@@ -1,0 +1,62 @@
+"""`compare` on reduced benchmark models: the sanity of the whole. The exact optimum and
+the expert plans, priced by one cost model, stand as the literature says they should."""
+
+import functools
+
+import pytest
+
+import automap as am
+from automap._compare import compare
+from automap._zoo import get_model
+
+
+@functools.cache
+def rows(model: str, preset: str, devices: int, searchers: str, **overrides) -> dict:
+    """Rows by expert plan name, or by searcher for the others."""
+    spec = get_model(model, **overrides)
+    found = compare(
+        spec.step_fn,
+        *spec.abstract_args(),
+        cluster=am.Cluster.preset(preset, devices),
+        searchers=searchers.split(","),
+        budget_s=10,
+    )
+    return {r.plan_name if r.searcher == "expert" else r.searcher: r for r in found}
+
+
+def test_bert_large_optimum_is_no_worse_than_the_textbook_plans():
+    found = rows("bert-large", "a100", 16, "expert,ilp", layers=2)
+    optimum = found["ilp"]
+    assert optimum.feasible
+    for name in ("megatron_dp", "data_parallel"):
+        assert optimum.step_time_s <= found[name].step_time_s * (1 + 1e-9), name
+
+
+def test_vgg_optimum_is_the_one_weird_trick():
+    # Batch 32 on 8 V100s: convolutions data parallel, the FC layers' weights split.
+    found = rows("vgg19", "v100", 8, "expert,ilp", depth=11, batch=32)
+    optimum, owt = found["ilp"], found["owt"]
+    assert optimum.step_time_s == pytest.approx(owt.step_time_s, rel=1e-9)
+    assert owt.step_time_s < 0.5 * found["data_parallel"].step_time_s
+    assert owt.step_time_s < found["megatron_dp"].step_time_s
+    specs = optimum.plan.specs
+    (images,) = [s for p, s in specs.items() if p.endswith("['images']")]
+    (labels,) = [s for p, s in specs.items() if p.endswith("['labels']")]
+    assert images[0] == "data" and labels == (None,)
+    params = {p: s for p, s in specs.items() if p.startswith("[0]") and p.endswith("['kernel']")}
+    convs = {p: s for p, s in params.items() if len(s) == 4}
+    dense = {p: s for p, s in params.items() if len(s) == 2}
+    assert convs and not any(any(s) for s in convs.values())
+    assert len(dense) == 3 and all("data" in s for s in dense.values())
+
+
+def test_resnet_data_parallel_is_within_a_few_percent_of_the_optimum():
+    found = rows("resnet50", "v100", 8, "expert,ilp")
+    assert found["data_parallel"].step_time_s <= 1.05 * found["ilp"].step_time_s
+
+
+def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():
+    found = rows("gpt-6.7b", "a100", 16, "expert,ilp,dp")
+    assert not found["data_parallel"].feasible
+    assert "fits in memory" in found["ilp"].note  # no plan of the shard space fits
+    assert found["dp"].feasible and found["dp"].plan.stages
