@@ -159,8 +159,9 @@ def estimate(
 def expert_plans(
     step_fn: Callable, *args: Any, cluster: Cluster, roles: Any = None
 ) -> dict[str, Plan]:
-    """The hand-written plans (data_parallel, zero1-3, megatron, megatron_dp, ...), each
-    with its predicted cost; infeasible ones are kept, marked by `predicted.feasible`."""
+    """The hand-written plans that apply to this step (data_parallel, zero1-3, megatron,
+    megatron_dp, owt for a CNN, gpipe_uniform, megatron_3d), each with its predicted cost;
+    infeasible ones are kept, marked by `predicted.feasible`."""
     problem = Problem.build(step_fn, args, cluster, roles)
     return _priced_experts(problem)
 

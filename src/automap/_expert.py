@@ -4,6 +4,7 @@ Each is expressed as an assignment of linkage groups to mesh axes, so it works o
 captured program (a Flax, Keras-on-JAX or plain-JAX step), not only on the zoo: the
 batch group goes on "data", and Megatron's column-then-row split is the set of
 parameter groups that live inside a block (attention heads, MLP hidden, vocabulary).
+"One weird trick" puts a CNN's convolution batch and its dense layers' weights on one axis.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def _alternating(groups: Groups, candidates: list[Group]) -> list[Group]:
 
 
 def owt_groups(graph: Graph, groups: Groups) -> tuple[list[Group], list[Group]]:
-    """ "One weird trick" (Krizhevsky 2014): (the convolutions' batch groups, the fully
-    connected layers' groups Megatron-style). Empty unless a seam cut the batch at a flatten
-    (`build_groups`): without it the batch cannot be split for one and whole for the other.
+    """The groups of "one weird trick" (Krizhevsky 2014): the convolutions' batch groups,
+    and the fully connected layers' groups to split Megatron-style. Both empty unless a seam
+    cut the batch at a flatten (`build_groups`): without one the batch cannot be split for
+    the convolutions and whole for the dense layers.
 
-    FC groups are the parameter groups no convolution touches (conv kernels tie their
-    channels and biases), alternated column-then-row as in `block_groups`."""
+    FC groups are the parameter groups no convolution touches (a conv kernel ties its
+    channels and bias to it), alternated column-then-row as in `block_groups`."""
     if not groups.seams:
         return [], []
     conv = {t for op in graph.ops if op.primitive == "conv_general_dilated" for t in op.inputs}
