@@ -15,7 +15,14 @@ from automap._cluster import Cluster
 from automap._cost import CostModel
 from automap._expert import expert_assignments
 from automap._linkage import build_groups, plan_from_assignment
-from automap._pipeline._cost import estimate_pipeline, op_costs, pipeline_decisions, stage_costs
+from automap._pipeline._cost import (
+    _zero_leaves,
+    estimate_pipeline,
+    op_costs,
+    pipeline_decisions,
+    plan_op_costs,
+    stage_costs,
+)
 from automap._pipeline._partition import Phase, forward_ops, partition
 from automap._pipeline._schedule import stage_orders
 from automap._plan import Plan, Stage
@@ -189,3 +196,29 @@ def test_the_runtime_runs_the_order_the_model_times():
         executed = [(k, m) for st, k, m in run.trace if st == s]
         timed = sorted((start, k, m) for st, k, m, start, _ in pc.ops if st == s)
         assert executed == [(k, m) for _, k, m in timed]
+
+
+def test_stage_collectives_are_each_stages_own():
+    # The step's collectives are the busiest stage's, per device, with its sends on the
+    # pipe axis; `stage_collectives` are every stage's, sends left out (what verify reads).
+    pc = estimate_pipeline(model("gpt2-xl"), stage_plan("gpt2-xl", 2, 4))
+    busiest = int(np.argmax(pc.stage_work_s))
+    sends = [c for c in pc.cost.collectives if c.axis == "pipe"]
+    assert [c.kind for c in sends] == ["collective-permute"]
+    assert pc.cost.collectives == (*pc.stage_collectives[busiest], *sends)
+    # A data-parallel gradient is all-reduced in every B call: each stage has its own.
+    for own in pc.stage_collectives:
+        assert {c.axis for c in own if c.kind == "all-reduce"} >= {"data", "model"}
+    assert pc.stage_collectives[0] != pc.stage_collectives[1]
+
+
+def test_zero_gathers_are_charged_where_each_parameter_is_updated():
+    # gpt2's token embedding is tied: read on the first stage (the lookup) and the last
+    # (the logits), updated on one. Its moments are gathered once per step, there (as
+    # XLA does: tests/pipeline/test_runtime.py checks ZeRO-3's gathers against it).
+    cm = model("gpt2-xl")
+    plan = stage_plan("gpt2-xl", 2, 2, zero=1)
+    pc = estimate_pipeline(cm, plan)
+    moments = 2 * sum(b for _, b, _ in _zero_leaves(cm.graph, plan_op_costs(cm, plan).layouts))
+    gathered = sum(c.bytes for own in pc.stage_collectives for c in own if c.kind == "all-gather")
+    assert gathered == pytest.approx(moments)

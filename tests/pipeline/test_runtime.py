@@ -13,7 +13,7 @@ from automap import ApplyError, PlanError
 from automap._expert import batch_groups, block_groups
 from automap._pipeline._plans import pipeline_plan, uniform_cuts
 from automap._pipeline._schedule import global_order
-from automap._verify import verify
+from automap._verify import as_on_cpu, compare, verify
 
 from ._models import assert_same, flax_args, flax_graph, flax_step, zoo
 
@@ -71,12 +71,52 @@ def test_flax_model_pipelines_compute_the_step(stages, mesh, m, schedule):
     assert len(run.trace) == 2 * stages * m
 
 
-def test_verify_checks_pipeline_numerics():
+def test_verify_checks_pipeline_numerics_and_collectives():
     graph, groups = flax_graph()
-    plan = _plan(graph, groups, 2, {"data": 2}, 2, "1f1b")
-    report = verify(flax_step, plan, *flax_args())
-    assert report.numerics_ok and report.collectives_match is None
-    assert any("pipeline" in n for n in report.notes)
+    m = 2
+    plan = _plan(graph, groups, 2, {"data": 2}, m, "1f1b")
+    args = flax_args()
+    report = verify(flax_step, plan, *args)
+    assert report.numerics_ok
+    assert report.collectives_match is True, report.summary()
+    assert set(report.xla_comm_bytes) == {"all-reduce@data (stage 0)", "all-reduce@data (stage 1)"}
+    # XLA's side on its own: every B call all-reduces its stage's weight gradients (f32),
+    # so a step moves m times all the parameters, plus the loss sum (a scalar) per F call.
+    params = sum(x.size for x in jax.tree_util.tree_leaves(args[0])) * 4
+    assert sum(report.xla_comm_bytes.values()) == m * params + m * 4
+    assert any("device_put" in n for n in report.notes)
+
+
+def test_verify_compares_a_pipeline_with_a_model_axis_and_zero3_compiled_only():
+    graph, groups = flax_graph()
+    cuts = uniform_cuts(graph, groups, 2)
+    plan = pipeline_plan(
+        graph, groups, cuts, DP_TP, _assignment(groups, DP_TP), 2, "gpipe", zero_stage=3
+    )
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), flax_args())
+    report = verify(flax_step, plan, *abstract)
+    assert report.numerics_ok is None  # compiled, not run
+    assert report.collectives_match is True, report.summary()
+    # In both stages: partial sums over "model", gradients over "data", and ZeRO-3's
+    # gathers of the parameters in every program that reads them (pre, F, B, post).
+    for s in (0, 1):
+        for kind in ("all-reduce@model", "all-reduce@data", "all-gather@data"):
+            assert report.xla_comm_bytes[f"{kind} (stage {s})"] > 0
+    # The check can fail: a model that all-reduced gradients once per step (after the
+    # microbatches) instead of in every B call predicts about half the data traffic.
+    once = {
+        k: v / 2 if k.startswith("all-reduce@data") else v
+        for k, v in report.predicted_comm_bytes.items()
+    }
+    ok, why = compare(as_on_cpu(once), report.xla_comm_bytes)
+    assert not ok and len(why) == 2 and all("all-reduce over data (stage" in w for w in why)
+    # ... and one that charged stage 1's ZeRO gathers to stage 0 (the same total).
+    moved = dict(report.predicted_comm_bytes)
+    moved["all-gather@data (stage 0)"] += moved.pop("all-gather@data (stage 1)")
+    ok, why = compare(as_on_cpu(moved), report.xla_comm_bytes)
+    assert not ok and len(why) == 2
+    assert why[0].startswith("all-gather over data (stage 0): predicted")
+    assert why[1].startswith("XLA inserts all-gather over data (stage 1)")
 
 
 # ---- refusals ---------------------------------------------------------------------------

@@ -16,8 +16,9 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   data-parallel gradient inside every B call: once per microbatch, not once per step,
   combined per call (as XLA's combiner does within one program). PRE and POST run once
   per step on the whole batch. With ZeRO >= 1 the POST update gathers the sharded moments
-  of its stage's parameters (two all-gathers, as `_cost.py`); ZeRO-3 also gathers the
-  parameters in every F and every B call. Rematerialized forward ops run again in B.
+  of the parameters it updates (two all-gathers, as `_cost.py`); ZeRO-3 also gathers a
+  parameter in every program that reads it: PRE, every F and every B call, and POST.
+  Rematerialized forward ops run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
@@ -186,7 +187,10 @@ class PipelineCost:
     op_remat_s: np.ndarray  # [n_ops] s per microbatch a forward op runs again in backward
     op_state_bytes: np.ndarray  # [n_ops] param + grad + optimizer bytes of leaves read first
     op_act_bytes: np.ndarray  # [n_ops] bytes per device per microbatch of residuals it makes
-    cost: Cost
+    cost: Cost  # its collectives are the busiest stage's (per device), sends included
+    # Per stage, its collectives per device per step, sends left out: what `am.verify`
+    # holds against the XLA programs each stage runs.
+    stage_collectives: tuple[tuple[Collective, ...], ...] = ()
 
 
 def stage_costs(
@@ -313,6 +317,9 @@ def stage_costs(
         op_state_bytes=op_state,
         op_act_bytes=op_act,
         cost=cost,
+        stage_collectives=tuple(
+            _collectives(ac, runs @ time[s], runs @ nbytes[s], runs @ count[s]) for s in range(S)
+        ),
     )
 
 
@@ -366,14 +373,20 @@ def _zero_leaves(graph, lay: Layouts):
 
 
 def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
-    """ZeRO's all-gathers per stage: its parameters' moments twice in POST; with ZeRO-3
-    its parameters once in every F call and once in every B call."""
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that read each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU):
+    its moments twice in the POST call that updates it; with ZeRO-3 the parameter itself
+    too, there (3 gathers, as `op_costs`), in every F and B call that reads it and in a
+    PRE call that does (a weight cast or broadcast). A parameter read on two stages (tied
+    embeddings, a layer cut mid-way) is updated on only one of them."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
+    gathers = {PRE: 1, FWD: 1, BWD: 1, POST: 3} if oc.zero_stage >= 3 else {POST: 2}
+    phase = phase_codes(part)
     for t, b, c in _zero_leaves(graph, oc.layouts):
-        for s in {part.op_stage[i] for i in consumers[t]}:
-            calls = [(POST, 2)] + ([(FWD, 1), (BWD, 1)] if oc.zero_stage >= 3 else [])
-            for ph, k in calls:
+        for s, ph in {(part.op_stage[i], int(phase[i])) for i in consumers[t]}:
+            k = gathers.get(ph, 0)
+            if k:
                 time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, k * b, k * c)
                 nbytes[s, ph, key] += k * b
                 count[s, ph, key] += k * c

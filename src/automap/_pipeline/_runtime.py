@@ -18,10 +18,15 @@ Where the work goes, for the cost model:
   once on the full batch's shapes, on the stage the partition gives it.
 - A microbatch's residuals (forward values its backward reads) are dropped after the last
   segment that reads them, so a stage holds those of the microbatches in flight.
+
+`run.compile(*args)` walks the same step on abstract values instead (`_Dry`): every
+segment is compiled for the shardings the live step would hand it, nothing runs. That is
+what `am.verify` reads the collectives of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,6 +72,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
 
     run.meshes = meshes  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
+    run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
     return run
 
@@ -202,6 +208,27 @@ class _Pipeline:
     # ---- one step ------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
+        graph = self.graph
+        step, self.trace = self._step(args, _LIVE)
+        flat = [
+            jnp.asarray(graph.const_values[t] if t not in step else step[t])
+            if graph.tensors[t].kind is not TensorKind.INTERMEDIATE
+            else step[t]
+            for t in (leaf.tensor for leaf in graph.outputs)
+        ]
+        return jax.tree_util.tree_unflatten(graph.out_tree, flat)
+
+    def compile(self, args: tuple) -> tuple[SegmentProgram, ...]:
+        """Every program one step on `args` runs, compiled as the step would compile it
+        (same jitted segments, same input shardings), without running anything."""
+        dry = _Dry(self.meshes)
+        abstract = [jax.ShapeDtypeStruct(_shape(x), _dtype(x)) for x in jax.tree.leaves(args)]
+        self._step(tuple(abstract), dry)
+        return tuple(dry.programs.values())
+
+    def _step(self, args: tuple, ops: _Live) -> tuple[dict[int, Any], list]:
+        """One step in the schedule's order: (every tensor of the step by id, the trace).
+        `ops` moves and combines the values: real arrays (`_LIVE`) or abstract (`_Dry`)."""
         graph, part, m = self.graph, self.part, self.plan.microbatches
         leaves = jax.tree_util.tree_leaves(args)
         step: dict[int, Any] = {
@@ -211,12 +238,12 @@ class _Pipeline:
 
         def on_stage(t: int, s: int) -> Any:
             if (t, s) not in placed:
-                placed[(t, s)] = self._place(t, step[t], s)
+                placed[(t, s)] = self._place(t, step[t], s, ops)
             return placed[(t, s)]
 
         def run_steps(segs: list[Segment]) -> None:
             for seg in segs:
-                outs = self._run(seg, [on_stage(t, seg.stage) for t in seg.inputs])
+                outs = self._run(seg, [on_stage(t, seg.stage) for t in seg.inputs], ops)
                 for t, v in zip(seg.outputs, outs, strict=True):
                     step[t], placed[(t, seg.stage)] = v, v
 
@@ -233,28 +260,25 @@ class _Pipeline:
             if (t, s) in copies[i]:
                 return copies[i][(t, s)]
             if t in self.per_mb:
-                v = self._send(made[i][t], s)
+                v = self._send(made[i][t], s, ops)
             elif t in part.batched:  # a per-step value: this microbatch's slice of it
                 d = batch_dim(self.groups, t)
-                if t in self.spec:  # an input leaf: slice the caller's array, then place
-                    v = self._place(t, _slice(step[t], d, i, m), s)
-                else:
-                    v = self._send(_slice(step[t], d, i, m), s)
+                v = self._place(t, ops.slice(step[t], d, i, m), s, ops)
             else:
                 return on_stage(t, s)
             copies[i][(t, s)] = v
             return v
 
-        self.trace = []
+        trace = []
         by_unit = {(seg.stage, seg.kind): seg for seg in self.micro}
         for s, kind, i in global_order(len(self.meshes), m, self.plan.schedule):
             seg = by_unit[(s, kind)]
-            outs = self._run(seg, [mb_value(t, i, s) for t in seg.inputs])
+            outs = self._run(seg, [mb_value(t, i, s) for t in seg.inputs], ops)
             for t, v in zip(seg.outputs, outs, strict=True):
                 if t in self.readers:
                     made[i][t], copies[i][(t, s)] = v, v
                 if t in accumulated:
-                    acc[t] = v if t not in acc else acc[t] + v
+                    acc[t] = v if t not in acc else ops.add(acc[t], v, s)
                 elif t in outputs and t in part.batched:
                     pieces.setdefault(t, [None] * m)[i] = v
             for t in seg.inputs:  # drop what no later unit of this microbatch reads
@@ -263,35 +287,29 @@ class _Pipeline:
                     made[i].pop(t, None)
                     for key in [k for k in copies[i] if k[0] == t]:
                         del copies[i][key]
-            self.trace.append((s, kind, i))
+            trace.append((s, kind, i))
         for t, v in acc.items():
             step[t], placed[(t, part.op_stage[graph.tensors[t].producer])] = v, v
         for t, vs in pieces.items():
             s = part.op_stage[graph.tensors[t].producer]
             d = batch_dim(self.groups, t)
-            step[t] = jnp.concatenate([self._send(v, s) for v in vs], axis=d)
+            step[t] = ops.concat([self._send(v, s, ops) for v in vs], d, s)
         run_steps(self.post)
-        flat = [
-            jnp.asarray(graph.const_values[t] if t not in step else step[t])
-            if graph.tensors[t].kind is not TensorKind.INTERMEDIATE
-            else step[t]
-            for t in (leaf.tensor for leaf in graph.outputs)
-        ]
-        return jax.tree_util.tree_unflatten(graph.out_tree, flat)
+        return step, trace
 
-    def _run(self, seg: Segment, values: list[Any]) -> list[Any]:
+    def _run(self, seg: Segment, values: list[Any], ops: _Live) -> list[Any]:
         if not seg.ops:
             return []
-        return [self._send(v, seg.stage) for v in self.jitted[id(seg)](*values)]
+        outs = ops.call(seg, self.jitted[id(seg)], values)
+        return [self._send(v, seg.stage, ops) for v in outs]
 
-    def _place(self, t: int, value: Any, s: int) -> Any:
+    def _place(self, t: int, value: Any, s: int, ops: _Live) -> Any:
         """An input leaf goes to a stage with its spec; any other value is sent."""
         if t in self.spec:
-            spec = PartitionSpec(*self.spec[t])
-            return jax.device_put(value, NamedSharding(self.meshes[s], spec))
-        return self._send(value, s)
+            return ops.put(value, NamedSharding(self.meshes[s], PartitionSpec(*self.spec[t])))
+        return self._send(value, s, ops)
 
-    def _send(self, value: Any, s: int) -> Any:
+    def _send(self, value: Any, s: int, ops: _Live) -> Any:
         """`value` on stage s's mesh: as it is when already there, else copied there with
         the sender's layout (replicated when the receiver's mesh cannot hold it)."""
         mesh = self.meshes[s]
@@ -301,7 +319,96 @@ class _Pipeline:
         spec = PartitionSpec()
         if isinstance(sharding, NamedSharding) and _fits(sharding.spec, value.shape, mesh):
             spec = sharding.spec
-        return jax.device_put(value, NamedSharding(mesh, spec))
+        return ops.put(value, NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SegmentProgram:
+    """One XLA program of a pipeline step, as `run.compile` found it."""
+
+    stage: int
+    kind: str  # "pre", "F", "B", "post"; "add"/"concat": the runtime combining microbatches
+    runs: int  # times one step runs it (m for F and B, 1 for pre and post)
+    # The stage mesh it is compiled on: its device ids are this mesh's devices in
+    # row-major order, which is how `_hlo.axis_of` reads replica groups.
+    mesh: dict[str, int]
+    compiled: Any  # jax.stages.Compiled: `.as_text()` is the partitioned HLO
+
+
+class _Live:
+    """What a step does with its values: run, move and combine real arrays."""
+
+    def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
+        return list(jitted(*values))
+
+    def put(self, value: Any, sharding: NamedSharding) -> Any:
+        return jax.device_put(value, sharding)
+
+    def slice(self, x: Any, dim: int, i: int, m: int) -> Any:
+        return _slice(x, dim, i, m)
+
+    def add(self, a: Any, b: Any, stage: int) -> Any:
+        return a + b
+
+    def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
+        return jnp.concatenate(xs, axis=dim)
+
+
+_LIVE = _Live()
+
+
+class _Dry(_Live):
+    """The same moves on ShapeDtypeStructs carrying shardings: each program is compiled
+    for the shardings the live step would give its inputs (a jitted segment is compiled
+    once per input signature, as jit's cache does), counted per run, and not run."""
+
+    def __init__(self, meshes: list[Mesh]) -> None:
+        self._meshes = meshes
+        self._found: dict[Any, tuple[int, str, Any]] = {}
+        self._runs: dict[Any, int] = {}
+
+    @property
+    def programs(self) -> dict[Any, SegmentProgram]:
+        return {
+            key: SegmentProgram(
+                stage, kind, self._runs[key], dict(self._meshes[stage].shape), compiled
+            )
+            for key, (stage, kind, compiled) in self._found.items()
+        }
+
+    def _compile(self, key: Any, stage: int, kind: str, jitted: Callable, values) -> list[Any]:
+        key = (key, tuple((v.shape, v.dtype, v.sharding) for v in values))
+        if key not in self._found:
+            self._found[key] = (stage, kind, jitted.lower(*values).compile())
+        self._runs[key] = self._runs.get(key, 0) + 1
+        outs = self._found[key][2].out_info
+        return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
+
+    def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
+        return self._compile(id(seg), seg.stage, seg.kind, jitted, values)
+
+    def put(self, value: Any, sharding: NamedSharding) -> Any:
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+    def slice(self, x: Any, dim: int, i: int, m: int) -> Any:
+        shape = list(x.shape)
+        shape[dim] //= m
+        if getattr(x, "sharding", None) is None:  # the caller's leaf: placed right after
+            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+        # A per-step value made on a stage: the slice's layout is XLA's choice. (Batched
+        # values are made per microbatch, so no step reaches this today.)
+        compiled = jax.jit(_slice, static_argnums=(1, 2, 3)).lower(x, dim, i, m).compile()
+        out = compiled.out_info
+        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
+
+    def add(self, a: Any, b: Any, stage: int) -> Any:
+        if a.sharding == b.sharding:
+            return a  # elementwise on one layout: no program that moves anything
+        return self._compile("add", stage, "add", jax.jit(jnp.add), [a, b])[0]
+
+    def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
+        join = jax.jit(lambda *xs: jnp.concatenate(xs, axis=dim))
+        return self._compile(("concat", dim), stage, "concat", join, xs)[0]
 
 
 def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
