@@ -59,6 +59,23 @@ def test_exhaustive_is_the_optimum_of_the_space(problem):
     assert evaluate(space, tracker.best).step_time_s == pytest.approx(tracker.best_time)
 
 
+def test_exhaustive_stops_at_its_budget_and_says_it_proved_nothing(problem, monkeypatch):
+    space = _space(problem)
+    full = search_exhaustive(space, Tracker(budget_s=60))
+    assert full.complete
+    # A clock on which each evaluation takes a second: a 20 s budget runs out early.
+    monkeypatch.setattr(Tracker, "elapsed", property(lambda self: float(self.evaluated)))
+    cut = search_exhaustive(space, Tracker(budget_s=20))
+    assert not cut.complete and cut.evaluated == 20 < full.evaluated
+    plan = run_searcher(problem, "exhaustive", budget_s=20, seed=0)
+    assert plan.decisions["complete"] is False
+    assert plan.decisions["space_points"] == space.size()
+    spec = get_model("mlp", layers=3, hidden=64, features=32, classes=8, batch=16)
+    args = spec.abstract_args()
+    (row,) = compare(spec.step_fn, *args, cluster=problem.cluster, searchers=["exhaustive"])
+    assert "not a proven optimum" in row.note and f"of {space.size():,} points" in row.note
+
+
 def test_searchers_are_deterministic_under_a_seed(problem):
     space = _space(problem)
     a = search_mcmc(space, Tracker(budget_s=1, max_evals=200), seed=3)

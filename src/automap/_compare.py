@@ -111,7 +111,15 @@ def compare(
         except AutomapError as e:
             add(Row(name, "", None, None, False, time.perf_counter() - start, None, None, str(e)))
             continue
-        add(_row(name, _with_origin(plan, origin), time.perf_counter() - start))
+        row = _row(name, _with_origin(plan, origin), time.perf_counter() - start)
+        if plan.decisions.get("complete") is False and name == "exhaustive":
+            seen, size = plan.decisions.get("evaluated"), plan.decisions.get("space_points")
+            row = dataclasses.replace(
+                row,
+                note=f"the budget ran out after {seen:,} of {size:,} points: the best so far, "
+                "not a proven optimum (raise --budget)",
+            )
+        add(row)
     return rows
 
 

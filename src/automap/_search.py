@@ -43,6 +43,8 @@ class Tracker:
     on_offer: Callable[[Point, Cost, float], None] | None = None
     # Set when Ctrl-C ended the search early: `best` is the best so far, not the budget's.
     interrupted: bool = False
+    # False when an exhaustive enumeration ran out of budget before the end: no proof.
+    complete: bool = True
 
     def offer(self, point: Point, cost: Cost) -> None:
         self.evaluated += 1
@@ -108,7 +110,11 @@ def search_random(space: ShardSpace, tracker: Tracker, seed: int) -> Tracker:
 
 
 def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200_000) -> Tracker:
-    """Every valid point, in a fixed order: the optimum of the space under the cost model."""
+    """Every valid point, in a fixed order: the optimum of the space under the cost model.
+
+    The budget is wall time here (the enumeration order is fixed, so only where it stops
+    depends on the machine): past it the search stops with `tracker.complete` False and
+    its best point so far, which proves nothing. Give it the time the space needs."""
     size = space.size()
     if size > max_points:
         raise ValueError(
@@ -120,6 +126,9 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
             stack: list[tuple[int, ...]] = [()]
             while stack:
                 chosen = stack.pop()
+                if tracker.elapsed >= tracker.budget_s:
+                    tracker.complete = False
+                    return tracker
                 if len(chosen) == len(space.units):
                     for zero in space.zero_options(mesh):
                         point = (mesh_index, chosen, zero)

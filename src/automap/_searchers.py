@@ -85,7 +85,7 @@ def run_space_searcher(
         else:
             point, stats = _classic(space, name, budget_s, seed, bar)
     if point is None:
-        if name == "exhaustive" or (name == "ilp" and stats.get("optimal")):
+        if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
             # Proven: no budget would help.
             raise InfeasibleError(
                 f"no plan in the space fits in memory on {problem.cluster.devices} × "
@@ -126,6 +126,9 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: _Pro
     }
     if tracker.interrupted:
         stats["interrupted"] = True
+    if name == "exhaustive":
+        stats["complete"] = tracker.complete and not tracker.interrupted
+        stats["space_points"] = space.size()
     return tracker.best, stats
 
 
