@@ -1,10 +1,13 @@
 """The shard space, its pruning, and the searchers that need no learning."""
 
+import numpy as np
 import pytest
 
 import automap as am
+from _cnn import cnn
 from automap._api import Problem, run_searcher
 from automap._compare import compare, speedups, to_json
+from automap._cost import CostModel
 from automap._search import Tracker, evaluate, search_exhaustive, search_mcmc, search_random
 from automap._space import Pruning, ShardSpace, candidate_meshes
 from automap._zoo import get_model
@@ -186,3 +189,27 @@ def test_ctrl_c_before_any_plan_propagates(problem, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         search_random(_space(problem), tracker, seed=0)
     assert tracker.best is None and not tracker.interrupted
+
+
+def test_a_seams_dense_side_splits_only_on_the_convolutions_axis():
+    graph, groups = cnn()
+    cluster = am.Cluster.preset("a100", 8)
+    space = ShardSpace(graph, groups, cluster, CostModel(graph, cluster, groups))
+    ((conv, dense),) = space.seam_units
+    assert conv == 0 < dense  # the convolutions' batch is decided first
+    seen = set()
+    for mesh_index in range(len(space.meshes)):
+        stack = [()]
+        while stack:
+            chosen = stack.pop()
+            if len(chosen) == len(space.units):
+                seen.add((space.meshes[mesh_index].get("data"), chosen[conv], chosen[dense]))
+                continue
+            mask = space.allowed(space.meshes[mesh_index], len(chosen), chosen)
+            stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask))
+    assert all(d in (0, c) for _, c, d in seen)
+    assert (8, 1, 0) in seen and (8, 1, 1) in seen  # one weird trick; data parallel
+    # Decided the other way round (MCMC's moves), the convolutions follow the dense side.
+    taken = [None] * len(space.units)
+    taken[dense] = 1
+    assert list(np.flatnonzero(space.allowed({"data": 8}, conv, taken))) == [1]

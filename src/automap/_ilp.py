@@ -26,7 +26,8 @@ at once. Two parts are not separable, and are made exact with auxiliary units:
   the bytes of the scalar parameters left (an overestimate of a few bytes' transfer).
 
 The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
-factors that forbid one axis on two units sharing a tensor. ZeRO-1 is skipped: ZeRO-2 has
+factors that forbid one axis on two units sharing a tensor, or a seam's dense side on an
+axis its convolutions do not take. ZeRO-1 is skipped: ZeRO-2 has
 the same time for every point and never more memory. Every ILP's point is priced again by
 `ShardSpace.evaluate` and the fastest feasible one wins, so the answer is the cost model's
 own figure even where a factor sum differs in the last bits.
@@ -250,6 +251,12 @@ class MeshTerms:
             for u in range(n):
                 for v in sorted(w for w in self.space.neighbours[u] if w > u):
                     tables.setdefault((u, v), [np.zeros((3, 3)), np.zeros((3, 3))])[0] += pair
+            # A seam's dense side: none, or the convolutions' axis (`ShardSpace.seam_units`).
+            codes = np.arange(len(OPTIONS))
+            seam = np.where((codes[None, :] != 0) & (codes[None, :] != codes[:, None]), np.inf, 0)
+            for conv, dense in self.space.seam_units:
+                key, table = ((conv, dense), seam) if conv < dense else ((dense, conv), seam.T)
+                tables.setdefault(key, [np.zeros((3, 3)), np.zeros((3, 3))])[0] += table
         tables = _absorb(tables)
         const = tables.pop((), [np.zeros(()), np.zeros(())])
         limit = self.space.cluster.memory_limit if memory_limit is None else memory_limit

@@ -52,6 +52,7 @@ class Seam:
     op: int
     before: int
     after: int
+    convolutions: int  # `before` or `after`: the side the convolutions are on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,11 @@ class Groups:
         """The splittable groups of the batch dimension: one, or one per side of each seam
         (the batch of convolutions and of the fully connected layers after a flatten)."""
         return tuple(g.id for g in self.groups if g.batch and g.splittable)
+
+    def seam_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(convolutions' batch group, the other side's batch group) of each seam."""
+        pairs = {(s.convolutions, s.before + s.after - s.convolutions) for s in self.seams}
+        return tuple(sorted(pairs))
 
     @property
     def batch_size(self) -> int | None:
@@ -125,6 +131,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     batch_roots = {find(int(offsets[t]) + d) for t, d in batch_dims if graph.tensors[t].ndim}
     cut: dict[int, tuple[int, int]] = {}  # op -> its flatten tie, when it is the batch's
+    conv_side: dict[int, bool] = {}  # op -> whether its input is on the convolutions' side
     if seams and batch_roots:
         for op in graph.ops:
             tie = _flatten_tie(op, graph)
@@ -149,6 +156,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
                 if (cut_find(x) in conv_roots) != (cut_find(y) in conv_roots)
             }
             if parting == cut:
+                conv_side = {i: cut_find(x) in conv_roots for i, (x, _) in cut.items()}
                 whole_find, find = find, cut_find
                 batch_flat = {x for x in range(int(offsets[-1])) if whole_find(x) in batch_roots}
                 break
@@ -223,7 +231,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
         tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
     )
     found = tuple(
-        Seam(op, int(flat_gid[a]), int(flat_gid[b]))
+        Seam(op, int(flat_gid[a]), int(flat_gid[b]), int(flat_gid[a if conv_side[op] else b]))
         for op, (a, b) in sorted(cut.items())
         if flat_gid[a] != flat_gid[b]
     )

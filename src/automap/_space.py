@@ -75,7 +75,8 @@ def candidate_meshes(devices: int, symmetry: bool = True) -> list[dict[str, int]
 
 
 def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit]:
-    """Decision units in program order; groups that can never be split are left out."""
+    """Decision units in program order (a CNN's convolution batch first); groups that can
+    never be split are left out."""
     first_tensor = {g.id: min(t for t, _ in g.members) for g in groups.groups}
     key_of = {}
     for g in groups.groups:
@@ -103,7 +104,10 @@ def build_units(graph: Graph, groups: Groups, layer_grouping: bool) -> list[Unit
                 position=min(first_tensor[g.id] for g in gs) / n_tensors,
             )
         )
-    units.sort(key=lambda u: (u.position, u.groups))
+    # The convolutions' batch goes first: a seam's dense side is then decided after it and
+    # always has an option (none), whatever order a searcher decides units in.
+    conv = {c for c, _ in groups.seam_pairs()}
+    units.sort(key=lambda u: (not conv.intersection(u.groups), u.position, u.groups))
     return units
 
 
@@ -165,6 +169,16 @@ class ShardSpace:
         )
         self.units = build_units(graph, groups, pruning.layer_grouping)
         self.neighbours = _cooccurrence(groups, self.units)
+        unit_of = {g: u for u, unit in enumerate(self.units) for g in unit.groups}
+        # (convolutions' batch unit, the dense side's) of each seam: the dense side splits
+        # only on the convolutions' axis, or not at all. The rest (convolutions whole or on
+        # another axis) is never faster, and there XLA carries the dense split back into
+        # the convolutions' backward pass, which the cost model does not price.
+        self.seam_units = tuple(
+            (unit_of[c], unit_of[o])
+            for c, o in groups.seam_pairs()
+            if c in unit_of and o in unit_of and unit_of[c] != unit_of[o]
+        )
 
     # ---- the space ----------------------------------------------------------------------
 
@@ -179,6 +193,13 @@ class ShardSpace:
                 ok[k] = False  # an axis the mesh does not have
             elif self.pruning.masks and self._masked(unit, k, size, taken):
                 ok[k] = False
+        if self.pruning.masks:
+            codes = np.arange(len(OPTIONS))
+            for conv, dense in self.seam_units:
+                if unit == dense and conv < len(taken) and taken[conv] is not None:
+                    ok &= (codes == 0) | (codes == taken[conv])
+                elif unit == conv and dense < len(taken) and taken[dense]:
+                    ok &= codes == taken[dense]
         return ok
 
     def _masked(self, unit: int, option: int, size: int, taken: Sequence[int | None]) -> bool:
