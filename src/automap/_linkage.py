@@ -129,38 +129,8 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     ]
     find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
-    batch_roots = {find(int(offsets[t]) + d) for t, d in batch_dims if graph.tensors[t].ndim}
-    cut: dict[int, tuple[int, int]] = {}  # op -> its flatten tie, when it is the batch's
-    conv_side: dict[int, bool] = {}  # op -> whether its input is on the convolutions' side
-    if seams and batch_roots:
-        for op in graph.ops:
-            tie = _flatten_tie(op, graph)
-            if tie is not None and find(int(offsets[tie[0][0]])) in batch_roots:
-                cut[op.index] = (int(offsets[tie[0][0]]), int(offsets[tie[1][0]]))
-        # A flatten is a seam only where it parts convolutions from the layers after them.
-        conv = {t for op in graph.ops if op.primitive == "conv_general_dilated" for t in op.inputs}
-        while cut:  # cut; keep only the cuts that part conv from non-conv; again (shrinks)
-            kept = (
-                tie
-                for i, ties in enumerate(flat_ties)
-                for tie in ties
-                if cut.get(i) not in (tie, tie[::-1])
-            )
-            cut_find = _union(int(offsets[-1]), kept)
-            conv_roots = {
-                cut_find(int(offsets[t]) + d) for t in conv for d in range(graph.tensors[t].ndim)
-            }
-            parting = {
-                i: (x, y)
-                for i, (x, y) in cut.items()
-                if (cut_find(x) in conv_roots) != (cut_find(y) in conv_roots)
-            }
-            if parting == cut:
-                conv_side = {i: cut_find(x) in conv_roots for i, (x, _) in cut.items()}
-                whole_find, find = find, cut_find
-                batch_flat = {x for x in range(int(offsets[-1])) if whole_find(x) in batch_roots}
-                break
-            cut = parting
+    cuts = _cut_seams(graph, offsets, flat_ties, find, batch_dims) if seams else _Cuts()
+    find = cuts.find or find
 
     reduced_flat: set[int] = set()
     whole_flat: set[int] = set()
@@ -196,12 +166,12 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     whole = np.zeros(n, dtype=bool)
     whole[flat_gid[sorted(whole_flat)]] = True
     whole |= _pinned_minors(graph, members, flat_gid, minor_flat, whole)
-    if cut:  # every part of a cut batch group is a batch group
+    if cuts.batch_flat:  # every part of a cut batch group is a batch group
         batch_dims = {
             (t.id, d)
             for t in graph.tensors
             for d in range(t.ndim)
-            if int(offsets[t.id]) + d in batch_flat
+            if int(offsets[t.id]) + d in cuts.batch_flat
         }
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
@@ -231,8 +201,8 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
         tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
     )
     found = tuple(
-        Seam(op, int(flat_gid[a]), int(flat_gid[b]), int(flat_gid[a if conv_side[op] else b]))
-        for op, (a, b) in sorted(cut.items())
+        Seam(op, int(flat_gid[a]), int(flat_gid[b]), int(flat_gid[a if cuts.conv[op] else b]))
+        for op, (a, b) in sorted(cuts.ties.items())
         if flat_gid[a] != flat_gid[b]
     )
     return Groups(
@@ -240,6 +210,48 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
         tensor_groups,
         found,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cuts:
+    """The batch ties `_cut_seams` cut, and the union-find without them."""
+
+    ties: Mapping[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # op -> tie
+    conv: Mapping[int, bool] = dataclasses.field(default_factory=dict)  # op -> input on conv side
+    find: Callable[[int], int] | None = None
+    batch_flat: frozenset[int] = frozenset()  # flat dims of the batch before the cuts
+
+
+def _cut_seams(graph: Graph, offsets, flat_ties, find, batch_dims) -> _Cuts:
+    """Cut the batch's dim-0 tie at each flatten (`_flatten_tie`), then keep only the cuts
+    that part convolution tensors from the rest, cutting again until that holds: a flatten
+    inside the convolutions, or one after them that another path bridges, stays tied."""
+    n = int(offsets[-1])
+    batch_roots = {find(int(offsets[t]) + d) for t, d in batch_dims if graph.tensors[t].ndim}
+    cut: dict[int, tuple[int, int]] = {}
+    for op in graph.ops:
+        tie = _flatten_tie(op, graph)
+        if tie is not None and find(int(offsets[tie[0][0]])) in batch_roots:
+            cut[op.index] = (int(offsets[tie[0][0]]), int(offsets[tie[1][0]]))
+    conv = {t for op in graph.ops if op.primitive == "conv_general_dilated" for t in op.inputs}
+    while cut:  # each pass keeps a subset: it ends
+        kept = (
+            tie
+            for i, ties in enumerate(flat_ties)
+            for tie in ties
+            if cut.get(i) not in (tie, tie[::-1])
+        )
+        cut_find = _union(n, kept)
+        conv_roots = {
+            cut_find(int(offsets[t]) + d) for t in conv for d in range(graph.tensors[t].ndim)
+        }
+        on_conv = {i: cut_find(x) in conv_roots for i, (x, _) in cut.items()}
+        parting = {i: xy for i, xy in cut.items() if on_conv[i] != (cut_find(xy[1]) in conv_roots)}
+        if parting == cut:
+            batch = frozenset(x for x in range(n) if find(x) in batch_roots)
+            return _Cuts(cut, on_conv, cut_find, batch)
+        cut = parting
+    return _Cuts()
 
 
 def _union(n: int, ties) -> Callable[[int], int]:
