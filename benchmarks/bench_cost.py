@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, as the target says
 from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel
-from automap._linkage import build_groups
+from automap._groups import build_groups
 from automap._zoo import get_model, list_models
 
 MESH = {"data": 4, "model": 4}

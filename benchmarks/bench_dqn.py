@@ -23,7 +23,6 @@ seed gives the same plan anywhere); only the figures read from the curves are ti
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import tempfile
@@ -34,19 +33,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per process, as the ta
 
 import automap as am
 from automap._api import Problem, run_searcher
-from automap._process import ShardProcess
-from automap._search import SAFETY, Tracker, search_mcmc, search_random
-from automap._searchers import (
+from automap._search import (
     EPISODES_PER_SECOND,
-    _dqn,
-    _expert_start,
-    _Progress,
+    SAFETY,
+    SearchProgress,
+    ShardProcess,
+    Tracker,
+    baseline_time,
     expert_seeds,
+    expert_start,
+    search_dqn,
+    search_mcmc,
+    search_random,
 )
-from automap._space import Pruning, ShardSpace, baseline_time
+from automap._space import Pruning, ShardSpace
 from automap._zoo import get_model
-from automap.rl import DQNAgent, DQNConfig, search
-from automap.rl._checkpoint import load_agent_state
+from automap.rl import DQNAgent, DQNConfig, load_agent_state, search
 
 # name -> (zoo model, overrides, chip, devices)
 MODELS = {
@@ -81,9 +83,7 @@ def optimum(
 ) -> tuple[float, str]:
     if size <= exhaustive_max:
         return run_searcher(problem, "exhaustive", 600, 0).predicted.step_time_s, "exhaustive"
-    if importlib.util.find_spec("automap._ilp") is not None:
-        return run_searcher(problem, "ilp", 120, 0).predicted.step_time_s, "ilp"
-    return float("inf"), "best found"
+    return run_searcher(problem, "ilp", 120, 0).predicted.step_time_s, "ilp"
 
 
 def time_to(curve: list[tuple[float, int, float]], target: float) -> tuple[float, int] | None:
@@ -95,7 +95,7 @@ def time_to(curve: list[tuple[float, int, float]], target: float) -> tuple[float
 
 
 def run_dqn(space: ShardSpace, budget: float, seed: int):
-    _point, stats = _dqn(space, budget, seed, _Progress(False, "dqn"))
+    _point, stats = search_dqn(space, budget, seed, SearchProgress(False, "dqn"))
     curve = [(r["elapsed_s"], r["episode"], r["best_time"]) for r in stats["curve"]]
     best = curve[-1][2] if curve else float("inf")
     return best, curve
@@ -120,7 +120,7 @@ def run_classic(space: ShardSpace, name: str, budget: float, seed: int, cold: bo
     if name == "random":
         search_random(space, tracker, seed)
     else:
-        search_mcmc(space, tracker, seed, start=None if cold else _expert_start(space))
+        search_mcmc(space, tracker, seed, start=None if cold else expert_start(space))
     return tracker.best_time, curve
 
 

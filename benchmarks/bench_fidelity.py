@@ -71,9 +71,15 @@ def bench_model(
     name: str, plans: int, seed: int, zero: bool, verbose: bool, masks: bool = True
 ) -> dict:
     from automap._capture import capture
-    from automap._hlo import comm_bytes, parse_collectives
-    from automap._linkage import build_groups
-    from automap._verify import as_on_cpu, compare, compile_plan, predicted_bytes
+    from automap._groups import build_groups
+    from automap._verify import (
+        as_on_cpu,
+        comm_bytes,
+        compare_collectives,
+        compile_plan,
+        parse_collectives,
+        predicted_bytes,
+    )
 
     zoo_name, overrides = MODELS[name]
     model = get_model(zoo_name, **overrides)
@@ -95,7 +101,7 @@ def bench_model(
             continue
         if predicted is None:
             sys.exit("no cost model (automap._cost) in this installation: nothing to compare")
-        ok, why = compare(as_on_cpu(predicted), xla)
+        ok, why = compare_collectives(as_on_cpu(predicted), xla)
         matched += ok
         reasons.update(_shape_of(w) for w in why)
         # Every case, for --json: a corpus the cost model can be regression-tested on.

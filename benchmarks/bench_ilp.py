@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from automap._api import Problem, run_searcher
 from automap._cluster import Cluster
-from automap._ilp import fine_space, search_ilp
+from automap._search import fine_space, search_ilp
 from automap._space import ShardSpace
 from automap._zoo import get_model
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from automap._capture import capture
-from automap._linkage import build_groups
+from automap._groups import build_groups
 
 
 def sds(*shape, dtype=jnp.float32):

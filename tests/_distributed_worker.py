@@ -59,7 +59,7 @@ def main(process_id: int, port: int, out: Path) -> None:
     from jax.experimental.multihost_utils import process_allgather
 
     import automap as am
-    from automap._distributed import _rows_in_process_order
+    from automap._run import rows_in_process_order
     from automap._zoo import get_model
 
     assert jax.device_count() == PROCESSES * DEVICES_PER_PROCESS, jax.devices()
@@ -79,7 +79,7 @@ def main(process_id: int, port: int, out: Path) -> None:
         plan = am.Plan.load(out / f"{name}.json")
         spec = jax.sharding.PartitionSpec(*plan.specs["[2]['x']"])
         sharding = jax.sharding.NamedSharding(am.apply(model.step_fn, plan).mesh, spec)
-        checks["share_in_process_order"][name] = _rows_in_process_order(sharding, batch["x"].shape)
+        checks["share_in_process_order"][name] = rows_in_process_order(sharding, batch["x"].shape)
     small = am.apply(model.step_fn, am.Plan.load(out / f"{SMALL_PLAN}.json"))
     try:
         small(params, opt_state, mine)

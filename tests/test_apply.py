@@ -1,6 +1,5 @@
 """apply: sharded runs compute what the unsharded step computes; bad plans refused early."""
 
-import importlib.util
 import itertools
 
 import hypothesis.strategies as st
@@ -12,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 
 from automap import ApplyError, Plan, PlanError
-from automap._apply import apply
 from automap._plan import Provenance, Stage
+from automap._run import apply
 
 OPT = optax.adam(1e-2)
 
@@ -184,7 +183,6 @@ def test_unknown_output_path():
         apply(mlp_step, plan)(*args)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("automap._capture") is None, reason="no capture")
 def test_fingerprint_of_another_program():
     args = mlp_args()
     plan = Plan(
@@ -196,7 +194,6 @@ def test_fingerprint_of_another_program():
         apply(mlp_step, plan)(*args)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("automap._interpret") is None, reason="no interpret")
 def test_internal_constraints_and_matching_fingerprint():
     from automap._capture import capture
 
@@ -267,7 +264,6 @@ def test_random_programs_random_plans(case):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("automap._zoo") is None, reason="no zoo yet")
 def test_bert_two_layers_megatron_dp():
     from automap._zoo import get_model
 

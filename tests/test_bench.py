@@ -7,10 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from automap import _bench
-from automap._bench_md import to_markdown, write
+from automap._bench import Row, to_markdown, write
+from automap._bench import _run as _bench
 from automap._cli import app
-from automap._compare import Row
 from automap._plan import Plan, Provenance
 
 TINY = dict(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512)

@@ -15,6 +15,7 @@ from jax.extend.core import Primitive
 import automap as am
 from automap._capture import CaptureWarning, capture
 from automap._graph import Role, TensorKind
+from automap._zoo import get_model
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32
@@ -254,12 +255,8 @@ def test_failing_function_raises_capture_error_with_hint():
     assert g.ops
 
 
-def _zoo():
-    return pytest.importorskip("automap._zoo")
-
-
 def test_bert_large_flops_match_the_analytic_count():
-    spec = _zoo().get_model("bert-large")
+    spec = get_model("bert-large")
     g = capture(spec.step_fn, *spec.abstract_args())
     cfg = spec.config
     layers, hidden, batch, seq = cfg["layers"], cfg["hidden"], cfg["batch"], cfg["seq"]
@@ -285,7 +282,7 @@ def _max_abs_diff(a, b):
 
 def test_equinox_step_roles_and_replay():
     eqx = pytest.importorskip("equinox")
-    from automap._interpret import run_graph
+    from automap._run import run_graph
 
     params, static = eqx.partition(eqx.nn.MLP(5, 3, 16, 2, key=jax.random.key(0)), eqx.is_array)
     tx = optax.adam(1e-3)
@@ -315,7 +312,7 @@ def test_keras_stateless_step_roles_and_replay():
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "jax":
         pytest.skip("keras was imported with another backend")
-    from automap._interpret import run_graph
+    from automap._run import run_graph
 
     model = keras.Sequential(
         [
@@ -363,7 +360,6 @@ def test_gpt_6_7b_captures_abstractly_in_little_memory():
     import sys
     import textwrap
 
-    _zoo()
     code = textwrap.dedent(
         """
         from automap._capture import capture

@@ -111,7 +111,7 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
 def test_every_command_has_help_an_example_and_option_help():
     import typer
 
-    from automap._cli_app import app as shared_app
+    from automap._cli import app as shared_app
 
     assert shared_app is app
     top = run("--help")

@@ -6,7 +6,7 @@ import functools
 import pytest
 
 import automap as am
-from automap._compare import compare
+from automap._bench import compare
 from automap._zoo import get_model
 
 

@@ -13,10 +13,9 @@ import pytest
 from _cnn import CNN_ARGS, cnn, cnn_loss
 from automap._capture import capture
 from automap._cluster import Cluster
-from automap._collectives import AR, AxisCosts, ring_allreduce_time, tree_allreduce_time
-from automap._cost import CostModel
+from automap._cost import AR, AxisCosts, CostModel, ring_allreduce_time, tree_allreduce_time
 from automap._graph import Role
-from automap._linkage import build_groups, plan_from_assignment
+from automap._groups import build_groups, plan_from_assignment
 from automap._verify import verify
 from automap._zoo import get_model
 
@@ -96,7 +95,7 @@ def test_megatron_all_reduces_activations_twice_per_layer_forward():
 
 
 def _boundary(g):
-    from automap._memory import find_residuals
+    from automap._capture import find_residuals
 
     return find_residuals(g).boundary
 
@@ -251,13 +250,13 @@ def test_fast_evaluation_equals_the_detailed_estimate():
     # The searchers optimize evaluate(); plans are priced by estimate(): they must agree,
     # or an exact optimum of one is not the optimum of the other.
     import automap as am
-    from automap._api import Problem, _priced_experts
+    from automap._api import Problem, priced_experts
     from automap._zoo import get_model
 
     spec = get_model("bert-base", layers=2, hidden=128, heads=8, seq=32, batch=8)
     problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16), None)
     # One-stage plans: a pipeline's cost is its schedule's, not evaluate()'s.
-    for name, plan in _priced_experts(problem, pipelines=False).items():
+    for name, plan in priced_experts(problem, pipelines=False).items():
         assignment = {int(k): v for k, v in plan.decisions["assignment"].items()}
         fast = problem.cost_model.evaluate(assignment, plan.mesh, zero_stage=plan.zero_stage)
         assert fast.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12), name

@@ -14,7 +14,7 @@ import pytest
 
 import automap as am
 from _distributed_worker import MODEL, PLANS, PROCESSES, SMALL_PLAN, flat, train
-from automap._numerics import compare_outputs
+from automap._verify import compare_outputs
 from automap._zoo import get_model
 
 WORKER = Path(__file__).with_name("_distributed_worker.py")

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 import automap as am
-from automap._numerics import compare_outputs
+from automap._verify import compare_outputs
 
 CPU8 = am.Cluster.preset("cpu", devices=8)
 

@@ -4,8 +4,8 @@ import pytest
 
 import automap as am
 from automap._capture import capture
-from automap._expert import batch_groups, block_groups, expert_plans_for
-from automap._linkage import build_groups
+from automap._groups import build_groups
+from automap._space import batch_groups, block_groups, expert_plans_for
 from automap._zoo import get_model
 
 

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from automap._capture import capture
-from automap._flops import ELEMENTWISE, RULES, is_known, op_cost, while_trip_count
+from automap._capture import ELEMENTWISE, RULES, capture, is_known, op_cost, while_trip_count
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32

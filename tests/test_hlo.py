@@ -7,7 +7,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from automap._hlo import axis_of, comm_bytes, parse_collectives, parse_replica_groups, shape_bytes
+from automap._verify import (
+    axis_of,
+    comm_bytes,
+    parse_collectives,
+    parse_replica_groups,
+    shape_bytes,
+)
 
 MESH = {"data": 2, "model": 4}
 

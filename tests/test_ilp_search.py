@@ -10,9 +10,15 @@ from automap._api import Problem, run_searcher
 from automap._capture import capture
 from automap._cost import CostModel
 from automap._errors import InfeasibleError
-from automap._ilp import MeshTerms, fine_space, search_ilp
-from automap._linkage import build_groups
-from automap._search import Tracker, _options_of, search_exhaustive
+from automap._groups import build_groups
+from automap._search import (
+    MeshTerms,
+    Tracker,
+    fine_space,
+    options_of,
+    search_exhaustive,
+    search_ilp,
+)
 from automap._solvers import evaluate_batch
 from automap._space import ShardSpace
 from automap._zoo import get_model
@@ -84,7 +90,7 @@ def test_factor_sums_are_the_cost_models_figures(case):
             problem = terms.problem(zero)
             aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
             for _ in range(6):
-                options = _options_of(space, mesh_index, rng)
+                options = options_of(space, mesh_index, rng)
                 cost = space.evaluate(mesh_index, options, zero_stage=zero)
                 rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
                 time, memory, feasible = evaluate_batch(problem, rows)

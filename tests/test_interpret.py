@@ -10,7 +10,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from automap._capture import capture
-from automap._interpret import eval_graph, run_graph
+from automap._run import eval_graph, run_graph
+from automap._zoo import get_model
 
 
 class _Mlp(nn.Module):
@@ -134,8 +135,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_zoo_step_reduced_variant_runs_through_the_interpreter():
-    zoo = pytest.importorskip("automap._zoo")
-    spec = zoo.get_model("bert-large", layers=1, hidden=32, heads=2, batch=2, seq=8)
+    spec = get_model("bert-large", layers=1, hidden=32, heads=2, batch=2, seq=8)
     args = spec.concrete_args()
     graph = capture(spec.step_fn, *args)
     got = jax.jit(lambda *a: run_graph(graph, *a))(*args)

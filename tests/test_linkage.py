@@ -10,7 +10,7 @@ import pytest
 from _cnn import cnn
 from automap._capture import capture
 from automap._graph import Role
-from automap._linkage import build_groups, expand_classes, layouts, plan_from_assignment, zero_spec
+from automap._groups import build_groups, expand_classes, layouts, plan_from_assignment, zero_spec
 from automap._zoo import get_model
 
 

@@ -6,10 +6,9 @@ from gymnasium.utils.env_checker import check_env
 import automap as am
 from automap._api import Problem, run_searcher
 from automap._capture import capture
-from automap._expert import expert_assignments
-from automap._space import make_process
+from automap._search import make_process, planning_env
+from automap._space import expert_assignments
 from automap._zoo import get_model
-from automap.rl import PlanningEnv
 
 A100x16 = am.Cluster.preset("a100", devices=16)
 
@@ -23,7 +22,7 @@ def bert():
 @pytest.mark.parametrize("task", ["shard", "replicate"])
 def test_the_environment_passes_gymnasiums_checker(bert, task):
     _, graph = bert
-    env = PlanningEnv(graph, A100x16, task)
+    env = planning_env(graph, A100x16, task)
     check_env(env.unwrapped)
     obs, info = env.reset(seed=0)
     assert obs.shape == (env.unwrapped.process.obs_dim,)

@@ -16,15 +16,16 @@ from PIL import Image, ImageStat
 import automap as am
 from automap._errors import AutomapError
 from automap._plan import Provenance
-from automap._report import render_report, write_report
-from automap._report_data import (
+from automap._report import (
     memory_bars,
+    mesh_layout,
     pipeline_ops,
     read_curve,
+    render_report,
     sharding_rows,
     stage_times,
+    write_report,
 )
-from automap._report_plots import mesh_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ("mesh", "sharding", "pipeline", "memory", "curve", "step-time", "collectives")
@@ -317,7 +318,7 @@ def test_dp_pipeline_plan_report_has_the_pipeline_sections(dp_plan, tmp_path):
 def test_dp_pipeline_plan_prints_its_stages(dp_plan):
     from rich.console import Console
 
-    from automap._report_text import print_plan
+    from automap._report import print_plan
 
     console = Console(width=160, record=True)
     print_plan(console, dp_plan, am.Cluster.preset("a100", devices=8))

@@ -13,8 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel
-from automap._linkage import build_groups, plan_from_assignment
-from automap._rules import KNOWN_PRIMITIVES, dim_ties, reduced_dims, reshape_ties, rule
+from automap._groups import (
+    KNOWN_PRIMITIVES,
+    build_groups,
+    dim_ties,
+    plan_from_assignment,
+    reduced_dims,
+    reshape_ties,
+    rule,
+)
 
 f32 = jnp.float32
 

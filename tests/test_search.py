@@ -6,7 +6,7 @@ import pytest
 import automap as am
 from _cnn import cnn
 from automap._api import Problem, run_searcher
-from automap._compare import compare, speedups, to_json
+from automap._bench import compare, speedups, to_json
 from automap._cost import CostModel
 from automap._search import Tracker, evaluate, search_exhaustive, search_mcmc, search_random
 from automap._space import Pruning, ShardSpace, candidate_meshes
@@ -156,7 +156,7 @@ def test_tasks_choose_the_space(problem):
 
 def _interrupt_at(monkeypatch, n: int) -> None:
     """Ctrl-C, deterministically: the n-th cost evaluation raises KeyboardInterrupt."""
-    import automap._search as search_module
+    import automap._search._classic as search_module
 
     real, calls = search_module.evaluate, [0]
 

@@ -18,10 +18,10 @@ from ._capture import capture
 from ._cluster import Cluster
 from ._cost import CostModel
 from ._errors import AutomapError, InfeasibleError, PlanError
-from ._expert import expert_plans_for
 from ._graph import Graph
-from ._linkage import Groups, build_groups
+from ._groups import Groups, build_groups
 from ._plan import Cost, Plan, Provenance
+from ._space import expert_plans_for
 from ._version import __version__
 
 SEARCHERS = ("dqn", "ilp", "dp", "exhaustive", "expert", "random", "mcmc")
@@ -112,7 +112,7 @@ def run_searcher(
     `agent_in`, `agent_out` and `resume` are the DQN's files (see `plan`)."""
     name = _check_searcher(name)
     task = _check_tasks("auto", name) if task is None else task
-    from ._searchers import DQNFiles
+    from ._search import DQNFiles
 
     files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
     if files and name != "dqn":
@@ -128,7 +128,7 @@ def run_searcher(
         if best.decisions.get("interrupted"):
             best = _no_worse_than_experts(problem, best, {"interrupted": True}, task)
     else:
-        from ._searchers import run_space_searcher, with_stats
+        from ._search import run_space_searcher, with_stats
 
         found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task, files)
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
@@ -163,13 +163,13 @@ def expert_plans(
     megatron_dp, owt for a CNN, gpipe_uniform, megatron_3d), each with its predicted cost;
     infeasible ones are kept, marked by `predicted.feasible`."""
     problem = Problem.build(step_fn, args, cluster, roles)
-    return _priced_experts(problem)
+    return priced_experts(problem)
 
 
-def _priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
+def priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
     plans = expert_plans_for(problem.graph, problem.groups, problem.cluster, problem.estimate)
     if pipelines:
-        from ._pipeline._experts import pipeline_experts
+        from ._space import pipeline_experts
 
         plans.update(
             pipeline_experts(problem.graph, problem.groups, problem.cluster, problem.estimate)
@@ -199,7 +199,7 @@ def arg_roles(graph: Graph) -> dict[str, str]:
 
 
 def _best_expert(problem: Problem, task: str = "shard") -> Plan:
-    plans = _priced_experts(problem, pipelines=task in ("pipeline", "hybrid"))
+    plans = priced_experts(problem, pipelines=task in ("pipeline", "hybrid"))
     if task == "replicate":  # data parallelism and ZeRO only
         plans = {k: p for k, p in plans.items() if set(p.mesh) == {"data"}}
     elif task == "pipeline":
@@ -283,8 +283,7 @@ def _check_tasks(tasks: str | Sequence[str], searcher: str = "dqn") -> str:
 def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
     """The dp searcher: pipelines by the exact stage DP, and for the hybrid task the
     one-stage optimum (the ILP) too; the faster feasible one wins."""
-    from ._pipeline._search import search_dp
-    from ._searchers import run_space_searcher, with_stats
+    from ._search import run_space_searcher, search_dp, with_stats
 
     candidates = []
     start = time.perf_counter()

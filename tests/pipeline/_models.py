@@ -11,8 +11,8 @@ import numpy as np
 import optax
 
 from automap._capture import capture
-from automap._linkage import build_groups
-from automap._numerics import compare_outputs
+from automap._groups import build_groups
+from automap._verify import compare_outputs
 from automap._zoo import get_model
 
 TINY = dict(layers=2, hidden=32, heads=2, batch=8, seq=16, vocab=64, dtype="float32")

@@ -12,22 +12,22 @@ import pytest
 import automap as am
 from automap._capture import capture
 from automap._cluster import Cluster
-from automap._cost import CostModel
-from automap._expert import expert_assignments
-from automap._linkage import build_groups, plan_from_assignment
-from automap._pipeline._cost import (
-    _zero_leaves,
+from automap._cost import (
+    CostModel,
     estimate_pipeline,
     op_costs,
     pipeline_decisions,
     plan_op_costs,
     stage_costs,
+    zero_leaves,
 )
-from automap._pipeline._partition import Phase, forward_ops, partition
-from automap._pipeline._schedule import stage_orders
+from automap._groups import build_groups, plan_from_assignment
+from automap._pipeline import Phase, forward_ops, partition, stage_orders
 from automap._plan import Plan, Stage
-from automap._report_data import stage_times
-from automap._solvers._pipeline_dp import pipeline_step_time
+from automap._report import stage_times
+from automap._run import apply_pipeline
+from automap._solvers import pipeline_step_time
+from automap._space import expert_assignments
 from automap._zoo import get_model
 
 A100 = Cluster.preset("a100", devices=16)
@@ -186,10 +186,9 @@ def test_public_estimate_and_report_decisions():
 
 
 def test_the_runtime_runs_the_order_the_model_times():
-    runtime = pytest.importorskip("automap._pipeline._runtime")
     spec, _, _, _ = zoo("gpt2-xl")
     plan = stage_plan("gpt2-xl", 2, 4, "1f1b")  # 2 stages x 4 devices: the 8 CPU devices
-    run = runtime.apply_pipeline(spec.step_fn, plan)
+    run = apply_pipeline(spec.step_fn, plan)
     run(*spec.concrete_args())
     pc = estimate_pipeline(model("gpt2-xl"), plan)
     for s in range(2):
@@ -219,6 +218,6 @@ def test_zero_gathers_are_charged_where_each_parameter_is_updated():
     cm = model("gpt2-xl")
     plan = stage_plan("gpt2-xl", 2, 2, zero=1)
     pc = estimate_pipeline(cm, plan)
-    moments = 2 * sum(b for _, b, _ in _zero_leaves(cm.graph, plan_op_costs(cm, plan).layouts))
+    moments = 2 * sum(b for _, b, _ in zero_leaves(cm.graph, plan_op_costs(cm, plan).layouts))
     gathered = sum(c.bytes for own in pc.stage_collectives for c in own if c.kind == "all-gather")
     assert gathered == pytest.approx(moments)

@@ -7,9 +7,16 @@ import pytest
 from automap import PlanError
 from automap._capture import capture
 from automap._graph import Role
-from automap._linkage import build_groups
-from automap._pipeline._partition import Phase, forward_ops, partition
-from automap._pipeline._plans import crossing_bytes, cut_candidates, pipeline_plan, uniform_cuts
+from automap._groups import build_groups
+from automap._pipeline import (
+    Phase,
+    crossing_bytes,
+    cut_candidates,
+    forward_ops,
+    partition,
+    pipeline_plan,
+    uniform_cuts,
+)
 
 from ._models import batchnorm_step_and_args, zoo
 

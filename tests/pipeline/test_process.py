@@ -8,15 +8,20 @@ from gymnasium.utils.env_checker import check_env
 
 import automap as am
 from automap._api import Problem, _best_expert
-from automap._pipeline._cost import estimate_pipeline
-from automap._pipeline._hybrid import HybridProcess, make_pipeline_process
-from automap._pipeline._partition import partition
-from automap._pipeline._pricer import PipelinePricer
-from automap._pipeline._process import PipelineProcess
-from automap._process import ShardProcess
-from automap._space import ShardSpace, baseline_time
+from automap._cost import estimate_pipeline
+from automap._pipeline import partition
+from automap._search import (
+    HybridProcess,
+    PipelinePricer,
+    PipelineProcess,
+    ShardProcess,
+    baseline_time,
+    make_pipeline_process,
+    planning_env,
+)
+from automap._space import ShardSpace
 from automap._zoo import get_model
-from automap.rl import DQNConfig, PlanningEnv, search
+from automap.rl import DQNConfig, search
 
 SMALL = dict(layers=4, hidden=64, heads=4, batch=16, seq=16)
 
@@ -41,7 +46,7 @@ def _random_episode(process, rng) -> tuple[int, ...]:
 @pytest.mark.parametrize("task", ["pipeline", "hybrid"])
 def test_check_env_passes(gpt, task):
     problem = gpt[1]
-    env = PlanningEnv(problem.graph, problem.cluster, task)
+    env = planning_env(problem.graph, problem.cluster, task)
     assert isinstance(env.process, PipelineProcess if task == "pipeline" else HybridProcess)
     check_env(env.unwrapped)
 

@@ -10,10 +10,9 @@ import pytest
 
 import automap as am
 from automap import ApplyError, PlanError
-from automap._expert import batch_groups, block_groups
-from automap._pipeline._plans import pipeline_plan, uniform_cuts
-from automap._pipeline._schedule import global_order
-from automap._verify import as_on_cpu, compare, verify
+from automap._pipeline import global_order, pipeline_plan, uniform_cuts
+from automap._space import batch_groups, block_groups
+from automap._verify import as_on_cpu, compare_collectives, verify
 
 from ._models import assert_same, flax_args, flax_graph, flax_step, zoo
 
@@ -108,12 +107,12 @@ def test_verify_compares_a_pipeline_with_a_model_axis_and_zero3_compiled_only():
         k: v / 2 if k.startswith("all-reduce@data") else v
         for k, v in report.predicted_comm_bytes.items()
     }
-    ok, why = compare(as_on_cpu(once), report.xla_comm_bytes)
+    ok, why = compare_collectives(as_on_cpu(once), report.xla_comm_bytes)
     assert not ok and len(why) == 2 and all("all-reduce over data (stage" in w for w in why)
     # ... and one that charged stage 1's ZeRO gathers to stage 0 (the same total).
     moved = dict(report.predicted_comm_bytes)
     moved["all-gather@data (stage 0)"] += moved.pop("all-gather@data (stage 1)")
-    ok, why = compare(as_on_cpu(moved), report.xla_comm_bytes)
+    ok, why = compare_collectives(as_on_cpu(moved), report.xla_comm_bytes)
     assert not ok and len(why) == 2
     assert why[0].startswith("all-gather over data (stage 0): predicted")
     assert why[1].startswith("XLA inserts all-gather over data (stage 1)")

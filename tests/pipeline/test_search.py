@@ -9,18 +9,11 @@ import pytest
 
 import automap as am
 from automap._api import Problem
+from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
-from automap._pipeline._cost import estimate_pipeline, op_costs
-from automap._pipeline._experts import pipeline_experts
-from automap._pipeline._partition import partition
-from automap._pipeline._plans import cut_candidates, pipeline_plan
-from automap._pipeline._search import (
-    Point,
-    _optimal_cuts,
-    _polish,
-    microbatch_counts,
-    search_dp,
-)
+from automap._pipeline import cut_candidates, partition, pipeline_plan
+from automap._search import optimal_cuts, polish_cuts, search_dp
+from automap._space import Point, microbatch_counts, pipeline_experts
 from automap._zoo import get_model
 
 from ._models import assert_same
@@ -52,7 +45,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     mesh, assignment = {"data": 4}, {groups.batch_groups[0]: "data"}
     oc = op_costs(model, assignment, mesh)
     point = Point(stages=2, stage_mesh=mesh, microbatches=4, intra="test")
-    cuts = _optimal_cuts(model, fine, cands, oc, point, "1f1b")
+    cuts = optimal_cuts(model, fine, cands, oc, point, "1f1b")
 
     def priced(cut_set):
         plan = pipeline_plan(graph, groups, cut_set, mesh, assignment, 4, "1f1b")
@@ -62,7 +55,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     assert cuts is not None and cuts[0] in cands
     plan = pipeline_plan(graph, groups, cuts, mesh, assignment, 4, "1f1b")
     plan = dataclasses.replace(plan, predicted=estimate_pipeline(model, plan).cost)
-    polished = _polish(model, plan, cands)
+    polished = polish_cuts(model, plan, cands)
     assert polished.predicted.step_time_s <= plan.predicted.step_time_s
     assert priced(tuple(polished.decisions["cuts"])) == pytest.approx(
         polished.predicted.step_time_s
@@ -135,7 +128,7 @@ def test_a_dp_plan_runs_and_computes_the_same_numbers():
 
 def test_ctrl_c_keeps_the_best_pipeline_so_far(gpt, monkeypatch):
     """Deterministic Ctrl-C: the third outer point raises KeyboardInterrupt."""
-    import automap._pipeline._search as search_module
+    import automap._search._dp as search_module
 
     spec, pb = gpt
     real, calls = search_module._solve_point, [0]
@@ -166,8 +159,8 @@ def test_ctrl_c_keeps_the_best_pipeline_so_far(gpt, monkeypatch):
 
 
 def test_ctrl_c_during_the_ilp_keeps_its_best_point(monkeypatch):
-    import automap._ilp as ilp_module
-    from automap._ilp import search_ilp
+    import automap._search._ilp as ilp_module
+    from automap._search import search_ilp
     from automap._space import ShardSpace
 
     spec = get_model("gpt2-xl", **SMALL)

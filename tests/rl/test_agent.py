@@ -7,9 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from automap.rl import DQNAgent, DQNConfig, TrainState, search, select_action, train_step
-from automap.rl._networks import dueling, init_params, q_values
-from automap.rl._replay import Batch
+from automap.rl import (
+    Batch,
+    DQNAgent,
+    DQNConfig,
+    TrainState,
+    dueling,
+    init_params,
+    q_values,
+    search,
+    select_action,
+    train_step,
+)
 
 from .toy import SMALL, AssignmentProcess, random_search
 

@@ -15,8 +15,7 @@ import pytest
 import automap as am
 from automap._errors import AutomapError
 from automap._zoo import get_model
-from automap.rl import DQNAgent, search
-from automap.rl._checkpoint import SearchCheckpoint
+from automap.rl import DQNAgent, SearchCheckpoint, search
 
 from .toy import SMALL, AssignmentProcess
 

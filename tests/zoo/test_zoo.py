@@ -137,7 +137,7 @@ def test_loss_decreases_when_training_a_small_variant(name, overrides):
 
 
 def test_moe_routing_respects_capacity():
-    from automap._zoo._moe import route
+    from automap._zoo import route
 
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (2, 16, 4)), axis=-1)
     # jit: one compile instead of one per eager op.

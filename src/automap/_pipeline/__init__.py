@@ -1,1 +1,14 @@
 """Pipeline plans: stage partition of a captured step, schedules, runtime and cost."""
+
+from ._partition import Partition as Partition
+from ._partition import Phase as Phase
+from ._partition import forward_ops as forward_ops
+from ._partition import partition as partition
+from ._plans import crossing_bytes as crossing_bytes
+from ._plans import cut_candidates as cut_candidates
+from ._plans import pipeline_plan as pipeline_plan
+from ._plans import uniform_cuts as uniform_cuts
+from ._schedule import SCHEDULES as SCHEDULES
+from ._schedule import global_order as global_order
+from ._schedule import simulate as simulate
+from ._schedule import stage_orders as stage_orders

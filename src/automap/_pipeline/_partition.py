@@ -31,10 +31,10 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from .._capture import find_residuals
 from .._errors import PlanError
 from .._graph import Graph, Role
-from .._linkage import Groups
-from .._memory import find_residuals
+from .._groups import Groups
 
 
 class Phase(enum.StrEnum):

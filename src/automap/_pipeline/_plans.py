@@ -20,7 +20,7 @@ import numpy as np
 
 from .._errors import PlanError
 from .._graph import Graph
-from .._linkage import Groups, plan_from_assignment
+from .._groups import Groups, plan_from_assignment
 from .._plan import Plan, Stage
 from ._partition import forward_ops
 from ._schedule import SCHEDULES

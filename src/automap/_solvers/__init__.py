@@ -5,6 +5,7 @@ pipeline cost arrays; nothing here knows about graphs, meshes or JAX.
 """
 
 from ._exhaustive import solve_exhaustive as solve_exhaustive
+from ._factor import MEMORY_RTOL as MEMORY_RTOL
 from ._factor import Factor as Factor
 from ._factor import FactorProblem as FactorProblem
 from ._factor import Solution as Solution

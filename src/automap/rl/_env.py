@@ -1,8 +1,8 @@
 """The planning problem as a Gymnasium environment, over any `DecisionProcess`.
 
 A decision process is the sequence of discrete choices that builds one plan (a mesh axis per
-linkage group, a cut point, a stage count, ...). It lives in `automap._space`; this module only
-wraps it so that any RL library, and our own agent, can drive it through the Gymnasium API.
+linkage group, a cut point, a stage count, ...). Auto-MAP's live in `automap._search._mdp`;
+this module only wraps one so that any RL library, and our own agent, can drive it through the Gymnasium API.
 """
 
 from __future__ import annotations
@@ -84,9 +84,8 @@ class _MaskedDiscrete(spaces.Discrete):
 class PlanningEnv(gym.Env):
     """Gymnasium environment over a decision process.
 
-    `PlanningEnv(process)` wraps a `DecisionProcess`; `PlanningEnv(graph, cluster, task)`
-    builds the process for one exploration task ("shard", "replicate", "pipeline", "hybrid")
-    with `automap._space.make_process`. Each step takes one decision; the reward is 0 until
+    `PlanningEnv(process)` wraps a `DecisionProcess` (`automap._search.planning_env(graph,
+    cluster, task)` builds the one of an exploration task for a captured program). Each step takes one decision; the reward is 0 until
     the plan is complete, then `plan_reward`. `info["action_mask"]` gives the valid actions
     after every reset and step; taking a masked action raises ValueError.
 
@@ -104,19 +103,15 @@ class PlanningEnv(gym.Env):
     def __init__(
         self,
         process: Any,
-        cluster: Any = None,
-        task: str | None = None,
         *,
         infeasible_penalty: float = INFEASIBLE_PENALTY,
         shaping: bool = False,
         log_scale: bool = False,
     ):
-        if cluster is not None or task is not None:
-            process = _make_process(process, cluster, task)
-        elif not isinstance(process, DecisionProcess):
+        if not isinstance(process, DecisionProcess):
             raise TypeError(
-                "PlanningEnv takes a DecisionProcess, or (graph, cluster, task); "
-                f"got {type(process).__name__}"
+                "PlanningEnv takes a DecisionProcess; for a captured program use "
+                f"automap._search.planning_env(graph, cluster, task); got {type(process).__name__}"
             )
         self.process = process
         self.infeasible_penalty = infeasible_penalty
@@ -141,11 +136,6 @@ class PlanningEnv(gym.Env):
                 "log_scale": log_scale,
             },
         )
-
-    @classmethod
-    def for_task(cls, graph: Any, cluster: Any, task: str, **kwargs: Any) -> PlanningEnv:
-        """The environment of one exploration task on one model and cluster."""
-        return cls(_make_process(graph, cluster, task), **kwargs)
 
     def _current_mask(self) -> np.ndarray:
         if self._finished:
@@ -215,11 +205,3 @@ class PlanningEnv(gym.Env):
             "decisions": tuple(int(d) for d in self.process.decisions()),
         }
         return obs, reward, True, False, info
-
-
-def _make_process(graph: Any, cluster: Any, task: str | None) -> DecisionProcess:
-    # Imported here: the decision spaces import the cost model, which the agent and the
-    # environment shell do not need when driven by any other DecisionProcess.
-    from automap._space import make_process
-
-    return make_process(graph, cluster, task or "shard")

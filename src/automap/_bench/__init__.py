@@ -1,0 +1,12 @@
+"""TODO stage docstring."""
+
+from ._calibrate import measure as measure
+from ._calibrate import to_cluster as to_cluster
+from ._calibrate import write_cluster as write_cluster
+from ._compare import Row as Row
+from ._compare import compare as compare
+from ._compare import compare_table as compare_table
+from ._compare import speedups as speedups
+from ._compare import to_json as to_json
+from ._markdown import to_markdown as to_markdown
+from ._markdown import write as write

@@ -1,0 +1,14 @@
+"""TODO stage docstring."""
+
+from ._flops import ELEMENTWISE as ELEMENTWISE
+from ._flops import RULES as RULES
+from ._flops import is_known as is_known
+from ._flops import op_cost as op_cost
+from ._flops import while_trip_count as while_trip_count
+from ._origin import load_fn as load_fn
+from ._origin import load_zoo as load_zoo
+from ._origin import rebuild as rebuild
+from ._residuals import Residuals as Residuals
+from ._residuals import find_residuals as find_residuals
+from ._trace import CaptureWarning as CaptureWarning
+from ._trace import capture as capture

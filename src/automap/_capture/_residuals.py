@@ -1,0 +1,80 @@
+"""Which tensors a training step keeps alive for its backward pass.
+
+A `value_and_grad` jaxpr runs the forward ops first and the transposed (backward) ops
+after them. The forward ends where the loss is produced: a float scalar output of the step
+(the `boundary`). Activations kept for backward are the intermediates produced up to the
+boundary and read after it; their bytes (divided by each tensor's sharding) are the
+activation memory at the turn of the step, which is where a training step peaks.
+
+When no scalar loss is found, the boundary is the op where the unsharded live bytes of
+intermediates peak (a liveness sweep over the op list).
+
+With rematerialization we model JAX's `checkpoint_dots` policy: only the outputs of
+matmuls and convolutions are saved, the other forward ops run again in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._graph import Graph, Role, TensorKind
+
+_MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    boundary: int  # index of the last forward op
+    saved: tuple[int, ...]  # tensor ids kept for backward
+    saved_remat: tuple[int, ...]  # the subset kept under rematerialization
+    forward_ops: tuple[int, ...]  # op indices up to the boundary
+
+
+def find_residuals(graph: Graph) -> Residuals:
+    n_ops = len(graph.ops)
+    last_use = np.full(len(graph.tensors), -1, dtype=np.int64)
+    for op in graph.ops:
+        last_use[list(op.inputs)] = op.index
+    boundary = _loss_boundary(graph)
+    if boundary is None:
+        boundary = _liveness_peak(graph, last_use)
+    saved = tuple(
+        t.id
+        for t in graph.tensors
+        if t.kind == TensorKind.INTERMEDIATE
+        and t.producer is not None
+        and t.producer <= boundary
+        and last_use[t.id] > boundary
+    )
+    saved_remat = tuple(
+        t for t in saved if graph.ops[graph.tensors[t].producer].primitive in _MATMUL
+    )
+    return Residuals(boundary, saved, saved_remat, tuple(range(min(boundary + 1, n_ops))))
+
+
+def _loss_boundary(graph: Graph) -> int | None:
+    state = {leaf.path for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)}
+    for leaf in graph.outputs:
+        t = graph.tensors[leaf.tensor]
+        if (
+            t.ndim == 0
+            and t.producer is not None
+            and leaf.path not in state
+            and np.issubdtype(
+                np.dtype(t.dtype if t.dtype != "bfloat16" else "float16"), np.floating
+            )
+        ):
+            return t.producer
+    return None
+
+
+def _liveness_peak(graph: Graph, last_use: np.ndarray) -> int:
+    delta = np.zeros(len(graph.ops) + 1)
+    for t in graph.tensors:
+        if t.producer is not None and last_use[t.id] >= 0:
+            delta[t.producer] += t.nbytes
+            delta[last_use[t.id] + 1] -= t.nbytes
+    live = np.cumsum(delta)[: len(graph.ops)]
+    return int(np.argmax(live)) if len(live) else 0

@@ -1,0 +1,229 @@
+"""What every `automap` command shares: the Typer app, the common options and the helpers
+that turn a user's arguments into a step, a cluster or a plan file.
+
+The conventions every long-running command keeps:
+
+- progress (a Rich bar or spinner) goes to stderr by default, so stdout stays clean;
+- `--quiet/-q` prints only what was asked for (errors still show, on stderr);
+- `--json` prints machine-readable JSON on stdout and nothing else there, progress off;
+- an error the user can cause is one line naming the fix, exit code 2, never a traceback;
+- Ctrl-C exits with code 130 after keeping whatever was already found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperCommand
+
+from .._errors import AutomapError
+
+app = typer.Typer(
+    name="automap",
+    help="Auto-MAP: find, check and apply distributed execution plans for JAX training steps."
+    "\n\nExample: automap plan --model bert-large --cluster a100 --devices 16 -o plan.json",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()  # tables and answers: stdout
+err_console = Console(stderr=True)  # progress, notes and errors: stderr
+
+# The exit code of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Zoo model name (see `automap models`).")
+]
+FnOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fn", help="package.module:function returning (step_fn, args) for your own step."
+    ),
+]
+OverrideOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Model override KEY=VALUE (layers, hidden, heads, batch, seq, image, dtype...); repeatable.",
+    ),
+]
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster", "-c", help="Preset name (a100, h100, ...) or a cluster YAML/JSON file."
+    ),
+]
+DevicesOpt = Annotated[
+    int, typer.Option("--devices", "-n", help="Number of devices in the cluster (1 or more).")
+]
+JsonOpt = Annotated[
+    bool,
+    typer.Option("--json", help="Print machine-readable JSON on stdout (and nothing else there)."),
+]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet", "-q", help="No progress, no tables: only the answer (errors still show)."
+    ),
+]
+PlanFileArg = Annotated[Path, typer.Argument(help="A plan made by `automap plan -o plan.json`.")]
+
+
+class LegacyCommand(TyperCommand):
+    """A command with a hidden argument kept for an old spelling: Typer hides it from the
+    help's table but not from the usage line, which would then advertise it."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if not getattr(param, "hidden", False):
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+
+def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Print an error the user can fix as one line (exit code 2), not a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except AutomapError as e:
+            # soft_wrap: one line however long; the terminal wraps it, a log keeps it whole.
+            err_console.print(
+                f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True
+            )
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def busy(message: str, enabled: bool) -> Iterator[Any]:
+    """A spinner on stderr while a slow step runs (None when quiet or printing JSON, and
+    off a terminal, where a log would only get a stray blank line from it)."""
+    if not (enabled and err_console.is_terminal):
+        yield None
+        return
+    with err_console.status(message, spinner="dots") as status:
+        yield status
+
+
+def note(text: str) -> None:
+    """One plain line on stderr (no markup, no wrapping): shown even with --quiet or --json."""
+    err_console.print(text, highlight=False, soft_wrap=True, markup=False)
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def cpu_devices(n: int) -> None:
+    """Give this process `n` virtual CPU devices; must run before JAX starts a backend."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(n, 1))
+
+
+def check_devices(devices: int, option: str = "--devices") -> None:
+    if devices < 1:
+        raise AutomapError(f"{option} must be at least 1, got {devices} (e.g. {option} 8).")
+
+
+def check_budget(budget: float | None) -> None:
+    if budget is not None and not budget > 0:  # `not >` also catches NaN
+        raise AutomapError(f"--budget is seconds of search and must be positive, got {budget:g} "
+                           "(e.g. --budget 30).")  # fmt: skip
+
+
+def check_plan_file(path: Path) -> Path:
+    """The plan argument of apply/verify/report, refused early when it cannot be a plan."""
+    if path.is_dir():
+        raise AutomapError(
+            f"{path} is a directory, not a plan file: give the JSON file that "
+            "`automap plan -o plan.json` wrote."
+        )
+    return path
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise AutomapError(f"--set takes KEY=VALUE, got {item!r} (e.g. --set layers=2).")
+        key, raw = item.split("=", 1)
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word such as float32
+        out[key.strip()] = value
+    return out
+
+
+def load_step(model: str | None, fn: str | None, override: list[str] | None):
+    """(step_fn, args, origin) from a zoo model or a user's `module:function`."""
+    from .._capture import load_fn, load_zoo
+
+    if (model is None) == (fn is None):
+        raise AutomapError("give exactly one of --model NAME or --fn package.module:function.")
+    if model is not None:
+        return load_zoo(model, parse_overrides(override), abstract=True)
+    if override:
+        raise AutomapError(
+            "--set overrides apply to zoo models; change your --fn function instead."
+        )
+    try:
+        return load_fn(fn)
+    except AutomapError:
+        raise
+    except Exception as e:
+        # The user's module or function failed: say where, not a traceback from our code.
+        raise AutomapError(
+            f"--fn {fn} failed with {type(e).__name__}: {e}; the module must import and the "
+            "function take no arguments and return (step_fn, args)."
+        ) from None
+
+
+def load_cluster(cluster: str, devices: int):
+    from .._cluster import Cluster
+
+    check_devices(devices)
+    path = Path(cluster)
+    if path.is_dir():
+        raise AutomapError(
+            f"--cluster {cluster} is a directory: give a preset name or a YAML/JSON file."
+        )
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return Cluster.from_file(path).with_devices(devices)
+    return Cluster.preset(cluster, devices=devices)
+
+
+def json_flags(
+    as_json: bool, legacy: Path | None, json_out: Path | None
+) -> tuple[bool, Path | None]:
+    """(print JSON on stdout, JSON file to write) from `--json`, `--json-out` and the old
+    spelling `--json FILE`, which still writes FILE and prints tables as it used to.
+
+    Typer cannot give `--json` an optional value, so FILE arrives as a hidden positional
+    argument; anything there without `--json` before it is a mistake, not a file.
+    """
+    if legacy is None:
+        return as_json, json_out
+    if not as_json or json_out is not None:
+        raise AutomapError(
+            f"unexpected argument {str(legacy)!r}: this command takes options only; "
+            "write JSON to a file with --json-out FILE."
+        )
+    note(f"note: `--json {legacy}` is now `--json-out {legacy}` (`--json` alone prints JSON).")
+    return False, legacy

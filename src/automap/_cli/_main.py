@@ -1,0 +1,282 @@
+"""The `automap` command line: a thin Typer shell over the Python API.
+
+This module holds the search commands (`plan`, `compare`) and the entry point; the tools
+that read, run or draw a plan live in `_tools.py`, and what all commands share (the app,
+common options, progress/quiet/JSON conventions, friendly errors) in `_app.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .._errors import AutomapError
+from ._app import (
+    INTERRUPTED,
+    ClusterOpt,
+    DevicesOpt,
+    FnOpt,
+    JsonOpt,
+    LegacyCommand,
+    ModelOpt,
+    OverrideOpt,
+    QuietOpt,
+    app,
+    busy,
+    check_budget,
+    console,
+    friendly,
+    json_flags,
+    load_cluster,
+    load_step,
+    note,
+    print_json,
+)
+
+__all__ = ["app", "main"]
+
+SeedOpt = Annotated[int, typer.Option(help="Random seed: the same seed gives the same plan.")]
+JsonOutOpt = Annotated[
+    Path | None, typer.Option("--json-out", help="Also write the rows as JSON to this file.")
+]
+LegacyJsonArg = Annotated[
+    Path | None,
+    typer.Argument(hidden=True, help="Old spelling `--json FILE`: now `--json-out FILE`."),
+]
+
+
+@app.command("plan")
+@friendly
+def plan_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    cluster: ClusterOpt = "a100",
+    devices: DevicesOpt = 8,
+    searcher: Annotated[
+        str, typer.Option(help="dqn, ilp, dp, exhaustive, expert, random, mcmc, or auto.")
+    ] = "auto",
+    budget: Annotated[
+        float, typer.Option("--budget", help="Search budget in seconds (positive).")
+    ] = 60.0,
+    seed: SeedOpt = 0,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="Write the plan as JSON here (and its curve next to it)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    agent: Annotated[
+        Path | None,
+        typer.Option(
+            "--agent", help="DQN: warm-start from the network of this saved agent (--save-agent)."
+        ),
+    ] = None,
+    save_agent: Annotated[
+        Path | None,
+        typer.Option("--save-agent", help="DQN: save the trained agent to this file."),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="DQN: continue the search saved next to -o's plan (a stopped search, or a "
+            "finished one given a larger total --budget).",
+        ),
+    ] = False,
+) -> None:
+    """Find a plan for a model on a cluster and print it: mesh, shardings, predicted cost.
+
+    Ctrl-C saves the best plan so far (to -o, else a new plan.json) and exits with 130.
+    With -o, the DQN also keeps its search state next to the plan (plan.search.msgpack):
+    --resume continues from it.
+
+    Example: automap plan --model bert-large --cluster a100 --devices 16 -o plan.json
+    """
+    from .._api import plan
+    from .._report import plan_dict, print_plan
+
+    check_budget(budget)
+    state = _search_state(output, searcher, resume)
+    step_fn, args, origin = load_step(model, fn, override)
+    the_cluster = load_cluster(cluster, devices)
+    try:
+        result = plan(
+            step_fn,
+            *args,
+            cluster=the_cluster,
+            searcher=searcher,
+            budget_s=budget,
+            seed=seed,
+            origin=origin,
+            progress=not (quiet or as_json),
+            agent_in=agent,
+            agent_out=save_agent,
+            resume=state,
+        )
+    except KeyboardInterrupt:
+        note("interrupted before any feasible plan was found; nothing saved.")
+        raise typer.Exit(INTERRUPTED) from None
+    interrupted = bool(result.decisions.get("interrupted"))
+    if interrupted and output is None:
+        # The user asked for no file, but an interrupted search printed nothing: keep it.
+        output = _unused_path(Path("plan.json"))
+    curve_path = _save(result, output) if output is not None else None
+    if as_json:
+        print_json(plan_dict(result))
+    elif not (quiet or interrupted):
+        print_plan(console, result, the_cluster)
+        if output is not None:
+            console.print(f"plan saved to [bold]{output}[/bold]")
+        if curve_path is not None:
+            console.print(f"learning curve saved to [bold]{curve_path}[/bold]")
+        if state is not None and state.exists():
+            console.print(f"search state saved to [bold]{state}[/bold] (go on with --resume)")
+    if interrupted:
+        note(f"search interrupted: the best plan so far is saved to {output}")
+        raise typer.Exit(INTERRUPTED)
+
+
+def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | None:
+    """Where the DQN keeps its search state: next to the plan, like its curve. A search
+    without --resume starts afresh, so an older state there is removed first."""
+    if searcher not in ("dqn", "auto"):
+        if resume:
+            raise AutomapError(f"--resume is for the dqn searcher, not {searcher}")
+        return None
+    if output is None:
+        if resume:
+            raise AutomapError(
+                "--resume needs -o PLAN: the search state is kept next to the plan it made"
+            )
+        return None
+    state = output.with_name(output.stem + ".search.msgpack")
+    if resume and not state.exists():
+        raise AutomapError(
+            f"nothing to resume: no search state at {state}; run the same command "
+            "without --resume first"
+        )
+    if not resume:
+        state.unlink(missing_ok=True)
+    return state
+
+
+def _save(result: Any, output: Path) -> Path | None:
+    """Write the plan, and the DQN's learning curve next to it (where `automap report`
+    looks for it); the curve's path, if there is one."""
+    result.save(output)
+    if not result.decisions.get("curve"):
+        return None
+    from ..rl import write_curve
+
+    curve_path = output.with_name(output.stem + ".curve.csv")
+    write_curve(result.decisions["curve"], curve_path)
+    return curve_path
+
+
+def _unused_path(path: Path) -> Path:
+    """`path`, or plan-1.json, plan-2.json...: never overwrite a plan the user did not name."""
+    n = 0
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+class _Stop(Exception):
+    """Raised from compare's row callback to end the comparison after an interrupted row."""
+
+
+@app.command("compare", cls=LegacyCommand)
+@friendly
+def compare_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    cluster: ClusterOpt = "a100",
+    devices: DevicesOpt = 8,
+    searchers: Annotated[
+        str, typer.Option(help="Comma-separated searchers to run side by side.")
+    ] = "expert,exhaustive,random,mcmc",
+    budget: Annotated[
+        float, typer.Option("--budget", help="Budget per searcher, seconds (positive).")
+    ] = 30.0,
+    seed: SeedOpt = 0,
+    as_json: JsonOpt = False,
+    json_out: JsonOutOpt = None,
+    quiet: QuietOpt = False,
+    legacy_json: LegacyJsonArg = None,
+) -> None:
+    """Run every searcher side by side on one model and cluster, under the same cost model.
+
+    Ctrl-C prints the rows so far (with the running searcher's best plan) and exits with 130.
+
+    Example: automap compare --model mlp --devices 8 --searchers expert,ilp,dqn --json-out rows.json
+    """
+    from .._api import SEARCHERS
+    from .._bench import compare, compare_table, to_json
+
+    as_json, json_out = json_flags(as_json, legacy_json, json_out)
+    check_budget(budget)
+    names = [s.strip() for s in searchers.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SEARCHERS]
+    if unknown or not names:
+        raise AutomapError(
+            f"unknown searcher(s) {', '.join(unknown) or '(none given)'}; --searchers takes "
+            f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
+        )
+    step_fn, args, origin = load_step(model, fn, override)
+    the_cluster = load_cluster(cluster, devices)
+    rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far
+    interrupted = False
+    with busy("planning...", not (quiet or as_json)) as status:
+
+        def on_row(row: Any) -> None:
+            if row.plan is not None and row.plan.decisions.get("interrupted"):
+                rows.append(dataclasses.replace(row, note="interrupted: best plan so far"))
+                raise _Stop
+            rows.append(row)
+            if status is not None:
+                status.update(f"planning... {row.searcher} done ({row.search_time_s:.1f} s)")
+
+        try:
+            compare(
+                step_fn,
+                *args,
+                cluster=the_cluster,
+                searchers=names,
+                budget_s=budget,
+                seed=seed,
+                origin=origin,
+                on_row=on_row,
+            )
+        except (_Stop, KeyboardInterrupt):
+            interrupted = True
+    what = origin.get("model") or origin.get("fn")
+    data = to_json(what, the_cluster, rows) | ({"interrupted": True} if interrupted else {})
+    if json_out is not None:
+        json_out.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    if as_json:
+        print_json(data)
+    elif not quiet:
+        console.print(compare_table(what, the_cluster, rows))
+        if json_out is not None:
+            console.print(f"rows written to [bold]{json_out}[/bold]")
+    if interrupted:
+        note(f"comparison interrupted: {len(rows)} row(s) so far, the rest skipped.")
+        raise typer.Exit(INTERRUPTED)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

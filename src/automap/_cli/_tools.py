@@ -1,0 +1,303 @@
+"""The `automap` commands around a search: list and capture models, run, verify and draw a
+saved plan, measure the local devices, and run the benchmarks.
+
+They follow the conventions in `_cli_app`: progress on stderr, `--quiet`, `--json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from .._errors import AutomapError
+from ._app import (
+    FnOpt,
+    JsonOpt,
+    LegacyCommand,
+    ModelOpt,
+    OverrideOpt,
+    PlanFileArg,
+    QuietOpt,
+    app,
+    busy,
+    check_budget,
+    check_devices,
+    check_plan_file,
+    console,
+    cpu_devices,
+    friendly,
+    json_flags,
+    load_step,
+    print_json,
+)
+
+
+@app.command()
+@friendly
+def models(as_json: JsonOpt = False) -> None:
+    """List the built-in benchmark models: name, family, parameters, what they stand for.
+
+    Example: automap models --json
+    """
+    from .._zoo import list_models
+
+    infos = list_models()
+    if as_json:
+        print_json([dataclasses.asdict(i) for i in infos])
+        return
+    from .._report import models_table
+
+    console.print(models_table(infos))
+
+
+@app.command("capture")
+@friendly
+def capture_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    groups: Annotated[
+        bool, typer.Option("--groups", help="Also print the linkage groups.")
+    ] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Capture a training step and summarize its program: ops, parameters, FLOPs, memory.
+
+    With --quiet, one line: ops, parameters and FLOPs.
+
+    Example: automap capture --model bert-base --set layers=2 --groups
+    """
+    from .._capture import capture
+    from .._report import capture_summary, groups_summary
+
+    with busy("capturing the step...", not (quiet or as_json)):
+        step_fn, args, _ = load_step(model, fn, override)
+        graph = capture(step_fn, *args)
+        summary = capture_summary(graph)
+        group_info = None
+        if groups:
+            from .._groups import build_groups
+
+            group_info = groups_summary(graph, build_groups(graph))
+    if as_json:
+        print_json({"capture": summary, "groups": group_info})
+    elif quiet:
+        print(
+            f"{summary['ops']} ops, {summary['parameters']:,} parameters, "
+            f"{summary['flops']:.3g} FLOPs per step"
+        )
+    else:
+        from .._report import print_capture
+
+        print_capture(console, summary, group_info)
+
+
+@app.command("apply")
+@friendly
+def apply_cmd(
+    plan_file: PlanFileArg,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check", help="Run the plan on the local devices and compare with the unsharded step."
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run a saved plan on the local devices; --check compares its numbers with one device.
+
+    Exit code 1 when --check finds the numbers differ.
+
+    Example: automap apply plan.json --check
+    """
+    from .._plan import Plan
+
+    the_plan = Plan.load(check_plan_file(plan_file))
+    cpu_devices(max(8, the_plan.devices))
+    from .._verify import check_saved_plan
+
+    with busy("compiling and running the plan...", not (quiet or as_json)):
+        result = check_saved_plan(the_plan, run_only=not check)
+    if as_json:
+        print_json(result)
+    elif not quiet:
+        from .._report import print_check
+
+        print_check(console, result)
+    if check and not result["equal"]:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+@friendly
+def verify_cmd(
+    plan_file: PlanFileArg,
+    numerics: Annotated[
+        bool,
+        typer.Option("--numerics", help="Also run it on random arguments and compare numbers."),
+    ] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compile a plan with XLA on a CPU mesh and check its collectives against the cost model.
+
+    Each collective XLA inserts (kind, mesh axis, bytes) is held against the cost model's;
+    exit code 1 on a mismatch, or when --numerics finds different numbers.
+
+    Example: automap verify plan.json --numerics
+    """
+    from .._verify import verify_in_subprocess
+
+    check_plan_file(plan_file)
+    with busy("compiling with XLA on a CPU mesh...", not (quiet or as_json)):
+        report = verify_in_subprocess(plan_file, concrete=numerics)
+    if as_json:
+        print_json(report.to_dict())
+    elif not quiet:
+        console.print(escape(report.summary()))
+    if report.collectives_match is False or report.numerics_ok is False:
+        raise typer.Exit(1)
+
+
+@app.command("report")
+@friendly
+def report_cmd(
+    plan_file: PlanFileArg,
+    output: Annotated[Path, typer.Option("-o", "--output", help="HTML file to write.")] = Path(
+        "report.html"
+    ),
+    png: Annotated[
+        Path | None, typer.Option("--png", help="Also write the panels as one PNG.")
+    ] = None,
+    curve: Annotated[
+        Path | None,
+        typer.Option("--curve", help="Learning-curve CSV (default: <plan>.curve.csv if present)."),
+    ] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Draw a plan: mesh, shardings, pipeline schedule, memory, learning curve, step time.
+
+    Example: automap report plan.json -o report.html --png report.png
+    """
+    from .._report import write_report
+
+    check_plan_file(plan_file)
+    with busy("drawing the report...", not (quiet or as_json)):
+        path = write_report(plan_file, output, png=png, curve=curve)
+    if as_json:
+        print_json({"html": str(path), "png": None if png is None else str(png)})
+    elif not quiet:
+        console.print(f"report written to [bold]{path}[/bold]" + (f" and {png}" if png else ""))
+
+
+@app.command("calibrate")
+@friendly
+def calibrate_cmd(
+    devices: Annotated[
+        int, typer.Option("--devices", "-n", help="Virtual CPU devices to measure (CPU only).")
+    ] = 8,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Cluster file to write.")] = Path(
+        "cluster.yaml"
+    ),
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes: seconds, rougher.")] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Measure the local devices and write a cluster file for --cluster.
+
+    Measured: matmul rate, memory bandwidth, all-reduce bandwidth and latency over a mesh axis.
+
+    Example: automap calibrate --devices 8 --quick -o cluster.yaml
+    """
+    check_devices(devices)
+    cpu_devices(devices)
+    import jax
+
+    from .._bench import measure, to_cluster, write_cluster
+
+    with busy("measuring the devices...", not (quiet or as_json)):
+        cal = measure(quick=quick)
+    memory = None
+    if jax.devices()[0].platform == "cpu":
+        # Virtual CPU devices share the machine's memory.
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cal.devices
+    path = write_cluster(to_cluster(cal, memory_bytes=memory), output)
+    if as_json:
+        print_json({"calibration": dataclasses.asdict(cal), "file": str(path)})
+        return
+    if quiet:
+        return
+    console.print(
+        f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
+        f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
+        f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+    )
+    console.print(f"cluster written to [bold]{path}[/bold] (use --cluster {path})")
+
+
+@app.command("bench", cls=LegacyCommand)
+@friendly
+def bench_cmd(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="4 small-to-mid models, 3 s budgets: a few minutes.")
+    ] = False,
+    budget: Annotated[
+        float | None,
+        typer.Option("--budget", help="Seconds per searcher and seed (default 3 quick, 20 full)."),
+    ] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per learned searcher.")] = 1,
+    models: Annotated[
+        str | None, typer.Option("--models", help="Comma-separated zoo models (default: all).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Markdown file to write.")] = Path(
+        "BENCHMARKS.md"
+    ),
+    as_json: JsonOpt = False,
+    json_out: Annotated[
+        Path | None, typer.Option("--json-out", help="Also write every row as JSON here.")
+    ] = None,
+    quiet: QuietOpt = False,
+    legacy_json: Annotated[
+        Path | None,
+        typer.Argument(hidden=True, help="Old spelling `--json FILE`: now `--json-out FILE`."),
+    ] = None,
+) -> None:
+    """Benchmark every searcher on every zoo model and write BENCHMARKS.md.
+
+    Each model on its preset clusters: data parallel, best expert, exact optimum, DQN,
+    random and MCMC; then the cost model's fidelity against XLA and its speed.
+
+    Example: automap bench --quick --out BENCHMARKS.md --json-out bench.json
+    """
+    from .._bench import _run as _bench
+    from .._bench import write
+
+    as_json, json_out = json_flags(as_json, legacy_json, json_out)
+    check_budget(budget)
+    if seeds < 1:
+        raise AutomapError(f"--seeds must be at least 1, got {seeds} (e.g. --seeds 3).")
+    names = [m.strip() for m in models.split(",") if m.strip()] if models else None
+    # The command as it reproduces this run, every default spelled out.
+    command = "automap bench" + (" --quick" if quick else "")
+    command += f" --budget {budget:g}" if budget is not None else ""
+    command += f" --seeds {seeds}" + (f" --models {','.join(names)}" if names else "")
+    command += f" --out {out}" if out is not None else ""
+    settings = (_bench.quick_settings if quick else _bench.full_settings)(command, seeds=seeds)
+    if budget is not None:
+        settings = dataclasses.replace(settings, budget_s=budget)
+    cases = _bench.select(_bench.QUICK if quick else _bench.FULL, names)
+    result = _bench.run_bench(cases, settings, progress=not (quiet or as_json))
+    write(result, out, json_out)
+    if as_json:
+        print(json.dumps(result, indent=1, default=str))
+    elif not quiet:
+        console.print(f"benchmarks written to [bold]{out}[/bold] in {result['wall_s']:.0f} s")

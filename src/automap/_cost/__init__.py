@@ -1,0 +1,16 @@
+"""TODO stage docstring."""
+
+from ._collectives import AR as AR
+from ._collectives import AxisCosts as AxisCosts
+from ._collectives import ring_allreduce_time as ring_allreduce_time
+from ._collectives import tree_allreduce_time as tree_allreduce_time
+from ._model import CostModel as CostModel
+from ._pipelined import PipelineCost as PipelineCost
+from ._pipelined import estimate_pipeline as estimate_pipeline
+from ._pipelined import op_costs as op_costs
+from ._pipelined import pipeline_decisions as pipeline_decisions
+from ._pipelined import plan_op_costs as plan_op_costs
+from ._pipelined import stage_costs as stage_costs
+from ._pipelined import zero_leaves as zero_leaves
+from ._tables import RowTable as RowTable
+from ._traffic import in_flight as in_flight

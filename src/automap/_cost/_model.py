@@ -1,0 +1,384 @@
+"""The cost model: predicted step time, collectives and peak memory of a plan.
+
+Everything a plan changes is a function of the mesh axis of each linkage group, so the
+model is precomputed once per graph as tables keyed by *group sets* (the splittable groups
+of a tensor, or of an op's iteration space). Evaluating an assignment is then a handful of
+numpy operations over those tables:
+
+- a set's sharding divisor = the product of the distinct mesh-axis sizes on its groups;
+- compute: per op, flops / divisor / (peak x matmul efficiency) for dot/conv, bytes /
+  divisor / (HBM bandwidth x memory efficiency) for the rest, where an op that XLA fuses
+  (elementwise, layout, reductions) only pays for the tensors entering or leaving its
+  fusion (`_tables._fused_bytes`); ops sharing an iteration set are summed ahead of
+  time, so compute is one dot product;
+- partial sums: a reduced group split on axis a, when a is not dropped inside the op,
+  leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
+  itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
+  `Cluster.reduce_scatter`). Several reduced groups on several axes: one collective
+  over their joint axes ("data+model"). Bytes follow DESIGN.md; 16-bit floats are
+  widened where the backend widens them (`Cluster.collective_float_bytes`: the CPU);
+- resharding: an input dim split on a that the op needs whole (untied, or the axis is
+  dropped by the op's own layout): an all-gather on a, or an all-to-all when the op wants
+  a on another dim of that input. A dim the op wants split but that arrives whole is a
+  free local slice. At a seam (a flatten where the batch group was cut, `Seam`) the
+  input's batch dim moves only when the other side's group is not on the same axis;
+- gradient all-reduces (partial sums whose result has a parameter's layout) are combined
+  into one tuple collective per axis, as XLA's all-reduce combiner does;
+- ZeRO (stage >= 1), as XLA compiles a plan whose specs shard the optimizer state over
+  data: the gradient all-reduce stays and the Adam update gathers the sharded moments,
+  two all-gathers of the parameters' size (three with ZeRO-3, which also gathers the
+  parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
+- memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
+  plus activations kept for backward (`_memory.py`) by their layouts, / microbatches.
+
+Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
+conservative prediction). Plans with pipeline stages are timed by their schedule on top of
+these per-op costs (`_pipeline/_cost.py`: bubble, point-to-point sends, memory per stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .._capture import find_residuals
+from .._cluster import Cluster
+from .._graph import Graph, Role
+from .._groups import Groups, build_groups, rule
+from .._plan import Collective, Cost, Plan
+from . import _collectives as C
+from . import _kernel as K
+from ._tables import RowTable, build_tables
+
+_log = logging.getLogger("automap")
+_warned: set[str] = set()
+
+
+class CostModel:
+    """Predicts a plan's cost on a cluster. Build once per graph; evaluate many plans."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, groups: Groups | None = None):
+        self.graph = graph
+        self.cluster = cluster
+        self.groups = groups if groups is not None else build_groups(graph)
+        unknown = sorted({op.primitive for op in graph.ops if not rule(op, graph).known})
+        for p in unknown:
+            if p not in _warned:
+                _warned.add(p)
+                _log.warning("no sharding rule for %r: kept replicated, costed as memory-bound", p)
+        self.unknown_primitives = tuple(unknown)
+        self.tables = build_tables(graph, self.groups, cluster, find_residuals(graph))
+        self._axis_costs: dict[tuple, C.AxisCosts] = {}
+        self._total_flops = graph.total_flops
+        self._touch_cache: dict[tuple[int, ...], tuple] = {}
+
+    # ---- public -----------------------------------------------------------------------
+
+    def evaluate(
+        self,
+        assignment: Mapping[int, str | None] | Sequence[int] | np.ndarray,
+        mesh: Mapping[str, int],
+        *,
+        zero_stage: int = 0,
+        microbatches: int = 1,
+        remat: bool = False,
+        data_axis: str | None = None,
+        detail: bool = False,
+    ) -> Cost:
+        """Cost of an assignment {group id: axis} (or an array of axis codes, 1-based in
+        mesh order, 0 for none) on a mesh. `detail` adds the per-op breakdown (slower)."""
+        st = self._state(self.codes(assignment, mesh), dict(mesh), microbatches, remat, detail)
+        return self._finish(st, zero_stage, data_axis, detail)
+
+    def estimate(self, plan: Plan) -> Cost:
+        """Cost of a plan: its recorded assignment, else one read back from its specs. A
+        plan with pipeline stages is timed by its schedule (`_pipeline/_cost.py`)."""
+        if len(plan.stages) > 1:
+            from ._pipelined import estimate_pipeline
+
+            return estimate_pipeline(self, plan).cost
+        return self.evaluate(
+            self.plan_assignment(plan),
+            plan.mesh,
+            zero_stage=plan.zero_stage,
+            microbatches=plan.microbatches,
+            remat=plan.remat,
+            detail=True,
+        )
+
+    def plan_assignment(self, plan: Plan) -> dict[int, str]:
+        """A plan's assignment {group: axis}: as recorded, else read back from its specs."""
+        raw = plan.decisions.get("assignment") if plan.decisions else None
+        if raw is not None:
+            return {int(g): a for g, a in raw.items()}
+        return self.assignment_from_specs(plan)
+
+    def op_state(self, assignment, mesh: Mapping[str, int]) -> tuple[K.State, C.AxisCosts]:
+        """An assignment evaluated with one collective row per op (the full tables) for the
+        whole batch at once, and its mesh's axis costs: the base of per-op and per-stage
+        costs (`_pipeline/_cost.py`)."""
+        st = self._state(self.codes(assignment, mesh), dict(mesh), 1, False, True)
+        return st, self._costs_for(mesh)
+
+    def codes(self, assignment, mesh: Mapping[str, int]) -> np.ndarray:
+        """Axis code per group (+ a trailing 0 for padding), dropping splits the group cannot
+        take: unsplittable groups and axes whose size does not divide the group."""
+        n = len(self.groups.groups)
+        ac = self._costs_for(mesh)
+        codes = np.zeros(n + 1, dtype=np.int64)
+        if isinstance(assignment, Mapping):
+            names = ac.codes
+            pairs = [(int(g), names[a]) for g, a in assignment.items() if a in names]
+            if pairs:
+                idx, val = zip(*pairs, strict=True)
+                codes[list(idx)] = val
+        else:
+            codes[:n] = np.asarray(assignment, dtype=np.int64)[:n]
+        ok = self.tables.splittable & (self.tables.divisor % ac.int_sizes[codes] == 0)
+        return np.where(ok, codes, 0)
+
+    def assignment_from_specs(self, plan: Plan, data_axis: str = "data") -> dict[int, str]:
+        """Propagate the axes named in a plan's specs and constraints to their groups (the
+        data axis ZeRO adds to parameters and optimizer state is not a group decision)."""
+        out: dict[int, str] = {}
+        role = {leaf.path: leaf.role for leaf in self.graph.inputs}
+        sources = [
+            (leaf.tensor, plan.specs.get(leaf.path), role[leaf.path]) for leaf in self.graph.inputs
+        ]
+        sources += [(t, spec, None) for t, spec in plan.constraints.items()]
+        for t, spec, r in sources:
+            if spec is None or t >= len(self.graph.tensors):
+                continue
+            zero = (r == Role.OPT_STATE and plan.zero_stage >= 1) or (
+                r == Role.PARAM and plan.zero_stage >= 3
+            )
+            for d, e in enumerate(spec[: self.graph.tensors[t].ndim]):
+                axes = [e] if isinstance(e, str) else list(e or ())
+                if zero:
+                    axes = [a for a in axes if a != data_axis]
+                if axes:
+                    out.setdefault(self.groups.of(t, d), axes[0])
+        return out
+
+    # ---- the kernel -------------------------------------------------------------------
+
+    def _costs_for(self, mesh: Mapping[str, int]) -> C.AxisCosts:
+        key = tuple(mesh.items())
+        if key not in self._axis_costs:
+            self._axis_costs[key] = C.AxisCosts(self.cluster, mesh)
+        return self._axis_costs[key]
+
+    def state(
+        self,
+        assignment,
+        mesh: Mapping[str, int],
+        *,
+        microbatches: int = 1,
+        remat: bool = False,
+        detail: bool = False,
+    ) -> K.State:
+        """An evaluated assignment, the base of `evaluate_delta`."""
+        return self._state(self.codes(assignment, mesh), dict(mesh), microbatches, remat, detail)
+
+    def evaluate_delta(
+        self,
+        base: K.State,
+        changes: Mapping[int, str | None],
+        *,
+        zero_stage: int = 0,
+        data_axis: str | None = None,
+    ) -> tuple[Cost, K.State]:
+        """The cost of `base` with a few groups moved to other axes, recomputing only the
+        sets and rows that mention them. Returns the cost and the new state (the base of
+        the next move when a searcher accepts this one)."""
+        T, mesh = self.tables, base.mesh
+        ac = self._costs_for(mesh)
+        names = {name: i for i, name in enumerate(mesh, start=1)}
+        A = base.codes.copy()
+        for g, axis in changes.items():
+            code = names.get(axis, 0) if axis is not None else 0
+            ok = T.splittable[g] and T.divisor[g] % int(ac.sizes[code]) == 0
+            A[g] = code if ok else 0
+        gs = [g for g in changes if A[g] != base.codes[g]]
+        if not gs:
+            return self._finish(base, zero_stage, data_axis), base
+        sets, sub_sets, sub_p, sub_r, idx = self._touched(gs)
+        P, inv = base.P.copy(), base.inv.copy()
+        P[sets], inv[sets] = K.set_axes(A, sub_sets, ac.sizes)
+        key, nbytes, count, grad, time = K.rows(
+            sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.reduce_scatter
+        )
+        # One signed pass: the touched rows' new contributions minus their old ones.
+        both = K.sums(
+            np.concatenate([key, base.key[idx]]),
+            np.concatenate([nbytes, -base.nbytes[idx]]),
+            np.concatenate([count, -base.count[idx]]),
+            np.concatenate([grad, grad]),
+            np.concatenate([time, -base.time[idx]]),
+            len(C.KINDS) * ac.masks,
+            signed=True,
+        )
+        state = K.State(
+            codes=A,
+            mesh=mesh,
+            microbatches=base.microbatches,
+            remat=base.remat,
+            P=P,
+            inv=inv,
+            key=_patch(base.key, idx, key),
+            nbytes=_patch(base.nbytes, idx, nbytes),
+            count=_patch(base.count, idx, count),
+            time=_patch(base.time, idx, time),
+            sums=base.sums + both,
+        )
+        return self._finish(state, zero_stage, data_axis), state
+
+    def _touched(self, gs) -> tuple:
+        """Sets holding any of the groups and the rows that read them (as sub-tables, and
+        as indices of their virtual rows): cached, searchers revisit the same groups."""
+        key = tuple(sorted(gs))
+        hit = self._touch_cache.get(key)
+        if hit is None:
+            T = self.tables
+            in_set = np.isin(T.sets, key).any(axis=1)
+            p, r = T.partial, T.reshard
+            prow = np.nonzero(
+                np.isin(p.group, key).any(axis=1) | in_set[p.small].any(axis=1) | in_set[p.tset]
+            )[0]
+            rrow = np.nonzero(
+                np.isin(r.group[:, 0], key)
+                | in_set[r.small[:, 0]]
+                | in_set[r.tset]
+                | in_set[r.tsmall]
+                | in_set[r.other]
+                | in_set[r.peer]
+            )[0]
+            sets = np.nonzero(in_set)[0]
+            n_p = len(p.tset)
+            idx = np.concatenate([prow, prow + n_p, rrow + 2 * n_p])
+            hit = (sets, T.sets[sets], _take(p, prow), _take(r, rrow), idx)
+            if len(self._touch_cache) < 4096:
+                self._touch_cache[key] = hit
+        return hit
+
+    def _state(self, A, mesh, microbatches, remat, detail) -> K.State:
+        T = self.tables
+        ac = self._costs_for(mesh)
+        P, inv = K.set_axes(A, T.sets, ac.sizes)
+        m = max(1, int(microbatches))
+        partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
+        key, nbytes, count, grad, time = K.rows(
+            partial, reshard, A, P, inv, ac, m, self.cluster.reduce_scatter
+        )
+        sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+        return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
+
+    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
+        T, mesh = self.tables, st.mesh
+        ac = self._costs_for(mesh)
+        inv, P = st.inv, st.P
+        compute = float(T.compute_coef @ inv)
+        if st.remat:
+            compute += float(T.remat_coef @ inv)
+        if data_axis is None:
+            data_axis = "data" if "data" in mesh else None
+        d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
+        D = ac.sizes[d] if d else 1.0
+        zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
+        zero_bytes, zero_count = 0.0, 0
+        if zero_mask:
+            # Parameters not already split on data, by layout: gathered 2x (3x for ZeRO-3).
+            times = 3 if zero_stage >= 3 else 2
+            free = ~P[:, d]
+            zero_bytes = times * float(T.param_coef @ (inv * free))
+            zero_count = times * int(T.param_leaves @ free)
+        tot_time, tot_bytes, tot_count, kk, aa = K.totals(
+            st.sums, ac, zero_mask, zero_bytes, zero_count
+        )
+        comm = float(tot_time.sum())
+        collectives = tuple(
+            Collective(
+                C.KINDS[kk[i]],
+                ac.names[aa[i]],
+                float(tot_bytes[i]),
+                round(tot_count[i]),
+                float(tot_time[i]),
+            )
+            for i in np.nonzero((tot_count > 0) & (aa > 0))[0]
+        )
+        # [params, opt, acts, remat acts, other] bytes, sharded; with ZeRO also over data.
+        plain = T.memory_coef @ inv
+        zeroed = T.memory_coef[:2] @ (inv / np.where(P[:, d], 1.0, D)) if zero_mask else plain
+        params = float(zeroed[0] if zero_stage >= 3 else plain[0])
+        grads = float(zeroed[0] if zero_stage >= 2 else plain[0])
+        opt = float(zeroed[1] if zero_stage >= 1 else plain[1])
+        acts = float(plain[3] if st.remat else plain[2]) / st.microbatches
+        other = float(plain[4])
+        memory = params + grads + opt + acts + other
+        limit = self.cluster.memory_limit
+        reason = ""
+        if memory > limit:
+            reason = (
+                f"needs {memory / 1e9:.2f} GB per device (parameters {params / 1e9:.2f}, "
+                f"gradients {grads / 1e9:.2f}, optimizer state {opt / 1e9:.2f}, activations "
+                f"{acts / 1e9:.2f}, inputs {other / 1e9:.2f}) but {self.cluster.name} has "
+                f"{limit / 1e9:.2f} GB usable"
+            )
+        per_op: tuple = ()
+        if detail:
+            per_op = self._per_op(st)
+        step = compute + comm
+        return Cost(
+            step_time_s=step,
+            compute_s=compute,
+            comm_s=comm,
+            bubble_s=0.0,
+            memory_bytes=memory,
+            mfu=self._mfu(step, math.prod(mesh.values()) if mesh else 1),
+            feasible=memory <= limit,
+            reason=reason,
+            memory_limit_bytes=limit,
+            memory_breakdown={
+                "params": params,
+                "grads": grads,
+                "opt_state": opt,
+                "activations": acts,
+                "other": other,
+            },
+            collectives=collectives,
+            per_op=per_op,
+        )
+
+    def _mfu(self, step: float, devices: int) -> float:
+        if step <= 0:
+            return 0.0
+        return self._total_flops / (step * self.cluster.peak_flops * devices)
+
+    def _per_op(self, st: K.State) -> tuple[tuple[int, float, float], ...]:
+        """(op, compute s, comm s) per op; a combined gradient collective's time is shared
+        among the ops whose partial sums it completes, by bytes."""
+        T = self.tables
+        ac = self._costs_for(st.mesh)
+        comp = T.op_coef * st.inv[T.op_set]
+        ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
+        grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
+        g_bytes, g_any = st.sums[3], st.sums[4] > 0
+        g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(grad, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
+        comm = np.bincount(ops, st.time + np.nan_to_num(share), minlength=len(comp))
+        return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
+
+
+def _take(R: RowTable, idx: np.ndarray) -> RowTable:
+    return RowTable(**{f.name: getattr(R, f.name)[idx] for f in dataclasses.fields(R)})
+
+
+def _patch(a: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out[idx] = values
+    return out

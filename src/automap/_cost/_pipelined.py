@@ -1,0 +1,404 @@
+"""The cost of a pipeline plan: stage times, schedule, bubble, sends and memory per stage.
+
+Built on the cost model of one stage's intra-stage plan (`CostModel`, on the stage mesh):
+
+- `op_costs` prices every op of the step once, for the whole batch in one piece: compute
+  seconds, the seconds of the collectives it implies, which of them are gradient
+  reductions (XLA combines those into one collective per axis; the step's combined ones
+  are shared among their ops by bytes), and ZeRO's all-gathers (on the first op reading
+  each parameter). It needs no partition, so a stage DP can price the finest partition
+  once and sum ops over any layer segment.
+- `stage_costs` turns them into a pipeline's times for any partition (`_partition.py`).
+  An op of the per-microbatch phases (FWD, BWD) runs m times on 1/m of the batch: its
+  compute and the collectives of tensors carrying the batch shrink to 1/m; a collective
+  of a batch-free tensor does not (a gradient all-reduce is full size). Each stage's B
+  call is one jitted program that returns complete gradients, so XLA all-reduces a
+  data-parallel gradient inside every B call: once per microbatch, not once per step,
+  combined per call (as XLA's combiner does within one program). PRE and POST run once
+  per step on the whole batch. With ZeRO >= 1 the POST update gathers the sharded moments
+  of the parameters it updates (two all-gathers, as `_cost.py`); ZeRO-3 also gathers a
+  parameter in every program that reads it: PRE, every F and every B call, and POST.
+  Rematerialized forward ops run again in B.
+- sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
+  overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
+  not occupy the sender. The lag of a cut is the larger of its two directions' sends.
+- the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
+  makespan + POST. `bubble_s` = step - the busiest stage's own work (PRE + m (F + B) +
+  POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
+  as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
+
+With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
+for both schedules, as in the exact stage DP (`_solvers/_pipeline_dp.py`). The DP charges
+sends to the sending stage's time instead; the two agree when sends are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._capture import find_residuals
+from .._errors import PlanError
+from .._graph import Role
+from .._groups import rule
+from .._pipeline import Partition, partition, simulate
+from .._plan import Collective, Cost, Plan
+from . import _collectives as C
+from ._traffic import (
+    BWD,
+    FWD,
+    POST,
+    PRE,
+    Layouts,
+    Sends,
+    in_flight,
+    layouts,
+    phase_codes,
+    pipe_link,
+    sends,
+    stage_memory,
+)
+
+if TYPE_CHECKING:
+    from ._model import CostModel
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpCosts:
+    """Per-op seconds of an intra-stage plan, the whole batch run once, on the stage mesh.
+
+    `compute + remat_compute + comm + grad_comm + zero_comm`, summed over ops, is what
+    `CostModel.evaluate` predicts for the same plan without stages (compute_s + comm_s).
+    The row arrays keep each collective apart, so `stage_costs` can time them exactly on
+    a microbatch's bytes and combine gradient reductions per stage.
+    """
+
+    mesh: Mapping[str, int]  # the stage mesh
+    zero_stage: int
+    remat: bool
+    compute: np.ndarray  # [n_ops] seconds
+    remat_compute: np.ndarray  # [n_ops] seconds a forward op runs again in backward (remat)
+    comm: np.ndarray  # [n_ops] seconds of its non-gradient collectives
+    grad_comm: np.ndarray  # [n_ops] its share (by bytes) of the combined gradient reductions
+    zero_comm: np.ndarray  # [n_ops] ZeRO all-gathers of the parameters it reads first
+    layouts: Layouts  # per-device size of every tensor
+    row_op: np.ndarray  # [rows] the op of each candidate collective
+    row_key: np.ndarray  # [rows] kind * masks + axis mask (see _kernel.py)
+    row_bytes: np.ndarray  # [rows] bytes moved for the whole batch (0: inactive)
+    row_count: np.ndarray  # [rows] occurrences (0: inactive)
+    row_grad: np.ndarray  # [rows] a gradient reduction (combined with the others)
+    row_batched: np.ndarray  # [rows] the tensor moved carries the batch dimension
+    zero_mask: int  # axis mask of the data axis ZeRO gathers over (0: no ZeRO)
+    axis_costs: C.AxisCosts
+
+    @property
+    def total(self) -> np.ndarray:
+        """[n_ops] seconds of each op, everything included."""
+        return self.compute + self.remat_compute + self.comm + self.grad_comm + self.zero_comm
+
+
+def op_costs(
+    model: CostModel,
+    assignment: Mapping[int, str | None],
+    stage_mesh: Mapping[str, int],
+    *,
+    zero_stage: int = 0,
+    remat: bool = False,
+    data_axis: str | None = None,
+) -> OpCosts:
+    """Price every op once under `assignment` on `stage_mesh` (see `OpCosts`)."""
+    graph, T = model.graph, model.tables
+    st, ac = model.op_state(assignment, stage_mesh)
+    n = len(graph.ops)
+    compute = T.op_coef * st.inv[T.op_set]
+    forward = find_residuals(graph).boundary
+    again = np.array(
+        [rule(op, graph).compute == "memory" and op.index <= forward for op in graph.ops]
+    )
+    remat_compute = compute * again if remat else np.zeros(n)
+    pf, rf = T.partial_full, T.reshard_full
+    row_op = np.concatenate([pf.op, pf.op, rf.op])
+    row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])
+    tset = np.concatenate([pf.tset, pf.tset, rf.tset])
+    row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
+    # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
+    g = row_grad & (st.count > 0)
+    g_bytes = np.bincount(st.key[g], st.nbytes[g], minlength=len(ac.keys))
+    g_any = np.bincount(st.key[g], minlength=len(ac.keys)) > 0
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(g, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
+    if data_axis is None:
+        data_axis = "data" if "data" in stage_mesh else None
+    lay = layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
+    zero_mask = 0
+    zero_comm = np.zeros(n)
+    if zero_stage >= 1 and lay.data_size > 1:
+        zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
+        times = 3 if zero_stage >= 3 else 2
+        readers = graph.consumers()
+        for t, b, c in zero_leaves(graph, lay):
+            zero_comm[(readers[t] or (0,))[0]] += ac.time1(C.AG, zero_mask, times * b, times * c)
+    return OpCosts(
+        mesh=dict(stage_mesh),
+        zero_stage=zero_stage,
+        remat=bool(remat),
+        compute=compute,
+        remat_compute=remat_compute,
+        comm=np.bincount(row_op, st.time, minlength=n),
+        grad_comm=np.bincount(row_op, np.nan_to_num(share), minlength=n),
+        zero_comm=zero_comm,
+        layouts=lay,
+        row_op=row_op,
+        row_key=st.key,
+        row_bytes=st.nbytes,
+        row_count=st.count,
+        row_grad=row_grad,
+        row_batched=row_batched,
+        zero_mask=zero_mask,
+        axis_costs=ac,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineCost:
+    """A pipeline plan's predicted schedule, per stage and per op."""
+
+    schedule: str
+    microbatches: int
+    stage_times: tuple[tuple[float, float], ...]  # per stage (fwd, bwd) s per microbatch
+    send_s: tuple[float, ...]  # per cut, the lag of a microbatch crossing it (s)
+    sends: Sends  # the traffic behind send_s, and the once-per-step sends
+    stage_pre_s: tuple[float, ...]  # per stage, once per step before the microbatches
+    stage_post_s: tuple[float, ...]  # per stage, once per step after them
+    pre_s: float  # the slowest stage's PRE (stages run theirs concurrently)
+    post_s: float
+    stage_work_s: tuple[float, ...]  # per stage, its own work per step (no idle time)
+    stage_memory: tuple[Mapping[str, float], ...]  # per stage, breakdown per device
+    stage_memory_bytes: tuple[float, ...]
+    in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
+    ops: tuple[tuple[int, str, int, float, float], ...]  # simulate: (stage, F/B, mb, start, end)
+    op_run_s: np.ndarray  # [n_ops] s per run: per microbatch (fwd/bwd ops), per step (pre/post)
+    op_remat_s: np.ndarray  # [n_ops] s per microbatch a forward op runs again in backward
+    op_state_bytes: np.ndarray  # [n_ops] param + grad + optimizer bytes of leaves read first
+    op_act_bytes: np.ndarray  # [n_ops] bytes per device per microbatch of residuals it makes
+    cost: Cost  # its collectives are the busiest stage's (per device), sends included
+    # Per stage, its collectives per device per step, sends left out: what `am.verify`
+    # holds against the XLA programs each stage runs.
+    stage_collectives: tuple[tuple[Collective, ...], ...] = ()
+
+
+def stage_costs(
+    model: CostModel,
+    part: Partition,
+    oc: OpCosts,
+    microbatches: int,
+    schedule: str = "1f1b",
+) -> PipelineCost:
+    """Time and memory of a pipeline: `part` (any partition) with `oc`'s intra-stage plan
+    on every stage, `microbatches` microbatches run in `schedule` ("gpipe" | "1f1b")."""
+    graph, ac, cluster = model.graph, oc.axis_costs, model.cluster
+    S, m, nk = part.n_stages, max(1, int(microbatches)), len(ac.keys)
+    stage, phase = np.array(part.op_stage), phase_codes(part)
+    per_mb = (phase == FWD) | (phase == BWD)
+    runs = np.array([1, m, m, 1])  # PRE, FWD, BWD, POST per step
+    op_compute = oc.compute / np.where(per_mb, m, 1)
+    op_remat = np.where(phase == FWD, oc.remat_compute / m, 0.0)
+
+    # Collectives per run of each (stage, phase): one bucket per key; gradients combined.
+    r = oc.row_op
+    on, grad = oc.row_count > 0, oc.row_grad
+    r_bytes = oc.row_bytes * np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
+    r_time = np.where(grad, 0.0, ac.by_key(oc.row_key, r_bytes, oc.row_count))
+    bucket = (stage[r] * 4 + phase[r]) * nk + oc.row_key
+    nb = S * 4 * nk
+    g = grad & on
+    g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
+    g_any = np.bincount(bucket[g], minlength=nb) > 0
+    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * 4), g_bytes, g_any * 1.0), 0.0)
+    time = np.bincount(bucket, r_time, minlength=nb) + g_time
+    nbytes = np.bincount(bucket[~grad], r_bytes[~grad], minlength=nb) + g_bytes
+    count = np.bincount(bucket[~grad], oc.row_count[~grad], minlength=nb) + g_any
+    time, nbytes, count = (a.reshape(S, 4, nk) for a in (time, nbytes, count))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
+    op_comm = np.bincount(r, r_time + share, minlength=len(graph.ops))
+    if oc.zero_mask:
+        _add_zero(graph, part, oc, time, nbytes, count)
+
+    compute = np.bincount(stage * 4 + phase, op_compute, minlength=S * 4).reshape(S, 4)
+    compute[:, BWD] += np.bincount(stage, op_remat, minlength=S)
+    busy = compute + time.sum(axis=2)  # [S, 4] seconds per run
+    link = pipe_link(cluster, oc.mesh, S)
+    traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
+    send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
+    times = [(float(busy[s, FWD]), float(busy[s, BWD])) for s in range(S)]
+    ops = simulate(S, m, schedule, times, send_s)
+    stage_pre = busy[:, PRE] + np.array(traffic.pre_s)
+    stage_post = busy[:, POST] + np.array(traffic.post_s)
+    pre, post = float(stage_pre.max()), float(stage_post.max())
+    step = pre + max(end for *_, end in ops) + post
+    own = stage_pre + m * (busy[:, FWD] + busy[:, BWD]) + stage_post
+    b = int(np.argmax(own))
+    compute_s = float(compute[b] @ runs)
+
+    res = find_residuals(graph)
+    memory, op_state, op_act = stage_memory(
+        graph,
+        part,
+        oc.layouts,
+        res,
+        microbatches=m,
+        schedule=schedule,
+        zero_stage=oc.zero_stage,
+        remat=oc.remat,
+    )
+    totals = [sum(d.values()) for d in memory]
+    worst = int(np.argmax(totals))
+    limit = cluster.memory_limit
+    reason = ""
+    if totals[worst] > limit:
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in memory[worst].items())
+        reason = (
+            f"pipeline stage {worst} needs {totals[worst] / 1e9:.2f} GB per device ({parts}) "
+            f"but {cluster.name} has {limit / 1e9:.2f} GB usable"
+        )
+    devices = S * (math.prod(oc.mesh.values()) if oc.mesh else 1)
+    collectives = _collectives(ac, runs @ time[b], runs @ nbytes[b], runs @ count[b])
+    if traffic.sent_count[b]:
+        collectives += (
+            Collective(
+                "collective-permute",
+                "pipe",
+                traffic.sent_bytes[b],
+                traffic.sent_count[b],
+                traffic.sent_s[b],
+            ),
+        )
+    cost = Cost(
+        step_time_s=step,
+        compute_s=compute_s,
+        comm_s=float(own[b]) - compute_s,
+        bubble_s=step - float(own[b]),
+        memory_bytes=float(totals[worst]),
+        mfu=graph.total_flops / (step * cluster.peak_flops * devices) if step > 0 else 0.0,
+        feasible=bool(totals[worst] <= limit),
+        reason=reason,
+        memory_limit_bytes=limit,
+        memory_breakdown=dict(memory[worst]),
+        collectives=collectives,
+        per_op=tuple(
+            (i, float(op_compute[i] * runs[phase[i]]), float(op_comm[i] * runs[phase[i]]))
+            for i in range(len(graph.ops))
+        ),
+    )
+    return PipelineCost(
+        schedule=schedule,
+        microbatches=m,
+        stage_times=tuple(times),
+        send_s=send_s,
+        sends=traffic,
+        stage_pre_s=tuple(float(x) for x in stage_pre),
+        stage_post_s=tuple(float(x) for x in stage_post),
+        pre_s=pre,
+        post_s=post,
+        stage_work_s=tuple(float(x) for x in own),
+        stage_memory=tuple(memory),
+        stage_memory_bytes=tuple(float(x) for x in totals),
+        in_flight=in_flight(S, m, schedule),
+        ops=tuple(ops),
+        op_run_s=op_compute + op_comm,
+        op_remat_s=op_remat,
+        op_state_bytes=op_state,
+        op_act_bytes=op_act,
+        cost=cost,
+        stage_collectives=tuple(
+            _collectives(ac, runs @ time[s], runs @ nbytes[s], runs @ count[s]) for s in range(S)
+        ),
+    )
+
+
+def estimate_pipeline(model: CostModel, plan: Plan) -> PipelineCost:
+    """The pipeline cost of a plan with stages: `plan.mesh` is {"pipe": S, **stage mesh},
+    its specs are on the stage mesh, `plan.stages` cut the forward ops."""
+    stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
+    for s, st in enumerate(plan.stages):
+        if st.mesh and dict(st.mesh) != stage_mesh:
+            raise PlanError(
+                f"pipeline stage {s} has mesh {dict(st.mesh)}, but the plan's stage mesh is "
+                f"{stage_mesh} (its mesh without 'pipe'): every stage runs the same "
+                "intra-stage plan on a mesh of the same shape. Fix the plan's stages."
+            )
+    bounds = [(st.op_start, st.op_stop) for st in plan.stages]
+    part = partition(model.graph, model.groups, bounds, plan.microbatches)
+    return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, plan.schedule)
+
+
+def plan_op_costs(model: CostModel, plan: Plan) -> OpCosts:
+    """`op_costs` of a pipeline plan's intra-stage plan (its assignment, stage mesh, ZeRO
+    stage and rematerialization)."""
+    return op_costs(
+        model,
+        model.plan_assignment(plan),
+        {k: v for k, v in plan.mesh.items() if k != "pipe"},
+        zero_stage=plan.zero_stage,
+        remat=plan.remat,
+    )
+
+
+def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
+    """Plan decisions the report reads (`_report_data.stage_times` and `memory_bars`):
+    per stage (fwd, bwd) seconds per microbatch and the memory breakdown per device."""
+    return {
+        "stage_times": [[f, b] for f, b in pc.stage_times],
+        "stage_memory": [dict(d) for d in pc.stage_memory],
+    }
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def zero_leaves(graph, lay: Layouts):
+    """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
+    layout is not already split on the data axis (as `_cost.py`)."""
+    for leaf in graph.leaves(Role.PARAM):
+        t = leaf.tensor
+        if not lay.on_data[t]:
+            yield t, graph.tensors[t].nbytes * lay.inv[t], int(graph.tensors[t].ndim > 0)
+
+
+def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that read each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU):
+    its moments twice in the POST call that updates it; with ZeRO-3 the parameter itself
+    too, there (3 gathers, as `op_costs`), in every F and B call that reads it and in a
+    PRE call that does (a weight cast or broadcast). A parameter read on two stages (tied
+    embeddings, a layer cut mid-way) is updated on only one of them."""
+    ac, consumers = oc.axis_costs, graph.consumers()
+    key = C.AG * ac.masks + oc.zero_mask
+    gathers = {PRE: 1, FWD: 1, BWD: 1, POST: 3} if oc.zero_stage >= 3 else {POST: 2}
+    phase = phase_codes(part)
+    for t, b, c in zero_leaves(graph, oc.layouts):
+        for s, ph in {(part.op_stage[i], int(phase[i])) for i in consumers[t]}:
+            k = gathers.get(ph, 0)
+            if k:
+                time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, k * b, k * c)
+                nbytes[s, ph, key] += k * b
+                count[s, ph, key] += k * c
+
+
+def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:
+    return tuple(
+        Collective(
+            C.KINDS[ac.key_kind[i]],
+            ac.names[ac.key_mask[i]],
+            float(nbytes[i]),
+            round(count[i]),
+            float(time[i]),
+        )
+        for i in np.nonzero((count > 0) & (ac.key_mask > 0))[0]
+    )

@@ -1,0 +1,319 @@
+"""The cost model's precomputed tables (see `_cost.py` for what they mean).
+
+Built once per graph and cluster. A *set* is a sorted tuple of splittable group ids: the
+groups of one tensor's dims, or of an op's iteration space. Every per-plan quantity is a
+function of which mesh axes a set holds, so tables index sets rather than tensors, and
+rows with identical structure are merged ahead of time (summing bytes and occurrences:
+collective times are linear in both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._capture import Residuals
+from .._cluster import Cluster
+from .._graph import Graph, Role
+from .._groups import ARG_REDUCE, ELEMENTWISE, FREE, REDUCE_SUM_LIKE, Groups, rule
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTable:
+    """Candidate collectives, one row each: they happen when `group`'s axis calls for it.
+
+    Partial-sum rows (one per op output) hold the op's reduced groups in `group` as a
+    padded [rows, KR] matrix with `small` alongside: the axes of all the groups that are
+    split end up in one collective over their joint mesh axes ("data+model"), as in XLA.
+    Reshard rows (one per input dim) have a single column."""
+
+    group: np.ndarray  # [rows, KR] the group(s) whose split triggers the row
+    small: np.ndarray  # [rows, KR] set of the op's groups with a smaller id (they win an axis)
+    tset: np.ndarray  # set of the tensor moved (bytes are divided by its sharding)
+    tsmall: np.ndarray  # reshard: set of the tensor's groups with a smaller id
+    other: np.ndarray  # reshard: the tensor's other groups the op keeps (all-to-all test)
+    untied: np.ndarray  # reshard: the op needs this dim whole
+    # reshard: a seam's other side (`Seam`): the row is idle when that set holds the axis,
+    # since the flatten then keeps the split; the empty set for every other row.
+    peer: np.ndarray
+    nbytes: np.ndarray  # unsharded bytes of the tensor, summed over merged rows
+    count: np.ndarray  # occurrences merged into the row
+    grad: np.ndarray  # the result has a parameter's layout: a gradient collective
+    op: np.ndarray  # op index (the first one, for merged rows)
+
+    def merged(self) -> RowTable:
+        if len(self.tset) == 0:
+            return self
+        kr = self.group.shape[1]
+        # Bytes per occurrence are part of the key: each occurrence picks the cheaper of ring
+        # and tree for its own size, and rows of one size merged keep that choice exact
+        # (merging sizes would price their sum, which is never cheaper).
+        per_occurrence = np.rint(self.nbytes / np.maximum(self.count, 1)).astype(np.int64)
+        cols = [
+            self.tset,
+            self.tsmall,
+            self.other,
+            self.untied,
+            self.grad,
+            self.peer,
+            per_occurrence,
+        ]
+        keys = np.concatenate(
+            [self.group, self.small, np.stack([c.astype(np.int64) for c in cols], axis=1)], axis=1
+        )
+        uniq, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        n = len(uniq)
+        rest = uniq[:, 2 * kr :]
+        return RowTable(
+            group=uniq[:, :kr],
+            small=uniq[:, kr : 2 * kr],
+            tset=rest[:, 0],
+            tsmall=rest[:, 1],
+            other=rest[:, 2],
+            untied=rest[:, 3].astype(bool),
+            grad=rest[:, 4].astype(bool),
+            peer=rest[:, 5],
+            nbytes=np.bincount(inv, self.nbytes, minlength=n),
+            count=np.bincount(inv, self.count, minlength=n),
+            op=self.op[first],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    sets: np.ndarray  # [n_sets, K] group ids, padded with n_groups (always unsplit)
+    splittable: np.ndarray  # [n_groups + 1]
+    divisor: np.ndarray  # [n_groups + 1]
+    op_set: np.ndarray  # [n_ops] iteration set of each op
+    op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
+    compute_coef: np.ndarray  # [n_sets] op_coef summed by set
+    remat_coef: np.ndarray  # [n_sets] forward ops run again under rematerialization
+    param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
+    opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
+    other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
+    act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
+    act_remat_coef: np.ndarray  # same under rematerialization
+    memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
+    param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
+    partial: RowTable  # merged, for evaluate
+    reshard: RowTable
+    partial_full: RowTable  # one row per op, for the per-op breakdown
+    reshard_full: RowTable
+
+
+def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
+    ng = len(groups.groups)
+    split = np.array([g.splittable for g in groups.groups] + [False])
+    set_ids: dict[tuple[int, ...], int] = {}
+
+    def sid(gs) -> int:
+        key = tuple(sorted({g for g in gs if split[g]}))
+        return set_ids.setdefault(key, len(set_ids))
+
+    tg = groups.tensor_groups
+    tset = [sid(g) for g in tg]
+    param_sets = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
+    flop_rate = cluster.peak_flops * cluster.matmul_efficiency
+    byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
+    forward = set(res.forward_ops)
+    fused_bytes = _fused_bytes(graph, res)
+    wide = cluster.collective_float_bytes
+
+    def comm_bytes(t: int) -> float:
+        """Bytes a collective moves for tensor t (16-bit floats widened where the backend
+        widens them, see Cluster.collective_float_bytes)."""
+        x = graph.tensors[t]
+        if wide and x.dtype in ("bfloat16", "float16") and x.itemsize < wide:
+            return x.size * wide
+        return x.nbytes
+
+    # XLA removes dead code: ops none of whose results reach a step output cost nothing.
+    live = {leaf.tensor for leaf in graph.outputs}
+    live_ops = set()
+    for op in reversed(graph.ops):
+        if any(t in live for t in op.outputs):
+            live_ops.add(op.index)
+            live.update(op.inputs)
+
+    empty = sid(())
+    # A seam's input batch dim is untied from its output's, but moves only when the two
+    # sides' axes differ: the other side is the row's peer (and, being the same logical
+    # dim, never takes the axis from it as another of the op's groups would).
+    after = {(s.op, s.before): s.after for s in groups.seams}
+    op_set, op_coef, remat = [], [], []
+    prow: list[tuple] = []
+    rrow: dict[tuple, tuple] = {}
+    for op in graph.ops:
+        r = rule(op, graph)
+        outs = {g for o in op.outputs for g in tg[o] if split[g]}
+        red = {g for t, d in r.reduced if split[g := tg[t][d]]} - outs
+        it = outs | red
+        op_set.append(sid(it))
+        if r.compute == "matmul":
+            coef = op.flops / flop_rate
+        elif r.compute == "loop":  # a body of matmuls or of memory traffic: the slower
+            coef = max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
+        elif op.primitive in FUSIBLE:
+            coef = fused_bytes[op.index] / byte_rate
+        elif r.compute == "memory":
+            coef = (op.bytes_read + op.bytes_written) / byte_rate
+        else:
+            coef = 0.0
+        if op.index not in live_ops:
+            op_coef.append(0.0)
+            remat.append(0.0)
+            continue
+        op_coef.append(coef)
+        remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
+        if red:
+            gs = sorted(red)
+            small = [sid(x for x in it if x < g) for g in gs]
+            for o in op.outputs:
+                nb = comm_bytes(o)
+                grad = tset[o] in param_sets
+                prow.append((gs, small, tset[o], 0, 0, False, nb, grad, op.index, empty))
+        for u in dict.fromkeys(op.inputs):
+            ugs = {g for g in tg[u] if split[g]}
+            for d, h in enumerate(tg[u]):
+                if not split[h]:
+                    continue
+                untied = h not in it
+                seam = after.get((op.index, h))
+                op_small = {x for x in it if x < h and x != seam}
+                if not untied and op_small <= ugs:
+                    continue  # the op drops the axis exactly where the tensor does
+                peer = empty if seam is None else sid((seam,))
+                key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
+                if key not in rrow:
+                    small_u = sid(x for x in ugs if x < h)
+                    nb = comm_bytes(u)
+                    if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
+                        nb += graph.tensors[u].size * 4
+                    rrow[key] = (
+                        [h],
+                        [key[3]],
+                        tset[u],
+                        small_u,
+                        key[4],
+                        untied,
+                        nb,
+                        False,
+                        op.index,
+                        peer,
+                    )
+
+    n_sets = len(set_ids)
+    width = max(1, *(len(k) for k in set_ids))
+    sets = np.full((n_sets, width), ng, dtype=np.int64)
+    for key, i in set_ids.items():
+        sets[i, : len(key)] = key
+
+    def by_set(tensors) -> np.ndarray:
+        out = np.zeros(n_sets)
+        for t in tensors:
+            out[tset[t]] += graph.tensors[t].nbytes
+        return out
+
+    op_set_a = np.array(op_set, dtype=np.int64)
+    op_coef_a = np.array(op_coef, dtype=float)
+    partial_full = _rows(prow, ng, empty)
+    reshard_full = _rows(list(rrow.values()), ng, empty)
+    param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
+    opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
+    other_coef = by_set(
+        leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
+    )
+    act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
+    return Tables(
+        sets=sets,
+        splittable=split,
+        divisor=np.array([g.divisor for g in groups.groups] + [1], dtype=np.int64),
+        op_set=op_set_a,
+        op_coef=op_coef_a,
+        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets),
+        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets),
+        param_coef=param_coef,
+        opt_coef=opt_coef,
+        other_coef=other_coef,
+        act_coef=act_coef,
+        act_remat_coef=act_remat_coef,
+        memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
+        param_leaves=np.bincount(
+            [tset[x.tensor] for x in graph.leaves(Role.PARAM) if graph.tensors[x.tensor].ndim],
+            minlength=n_sets,
+        ).astype(float),
+        partial=partial_full.merged(),
+        reshard=reshard_full.merged(),
+        partial_full=partial_full,
+        reshard_full=reshard_full,
+    )
+
+
+# Ops XLA fuses into loops over their operands (elementwise chains, layout changes,
+# reductions as fusion roots): only tensors entering or leaving a fusion touch HBM.
+FUSIBLE = (
+    ELEMENTWISE
+    | FREE
+    | REDUCE_SUM_LIKE
+    | {
+        "transpose",
+        "concatenate",
+        "pad",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "rev",
+        "split",
+        "argmax",
+        "argmin",
+    }
+)
+
+
+def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
+    """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours: it
+    reads its operands that live in memory and writes its results that must (read by an
+    op that cannot fuse, a step output, kept for backward, or a reduction's result)."""
+    fusible = [op.primitive in FUSIBLE for op in graph.ops]
+    in_memory = np.zeros(len(graph.tensors), dtype=bool)
+    for t in graph.tensors:
+        p = t.producer
+        in_memory[t.id] = p is None or not fusible[p] or graph.ops[p].primitive in REDUCE_SUM_LIKE
+    for op in graph.ops:
+        if not fusible[op.index]:
+            in_memory[list(op.inputs)] = True
+    in_memory[[leaf.tensor for leaf in graph.outputs]] = True
+    in_memory[list(res.saved)] = True
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        if fusible[op.index]:
+            touched = [t for t in (*op.inputs, *op.outputs) if in_memory[t]]
+            out[op.index] = nbytes[touched].sum()
+    return out
+
+
+def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
+    """Rows as arrays; the group and small lists padded to one width (pad: never split)."""
+    kr = max([1] + [len(r[0]) for r in rows])
+    group = np.full((len(rows), kr), pad_group, dtype=np.int64)
+    small = np.full((len(rows), kr), empty_set, dtype=np.int64)
+    for i, r in enumerate(rows):
+        group[i, : len(r[0])] = r[0]
+        small[i, : len(r[1])] = r[1]
+    cols = list(zip(*rows, strict=True)) if rows else [()] * 10
+    return RowTable(
+        group=group,
+        small=small,
+        tset=np.array(cols[2], dtype=np.int64),
+        tsmall=np.array(cols[3], dtype=np.int64),
+        other=np.array(cols[4], dtype=np.int64),
+        untied=np.array(cols[5], dtype=bool),
+        nbytes=np.array(cols[6], dtype=float),
+        count=np.ones(len(rows)),
+        grad=np.array(cols[7], dtype=bool),
+        op=np.array(cols[8], dtype=np.int64),
+        peer=np.array(cols[9], dtype=np.int64),
+    )

@@ -1,0 +1,208 @@
+"""What each pipeline stage holds and sends: memory per device and point-to-point traffic.
+
+Both are functions of the tensors alone (their layouts on the stage mesh, the stage and
+phase of the ops that make and read them), kept apart from the timing in `_cost.py`.
+
+- memory of stage s, per device: the input leaves its ops read (parameters, their
+  gradients, optimizer state, the batch), by their layouts and the ZeRO stage, plus the
+  activations kept for backward: the residuals of `_memory.find_residuals` that its
+  forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
+  for a tensor carrying the batch), times the microbatches in flight (GPipe: m; 1F1B:
+  min(m, S - s), the schedule's warm-up depth). With rematerialization only the
+  `saved_remat` subset is kept. A tied parameter (read on two stages) lives on both.
+- sends: every tensor made on one stage and read on another, once per receiving stage,
+  by the sender's layout (each device sends its shard to its counterpart). Between two
+  per-microbatch ops (activations forward, their gradients and crossing residuals
+  backward) it moves every microbatch; anything else (a weight cast once, a gradient
+  handed to the stage owning the update, a tied parameter's copy) once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._capture import Residuals
+from .._cluster import Cluster, Link
+from .._graph import Graph, Role
+from .._pipeline import Partition, Phase
+
+#: Phase codes used as array indices; FWD and BWD run once per microbatch.
+PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
+PRE, FWD, BWD, POST = range(4)
+_ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layouts:
+    """Per-device size of every tensor under an intra-stage plan."""
+
+    inv: np.ndarray  # [n_tensors] 1 / sharding divisor of the tensor's layout
+    on_data: np.ndarray  # [n_tensors] the layout already splits it on the data axis
+    data_size: int  # size of the data axis (1 without one): what ZeRO shards over
+
+
+def layouts(graph: Graph, tensor_groups, codes: np.ndarray, mesh: Mapping[str, int], data_axis):
+    """Layouts from axis codes per group (1-based in mesh order, 0: none), as `CostModel`
+    reads an assignment: a tensor split on several groups' axes is divided by each
+    distinct axis once."""
+    sizes = [1, *mesh.values()]
+    d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
+    inv = np.ones(len(graph.tensors))
+    on_data = np.zeros(len(graph.tensors), dtype=bool)
+    for t in range(len(graph.tensors)):
+        axes = {int(codes[g]) for g in tensor_groups[t]} - {0}
+        inv[t] = 1.0 / math.prod(sizes[a] for a in axes)
+        on_data[t] = d in axes
+    return Layouts(inv, on_data, int(sizes[d]) if d else 1)
+
+
+def in_flight(stages: int, microbatches: int, schedule: str) -> tuple[int, ...]:
+    """Microbatches whose activations stage s holds at its peak."""
+    if schedule == "gpipe":
+        return (microbatches,) * stages
+    return tuple(min(microbatches, stages - s) for s in range(stages))
+
+
+def stage_memory(
+    graph: Graph,
+    part: Partition,
+    lay: Layouts,
+    res: Residuals,
+    *,
+    microbatches: int,
+    schedule: str,
+    zero_stage: int,
+    remat: bool,
+) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
+    """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
+    "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
+    leaves it reads first and the residual bytes it makes per microbatch (what a stage
+    DP sums over a layer segment)."""
+    S, m = part.n_stages, max(1, microbatches)
+    stage, phase = np.array(part.op_stage), phase_codes(part)
+    consumers = graph.consumers()
+    out = [dict.fromkeys(("params", "grads", "opt_state", "activations", "other"), 0.0)]
+    out = [dict(out[0]) for _ in range(S)]
+    op_state = np.zeros(len(graph.ops))
+    op_act = np.zeros(len(graph.ops))
+    D = lay.data_size
+
+    def zeroed(t: int, on: bool) -> float:
+        b = graph.tensors[t].nbytes * lay.inv[t]
+        return b / D if on and D > 1 and not lay.on_data[t] else b
+
+    for leaf in graph.inputs:
+        t, readers = leaf.tensor, consumers[leaf.tensor]
+        if not readers:
+            continue
+        if leaf.role == Role.PARAM:
+            part_bytes = {
+                "params": zeroed(t, zero_stage >= 3),
+                "grads": zeroed(t, zero_stage >= 2),
+            }
+        elif leaf.role == Role.OPT_STATE:
+            part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}
+        else:
+            part_bytes = {"other": zeroed(t, False)}
+        for s in {int(stage[c]) for c in readers}:
+            for k, b in part_bytes.items():
+                out[s][k] += b
+        if leaf.role in _ROLE_KEY:
+            op_state[readers[0]] += sum(part_bytes.values())
+
+    copies = in_flight(S, m, schedule)
+    for t in res.saved_remat if remat else res.saved:
+        p = graph.tensors[t].producer
+        b = graph.tensors[t].nbytes * lay.inv[t]
+        per_mb = phase[p] == FWD
+        if per_mb and t in part.batched:
+            b /= m
+        holders = {int(stage[p])} | {int(stage[c]) for c in consumers[t] if phase[c] == BWD}
+        for s in holders:
+            out[s]["activations"] += b * (copies[s] if per_mb else 1)
+        op_act[p] += b
+    return out, op_state, op_act
+
+
+@dataclasses.dataclass(frozen=True)
+class Sends:
+    """Point-to-point traffic of one partition, in seconds."""
+
+    fwd_s: tuple[float, ...]  # per cut c (stage c to c + 1): per microbatch, forward
+    bwd_s: tuple[float, ...]  # per cut c (stage c + 1 to c): per microbatch, backward
+    pre_s: tuple[float, ...]  # per receiving stage: once per step, before the microbatches
+    post_s: tuple[float, ...]  # per receiving stage: once per step, after them
+    sent_bytes: tuple[float, ...]  # per sending stage: bytes per device per step
+    sent_count: tuple[int, ...]  # per sending stage: messages per step
+    sent_s: tuple[float, ...]  # per sending stage: seconds of its messages per step
+
+
+def pipe_link(cluster: Cluster, stage_mesh: Mapping[str, int], stages: int) -> Link:
+    """The link between consecutive stages: "pipe" is the outermost mesh axis, as
+    `Cluster.axis_links` places it, so it crosses nodes once a stage fills a node. Unlike
+    `axis_links` this does not need the whole mesh to fit the cluster (a stage DP asks
+    about the finest partition, one stage per cut candidate)."""
+    stride = math.prod(stage_mesh.values()) if stage_mesh else 1
+    if stages <= 1 or stride * stages <= cluster.devices_per_node:
+        return Link(cluster.intra_bandwidth, cluster.intra_latency, "intra")
+    kind = "inter" if stride >= cluster.devices_per_node else "mixed"
+    return Link(cluster.inter_bandwidth, cluster.inter_latency, kind)
+
+
+def sends(
+    graph: Graph, part: Partition, lay: Layouts, link: Link, efficiency: float, microbatches: int
+) -> Sends:
+    """Every tensor crossing stages, timed alpha-beta on the pipe link (one message per
+    tensor and receiving stage, sent one after another over the link)."""
+    S, m = part.n_stages, max(1, microbatches)
+    stage, phase = np.array(part.op_stage), phase_codes(part)
+    consumers = graph.consumers()
+    fwd, bwd = np.zeros(max(S - 1, 0)), np.zeros(max(S - 1, 0))
+    pre, post = np.zeros(S), np.zeros(S)
+    sent, count, busy = np.zeros(S), np.zeros(S, dtype=np.int64), np.zeros(S)
+    bw = link.bandwidth * efficiency
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+
+    def send(nbytes: float, sender: int, times: int = 1) -> float:
+        seconds = link.latency + nbytes / bw
+        sent[sender] += nbytes * times
+        count[sender] += times
+        busy[sender] += seconds * times
+        return seconds
+
+    for t in graph.tensors:
+        readers = consumers[t.id]
+        if not readers:
+            continue
+        b = t.nbytes * lay.inv[t.id]
+        if t.producer is None:
+            # An input is handed to every stage that reads it; a parameter read on several
+            # stages (tied embeddings) is updated on one and copied to the others each step.
+            if t.id in params:
+                to = sorted({int(stage[c]) for c in readers})
+                for q in to[1:]:
+                    pre[q] += send(b, to[0])
+            continue
+        p, ps = t.producer, int(stage[t.producer])
+        for q in sorted({int(stage[c]) for c in readers} - {ps}):
+            q_phases = {int(phase[c]) for c in readers if stage[c] == q}
+            if phase[p] in (FWD, BWD) and q_phases & {FWD, BWD}:
+                mb = b / m if t.id in part.batched else b
+                if q > ps:  # arrives for the forward of stage q, across the cut before it
+                    fwd[q - 1] += send(mb, ps, m)
+                else:  # arrives for the backward of stage q, across the cut after it
+                    bwd[q] += send(mb, ps, m)
+            else:
+                late = phase[p] in (FWD, BWD, POST) and POST in q_phases
+                (post if late else pre)[q] += send(b, ps)
+    floats = (tuple(float(x) for x in a) for a in (fwd, bwd, pre, post, sent))
+    return Sends(*floats, tuple(int(c) for c in count), tuple(float(x) for x in busy))
+
+
+def phase_codes(part: Partition) -> np.ndarray:
+    code = {p: i for i, p in enumerate(PHASES)}
+    return np.array([code[p] for p in part.op_phase], dtype=np.int64)

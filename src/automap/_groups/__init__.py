@@ -1,0 +1,19 @@
+"""TODO stage docstring."""
+
+from ._linkage import Group as Group
+from ._linkage import Groups as Groups
+from ._linkage import build_groups as build_groups
+from ._linkage import expand_classes as expand_classes
+from ._linkage import group_partners as group_partners
+from ._linkage import layouts as layouts
+from ._linkage import plan_from_assignment as plan_from_assignment
+from ._linkage import zero_spec as zero_spec
+from ._rules import ARG_REDUCE as ARG_REDUCE
+from ._rules import ELEMENTWISE as ELEMENTWISE
+from ._rules import FREE as FREE
+from ._rules import KNOWN_PRIMITIVES as KNOWN_PRIMITIVES
+from ._rules import REDUCE_SUM_LIKE as REDUCE_SUM_LIKE
+from ._rules import dim_ties as dim_ties
+from ._rules import reduced_dims as reduced_dims
+from ._rules import reshape_ties as reshape_ties
+from ._rules import rule as rule

@@ -1,0 +1,161 @@
+"""A partitioned training step cut into the pieces the pipeline runtime jits and runs.
+
+`partition` says which stage and phase every op is in; this module turns that into
+`Segment`s: a stage's forward ops of one microbatch ("F"), its backward ops ("B"), and the
+once-per-step ops before ("pre") and after ("post") the microbatches. Pre and post ops may
+read each other's values across stages (a global gradient norm reads every stage's
+gradients), so they run in program order as maximal runs of one stage each.
+
+Per-microbatch ops run from a second capture of the step at the microbatch's shapes: their
+eqns carry shape parameters (a broadcast to [B/m, S, H]) that the full capture would get
+wrong. Scalar literals come from the full capture, though: the 1/B of a mean over the
+batch must keep the whole batch's B, or every microbatch's gradient would be m times too
+large.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from .._errors import PlanError
+from .._graph import Graph, TensorKind
+from .._groups import Groups
+from .._pipeline import Partition, Phase
+from ._shared import leaf_dtype, leaf_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Ops that run as one jitted program on one stage, and what crosses its border."""
+
+    stage: int
+    kind: str  # "pre", "F", "B" or "post"
+    ops: tuple[int, ...]  # op indices, program order
+    inputs: tuple[int, ...]  # tensor ids read from outside (no constants), first use order
+    outputs: tuple[int, ...]  # tensor ids produced here that others read (or step outputs)
+
+
+def batch_dim(groups: Groups, tensor: int) -> int | None:
+    """The dimension of `tensor` in a batch linkage group (at most one: the groups are
+    splittable and the parts of one cut batch, so never two dims of one tensor)."""
+    batch = groups.batch_groups
+    return next((d for d, g in enumerate(groups.tensor_groups[tensor]) if g in batch), None)
+
+
+def micro_args(graph: Graph, groups: Groups, part: Partition, args: tuple, m: int) -> tuple:
+    """Abstract arguments for one microbatch: every input leaf that carries the batch has
+    its batch dimension divided by `m` (a PlanError when it does not divide)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    out = []
+    for leaf, x in zip(graph.inputs, leaves, strict=True):
+        shape = list(leaf_shape(x))
+        d = batch_dim(groups, leaf.tensor) if leaf.tensor in part.batched else None
+        if d is not None:
+            if shape[d] % m:
+                raise PlanError(
+                    f"input {leaf.path} has batch size {shape[d]}, which {m} microbatches do "
+                    f"not divide. Use a number of microbatches that divides {shape[d]}."
+                )
+            shape[d] //= m
+        out.append(jax.ShapeDtypeStruct(tuple(shape), leaf_dtype(x)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def check_same_program(full: Graph, micro: Graph, groups: Groups, m: int) -> None:
+    """The microbatch capture must be the full one with the batch dims divided by m."""
+    fix = (
+        "The step traces differently at the microbatch size (a Python branch on the batch "
+        "size?); make it shape-independent, or use one microbatch."
+    )
+    if len(full.ops) != len(micro.ops) or len(full.tensors) != len(micro.tensors):
+        raise PlanError(
+            f"at the microbatch size the step has {len(micro.ops)} ops and "
+            f"{len(micro.tensors)} tensors, at the full batch {len(full.ops)} and "
+            f"{len(full.tensors)}. {fix}"
+        )
+    for a, b in zip(full.ops, micro.ops, strict=True):
+        if a.primitive != b.primitive or a.inputs != b.inputs or a.outputs != b.outputs:
+            raise PlanError(
+                f"op {a.index} is {a.primitive} at the full batch but {b.primitive} at the "
+                f"microbatch size (or reads other tensors). {fix}"
+            )
+    batch = groups.batch_groups
+    consumers = full.consumers()
+    outputs = {leaf.tensor for leaf in full.outputs}
+    for t, u in zip(full.tensors, micro.tensors, strict=True):
+        if not consumers[t.id] and t.id not in outputs:
+            continue  # dead (a jvp's unused broadcast): no linkage tied it to the batch
+        want = tuple(
+            n // m if g in batch else n
+            for n, g in zip(t.shape, groups.tensor_groups[t.id], strict=True)
+        )
+        if u.shape != want or u.dtype != t.dtype:
+            raise PlanError(
+                f"tensor {t.id} is {t.dtype}{list(t.shape)} at the full batch but "
+                f"{u.dtype}{list(u.shape)} at the microbatch size (expected {list(want)}). {fix}"
+            )
+
+
+def micro_consts(full: Graph, micro: Graph) -> dict[int, Any]:
+    """Constants for per-microbatch ops: scalars from the full capture (a mean's 1/B keeps
+    the whole batch's B), arrays from the microbatch capture where their shape differs."""
+    out = dict(full.const_values)
+    for t, value in micro.const_values.items():
+        if full.tensors[t].shape != micro.tensors[t].shape:
+            out[t] = value
+    return out
+
+
+def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment], list[Segment]]:
+    """(pre runs, per-microbatch segments, post runs). The per-microbatch list holds an "F"
+    and a "B" segment for every stage (possibly without ops: the schedule still runs them)."""
+    consumers = graph.consumers()
+    step_outputs = {leaf.tensor for leaf in graph.outputs}
+
+    def make(stage: int, kind: str, ops: list[int]) -> Segment:
+        inside = set(ops)
+        produced = [t for i in ops for t in graph.ops[i].outputs]
+        reads = dict.fromkeys(
+            t
+            for i in ops
+            for t in graph.ops[i].inputs
+            if graph.tensors[t].kind is not TensorKind.CONST
+            and graph.tensors[t].producer not in inside
+        )
+        needed = [
+            t for t in produced if t in step_outputs or any(c not in inside for c in consumers[t])
+        ]
+        return Segment(stage, kind, tuple(ops), tuple(reads), tuple(needed))
+
+    def runs(phase: Phase, kind: str) -> list[Segment]:
+        out: list[tuple[int, list[int]]] = []
+        for op in graph.ops:
+            if part.op_phase[op.index] is not phase:
+                continue
+            s = part.op_stage[op.index]
+            if out and out[-1][0] == s:
+                out[-1][1].append(op.index)
+            else:
+                out.append((s, [op.index]))
+        return [make(s, kind, ops) for s, ops in out]
+
+    micro = [
+        make(s, kind, list(part.ops(s, phase)))
+        for s in range(part.n_stages)
+        for kind, phase in (("F", Phase.FWD), ("B", Phase.BWD))
+    ]
+    return runs(Phase.PRE, "pre"), micro, runs(Phase.POST, "post")
+
+
+def readers(micro: list[Segment]) -> Mapping[int, int]:
+    """How many per-microbatch segments read each tensor: a microbatch's copy of it can be
+    dropped once that many have run (residuals die after their backward)."""
+    count: dict[int, int] = {}
+    for seg in micro:
+        for t in seg.inputs:
+            count[t] = count.get(t, 0) + 1
+    return count

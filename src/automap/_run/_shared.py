@@ -1,0 +1,105 @@
+"""What the one-stage and the pipelined runtimes share: the checks that refuse a plan
+before anything runs (each naming the problem and the fix), the shape and dtype of an
+argument leaf (array, scalar or ShapeDtypeStruct), and the per-structure cache of
+prepared programs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._errors import ApplyError, PlanError
+from .._plan import Plan, Spec
+
+
+def validate_plan(plan: Plan) -> None:
+    """Refusals that need no arguments: unknown or repeated axis names.
+
+    A pipeline plan's specs name the axes of its stages' meshes (never "pipe"): each
+    stage runs every tensor it computes on its own sub-mesh."""
+    meshes = [dict(plan.mesh)]
+    if len(plan.stages) > 1:
+        meshes = [dict(stage.mesh) for stage in plan.stages]
+    where = [("input", p, s) for p, s in plan.specs.items()]
+    where += [("output", p, s) for p, s in plan.out_specs.items()]
+    where += [("internal tensor", str(t), s) for t, s in plan.constraints.items()]
+    for what, path, spec in where:
+        used = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        for mesh in meshes:
+            unknown = sorted(set(used) - set(mesh))
+            if unknown:
+                kind = "a pipeline stage's mesh" if len(meshes) > 1 else "the plan's mesh"
+                raise PlanError(
+                    f"the spec {spec} of {what} {path} names mesh axes {unknown} that "
+                    f"{kind} {mesh} does not have. Fix the spec or the mesh."
+                )
+        if len(used) != len(set(used)):
+            raise PlanError(
+                f"the spec {spec} of {what} {path} uses one mesh axis twice; an axis can "
+                "split only one dimension of a tensor."
+            )
+
+
+def mesh_axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_divisible(what: str, shape: tuple[int, ...], spec: Spec, mesh: Mapping[str, int]):
+    if len(spec) > len(shape):
+        raise ApplyError(
+            f"{what} has {len(shape)} dimensions {tuple(shape)} but its spec {spec} has "
+            f"{len(spec)} entries; the plan was made for another program."
+        )
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
+        axes = mesh_axes(entry)
+        parts = math.prod(mesh[a] for a in axes)
+        if size % parts:
+            raise ApplyError(
+                f"{what}: dimension {dim} of size {size} is not divisible by {parts}, the "
+                f"size of mesh axes {axes} that split it. Choose a mesh whose axis sizes "
+                "divide it, or leave that dimension unsplit."
+            )
+
+
+def check_paths(plan: Plan, paths: list[str]) -> None:
+    missing = [p for p in plan.specs if p not in set(paths)]
+    unexpected = [p for p in paths if p not in plan.specs]
+    if missing or unexpected:
+        raise PlanError(
+            "the arguments do not match the plan: the plan was made for another program. "
+            f"Inputs the plan has but the call lacks: {missing or 'none'}; inputs of the "
+            f"call the plan lacks: {unexpected or 'none'}. Make the plan for this step "
+            "(`am.plan(step_fn, *args)`)."
+        )
+
+
+def leaf_shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(np.shape(x))
+
+
+def leaf_dtype(x: Any) -> Any:
+    return x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+
+
+def structure_key(args: tuple) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((leaf_shape(x), str(leaf_dtype(x))) for x in leaves)
+
+
+def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:
+    """`prepare(*args)`: `make(args)` once per argument structure (tree, shapes, dtypes;
+    arrays or ShapeDtypeStructs), cached: checking and tracing happen once per structure."""
+    cache: dict[Any, Any] = {}
+
+    def prepare(*args: Any) -> Any:
+        key = structure_key(args)
+        if key not in cache:
+            cache[key] = make(args)
+        return cache[key]
+
+    return prepare

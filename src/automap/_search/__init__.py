@@ -1,0 +1,32 @@
+"""TODO stage docstring."""
+
+from ._classic import SAFETY as SAFETY
+from ._classic import Tracker as Tracker
+from ._classic import evaluate as evaluate
+from ._classic import options_of as options_of
+from ._classic import random_point as random_point
+from ._classic import search_exhaustive as search_exhaustive
+from ._classic import search_mcmc as search_mcmc
+from ._classic import search_random as search_random
+from ._dp import optimal_cuts as optimal_cuts
+from ._dp import polish_cuts as polish_cuts
+from ._dp import search_dp as search_dp
+from ._ilp import MeshTerms as MeshTerms
+from ._ilp import fine_space as fine_space
+from ._ilp import search_ilp as search_ilp
+from ._mdp import HybridProcess as HybridProcess
+from ._mdp import PipelineProcess as PipelineProcess
+from ._mdp import ShardProcess as ShardProcess
+from ._mdp import baseline_time as baseline_time
+from ._mdp import make_pipeline_process as make_pipeline_process
+from ._mdp import make_process as make_process
+from ._mdp import planning_env as planning_env
+from ._pricer import PipelinePricer as PipelinePricer
+from ._runner import EPISODES_PER_SECOND as EPISODES_PER_SECOND
+from ._runner import DQNFiles as DQNFiles
+from ._runner import SearchProgress as SearchProgress
+from ._runner import expert_seeds as expert_seeds
+from ._runner import expert_start as expert_start
+from ._runner import run_space_searcher as run_space_searcher
+from ._runner import search_dqn as search_dqn
+from ._runner import with_stats as with_stats

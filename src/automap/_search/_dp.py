@@ -1,0 +1,269 @@
+"""The `dp` searcher: hybrid data x tensor x pipeline plans, stage cuts solved exactly.
+
+The hybrid space has two levels. The outer one is small and enumerated: the stage count
+S (a divisor of the device count), the stage mesh (data x model over the remaining devices,
+tensor parallel inside a node), the microbatch count, the ZeRO stage and
+rematerialization. For each point the intra-stage plan is the ILP optimum of the stage mesh
+(time only: memory is the pipeline's business) or the Megatron x data expert assignment,
+and the inner level, where the cuts go, is the exact stage DP (`_solvers/_pipeline_dp.py`)
+over the cut candidates, with per-segment tables read from the pipeline cost model. Every
+partition the DP returns is priced again by the full pipeline model, which is what ranks
+them. ZeRO and rematerialization only trade time for memory, so they are tried only where
+the plain point has no partition that fits.
+
+Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
+objective leaves out what happens once per step (a tied embedding sent between its stages,
+the slowest stage's update), so the best few partitions are then polished against the
+whole model, one cut moved at a time. The outer enumeration is complete unless the budget
+runs out (the stats say so); the intra-stage plan is the same on every stage (Alpa's
+per-stage ILP, `optimal_two_level`, is not used here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time as _time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._cost import (
+    estimate_pipeline,
+    in_flight,
+    op_costs,
+    pipeline_decisions,
+    plan_op_costs,
+    stage_costs,
+)
+from .._errors import PlanError
+from .._pipeline import Phase, cut_candidates, partition, pipeline_plan
+from .._plan import Plan
+from .._solvers import optimal_partition, solve_ilp
+from .._space import (
+    DATA,
+    MODEL,
+    Point,
+    ShardSpace,
+    axis_assignment,
+    batch_groups,
+    block_groups,
+    candidate_meshes,
+    microbatch_counts,
+    stage_counts,
+)
+from ._ilp import MeshTerms
+
+#: How many of the best points' partitions are polished against the whole model.
+POLISHED = 3
+#: (ZeRO stage, remat) tried in turn when the plain point does not fit.
+MEMORY_SAVERS = ((0, False), (1, False), (0, True), (1, True), (3, True))
+
+
+def search_dp(
+    problem: Any,
+    budget_s: float = 60.0,
+    schedule: str = "1f1b",
+    on_point: Callable[[Plan | None, float], None] | None = None,
+) -> tuple[Plan | None, dict[str, Any]]:
+    """The best pipeline plan of the hybrid space (None when no point fits) and stats."""
+    graph, groups, model = problem.graph, problem.groups, problem.cost_model
+    start = _time.perf_counter()
+    cands = cut_candidates(graph, groups)
+    stats: dict[str, Any] = {"cut_candidates": len(cands), "points": 0, "complete": True}
+    if not cands or groups.batch_size is None:
+        return None, stats
+    bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
+    fine = partition(graph, groups, bounds, 1)
+    try:
+        partition(graph, groups, bounds, 2)
+        microbatching = True
+    except PlanError as e:  # batch norm and the like: one microbatch only
+        microbatching, stats["microbatching"] = False, str(e)
+    batch = groups.batch_size
+    found: list[Plan] = []
+    best: Plan | None = None
+    best_time = np.inf
+    try:
+        for point, assignment in _points(model, cands, batch, microbatching):
+            if _time.perf_counter() - start > budget_s:
+                stats["complete"] = False
+                break
+            stats["points"] += 1
+            plan = _solve_point(model, fine, cands, point, assignment, schedule)
+            if plan is not None:
+                found.append(plan)
+                if plan.predicted.step_time_s < best_time:
+                    best, best_time = plan, plan.predicted.step_time_s
+            if on_point is not None:
+                on_point(plan, best_time)
+        # The DP's objective leaves out what happens once per step (a tied embedding sent
+        # between its stages, the slowest stage's update): polish the best few against
+        # the whole model by moving one cut at a time to a neighbouring candidate.
+        for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
+            if _time.perf_counter() - start > budget_s:
+                stats["complete"] = False
+                break
+            plan = polish_cuts(model, plan, cands, deadline=start + budget_s)
+            if plan.predicted.step_time_s < best_time:
+                best, best_time = plan, plan.predicted.step_time_s
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best pipeline so far.
+        if best is None:
+            raise
+        stats["complete"], stats["interrupted"] = False, True
+    return best, _finish(stats, start, best_time)
+
+
+def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool):
+    """The outer level, (point, intra-stage assignment) by stage count, stage mesh,
+    intra-stage plan and microbatch count."""
+    graph, groups, cluster = model.graph, model.groups, model.cluster
+    for S in stage_counts(cluster.devices, len(cands)):
+        per_stage = cluster.devices // S
+        space = ShardSpace(graph, groups, cluster.with_devices(per_stage), model)
+        for mesh_index, mesh in enumerate(candidate_meshes(per_stage)):
+            if mesh.get(MODEL, 1) > cluster.devices_per_node:
+                continue  # tensor parallel across nodes: never worth it
+            for intra, assignment in _intra_plans(space, mesh_index, mesh).items():
+                for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
+                    yield Point(S, mesh, m, intra), assignment
+
+
+def _intra_plans(space: ShardSpace, mesh_index: int, mesh: dict[str, int]) -> dict[str, dict]:
+    """Intra-stage assignments worth a pipeline: the stage mesh's time optimum and the
+    Megatron x data expert (kept apart when they differ)."""
+    groups = space.groups
+    out: dict[str, dict] = {}
+    problem = MeshTerms(space, mesh_index).problem(0, np.inf)
+    solution = solve_ilp(problem)
+    if solution.feasible:
+        out["ilp"] = space.assignment(solution.choices[: len(space.units)])
+    expert = {
+        **axis_assignment(batch_groups(groups), DATA, mesh.get(DATA, 1)),
+        **axis_assignment(block_groups(groups), MODEL, mesh.get(MODEL, 1)),
+    }
+    if expert != {g: a for g, a in out.get("ilp", {}).items() if a is not None}:
+        out["megatron_dp"] = expert
+    return out
+
+
+def _solve_point(model, fine, cands, point: Point, assignment, schedule) -> Plan | None:
+    """Cuts for one outer point by the exact DP, priced by the pipeline model; memory
+    savers (ZeRO, remat) only when the plain point has no partition that fits."""
+    found = None
+    for zero, remat in MEMORY_SAVERS:
+        if zero and point.stage_mesh.get(DATA, 1) == 1:
+            continue
+        oc = op_costs(model, assignment, point.stage_mesh, zero_stage=zero, remat=remat)
+        cuts = optimal_cuts(model, fine, cands, oc, point, schedule)
+        if cuts is None:
+            continue
+        plan = pipeline_plan(
+            model.graph,
+            model.groups,
+            cuts,
+            point.stage_mesh,
+            assignment,
+            point.microbatches,
+            schedule,
+            name=f"dp ({point.intra}, {point.stages} stages)",
+            zero_stage=zero,
+        )
+        plan = dataclasses.replace(plan, remat=remat)
+        pc = estimate_pipeline(model, plan)
+        plan = dataclasses.replace(
+            plan,
+            predicted=pc.cost,
+            decisions={**plan.decisions, **pipeline_decisions(pc), "intra": point.intra},
+        )
+        if pc.cost.feasible:
+            if found is None or pc.cost.step_time_s < found.predicted.step_time_s:
+                found = plan
+            if (zero, remat) == (0, False):
+                return found  # the savers only add time
+    return found
+
+
+def optimal_cuts(model, fine, cands, oc, point: Point, schedule) -> tuple[int, ...] | None:
+    """Segment tables of the finest partition (every candidate a boundary) summed into
+    (stage, first segment, last segment) tables, then the exact stage DP."""
+    m, S = point.microbatches, point.stages
+    pc = stage_costs(model, fine, oc, m, schedule)
+    seg = np.asarray(fine.op_stage)
+    per_mb = np.array([p in (Phase.FWD, Phase.BWD) for p in fine.op_phase])
+    L = fine.n_stages
+    t = np.bincount(seg, np.where(per_mb, pc.op_run_s + pc.op_remat_s, 0.0), minlength=L)
+    state = np.bincount(seg, pc.op_state_bytes, minlength=L)
+    act = np.bincount(seg, pc.op_act_bytes, minlength=L)
+    send = np.append(np.asarray(pc.send_s, dtype=float), 0.0)  # (L,): none after the last
+
+    def range_sums(x):  # (L, L): sum of x[i..j]
+        prefix = np.concatenate([[0.0], np.cumsum(x)])
+        return prefix[None, 1:] - prefix[:-1, None]
+
+    last = np.arange(S) == S - 1
+    time = range_sums(t)[None] + np.where(last[:, None, None], 0.0, send[None, None, :])
+    copies = np.asarray(in_flight(S, m, schedule), dtype=float)
+    memory = range_sums(state)[None] + copies[:, None, None] * range_sums(act)[None]
+    sol = optimal_partition(time, m, stage_memory=memory, memory_limit=model.cluster.memory_limit)
+    if not sol.feasible:
+        return None
+    return tuple(cands[i - 1] for i, _ in sol.stages[1:])
+
+
+def polish_cuts(model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf) -> Plan:
+    """Hill-climb on the cuts: move one cut to the next candidate either way while the
+    whole pipeline model says the step gets faster (the intra-stage plan fixed), until
+    `deadline` (a `time.perf_counter()` value) passes."""
+    stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
+    oc = plan_op_costs(model, plan)
+    index = {c: k for k, c in enumerate(cands)}
+    cuts = [index[c] for c in plan.decisions["cuts"]]
+    best_time, best_pc = plan.predicted.step_time_s, None
+    improved = True
+    while improved and _time.perf_counter() < deadline:
+        improved = False
+        for k in range(len(cuts)):
+            for step in (-1, 1):
+                trial = [*cuts[:k], cuts[k] + step, *cuts[k + 1 :]]
+                lo = trial[k - 1] if k else -1
+                hi = trial[k + 1] if k + 1 < len(trial) else len(cands)
+                if not lo < trial[k] < hi:
+                    continue
+                bounds = list(
+                    zip(
+                        (0, *(cands[i] for i in trial)),
+                        (*(cands[i] for i in trial), len(model.graph.ops)),
+                        strict=True,
+                    )
+                )
+                part = partition(model.graph, model.groups, bounds, plan.microbatches)
+                pc = stage_costs(model, part, oc, plan.microbatches, plan.schedule)
+                if pc.cost.feasible and pc.cost.step_time_s < best_time * (1 - 1e-9):
+                    cuts, best_time, best_pc, improved = trial, pc.cost.step_time_s, pc, True
+    if best_pc is None:
+        return plan
+    new = pipeline_plan(
+        model.graph,
+        model.groups,
+        tuple(cands[i] for i in cuts),
+        stage_mesh,
+        model.plan_assignment(plan),
+        plan.microbatches,
+        plan.schedule,
+        name=plan.name,
+        zero_stage=plan.zero_stage,
+    )
+    return dataclasses.replace(
+        new,
+        remat=plan.remat,
+        predicted=best_pc.cost,
+        decisions={**plan.decisions, **new.decisions, **pipeline_decisions(best_pc)},
+    )
+
+
+def _finish(stats: dict[str, Any], start: float, best_time: float) -> dict[str, Any]:
+    stats["search_time_s"] = round(_time.perf_counter() - start, 3)
+    stats["best_time"] = float(best_time) if np.isfinite(best_time) else None
+    return stats

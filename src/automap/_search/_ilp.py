@@ -1,0 +1,408 @@
+"""searcher="ilp": the exact optimum of the shard space, one MILP per mesh and ZeRO stage.
+
+On a fixed mesh the cost model's step time is a sum of terms that each read the axes of a
+few decision units (the groups of one set or one collective row, see `_tables.py`):
+
+- compute: `compute_coef[s] / divisor(s)` per group set s;
+- a non-gradient collective row: its own alpha-beta time (the cheaper of ring and tree for
+  that row alone), a function of the units of the row's groups and sets;
+- memory (the cost model checks one point, the turn of the step): per set, its parameter,
+  optimizer, activation and input bytes over its divisor (and over data under ZeRO).
+
+Each distinct unit *scope* becomes one `Factor`, its table filled by running the cost
+model's own kernel (`_kernel.rows`, `_kernel.set_axes`) on every joint option of the scope
+at once. Two parts are not separable, and are made exact with auxiliary units:
+
+- gradient collectives are combined per (kind, axis) into one tuple collective, timed as
+  `min(ring, tree)` of the summed bytes with one latency if any row is active. An auxiliary
+  unit per such key picks off / ring / tree: a scope factor makes "off" infinite when a row
+  of the scope is active and charges beta x bytes otherwise, a unary factor charges alpha.
+  Minimizing picks min(ring, tree) exactly; a variant no cheaper in both alpha and beta is
+  dropped.
+- ZeRO's all-gathers of the moments (and parameters) are one collective of summed bytes
+  and counts: linear when one variant dominates (always so for all-gathers), else again an
+  auxiliary unit. One corner is not exact: the cost model skips that collective when no
+  parameter of rank >= 1 is left off the data axis, where the factors still charge beta x
+  the bytes of the scalar parameters left (an overestimate of a few bytes' transfer).
+
+The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
+factors that forbid one axis on two units sharing a tensor, or a seam's dense side on an
+axis its convolutions do not take. ZeRO-1 is skipped: ZeRO-2 has
+the same time for every point and never more memory. Every ILP's point is priced again by
+`ShardSpace.evaluate` and the fastest feasible one wins, so the answer is the cost model's
+own figure even where a factor sum differs in the last bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time as _time
+from typing import Any
+
+import numpy as np
+
+from .._cost import RowTable
+from .._cost import _collectives as C
+from .._cost import _kernel as K
+from .._solvers import MEMORY_RTOL, Factor, FactorProblem, solve_ilp
+from .._space import OPTIONS, ShardSpace
+
+OFF = np.inf  # an auxiliary "off" entry when a row of the scope is active
+_log = logging.getLogger("automap")
+
+
+@dataclasses.dataclass
+class _Scope:
+    """Per joint option of a scope's units: the terms whose units are exactly the scope."""
+
+    units: tuple[int, ...]
+    configs: np.ndarray  # [n_c, k] option of each unit
+    time: np.ndarray  # [n_c] compute + non-gradient collectives
+    grad_bytes: np.ndarray  # [n_c, keys] gradient bytes per (kind, axis mask) key
+    grad_any: np.ndarray  # [n_c, keys] some gradient row is active on the key
+    plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
+    zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
+    zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
+    zero_count: np.ndarray  # [n_c] parameter leaves not split on data
+
+
+class MeshTerms:
+    """The cost model's terms on one mesh of a space, by scope; built once per mesh and
+    assembled into one `FactorProblem` per ZeRO stage."""
+
+    def __init__(self, space: ShardSpace, mesh_index: int):
+        self.space, self.mesh_index = space, mesh_index
+        self.mesh = mesh = space.meshes[mesh_index]
+        self.T = T = space.cost_model.tables
+        self.ac = ac = C.AxisCosts(space.cluster, mesh)
+        self.n_units = len(space.units)
+        self.unary = [space.allowed(mesh, u, []) for u in range(self.n_units)]
+        ng = len(T.splittable) - 1
+        self.unit_of = np.full(ng + 1, -1, dtype=np.int64)
+        for u, unit in enumerate(space.units):
+            self.unit_of[list(unit.groups)] = u
+        # Option -> axis code per group, dropping splits it cannot take (CostModel.codes).
+        opt_code = np.array([ac.codes.get(a, 0) if a else 0 for a in OPTIONS])
+        ok = T.splittable[:, None] & (T.divisor[:, None] % ac.int_sizes[opt_code] == 0)
+        self.eff = np.where(ok, opt_code, 0)  # [ng + 1, options]
+        self.d = ac.codes.get("data", 0)
+        self.D = float(ac.sizes[self.d])
+        self.scopes = [self._evaluate(*b) for b in self._buckets()]
+
+    def _buckets(self):
+        """(scope, own sets, partial rows, reshard rows) for every scope with terms."""
+        T, unit_of = self.T, self.unit_of
+        set_scope = [frozenset(unit_of[row][unit_of[row] >= 0].tolist()) for row in T.sets]
+        buckets: dict[tuple, tuple[list, list, list]] = {}
+
+        def put(scope, slot, i):
+            buckets.setdefault(tuple(sorted(scope)), ([], [], []))[slot].append(i)
+
+        for s, scope in enumerate(set_scope):
+            put(scope, 0, s)
+        p, r = T.partial, T.reshard
+        for i in range(len(p.tset)):
+            units = set(unit_of[p.group[i]][unit_of[p.group[i]] >= 0].tolist())
+            put(units.union(set_scope[p.tset[i]], *(set_scope[s] for s in p.small[i])), 1, i)
+        for i in range(len(r.tset)):
+            units = {int(unit_of[r.group[i, 0]])} - {-1}
+            sets = (r.small[i, 0], r.tset[i], r.tsmall[i], r.other[i], r.peer[i])
+            put(units.union(*(set_scope[s] for s in sets)), 2, i)
+        return [(k, *(np.array(x, dtype=np.int64) for x in v)) for k, v in buckets.items()]
+
+    def _evaluate(self, scope, own, prows, rrows) -> _Scope:
+        """Every term of the scope on every joint option, in one pass of the kernel: each
+        option gets its own copy of the scope's groups and sets (ids offset per copy)."""
+        T, ac, space = self.T, self.ac, self.space
+        opts = [np.flatnonzero(self.unary[u]) for u in scope]
+        combos = list(itertools.product(*opts))
+        configs = np.array(combos, dtype=np.int64).reshape(len(combos), len(scope))
+        n_c = len(configs)
+        sizes = [len(space.units[u].groups) for u in scope]
+        gl = np.array([g for u in scope for g in space.units[u].groups], dtype=np.int64)
+        n_gl = len(gl)
+        A = np.zeros((n_c, n_gl + 1), dtype=np.int64)  # [n_c, local groups + pad]
+        A[:, :n_gl] = self.eff[gl[None, :], configs[:, np.repeat(np.arange(len(scope)), sizes)]]
+        local = np.full(len(T.splittable), n_gl, dtype=np.int64)
+        local[gl] = np.arange(n_gl)
+        p, r = T.partial, T.reshard
+        used = [own, p.small[prows].ravel(), p.tset[prows], r.small[rrows, 0], r.tset[rrows]]
+        sl = np.unique(np.concatenate([*used, r.tsmall[rrows], r.other[rrows], r.peer[rrows]]))
+        n_sl = len(sl)
+        g_off = np.arange(n_c) * (n_gl + 1)
+        s_off = np.arange(n_c) * n_sl
+        sets = (local[T.sets[sl]][None] + g_off[:, None, None]).reshape(n_c * n_sl, -1)
+        P, inv = K.set_axes(A.ravel(), sets, ac.sizes)
+
+        def tiled(R: RowTable, idx: np.ndarray, used: tuple[str, ...]) -> RowTable:
+            out = {}
+            for f in dataclasses.fields(R):
+                x = getattr(R, f.name)[idx]
+                if f.name == "group":
+                    x = (local[x][None] + g_off[:, None, None]).reshape(-1, x.shape[1])
+                elif f.name in ("small", "tset", "tsmall", "other", "peer"):
+                    pos = np.searchsorted(sl, x) if f.name in used else np.zeros_like(x)
+                    off = s_off.reshape((-1,) + (1,) * x.ndim)
+                    x = (pos[None] + off).reshape((-1, *x.shape[1:]))
+                else:
+                    x = np.tile(x, n_c)
+                out[f.name] = x
+            return RowTable(**out)
+
+        Rp = tiled(p, prows, ("small", "tset"))
+        Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
+        key, nbytes, count, grad, rtime = K.rows(
+            Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.reduce_scatter
+        )
+        cfg = np.concatenate(
+            [np.repeat(np.arange(n_c), len(prows))] * 2 + [np.repeat(np.arange(n_c), len(rrows))]
+        )
+        n_keys = len(C.KINDS) * ac.masks
+        g = grad & (count != 0)
+        grad_bytes = np.zeros((n_c, n_keys))
+        np.add.at(grad_bytes, (cfg[g], key[g]), nbytes[g])
+        grad_any = np.zeros((n_c, n_keys), dtype=bool)
+        grad_any[cfg[g], key[g]] = True
+
+        j = np.searchsorted(sl, own)
+        inv_c = inv.reshape(n_c, n_sl)[:, j]  # [n_c, own sets]
+        on_data = P.reshape(n_c, n_sl, -1)[:, j, self.d] if self.d else np.zeros_like(inv_c, bool)
+        zinv = inv_c / np.where(on_data, 1.0, self.D)
+        free = ~on_data
+        return _Scope(
+            units=tuple(scope),
+            configs=configs,
+            time=np.bincount(cfg, rtime, minlength=n_c) + inv_c @ T.compute_coef[own],
+            grad_bytes=grad_bytes,
+            grad_any=grad_any,
+            plain=inv_c @ T.memory_coef[:, own].T,
+            zeroed=zinv @ T.memory_coef[:2, own].T,
+            zero_bytes=(inv_c * free) @ T.param_coef[own],
+            zero_count=free.astype(float) @ T.param_leaves[own],
+        )
+
+    # ---- one FactorProblem per ZeRO stage ---------------------------------------------
+
+    def problem(self, zero_stage: int, memory_limit: float | None = None) -> FactorProblem:
+        """The MILP's factored problem: units 0..n_units-1 are the space's, the rest are
+        auxiliary (combined collectives)."""
+        ac, n = self.ac, self.n_units
+        zero = zero_stage >= 1 and self.d and self.D > 1
+        tables: dict[tuple, list] = {}  # scope -> [time table, memory table]
+        n_options = [len(OPTIONS)] * n
+
+        def add(units, configs, time, memory=None):
+            shape = tuple(n_options[u] for u in units)
+            entry = tables.setdefault(units, [np.zeros(shape), np.zeros(shape)])
+            # One joint option per row of configs; the empty scope has one (a constant).
+            index = tuple(configs.T) if units else ()
+            entry[0][index] += time if units else time.sum()
+            if memory is not None:
+                entry[1][index] += memory if units else memory.sum()
+
+        def combined(kind, mask, parts, indicator):
+            """min over variants of alpha x count + beta x bytes, exact (see module doc)."""
+            alpha, beta = ac.alpha[kind, :, mask], ac.beta[kind, :, mask]
+            best = [v for v in (0, 1) if alpha[v] <= alpha.min() and beta[v] <= beta.min()]
+            variants = best[:1] or [0, 1]
+            if not indicator and len(variants) == 1:
+                v = variants[0]
+                for sc, count, nbytes in parts:
+                    add(sc.units, sc.configs, alpha[v] * count + beta[v] * nbytes)
+                return
+            aux = len(n_options)
+            n_options.append(len(variants) + indicator)
+            unary = [0.0] * indicator + [alpha[v] if indicator else 0.0 for v in variants]
+            add((aux,), np.arange(len(unary))[:, None], np.array(unary))
+            for sc, count, nbytes in parts:
+                cols = [np.where(count > 0, OFF, 0.0)] if indicator else []
+                cols += [
+                    (0.0 if indicator else alpha[v] * count) + beta[v] * nbytes for v in variants
+                ]
+                for o, col in enumerate(cols):
+                    cfg = np.column_stack([sc.configs, np.full(len(sc.configs), o)])
+                    add((*sc.units, aux), cfg, col)
+
+        for sc in self.scopes:
+            pl, zd = sc.plain, sc.zeroed if zero else sc.plain[:, :2]
+            params = zd[:, 0] if zero_stage >= 3 else pl[:, 0]
+            grads = zd[:, 0] if zero_stage >= 2 else pl[:, 0]
+            opt = zd[:, 1] if zero_stage >= 1 else pl[:, 1]
+            add(sc.units, sc.configs, sc.time, params + grads + opt + pl[:, 2] + pl[:, 4])
+        for key in np.flatnonzero(np.any([sc.grad_any.any(axis=0) for sc in self.scopes], axis=0)):
+            kind, mask = divmod(int(key), ac.masks)
+            parts = [
+                (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key])
+                for sc in self.scopes
+                if sc.grad_any[:, key].any()
+            ]
+            combined(kind, mask, parts, indicator=True)
+        if zero:
+            times = 3 if zero_stage >= 3 else 2
+            parts = [(sc, times * sc.zero_count, times * sc.zero_bytes) for sc in self.scopes]
+            combined(C.AG, int(ac.bit[self.d]), parts, indicator=False)
+        if self.space.pruning.masks:
+            pair = np.zeros((len(OPTIONS),) * 2)
+            for k in range(1, len(OPTIONS)):
+                pair[k, k] = np.inf  # one mesh axis twice in one tensor
+            for u in range(n):
+                for v in sorted(w for w in self.space.neighbours[u] if w > u):
+                    tables.setdefault((u, v), [np.zeros((3, 3)), np.zeros((3, 3))])[0] += pair
+            # A seam's dense side: none, or the convolutions' axis (`ShardSpace.seam_units`).
+            codes = np.arange(len(OPTIONS))
+            seam = np.where((codes[None, :] != 0) & (codes[None, :] != codes[:, None]), np.inf, 0)
+            for conv, dense in self.space.seam_units:
+                key, table = ((conv, dense), seam) if conv < dense else ((dense, conv), seam.T)
+                tables.setdefault(key, [np.zeros((3, 3)), np.zeros((3, 3))])[0] += table
+        tables = _absorb(tables)
+        const = tables.pop((), [np.zeros(()), np.zeros(())])
+        limit = self.space.cluster.memory_limit if memory_limit is None else memory_limit
+        allowed = [*self.unary, *(np.ones(k, bool) for k in n_options[n:])]
+        return FactorProblem(
+            n_options=tuple(n_options),
+            allowed=tuple(allowed),
+            time_factors=tuple(Factor(k, v[0]) for k, v in tables.items()),
+            memory_factors=((Factor((), const[1]), *(Factor(k, v[1]) for k, v in tables.items())),),
+            # The cost model's test is memory <= limit; the factor test adds MEMORY_RTOL.
+            memory_limit=limit / (1.0 + MEMORY_RTOL),
+            constant_time=float(const[0]),
+        )
+
+
+def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:
+    """Add each scope's tables into a superset scope's: fewer blocks of y variables in the
+    MILP and a tighter relaxation, same sums."""
+    kept: list[tuple] = []
+    out: dict[tuple, list] = {}
+    for scope in sorted(tables, key=lambda s: (-len(s), s)):
+        host = [k for k in kept if len(k) > len(scope) and set(scope) <= set(k)]
+        if not scope or not host:
+            kept.append(scope)
+            out[scope] = [t.copy() for t in tables[scope]]
+            continue
+        big = min(host, key=lambda k: (np.prod(out[k][0].shape), k))
+        shape = [out[big][0].shape[i] if u in scope else 1 for i, u in enumerate(big)]
+        for t_big, t in zip(out[big], tables[scope], strict=True):
+            t_big += t.reshape(shape)
+    return out
+
+
+def fine_space(space: ShardSpace) -> ShardSpace:
+    """The same space with one decision per linkage group instead of per layer class: the
+    finer space the exhaustive searcher cannot reach and the ILP still solves exactly."""
+    pruning = dataclasses.replace(space.pruning, layer_grouping=False)
+    return ShardSpace(
+        space.graph, space.groups, space.cluster, space.cost_model, pruning, space.task
+    )
+
+
+def problem_size(problem: FactorProblem) -> tuple[int, int]:
+    """(factors, MILP columns): a binary per allowed option, a y per valid joint option."""
+    columns = sum(int(m.sum()) for m in problem.allowed)
+    for f in problem.time_factors:
+        if len(f.units) >= 2:
+            valid = np.isfinite(f.table)
+            for axis, u in enumerate(f.units):
+                shape = [1] * len(f.units)
+                shape[axis] = -1
+                valid &= problem.allowed[u].reshape(shape)
+            columns += int(valid.sum())
+    return len(problem.time_factors), columns
+
+
+def search_ilp(
+    space: ShardSpace, time_limit_s: float = 60.0, on_solve=None
+) -> tuple[tuple[int, tuple[int, ...], int] | None, dict[str, Any]]:
+    """The best point of the space (mesh index, options, ZeRO stage) and the search stats.
+
+    Per mesh, first stage 0 with no memory limit: ZeRO only adds gathers, so that optimum
+    bounds every stage of the mesh from below. A mesh whose bound is no better than the
+    best plan so far is skipped; one whose unlimited optimum fits in memory is solved by
+    it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc). Each
+    MILP gets `time_limit_s`; `on_solve(point, cost, best time)` follows each (progress)."""
+    run = _Run(space, time_limit_s, on_solve)
+    try:
+        for mesh_index, mesh in enumerate(space.meshes):
+            terms = MeshTerms(space, mesh_index)
+            solution, bound = run.solve(terms, 0, np.inf)
+            if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
+                continue  # nothing on this mesh, or nothing better than the best so far
+            if solution.optimal and bound.feasible:
+                continue  # the unlimited optimum fits: no stage of this mesh does better
+            for zero in (z for z in space.zero_options(mesh) if z != 1):
+                run.solve(terms, zero, space.cluster.memory_limit)
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best point so far (no longer a proof of optimality).
+        if run.best is None:
+            raise
+        return run.best, {**run.stats(), "optimal": False, "interrupted": True}
+    return run.best, run.stats()
+
+
+class _Run:
+    """The MILPs of one search: the best point so far and the figures for the stats."""
+
+    def __init__(self, space: ShardSpace, time_limit_s: float, on_solve):
+        self.space, self.time_limit_s, self.on_solve = space, time_limit_s, on_solve
+        self.start = _time.perf_counter()
+        self.best, self.best_time, self.time_to_best = None, np.inf, 0.0
+        self.curve, self.gaps, self.errors, self.sizes = [], [0.0], [0.0], [(0, 0)]
+        self.optimal, self.solve_time = True, 0.0
+
+    def solve(self, terms: MeshTerms, zero: int, limit: float):
+        """Solve one MILP; returns its solution and the cost model's cost of its point (None
+        when it has none). Only points the cost model calls feasible become the best."""
+        space, cost = self.space, None
+        for _ in range(3):
+            problem = terms.problem(zero, limit)
+            self.sizes.append(problem_size(problem))
+            solution = solve_ilp(problem, time_limit_s=self.time_limit_s)
+            self.solve_time += solution.solve_time_s
+            if not solution.feasible:
+                cost = None
+                break
+            point = (terms.mesh_index, tuple(solution.choices[: terms.n_units]), zero)
+            cost = space.evaluate(*point[:2], zero_stage=zero)
+            if cost.feasible or not np.isfinite(limit):
+                break
+            # Over the limit by a rounding of the factor sums: ask again a hair below.
+            limit *= 1.0 - 1e-9
+        if cost is None:
+            # Proven infeasible is still a proof; a time-out without a plan is not.
+            self.optimal &= solution.status == "infeasible"
+            solution = dataclasses.replace(solution, optimal=solution.status == "infeasible")
+        else:
+            self.optimal &= solution.optimal
+            self.gaps.append(solution.gap)
+            self.errors.append(abs(solution.time - cost.step_time_s) / cost.step_time_s)
+            if cost.feasible and cost.step_time_s < self.best_time:
+                self.best, self.best_time = point, cost.step_time_s
+                self.time_to_best = _time.perf_counter() - self.start
+        if self.on_solve is not None:  # after every MILP, infeasible ones too (cost None)
+            self.on_solve(point if cost is not None else None, cost, self.best_time)
+        current = cost.step_time_s if cost is not None else np.inf
+        self.curve.append(
+            {"episode": len(self.curve) + 1, "best_time": self.best_time, "current_time": current}
+        )
+        return solution, cost
+
+    def stats(self) -> dict[str, Any]:
+        optimal = self.optimal
+        if max(self.errors) > 1e-6:
+            # The factors no longer mirror the cost model (it changed under them): the plan
+            # is still priced by the cost model, but no longer proven the optimum.
+            _log.warning("ILP objective differs from the cost model by %.2g", max(self.errors))
+            optimal = False
+        return {
+            "evaluated": len(self.curve),
+            "time_to_best_s": round(self.time_to_best, 3),
+            "optimal": bool(optimal),
+            "gap": float(max(self.gaps)),
+            "solve_time_s": round(self.solve_time, 3),
+            "factors": max(f for f, _ in self.sizes),
+            "variables": max(v for _, v in self.sizes),
+            "objective_error": float(max(self.errors)),
+            "curve": self.curve,
+        }

@@ -1,0 +1,220 @@
+"""The hybrid task as a sequential decision process, for the DQN (`automap.rl`).
+
+hybrid: S (1 included), then the shard task's decisions for one stage (mesh data x model,
+one option per unit, ZeRO) on `cluster.with_devices(devices // S)`, then m and
+rematerialization. The cuts are not decisions: the exact stage DP (`optimal_cuts`) places
+them inside the reward. Given the rest of the point the DP's cuts are optimal in its
+objective and cost one pass over the tables the reward needs anyway, so the agent spends
+its episodes on the choices no exact solver makes for it. S = 1 is the plain shard task.
+
+Reward as for the pipeline task (`_process.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..._plan import Plan
+from ..._space import DATA, ShardSpace, microbatch_counts, stage_counts
+from .._dp import polish_cuts
+from .._pricer import Intra, PipelinePricer
+from ._shard import ShardProcess, cost_summary
+from ._staged import MICRO, REMAT, SHARD, STAGES, PipelineProcess, StagedProcess
+
+
+class HybridProcess(StagedProcess):
+    """DecisionProcess of the hybrid task (see the module doc)."""
+
+    def __init__(self, pricer: PipelinePricer | None, shard: ShardProcess):
+        self.shard_top = shard  # the S = 1 process: the plain shard task
+        self.space = shard.space
+        devices = self.space.cluster.devices
+        pipes = stage_counts(devices, len(pricer.cands)) if pricer is not None else []
+        if pricer is None:  # no cut candidates: the hybrid space is the shard task's
+            pricer = _NoPipeline(shard.space.cost_model)
+        super().__init__(pricer, shard.baseline_time, [1, *pipes])
+        self.n_actions = max(self.n_actions, shard.n_actions)
+        self._subs: dict[int, ShardProcess] = {1: shard}
+        self.reset()
+
+    def _fresh(self) -> HybridProcess:
+        pricer = None if isinstance(self.pricer, _NoPipeline) else self.pricer
+        return HybridProcess(pricer, ShardProcess(self.space, self.baseline_time))
+
+    def sub(self, stages: int) -> ShardProcess:
+        """The shard task of one stage: its mesh, units and ZeRO on devices // S."""
+        if stages not in self._subs:
+            s = self.space
+            cluster = s.cluster.with_devices(s.cluster.devices // stages)
+            space = ShardSpace(s.graph, s.groups, cluster, s.cost_model, s.pruning)
+            self._subs[stages] = ShardProcess(space, self.baseline_time)
+        return self._subs[stages]
+
+    def reset(self) -> None:
+        self._actions: list[int] = []
+        self._stages: int | None = None
+        self._m: int | None = None
+        self._remat: bool | None = None
+
+    def _length(self) -> int:
+        return 1 + len(self.space.units) + 2
+
+    def _phase(self) -> int:
+        if self._stages is None:
+            return STAGES
+        if not self.sub(self._stages).done():
+            return SHARD
+        return MICRO if self._m is None else REMAT
+
+    def done(self) -> bool:
+        if self._stages is None or not self.sub(self._stages).done():
+            return False
+        return self._stages == 1 or self._remat is not None
+
+    def decisions(self) -> tuple[int, ...]:
+        return tuple(self._actions)
+
+    def _intra(self) -> Intra:
+        sub = self.sub(self._stages)
+        mesh, options, zero = sub.to_point(sub.decisions())
+        assignment = sub.space.assignment(options)
+        return Intra.of(sub.space.meshes[mesh], assignment, zero, bool(self._remat))
+
+    def _mb_choices(self) -> list[int]:
+        sub = self.sub(self._stages)
+        data = sub.space.meshes[sub.to_point(sub.decisions())[0]].get(DATA, 1)
+        return microbatch_counts(self.pricer.batch, data, self._stages, self.pricer.microbatching)
+
+    def action_mask(self) -> np.ndarray:
+        mask = np.zeros(self.n_actions, bool)
+        phase = self._phase()
+        if phase == STAGES:
+            mask[:] = True
+        elif phase == SHARD:
+            inner = self.sub(self._stages).action_mask()
+            mask[: len(inner)] = inner
+        elif phase == MICRO:
+            mask[: len(self._mb_choices())] = True
+        elif not self.done():
+            mask[:2] = True  # rematerialization off, on
+        return mask
+
+    def step(self, action: int) -> None:
+        action, phase = self._checked(action)
+        if phase == STAGES:
+            self._stages = self._stage_action(action)
+            self.sub(self._stages).reset()
+        elif phase == SHARD:
+            self.sub(self._stages).step(action)
+        elif phase == MICRO:
+            self._m = self._mb_choices()[action]
+        else:
+            self._remat = bool(action)
+        self._actions.append(action)
+
+    def _cuts(self, intra: Intra) -> tuple[int, ...]:
+        """The stage DP's cuts; balanced ones when no partition fits (priced over memory)."""
+        cuts = self.pricer.optimal(intra, self._stages, self._m)
+        if cuts is None:
+            cuts = self.pricer.balanced(self.pricer.tables(intra, self._m), self._stages)
+        return cuts
+
+    def running(self) -> tuple[float, bool, float]:
+        """Before the pipeline is complete: the shard process's plan so far on one stage's
+        devices, as S equal stages with no bubble (time and memory over S)."""
+        if self._stages is None:
+            return self.baseline_time, True, 0.0
+        if self.done() and self._stages > 1:
+            return self.result()
+        time_s, fits, over = self.sub(self._stages).running()
+        if self._stages == 1:
+            return time_s, fits, over
+        over = max(0.0, (1.0 + over) / self._stages - 1.0)
+        return time_s / self._stages, over == 0.0, over
+
+    def result(self) -> tuple[float, bool, float]:
+        if self._stages == 1:
+            return self.shard_top.result()
+        intra = self._intra()
+        return cost_summary(self.pricer.price(intra, self._m, self._cuts(intra)).cost)
+
+    def observation(self) -> np.ndarray:
+        phase = self._phase()
+        if phase == STAGES:
+            return self._stage_features()
+        if phase == SHARD:
+            return self.sub(self._stages).observation()
+        sub = self.sub(self._stages)
+        mesh = sub.space.meshes[sub.to_point(sub.decisions())[0]]
+        if phase == MICRO:
+            return self._micro_features(mesh, self._stages, self._mb_choices())
+        # Rematerialization: the plan so far's memory over the limit says whether it pays.
+        over = self.running()[2]
+        return self._features(REMAT, mesh, self._stages, self._m, [0.0, 1.0], [over, over])
+
+    def to_plan(self, decisions: Sequence[int], name: str = "dqn") -> Plan:
+        """The priced Plan of a finished decision sequence; pipeline cuts polished against
+        the whole pipeline model as the dp searcher does (it only ever gets faster)."""
+        self.reset()
+        for a in decisions:
+            self.step(a)
+        try:
+            if self._stages == 1:
+                return self.space.to_plan(*self.shard_top.to_point(decisions[1:]), name=name)
+            intra = self._intra()
+            plan = self.pricer.plan(intra, self._m, self._cuts(intra), f"{name} (hybrid)")
+            return (
+                polish_cuts(self.model, plan, self.pricer.cands)
+                if plan.predicted.feasible
+                else plan
+            )
+        finally:
+            self.reset()
+
+    def decisions_for(self, stages: int, mesh, assignment, zero: int, m: int) -> tuple | None:
+        """The decisions of a point given as an assignment (an expert's), if in the space."""
+        if stages not in self.stage_choices:
+            return None
+        inner = self.sub(stages).decisions_for(mesh, assignment, zero)
+        if inner is None:
+            return None
+        if stages == 1:
+            return (0, *inner)
+        self.reset()
+        for a in (self.stage_choices.index(stages), *inner):
+            self.step(a)
+        choices = self._mb_choices()
+        self.reset()
+        return (
+            (self.stage_choices.index(stages), *inner, choices.index(m), 0)
+            if m in choices
+            else None
+        )
+
+
+class _NoPipeline:
+    """Stands in for the pricer when the step cannot be cut: S = 1 only."""
+
+    cands: tuple[int, ...] = ()
+    batch, microbatching = 1, False
+
+    def __init__(self, model):
+        self.model = model
+
+
+def make_pipeline_process(space: ShardSpace, task: str, baseline_time: float):
+    """The DecisionProcess of the "pipeline" or "hybrid" task over the shard space of the
+    whole cluster (its cost model, groups and pruning)."""
+    from ..._errors import AutomapError
+
+    try:
+        pricer = PipelinePricer(space.cost_model)
+    except AutomapError:
+        if task == "pipeline":
+            raise
+        pricer = None
+    if task == "pipeline":
+        return PipelineProcess(pricer, baseline_time)
+    return HybridProcess(pricer, ShardProcess(space, baseline_time))

@@ -1,0 +1,256 @@
+"""The pipeline and hybrid tasks as sequential decision processes, for the DQN (`automap.rl`).
+
+Both use the shard task's conventions (`automap._process`: OBS_DIM features, N_ACTIONS
+actions, every first action valid) so that one network serves every task.
+
+pipeline: the stage count S, the microbatch count m, then the S - 1 cuts one by one. The
+intra-stage plan is fixed per S: data parallel over the stage's devices, or Megatron x data
+(tensor parallel inside the node), whichever the quick evaluation (balanced cuts, the most
+microbatches) prices faster. A cut action is relative to where the cut would balance the
+remaining time: offsets -2..+2 candidates from that balanced cut, the first or the last
+candidate that still leaves every later stage a segment, or the candidate in range with the
+cheapest send. Candidates outside [first, last] are masked: no stage is ever empty.
+
+Reward (through `rl.plan_reward`): minus the simulated pipeline step time relative to data
+parallelism; an over-memory stage is penalized by how far over.
+
+The hybrid task composes this with the shard task: `_hybrid.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..._graph import Role
+from ..._plan import Plan
+from ..._space import (
+    DATA,
+    MODEL,
+    axis_assignment,
+    batch_groups,
+    block_groups,
+    microbatch_counts,
+    stage_counts,
+)
+from .._pricer import Intra, PipelinePricer
+from ._shard import N_ACTIONS, OBS_DIM, cost_summary
+
+STAGES, MICRO, REMAT, _CUT, SHARD = range(5)
+OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut
+_FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
+
+
+class StagedProcess:
+    """What both tasks share: the stage-count choice and the pipeline features."""
+
+    obs_dim = OBS_DIM
+
+    def __init__(self, pricer: PipelinePricer, baseline_time: float, stage_choices):
+        self.pricer, self.model = pricer, pricer.model
+        self.cluster = self.model.cluster
+        self.baseline_time = float(baseline_time)
+        self.stage_choices = tuple(stage_choices)
+        most_mb = len(microbatch_counts(pricer.batch, 1, 1, pricer.microbatching))
+        self.n_actions = max(N_ACTIONS, len(self.stage_choices), most_mb)
+        self._log_devices = math.log2(max(self.cluster.devices, 2))
+        graph = self.model.graph
+        # Parameters, their gradients and the optimizer state: the memory S stages share.
+        state = 2 * graph.role_bytes(Role.PARAM) + graph.role_bytes(Role.OPT_STATE)
+        self._state_per_limit = state / self.cluster.memory_limit
+
+    def _checked(self, action: int) -> tuple[int, int]:
+        """(action, phase) for a step; a masked action is a caller's error."""
+        action = int(action)
+        if not self.action_mask()[action]:
+            raise ValueError(f"action {action} is masked in this state")
+        return action, self._phase()
+
+    def _features(self, phase: int, mesh, stages: int, m: int | None, a, b) -> np.ndarray:
+        """[OBS_DIM]: [0:3] off (the shard phases), [3] progress, [4:7] data, model and
+        pipe axes (log, of the devices), [7] running cost, [8] phase, [9] microbatches,
+        [10:18] and [18:26] two features per action (see each phase)."""
+        obs = np.zeros(OBS_DIM, np.float32)
+        obs[3] = len(self._actions) / max(self._length(), 1)
+        obs[4] = math.log2(mesh.get(DATA, 1)) / self._log_devices
+        obs[5] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
+        obs[6] = math.log2(stages) / self._log_devices
+        time_s, _, over = self.running()
+        obs[7] = min(time_s / self.baseline_time + over, 10.0) / 10.0
+        obs[8] = (1 + phase) / 4.0
+        obs[9] = math.log2(m) / 11.0 if m else 0.0
+        obs[10 : 10 + len(a)] = np.clip(a, 0.0, 1.0)[:8]
+        obs[18 : 18 + len(b)] = np.clip(b, 0.0, 1.0)[:8]
+        return obs
+
+    def _stage_features(self) -> np.ndarray:
+        """Per stage-count action: log S, and the model's state per stage over the limit."""
+        s = np.array(self.stage_choices, float)
+        return self._features(
+            STAGES, {}, 1, None, np.log2(s) / self._log_devices, self._state_per_limit / s / 4
+        )
+
+    def _micro_features(self, mesh, stages: int, choices) -> np.ndarray:
+        """Per microbatch action: the textbook bubble share, and log m."""
+        m = np.array(choices, float)
+        return self._features(
+            MICRO, mesh, stages, None, (stages - 1) / (m + stages - 1), np.log2(m) / 11
+        )
+
+    def _stage_action(self, action: int) -> int:
+        # Every action is valid (a checker replays a sampled action after a reset): past the
+        # last choice means the last one, as the shard task's meshes.
+        return self.stage_choices[min(action, len(self.stage_choices) - 1)]
+
+    def __deepcopy__(self, memo: dict):
+        # The cost model holds a traced program that cannot be copied; a copy shares it and
+        # starts a fresh episode (Gymnasium's spec deep-copies the environment's arguments).
+        return self._fresh()
+
+
+class PipelineProcess(StagedProcess):
+    """DecisionProcess of the pipeline task (see the module doc)."""
+
+    def __init__(self, pricer: PipelinePricer, baseline_time: float, stage_choices=None):
+        devices = pricer.model.cluster.devices
+        choices = stage_choices or stage_counts(devices, len(pricer.cands))
+        super().__init__(pricer, baseline_time, choices)
+        self._intra: dict[int, Intra] = {}
+        self.reset()
+
+    def _fresh(self) -> PipelineProcess:
+        return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices)
+
+    def reset(self) -> None:
+        self._actions: list[int] = []
+        self._stages: int | None = None
+        self._m: int | None = None
+        self._cuts: list[int] = []
+
+    def _length(self) -> int:
+        return 2 + (self._stages or 2) - 1
+
+    def _phase(self) -> int:
+        if self._stages is None:
+            return STAGES
+        return MICRO if self._m is None else _CUT
+
+    def done(self) -> bool:
+        return self._stages is not None and len(self._cuts) == self._stages - 1
+
+    def decisions(self) -> tuple[int, ...]:
+        return tuple(self._actions)
+
+    def intra(self, stages: int) -> Intra:
+        """The intra-stage plan of S stages: data parallel or Megatron x data, whichever
+        prices faster (fitting first) with balanced cuts and the most microbatches."""
+        if stages not in self._intra:
+            groups, per = self.model.groups, self.cluster.devices // stages
+            data = axis_assignment(batch_groups(groups), DATA, per)
+            options = [Intra.of({DATA: per}, data)]
+            tp = min(self.cluster.devices_per_node, per)
+            block = axis_assignment(block_groups(groups), MODEL, tp)
+            if tp > 1 and block:
+                mesh = {k: v for k, v in ((DATA, per // tp), (MODEL, tp)) if v > 1}
+                options.append(
+                    Intra.of(
+                        mesh, {**axis_assignment(batch_groups(groups), DATA, per // tp), **block}
+                    )
+                )
+
+            def quick(intra: Intra):
+                m = self.micro_choices(intra, stages)[-1]
+                tables = self.pricer.tables(intra, m)
+                time_s, fits, over = cost_summary(
+                    self.pricer.price(intra, m, self.pricer.balanced(tables, stages)).cost
+                )
+                return (not fits, over, time_s)
+
+            self._intra[stages] = min(options, key=quick)
+        return self._intra[stages]
+
+    def micro_choices(self, intra: Intra, stages: int) -> list[int]:
+        data = intra.stage_mesh.get(DATA, 1)
+        return microbatch_counts(self.pricer.batch, data, stages, self.pricer.microbatching)
+
+    def _targets(self) -> list[int | None]:
+        """The candidate index of each cut action, None where masked."""
+        tables = self.pricer.tables(self.intra(self._stages), self._m)
+        lo, hi = self.pricer.cut_range(self._stages, self._cuts)
+        mid = self.pricer.balanced_cut(tables, self._stages, self._cuts)
+        cheapest = lo + int(np.argmin(tables.send[lo : hi + 1]))
+        out: list[int | None] = []
+        for i in [mid + o for o in OFFSETS] + [lo, hi, cheapest]:
+            ok = lo <= i <= hi and i not in out  # an alias of an earlier action is masked
+            out.append(i if ok else None)
+        return out + [None] * (self.n_actions - len(out))
+
+    def action_mask(self) -> np.ndarray:
+        mask = np.zeros(self.n_actions, bool)
+        phase = self._phase()
+        if phase == STAGES:
+            mask[:] = True
+        elif phase == MICRO:
+            mask[: len(self.micro_choices(self.intra(self._stages), self._stages))] = True
+        elif not self.done():
+            mask[:] = [t is not None for t in self._targets()]
+        return mask
+
+    def step(self, action: int) -> None:
+        action, phase = self._checked(action)
+        if phase == STAGES:
+            self._stages = self._stage_action(action)
+        elif phase == MICRO:
+            self._m = self.micro_choices(self.intra(self._stages), self._stages)[action]
+        else:
+            self._cuts.append(self._targets()[action])
+        self._actions.append(action)
+
+    def _point(self) -> tuple[Intra, int, tuple[int, ...]]:
+        """The plan so far: undecided microbatches the most, undecided cuts balanced."""
+        intra = self.intra(self._stages)
+        m = self._m or self.micro_choices(intra, self._stages)[-1]
+        cuts = self.pricer.balanced(self.pricer.tables(intra, m), self._stages, self._cuts)
+        return intra, m, cuts
+
+    def running(self) -> tuple[float, bool, float]:
+        """(step time s, fits, over-ratio) of the plan so far (`_point`); the baseline
+        before the stage count is chosen."""
+        if self._stages is None:
+            return self.baseline_time, True, 0.0
+        return cost_summary(self.pricer.price(*self._point()).cost)
+
+    def result(self) -> tuple[float, bool, float]:
+        return self.running()
+
+    def observation(self) -> np.ndarray:
+        phase = self._phase()
+        if phase == STAGES:
+            return self._stage_features()
+        intra = self.intra(self._stages)
+        if phase == MICRO:
+            choices = self.micro_choices(intra, self._stages)
+            return self._micro_features(intra.stage_mesh, self._stages, choices)
+        # Per cut action: the current stage's time per microbatch (its send included) over
+        # an equal share, and its memory per device over the limit.
+        tables, S = self.pricer.tables(intra, self._m), self._stages
+        first = self._cuts[-1] + 1 if self._cuts else 0
+        share = tables.time[first:].sum() / (S - len(self._cuts)) or 1.0
+        a, b = np.zeros(self.n_actions), np.zeros(self.n_actions)
+        for k, i in enumerate(self._targets() if not self.done() else []):
+            if i is not None:
+                a[k] = (tables.span(tables.time, first, i) + tables.send[i]) / share / 4
+                memory = self.pricer.stage_memory(tables, S, self._m, self._cuts, i)
+                b[k] = memory / self.cluster.memory_limit / 2
+        return self._features(_CUT, intra.stage_mesh, S, self._m, a, b)
+
+    def to_plan(self, decisions: Sequence[int], name: str = "dqn") -> Plan:
+        """The priced Plan of a finished decision sequence."""
+        self.reset()
+        for a in decisions:
+            self.step(a)
+        point = self._point()
+        self.reset()
+        return self.pricer.plan(*point, name=f"{name} ({point[0].stage_mesh}, pipeline)")

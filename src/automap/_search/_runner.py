@@ -1,0 +1,364 @@
+"""Running a space searcher (dqn, random, mcmc, exhaustive) on a built problem.
+
+Every searcher explores the same `ShardSpace` under the same cost model and hands back its
+best point as a plan, with the learning curve (one row per episode or evaluation) in
+`plan.decisions["curve"]`. Budgets are counted in episodes or evaluations at a nominal
+rate (see `_search.EVALS_PER_SECOND`), so the same seed gives the same plan anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._errors import AutomapError, InfeasibleError
+from .._plan import Plan
+from .._space import (
+    DATA,
+    MODEL,
+    ShardSpace,
+    axis_assignment,
+    batch_groups,
+    block_groups,
+    expert_assignments,
+    microbatch_counts,
+)
+from ..rl import CheckpointError, DQNAgent, DQNConfig, SearchCheckpoint, load_agent_state
+from ..rl import search as dqn_search
+from ._classic import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
+from ._ilp import search_ilp
+from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
+
+if TYPE_CHECKING:
+    from .._api import Problem
+
+# The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
+EPISODES_PER_SECOND = 40
+# The same for the pipeline and hybrid tasks, whose episodes each price a whole pipeline
+# schedule (and the hybrid's a stage DP): about a tenth of the rate.
+PIPELINE_EPISODES_PER_SECOND = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DQNFiles:
+    """The files a DQN search reads and writes besides the plan."""
+
+    agent_in: Path | None = None
+    """Warm start: the network weights of the agent saved here (a fresh replay)."""
+    agent_out: Path | None = None
+    """Save the trained agent here when the search ends."""
+    resume: Path | None = None
+    """The search state: continued from when the file exists, (re)written when the search
+    ends, Ctrl-C included. The budget is the total over every run."""
+
+    def __bool__(self) -> bool:
+        return any((self.agent_in, self.agent_out, self.resume))
+
+
+def run_space_searcher(
+    problem: Problem,
+    name: str,
+    budget_s: float,
+    seed: int,
+    progress: bool = False,
+    task: str = "shard",
+    files: DQNFiles = DQNFiles(),
+) -> tuple[Plan, dict[str, Any]]:
+    """(best plan, search stats) for searcher `name` over the problem's space for `task`.
+
+    Ctrl-C during the search stops it and hands back the best plan so far, with
+    `stats["interrupted"] = True`; before any feasible plan is found it propagates.
+    `files` (agents and search states) are for the DQN only.
+    """
+    if files and name != "dqn":
+        raise AutomapError(
+            f"agent files and resume are for the dqn searcher, not {name}: "
+            "use searcher='dqn' or leave them out"
+        )
+    pipelined = task in ("pipeline", "hybrid")
+    space = ShardSpace(
+        problem.graph,
+        problem.groups,
+        problem.cluster,
+        problem.cost_model,
+        task="shard" if pipelined else task,
+    )
+    if pipelined:
+        if name != "dqn":
+            raise AutomapError(f"the {name} searcher has no {task} task; use dqn or dp")
+        with SearchProgress(progress, name) as bar:
+            return _dqn_pipeline(space, task, budget_s, seed, bar, files)
+    with SearchProgress(progress, name) as bar:
+        if name == "dqn":
+            point, stats = search_dqn(space, budget_s, seed, bar, files)
+        elif name == "ilp":
+            point, stats = _ilp(space, budget_s, bar)
+        else:
+            point, stats = _classic(space, name, budget_s, seed, bar)
+    if point is None:
+        if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
+            # Proven: no budget would help.
+            raise InfeasibleError(
+                f"no plan in the space fits in memory on {problem.cluster.devices} × "
+                f"{problem.cluster.name} (the {name} search covers all of it); use more "
+                "devices, a smaller batch, or a device with more memory."
+            )
+        raise InfeasibleError(
+            f"the {name} search found no feasible plan in {stats['evaluated']} tries; "
+            "give it a larger budget, or use more devices or a smaller batch."
+        )
+    plan = space.to_plan(*point, name=name)
+    return plan, stats
+
+
+def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: SearchProgress):
+    tracker = Tracker(budget_s=budget_s)
+    bar.start(tracker.max_evals if name != "exhaustive" else space.size())
+    tracker.on_offer = bar.advance
+    if name == "random":
+        search_random(space, tracker, seed)
+    elif name == "mcmc":
+        search_mcmc(space, tracker, seed, start=expert_start(space))
+    elif name == "exhaustive":
+        try:
+            search_exhaustive(space, tracker)
+        except ValueError as e:
+            raise AutomapError(str(e)) from None
+    else:
+        raise AutomapError(f"no space searcher called {name!r}")
+    curve = [
+        {"episode": i, "best_time": best, "current_time": current}
+        for i, best, current in tracker.curve
+    ]
+    stats = {
+        "evaluated": tracker.evaluated,
+        "time_to_best_s": round(tracker.time_to_best_s, 3),
+        "curve": curve,
+    }
+    if tracker.interrupted:
+        stats["interrupted"] = True
+    if name == "exhaustive":
+        stats["complete"] = tracker.complete and not tracker.interrupted
+        stats["space_points"] = space.size()
+    return tracker.best, stats
+
+
+def _ilp(space: ShardSpace, budget_s: float, bar: SearchProgress):
+    bar.start(sum(len([z for z in space.zero_options(m) if z != 1]) for m in space.meshes))
+    return search_ilp(space, time_limit_s=max(budget_s, 1.0), on_solve=bar.advance)
+
+
+def expert_start(space: ShardSpace):
+    """MCMC starts from the best expert plan that is a point of the space, when there is one."""
+    process = ShardProcess(space, 1.0)
+    best, best_time = None, float("inf")
+    for mesh, assignment, zero in expert_assignments(
+        space.graph, space.groups, space.cluster
+    ).values():
+        decisions = process.decisions_for(mesh, assignment, zero)
+        if decisions is None:
+            continue
+        point = process.to_point(decisions)
+        cost = space.evaluate(point[0], point[1], zero_stage=point[2])
+        if cost.feasible and cost.step_time_s < best_time:
+            best, best_time = point, cost.step_time_s
+    return best
+
+
+def search_dqn(
+    space: ShardSpace, budget_s: float, seed: int, bar: SearchProgress, files: DQNFiles = DQNFiles()
+):
+    process = ShardProcess(space, baseline_time(space))
+    seeds = expert_seeds(process)
+    point, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files)
+    return (None if point is None else process.to_point(point)), stats
+
+
+def expert_seeds(process) -> list[tuple[int, ...]]:
+    """The DQN's seed episodes on the shard task: the decisions of every expert plan that is
+    a point of the space."""
+    space, seeds = process.space, []
+    for mesh, assignment, zero in expert_assignments(
+        space.graph, space.groups, space.cluster
+    ).values():
+        decisions = process.decisions_for(mesh, assignment, zero)
+        if decisions is not None and decisions not in seeds:
+            seeds.append(decisions)
+    return seeds
+
+
+def _dqn_pipeline(
+    space: ShardSpace, task: str, budget_s: float, seed: int, bar: SearchProgress, files: DQNFiles
+):
+    """The DQN on the pipeline or hybrid task: its best plan (priced by the pipeline cost
+    model) and stats. Seeded with the expert recipes: the shard experts on one stage, and
+    data parallel or Megatron x data stages at every power-of-two stage count."""
+    process = make_pipeline_process(space, task, baseline_time(space))
+    seeds: list[tuple[int, ...]] = []
+    if isinstance(process, PipelineProcess):
+        # Each stage count with its quick-picked stages, the most microbatches, balanced cuts.
+        for k, S in enumerate(process.stage_choices):
+            if S & (S - 1) == 0:
+                m = len(process.micro_choices(process.intra(S), S)) - 1
+                seeds.append((k, m, *(2,) * (S - 1)))
+    else:
+        for mesh, assignment, zero in expert_assignments(
+            space.graph, space.groups, space.cluster
+        ).values():
+            seeds.append(process.decisions_for(1, mesh, assignment, zero, 1))
+        seeds.extend(_pipeline_seeds(process))
+    seeds = list(dict.fromkeys(s for s in seeds if s is not None))
+    rate = PIPELINE_EPISODES_PER_SECOND
+    decisions, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, rate, files)
+    if decisions is None:
+        raise InfeasibleError(
+            f"the dqn search found no feasible {task} plan in {stats['evaluated']} episodes; "
+            "give it a larger budget, or use more devices or a smaller batch."
+        )
+    return process.to_plan(decisions, name="dqn"), stats
+
+
+def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
+    """Hybrid decisions of the pipeline experts' recipes: every power-of-two S, stages data
+    parallel or Megatron over the node x data, the most microbatches, ZeRO and remat off."""
+
+    groups, cluster, out = process.space.groups, process.space.cluster, []
+    for S in process.stage_choices[1:]:
+        per = cluster.devices // S
+        if S & (S - 1):
+            continue
+        for tp in {1, min(cluster.devices_per_node, per)}:
+            mesh = {k: v for k, v in ((DATA, per // tp), (MODEL, tp)) if v > 1} or {DATA: 1}
+            assignment = {
+                **axis_assignment(batch_groups(groups), DATA, per // tp),
+                **axis_assignment(block_groups(groups), MODEL, tp),
+            }
+            ms = microbatch_counts(process.pricer.batch, per // tp, S, process.pricer.microbatching)
+            out.append(process.decisions_for(S, mesh, assignment, 0, ms[-1]))
+    return out
+
+
+def _run_dqn(
+    process,
+    space: ShardSpace,
+    seeds,
+    budget_s: float,
+    seed: int,
+    bar: SearchProgress,
+    rate: float,
+    files: DQNFiles = DQNFiles(),
+):
+    """(the best feasible decisions or None, stats) of a DQN search over `process`, a
+    decision process over `space` (or over pipelines of it)."""
+
+    episodes = max(len(seeds) + 1, int(budget_s * rate))
+    config = DQNConfig(max_episodes=episodes)
+    # What a saved search state must have been made for to be resumed here.
+    key = {
+        "program": space.graph.fingerprint,
+        "cluster": f"{space.cluster.devices} x {space.cluster.name}",
+        "process": type(process).__name__,
+        "seed": seed,
+    }
+    agent = resume = None
+    try:
+        if files.resume is not None and files.resume.exists():
+            resume = SearchCheckpoint.load(files.resume)
+            resume.check_key(key, files.resume)
+        elif files.agent_in is not None:
+            agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+            agent.from_state_dict(load_agent_state(files.agent_in), weights_only=True)
+    except CheckpointError as err:
+        raise AutomapError(str(err)) from None
+    except ValueError as err:  # the agent's network does not fit this process
+        raise AutomapError(
+            f"the agent in {files.agent_in} does not fit this search ({err}); "
+            "train one with this version and task (agent_out= / --save-agent), or leave it out"
+        ) from None
+
+    bar.start(episodes)
+    if resume is not None:
+        bar.advance_to(min(resume.episode, episodes))
+
+    def on_episode(episode, best, current, exploration, loss) -> None:
+        bar.advance(best_time=best)
+
+    result = dqn_search(
+        process,
+        budget_s=SAFETY * budget_s,
+        seed=seed,
+        config=None if agent is not None else config,
+        agent=agent,
+        seed_episodes=seeds,
+        on_episode=on_episode,
+        resume=resume,
+    )
+    if files.resume is not None and result.checkpoint is not None:
+        dataclasses.replace(result.checkpoint, key=key).save(files.resume)
+    if files.agent_out is not None and result.agent is not None:
+        result.agent.save(files.agent_out)
+    stats = {
+        "evaluated": result.episodes,
+        "episodes": result.episodes,
+        "time_to_best_s": round(result.time_to_best_s, 3),
+        "curve": result.curve,
+    }
+    if result.interrupted:
+        if not result.best_feasible:
+            # Stopped before any plan fit in memory: nothing worth keeping.
+            raise KeyboardInterrupt
+        stats["interrupted"] = True
+    if not result.best_feasible:
+        return None, stats
+    return result.best_decisions, stats
+
+
+class SearchProgress:
+    """A Rich progress bar with the best step time so far, or nothing when quiet."""
+
+    def __init__(self, enabled: bool, name: str):
+        self.enabled, self.name = enabled, name
+        self._bar = self._task = None
+
+    def __enter__(self) -> SearchProgress:
+        from rich.console import Console
+
+        # On stderr: stdout is for the answer (a table, or JSON a script reads). Only on a
+        # terminal: in a log file a live bar is noise (and leaves a stray blank line).
+        console = Console(stderr=True)
+        if self.enabled and console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("best {task.fields[best]}"), transient=True, console=console,
+            )  # fmt: skip
+            self._bar.__enter__()
+        return self
+
+    def start(self, total: int) -> None:
+        if self._bar is not None:
+            self._task = self._bar.add_task(self.name, total=total, best="—")
+
+    def advance_to(self, completed: int) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=completed)
+
+    def advance(self, point: Any = None, cost: Any = None, best_time: float | None = None) -> None:
+        if self._bar is None or self._task is None:
+            return
+        fields = {}
+        if best_time is not None and best_time < float("inf"):
+            fields["best"] = f"{best_time * 1e3:.2f} ms"
+        elif cost is not None and getattr(cost, "feasible", False):
+            fields["best"] = f"{cost.step_time_s * 1e3:.2f} ms (last feasible)"
+        self._bar.update(self._task, advance=1, **fields)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+def with_stats(plan: Plan, stats: dict[str, Any], extra: dict[str, Any]) -> Plan:
+    return dataclasses.replace(plan, decisions={**plan.decisions, **extra, **stats})

@@ -1,0 +1,18 @@
+"""TODO stage docstring."""
+
+from ._experts import DATA as DATA
+from ._experts import MODEL as MODEL
+from ._experts import axis_assignment as axis_assignment
+from ._experts import batch_groups as batch_groups
+from ._experts import block_groups as block_groups
+from ._experts import expert_assignments as expert_assignments
+from ._experts import expert_plans_for as expert_plans_for
+from ._pipeline_experts import pipeline_experts as pipeline_experts
+from ._pipelined import Point as Point
+from ._pipelined import microbatch_counts as microbatch_counts
+from ._pipelined import stage_counts as stage_counts
+from ._shard import OPTIONS as OPTIONS
+from ._shard import SPACE_TASKS as SPACE_TASKS
+from ._shard import Pruning as Pruning
+from ._shard import ShardSpace as ShardSpace
+from ._shard import candidate_meshes as candidate_meshes

@@ -1,0 +1,17 @@
+"""TODO stage docstring."""
+
+from ._compiled import VerifyReport as VerifyReport
+from ._compiled import as_on_cpu as as_on_cpu
+from ._compiled import compare_collectives as compare_collectives
+from ._compiled import compile_plan as compile_plan
+from ._compiled import predicted_bytes as predicted_bytes
+from ._compiled import subprocess_main as subprocess_main
+from ._compiled import verify as verify
+from ._compiled import verify_in_subprocess as verify_in_subprocess
+from ._hlo import axis_of as axis_of
+from ._hlo import comm_bytes as comm_bytes
+from ._hlo import parse_collectives as parse_collectives
+from ._hlo import parse_replica_groups as parse_replica_groups
+from ._hlo import shape_bytes as shape_bytes
+from ._numerics import compare_outputs as compare_outputs
+from ._saved import check_saved_plan as check_saved_plan

@@ -1,0 +1,366 @@
+"""verify: hold a plan against what XLA really compiles, and against the unsharded step.
+
+The plan is compiled by XLA's SPMD partitioner on a CPU mesh of the plan's shape with
+abstract arguments (nothing allocated), its collectives are read from the HLO text
+(`_hlo.py`) and compared, kind by kind and axis by axis, with the cost model's. With
+concrete small arguments the plan is also run and compared with `jax.jit(fn)`.
+
+A pipeline plan runs as several programs (per stage and phase, on the stage's devices):
+each is compiled as the pipeline runtime compiles it, and their collectives are compared
+stage by stage with the pipeline cost model's (`_verify_pipeline`).
+
+Virtual CPU devices are fixed when JAX starts, so a plan for more devices than this
+process has is verified in a fresh Python process (`verify_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _errors
+from .._errors import ApplyError, AutomapError
+from .._plan import Plan
+from .._run import Prepared, make_mesh, validate_plan
+from ._hlo import comm_bytes, parse_collectives
+from ._numerics import compare_outputs
+
+TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
+# A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
+# is "trivial": it can be absent from one side without a mismatch. This is what a
+# combined scalar loss all-reduce or a tiny bias reshard looks like.
+TRIVIAL = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The cost model's collectives against XLA's, and numerics against the plain step."""
+
+    mesh: Mapping[str, int]
+    # True/False once compared; None when no cost model prediction was available.
+    collectives_match: bool | None
+    predicted_comm_bytes: Mapping[str, float]  # "kind@axis" -> bytes per device per step
+    xla_comm_bytes: Mapping[str, float]
+    mismatches: tuple[str, ...] = ()  # one line in words per disagreement
+    notes: tuple[str, ...] = ()  # caveats that are not disagreements
+    numerics_ok: bool | None = None  # None: no concrete arguments were given
+    max_abs_err: float | None = None
+
+    def summary(self) -> str:
+        mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
+        lines = [f"verify: mesh {mesh} ({int(np.prod(list(self.mesh.values())))} CPU devices)"]
+        verdict = {True: "match", False: "DO NOT MATCH", None: "not compared (no cost model)"}
+        lines.append(
+            f"collectives: {verdict[self.collectives_match]} (each kind@axis within "
+            f"{TOLERANCE:.0%} in bytes; under {TRIVIAL:.0%} of all traffic is trivial)"
+        )
+        keys = sorted(set(self.predicted_comm_bytes) | set(self.xla_comm_bytes))
+        width = max([len(k) for k in keys] + [9])
+        lines.append(f"  {'kind@axis':<{width}}  {'predicted':>12}  {'XLA':>12}")
+        for k in keys:
+            p, x = self.predicted_comm_bytes.get(k), self.xla_comm_bytes.get(k)
+            lines.append(f"  {k:<{width}}  {_fmt(p):>12}  {_fmt(x):>12}")
+        lines += [f"  - {m}" for m in self.mismatches]
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.numerics_ok is not None:
+            ok = "ok" if self.numerics_ok else "DIFFERENT"
+            lines.append(f"numerics vs the unsharded step: {ok} (max |err| {self.max_abs_err:.3g})")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+        tuples = {k: tuple(d.get(k, ())) for k in ("mismatches", "notes")}
+        return cls(**{**d, **tuples})
+
+
+def _fmt(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def compare_collectives(
+    predicted: Mapping[str, float], xla: Mapping[str, float]
+) -> tuple[bool, list[str]]:
+    """Whether every non-trivial kind@axis agrees within TOLERANCE, and why not."""
+    total = max(sum(predicted.values()), sum(xla.values()))
+    out = []
+    for key in sorted(set(predicted) | set(xla)):
+        p, x = predicted.get(key, 0.0), xla.get(key, 0.0)
+        if max(p, x) < TRIVIAL * total or abs(p - x) <= TOLERANCE * max(p, x):
+            continue
+        kind, _, axis = key.partition("@")
+        if p == 0:
+            out.append(f"XLA inserts {kind} over {axis} ({_fmt(x)}) that the cost model misses")
+        elif x == 0:
+            out.append(f"the cost model predicts {kind} over {axis} ({_fmt(p)}); XLA has none")
+        else:
+            out.append(f"{kind} over {axis}: predicted {_fmt(p)}, XLA {_fmt(x)} ({p / x - 1:+.1%})")
+    return not out, out
+
+
+def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, float] | None:
+    """The cost model's bytes per kind@axis, or None when no cost model is installed."""
+    try:
+        from .._cost import CostModel
+    except ImportError:
+        return None
+    from .._cluster import Cluster
+
+    cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
+    out: dict[str, float] = {}
+    for c in CostModel(graph, cluster).estimate(plan).collectives:
+        key = f"{c.kind}@{c.axis}"
+        out[key] = out.get(key, 0.0) + float(c.bytes)
+    return out
+
+
+def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
+    """The predicted collectives as XLA's CPU backend lowers them.
+
+    Seen with jax 0.10: the CPU backend never emits reduce-scatter; where a GPU would
+    reduce-scatter it all-reduces the whole buffer and slices its shard. Both count the
+    whole buffer (docs/DESIGN.md), so a predicted reduce-scatter is compared as an
+    all-reduce of the same bytes on the same axis. (`as_compiled_on_cpu` already asks the
+    cost model for the CPU's lowering; this fold keeps the comparison right for a cluster
+    or cost model that does not know that switch.)
+    """
+    out: dict[str, float] = {}
+    for key, nbytes in predicted.items():
+        key = key.replace("reduce-scatter@", "all-reduce@")
+        out[key] = out.get(key, 0.0) + nbytes
+    return out
+
+
+def as_compiled_on_cpu(cluster: Any) -> Any:
+    """`cluster` with the collective lowering of XLA's CPU backend, where verify compiles.
+
+    Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32 and never emits
+    reduce-scatter. Bytes, not times, are compared, so only these two fields matter; the
+    user's cluster (a100, ...) keeps its own values everywhere else.
+    """
+    fields = {f.name for f in dataclasses.fields(cluster)}
+    cpu = {"collective_float_bytes": 4, "reduce_scatter": False}
+    return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
+
+
+def _cpu_devices(n: int) -> list[Any]:
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        raise ApplyError(
+            f"verify compiles the plan on {n} CPU devices but this process has {len(devices)}. "
+            f"Run it in a process started with jax.config.update('jax_num_cpu_devices', {n}) "
+            f"(or XLA_FLAGS=--xla_force_host_platform_device_count={n}) before JAX starts, "
+            "or call automap._verify.verify_in_subprocess(plan), which does that for you."
+        )
+    return devices
+
+
+def compile_plan(fn: Callable, plan: Plan, args: tuple, graph: Any = None) -> tuple[Prepared, Any]:
+    """`fn` under `plan` compiled by XLA on a CPU mesh; arguments stay abstract. The
+    executable is kept so that a numerics check runs it without compiling twice."""
+    mesh = make_mesh(plan, _cpu_devices(plan.devices))
+    prepared = Prepared(fn, plan, mesh, args, graph=graph)
+    return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+
+
+def compiled_text(fn: Callable, plan: Plan, args: tuple) -> str:
+    """The partitioned HLO text of `fn` under `plan` (what `_hlo` reads)."""
+    return compile_plan(fn, plan, args)[1].as_text()
+
+
+def verify(
+    fn: Callable,
+    plan: Plan,
+    *args: Any,
+    cluster: Any = None,
+) -> VerifyReport:
+    """Compile `fn` under `plan` with XLA and compare its collectives with the cost model's.
+
+    `args` may be arrays or ShapeDtypeStructs; when every leaf is a concrete array, the
+    plan is also run and its outputs compared with `jax.jit(fn)`'s
+    (`_numerics.compare_outputs`: float reassociation, relative to each output's scale).
+    """
+    if len(plan.stages) > 1:
+        return _verify_pipeline(fn, plan, args, cluster)
+    validate_plan(plan)
+    from .._capture import capture
+
+    graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
+    prepared, compiled = compile_plan(fn, plan, args, graph=graph)
+    xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
+    predicted = predicted_bytes(graph, plan, cluster)
+    if predicted is None:
+        match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
+    else:
+        match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    report = VerifyReport(dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches))
+    leaves = jax.tree_util.tree_leaves(args)
+    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        got = compiled(*jax.device_put(leaves, prepared.in_shardings))
+        ok, err = _numerics(fn, got, args)
+        report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
+    return report
+
+
+def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None) -> VerifyReport:
+    """A pipeline plan runs as several XLA programs, not one: per stage its "pre", "F",
+    "B" and "post" segments on the stage's sub-mesh, F and B once per microbatch. Every
+    program one step runs is compiled as the runtime compiles it (`run.compile`: the same
+    jitted segments, for the input shardings the step hands them), its collectives read
+    on the stage mesh, times its runs per step, and summed per stage and kind@axis; the
+    pipeline cost model's per-stage collectives are held against them with the rules of
+    one-program plans. Stage-to-stage sends are `jax.device_put`s, not XLA collectives:
+    they are left out of both sides. With concrete arguments the pipeline is also run
+    and compared with the one-device step."""
+    from .._run import apply_pipeline
+
+    run = apply_pipeline(fn, plan, _cpu_devices(plan.devices))
+    pipe = run.prepare(*args)  # traces, partitions and checks the plan
+    xla: dict[str, float] = {}
+    extra = set()  # programs that are not segments: microbatches joined or summed
+    for prog in run.compile(*args):
+        if prog.kind not in ("pre", "F", "B", "post"):
+            extra.add(prog.kind)
+        collectives = parse_collectives(prog.compiled.as_text())
+        for key, nbytes in comm_bytes(collectives, prog.mesh).items():
+            key = _on_stage(key, prog.stage)
+            xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
+    predicted = _pipeline_predicted(pipe.graph, plan, cluster)
+    if predicted is None:
+        match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
+    else:
+        match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    notes = [
+        f"pipeline plan ({len(plan.stages)} stages, {plan.microbatches} microbatches, "
+        f"{plan.schedule}): each stage's programs are compiled on its sub-mesh and their "
+        "collectives summed over one step, per stage; the point-to-point sends between "
+        "stages are jax.device_put copies, not XLA collectives, and are not compared"
+    ]
+    if extra:
+        notes.append(
+            "the runtime also combines microbatches in programs of its own "
+            f"({', '.join(sorted(extra))}): their collectives are on XLA's side only"
+        )
+    report = VerifyReport(
+        dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches), tuple(notes)
+    )
+    leaves = jax.tree_util.tree_leaves(args)
+    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        ok, err = _numerics(fn, run(*args), args)
+        report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
+    return report
+
+
+def _on_stage(key: str, stage: int) -> str:
+    """A kind@axis of one pipeline stage: its devices are not the other stages'."""
+    return f"{key} (stage {stage})"
+
+
+def _pipeline_predicted(graph: Any, plan: Plan, cluster: Any) -> dict[str, float] | None:
+    """The pipeline cost model's collectives per stage and kind@axis, sends left out."""
+    try:
+        from .._cost import CostModel
+    except ImportError:
+        return None
+    from .._cluster import Cluster
+    from .._cost import estimate_pipeline
+
+    cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
+    pc = estimate_pipeline(CostModel(graph, cluster), plan)
+    out: dict[str, float] = {}
+    for s, collectives in enumerate(pc.stage_collectives):
+        for c in collectives:
+            key = _on_stage(f"{c.kind}@{c.axis}", s)
+            out[key] = out.get(key, 0.0) + float(c.bytes)
+    return out
+
+
+def _numerics(fn: Callable, got: Any, args: tuple) -> tuple[bool, float]:
+    want = jax.jit(fn)(*jax.device_put(args, jax.devices("cpu")[0]))  # one device, unsharded
+    ok, err, _ = compare_outputs(got, want)
+    return ok, err
+
+
+def verify_in_subprocess(
+    plan: Plan | str | Path,
+    *,
+    cluster: Any = None,
+    concrete: bool = False,
+    timeout: float | None = None,
+) -> VerifyReport:
+    """`verify` in a fresh Python with as many virtual CPU devices as the plan needs.
+
+    The step is rebuilt from the plan's provenance (a zoo model or a `--fn` target);
+    `concrete=True` also runs the numerics check on random or seeded arguments.
+    """
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    n = max(plan.devices, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = plan.save(Path(tmp) / "plan.json")
+        # `-c`, not `-m`: the module may already be imported by the package's __init__.
+        child = (
+            "import sys; from automap._verify import subprocess_main; subprocess_main(sys.argv[1:])"
+        )
+        cmd = [sys.executable, "-c", child, str(plan_path)]
+        if cluster is not None:
+            (Path(tmp) / "cluster.json").write_text(json.dumps(cluster.to_dict()))
+            cmd += ["--cluster", str(Path(tmp) / "cluster.json")]
+        cmd += ["--concrete"] if concrete else []
+        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+        env = {
+            **os.environ,
+            "XLA_FLAGS": flags.strip(),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(n),
+        }
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_MARK):
+            result = json.loads(line[len(_MARK) :])
+            if "error" in result:
+                raise getattr(_errors, result["type"], AutomapError)(result["error"])
+            return VerifyReport.from_dict(result)
+    raise AutomapError(
+        f"verify in a subprocess failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    )
+
+
+_MARK = "AUTOMAP-VERIFY-REPORT "
+
+
+def subprocess_main(argv: list[str]) -> None:
+    """Child side of verify_in_subprocess: one JSON line on stdout, errors included."""
+    from .._capture import rebuild
+    from .._cluster import Cluster
+
+    try:
+        plan = Plan.load(argv[0])
+        cluster = (
+            Cluster.from_file(argv[argv.index("--cluster") + 1]) if "--cluster" in argv else None
+        )
+        fn, args, _ = rebuild(plan.provenance, abstract="--concrete" not in argv)
+        result = verify(fn, plan, *args, cluster=cluster).to_dict()
+    except AutomapError as e:
+        result = {"error": str(e), "type": type(e).__name__}
+    print(_MARK + json.dumps(result))

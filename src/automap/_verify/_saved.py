@@ -1,0 +1,145 @@
+"""`automap apply plan.json --check`: run a saved plan here and compare with one device.
+
+A plan for a model too big to run here (or for more devices than this machine has) is
+checked on a reduced variant of the same model: the same sharding pattern, parameter by
+parameter (layer numbers ignored), on a mesh shrunk to the local devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .._plan import Plan, Spec
+from ._numerics import compare_outputs
+
+# A model with more parameters than this is checked on a reduced variant: its full-size
+# step would not fit in this machine's memory, or would take minutes on the CPU.
+MAX_CHECK_PARAMS = 20_000_000
+REDUCED = {
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "ff": 128,
+    "batch": 8,
+    "seq": 32,
+    "image": 32,
+    "vocab": 512,
+    "experts": 4,
+    "dtype": "float32",
+}
+
+
+def check_saved_plan(plan: Plan, *, run_only: bool = False) -> dict[str, Any]:
+    import jax
+
+    from .._capture import rebuild
+    from .._run import apply
+
+    local = len(jax.devices())
+    step_fn, args, origin = rebuild(plan.provenance, abstract=True)
+    reduced_reason = _reduce_reason(plan, args, local)
+    overrides: dict[str, Any] = {}
+    if reduced_reason:
+        if not plan.provenance.model:
+            return {
+                "equal": False,
+                "checked": False,
+                "reason": f"{reduced_reason}; a --fn step cannot be reduced automatically: "
+                "check it from Python with am.verify on smaller arguments.",
+            }
+        from .._zoo import get_model
+
+        config = get_model(plan.provenance.model, **dict(plan.provenance.overrides)).config
+        overrides = {k: v for k, v in REDUCED.items() if k in config}
+    step_fn, args, origin = rebuild(plan.provenance, abstract=False, overrides=overrides)
+    run_plan = _transfer(plan, step_fn, args, local) if reduced_reason else plan
+    sharded = apply(step_fn, run_plan)(*args)
+    result: dict[str, Any] = {
+        "model": origin.get("model") or origin.get("fn"),
+        "reduced": bool(reduced_reason),
+        "reason": reduced_reason or "",
+        "overrides": overrides,
+        "mesh": dict(run_plan.mesh),
+        "checked": not run_only,
+    }
+    if run_only:
+        result["equal"] = True
+        return result
+    reference = jax.jit(step_fn)(*args)
+    equal, err, worst = compare_outputs(sharded, reference)
+    result.update(equal=equal, max_abs_err=err, worst_output=worst)
+    return result
+
+
+def _reduce_reason(plan: Plan, args: tuple, local: int) -> str:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(args)
+    params = sum(math.prod(x.shape) for x in leaves)
+    if params > MAX_CHECK_PARAMS:
+        return f"the model is too big for a numeric check here ({params / 1e6:.0f}M numbers)"
+    if plan.devices > local:
+        return f"the plan needs {plan.devices} devices, this machine has {local}"
+    return ""
+
+
+def _pattern(path: str) -> str:
+    """A parameter's path with layer numbers erased: layer_3 and layer_0 share a pattern."""
+    return re.sub(r"\d+", "#", path)
+
+
+def _shrink(mesh: Mapping[str, int], local: int) -> dict[str, int]:
+    sizes = dict(mesh)
+    while math.prod(sizes.values()) > local:
+        axis = max(sizes, key=lambda a: sizes[a])
+        sizes[axis] //= 2
+    return sizes
+
+
+def _fit(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int]) -> Spec:
+    """Keep each axis of `spec` only where it still divides the (reduced) dimension."""
+    out = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=False):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in axes if a in mesh and mesh[a] > 1)
+        size = math.prod(mesh[a] for a in kept)
+        if not kept or dim % size:
+            out.append(None)
+        else:
+            out.append(kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
+
+
+def _transfer(plan: Plan, step_fn: Any, args: tuple, local: int) -> Plan:
+    """The plan's sharding pattern on another (reduced) program of the same model."""
+    import jax
+
+    mesh = _shrink(plan.mesh, local)
+    by_pattern = {_pattern(p): s for p, s in plan.specs.items()}
+    specs = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        key = jax.tree_util.keystr(path)
+        spec = by_pattern.get(_pattern(key), ())
+        specs[key] = _fit(spec, tuple(np.shape(leaf)), mesh)
+    # The new params and optimizer state keep the pattern the plan gave them.
+    out_by_pattern = {_pattern(p): s for p, s in plan.out_specs.items()}
+    out_specs = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.eval_shape(step_fn, *args))[0]:
+        key = jax.tree_util.keystr(path)
+        if _pattern(key) in out_by_pattern:
+            out_specs[key] = _fit(out_by_pattern[_pattern(key)], tuple(leaf.shape), mesh)
+    provenance = dataclasses.replace(plan.provenance, fingerprint="")
+    return dataclasses.replace(
+        plan,
+        mesh=mesh,
+        specs=specs,
+        out_specs=out_specs,
+        constraints={},
+        provenance=provenance,
+    )
