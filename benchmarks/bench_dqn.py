@@ -32,16 +32,17 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per process, as the target says
 
 import automap as am
-from automap._api import Problem, run_searcher
 from automap._search import (
     EPISODES_PER_SECOND,
     SAFETY,
+    Problem,
     SearchProgress,
     ShardProcess,
     Tracker,
     baseline_time,
     expert_seeds,
     expert_start,
+    run_searcher,
     search_dqn,
     search_mcmc,
     search_random,

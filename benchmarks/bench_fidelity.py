@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import re
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -99,8 +98,6 @@ def bench_model(
             errors += 1
             reasons[f"error: {type(e).__name__}: {str(e)[:80]}"] += 1
             continue
-        if predicted is None:
-            sys.exit("no cost model (automap._cost) in this installation: nothing to compare")
         ok, why = compare_collectives(as_on_cpu(predicted), xla)
         matched += ok
         reasons.update(_shape_of(w) for w in why)
@@ -109,7 +106,7 @@ def bench_model(
             dict(
                 mesh=dict(plan.mesh),
                 zero_stage=plan.zero_stage,
-                assignment=plan.decisions.get("assignment", {}),
+                assignment=plan.assignment or {},
                 predicted=predicted,
                 xla=xla,
                 match=ok,

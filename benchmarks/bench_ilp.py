@@ -24,9 +24,8 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from automap._api import Problem, run_searcher
 from automap._cluster import Cluster
-from automap._search import fine_space, search_ilp
+from automap._search import Problem, fine_space, run_searcher, search_ilp
 from automap._space import ShardSpace
 from automap._zoo import get_model
 

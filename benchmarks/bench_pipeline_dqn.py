@@ -17,7 +17,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import automap as am
-from automap._api import Problem, run_searcher
+from automap._search import Problem, run_searcher
 from automap._zoo import get_model
 
 # name -> (zoo model, overrides, chip, devices)

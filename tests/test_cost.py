@@ -250,14 +250,14 @@ def test_fast_evaluation_equals_the_detailed_estimate():
     # The searchers optimize evaluate(); plans are priced by estimate(): they must agree,
     # or an exact optimum of one is not the optimum of the other.
     import automap as am
-    from automap._api import Problem, priced_experts
+    from automap._search import Problem, priced_experts
     from automap._zoo import get_model
 
     spec = get_model("bert-base", layers=2, hidden=128, heads=8, seq=32, batch=8)
     problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16), None)
     # One-stage plans: a pipeline's cost is its schedule's, not evaluate()'s.
     for name, plan in priced_experts(problem, pipelines=False).items():
-        assignment = {int(k): v for k, v in plan.decisions["assignment"].items()}
+        assignment = dict(plan.assignment)
         fast = problem.cost_model.evaluate(assignment, plan.mesh, zero_stage=plan.zero_stage)
         assert fast.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-12), name
         assert fast.memory_bytes == pytest.approx(plan.predicted.memory_bytes, rel=1e-12), name

@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._api import Problem, run_searcher
 from automap._capture import capture
 from automap._cost import CostModel
 from automap._errors import InfeasibleError
 from automap._groups import build_groups
 from automap._search import (
     MeshTerms,
+    Problem,
     Tracker,
     fine_space,
     options_of,
+    run_searcher,
     search_exhaustive,
     search_ilp,
 )

@@ -116,11 +116,11 @@ def test_plan_from_assignment_specs_out_specs_constraints():
     assert plan.constraints and all(
         len(s) == g.tensors[t].ndim for t, s in plan.constraints.items()
     )
-    assert plan.decisions["assignment"] == {str(groups.batch_groups[0]): "data", str(ff): "model"}
+    assert plan.assignment == {groups.batch_groups[0]: "data", ff: "model"}
     # A split the group cannot take (4 heads on 8 devices) is dropped, not applied.
     heads = groups.of(leaf(g, "layer_0']['attention']['query']['kernel']"), 1)
     plan = plan_from_assignment(g, groups, {"model": 8}, {heads: "model"})
-    assert plan.decisions["assignment"] == {}
+    assert plan.assignment == {}
 
 
 def test_zero_adds_the_data_axis_to_optimizer_state_and_params():

@@ -1,10 +1,11 @@
+import dataclasses
 import json
 
 import pytest
 from jax.sharding import PartitionSpec
 
 import automap as am
-from automap._plan import Provenance
+from automap._plan import Provenance, Stage
 
 
 def _plan() -> am.Plan:
@@ -29,7 +30,7 @@ def _plan() -> am.Plan:
         name="megatron_dp",
         predicted=cost,
         provenance=Provenance(searcher="expert", model="mlp", overrides={"layers": 2}),
-        decisions={"assignment": {"3": "model"}},
+        assignment={3: "model"},
     )
 
 
@@ -86,3 +87,29 @@ def test_bad_plan_files_get_clear_errors(tmp_path, content, message):
 def test_missing_plan_file(tmp_path):
     with pytest.raises(am.PlanError, match="no plan file"):
         am.Plan.load(tmp_path / "nope.json")
+
+
+def test_assignment_is_a_typed_field_saved_where_plan_files_keep_it(tmp_path):
+    plan = _plan()
+    raw = plan.to_dict()
+    # The file format is unchanged: the assignment is saved among the decisions.
+    assert raw["decisions"]["assignment"] == {"3": "model"}
+    assert am.Plan.from_dict(raw).assignment == {3: "model"}
+    # A hand-written plan has none: the cost model reads it back from the specs.
+    del raw["decisions"]["assignment"]
+    assert am.Plan.from_dict(raw).assignment is None
+    # Built in code the old way, the decisions' assignment becomes the field.
+    old = am.Plan(mesh={"data": 8}, specs={}, decisions={"assignment": {"2": "data"}, "x": 1})
+    assert old.assignment == {2: "data"} and old.decisions == {"x": 1}
+
+
+def test_pipelined_means_more_than_one_stage():
+    plan = _plan()
+    assert not plan.pipelined
+    one = dataclasses.replace(plan, stages=(Stage(0, 10, tuple(range(8)), {"data": 8}),))
+    assert not one.pipelined
+    two = dataclasses.replace(
+        plan,
+        stages=(Stage(0, 5, (0, 1, 2, 3), {"data": 4}), Stage(5, 10, (4, 5, 6, 7), {"data": 4})),
+    )
+    assert two.pipelined

@@ -4,9 +4,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import automap as am
-from automap._api import Problem, run_searcher
 from automap._capture import capture
-from automap._search import make_process, planning_env
+from automap._search import Problem, make_process, planning_env, run_searcher
 from automap._space import expert_assignments
 from automap._zoo import get_model
 

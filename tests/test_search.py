@@ -5,10 +5,17 @@ import pytest
 
 import automap as am
 from _cnn import cnn
-from automap._api import Problem, run_searcher
 from automap._bench import compare, speedups, to_json
 from automap._cost import CostModel
-from automap._search import Tracker, evaluate, search_exhaustive, search_mcmc, search_random
+from automap._search import (
+    Problem,
+    Tracker,
+    evaluate,
+    run_searcher,
+    search_exhaustive,
+    search_mcmc,
+    search_random,
+)
 from automap._space import Pruning, ShardSpace, candidate_meshes
 from automap._zoo import get_model
 

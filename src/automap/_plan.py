@@ -116,12 +116,30 @@ class Plan:
     zero_stage: int = 0
     remat: bool = False
     name: str = ""  # e.g. "megatron_dp", or the searcher's name
+    # Linkage group id -> mesh axis, for every group the plan splits: what the cost model
+    # prices. None for a plan written by hand (the cost model reads it back from the specs).
+    # Saved as decisions["assignment"], where plan files have always kept it.
+    assignment: Mapping[int, str] | None = None
     predicted: Cost | None = None
     provenance: Provenance = dataclasses.field(default_factory=Provenance)
     # Searcher-specific decisions (e.g. group -> axis), JSON-able, for reports and resume.
     decisions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # The argument pytree structure, when known (not saved): lets in_specs be a real pytree.
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Plans built in code the old way, with the assignment among the decisions.
+        if "assignment" in self.decisions:
+            decisions = dict(self.decisions)
+            raw = decisions.pop("assignment")
+            if self.assignment is None and raw is not None:
+                object.__setattr__(self, "assignment", {int(g): str(a) for g, a in raw.items()})
+            object.__setattr__(self, "decisions", decisions)
+
+    @property
+    def pipelined(self) -> bool:
+        """More than one stage: the plan runs as a pipeline."""
+        return len(self.stages) > 1
 
     @property
     def devices(self) -> int:
@@ -164,7 +182,7 @@ class Plan:
             "remat": self.remat,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
-            "decisions": dict(self.decisions),
+            "decisions": _with_assignment(self.decisions, self.assignment),
         }
 
     @classmethod
@@ -226,6 +244,14 @@ class Plan:
                 "Re-create it with `automap plan`."
             ) from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _with_assignment(
+    decisions: Mapping[str, Any], assignment: Mapping[int, str] | None
+) -> dict[str, Any]:
+    if assignment is None:
+        return dict(decisions)
+    return {"assignment": {str(g): a for g, a in sorted(assignment.items())}, **decisions}
 
 
 def _finite_or_none(x: float) -> float | None:

@@ -68,7 +68,7 @@ def stage_plan(name, stages, microbatches=1, schedule="1f1b", kind="megatron_dp_
         ),
         microbatches=microbatches,
         schedule=schedule,
-        decisions={"assignment": {str(g): a for g, a in assignment.items()}},
+        assignment=dict(assignment),
     )
 
 

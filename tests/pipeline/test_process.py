@@ -7,15 +7,16 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import automap as am
-from automap._api import Problem, _best_expert
 from automap._cost import estimate_pipeline
 from automap._pipeline import partition
 from automap._search import (
     HybridProcess,
     PipelinePricer,
     PipelineProcess,
+    Problem,
     ShardProcess,
     baseline_time,
+    best_expert,
     make_pipeline_process,
     planning_env,
 )
@@ -113,7 +114,7 @@ def test_dqn_pipeline_end_to_end_and_reproducible(gpt):
     assert plan.predicted.feasible and len(plan.stages) > 1
     cost = estimate_pipeline(problem.cost_model, plan).cost
     assert plan.predicted.step_time_s == pytest.approx(cost.step_time_s, rel=1e-9)
-    expert = _best_expert(problem, "pipeline")
+    expert = best_expert(problem, "pipeline")
     assert plan.predicted.step_time_s <= expert.predicted.step_time_s * (1 + 1e-9)
     again = am.plan(spec.step_fn, *spec.abstract_args(), seed=3, **args)
     assert again.decisions["cuts"] == plan.decisions["cuts"] and again.mesh == plan.mesh
@@ -129,7 +130,7 @@ def test_dqn_hybrid_no_worse_than_experts(gpt):
         tasks=("shard", "pipeline"),
         budget_s=1.0,
     )
-    expert = _best_expert(problem, "hybrid")
+    expert = best_expert(problem, "hybrid")
     assert plan.predicted.feasible
     assert plan.predicted.step_time_s <= expert.predicted.step_time_s * (1 + 1e-9)
 

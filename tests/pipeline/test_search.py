@@ -8,11 +8,10 @@ import itertools
 import pytest
 
 import automap as am
-from automap._api import Problem
 from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
 from automap._pipeline import cut_candidates, partition, pipeline_plan
-from automap._search import optimal_cuts, polish_cuts, search_dp
+from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
 from automap._space import Point, microbatch_counts, pipeline_experts
 from automap._zoo import get_model
 

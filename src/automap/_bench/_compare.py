@@ -14,11 +14,11 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from .._api import Problem, priced_experts, run_searcher
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Plan
 from .._report import human_bytes, human_time
+from .._search import Problem, priced_experts, run_searcher
 
 DEFAULT_SEARCHERS = ("expert", "exhaustive", "random", "mcmc")
 

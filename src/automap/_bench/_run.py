@@ -29,11 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._api import Problem, priced_experts, run_searcher
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._report import human_time
+from .._search import Problem, priced_experts, run_searcher
+from .._space import ShardSpace
 from .._version import __version__
+from .._zoo import get_model, list_models
 from ._compare import Row, make_row
 
 EXHAUSTIVE_LIMIT = 200_000  # points: above this only the ILP proves the optimum
@@ -106,7 +108,6 @@ def select(cases: Sequence[Case], models: Sequence[str] | None) -> tuple[Case, .
     of its default cluster, so any zoo model can be benched by name."""
     if not models:
         return tuple(cases)
-    from .._zoo import list_models
 
     infos = {i.name: i for i in list_models()}
     out: list[Case] = []
@@ -161,8 +162,6 @@ def within_1pct(row: Row, optimum: float | None) -> tuple[float, int] | None:
 
 def bench_case(case: Case, s: Settings, step: Callable[[str], None] = lambda _: None) -> dict:
     """Every searcher on one case: the summary the tables show, and every row."""
-    from .._space import ShardSpace
-    from .._zoo import get_model
 
     step("capture")
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import AutomapError
+from .._zoo import get_model
 
 Origin = dict[str, Any]
 
@@ -20,7 +21,6 @@ Origin = dict[str, Any]
 def load_zoo(
     name: str, overrides: Mapping[str, Any], *, abstract: bool, seed: int = 0
 ) -> tuple[Callable, tuple, Origin]:
-    from .._zoo import get_model
 
     spec = get_model(name, **dict(overrides))
     args = spec.abstract_args() if abstract else spec.concrete_args(seed)

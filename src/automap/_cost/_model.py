@@ -52,6 +52,7 @@ from .._groups import Groups, build_groups, rule
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
+from ._pipelined import estimate_pipeline
 from ._tables import RowTable, build_tables
 
 _log = logging.getLogger("automap")
@@ -97,9 +98,7 @@ class CostModel:
     def estimate(self, plan: Plan) -> Cost:
         """Cost of a plan: its recorded assignment, else one read back from its specs. A
         plan with pipeline stages is timed by its schedule (`_pipeline/_cost.py`)."""
-        if len(plan.stages) > 1:
-            from ._pipelined import estimate_pipeline
-
+        if plan.pipelined:
             return estimate_pipeline(self, plan).cost
         return self.evaluate(
             self.plan_assignment(plan),
@@ -112,9 +111,8 @@ class CostModel:
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]:
         """A plan's assignment {group: axis}: as recorded, else read back from its specs."""
-        raw = plan.decisions.get("assignment") if plan.decisions else None
-        if raw is not None:
-            return {int(g): a for g, a in raw.items()}
+        if plan.assignment is not None:
+            return dict(plan.assignment)
         return self.assignment_from_specs(plan)
 
     def op_state(self, assignment, mesh: Mapping[str, int]) -> tuple[K.State, C.AxisCosts]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -63,8 +63,21 @@ from ._traffic import (
     stage_memory,
 )
 
-if TYPE_CHECKING:
-    from ._model import CostModel
+
+class StageModel(Protocol):
+    """What the pipeline cost reads of the one-stage cost model (`CostModel`): the
+    program, its groups and tables, and the per-op state of an intra-stage plan. Typed
+    by this protocol so that the one-stage model can dispatch to this module without a
+    cycle."""
+
+    graph: Any
+    cluster: Any
+    groups: Any
+    tables: Any
+
+    def op_state(self, assignment: Any, mesh: Mapping[str, int]) -> tuple[Any, Any]: ...
+
+    def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,7 +115,7 @@ class OpCosts:
 
 
 def op_costs(
-    model: CostModel,
+    model: StageModel,
     assignment: Mapping[int, str | None],
     stage_mesh: Mapping[str, int],
     *,
@@ -193,7 +206,7 @@ class PipelineCost:
 
 
 def stage_costs(
-    model: CostModel,
+    model: StageModel,
     part: Partition,
     oc: OpCosts,
     microbatches: int,
@@ -322,7 +335,7 @@ def stage_costs(
     )
 
 
-def estimate_pipeline(model: CostModel, plan: Plan) -> PipelineCost:
+def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
     """The pipeline cost of a plan with stages: `plan.mesh` is {"pipe": S, **stage mesh},
     its specs are on the stage mesh, `plan.stages` cut the forward ops."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
@@ -338,7 +351,7 @@ def estimate_pipeline(model: CostModel, plan: Plan) -> PipelineCost:
     return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, plan.schedule)
 
 
-def plan_op_costs(model: CostModel, plan: Plan) -> OpCosts:
+def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
     """`op_costs` of a pipeline plan's intra-stage plan (its assignment, stage mesh, ZeRO
     stage and rematerialization)."""
     return op_costs(

@@ -419,7 +419,7 @@ def plan_from_assignment(
         constraints=constraints,
         zero_stage=zero_stage,
         name=name,
-        decisions={"assignment": {str(g): a for g, a in sorted(assignment.items())}},
+        assignment={int(g): a for g, a in sorted(assignment.items())},
     )
 
 

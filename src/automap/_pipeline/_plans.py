@@ -161,5 +161,6 @@ def pipeline_plan(
         schedule=schedule,
         zero_stage=zero_stage,
         name=name,
+        assignment=inner.assignment,
         decisions={**inner.decisions, "cuts": list(cuts)},
     )

@@ -206,7 +206,7 @@ def _mesh_fig(plan: Plan, cluster: Cluster | None, fig: Any = None) -> Any:
 
 def _mesh_note(plan: Plan, cluster: Cluster | None) -> str:
     text = "Devices are numbered as jax.devices() orders them; the last mesh axis varies fastest."
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         text += (
             ' The "pipe" axis is the pipeline: each dashed box is one stage\'s sub-mesh, and '
             "sN under a device is the stage it runs. "
@@ -236,7 +236,7 @@ def _sharding_section(plan: Plan) -> tuple[str, str]:
         note += (
             f" The map shows the first {MAX_HEATMAP_ROWS} of {len(rows)} rows; the table lists all."
         )
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         stage_axes = " × ".join(k for k in plan.mesh if k != "pipe") or "one device"
         note += (
             f" A pipeline plan's specs are on the stage mesh ({stage_axes}): every stage "
@@ -313,7 +313,7 @@ STAGE_HEAD = (
 def _schedule_section(plan: Plan) -> tuple[str, str]:
     fig, note = _schedule_fig(plan)
     text = _note(note)
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         text += _table(STAGE_HEAD, stage_rows(plan)) + _note(
             "Ops: each stage's range of the captured program's op indices; its forward ops "
             "are those in the range, its backward and update ops follow their inputs' stage. "
@@ -410,10 +410,10 @@ def _combined_fig(plan: Plan, cluster: Cluster | None, curve: Path | None) -> An
             lambda f: _sharding_fig(plan, f),
         )
     )
-    if plan.predicted is not None or len(plan.stages) > 1:
+    if plan.predicted is not None or plan.pipelined:
         panels.append(
             (
-                2.2 if len(plan.stages) <= 1 else 1.6 + 0.55 * len(plan.stages),
+                2.2 if not plan.pipelined else 1.6 + 0.55 * len(plan.stages),
                 lambda f: _schedule_fig(plan, f),
             )
         )

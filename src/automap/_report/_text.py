@@ -127,7 +127,7 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
         + ("   remat: yes" if plan.remat else "")
     )
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         console.print(stages_table(plan))
     table = Table(title="Parameters")
     table.add_column("parameter (layers folded)")

@@ -14,8 +14,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._plan import Plan, Spec
+from ._distributed import Feed
+from ._interpret import eval_graph
+from ._pipelined import apply_pipeline
 from ._shared import (
     check_divisible,
     check_paths,
@@ -57,8 +61,6 @@ class Prepared:
     ) -> None:
         self.feed = None
         if jax.process_count() > 1:  # each process feeds its share of the batch
-            from ._distributed import Feed
-
             self.feed = Feed(fn, mesh, args, graph)
             args = self.feed.global_args  # the program is traced at the global shapes
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
@@ -68,8 +70,6 @@ class Prepared:
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
         if graph is None and (plan.provenance.fingerprint or plan.constraints):
-            from .._capture import capture
-
             graph = capture(fn, *args)
             if plan.provenance.fingerprint and plan.provenance.fingerprint != graph.fingerprint:
                 raise PlanError(
@@ -124,7 +124,6 @@ class Prepared:
 
 def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
     """The captured program re-run op by op, fixing the plan's internal tensors."""
-    from ._interpret import eval_graph
 
     for tid, spec in plan.constraints.items():
         if not 0 <= tid < len(graph.tensors):
@@ -153,9 +152,7 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     numpy or jax arrays; they are placed with the plan's shardings. The step is traced
     and compiled once per argument structure.
     """
-    if len(plan.stages) > 1:  # stages on sub-meshes, fed microbatch by microbatch
-        from ._pipelined import apply_pipeline
-
+    if plan.pipelined:  # stages on sub-meshes, fed microbatch by microbatch
         return apply_pipeline(fn, plan, devices)
     validate_plan(plan)
     mesh = make_mesh(plan, devices)

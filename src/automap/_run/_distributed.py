@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, Sharding
 
+from .._capture import capture
 from .._errors import ApplyError
 from .._graph import Role
 from ._shared import leaf_dtype, leaf_shape
@@ -150,8 +151,6 @@ def rows_in_process_order(sharding: Sharding, shape: tuple[int, ...]) -> bool:
 def _batch_paths(fn: Callable, args: tuple, graph: Any) -> set[str]:
     """Paths of the batch leaves, by the roles capture gives (the roles planning used)."""
     if graph is None:
-        from .._capture import capture
-
         graph = capture(fn, *args)
     return {leaf.path for leaf in graph.inputs if leaf.role == Role.BATCH}
 

@@ -36,8 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
+from .._groups import build_groups
 from .._pipeline import SCHEDULES, Phase, global_order, partition
 from .._plan import Plan
 from ._interpret import eval_ops
@@ -124,8 +126,6 @@ class _Pipeline:
     """The segments of one argument structure, jitted once, and how to run a step."""
 
     def __init__(self, fn: Callable, plan: Plan, meshes: list[Mesh], args: tuple) -> None:
-        from .._capture import capture
-        from .._groups import build_groups
 
         self.plan, self.meshes, m = plan, meshes, plan.microbatches
         abstract = jax.tree_util.tree_map(

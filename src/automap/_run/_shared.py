@@ -23,7 +23,7 @@ def validate_plan(plan: Plan) -> None:
     A pipeline plan's specs name the axes of its stages' meshes (never "pipe"): each
     stage runs every tensor it computes on its own sub-mesh."""
     meshes = [dict(plan.mesh)]
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         meshes = [dict(stage.mesh) for stage in plan.stages]
     where = [("input", p, s) for p, s in plan.specs.items()]
     where += [("output", p, s) for p, s in plan.out_specs.items()]

@@ -22,6 +22,17 @@ from ._mdp import make_pipeline_process as make_pipeline_process
 from ._mdp import make_process as make_process
 from ._mdp import planning_env as planning_env
 from ._pricer import PipelinePricer as PipelinePricer
+from ._problem import Problem as Problem
+from ._problem import arg_roles as arg_roles
+from ._problem import best_expert as best_expert
+from ._problem import priced_experts as priced_experts
+from ._registry import SEARCHERS as SEARCHERS
+from ._registry import TASKS as TASKS
+from ._registry import Request as Request
+from ._registry import Searcher as Searcher
+from ._registry import check_searcher as check_searcher
+from ._registry import check_tasks as check_tasks
+from ._registry import run_searcher as run_searcher
 from ._runner import EPISODES_PER_SECOND as EPISODES_PER_SECOND
 from ._runner import DQNFiles as DQNFiles
 from ._runner import SearchProgress as SearchProgress

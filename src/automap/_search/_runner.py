@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan
@@ -29,9 +29,7 @@ from ..rl import search as dqn_search
 from ._classic import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
 from ._ilp import search_ilp
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
-
-if TYPE_CHECKING:
-    from .._api import Problem
+from ._problem import Problem
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
@@ -89,13 +87,10 @@ def run_space_searcher(
             raise AutomapError(f"the {name} searcher has no {task} task; use dqn or dp")
         with SearchProgress(progress, name) as bar:
             return _dqn_pipeline(space, task, budget_s, seed, bar, files)
+    if name not in POINT_SEARCHES:
+        raise AutomapError(f"no space searcher called {name!r}")
     with SearchProgress(progress, name) as bar:
-        if name == "dqn":
-            point, stats = search_dqn(space, budget_s, seed, bar, files)
-        elif name == "ilp":
-            point, stats = _ilp(space, budget_s, bar)
-        else:
-            point, stats = _classic(space, name, budget_s, seed, bar)
+        point, stats = POINT_SEARCHES[name](space, budget_s, seed, bar, files)
     if point is None:
         if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
             # Proven: no budget would help.
@@ -112,21 +107,28 @@ def run_space_searcher(
     return plan, stats
 
 
+def _exhaustive(space: ShardSpace, tracker: Tracker, seed: int) -> None:
+    try:
+        search_exhaustive(space, tracker)
+    except ValueError as e:
+        raise AutomapError(str(e)) from None
+
+
+#: The searchers that need no learning: each walks the space, offering points to a Tracker.
+CLASSIC: dict[str, Any] = {
+    "random": search_random,
+    "mcmc": lambda space, tracker, seed: search_mcmc(
+        space, tracker, seed, start=expert_start(space)
+    ),
+    "exhaustive": _exhaustive,
+}
+
+
 def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: SearchProgress):
     tracker = Tracker(budget_s=budget_s)
     bar.start(tracker.max_evals if name != "exhaustive" else space.size())
     tracker.on_offer = bar.advance
-    if name == "random":
-        search_random(space, tracker, seed)
-    elif name == "mcmc":
-        search_mcmc(space, tracker, seed, start=expert_start(space))
-    elif name == "exhaustive":
-        try:
-            search_exhaustive(space, tracker)
-        except ValueError as e:
-            raise AutomapError(str(e)) from None
-    else:
-        raise AutomapError(f"no space searcher called {name!r}")
+    CLASSIC[name](space, tracker, seed)
     curve = [
         {"episode": i, "best_time": best, "current_time": current}
         for i, best, current in tracker.curve
@@ -362,3 +364,16 @@ class SearchProgress:
 
 def with_stats(plan: Plan, stats: dict[str, Any], extra: dict[str, Any]) -> Plan:
     return dataclasses.replace(plan, decisions={**plan.decisions, **extra, **stats})
+
+
+#: (space, budget_s, seed, progress bar, DQN files) -> (best point or None, stats), by name.
+POINT_SEARCHES: dict[str, Any] = {
+    "dqn": search_dqn,
+    "ilp": lambda space, budget_s, seed, bar, files: _ilp(space, budget_s, bar),
+    **{
+        name: lambda space, budget_s, seed, bar, files, name=name: _classic(
+            space, name, budget_s, seed, bar
+        )
+        for name in CLASSIC
+    },
+}

@@ -29,9 +29,12 @@ import jax
 import numpy as np
 
 from .. import _errors
+from .._capture import capture, rebuild
+from .._cluster import Cluster
+from .._cost import CostModel, estimate_pipeline
 from .._errors import ApplyError, AutomapError
 from .._plan import Plan
-from .._run import Prepared, make_mesh, validate_plan
+from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs
 
@@ -117,14 +120,8 @@ def compare_collectives(
     return not out, out
 
 
-def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, float] | None:
-    """The cost model's bytes per kind@axis, or None when no cost model is installed."""
-    try:
-        from .._cost import CostModel
-    except ImportError:
-        return None
-    from .._cluster import Cluster
-
+def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, float]:
+    """The cost model's bytes per kind@axis (`Cost.collectives` summed by kind and axis)."""
     cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
     out: dict[str, float] = {}
     for c in CostModel(graph, cluster).estimate(plan).collectives:
@@ -199,20 +196,16 @@ def verify(
     plan is also run and its outputs compared with `jax.jit(fn)`'s
     (`_numerics.compare_outputs`: float reassociation, relative to each output's scale).
     """
-    if len(plan.stages) > 1:
+    if plan.pipelined:
         return _verify_pipeline(fn, plan, args, cluster)
     validate_plan(plan)
-    from .._capture import capture
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
     prepared, compiled = compile_plan(fn, plan, args, graph=graph)
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
     predicted = predicted_bytes(graph, plan, cluster)
-    if predicted is None:
-        match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
-    else:
-        match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
-    report = VerifyReport(dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches))
+    match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    report = VerifyReport(dict(plan.mesh), match, predicted, xla, tuple(mismatches))
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         got = compiled(*jax.device_put(leaves, prepared.in_shardings))
@@ -231,7 +224,6 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
     one-program plans. Stage-to-stage sends are `jax.device_put`s, not XLA collectives:
     they are left out of both sides. With concrete arguments the pipeline is also run
     and compared with the one-device step."""
-    from .._run import apply_pipeline
 
     run = apply_pipeline(fn, plan, _cpu_devices(plan.devices))
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
@@ -245,10 +237,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
             key = _on_stage(key, prog.stage)
             xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
     predicted = _pipeline_predicted(pipe.graph, plan, cluster)
-    if predicted is None:
-        match, mismatches = None, ["no cost model in this installation: only XLA's side is shown"]
-    else:
-        match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
     notes = [
         f"pipeline plan ({len(plan.stages)} stages, {plan.microbatches} microbatches, "
         f"{plan.schedule}): each stage's programs are compiled on its sub-mesh and their "
@@ -260,9 +249,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
             "the runtime also combines microbatches in programs of its own "
             f"({', '.join(sorted(extra))}): their collectives are on XLA's side only"
         )
-    report = VerifyReport(
-        dict(plan.mesh), match, predicted or {}, xla, tuple(mismatches), tuple(notes)
-    )
+    report = VerifyReport(dict(plan.mesh), match, predicted, xla, tuple(mismatches), tuple(notes))
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         ok, err = _numerics(fn, run(*args), args)
@@ -275,15 +262,8 @@ def _on_stage(key: str, stage: int) -> str:
     return f"{key} (stage {stage})"
 
 
-def _pipeline_predicted(graph: Any, plan: Plan, cluster: Any) -> dict[str, float] | None:
+def _pipeline_predicted(graph: Any, plan: Plan, cluster: Any) -> dict[str, float]:
     """The pipeline cost model's collectives per stage and kind@axis, sends left out."""
-    try:
-        from .._cost import CostModel
-    except ImportError:
-        return None
-    from .._cluster import Cluster
-    from .._cost import estimate_pipeline
-
     cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
     pc = estimate_pipeline(CostModel(graph, cluster), plan)
     out: dict[str, float] = {}
@@ -351,8 +331,6 @@ _MARK = "AUTOMAP-VERIFY-REPORT "
 
 def subprocess_main(argv: list[str]) -> None:
     """Child side of verify_in_subprocess: one JSON line on stdout, errors included."""
-    from .._capture import rebuild
-    from .._cluster import Cluster
 
     try:
         plan = Plan.load(argv[0])

@@ -15,7 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from .._capture import rebuild
 from .._plan import Plan, Spec
+from .._run import apply
+from .._zoo import get_model
 from ._numerics import compare_outputs
 
 # A model with more parameters than this is checked on a reduced variant: its full-size
@@ -38,9 +41,6 @@ REDUCED = {
 def check_saved_plan(plan: Plan, *, run_only: bool = False) -> dict[str, Any]:
     import jax
 
-    from .._capture import rebuild
-    from .._run import apply
-
     local = len(jax.devices())
     step_fn, args, origin = rebuild(plan.provenance, abstract=True)
     reduced_reason = _reduce_reason(plan, args, local)
@@ -53,7 +53,6 @@ def check_saved_plan(plan: Plan, *, run_only: bool = False) -> dict[str, Any]:
                 "reason": f"{reduced_reason}; a --fn step cannot be reduced automatically: "
                 "check it from Python with am.verify on smaller arguments.",
             }
-        from .._zoo import get_model
 
         config = get_model(plan.provenance.model, **dict(plan.provenance.overrides)).config
         overrides = {k: v for k, v in REDUCED.items() if k in config}

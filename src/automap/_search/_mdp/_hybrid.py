@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._errors import AutomapError
 from ..._plan import Plan
 from ..._space import DATA, ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
@@ -207,7 +208,6 @@ class _NoPipeline:
 def make_pipeline_process(space: ShardSpace, task: str, baseline_time: float):
     """The DecisionProcess of the "pipeline" or "hybrid" task over the shard space of the
     whole cluster (its cost model, groups and pruning)."""
-    from ..._errors import AutomapError
 
     try:
         pricer = PipelinePricer(space.cost_model)

@@ -1,0 +1,123 @@
+"""One planning problem (a captured program, its groups, a cluster and a cost model), and
+what every searcher measures itself against: the priced expert plans.
+
+Input: a step function and its arguments, or a captured Graph. Output: a `Problem` that
+the searchers (`_registry.py`) take. DESIGN.md, "Searchers".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .._capture import capture
+from .._cluster import Cluster
+from .._cost import CostModel
+from .._errors import InfeasibleError
+from .._graph import Graph
+from .._groups import Groups, build_groups
+from .._plan import Cost, Plan
+from .._space import expert_plans_for, pipeline_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One planning problem: the captured program, its groups and a cost model."""
+
+    graph: Graph
+    groups: Groups
+    cluster: Cluster
+    cost_model: CostModel
+
+    @classmethod
+    def build(
+        cls, step_fn: Callable, args: Sequence[Any], cluster: Cluster, roles: Any = None
+    ) -> Problem:
+        graph = capture(step_fn, *args, roles=roles)
+        groups = build_groups(graph)
+        return cls(graph, groups, cluster, CostModel(graph, cluster, groups))
+
+    def estimate(self, plan: Plan) -> Cost:
+        return self.cost_model.estimate(plan)
+
+    def priced(self, plan: Plan) -> Plan:
+        return dataclasses.replace(plan, predicted=self.estimate(plan))
+
+
+def priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
+    """Every expert plan that applies, priced, with the problem's provenance; infeasible
+    ones kept (marked by `predicted.feasible`)."""
+    plans = expert_plans_for(problem.graph, problem.groups, problem.cluster, problem.estimate)
+    if pipelines:
+        plans.update(
+            pipeline_experts(problem.graph, problem.groups, problem.cluster, problem.estimate)
+        )
+    tree = problem.graph.in_tree
+    out = {}
+    for name, p in plans.items():
+        p = problem.priced(p)
+        provenance = dataclasses.replace(
+            p.provenance,
+            searcher="expert",
+            fingerprint=problem.graph.fingerprint,
+            cluster=problem.cluster.name,
+            devices=problem.cluster.devices,
+        )
+        decisions = {**p.decisions, "arg_roles": arg_roles(problem.graph)}
+        out[name] = dataclasses.replace(p, provenance=provenance, in_tree=tree, decisions=decisions)
+    return out
+
+
+def arg_roles(graph: Graph) -> dict[str, str]:
+    """The role of each positional argument (its leaves' most common role), for reports."""
+    counts: dict[int, Counter[str]] = {}
+    for leaf in graph.inputs:
+        counts.setdefault(leaf.arg_index, Counter())[leaf.role.value] += 1
+    return {str(i): c.most_common(1)[0][0] for i, c in sorted(counts.items())}
+
+
+def best_expert(problem: Problem, task: str = "shard") -> Plan:
+    """The fastest feasible expert plan of the task's space."""
+    plans = priced_experts(problem, pipelines=task in ("pipeline", "hybrid"))
+    if task == "replicate":  # data parallelism and ZeRO only
+        plans = {k: p for k, p in plans.items() if set(p.mesh) == {"data"}}
+    elif task == "pipeline":
+        plans = {k: p for k, p in plans.items() if p.pipelined}
+    feasible = [p for p in plans.values() if p.predicted is not None and p.predicted.feasible]
+    if not feasible:
+        raise InfeasibleError(infeasible_message(problem, plans))
+    return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
+
+
+def no_worse_than_experts(problem: Problem, plan: Plan, stats: dict, task: str) -> Plan:
+    """The best expert plan of the task when the search found nothing better (the DQN
+    always; other searchers when Ctrl-C stopped them early)."""
+    try:
+        expert = best_expert(problem, task)
+    except InfeasibleError:
+        return plan
+    if expert.predicted.step_time_s < plan.predicted.step_time_s:
+        return dataclasses.replace(
+            expert, name=f"{plan.name} ({expert.name})", decisions={**expert.decisions, **stats}
+        )
+    return plan
+
+
+def infeasible_message(problem: Problem, plans: Mapping[str, Plan]) -> str:
+    """Why no expert plan is returned: none applies, or none fits (with the leanest's need)."""
+    if not plans:
+        return (
+            "no expert plan applies to this program on "
+            f"{problem.cluster.devices} devices: no batch dimension or block dimension divides "
+            "by the device count. Use a batch size divisible by the device count."
+        )
+    least = min(plans.values(), key=lambda p: p.predicted.memory_bytes if p.predicted else math.inf)
+    need = least.predicted.memory_bytes if least.predicted else math.nan
+    return (
+        f"no plan fits in memory: the leanest ({least.name}) needs {need / 1e9:.1f} GB per "
+        f"device, the limit is {problem.cluster.memory_limit / 1e9:.1f} GB on "
+        f"{problem.cluster.name}. Use more devices, a smaller batch, or a larger device."
+    )

@@ -1,0 +1,211 @@
+"""The searchers by name: what each runs, which tasks it can search, and its "auto" task.
+
+One table (`SEARCHERS`) replaces the if/elif chains over searcher names: `am.plan`, the
+CLI, `compare` and the benchmarks all look a searcher up here. Input: a `Problem` and a
+`Request`. Output: the searcher's best plan, priced, with its provenance.
+DESIGN.md, "Searchers".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import AutomapError, InfeasibleError
+from .._plan import Plan, Provenance
+from .._version import __version__
+from ._dp import search_dp
+from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts
+from ._runner import DQNFiles, run_space_searcher, with_stats
+
+#: The exploration tasks a user can ask for (`tasks=`); "hybrid" is shard and pipeline.
+TASKS = ("shard", "replicate", "pipeline")
+ONE_STAGE = frozenset({"shard", "replicate"})
+ALL_TASKS = frozenset({"shard", "replicate", "pipeline", "hybrid"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a search is asked to do, besides the problem."""
+
+    task: str
+    """The space: "shard", "replicate", "pipeline" or "hybrid" (see `check_tasks`)."""
+    budget_s: float
+    """The budget, counted in work at a nominal rate per second (wall time is a safety stop)."""
+    seed: int
+    """The seed: the same seed and budget give the same plan on any machine."""
+    progress: bool = False
+    """Show a progress bar on a terminal."""
+    files: DQNFiles = dataclasses.field(default_factory=DQNFiles)
+    """The DQN's agent and search-state files (the other searchers take none)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Searcher:
+    """One searcher: how to run it, and the spaces it can search."""
+
+    name: str
+    run: Callable[[Problem, Request], Plan]
+    """(problem, request) -> its best plan, priced (provenance is added by `run_searcher`)."""
+    tasks: frozenset[str]
+    """The tasks it can search."""
+    auto_task: str
+    """Its task when the user says "auto": the widest space it searches well."""
+
+
+def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
+    def run(problem: Problem, request: Request) -> Plan:
+        found, stats = run_space_searcher(
+            problem,
+            name,
+            request.budget_s,
+            request.seed,
+            request.progress,
+            request.task,
+            request.files,
+        )
+        best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
+        # The DQN may end below an expert it was seeded with, and an interrupted search
+        # may not have caught up with the experts yet.
+        if name == "dqn" or stats.get("interrupted"):
+            best = no_worse_than_experts(problem, best, stats, request.task)
+        return best
+
+    return run
+
+
+def _expert(problem: Problem, request: Request) -> Plan:
+    return best_expert(problem, request.task)
+
+
+def _dp(problem: Problem, request: Request) -> Plan:
+    """Pipelines by the exact stage DP, and unless the task is pipelines only the one-stage
+    optimum (the ILP) too; the faster feasible one wins."""
+    candidates = []
+    start = time.perf_counter()
+    stats: dict[str, Any] = {}
+    budget_s = request.budget_s
+    try:
+        if request.task != "pipeline":
+            try:
+                found, one = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
+            except InfeasibleError:
+                found, one = None, {}  # nothing fits on one stage: pipelines may
+            if found is not None and found.predicted is not None and found.predicted.feasible:
+                candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
+            if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
+                raise KeyboardInterrupt
+        left = max(1.0, budget_s - (time.perf_counter() - start))
+        piped, stats = search_dp(problem, left)
+        if piped is not None:
+            candidates.append(piped)
+    except KeyboardInterrupt:
+        # Ctrl-C keeps the best plan so far (checked against the experts below); before
+        # any, it propagates.
+        if not candidates:
+            raise
+        stats = {**stats, "interrupted": True}
+    if not candidates:
+        raise InfeasibleError(
+            f"no plan fits in memory on {problem.cluster.devices} {problem.cluster.name} "
+            "devices, with or without pipeline stages (ZeRO and rematerialization tried). "
+            "Use more devices, a smaller batch, or a larger device."
+        )
+    best = min(candidates, key=lambda p: p.predicted.step_time_s)
+    best = with_stats(best, stats, {"arg_roles": arg_roles(problem.graph)})
+    if best.decisions.get("interrupted"):
+        best = no_worse_than_experts(problem, best, {"interrupted": True}, request.task)
+    return best
+
+
+#: Every searcher, in the order the CLI lists them. The DQN's "auto" task stays the shard
+#: task: its pipeline tasks price a whole schedule per episode, and the default plan must
+#: stay fast.
+SEARCHERS: dict[str, Searcher] = {
+    s.name: s
+    for s in (
+        Searcher("dqn", _space_searcher("dqn"), ALL_TASKS, "shard"),
+        Searcher("ilp", _space_searcher("ilp"), ONE_STAGE, "shard"),
+        Searcher("dp", _dp, ALL_TASKS, "hybrid"),
+        Searcher("exhaustive", _space_searcher("exhaustive"), ONE_STAGE, "shard"),
+        Searcher("expert", _expert, ALL_TASKS, "hybrid"),
+        Searcher("random", _space_searcher("random"), ONE_STAGE, "shard"),
+        Searcher("mcmc", _space_searcher("mcmc"), ONE_STAGE, "shard"),
+    )
+}
+#: What `searcher="auto"` means in this version.
+AUTO_SEARCHER = "dqn"
+
+
+def check_searcher(searcher: str) -> str:
+    """The registered name of `searcher` ("auto" resolved), or a one-line error."""
+    if searcher == "auto":
+        return AUTO_SEARCHER
+    if searcher not in SEARCHERS:
+        raise AutomapError(
+            f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
+        )
+    return searcher
+
+
+def check_tasks(tasks: str | Sequence[str], searcher: str = AUTO_SEARCHER) -> str:
+    """The space to search: "shard" (mesh, tensor sharding and ZeRO), "replicate" (data
+    parallelism and ZeRO), "pipeline" (pipelines only) or "hybrid" (all of them). "auto"
+    is the searcher's own (`Searcher.auto_task`)."""
+    entry = SEARCHERS[check_searcher(searcher)]
+    if tasks == "auto":
+        return entry.auto_task
+    items = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    bad = [t for t in items if t not in TASKS]
+    if bad or not items:
+        raise AutomapError(
+            f"unknown task(s) {bad or items!r}; tasks is 'auto' or a subset of {TASKS}."
+        )
+    if "pipeline" in items:
+        if "pipeline" not in entry.tasks:
+            raise AutomapError(
+                f"searcher {entry.name!r} does not search pipeline plans in automap "
+                f"{__version__}; use searcher='dp' (exact stage cuts over the hybrid space) "
+                "or 'expert', or leave 'pipeline' out of tasks."
+            )
+        return "pipeline" if len(items) == 1 else "hybrid"
+    return "shard" if "shard" in items else "replicate"
+
+
+def run_searcher(
+    problem: Problem,
+    name: str,
+    budget_s: float,
+    seed: int,
+    progress: bool = False,
+    task: str | None = None,
+    agent_in: str | Path | None = None,
+    agent_out: str | Path | None = None,
+    resume: str | Path | None = None,
+) -> Plan:
+    """One searcher on a built problem: its best plan, priced, with provenance. `task`
+    None is the searcher's "auto" task. `agent_in`, `agent_out` and `resume` are the
+    DQN's files (see `am.plan`)."""
+    name = check_searcher(name)
+    task = check_tasks("auto", name) if task is None else task
+    files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
+    if files and name != "dqn":
+        raise AutomapError(
+            f"agent_in, agent_out and resume are for the dqn searcher, not {name}: "
+            "use searcher='dqn' or leave them out"
+        )
+    start = time.perf_counter()
+    best = SEARCHERS[name].run(problem, Request(task, budget_s, seed, progress, files))
+    provenance = Provenance(
+        searcher=name,
+        seed=seed,
+        search_time_s=round(time.perf_counter() - start, 3),
+        version=__version__,
+        fingerprint=problem.graph.fingerprint,
+        cluster=problem.cluster.name,
+        devices=problem.cluster.devices,
+    )
+    return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
