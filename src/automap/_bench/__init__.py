@@ -10,3 +10,9 @@ from ._compare import speedups as speedups
 from ._compare import to_json as to_json
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
+from ._run import FULL as FULL
+from ._run import QUICK as QUICK
+from ._run import full_settings as full_settings
+from ._run import quick_settings as quick_settings
+from ._run import run_bench as run_bench
+from ._run import select as select

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._axes import PIPE
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._report import human_time
@@ -254,7 +255,7 @@ def _hybrid(ilp: Row, piped: Row, optimum: dict | None) -> dict | None:
     row = piped if use_pipe else ilp
     plan = row.plan
     stats = piped.plan.decisions if piped.plan is not None else {}
-    mesh = " × ".join(f"{k} {v}" for k, v in plan.mesh.items() if k != "pipe")
+    mesh = " × ".join(f"{k} {v}" for k, v in plan.mesh.items() if k != PIPE)
     if plan.zero_stage:
         mesh += f", ZeRO-{plan.zero_stage}"
     if plan.remat:

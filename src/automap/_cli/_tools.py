@@ -278,8 +278,7 @@ def bench_cmd(
 
     Example: automap bench --quick --out BENCHMARKS.md --json-out bench.json
     """
-    from .._bench import _run as _bench
-    from .._bench import write
+    from .._bench import FULL, QUICK, full_settings, quick_settings, run_bench, select, write
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
     check_budget(budget)
@@ -291,11 +290,11 @@ def bench_cmd(
     command += f" --budget {budget:g}" if budget is not None else ""
     command += f" --seeds {seeds}" + (f" --models {','.join(names)}" if names else "")
     command += f" --out {out}" if out is not None else ""
-    settings = (_bench.quick_settings if quick else _bench.full_settings)(command, seeds=seeds)
+    settings = (quick_settings if quick else full_settings)(command, seeds=seeds)
     if budget is not None:
         settings = dataclasses.replace(settings, budget_s=budget)
-    cases = _bench.select(_bench.QUICK if quick else _bench.FULL, names)
-    result = _bench.run_bench(cases, settings, progress=not (quiet or as_json))
+    cases = select(QUICK if quick else FULL, names)
+    result = run_bench(cases, settings, progress=not (quiet or as_json))
     write(result, out, json_out)
     if as_json:
         print(json.dumps(result, indent=1, default=str))

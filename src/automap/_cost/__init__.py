@@ -1,9 +1,13 @@
 """TODO stage docstring."""
 
+from ._collectives import AG as AG
 from ._collectives import AR as AR
+from ._collectives import KINDS as KINDS
 from ._collectives import AxisCosts as AxisCosts
 from ._collectives import ring_allreduce_time as ring_allreduce_time
 from ._collectives import tree_allreduce_time as tree_allreduce_time
+from ._kernel import collective_rows as collective_rows
+from ._kernel import set_axes as set_axes
 from ._model import CostModel as CostModel
 from ._pipelined import PipelineCost as PipelineCost
 from ._pipelined import estimate_pipeline as estimate_pipeline

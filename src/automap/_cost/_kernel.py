@@ -83,7 +83,9 @@ def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
     return kind, np.where(active, bit[a], 0), nbytes, np.where(active, R.count * m, 0.0)
 
 
-def rows(partial: RowTable, reshard: RowTable, A, P, inv, ac: C.AxisCosts, m, reduce_scatter):
+def collective_rows(
+    partial: RowTable, reshard: RowTable, A, P, inv, ac: C.AxisCosts, m, reduce_scatter
+):
     """key, bytes, count, grad flag and time of every virtual row."""
     S, bit = ac.sizes, ac.bit
     pk, pm, pb, pc = partial_rows(partial, A, P, S, bit, inv, m, reduce_scatter)

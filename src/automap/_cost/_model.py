@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .._axes import DATA
 from .._capture import find_residuals
 from .._cluster import Cluster
 from .._graph import Graph, Role
@@ -139,7 +140,7 @@ class CostModel:
         ok = self.tables.splittable & (self.tables.divisor % ac.int_sizes[codes] == 0)
         return np.where(ok, codes, 0)
 
-    def assignment_from_specs(self, plan: Plan, data_axis: str = "data") -> dict[int, str]:
+    def assignment_from_specs(self, plan: Plan, data_axis: str = DATA) -> dict[int, str]:
         """Propagate the axes named in a plan's specs and constraints to their groups (the
         data axis ZeRO adds to parameters and optimizer state is not a group decision)."""
         out: dict[int, str] = {}
@@ -207,7 +208,7 @@ class CostModel:
         sets, sub_sets, sub_p, sub_r, idx = self._touched(gs)
         P, inv = base.P.copy(), base.inv.copy()
         P[sets], inv[sets] = K.set_axes(A, sub_sets, ac.sizes)
-        key, nbytes, count, grad, time = K.rows(
+        key, nbytes, count, grad, time = K.collective_rows(
             sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.reduce_scatter
         )
         # One signed pass: the touched rows' new contributions minus their old ones.
@@ -269,7 +270,7 @@ class CostModel:
         P, inv = K.set_axes(A, T.sets, ac.sizes)
         m = max(1, int(microbatches))
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
-        key, nbytes, count, grad, time = K.rows(
+        key, nbytes, count, grad, time = K.collective_rows(
             partial, reshard, A, P, inv, ac, m, self.cluster.reduce_scatter
         )
         sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
@@ -283,7 +284,7 @@ class CostModel:
         if st.remat:
             compute += float(T.remat_coef @ inv)
         if data_axis is None:
-            data_axis = "data" if "data" in mesh else None
+            data_axis = DATA if DATA in mesh else None
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = ac.sizes[d] if d else 1.0
         zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._axes import DATA, PIPE
 from .._capture import find_residuals
 from .._errors import PlanError
 from .._graph import Role
@@ -146,7 +147,7 @@ def op_costs(
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(g, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
     if data_axis is None:
-        data_axis = "data" if "data" in stage_mesh else None
+        data_axis = DATA if DATA in stage_mesh else None
     lay = layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
     zero_mask = 0
     zero_comm = np.zeros(n)
@@ -286,7 +287,7 @@ def stage_costs(
         collectives += (
             Collective(
                 "collective-permute",
-                "pipe",
+                PIPE,
                 traffic.sent_bytes[b],
                 traffic.sent_count[b],
                 traffic.sent_s[b],
@@ -338,7 +339,7 @@ def stage_costs(
 def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
     """The pipeline cost of a plan with stages: `plan.mesh` is {"pipe": S, **stage mesh},
     its specs are on the stage mesh, `plan.stages` cut the forward ops."""
-    stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
+    stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     for s, st in enumerate(plan.stages):
         if st.mesh and dict(st.mesh) != stage_mesh:
             raise PlanError(
@@ -357,7 +358,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
     return op_costs(
         model,
         model.plan_assignment(plan),
-        {k: v for k, v in plan.mesh.items() if k != "pipe"},
+        {k: v for k, v in plan.mesh.items() if k != PIPE},
         zero_stage=plan.zero_stage,
         remat=plan.remat,
     )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from .._axes import DATA
 from .._graph import Graph, Op, Role
 from .._plan import Plan, Spec
 from ._rules import minor_factors, rule
@@ -360,7 +361,7 @@ def plan_from_assignment(
     *,
     name: str = "",
     zero_stage: int = 0,
-    data_axis: str = "data",
+    data_axis: str = DATA,
 ) -> Plan:
     """The plan that realizes an assignment: input/output specs and internal constraints."""
     # Only splits the group can take (as the cost model reads the assignment): an axis on

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .._axes import PIPE
 from .._errors import PlanError
 from .._graph import Graph
 from .._groups import Groups, plan_from_assignment
@@ -137,7 +138,7 @@ def pipeline_plan(
     group -> axis `assignment` inside every stage, and the microbatch schedule."""
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
-    if "pipe" in stage_mesh:
+    if PIPE in stage_mesh:
         raise PlanError('the stage mesh cannot have a "pipe" axis: that one is the stages.')
     starts = [0, *cuts]
     if any(b <= a for a, b in itertools.pairwise(starts)):
@@ -152,7 +153,7 @@ def pipeline_plan(
         for s, (a, b) in enumerate(zip(starts, stops, strict=True))
     )
     return Plan(
-        mesh={"pipe": len(stages), **stage_mesh},
+        mesh={PIPE: len(stages), **stage_mesh},
         specs=inner.specs,
         out_specs=inner.out_specs,
         constraints=inner.constraints,

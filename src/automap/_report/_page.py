@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._axes import PIPE
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Cost, Plan
@@ -224,7 +225,7 @@ def _mesh_note(plan: Plan, cluster: Cluster | None) -> str:
 def _sharding_fig(plan: Plan, fig: Any = None) -> Any:
     rows = sharding_rows(plan)[:MAX_HEATMAP_ROWS]
     fig = fig or plots.new_figure(11.0, 1.2 + 0.26 * max(len(rows), 1))
-    axes = [k for k in plan.mesh if k != "pipe"]  # the pipe axis splits layers, not tensors
+    axes = [k for k in plan.mesh if k != PIPE]  # the pipe axis splits layers, not tensors
     plots.draw_sharding(fig, [r[0] for r in rows], [r[1] for r in rows], axes)
     return fig
 
@@ -237,7 +238,7 @@ def _sharding_section(plan: Plan) -> tuple[str, str]:
             f" The map shows the first {MAX_HEATMAP_ROWS} of {len(rows)} rows; the table lists all."
         )
     if plan.pipelined:
-        stage_axes = " × ".join(k for k in plan.mesh if k != "pipe") or "one device"
+        stage_axes = " × ".join(k for k in plan.mesh if k != PIPE) or "one device"
         note += (
             f" A pipeline plan's specs are on the stage mesh ({stage_axes}): every stage "
             "splits the parameters it holds this way; the pipe axis splits no tensor, it "

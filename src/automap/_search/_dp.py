@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._axes import DATA, MODEL, PIPE
 from .._cost import (
     estimate_pipeline,
     in_flight,
@@ -41,8 +42,6 @@ from .._pipeline import Phase, cut_candidates, partition, pipeline_plan
 from .._plan import Plan
 from .._solvers import optimal_partition, solve_ilp
 from .._space import (
-    DATA,
-    MODEL,
     Point,
     ShardSpace,
     axis_assignment,
@@ -216,7 +215,7 @@ def polish_cuts(model, plan: Plan, cands: tuple[int, ...], deadline: float = np.
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
     whole pipeline model says the step gets faster (the intra-stage plan fixed), until
     `deadline` (a `time.perf_counter()` value) passes."""
-    stage_mesh = {k: v for k, v in plan.mesh.items() if k != "pipe"}
+    stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     oc = plan_op_costs(model, plan)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]

@@ -43,9 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from .._cost import RowTable
-from .._cost import _collectives as C
-from .._cost import _kernel as K
+from .._axes import DATA
+from .._cost import AG, KINDS, AxisCosts, RowTable, collective_rows, set_axes
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, solve_ilp
 from .._space import OPTIONS, ShardSpace
 
@@ -76,7 +75,7 @@ class MeshTerms:
         self.space, self.mesh_index = space, mesh_index
         self.mesh = mesh = space.meshes[mesh_index]
         self.T = T = space.cost_model.tables
-        self.ac = ac = C.AxisCosts(space.cluster, mesh)
+        self.ac = ac = AxisCosts(space.cluster, mesh)
         self.n_units = len(space.units)
         self.unary = [space.allowed(mesh, u, []) for u in range(self.n_units)]
         ng = len(T.splittable) - 1
@@ -87,7 +86,7 @@ class MeshTerms:
         opt_code = np.array([ac.codes.get(a, 0) if a else 0 for a in OPTIONS])
         ok = T.splittable[:, None] & (T.divisor[:, None] % ac.int_sizes[opt_code] == 0)
         self.eff = np.where(ok, opt_code, 0)  # [ng + 1, options]
-        self.d = ac.codes.get("data", 0)
+        self.d = ac.codes.get(DATA, 0)
         self.D = float(ac.sizes[self.d])
         self.scopes = [self._evaluate(*b) for b in self._buckets()]
 
@@ -134,7 +133,7 @@ class MeshTerms:
         g_off = np.arange(n_c) * (n_gl + 1)
         s_off = np.arange(n_c) * n_sl
         sets = (local[T.sets[sl]][None] + g_off[:, None, None]).reshape(n_c * n_sl, -1)
-        P, inv = K.set_axes(A.ravel(), sets, ac.sizes)
+        P, inv = set_axes(A.ravel(), sets, ac.sizes)
 
         def tiled(R: RowTable, idx: np.ndarray, used: tuple[str, ...]) -> RowTable:
             out = {}
@@ -153,13 +152,13 @@ class MeshTerms:
 
         Rp = tiled(p, prows, ("small", "tset"))
         Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
-        key, nbytes, count, grad, rtime = K.rows(
+        key, nbytes, count, grad, rtime = collective_rows(
             Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.reduce_scatter
         )
         cfg = np.concatenate(
             [np.repeat(np.arange(n_c), len(prows))] * 2 + [np.repeat(np.arange(n_c), len(rrows))]
         )
-        n_keys = len(C.KINDS) * ac.masks
+        n_keys = len(KINDS) * ac.masks
         g = grad & (count != 0)
         grad_bytes = np.zeros((n_c, n_keys))
         np.add.at(grad_bytes, (cfg[g], key[g]), nbytes[g])
@@ -242,7 +241,7 @@ class MeshTerms:
         if zero:
             times = 3 if zero_stage >= 3 else 2
             parts = [(sc, times * sc.zero_count, times * sc.zero_bytes) for sc in self.scopes]
-            combined(C.AG, int(ac.bit[self.d]), parts, indicator=False)
+            combined(AG, int(ac.bit[self.d]), parts, indicator=False)
         if self.space.pruning.masks:
             pair = np.zeros((len(OPTIONS),) * 2)
             for k in range(1, len(OPTIONS)):

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._axes import DATA
 from .._capture import capture
 from .._cluster import Cluster
 from .._cost import CostModel
@@ -83,7 +84,7 @@ def best_expert(problem: Problem, task: str = "shard") -> Plan:
     """The fastest feasible expert plan of the task's space."""
     plans = priced_experts(problem, pipelines=task in ("pipeline", "hybrid"))
     if task == "replicate":  # data parallelism and ZeRO only
-        plans = {k: p for k, p in plans.items() if set(p.mesh) == {"data"}}
+        plans = {k: p for k, p in plans.items() if set(p.mesh) == {DATA}}
     elif task == "pipeline":
         plans = {k: p for k, p in plans.items() if p.pipelined}
     feasible = [p for p in plans.values() if p.predicted is not None and p.predicted.feasible]

@@ -12,11 +12,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from .._axes import DATA, MODEL
 from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan
 from .._space import (
-    DATA,
-    MODEL,
     ShardSpace,
     axis_assignment,
     batch_groups,

@@ -1,7 +1,5 @@
 """TODO stage docstring."""
 
-from ._experts import DATA as DATA
-from ._experts import MODEL as MODEL
 from ._experts import axis_assignment as axis_assignment
 from ._experts import batch_groups as batch_groups
 from ._experts import block_groups as block_groups

@@ -13,12 +13,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._graph import Graph
 from .._groups import Group, Groups, group_partners, plan_from_assignment
 from .._plan import Plan
-
-DATA, MODEL = "data", "model"
 
 Assignment = dict[int, str | None]
 

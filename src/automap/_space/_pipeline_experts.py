@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._errors import PlanError
 from .._graph import Graph
 from .._groups import Groups
 from .._pipeline import cut_candidates, pipeline_plan, uniform_cuts
 from .._plan import Cost, Plan
-from ._experts import DATA, MODEL, axis_assignment, batch_groups, block_groups
+from ._experts import axis_assignment, batch_groups, block_groups
 from ._pipelined import microbatch_counts, stage_counts
 
 

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._cost import CostModel
 from .._graph import Graph
 from .._groups import Groups, group_partners, plan_from_assignment
 from .._plan import Cost, Plan
 
-DATA, MODEL = "data", "model"
 OPTIONS = (None, DATA, MODEL)
 ZERO_STAGES = (0, 1, 2, 3)
 SPACE_TASKS = ("shard", "replicate")

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._axes import DATA
 from ..._errors import AutomapError
 from ..._plan import Plan
-from ..._space import DATA, ShardSpace, microbatch_counts, stage_counts
+from ..._space import ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
 from .._pricer import Intra, PipelinePricer
 from ._shard import ShardProcess, cost_summary

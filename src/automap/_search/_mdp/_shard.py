@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..._space import DATA, MODEL, OPTIONS, ShardSpace
+from ..._axes import DATA, MODEL
+from ..._space import OPTIONS, ShardSpace
 
 N_ACTIONS = 8  # enough for the meshes of up to 128 devices, the 3 options and 4 ZeRO stages
 OBS_DIM = 26

@@ -24,17 +24,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._axes import DATA, MODEL
 from ..._graph import Role
 from ..._plan import Plan
-from ..._space import (
-    DATA,
-    MODEL,
-    axis_assignment,
-    batch_groups,
-    block_groups,
-    microbatch_counts,
-    stage_counts,
-)
+from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
 from ._shard import N_ACTIONS, OBS_DIM, cost_summary
 

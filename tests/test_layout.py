@@ -1,0 +1,181 @@
+"""The house keeps its shape: stages in a fixed order, no import cycle, no private name
+used across modules, and the package's own imports at the top of each module.
+
+An `ast` walk over `src/automap`; see docs/DESIGN.md ("Layout") for the order and why.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "automap"
+TESTS = Path(__file__).resolve().parent
+
+#: Lowest first. A module may import from its own stage and from stages on lower rows;
+#: two stages on one row know nothing of each other.
+LAYERS = (
+    ("_version", "_errors", "_axes"),
+    ("_graph", "_cluster"),
+    ("_plan",),
+    ("_solvers", "rl", "_zoo"),
+    ("_capture",),
+    ("_groups",),
+    ("_pipeline",),
+    ("_cost",),
+    ("_space",),
+    ("_search",),
+    ("_run",),
+    ("_verify",),
+    ("_api",),
+    ("_report",),
+    ("_bench",),
+    ("_cli",),
+    ("",),  # automap/__init__.py: the public API
+)
+RANK = {stage: i for i, row in enumerate(LAYERS) for stage in row}
+#: Function-level imports of the package's own names: only the CLI, for start-up time.
+LAZY_OK = ("_cli",)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str | None:
+    """The imported module's name relative to the package ("" is automap itself)."""
+    if node.level == 0:
+        name = node.module or ""
+        if name != "automap" and not name.startswith("automap."):
+            return None
+        return name.removeprefix("automap").removeprefix(".")
+    is_pkg = MODULES[module].name == "__init__.py"
+    base = module.split(".") if module else []
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(module: str):
+    """(target module, name or None for a module, in a function, under TYPE_CHECKING,
+    line) per name imported from the package."""
+    tree = ast.parse(MODULES[module].read_text())
+    parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = _resolve(module, node)
+        if target is None:
+            continue
+        in_function = type_checking = False
+        up = node
+        while up in parents:
+            up = parents[up]
+            in_function |= isinstance(up, ast.FunctionDef | ast.AsyncFunctionDef)
+            type_checking |= isinstance(up, ast.If) and "TYPE_CHECKING" in ast.unparse(up.test)
+        for alias in node.names:
+            # `from .. import _errors` imports the module automap._errors.
+            sub = f"{target}.{alias.name}" if target else alias.name
+            if sub in MODULES:
+                yield sub, None, in_function, type_checking, node.lineno
+            else:
+                yield target, alias.name, in_function, type_checking, node.lineno
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target, _, _, type_checking, _ in _imports(module):
+            if not type_checking:
+                edges[module].add(target)
+    return edges
+
+
+def test_every_stage_has_a_layer():
+    stages = {_stage(m) for m in MODULES}
+    assert stages <= set(RANK), f"stages with no row in LAYERS: {sorted(stages - set(RANK))}"
+    flat = sorted(m for m in MODULES if "." not in m and MODULES[m].name != "__init__.py")
+    # Flat modules are the nouns (plain data) and the public entry points.
+    assert len(flat) <= 12, flat
+
+
+def test_no_import_cycle():
+    edges, state, path = _edges(), {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == "open":
+                pytest.fail("import cycle: " + " -> ".join([*path[path.index(n) :], n]))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_stages_import_only_lower_stages_through_their_init():
+    bad = []
+    for module in MODULES:
+        here = _stage(module)
+        for target, _, _, type_checking, line in _imports(module):
+            there = _stage(target)
+            if there == here or type_checking:
+                continue
+            where = f"{MODULES[module].relative_to(SRC)}:{line} imports {target or 'automap'}"
+            if RANK[there] >= RANK[here]:
+                bad.append(f"{where}: not a lower stage")
+            elif target != there:
+                bad.append(f"{where}: go through the stage's __init__ ({there})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_name_across_modules():
+    bad = []
+    for module in MODULES:
+        for _, name, _, _, line in _imports(module):
+            if name and name.startswith("_") and not name.startswith("__"):
+                bad.append(f"{MODULES[module].relative_to(SRC)}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_own_imports_at_module_top_outside_the_cli():
+    bad = [
+        f"{MODULES[m].relative_to(SRC)}:{line} imports {target} inside a function"
+        for m in MODULES
+        if _stage(m) not in LAZY_OK
+        for target, _, in_function, type_checking, line in _imports(m)
+        if in_function and not type_checking
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_tests_import_stages_through_their_init():
+    # Moves inside a stage then touch no test. `import automap._x._y as m` (to monkeypatch
+    # one module's global) is the one allowed way in.
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("automap."):
+                parts = node.module.split(".")
+                if len(parts) > 2:
+                    bad.append(f"{path.relative_to(TESTS)}:{node.lineno} from {node.module}")
+    assert not bad, "\n".join(bad)
