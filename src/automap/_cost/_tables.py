@@ -10,6 +10,7 @@ collective times are linear in both).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,6 +18,22 @@ from .._capture import Residuals
 from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import ARG_REDUCE, ELEMENTWISE, FREE, REDUCE_SUM_LIKE, Groups, rule
+
+
+class CandidateRow(NamedTuple):
+    """One candidate collective as the tables are built (see `RowTable` for each field);
+    `_rows` turns a list of them into the table's arrays."""
+
+    group: list[int]
+    small: list[int]
+    tset: int
+    tsmall: int
+    other: int
+    untied: bool
+    nbytes: float
+    grad: bool
+    op: int
+    peer: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +160,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     # dim, never takes the axis from it as another of the op's groups would).
     after = {(s.op, s.before): s.after for s in groups.seams}
     op_set, op_coef, remat = [], [], []
-    prow: list[tuple] = []
-    rrow: dict[tuple, tuple] = {}
+    prow: list[CandidateRow] = []
+    rrow: dict[tuple, CandidateRow] = {}
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
@@ -173,7 +190,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             for o in op.outputs:
                 nb = comm_bytes(o)
                 grad = tset[o] in param_sets
-                prow.append((gs, small, tset[o], 0, 0, False, nb, grad, op.index, empty))
+                prow.append(
+                    CandidateRow(gs, small, tset[o], 0, 0, False, nb, grad, op.index, empty)
+                )
         for u in dict.fromkeys(op.inputs):
             ugs = {g for g in tg[u] if split[g]}
             for d, h in enumerate(tg[u]):
@@ -191,17 +210,17 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                     nb = comm_bytes(u)
                     if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
                         nb += graph.tensors[u].size * 4
-                    rrow[key] = (
-                        [h],
-                        [key[3]],
-                        tset[u],
-                        small_u,
-                        key[4],
-                        untied,
-                        nb,
-                        False,
-                        op.index,
-                        peer,
+                    rrow[key] = CandidateRow(
+                        group=[h],
+                        small=[key[3]],
+                        tset=tset[u],
+                        tsmall=small_u,
+                        other=key[4],
+                        untied=untied,
+                        nbytes=nb,
+                        grad=False,
+                        op=op.index,
+                        peer=peer,
                     )
 
     n_sets = len(set_ids)
@@ -295,25 +314,28 @@ def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
     return out
 
 
-def _rows(rows: list[tuple], pad_group: int, empty_set: int) -> RowTable:
+def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
     """Rows as arrays; the group and small lists padded to one width (pad: never split)."""
-    kr = max([1] + [len(r[0]) for r in rows])
+    kr = max([1] + [len(r.group) for r in rows])
     group = np.full((len(rows), kr), pad_group, dtype=np.int64)
     small = np.full((len(rows), kr), empty_set, dtype=np.int64)
     for i, r in enumerate(rows):
-        group[i, : len(r[0])] = r[0]
-        small[i, : len(r[1])] = r[1]
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 10
+        group[i, : len(r.group)] = r.group
+        small[i, : len(r.small)] = r.small
+
+    def column(field: str, dtype: type) -> np.ndarray:
+        return np.array([getattr(r, field) for r in rows], dtype=dtype)
+
     return RowTable(
         group=group,
         small=small,
-        tset=np.array(cols[2], dtype=np.int64),
-        tsmall=np.array(cols[3], dtype=np.int64),
-        other=np.array(cols[4], dtype=np.int64),
-        untied=np.array(cols[5], dtype=bool),
-        nbytes=np.array(cols[6], dtype=float),
+        tset=column("tset", np.int64),
+        tsmall=column("tsmall", np.int64),
+        other=column("other", np.int64),
+        untied=column("untied", bool),
+        nbytes=column("nbytes", float),
         count=np.ones(len(rows)),
-        grad=np.array(cols[7], dtype=bool),
-        op=np.array(cols[8], dtype=np.int64),
-        peer=np.array(cols[9], dtype=np.int64),
+        grad=column("grad", bool),
+        op=column("op", np.int64),
+        peer=column("peer", np.int64),
     )

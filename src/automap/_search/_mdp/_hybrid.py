@@ -41,7 +41,7 @@ class HybridProcess(StagedProcess):
         self._subs: dict[int, ShardProcess] = {1: shard}
         self.reset()
 
-    def _fresh(self) -> HybridProcess:
+    def fresh(self) -> HybridProcess:
         pricer = None if isinstance(self.pricer, _NoPipeline) else self.pricer
         return HybridProcess(pricer, ShardProcess(self.space, self.baseline_time))
 
@@ -60,10 +60,10 @@ class HybridProcess(StagedProcess):
         self._m: int | None = None
         self._remat: bool | None = None
 
-    def _length(self) -> int:
+    def episode_length(self) -> int:
         return 1 + len(self.space.units) + 2
 
-    def _phase(self) -> int:
+    def phase(self) -> int:
         if self._stages is None:
             return STAGES
         if not self.sub(self._stages).done():
@@ -91,7 +91,7 @@ class HybridProcess(StagedProcess):
 
     def action_mask(self) -> np.ndarray:
         mask = np.zeros(self.n_actions, bool)
-        phase = self._phase()
+        phase = self.phase()
         if phase == STAGES:
             mask[:] = True
         elif phase == SHARD:
@@ -143,7 +143,7 @@ class HybridProcess(StagedProcess):
         return cost_summary(self.pricer.price(intra, self._m, self._cuts(intra)).cost)
 
     def observation(self) -> np.ndarray:
-        phase = self._phase()
+        phase = self.phase()
         if phase == STAGES:
             return self._stage_features()
         if phase == SHARD:

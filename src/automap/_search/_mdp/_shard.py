@@ -16,9 +16,8 @@ import numpy as np
 
 from ..._axes import DATA, MODEL
 from ..._space import OPTIONS, ShardSpace
+from ._observation import N_ACTIONS, OBS_DIM, ShardSlot
 
-N_ACTIONS = 8  # enough for the meshes of up to 128 devices, the 3 options and 4 ZeRO stages
-OBS_DIM = 26
 _MESH, _UNIT, _ZERO = 0, 1, 2
 
 
@@ -141,46 +140,45 @@ class ShardProcess:
     def observation(self) -> np.ndarray:
         obs = np.zeros(OBS_DIM, np.float32)
         phase = self._phase()
-        obs[phase] = 1.0  # [0:3] phase one-hot
+        obs[ShardSlot.PHASE + phase] = 1.0
         n_units = max(len(self.space.units), 1)
-        obs[3] = len(self._options) / n_units  # progress
+        obs[ShardSlot.PROGRESS] = len(self._options) / n_units
         if self._mesh is not None:
             mesh = self.space.meshes[self._mesh]
-            obs[4] = math.log2(mesh.get(DATA, 1)) / self._log_devices
-            obs[5] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
-            obs[6] = float(next(iter(mesh)) == MODEL) if len(mesh) > 1 else 0.0  # model outer
+            obs[ShardSlot.LOG_DATA] = math.log2(mesh.get(DATA, 1)) / self._log_devices
+            obs[ShardSlot.LOG_MODEL] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
+            outer = float(next(iter(mesh)) == MODEL) if len(mesh) > 1 else 0.0
+            obs[ShardSlot.MODEL_OUTER] = outer
         time_s, _, over = self._running
-        obs[7] = min(time_s / self.baseline_time, 10.0) / 10.0  # running cost, clipped
+        obs[ShardSlot.RUNNING_TIME] = min(time_s / self.baseline_time, 10.0) / 10.0
         if phase == _UNIT:
             self._unit_features(obs)
-        # [18:21] how the bytes decided so far are split: whole, data, model
         for u, k in zip(self.order, self._options, strict=False):
-            obs[18 + k] += self.space.units[u].bytes / self._total_bytes
-        obs[21] = len(self.space.units) / 256.0  # size of the problem
-        obs[22] = self._log_devices / 10.0
-        obs[23] = 1.0 if self.space.pruning.zero else 0.0
-        # [24:26] memory of the plan so far: how far over the limit, and whether it fits.
-        obs[24] = min(over, 10.0) / 10.0
-        obs[25] = float(over == 0.0)
+            obs[ShardSlot.BYTES_SPLIT + k] += self.space.units[u].bytes / self._total_bytes
+        obs[ShardSlot.UNITS] = len(self.space.units) / 256.0
+        obs[ShardSlot.LOG_DEVICES] = self._log_devices / 10.0
+        obs[ShardSlot.ZERO_ALLOWED] = 1.0 if self.space.pruning.zero else 0.0
+        obs[ShardSlot.OVER] = min(over, 10.0) / 10.0
+        obs[ShardSlot.FITS] = float(over == 0.0)
         return obs
 
     def _unit_features(self, obs: np.ndarray) -> None:
         i = self.order[len(self._options)]
         unit = self.space.units[i]
         mesh = self.space.meshes[self._mesh]
-        obs[8] = unit.bytes / self._total_bytes
-        obs[9] = unit.flops / self._total_flops
-        obs[10] = float(unit.params)
-        obs[11] = float(unit.batch)
-        obs[12] = unit.position
-        obs[13] = float(unit.divisor % mesh.get(DATA, 1) == 0)
-        obs[14] = float(unit.divisor % mesh.get(MODEL, 1) == 0)
+        obs[ShardSlot.UNIT_BYTES] = unit.bytes / self._total_bytes
+        obs[ShardSlot.UNIT_FLOPS] = unit.flops / self._total_flops
+        obs[ShardSlot.UNIT_PARAMS] = float(unit.params)
+        obs[ShardSlot.UNIT_BATCH] = float(unit.batch)
+        obs[ShardSlot.UNIT_POSITION] = unit.position
+        obs[ShardSlot.DATA_DIVIDES] = float(unit.divisor % mesh.get(DATA, 1) == 0)
+        obs[ShardSlot.MODEL_DIVIDES] = float(unit.divisor % mesh.get(MODEL, 1) == 0)
         neighbours = self.space.neighbours[i]
         decided = [self._taken[v] for v in neighbours if self._taken[v] is not None]
         if decided:
-            obs[15] = sum(k == 1 for k in decided) / len(decided)  # neighbours on data
-            obs[16] = sum(k == 2 for k in decided) / len(decided)  # neighbours on model
-        obs[17] = len(neighbours) / max(len(self.space.units), 1)
+            obs[ShardSlot.NEIGHBOURS_DATA] = sum(k == 1 for k in decided) / len(decided)
+            obs[ShardSlot.NEIGHBOURS_MODEL] = sum(k == 2 for k in decided) / len(decided)
+        obs[ShardSlot.NEIGHBOURS] = len(neighbours) / max(len(self.space.units), 1)
 
     # ---- to and from plans ------------------------------------------------------------
 

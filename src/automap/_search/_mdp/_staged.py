@@ -1,6 +1,6 @@
 """The pipeline and hybrid tasks as sequential decision processes, for the DQN (`automap.rl`).
 
-Both use the shard task's conventions (`automap._process`: OBS_DIM features, N_ACTIONS
+Both use the shard task's conventions (`_observation.py`: OBS_DIM features, N_ACTIONS
 actions, every first action valid) so that one network serves every task.
 
 pipeline: the stage count S, the microbatch count m, then the S - 1 cuts one by one. The
@@ -19,6 +19,7 @@ The hybrid task composes this with the shard task: `_hybrid.py`.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 
@@ -29,17 +30,45 @@ from ..._graph import Role
 from ..._plan import Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
-from ._shard import N_ACTIONS, OBS_DIM, cost_summary
+from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
+from ._shard import cost_summary
 
 STAGES, MICRO, REMAT, _CUT, SHARD = range(5)
 OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut
 _FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
 
 
-class StagedProcess:
-    """What both tasks share: the stage-count choice and the pipeline features."""
+class StagedProcess(abc.ABC):
+    """What both staged tasks (pipeline, hybrid) share: the stage-count choice, the
+    microbatch choice and the pipeline features. A subclass is a whole
+    `automap.rl.DecisionProcess`; the methods below are the ones this base calls."""
 
     obs_dim = OBS_DIM
+    _actions: list[int]  # the episode's actions so far (set by `reset`)
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Start a new episode."""
+
+    @abc.abstractmethod
+    def phase(self) -> int:
+        """The next decision's kind: STAGES, MICRO, REMAT, a cut, or SHARD."""
+
+    @abc.abstractmethod
+    def episode_length(self) -> int:
+        """How many decisions this episode takes, as far as known."""
+
+    @abc.abstractmethod
+    def action_mask(self) -> np.ndarray:
+        """[n_actions] bool: the valid actions now."""
+
+    @abc.abstractmethod
+    def running(self) -> tuple[float, bool, float]:
+        """(step time s, fits, over-ratio) of the partial plan."""
+
+    @abc.abstractmethod
+    def fresh(self) -> StagedProcess:
+        """A new process over the same pricer, at the start of an episode."""
 
     def __init__(self, pricer: PipelinePricer, baseline_time: float, stage_choices):
         self.pricer, self.model = pricer, pricer.model
@@ -59,23 +88,24 @@ class StagedProcess:
         action = int(action)
         if not self.action_mask()[action]:
             raise ValueError(f"action {action} is masked in this state")
-        return action, self._phase()
+        return action, self.phase()
 
     def _features(self, phase: int, mesh, stages: int, m: int | None, a, b) -> np.ndarray:
         """[OBS_DIM]: [0:3] off (the shard phases), [3] progress, [4:7] data, model and
         pipe axes (log, of the devices), [7] running cost, [8] phase, [9] microbatches,
         [10:18] and [18:26] two features per action (see each phase)."""
         obs = np.zeros(OBS_DIM, np.float32)
-        obs[3] = len(self._actions) / max(self._length(), 1)
-        obs[4] = math.log2(mesh.get(DATA, 1)) / self._log_devices
-        obs[5] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
-        obs[6] = math.log2(stages) / self._log_devices
+        obs[StagedSlot.PROGRESS] = len(self._actions) / max(self.episode_length(), 1)
+        obs[StagedSlot.LOG_DATA] = math.log2(mesh.get(DATA, 1)) / self._log_devices
+        obs[StagedSlot.LOG_MODEL] = math.log2(mesh.get(MODEL, 1)) / self._log_devices
+        obs[StagedSlot.LOG_STAGES] = math.log2(stages) / self._log_devices
         time_s, _, over = self.running()
-        obs[7] = min(time_s / self.baseline_time + over, 10.0) / 10.0
-        obs[8] = (1 + phase) / 4.0
-        obs[9] = math.log2(m) / 11.0 if m else 0.0
-        obs[10 : 10 + len(a)] = np.clip(a, 0.0, 1.0)[:8]
-        obs[18 : 18 + len(b)] = np.clip(b, 0.0, 1.0)[:8]
+        obs[StagedSlot.RUNNING_TIME] = min(time_s / self.baseline_time + over, 10.0) / 10.0
+        obs[StagedSlot.PHASE] = (1 + phase) / 4.0
+        obs[StagedSlot.LOG_MICRO] = math.log2(m) / 11.0 if m else 0.0
+        a_at, b_at = StagedSlot.PER_ACTION_A, StagedSlot.PER_ACTION_B
+        obs[a_at : a_at + len(a)] = np.clip(a, 0.0, 1.0)[:8]
+        obs[b_at : b_at + len(b)] = np.clip(b, 0.0, 1.0)[:8]
         return obs
 
     def _stage_features(self) -> np.ndarray:
@@ -100,7 +130,7 @@ class StagedProcess:
     def __deepcopy__(self, memo: dict):
         # The cost model holds a traced program that cannot be copied; a copy shares it and
         # starts a fresh episode (Gymnasium's spec deep-copies the environment's arguments).
-        return self._fresh()
+        return self.fresh()
 
 
 class PipelineProcess(StagedProcess):
@@ -113,7 +143,7 @@ class PipelineProcess(StagedProcess):
         self._intra: dict[int, Intra] = {}
         self.reset()
 
-    def _fresh(self) -> PipelineProcess:
+    def fresh(self) -> PipelineProcess:
         return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices)
 
     def reset(self) -> None:
@@ -122,10 +152,10 @@ class PipelineProcess(StagedProcess):
         self._m: int | None = None
         self._cuts: list[int] = []
 
-    def _length(self) -> int:
+    def episode_length(self) -> int:
         return 2 + (self._stages or 2) - 1
 
-    def _phase(self) -> int:
+    def phase(self) -> int:
         if self._stages is None:
             return STAGES
         return MICRO if self._m is None else _CUT
@@ -182,7 +212,7 @@ class PipelineProcess(StagedProcess):
 
     def action_mask(self) -> np.ndarray:
         mask = np.zeros(self.n_actions, bool)
-        phase = self._phase()
+        phase = self.phase()
         if phase == STAGES:
             mask[:] = True
         elif phase == MICRO:
@@ -219,7 +249,7 @@ class PipelineProcess(StagedProcess):
         return self.running()
 
     def observation(self) -> np.ndarray:
-        phase = self._phase()
+        phase = self.phase()
         if phase == STAGES:
             return self._stage_features()
         intra = self.intra(self._stages)
