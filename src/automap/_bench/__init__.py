@@ -1,4 +1,9 @@
-"""TODO stage docstring."""
+"""Benchmarks and comparisons: every searcher side by side (`compare`), the zoo
+benchmark behind BENCHMARKS.md (`run_bench`, `write`), and device calibration.
+
+Input: models, clusters and budgets. Output: rows, markdown and JSON, a cluster file.
+BENCHMARKS.md says how to rerun it.
+"""
 
 from ._calibrate import measure as measure
 from ._calibrate import to_cluster as to_cluster

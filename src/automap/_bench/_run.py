@@ -42,7 +42,7 @@ from ._compare import Row, make_row
 EXHAUSTIVE_LIMIT = 200_000  # points: above this only the ILP proves the optimum
 WITHIN = 0.01  # "time to 1%": the first moment a curve's best is within this of the optimum
 SEARCHERS = ("dqn", "random", "mcmc")
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # present in a clone
+BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"  # present in a clone
 
 
 @dataclasses.dataclass(frozen=True)

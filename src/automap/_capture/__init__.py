@@ -1,4 +1,10 @@
-"""TODO stage docstring."""
+"""Capture: a training step becomes a `Graph` (`_graph.py`).
+
+Input: a step function and its arguments (arrays or ShapeDtypeStructs). Output: the
+Graph (ops, tensors, exact FLOPs and bytes, input roles), and what is derived from it
+alone: the tensors kept for the backward pass (`find_residuals`), and where a step comes
+from (a zoo model or a `module:function`, `rebuild`). DESIGN.md, "Identifiers" and "Roles".
+"""
 
 from ._flops import ELEMENTWISE as ELEMENTWISE
 from ._flops import RULES as RULES

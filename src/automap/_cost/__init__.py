@@ -1,4 +1,11 @@
-"""TODO stage docstring."""
+"""The cost model: predicted step time, collectives and peak memory of a plan.
+
+Input: a Graph, its Groups, a Cluster and a Plan. Output: a `Cost` (`_plan.py`); for a
+pipeline plan, its stage times, bubble, sends and memory per stage too
+(`estimate_pipeline`). The tables and kernels behind them are exported for the exact
+searchers, which evaluate many assignments at once. DESIGN.md, "Collectives: the bytes
+convention" and "Pipeline".
+"""
 
 from ._collectives import AG as AG
 from ._collectives import AR as AR

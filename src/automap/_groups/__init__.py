@@ -1,4 +1,9 @@
-"""TODO stage docstring."""
+"""Linkage groups: the tensor dimensions whose sharding must agree, tied by each
+primitive's rule, and the layouts an assignment of mesh axes to groups gives.
+
+Input: a Graph. Output: `Groups`, and for an assignment {group: axis} the specs of every
+tensor and the Plan (`plan_from_assignment`). DESIGN.md, "Linkage groups".
+"""
 
 from ._linkage import Group as Group
 from ._linkage import Groups as Groups

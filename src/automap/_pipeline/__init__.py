@@ -1,4 +1,10 @@
-"""Pipeline plans: stage partition of a captured step, schedules, runtime and cost."""
+"""What a staged plan means: which stage and phase each op of a step belongs to
+(`partition`), where stages may start (`cut_candidates`), the Plan for a set of cuts, and
+the GPipe and 1F1B schedules that the runtime, the cost model and the report all read.
+
+Input: a Graph, its Groups and the stage cuts. Output: a `Partition`, a pipeline Plan, the
+schedule's order and timing. DESIGN.md, "Pipeline".
+"""
 
 from ._partition import Partition as Partition
 from ._partition import Phase as Phase

@@ -1,4 +1,9 @@
-"""TODO stage docstring."""
+"""Reports: a plan as a person reads it, in the terminal (Rich tables) and as an HTML
+page with pictures.
+
+Input: a Plan (and a captured Graph for capture summaries). Output: text, tables and an
+HTML file. README, "How to read a plan".
+"""
 
 from ._data import memory_bars as memory_bars
 from ._data import pipeline_ops as pipeline_ops

@@ -1,4 +1,9 @@
-"""TODO stage docstring."""
+"""Apply: a plan runs on a device mesh with the unsharded step's numbers.
+
+Input: a step function and a Plan. Output: a callable that runs the step under
+`jax.jit` shardings (one stage), or as per-stage jitted programs fed microbatch by
+microbatch (pipelines), on one host or several. DESIGN.md, "Specs" and "Pipeline".
+"""
 
 from ._apply import Prepared as Prepared
 from ._apply import apply as apply

@@ -1,4 +1,10 @@
-"""TODO stage docstring."""
+"""The searchers: one registry (`SEARCHERS`) of dqn, ilp, dp, exhaustive, expert,
+random and mcmc over a built `Problem`.
+
+Input: a Problem (program, groups, cluster, cost model) and a budget. Output: the best
+plan found, priced, with its provenance and search stats. The DQN's decision processes
+are in `_mdp/`. DESIGN.md, "Searchers".
+"""
 
 from ._classic import SAFETY as SAFETY
 from ._classic import Tracker as Tracker

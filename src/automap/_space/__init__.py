@@ -1,4 +1,10 @@
-"""TODO stage docstring."""
+"""The plan space a searcher explores, with the pruning that makes it small, and the
+expert plans (every one a point of it).
+
+Input: a Graph, its Groups, a Cluster and a CostModel. Output: a `ShardSpace` (meshes,
+units, options, masks), the pipelined space's points (`Point`, `stage_counts`,
+`microbatch_counts`), and the hand-written plans. DESIGN.md, "The search space".
+"""
 
 from ._experts import axis_assignment as axis_assignment
 from ._experts import batch_groups as batch_groups

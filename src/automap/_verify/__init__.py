@@ -1,4 +1,9 @@
-"""TODO stage docstring."""
+"""Verify: a plan held against what XLA really compiles, and against one device.
+
+Input: a step function, a Plan and arguments (or a saved plan to rebuild). Output: a
+`VerifyReport`: the cost model's collectives next to the compiled HLO's, and numerics
+against the unsharded step. DESIGN.md, "Collectives: the bytes convention".
+"""
 
 from ._compiled import VerifyReport as VerifyReport
 from ._compiled import as_on_cpu as as_on_cpu
