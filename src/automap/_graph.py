@@ -2,7 +2,7 @@
 
 A `Graph` is what every other part of Auto-MAP reads: linkage groups are built over its
 tensor dimensions, the cost model walks its ops, and `apply` re-runs its jaxpr. It is made
-by `capture` (see `_capture.py`) and never mutated afterwards.
+by `capture` (see `_capture/`) and never mutated afterwards.
 
 Identifiers are plain ints: a tensor's id is its index in `Graph.tensors`, an op's index is
 its position in `Graph.ops` (program order, nested calls inlined). Both are deterministic
@@ -115,7 +115,7 @@ class Graph:
     jaxpr: Any = dataclasses.field(compare=False, repr=False, default=None)
     in_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
     out_tree: Any = dataclasses.field(compare=False, repr=False, default=None)
-    # For the interpreter (`_interpret.py`): the inlined JaxprEqn of each op (aligned with
+    # For the interpreter (`_run/_interpret.py`): the inlined JaxprEqn of each op (aligned with
     # `ops`), and the value of each CONST tensor (literals, closed-over constants).
     eqns: tuple[Any, ...] = dataclasses.field(compare=False, repr=False, default=())
     const_values: Mapping[int, Any] = dataclasses.field(

@@ -158,7 +158,7 @@ def test_ctrl_c_keeps_the_best_pipeline_so_far(gpt, monkeypatch):
 
 
 def test_ctrl_c_during_the_ilp_keeps_its_best_point(monkeypatch):
-    import automap._search._ilp as ilp_module
+    import automap._search._shard_ilp as ilp_module
     from automap._search import search_ilp
     from automap._space import ShardSpace
 

@@ -1,6 +1,6 @@
 """BENCHMARKS.md from an `automap bench` result: the header, the plans table, the cost model.
 
-Kept apart from `_bench.py` (which runs the searches) so that a saved `--json` result can be
+Kept apart from `_run.py` (which runs the searches) so that a saved `--json` result can be
 rendered again without rerunning anything.
 """
 
@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ._run import EXHAUSTIVE_LIMIT, SEARCHERS
+from ._run import BENCH_SEARCHERS, EXHAUSTIVE_LIMIT
 
 
 def _ms(t: float | None) -> str:
@@ -92,7 +92,7 @@ def to_markdown(result: dict) -> str:
             _hybrid_cell(c.get("hybrid")),
             _ms(min(dqn_times)) if dqn_times else "—",
         ]
-        for name in SEARCHERS:
+        for name in BENCH_SEARCHERS:
             cells.extend(_searcher_cells(c["searchers"].get(name, [])))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## The cost model", "", *_fidelity_lines(result["fidelity"]), ""]

@@ -41,7 +41,7 @@ from ._compare import Row, make_row
 
 EXHAUSTIVE_LIMIT = 200_000  # points: above this only the ILP proves the optimum
 WITHIN = 0.01  # "time to 1%": the first moment a curve's best is within this of the optimum
-SEARCHERS = ("dqn", "random", "mcmc")
+BENCH_SEARCHERS = ("dqn", "random", "mcmc")
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"  # present in a clone
 
 
@@ -195,7 +195,7 @@ def bench_case(case: Case, s: Settings, step: Callable[[str], None] = lambda _: 
     rows.append(piped)
     hybrid = _hybrid(ilp, piped, optimum)
     searchers: dict[str, list[dict]] = {}
-    for name in SEARCHERS:
+    for name in BENCH_SEARCHERS:
         for seed in range(s.seeds):
             step(f"{name} seed {seed}")
             row = _run(problem, name, s.budget_s, seed)
@@ -382,7 +382,7 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
     start = time.perf_counter()
     results: list[dict] = []
     # capture, experts, ilp, (exhaustive), dp, searches
-    steps = 4 + len(SEARCHERS) * s.seeds + 2
+    steps = 4 + len(BENCH_SEARCHERS) * s.seeds + 2
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
         disable=not progress, transient=True,

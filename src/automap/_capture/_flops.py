@@ -17,7 +17,7 @@ Conventions (the cost model reads these numbers, so they are fixed here once):
   bitcasts of the same buffer. `convert_element_type` is *not* free: when XLA cannot fuse
   it into a neighbour it is a real pass over memory, and counting it errs on the safe side.
 
-Loops and conditionals (scan, while, cond) are costed by `_capture.py`, which walks their
+Loops and conditionals (scan, while, cond) are costed by `_trace.py`, which walks their
 bodies with these same rules.
 """
 
@@ -263,7 +263,7 @@ def sub_program(eqn: Any) -> tuple[Any, list[Any]] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cost:
+class OpCost:
     """The cost of a sub-program (a loop's body times its trip count)."""
 
     flops: float = 0.0
@@ -273,8 +273,8 @@ class Cost:
     trip_unknown: bool = False  # a while loop whose trip count was taken as 1
     unknown: frozenset[str] = frozenset()  # primitives costed without a rule
 
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(
+    def __add__(self, other: OpCost) -> OpCost:
+        return OpCost(
             self.flops + other.flops,
             self.read + other.read,
             self.written + other.written,
@@ -283,15 +283,15 @@ class Cost:
             self.unknown | other.unknown,
         )
 
-    def times(self, n: int) -> Cost:
-        return Cost(
+    def times(self, n: int) -> OpCost:
+        return OpCost(
             self.flops * n, self.read * n, self.written * n, n, self.trip_unknown, self.unknown
         )
 
 
-def jaxpr_cost(jaxpr: Any) -> Cost:
+def jaxpr_cost(jaxpr: Any) -> OpCost:
     """Total cost of an open jaxpr, calls inlined and loops multiplied out."""
-    total = Cost()
+    total = OpCost()
     for eqn in jaxpr.eqns:
         inner = sub_program(eqn)
         if inner is not None:
@@ -304,11 +304,11 @@ def jaxpr_cost(jaxpr: Any) -> Cost:
             outs = [v.aval for v in eqn.outvars]
             flops, read, written = op_cost(name, ins, outs, eqn.params)
             unknown = frozenset() if is_known(name) else frozenset({name})
-            total = total + Cost(flops, read, written, 1, False, unknown)
+            total = total + OpCost(flops, read, written, 1, False, unknown)
     return total
 
 
-def loop_cost(eqn: Any) -> Cost:
+def loop_cost(eqn: Any) -> OpCost:
     """Cost of a scan (body × length), while (body and test × trip count, 1 when it cannot
     be read statically) or cond (the dearest branch) eqn, with its trip count."""
     name, params = eqn.primitive.name, eqn.params

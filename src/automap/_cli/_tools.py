@@ -1,7 +1,7 @@
 """The `automap` commands around a search: list and capture models, run, verify and draw a
 saved plan, measure the local devices, and run the benchmarks.
 
-They follow the conventions in `_cli_app`: progress on stderr, `--quiet`, `--json`.
+They follow the conventions in `_app.py`: progress on stderr, `--quiet`, `--json`.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ numpy operations over those tables:
   two all-gathers of the parameters' size (three with ZeRO-3, which also gathers the
   parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
-  plus activations kept for backward (`_memory.py`) by their layouts, / microbatches.
+  plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
 conservative prediction). Plans with pipeline stages are timed by their schedule on top of
-these per-op costs (`_pipeline/_cost.py`: bubble, point-to-point sends, memory per stage).
+these per-op costs (`_pipelined.py`: bubble, point-to-point sends, memory per stage).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class CostModel:
 
     def estimate(self, plan: Plan) -> Cost:
         """Cost of a plan: its recorded assignment, else one read back from its specs. A
-        plan with pipeline stages is timed by its schedule (`_pipeline/_cost.py`)."""
+        plan with pipeline stages is timed by its schedule (`_pipelined.py`)."""
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
         return self.evaluate(
@@ -119,7 +119,7 @@ class CostModel:
     def op_state(self, assignment, mesh: Mapping[str, int]) -> tuple[K.State, C.AxisCosts]:
         """An assignment evaluated with one collective row per op (the full tables) for the
         whole batch at once, and its mesh's axis costs: the base of per-op and per-stage
-        costs (`_pipeline/_cost.py`)."""
+        costs (`_pipelined.py`)."""
         st = self._state(self.codes(assignment, mesh), dict(mesh), 1, False, True)
         return st, self._costs_for(mesh)
 

@@ -16,7 +16,7 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   data-parallel gradient inside every B call: once per microbatch, not once per step,
   combined per call (as XLA's combiner does within one program). PRE and POST run once
   per step on the whole batch. With ZeRO >= 1 the POST update gathers the sharded moments
-  of the parameters it updates (two all-gathers, as `_cost.py`); ZeRO-3 also gathers a
+  of the parameters it updates (two all-gathers, as `_model.py`); ZeRO-3 also gathers a
   parameter in every program that reads it: PRE, every F and every B call, and POST.
   Rematerialized forward ops run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
@@ -57,10 +57,10 @@ from ._traffic import (
     Layouts,
     Sends,
     in_flight,
-    layouts,
     phase_codes,
     pipe_link,
     sends,
+    stage_layouts,
     stage_memory,
 )
 
@@ -148,7 +148,7 @@ def op_costs(
         share = np.where(g, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
     if data_axis is None:
         data_axis = DATA if DATA in stage_mesh else None
-    lay = layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
+    lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
     zero_mask = 0
     zero_comm = np.zeros(n)
     if zero_stage >= 1 and lay.data_size > 1:
@@ -365,7 +365,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
 
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
-    """Plan decisions the report reads (`_report_data.stage_times` and `memory_bars`):
+    """Plan decisions the report reads (`_report.stage_times` and `memory_bars`):
     per stage (fwd, bwd) seconds per microbatch and the memory breakdown per device."""
     return {
         "stage_times": [[f, b] for f, b in pc.stage_times],
@@ -378,7 +378,7 @@ def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
 
 def zero_leaves(graph, lay: Layouts):
     """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
-    layout is not already split on the data axis (as `_cost.py`)."""
+    layout is not already split on the data axis (as `_model.py`)."""
     for leaf in graph.leaves(Role.PARAM):
         t = leaf.tensor
         if not lay.on_data[t]:

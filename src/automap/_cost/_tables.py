@@ -1,4 +1,4 @@
-"""The cost model's precomputed tables (see `_cost.py` for what they mean).
+"""The cost model's precomputed tables (see `_model.py` for what they mean).
 
 Built once per graph and cluster. A *set* is a sorted tuple of splittable group ids: the
 groups of one tensor's dims, or of an op's iteration space. Every per-plan quantity is a

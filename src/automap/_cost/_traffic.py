@@ -1,11 +1,11 @@
 """What each pipeline stage holds and sends: memory per device and point-to-point traffic.
 
 Both are functions of the tensors alone (their layouts on the stage mesh, the stage and
-phase of the ops that make and read them), kept apart from the timing in `_cost.py`.
+phase of the ops that make and read them), kept apart from the timing in `_pipelined.py`.
 
 - memory of stage s, per device: the input leaves its ops read (parameters, their
   gradients, optimizer state, the batch), by their layouts and the ZeRO stage, plus the
-  activations kept for backward: the residuals of `_memory.find_residuals` that its
+  activations kept for backward: the residuals of `_capture.find_residuals` that its
   forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
   for a tensor carrying the batch), times the microbatches in flight (GPipe: m; 1F1B:
   min(m, S - s), the schedule's warm-up depth). With rematerialization only the
@@ -45,7 +45,9 @@ class Layouts:
     data_size: int  # size of the data axis (1 without one): what ZeRO shards over
 
 
-def layouts(graph: Graph, tensor_groups, codes: np.ndarray, mesh: Mapping[str, int], data_axis):
+def stage_layouts(
+    graph: Graph, tensor_groups, codes: np.ndarray, mesh: Mapping[str, int], data_axis
+):
     """Layouts from axis codes per group (1-based in mesh order, 0: none), as `CostModel`
     reads an assignment: a tensor split on several groups' axes is divided by each
     distinct axis once."""

@@ -17,9 +17,6 @@ from ._classic import search_random as search_random
 from ._dp import optimal_cuts as optimal_cuts
 from ._dp import polish_cuts as polish_cuts
 from ._dp import search_dp as search_dp
-from ._ilp import MeshTerms as MeshTerms
-from ._ilp import fine_space as fine_space
-from ._ilp import search_ilp as search_ilp
 from ._mdp import HybridProcess as HybridProcess
 from ._mdp import PipelineProcess as PipelineProcess
 from ._mdp import ShardProcess as ShardProcess
@@ -47,3 +44,6 @@ from ._runner import expert_start as expert_start
 from ._runner import run_space_searcher as run_space_searcher
 from ._runner import search_dqn as search_dqn
 from ._runner import with_stats as with_stats
+from ._shard_ilp import MeshTerms as MeshTerms
+from ._shard_ilp import fine_space as fine_space
+from ._shard_ilp import search_ilp as search_ilp

@@ -17,7 +17,7 @@ import numpy as np
 from .._plan import Cost
 from .._space import ShardSpace
 
-Point = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, ZeRO stage)
+ShardPoint = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, ZeRO stage)
 
 
 # A time budget is turned into a number of cost-model evaluations at this nominal rate, so
@@ -34,19 +34,19 @@ class Tracker:
     budget_s: float
     max_evals: int = 0  # 0: derived from budget_s
     start: float = dataclasses.field(default_factory=time.perf_counter)
-    best: Point | None = None
+    best: ShardPoint | None = None
     best_time: float = math.inf
     time_to_best_s: float = 0.0
     evaluated: int = 0
     curve: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     # Called after each evaluation with (point, cost, best time so far): progress bars.
-    on_offer: Callable[[Point, Cost, float], None] | None = None
+    on_offer: Callable[[ShardPoint, Cost, float], None] | None = None
     # Set when Ctrl-C ended the search early: `best` is the best so far, not the budget's.
     interrupted: bool = False
     # False when an exhaustive enumeration ran out of budget before the end: no proof.
     complete: bool = True
 
-    def offer(self, point: Point, cost: Cost) -> None:
+    def offer(self, point: ShardPoint, cost: Cost) -> None:
         self.evaluated += 1
         if cost.feasible and cost.step_time_s < self.best_time:
             self.best, self.best_time = point, cost.step_time_s
@@ -88,14 +88,14 @@ def options_of(space: ShardSpace, mesh_index: int, rng: np.random.Generator) -> 
     return tuple(chosen)
 
 
-def random_point(space: ShardSpace, rng: np.random.Generator) -> Point:
+def random_point(space: ShardSpace, rng: np.random.Generator) -> ShardPoint:
     mesh_index = int(rng.integers(len(space.meshes)))
     options = options_of(space, mesh_index, rng)
     zero = int(rng.choice(space.zero_options(space.meshes[mesh_index])))
     return mesh_index, options, zero
 
 
-def evaluate(space: ShardSpace, point: Point) -> Cost:
+def evaluate(space: ShardSpace, point: ShardPoint) -> Cost:
     return space.evaluate(point[0], point[1], zero_stage=point[2])
 
 
@@ -143,7 +143,7 @@ def search_mcmc(
     space: ShardSpace,
     tracker: Tracker,
     seed: int,
-    start: Point | None = None,
+    start: ShardPoint | None = None,
     temperature: float = 0.05,
     cooling: float = 0.999,
 ) -> Tracker:
@@ -175,7 +175,7 @@ def _energy(cost: Cost) -> float:
     return cost.step_time_s * (10.0 + over)
 
 
-def _neighbour(space: ShardSpace, point: Point, rng: np.random.Generator) -> Point:
+def _neighbour(space: ShardSpace, point: ShardPoint, rng: np.random.Generator) -> ShardPoint:
     mesh_index, options, zero = point
     roll = rng.random()
     if roll < 0.1 and len(space.meshes) > 1:

@@ -51,7 +51,7 @@ from .._space import (
     microbatch_counts,
     stage_counts,
 )
-from ._ilp import MeshTerms
+from ._shard_ilp import MeshTerms
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3

@@ -69,7 +69,7 @@ class Intra:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Tables:
+class PipelineTables:
     """Per segment of the finest partition, for one intra-stage plan and microbatch count."""
 
     time: np.ndarray  # [L] seconds per microbatch (forward + backward + remat)
@@ -105,7 +105,7 @@ class PipelinePricer:
         per_mb = [p in (Phase.FWD, Phase.BWD) for p in self.fine.op_phase]
         self._per_mb = np.array(per_mb)
         self._oc: dict[Intra, object] = {}
-        self._tables: dict[tuple[Intra, int], Tables] = {}
+        self._tables: dict[tuple[Intra, int], PipelineTables] = {}
         self._priced: dict[tuple[Intra, int, tuple[int, ...]], PipelineCost] = {}
         self._optimal: dict[tuple[Intra, int, int], tuple[int, ...] | None] = {}
 
@@ -124,7 +124,7 @@ class PipelinePricer:
             )
         return self._oc[intra]
 
-    def tables(self, intra: Intra, microbatches: int) -> Tables:
+    def tables(self, intra: Intra, microbatches: int) -> PipelineTables:
         key = (intra, microbatches)
         if key not in self._tables:
             pc = stage_costs(
@@ -132,7 +132,7 @@ class PipelinePricer:
             )
             L = self.n_segments
             run = np.where(self._per_mb, pc.op_run_s + pc.op_remat_s, 0.0)
-            self._tables[key] = Tables(
+            self._tables[key] = PipelineTables(
                 time=np.bincount(self._seg, run, minlength=L),
                 state=np.bincount(self._seg, pc.op_state_bytes, minlength=L),
                 act=np.bincount(self._seg, pc.op_act_bytes, minlength=L),
@@ -169,7 +169,7 @@ class PipelinePricer:
         after = stages - 1 - len(cuts)  # stages after the current one
         return first, self.n_segments - 1 - after
 
-    def balanced_cut(self, tables: Tables, stages: int, cuts: Sequence[int]) -> int:
+    def balanced_cut(self, tables: PipelineTables, stages: int, cuts: Sequence[int]) -> int:
         """The next cut that gives the current stage an equal share of the remaining
         per-microbatch time."""
         lo, hi = self.cut_range(stages, cuts)
@@ -178,14 +178,18 @@ class PipelinePricer:
         own = done[lo + 1 : hi + 2] - done[lo]  # the stage's time if cut at lo..hi
         return lo + int(np.argmin(np.abs(own - target)))
 
-    def balanced(self, tables: Tables, stages: int, cuts: Sequence[int] = ()) -> tuple[int, ...]:
+    def balanced(
+        self, tables: PipelineTables, stages: int, cuts: Sequence[int] = ()
+    ) -> tuple[int, ...]:
         """`cuts` completed with balanced cuts."""
         out = list(cuts)
         while len(out) < stages - 1:
             out.append(self.balanced_cut(tables, stages, out))
         return tuple(out)
 
-    def stage_memory(self, tables: Tables, stages: int, microbatches: int, cuts, cut) -> float:
+    def stage_memory(
+        self, tables: PipelineTables, stages: int, microbatches: int, cuts, cut
+    ) -> float:
         """Bytes per device of the current stage if it ends at candidate `cut`."""
         first = cuts[-1] + 1 if cuts else 0
         copies = in_flight(stages, microbatches, self.schedule)[len(cuts)]

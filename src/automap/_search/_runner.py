@@ -3,7 +3,7 @@
 Every searcher explores the same `ShardSpace` under the same cost model and hands back its
 best point as a plan, with the learning curve (one row per episode or evaluation) in
 `plan.decisions["curve"]`. Budgets are counted in episodes or evaluations at a nominal
-rate (see `_search.EVALS_PER_SECOND`), so the same seed gives the same plan anywhere.
+rate (see `_classic.EVALS_PER_SECOND`), so the same seed gives the same plan anywhere.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from .._space import (
 from ..rl import CheckpointError, DQNAgent, DQNConfig, SearchCheckpoint, load_agent_state
 from ..rl import search as dqn_search
 from ._classic import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
-from ._ilp import search_ilp
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
 from ._problem import Problem
+from ._shard_ilp import search_ilp
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40

@@ -2,7 +2,7 @@
 
 `jax.jit(f, in_shardings=...).lower(*abstract).compile().as_text()` is the program after
 the SPMD partitioner; its collectives are the ground truth the cost model is held against
-(`_verify.py`). Bytes follow the convention of docs/DESIGN.md (per device, per occurrence):
+(`_compiled.py`). Bytes follow the convention of docs/DESIGN.md (per device, per occurrence):
 all-reduce the buffer, all-gather the result, reduce-scatter the operand, all-to-all and
 collective-permute the operand; a tuple counts the sum of its parts, once.
 

@@ -9,5 +9,5 @@ from ._factory import make_process as make_process
 from ._factory import planning_env as planning_env
 from ._hybrid import HybridProcess as HybridProcess
 from ._hybrid import make_pipeline_process as make_pipeline_process
-from ._shard import ShardProcess as ShardProcess
+from ._shard_process import ShardProcess as ShardProcess
 from ._staged import PipelineProcess as PipelineProcess

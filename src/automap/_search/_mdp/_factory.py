@@ -17,7 +17,7 @@ from ..._space import SPACE_TASKS as SHARD_TASKS
 from ..._space import Pruning, ShardSpace, expert_plans_for
 from ...rl import PlanningEnv
 from ._hybrid import make_pipeline_process
-from ._shard import ShardProcess
+from ._shard_process import ShardProcess
 
 
 def make_process(graph: Graph, cluster: Cluster, task: str = "shard", pruning: Pruning = Pruning()):

@@ -7,7 +7,7 @@ them inside the reward. Given the rest of the point the DP's cuts are optimal in
 objective and cost one pass over the tables the reward needs anyway, so the agent spends
 its episodes on the choices no exact solver makes for it. S = 1 is the plain shard task.
 
-Reward as for the pipeline task (`_process.py`).
+Reward as for the pipeline task (`_staged.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..._plan import Plan
 from ..._space import ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
 from .._pricer import Intra, PipelinePricer
-from ._shard import ShardProcess, cost_summary
+from ._shard_process import ShardProcess, cost_summary
 from ._staged import MICRO, REMAT, SHARD, STAGES, PipelineProcess, StagedProcess
 
 

@@ -31,7 +31,7 @@ from ..._plan import Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
 from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
-from ._shard import cost_summary
+from ._shard_process import cost_summary
 
 STAGES, MICRO, REMAT, _CUT, SHARD = range(5)
 OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut

@@ -1,7 +1,7 @@
 """searcher="ilp": the exact optimum of the shard space, one MILP per mesh and ZeRO stage.
 
 On a fixed mesh the cost model's step time is a sum of terms that each read the axes of a
-few decision units (the groups of one set or one collective row, see `_tables.py`):
+few decision units (the groups of one set or one collective row, see `_cost/_tables.py`):
 
 - compute: `compute_coef[s] / divisor(s)` per group set s;
 - a non-gradient collective row: its own alpha-beta time (the cheaper of ring and tree for
@@ -10,7 +10,7 @@ few decision units (the groups of one set or one collective row, see `_tables.py
   optimizer, activation and input bytes over its divisor (and over data under ZeRO).
 
 Each distinct unit *scope* becomes one `Factor`, its table filled by running the cost
-model's own kernel (`_kernel.rows`, `_kernel.set_axes`) on every joint option of the scope
+model's own kernel (`_cost/_kernel.collective_rows`, `set_axes`) on every joint option of the scope
 at once. Two parts are not separable, and are made exact with auxiliary units:
 
 - gradient collectives are combined per (kind, axis) into one tuple collective, timed as
