@@ -3,6 +3,7 @@
 from ._api import estimate as estimate
 from ._api import expert_plans as expert_plans
 from ._api import plan as plan
+from ._api import plan_recipe as plan_recipe
 from ._capture import capture as capture
 from ._cluster import Cluster as Cluster
 from ._cluster import Link as Link
@@ -20,6 +21,7 @@ from ._plan import Cost as Cost
 from ._plan import Plan as Plan
 from ._plan import Stage as Stage
 from ._run import apply as apply
+from ._space import Recipe as Recipe
 from ._verify import VerifyReport as VerifyReport
 from ._verify import verify as verify
 from ._version import __version__ as __version__

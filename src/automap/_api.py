@@ -16,17 +16,28 @@ from typing import Any
 from ._cluster import Cluster
 from ._errors import PlanError
 from ._graph import Graph
-from ._plan import Cost, Plan
+from ._plan import Cost, Plan, Provenance
 from ._search import (
     SEARCHERS,
     Problem,
+    arg_roles,
     check_searcher,
     check_tasks,
     priced_experts,
     run_searcher,
 )
+from ._space import Recipe, recipe_plan
 
-__all__ = ["SEARCHERS", "Problem", "estimate", "expert_plans", "plan", "run_searcher"]
+__all__ = [
+    "SEARCHERS",
+    "Problem",
+    "Recipe",
+    "estimate",
+    "expert_plans",
+    "plan",
+    "plan_recipe",
+    "run_searcher",
+]
 
 
 def plan(
@@ -90,6 +101,33 @@ def expert_plans(
     infeasible ones are kept, marked by `predicted.feasible`."""
     problem = Problem.build(step_fn, args, cluster, roles)
     return priced_experts(problem)
+
+
+def plan_recipe(
+    step_fn: Callable,
+    *args: Any,
+    recipe: Recipe,
+    cluster: Cluster,
+    roles: Any = None,
+    origin: Mapping[str, Any] | None = None,
+) -> Plan:
+    """The plan of a hand-written configuration (`Recipe`: tensor parallel, pipeline
+    stages, data parallel, microbatches, schedule, recomputation, ZeRO), priced by the
+    cost model. `am.apply` runs it like any other plan; a size that does not divide what
+    it splits is a one-line PlanError."""
+    problem = Problem.build(step_fn, args, cluster, roles)
+    built = problem.priced(recipe_plan(problem.graph, problem.groups, cluster, recipe))
+    provenance = Provenance(
+        searcher="recipe",
+        fingerprint=problem.graph.fingerprint,
+        cluster=cluster.name,
+        devices=cluster.devices,
+        **dict(origin or {}),
+    )
+    decisions = {**built.decisions, "arg_roles": arg_roles(problem.graph)}
+    return dataclasses.replace(
+        built, provenance=provenance, in_tree=problem.graph.in_tree, decisions=decisions
+    )
 
 
 def _check_fits(graph: Graph, plan: Plan) -> None:

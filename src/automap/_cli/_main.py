@@ -274,6 +274,69 @@ def compare_cmd(
         raise typer.Exit(INTERRUPTED)
 
 
+@app.command("estimate")
+@friendly
+def estimate_cmd(
+    model: ModelOpt = None,
+    fn: FnOpt = None,
+    override: OverrideOpt = None,
+    cluster: ClusterOpt = "a100",
+    devices: DevicesOpt = 8,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size, inside a node.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages, equal in layers.")] = 1,
+    dp: Annotated[
+        int, typer.Option("--dp", help="Data parallel size (tp x pp x dp = devices).")
+    ] = 1,
+    microbatch_size: Annotated[
+        int | None,
+        typer.Option("--microbatch-size", help="Sequences per microbatch per data replica."),
+    ] = None,
+    microbatches: Annotated[
+        int | None, typer.Option("--microbatches", help="Microbatches per step (pipelines).")
+    ] = None,
+    schedule: Annotated[str, typer.Option(help="Pipeline schedule: 1f1b or gpipe.")] = "1f1b",
+    remat: Annotated[str, typer.Option(help="Recomputation: none or full.")] = "none",
+    zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 0, 1, 2 or 3.")] = 0,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the priced plan as JSON here.")
+    ] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Price a configuration you already run (Megatron-LM style): tensor parallel, pipeline
+    stages, data parallel, microbatches, schedule, recomputation and ZeRO.
+
+    Example: automap estimate --model gpt-1.3b --devices 16 --tp 8 --pp 2 --dp 1 --microbatch-size 1 --remat full
+    """
+    from .._api import plan_recipe
+    from .._report import print_plan
+    from .._space import Recipe
+
+    step_fn, args, origin = load_step(model, fn, override)
+    the_cluster = load_cluster(cluster, devices)
+    recipe = Recipe(
+        tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
+        schedule=schedule, remat=remat, zero=zero, name=f"tp{tp} pp{pp} dp{dp}",
+    )  # fmt: skip
+    with busy("pricing", not (quiet or as_json)):
+        result = plan_recipe(step_fn, *args, recipe=recipe, cluster=the_cluster, origin=origin)
+    if output is not None:
+        result.save(output)
+    if as_json:
+        cost = result.predicted.to_dict()
+        print_json({**cost, "microbatches": result.microbatches, "plan": result.to_dict()})
+    elif quiet:
+        cost = result.predicted
+        fits = "fits" if cost.feasible else "does not fit"
+        console.print(
+            f"{cost.step_time_s:.6g} s per step, {cost.memory_bytes / 1e9:.3g} GB per device ({fits})"
+        )
+    else:
+        print_plan(console, result, the_cluster)
+        if output is not None:
+            console.print(f"plan saved to [bold]{output}[/bold]")
+
+
 def main() -> None:
     app()
 

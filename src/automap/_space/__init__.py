@@ -15,6 +15,10 @@ from ._pipeline_experts import pipeline_experts as pipeline_experts
 from ._pipelined import Point as Point
 from ._pipelined import microbatch_counts as microbatch_counts
 from ._pipelined import stage_counts as stage_counts
+from ._recipes import Recipe as Recipe
+from ._recipes import layer_boundaries as layer_boundaries
+from ._recipes import layer_cuts as layer_cuts
+from ._recipes import recipe_plan as recipe_plan
 from ._shard import OPTIONS as OPTIONS
 from ._shard import SPACE_TASKS as SPACE_TASKS
 from ._shard import Pruning as Pruning

@@ -2,13 +2,15 @@
 
 - `gpipe_uniform`: GPipe. Equal layer counts per stage (`uniform_cuts`), every stage data
   parallel over its devices.
-- `megatron_3d`: Megatron-LM's recipe. Tensor parallel over a whole node (column then row,
-  as the `megatron` expert), pipeline stages across nodes, data parallel over the rest.
+- `megatron_3d`: Megatron-LM's recipe (`Recipe`, `_recipes.py`). Tensor parallel over the
+  node (column then row, as the `megatron` expert), the fewest stages equal in layers
+  that fit with full recomputation (one stage included), microbatch size 1, data
+  parallel over the rest; data sizes that do not divide the batch are skipped.
 
-A practitioner picks the fewest stages that fit in memory and enough microbatches to
-hide the bubble: both choose the smallest stage count (a power of two) whose plan fits,
-with the most microbatches the batch allows, by the cost model's estimate. 1F1B
-throughout (the same time as GPipe's all-forward-then-all-backward, less memory).
+A practitioner picks the fewest stages that fit in memory: both choose the smallest stage
+count (a power of two) whose plan fits, by the cost model's estimate. GPipe takes the most
+microbatches the batch allows. 1F1B throughout (the same time as GPipe's
+all-forward-then-all-backward, less memory).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .._pipeline import cut_candidates, pipeline_plan, uniform_cuts
 from .._plan import Cost, Plan
 from ._experts import axis_assignment, batch_groups, block_groups
 from ._pipelined import microbatch_counts, stage_counts
+from ._recipes import Recipe, recipe_plan
 
 
 def pipeline_experts(
@@ -34,33 +37,71 @@ def pipeline_experts(
     if groups.batch_size is None:
         return {}
     cands = cut_candidates(graph, groups)
-    batch = groups.batch_size
     out: dict[str, Plan] = {}
-    tp = cluster.devices_per_node if cluster.devices > cluster.devices_per_node else 1
-    recipes = {"gpipe_uniform": 1, "megatron_3d": tp} if tp > 1 else {"gpipe_uniform": 1}
-    for name, model in recipes.items():
-        plan = _fewest_stages(graph, groups, cluster, estimate, cands, batch, name, model)
-        if plan is not None:
-            out[name] = plan
+    plan = _gpipe(graph, groups, cluster, estimate, cands, groups.batch_size)
+    if plan is not None:
+        out["gpipe_uniform"] = plan
+    plan = _megatron_3d(graph, groups, cluster, estimate)
+    if plan is not None:
+        out["megatron_3d"] = plan
     return out
 
 
-def _fewest_stages(graph, groups, cluster, estimate, cands, batch, name, tp) -> Plan | None:
+def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
+    """Megatron's recipe: the node's tensor parallel size (the largest power of two up to
+    it that splits the blocks), then the fewest stages that fit with full recomputation
+    and microbatches of one sequence; None when nothing tensor-parallel applies."""
+    tp = _node_tp(groups, cluster)
+    if tp is None:
+        return None
+    leanest: Plan | None = None
+    pp = 1
+    while pp * tp <= cluster.devices:
+        dp = cluster.devices // (tp * pp)
+        if cluster.devices % (tp * pp) == 0 and groups.batch_size % dp == 0:
+            recipe = Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full")
+            try:
+                plan = recipe_plan(
+                    graph, groups, cluster, dataclasses.replace(recipe, name="megatron_3d")
+                )
+            except PlanError:  # layers not divisible by pp, a step that cannot microbatch
+                plan = None
+            if plan is not None:
+                plan = dataclasses.replace(plan, predicted=estimate(plan))
+                if plan.predicted.feasible:
+                    return plan
+                if leanest is None or plan.predicted.memory_bytes < leanest.predicted.memory_bytes:
+                    leanest = plan
+        pp *= 2
+    return leanest  # nothing fits: the leanest, marked infeasible
+
+
+def _node_tp(groups: Groups, cluster: Cluster) -> int | None:
+    blocks = block_groups(groups)
+    tp = 1
+    while tp * 2 <= min(cluster.devices_per_node, cluster.devices):
+        tp *= 2
+    while tp > 1:
+        if blocks and len(axis_assignment(blocks, MODEL, tp)) == len(blocks):
+            return tp
+        tp //= 2
+    return None
+
+
+def _gpipe(graph, groups, cluster, estimate, cands, batch) -> Plan | None:
+    """GPipe: uniform stages, data parallel inside, the most microbatches."""
     leanest: Plan | None = None
     for S in (s for s in stage_counts(cluster.devices, len(cands)) if s & (s - 1) == 0):
-        if (cluster.devices // S) % tp:
+        data = cluster.devices // S
+        counts = microbatch_counts(batch, data, S, allowed=True)
+        if not counts:  # the batch does not divide over this data axis: skip it
             continue
-        data = cluster.devices // S // tp
-        mesh = {k: v for k, v in ((DATA, data), (MODEL, tp)) if v > 1} or {DATA: 1}
-        assignment = {
-            **axis_assignment(batch_groups(groups), DATA, data),
-            **axis_assignment(block_groups(groups), MODEL, tp),
-        }
-        if tp > 1 and MODEL not in assignment.values():
-            return None  # nothing to split over the node: not Megatron
-        m = microbatch_counts(batch, data, S, allowed=True)[-1]
+        mesh = {DATA: data}
+        assignment = axis_assignment(batch_groups(groups), DATA, data)
         cuts = uniform_cuts(graph, groups, S)
-        plan = pipeline_plan(graph, groups, cuts, mesh, assignment, m, "1f1b", name=name)
+        plan = pipeline_plan(
+            graph, groups, cuts, mesh, assignment, counts[-1], "1f1b", name="gpipe_uniform"
+        )
         try:
             cost = estimate(plan)
         except PlanError:  # a step that cannot be microbatched (batch norm): one microbatch

@@ -1,0 +1,217 @@
+"""A hand-written 3-D configuration as an object: Megatron-LM's recipe, built and priced.
+
+A user holds the configuration they already run (tensor parallel T inside a node,
+P pipeline stages equal in layers, data parallel D over the rest, a microbatch size, a
+schedule, recomputation, a ZeRO stage) against Auto-MAP's plan. `recipe_plan` turns a
+`Recipe` into the Plan that configuration is; the cost model prices it and `am.apply`
+runs it like any other plan. The `megatron_3d` expert is the same recipe with Megatron's
+own choices: tensor parallel over the node, the fewest stages that fit with full
+recomputation, microbatch size 1.
+
+Tensor parallel is Megatron's column-then-row split (`block_groups`): attention heads,
+the MLP's hidden width and the vocabulary; a size that does not divide what it must split
+is refused, as is a data size that does not divide the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from .._axes import DATA, MODEL
+from .._cluster import Cluster
+from .._errors import PlanError
+from .._graph import Graph, Role
+from .._groups import Groups, plan_from_assignment
+from .._pipeline import SCHEDULES, cut_candidates, forward_ops, pipeline_plan
+from .._plan import Plan
+from ._experts import axis_assignment, batch_groups, block_groups
+
+REMAT = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A hand-written configuration: Megatron-LM's 3-D parallelism with its options."""
+
+    tp: int = 1
+    """Tensor parallel: Megatron's column/row split on the `model` axis, inside a node."""
+    pp: int = 1
+    """Pipeline stages, each holding an equal number of layers."""
+    dp: int = 1
+    """Data parallel: replicas over the remaining devices (tp × pp × dp = the devices)."""
+    microbatch_size: int | None = None
+    """Sequences per microbatch per data replica; None: set by `microbatches`."""
+    microbatches: int | None = None
+    """Microbatches per step (pipelines only); None: from `microbatch_size`, else one."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "1f1b" (Megatron's) or "gpipe"."""
+    remat: str = "none"
+    """Activation recomputation: "none", or "full" (keep each layer's input, recompute
+    its forward inside the backward)."""
+    zero: int = 0
+    """ZeRO stage over the data axis: 0 (none), 1, 2 or 3."""
+    name: str = "recipe"
+    """The plan's name."""
+
+
+def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) -> Plan:
+    """The Plan of `recipe` for this program on `cluster` (not priced), or a one-line
+    PlanError naming what does not divide or fit and what to change."""
+    _check_sizes(cluster, recipe)
+    batch = groups.batch_size
+    if batch is None:
+        raise PlanError("this step has no batch dimension to split: use dp=1 and pp=1.")
+    if batch % recipe.dp:
+        raise PlanError(
+            f"the batch of {batch} does not divide by dp={recipe.dp}: choose a data size "
+            "that divides the batch."
+        )
+    m = _microbatches(batch, recipe)
+    assignment = axis_assignment(batch_groups(groups), DATA, recipe.dp)
+    if recipe.tp > 1:
+        blocks = block_groups(groups)
+        split = axis_assignment(blocks, MODEL, recipe.tp)
+        if not split or len(split) < len(blocks):
+            sizes = sorted({g.divisor for g in blocks if g.divisor % recipe.tp})
+            raise PlanError(
+                f"tp={recipe.tp} does not divide what tensor parallelism splits "
+                f"(sizes {sizes[:4]}: heads, MLP width or vocabulary): choose a tp that "
+                "divides them."
+            )
+        assignment.update(split)
+    mesh = {k: v for k, v in ((DATA, recipe.dp), (MODEL, recipe.tp)) if v > 1} or {DATA: 1}
+    remat = recipe.remat == "full"
+    if recipe.pp == 1:
+        plan = plan_from_assignment(
+            graph, groups, mesh, assignment, name=recipe.name, zero_stage=recipe.zero
+        )
+        return dataclasses.replace(plan, remat=remat)
+    cuts = layer_cuts(graph, groups, recipe.pp)
+    plan = pipeline_plan(
+        graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
+        zero_stage=recipe.zero,
+    )  # fmt: skip
+    return dataclasses.replace(plan, remat=remat)
+
+
+def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
+    for field in ("tp", "pp", "dp"):
+        value = getattr(recipe, field)
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{field} must be a positive integer, not {value!r}.")
+    total = recipe.tp * recipe.pp * recipe.dp
+    if total != cluster.devices:
+        raise PlanError(
+            f"tp × pp × dp = {recipe.tp} × {recipe.pp} × {recipe.dp} = {total}, but the "
+            f"cluster has {cluster.devices} devices: make the product equal the device count."
+        )
+    if cluster.devices_per_node % recipe.tp:
+        raise PlanError(
+            f"tp={recipe.tp} does not fit a node of {cluster.devices_per_node} devices: "
+            "tensor parallelism stays inside a node; use a tp that divides it."
+        )
+    if recipe.schedule not in SCHEDULES:
+        raise PlanError(f"schedule {recipe.schedule!r}: use one of {', '.join(SCHEDULES)}.")
+    if recipe.remat not in REMAT:
+        raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
+    if recipe.zero not in (0, 1, 2, 3):
+        raise PlanError(f"zero {recipe.zero!r}: use 0, 1, 2 or 3.")
+    if recipe.microbatch_size is not None and recipe.microbatches is not None:
+        raise PlanError("give microbatch_size or microbatches, not both.")
+
+
+def _microbatches(batch: int, recipe: Recipe) -> int:
+    local = batch // recipe.dp
+    if recipe.microbatches is not None:
+        m = recipe.microbatches
+        if m < 1 or local % m:
+            raise PlanError(
+                f"{m} microbatches do not divide the {local} sequences each data replica "
+                f"gets (batch {batch} / dp {recipe.dp}): choose a divisor of {local}."
+            )
+    elif recipe.microbatch_size is not None:
+        b = recipe.microbatch_size
+        if b < 1 or local % b:
+            raise PlanError(
+                f"microbatch size {b} does not divide the {local} sequences each data "
+                f"replica gets (batch {batch} / dp {recipe.dp}): choose a divisor of {local}."
+            )
+        m = local // b
+    else:
+        m = 1
+    if recipe.pp == 1 and m > 1:
+        # A single stage runs its local batch whole: the runtime accumulates gradients
+        # over microbatches only between pipeline stages.
+        return 1
+    return m
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _layer_of(path: str) -> str | None:
+    """The repeated layer a parameter belongs to: its path up to the first segment with
+    a number in it (`['params']['layer_3']`), or None outside repeated layers."""
+    parts = re.findall(r"\[[^\]]*\]|\.\w+", path)
+    for k, part in enumerate(parts):
+        if k > 0 and _DIGITS.search(part):
+            return "".join(parts[: k + 1])
+    return None
+
+
+def _layer_reads(graph: Graph, groups: Groups) -> tuple[dict[int, int], dict[str, list[int]]]:
+    """(forward op -> position, repeated layer -> positions of the forward ops that read
+    its parameters, directly or through a cast)."""
+    fwd = forward_ops(graph, groups)
+    pos = {i: k for k, i in enumerate(fwd)}
+    owner = {
+        leaf.tensor: layer
+        for leaf in graph.leaves(Role.PARAM)
+        if (layer := _layer_of(leaf.path)) is not None
+    }
+    reads: dict[str, list[int]] = {}
+    for op in graph.ops:  # in program order: the weight casts run before the forward
+        layers = {owner[t] for t in op.inputs if t in owner}
+        if op.index in pos:
+            for layer in layers:
+                reads.setdefault(layer, []).append(pos[op.index])
+        elif len(layers) == 1 and op.primitive in _CASTS:
+            owner.update(dict.fromkeys(op.outputs, next(iter(layers))))
+    return pos, reads
+
+
+_CASTS = frozenset({"convert_element_type", "copy", "reshape"})
+
+
+def layer_boundaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
+    """The cut candidates that no repeated layer straddles: each starts a layer, as a
+    Megatron stage boundary does (the candidates between a block's attention and its MLP
+    are left out). Without repeated layers, every candidate."""
+    pos, reads = _layer_reads(graph, groups)
+    spans = [(min(v), max(v)) for v in reads.values()]
+    return tuple(
+        c for c in cut_candidates(graph, groups) if not any(lo < pos[c] <= hi for lo, hi in spans)
+    )
+
+
+def layer_cuts(graph: Graph, groups: Groups, stages: int) -> tuple[int, ...]:
+    """`stages - 1` cuts giving every stage an equal number of layers (Megatron's stages;
+    the embedding rides with the first, the head with the last)."""
+    pos, reads = _layer_reads(graph, groups)
+    starts = sorted(min(v) for v in reads.values())  # each layer's first read
+    layers = len(starts)
+    if layers < stages or layers % stages:
+        raise PlanError(
+            f"{layers} layers do not split into {stages} stages of equal layers: use a "
+            f"pp that divides {layers}."
+        )
+    bounds = layer_boundaries(graph, groups)
+    per, cuts = layers // stages, []
+    for j in range(per, layers, per):
+        # The boundary before layer j: the last one between layer j - 1 and layer j.
+        between = [b for b in bounds if starts[j - 1] < pos[b] <= starts[j]]
+        if not between:
+            raise PlanError(f"no place to cut before layer {j}: use fewer stages.")
+        cuts.append(between[-1])
+    return tuple(cuts)

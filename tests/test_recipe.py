@@ -1,0 +1,114 @@
+"""Hand-written configurations (`am.Recipe`): built, priced, refused with one line, run
+with the unsharded step's numbers; `megatron_3d` is the same recipe with Megatron's
+choices; `automap estimate` prints the price."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+from typer.testing import CliRunner
+
+import automap as am
+from automap._cli import app
+from automap._cost import CostModel
+from automap._groups import build_groups
+from automap._space import layer_boundaries, layer_cuts, pipeline_experts
+from automap._zoo import get_model
+from pipeline._models import assert_same
+
+SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="float32")
+CPU8 = am.Cluster.preset("a100", devices=8)
+SETS = [arg for k, v in SMALL.items() for arg in ("--set", f"{k}={v}")]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = get_model("gpt-1.3b", **SMALL)
+    graph = am.capture(spec.step_fn, *spec.abstract_args())
+    return spec, graph, build_groups(graph)
+
+
+def test_layer_cuts_give_every_stage_equal_layers(gpt):
+    _, graph, groups = gpt
+    bounds = layer_boundaries(graph, groups)
+    # Four layers: a boundary before each, and one after the last (before the head).
+    assert len(bounds) == SMALL["layers"] + 1
+    two, four = layer_cuts(graph, groups, 2), layer_cuts(graph, groups, 4)
+    assert two == (bounds[2],) and four == bounds[1:4]
+    with pytest.raises(am.PlanError, match="4 layers do not split into 3 stages"):
+        layer_cuts(graph, groups, 3)
+
+
+BAD = [
+    (dict(tp=2, pp=2, dp=1), "tp × pp × dp = 2 × 2 × 1 = 4, but the cluster has 8"),
+    (dict(tp=8, pp=1, dp=1), "tp=8 does not divide what tensor parallelism splits"),
+    (dict(tp=1, pp=8, dp=1), "4 layers do not split into 8 stages"),
+    (dict(tp=1, pp=1, dp=8, microbatch_size=3), "microbatch size 3 does not divide the 1"),
+    (dict(tp=2, pp=2, dp=2, microbatches=3), "3 microbatches do not divide the 4"),
+    (dict(tp=2, pp=2, dp=2, remat="some"), "remat 'some': use one of none, full"),
+    (dict(tp=2, pp=2, dp=2, schedule="zb"), "schedule 'zb'"),
+    (dict(tp=2, pp=2, dp=2, microbatches=2, microbatch_size=2), "not both"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD)
+def test_a_recipe_that_does_not_divide_is_one_line(gpt, fields, message):
+    spec = gpt[0]
+    with pytest.raises(am.PlanError, match=message.replace("(", r"\(")):
+        am.plan_recipe(
+            spec.step_fn, *spec.abstract_args(), recipe=am.Recipe(**fields), cluster=CPU8
+        )
+
+
+def test_recipe_plan_is_priced_and_runs_the_step(gpt):
+    spec = gpt[0]
+    recipe = am.Recipe(tp=2, pp=2, dp=2, microbatch_size=2)
+    plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=CPU8)
+    assert (
+        plan.pipelined
+        and plan.microbatches == 2
+        and plan.mesh == {"pipe": 2, "data": 2, "model": 2}
+    )
+    assert plan.predicted.feasible and plan.predicted.bubble_s > 0
+    assert "model" in plan.assignment.values() and "data" in plan.assignment.values()
+    args = spec.concrete_args(0)
+    got = am.apply(spec.step_fn, plan)(*args)
+    assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
+
+
+def test_megatron_3d_skips_data_sizes_that_do_not_divide_the_batch():
+    # Batch 6 on 8 devices: no data size but 1 and 2 divides it; never an IndexError.
+    spec = get_model("gpt-1.3b", **{**SMALL, "batch": 6})
+    graph = am.capture(spec.step_fn, *spec.abstract_args())
+    groups = build_groups(graph)
+    model = CostModel(graph, CPU8, groups)
+    plans = pipeline_experts(graph, groups, CPU8, model.estimate)
+    mega = plans["megatron_3d"]
+    assert mega.remat and mega.predicted.feasible
+    assert 6 % mega.mesh.get("data", 1) == 0
+
+
+def test_estimate_command_prints_the_price_as_json():
+    result = CliRunner().invoke(
+        app,
+        ["estimate", "--model", "gpt-1.3b", *SETS,
+         "--devices", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatch-size", "1",
+         "--remat", "full", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    for key in (
+        "step_time_s",
+        "memory_bytes",
+        "feasible",
+        "compute_s",
+        "comm_s",
+        "bubble_s",
+        "mfu",
+    ):
+        assert key in data
+    assert data["feasible"] and data["bubble_s"] > 0 and data["microbatches"] == 4
+    bad = CliRunner().invoke(app, ["estimate", "--model", "mlp", "--devices", "8", "--tp", "3"])
+    assert bad.exit_code == 2 and "tp × pp × dp" in bad.output and "Traceback" not in bad.output
