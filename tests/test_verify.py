@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+import automap as am
 from automap import ApplyError, Cluster, Plan, PlanError
 from automap._plan import Provenance, Stage
 from automap._verify import (
@@ -15,6 +16,7 @@ from automap._verify import (
     verify,
     verify_in_subprocess,
 )
+from automap._zoo import get_model
 from test_apply import megatron_rule, mlp_args, mlp_step, specs_for
 
 
@@ -141,3 +143,16 @@ def test_zoo_step_in_16_bit_compared_as_the_cpu_moves_it():
     assert params <= report.xla_comm_bytes["all-reduce@data"] <= params * 1.01
     # An a100 cluster, asked for the CPU's collective lowering.
     assert report.collectives_match, report.summary()
+
+
+def test_verify_reports_memory_next_to_xlas_buffer_assignment():
+    # A Megatron plan of a small GPT: parameters, Adam state and activations split on the
+    # model axis; the cost model's peak and XLA's buffer assignment agree within 15%.
+    spec = get_model("gpt-1.3b", layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=128,
+                     dtype="float32")  # fmt: skip
+    args = spec.abstract_args()
+    plans = am.expert_plans(spec.step_fn, *args, cluster=am.Cluster.preset("a100", devices=8))
+    report = verify(spec.step_fn, plans["megatron"], *args)
+    assert report.xla_memory_bytes > 0 and report.predicted_memory_bytes > 0
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+    assert "memory per device: predicted" in report.summary()

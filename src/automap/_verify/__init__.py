@@ -9,7 +9,9 @@ from ._compiled import VerifyReport as VerifyReport
 from ._compiled import as_on_cpu as as_on_cpu
 from ._compiled import compare_collectives as compare_collectives
 from ._compiled import compile_plan as compile_plan
+from ._compiled import compiled_memory as compiled_memory
 from ._compiled import predicted_bytes as predicted_bytes
+from ._compiled import predicted_memory as predicted_memory
 from ._compiled import subprocess_main as subprocess_main
 from ._compiled import verify as verify
 from ._compiled import verify_in_subprocess as verify_in_subprocess

@@ -58,6 +58,10 @@ class VerifyReport:
     notes: tuple[str, ...] = ()  # caveats that are not disagreements
     numerics_ok: bool | None = None  # None: no concrete arguments were given
     max_abs_err: float | None = None
+    # Peak memory per device: the cost model's, and XLA's buffer assignment of the compiled
+    # program (arguments + outputs + temporaries - aliased); None where not compared.
+    predicted_memory_bytes: float | None = None
+    xla_memory_bytes: float | None = None
 
     def summary(self) -> str:
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
@@ -75,6 +79,12 @@ class VerifyReport:
             lines.append(f"  {k:<{width}}  {_fmt(p):>12}  {_fmt(x):>12}")
         lines += [f"  - {m}" for m in self.mismatches]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.predicted_memory_bytes is not None and self.xla_memory_bytes:
+            ratio = self.predicted_memory_bytes / self.xla_memory_bytes
+            lines.append(
+                f"memory per device: predicted {_fmt(self.predicted_memory_bytes)}, XLA's "
+                f"buffer assignment {_fmt(self.xla_memory_bytes)} ({ratio:.2f}x)"
+            )
         if self.numerics_ok is not None:
             ok = "ok" if self.numerics_ok else "DIFFERENT"
             lines.append(f"numerics vs the unsharded step: {ok} (max |err| {self.max_abs_err:.3g})")
@@ -128,6 +138,27 @@ def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, fl
         key = f"{c.kind}@{c.axis}"
         out[key] = out.get(key, 0.0) + float(c.bytes)
     return out
+
+
+def predicted_memory(graph: Any, plan: Plan, cluster: Any = None) -> float:
+    """The cost model's peak memory per device for the plan."""
+    cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
+    return float(CostModel(graph, cluster).estimate(plan).memory_bytes)
+
+
+def compiled_memory(compiled: Any) -> float | None:
+    """XLA's buffer assignment of a compiled program, per device: arguments + outputs +
+    temporaries - the outputs aliased to (donated) arguments; None where the backend does
+    not say."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return float(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
 
 
 def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
@@ -205,7 +236,15 @@ def verify(
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
     predicted = predicted_bytes(graph, plan, cluster)
     match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
-    report = VerifyReport(dict(plan.mesh), match, predicted, xla, tuple(mismatches))
+    report = VerifyReport(
+        dict(plan.mesh),
+        match,
+        predicted,
+        xla,
+        tuple(mismatches),
+        predicted_memory_bytes=predicted_memory(graph, plan, cluster),
+        xla_memory_bytes=compiled_memory(compiled),
+    )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         got = compiled(*jax.device_put(leaves, prepared.in_shardings))
