@@ -197,6 +197,9 @@ class PipelineCost:
     stage_memory_bytes: tuple[float, ...]
     in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
     ops: tuple[tuple[int, str, int, float, float], ...]  # simulate: (stage, F/B, mb, start, end)
+    # simulate's once-per-step units: (stage, "R", -1, start, end), a stage's gradient
+    # reduction after its last backward (none with one microbatch)
+    reduce_ops: tuple[tuple[int, str, int, float, float], ...]
     # [n_ops] s per run: per microbatch (fwd/bwd ops), per step (pre/post); an op's share of
     # its stage's once-per-step REDUCE counts 1/m of it per microbatch
     op_run_s: np.ndarray
@@ -257,7 +260,6 @@ def stage_costs(
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
     times = [(float(busy[s, FWD]), float(busy[s, BWD])) for s in range(S)]
     units = simulate(S, m, schedule, times, send_s, busy[:, REDUCE])
-    ops = [u for u in units if u[1] != "R"]
     stage_pre = busy[:, PRE] + np.array(traffic.pre_s)
     stage_post = busy[:, POST] + np.array(traffic.post_s)
     pre, post = float(stage_pre.max()), float(stage_post.max())
@@ -334,7 +336,8 @@ def stage_costs(
         stage_memory=tuple(memory),
         stage_memory_bytes=tuple(float(x) for x in totals),
         in_flight=in_flight(S, m, schedule),
-        ops=tuple(ops),
+        ops=tuple(u for u in units if u[1] != "R"),
+        reduce_ops=tuple(u for u in units if u[1] == "R"),
         # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
         op_run_s=op_compute + op_comm + op_reduce / runs[phase],
         op_remat_s=op_remat,
@@ -388,8 +391,8 @@ def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
 
 
 def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
-    """Every collective row with the phase it runs in: (op, phase, key, count, gradient
-    flag, bytes per run). With m > 1, the reduction over the batch's axes of an op that
+    """Every collective row with the phase it runs in: (op, phase, key, count, combined
+    with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
     makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
     what is left of its axes stays in its own call, and the row is idle there when
     nothing is left (see the module doc)."""
@@ -410,7 +413,9 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
         np.concatenate([phase[r], np.full(len(d), REDUCE)]),
         np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
         np.concatenate([np.where(left > 0, count, 0), count[d]]),
-        np.concatenate([oc.row_grad, oc.row_grad[d]]),
+        # One program reduces them all: XLA combines every one (the loss sum with the
+        # gradients), as it combines the gradient reductions of one call.
+        np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
         np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
     )
 

@@ -195,9 +195,10 @@ class _Pipeline:
     def _partial_ops(self) -> dict[int, tuple[str, ...]]:
         """Per-microbatch ops that sum an accumulated tensor over a split batch: op index
         -> the mesh axes of that split (what their "reduce" program reduces over). An op
-        whose batched inputs are split on different axes is left to XLA."""
+        whose batched inputs are split on different axes, or whose result the plan splits
+        on them, is left to XLA."""
         graph, part = self.graph, self.part
-        axes_of = self._batch_axes()
+        axes_of, wanted = self._batch_axes(), self._wanted()
         accumulated = set(part.accumulated)
         out: dict[int, tuple[str, ...]] = {}
         for op in graph.ops:
@@ -211,7 +212,11 @@ class _Pipeline:
                 for u in op.inputs
                 if u in part.batched
             }
-            if len(found) == 1 and (axes := found.pop()) and all(a in mesh for a in axes):
+            if len(found) != 1 or not (axes := found.pop()) or any(a not in mesh for a in axes):
+                continue
+            # A result the plan splits over those very axes is XLA's to reduce-scatter.
+            spec = [e for t in op.outputs for e in wanted.get(t, ())]
+            if not set(axes) & {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}:
                 out[op.index] = axes
         return out
 
@@ -305,17 +310,12 @@ class _Pipeline:
             if d is not None:
                 spec[d] = _entry(axes)
             in_specs.append(PartitionSpec(*spec))
-        # A scatter-add adds its updates into its operand: a batch-free operand (the zeros
-        # of an embedding's gradient, in general any value) must count once, not d times.
-        base = (
-            0
-            if op.primitive in ("scatter-add", "scatter_add")
-            and in_specs[0] == (PartitionSpec(*[None] * graph.tensors[op.inputs[0]].ndim))
-            else None
-        )
+        # A scatter-add adds its updates into its operand, batch-free as its result is (the
+        # zeros of an embedding's gradient, in general any value): counted once, not d times.
+        into_operand = op.primitive in ("scatter-add", "scatter_add")
 
         def local(*xs: Any) -> Any:
-            if base is not None:
+            if into_operand:
                 first = jnp.all(jnp.array([jax.lax.axis_index(a) == 0 for a in axes]))
                 xs = (jnp.where(first, xs[0], jnp.zeros_like(xs[0])), *xs[1:])
             return eqn.primitive.bind(*xs, **eqn.params)[None]
