@@ -42,8 +42,11 @@ def test_microbatch_counts_divide_the_batch_over_data():
 
 def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     """For one outer point, the DP's cuts, polished against the whole pipeline model, are
-    as good as the best of every cut set (the DP alone misses the once-per-step sends of
-    the tied embedding, which dominate a model this narrow)."""
+    as good as the best of every cut set, within 3% (the DP alone misses the once-per-step
+    sends of the tied embedding, which dominate a model this narrow: its stage times tie
+    between a nearly empty first stage and a nearly empty last one, and only those sends
+    tell them apart, a ridge of worse cuts between them. Since gradients are reduced once
+    per step the step is 2.4 times shorter and that blind spot 2.4% of it)."""
     _, pb = gpt
     graph, groups, model = pb.graph, pb.groups, pb.cost_model
     cands = cut_candidates(graph, groups)
@@ -67,7 +70,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     assert priced(tuple(polished.decisions["cuts"])) == pytest.approx(
         polished.predicted.step_time_s
     )
-    assert polished.predicted.step_time_s <= brute * 1.02
+    assert polished.predicted.step_time_s <= brute * 1.03
 
 
 def test_search_dp_returns_a_priced_feasible_pipeline(gpt):
