@@ -205,7 +205,7 @@ def test_stage_collectives_are_each_stages_own():
     sends = [c for c in pc.cost.collectives if c.axis == "pipe"]
     assert [c.kind for c in sends] == ["collective-permute"]
     assert pc.cost.collectives == (*pc.stage_collectives[busiest], *sends)
-    # A data-parallel gradient is all-reduced in every B call: each stage has its own.
+    # A data-parallel gradient is all-reduced once per step on its stage: each has its own.
     for own in pc.stage_collectives:
         assert {c.axis for c in own if c.kind == "all-reduce"} >= {"data", "model"}
     assert pc.stage_collectives[0] != pc.stage_collectives[1]

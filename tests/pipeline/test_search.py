@@ -34,8 +34,11 @@ def test_microbatch_counts_divide_the_batch_over_data():
 
 def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     """For one outer point, the DP's cuts, polished against the whole pipeline model, are
-    as good as the best of every cut set (the DP alone misses the once-per-step sends of
-    the tied embedding, which dominate a model this narrow)."""
+    as good as the best of every cut set, within 3% (the DP alone misses the once-per-step
+    sends of the tied embedding, which dominate a model this narrow: its stage times tie
+    between a nearly empty first stage and a nearly empty last one, and only those sends
+    tell them apart, a ridge of worse cuts between them. Since gradients are reduced once
+    per step the step is 2.4 times shorter and that blind spot 2.4% of it)."""
     _, pb = gpt
     graph, groups, model = pb.graph, pb.groups, pb.cost_model
     cands = cut_candidates(graph, groups)
@@ -59,7 +62,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     assert priced(tuple(polished.decisions["cuts"])) == pytest.approx(
         polished.predicted.step_time_s
     )
-    assert polished.predicted.step_time_s <= brute * 1.02
+    assert polished.predicted.step_time_s <= brute * 1.03
 
 
 def test_search_dp_returns_a_priced_feasible_pipeline(gpt):
@@ -79,7 +82,9 @@ def test_pipelines_make_a_model_fit_that_one_stage_cannot(gpt):
     with stages, and the expert pipelines are there too."""
     spec, pb = gpt
     dp = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=pb.cluster)
-    one_stage = [p.predicted.memory_bytes for p in dp.values() if len(p.stages) <= 1]
+    # One-stage plans as the ILP searches them (no recomputation: megatron_3d's one-stage
+    # recipe recomputes, which only pipelines of the dp search do).
+    one_stage = [p.predicted.memory_bytes for p in dp.values() if not (p.pipelined or p.remat)]
     piped = [p for p in dp.values() if len(p.stages) > 1]
     assert {"gpipe_uniform"} <= set(dp) and piped
     limit = min(one_stage) * 0.9
@@ -95,8 +100,13 @@ def test_megatron_3d_puts_tensor_parallel_inside_the_node():
     pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16))
     plans = pipeline_experts(pb.graph, pb.groups, pb.cluster, pb.estimate)
     p = plans["megatron_3d"]
-    assert p.mesh["model"] == 8 and p.mesh["pipe"] >= 2
-    assert len(p.stages) == p.mesh["pipe"]
+    # Megatron's recipe: tensor parallel inside the node (4: the largest power of two up
+    # to the node's 8 that divides the 4 heads), full recomputation, the
+    # fewest stages that fit (one here), microbatches of one sequence when staged.
+    assert p.mesh["model"] == 4 and p.remat and p.predicted.feasible
+    assert p.mesh.get("pipe", 1) == max(1, len(p.stages))
+    if p.pipelined:
+        assert p.microbatches == 32 // p.mesh.get("data", 1)
 
 
 def test_one_stage_searchers_refuse_the_pipeline_task(gpt):

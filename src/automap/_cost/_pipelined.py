@@ -11,11 +11,15 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
 - `stage_costs` turns them into a pipeline's times for any partition (`_partition.py`).
   An op of the per-microbatch phases (FWD, BWD) runs m times on 1/m of the batch: its
   compute and the collectives of tensors carrying the batch shrink to 1/m; a collective
-  of a batch-free tensor does not (a gradient all-reduce is full size). Each stage's B
-  call is one jitted program that returns complete gradients, so XLA all-reduces a
-  data-parallel gradient inside every B call: once per microbatch, not once per step,
-  combined per call (as XLA's combiner does within one program). PRE and POST run once
-  per step on the whole batch. With ZeRO >= 1 the POST update gathers the sharded moments
+  of a batch-free tensor does not (a gradient all-reduce is full size). PRE and POST run
+  once per step on the whole batch.
+- an accumulated tensor (a weight's gradient, the loss sum) leaves its F or B call as
+  per-device partial sums when there is more than one microbatch, and the runtime
+  reduces it once per step, after the stage's last backward, in a "reduce" program of
+  its own (`_run/_pipelined.py`): the reduction over the batch's axes of its op moves to a
+  fifth phase, REDUCE, run once, full size, combined per stage and axis (one program: as
+  XLA's combiner does), and timed after the stage's last unit in `_schedule.simulate`.
+  What is left of that reduction (axes that are not the batch's) stays in its call. With ZeRO >= 1 the POST update gathers the sharded moments
   of the parameters it updates (two all-gathers, as `_model.py`); ZeRO-3 also gathers a
   parameter in every program that reads it: PRE, every F and every B call, and POST.
   Rematerialized forward ops run again in B.
@@ -23,8 +27,8 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
-  makespan + POST. `bubble_s` = step - the busiest stage's own work (PRE + m (F + B) +
-  POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
+  makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
+  own work (PRE + m (F + B) + REDUCE + POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
   as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
 
 With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
@@ -81,6 +85,11 @@ class StageModel(Protocol):
     def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
 
 
+#: A fifth phase after POST's code: a stage's once-per-step reduction of its accumulated
+#: tensors' partial sums, run after its last backward (the runtime's "reduce" program).
+REDUCE, N_PHASES = 4, 5
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpCosts:
     """Per-op seconds of an intra-stage plan, the whole batch run once, on the stage mesh.
@@ -106,6 +115,8 @@ class OpCosts:
     row_count: np.ndarray  # [rows] occurrences (0: inactive)
     row_grad: np.ndarray  # [rows] a gradient reduction (combined with the others)
     row_batched: np.ndarray  # [rows] the tensor moved carries the batch dimension
+    row_partial: np.ndarray  # [rows] a partial-sum row (the reduction of an op's result)
+    batch_mask: int  # axis mask of the axes the batch groups are split on
     zero_mask: int  # axis mask of the data axis ZeRO gathers over (0: no ZeRO)
     axis_costs: C.AxisCosts
 
@@ -173,6 +184,10 @@ def op_costs(
         row_count=st.count,
         row_grad=row_grad,
         row_batched=row_batched,
+        row_partial=np.arange(len(row_op)) < 2 * len(pf.op),
+        batch_mask=int(np.bitwise_or.reduce(ac.bit[st.codes[list(model.groups.batch_groups)]]))
+        if model.groups.batch_groups
+        else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
     )
@@ -196,7 +211,12 @@ class PipelineCost:
     stage_memory_bytes: tuple[float, ...]
     in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
     ops: tuple[tuple[int, str, int, float, float], ...]  # simulate: (stage, F/B, mb, start, end)
-    op_run_s: np.ndarray  # [n_ops] s per run: per microbatch (fwd/bwd ops), per step (pre/post)
+    # simulate's once-per-step units: (stage, "R", -1, start, end), a stage's gradient
+    # reduction after its last backward (none with one microbatch)
+    reduce_ops: tuple[tuple[int, str, int, float, float], ...]
+    # [n_ops] s per run: per microbatch (fwd/bwd ops), per step (pre/post); an op's share of
+    # its stage's once-per-step REDUCE counts 1/m of it per microbatch
+    op_run_s: np.ndarray
     op_remat_s: np.ndarray  # [n_ops] s per microbatch a forward op runs again in backward
     op_state_bytes: np.ndarray  # [n_ops] param + grad + optimizer bytes of leaves read first
     op_act_bytes: np.ndarray  # [n_ops] bytes per device per microbatch of residuals it makes
@@ -219,44 +239,46 @@ def stage_costs(
     S, m, nk = part.n_stages, max(1, int(microbatches)), len(ac.keys)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     per_mb = (phase == FWD) | (phase == BWD)
-    runs = np.array([1, m, m, 1])  # PRE, FWD, BWD, POST per step
+    runs = np.array([1, m, m, 1, 1])  # PRE, FWD, BWD, POST, REDUCE per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
     op_remat = np.where(phase == FWD, oc.remat_compute / m, 0.0)
 
     # Collectives per run of each (stage, phase): one bucket per key; gradients combined.
-    r = oc.row_op
-    on, grad = oc.row_count > 0, oc.row_grad
-    r_bytes = oc.row_bytes * np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
-    r_time = np.where(grad, 0.0, ac.by_key(oc.row_key, r_bytes, oc.row_count))
-    bucket = (stage[r] * 4 + phase[r]) * nk + oc.row_key
-    nb = S * 4 * nk
+    r, r_phase, r_key, r_count, grad, r_bytes = _rows_by_phase(graph, part, oc, per_mb, m)
+    on = r_count > 0
+    r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
+    bucket = (stage[r] * N_PHASES + r_phase) * nk + r_key
+    nb = S * N_PHASES * nk
     g = grad & on
     g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
     g_any = np.bincount(bucket[g], minlength=nb) > 0
-    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * 4), g_bytes, g_any * 1.0), 0.0)
+    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * N_PHASES), g_bytes, g_any * 1.0), 0.0)
     time = np.bincount(bucket, r_time, minlength=nb) + g_time
     nbytes = np.bincount(bucket[~grad], r_bytes[~grad], minlength=nb) + g_bytes
-    count = np.bincount(bucket[~grad], oc.row_count[~grad], minlength=nb) + g_any
-    time, nbytes, count = (a.reshape(S, 4, nk) for a in (time, nbytes, count))
+    count = np.bincount(bucket[~grad], r_count[~grad], minlength=nb) + g_any
+    time, nbytes, count = (a.reshape(S, N_PHASES, nk) for a in (time, nbytes, count))
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
-    op_comm = np.bincount(r, r_time + share, minlength=len(graph.ops))
+    once = r_phase == REDUCE
+    op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
+    op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
         _add_zero(graph, part, oc, time, nbytes, count)
 
-    compute = np.bincount(stage * 4 + phase, op_compute, minlength=S * 4).reshape(S, 4)
+    compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
+    compute = compute.reshape(S, N_PHASES)
     compute[:, BWD] += np.bincount(stage, op_remat, minlength=S)
-    busy = compute + time.sum(axis=2)  # [S, 4] seconds per run
+    busy = compute + time.sum(axis=2)  # [S, N_PHASES] seconds per run
     link = pipe_link(cluster, oc.mesh, S)
     traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
     times = [(float(busy[s, FWD]), float(busy[s, BWD])) for s in range(S)]
-    ops = simulate(S, m, schedule, times, send_s)
+    units = simulate(S, m, schedule, times, send_s, busy[:, REDUCE])
     stage_pre = busy[:, PRE] + np.array(traffic.pre_s)
     stage_post = busy[:, POST] + np.array(traffic.post_s)
     pre, post = float(stage_pre.max()), float(stage_post.max())
-    step = pre + max(end for *_, end in ops) + post
-    own = stage_pre + m * (busy[:, FWD] + busy[:, BWD]) + stage_post
+    step = pre + max(end for *_, end in units) + post
+    own = stage_pre + m * (busy[:, FWD] + busy[:, BWD]) + busy[:, REDUCE] + stage_post
     b = int(np.argmax(own))
     compute_s = float(compute[b] @ runs)
 
@@ -306,7 +328,11 @@ def stage_costs(
         memory_breakdown=dict(memory[worst]),
         collectives=collectives,
         per_op=tuple(
-            (i, float(op_compute[i] * runs[phase[i]]), float(op_comm[i] * runs[phase[i]]))
+            (
+                i,
+                float(op_compute[i] * runs[phase[i]]),
+                float(op_comm[i] * runs[phase[i]] + op_reduce[i]),
+            )
             for i in range(len(graph.ops))
         ),
     )
@@ -324,8 +350,10 @@ def stage_costs(
         stage_memory=tuple(memory),
         stage_memory_bytes=tuple(float(x) for x in totals),
         in_flight=in_flight(S, m, schedule),
-        ops=tuple(ops),
-        op_run_s=op_compute + op_comm,
+        ops=tuple(u for u in units if u[1] != "R"),
+        reduce_ops=tuple(u for u in units if u[1] == "R"),
+        # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
+        op_run_s=op_compute + op_comm + op_reduce / runs[phase],
         op_remat_s=op_remat,
         op_state_bytes=op_state,
         op_act_bytes=op_act,
@@ -374,6 +402,36 @@ def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
 
 
 # ---- helpers ----------------------------------------------------------------------------
+
+
+def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
+    """Every collective row with the phase it runs in: (op, phase, key, count, combined
+    with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
+    makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
+    what is left of its axes stays in its own call, and the row is idle there when
+    nothing is left (see the module doc)."""
+    r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
+    phase = phase_codes(part)
+    accumulated = np.zeros(len(phase), dtype=bool)
+    if m > 1:
+        accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
+    kind, mask = np.divmod(key, ac.masks)
+    moved = mask & oc.batch_mask
+    deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
+    left = np.where(deferred, mask & ~oc.batch_mask, mask)
+    d = np.nonzero(deferred)[0]
+    rows = np.concatenate([r, r[d]])
+    scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
+    return (
+        rows,
+        np.concatenate([phase[r], np.full(len(d), REDUCE)]),
+        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
+        np.concatenate([np.where(left > 0, count, 0), count[d]]),
+        # One program reduces them all: XLA combines every one (the loss sum with the
+        # gradients), as it combines the gradient reductions of one call.
+        np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
+        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
+    )
 
 
 def zero_leaves(graph, lay: Layouts):

@@ -6,6 +6,7 @@ Input: a Graph, its Groups and the stage cuts. Output: a `Partition`, a pipeline
 schedule's order and timing. DESIGN.md, "Pipeline".
 """
 
+from ._partition import SUMS as SUMS
 from ._partition import Partition as Partition
 from ._partition import Phase as Phase
 from ._partition import forward_ops as forward_ops

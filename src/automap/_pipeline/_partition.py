@@ -45,7 +45,7 @@ class Phase(enum.StrEnum):
 
 
 #: Primitives whose batch-free output is a sum over the examples they read.
-_SUMS = frozenset(
+SUMS = frozenset(
     {"reduce_sum", "dot_general", "conv_general_dilated", "scatter-add", "scatter_add"}
 )
 #: Primitives whose values depend on where an example sits in the batch.
@@ -276,7 +276,7 @@ def _check_examples_independent(graph, per_mb, after, acc, batched) -> None:
                 )
     for t in sorted(acc):
         p = graph.ops[graph.tensors[t].producer]
-        if p.primitive not in _SUMS:
+        if p.primitive not in SUMS:
             raise PlanError(
                 f"op {p.index} ({p.primitive}) reduces over the batch in a way that is not a "
                 f"sum, so its result cannot be accumulated over microbatches. {fix}"

@@ -45,6 +45,7 @@ def simulate(
     schedule: str,
     times: Sequence[tuple[float, float]],
     send_s: Sequence[float] | None = None,
+    reduce_s: Sequence[float] | None = None,
 ) -> list[tuple[int, str, int, float, float]]:
     """Run the schedule in time: (stage, "F"/"B", microbatch, start, end) per unit of work.
 
@@ -53,6 +54,10 @@ def simulate(
     cut between stage s and s + 1 (0 when not given). A unit starts when its stage is free
     and its input has arrived: forward after the previous stage's forward, backward after
     the next stage's backward (the last stage: after its own forward).
+
+    `reduce_s[s]`, where given and positive, is stage s's once-per-step work after its last
+    backward (its gradients' data-parallel reduction): one more unit (s, "R", -1, ...),
+    listed after all the F and B units.
     """
     orders = stage_orders(stages, microbatches, schedule)
     sends = list(send_s) if send_s is not None else [0.0] * stages
@@ -80,6 +85,9 @@ def simulate(
                 progressed = True
         if not progressed:  # pragma: no cover - both schedules are deadlock-free
             raise RuntimeError("pipeline schedule deadlocked")
+    for s, seconds in enumerate(() if reduce_s is None else reduce_s):
+        if seconds > 0:
+            out.append((s, "R", -1, free[s], free[s] + float(seconds)))
     return out
 
 

@@ -49,6 +49,7 @@ def eval_ops(
     wanted: Sequence[int],
     constrain: Constrain | None = None,
     consts: Mapping[int, Any] | None = None,
+    bind: Mapping[int, Callable[..., Any]] | None = None,
 ) -> list[Any]:
     """Evaluate some of `graph`'s ops (in the order given) and return the `wanted` tensors.
 
@@ -56,6 +57,8 @@ def eval_ops(
     `consts` the CONST tensors' values (default `graph.const_values`: the pipeline runtime
     passes a mix of two captures' constants). This is `eval_graph` for a piece of a
     program: a pipeline stage's forward ops, say, with the activations it receives.
+    `bind[i]`, where given, computes op i from its input values in place of its primitive
+    (the pipeline runtime keeps a gradient's per-device partial sums that way).
     """
     if len(graph.eqns) != len(graph.ops):
         raise ValueError("graph has no eqns: it was not made by automap.capture")
@@ -70,7 +73,10 @@ def eval_ops(
     for k, i in enumerate(ops):
         op, eqn = graph.ops[i], graph.eqns[i]
         invals = [values[t] for t in op.inputs]
-        outvals = eqn.primitive.bind(*invals, **eqn.params)
+        if bind is not None and i in bind:
+            outvals = bind[i](*invals)
+        else:
+            outvals = eqn.primitive.bind(*invals, **eqn.params)
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for tid, value in zip(op.outputs, outvals, strict=True):

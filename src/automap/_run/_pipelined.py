@@ -8,12 +8,18 @@ intends; a value crossing stages is a `jax.device_put` onto the receiving stage'
 
 Where the work goes, for the cost model:
 - Inside a stage, each segment is an SPMD program over that stage's mesh. Its collectives
-  are those XLA inserts for the plan's specs, *per microbatch*: a data-parallel gradient
-  of a weight is all-reduced inside every "B" segment (the batch-free gradient leaves the
-  segment reduced), m times per step, not once after accumulation.
-- Accumulated tensors (gradients, the loss sum) are added up on their stage as the "B"
-  (or "F") units finish, in the schedule's order (GPipe adds the last microbatch first):
-  one buffer per tensor, no extra copy per microbatch.
+  are those XLA inserts for the plan's specs, per microbatch, with one exception: the
+  data-parallel reduction of an accumulated tensor (a weight's gradient, the loss sum).
+  With more than one microbatch, the op that sums such a tensor over the batch (a
+  contraction or reduce_sum over it) runs under `jax.shard_map` with the batch's mesh
+  axes manual (the others stay XLA's), so the segment returns each device's partial sum
+  on a leading axis split over those axes: [d, *shape], no collective.
+- Accumulated tensors are added up on their stage as the "B" (or "F") units finish, in the
+  schedule's order (GPipe adds the last microbatch first): one buffer per tensor (per
+  device: its own partial sum, the size of the reduced tensor), no copy per microbatch.
+  After the stage's last unit, one "reduce" program per stage sums the leading axis: one
+  all-reduce over the data axes per step (XLA combines the stage's tensors), as
+  Megatron-LM reduces gradients once per step, not once per microbatch.
 - Per-step work (pre: weight casts; post: the loss division, the optimizer update) runs
   once on the full batch's shapes, on the stage the partition gives it.
 - A microbatch's residuals (forward values its backward reads) are dropped after the last
@@ -40,7 +46,7 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups
-from .._pipeline import SCHEDULES, Phase, global_order, partition
+from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition
 from .._plan import Plan
 from ._interpret import eval_ops
 from ._segments import (
@@ -158,13 +164,95 @@ class _Pipeline:
         }
         self.spec = {leaf.tensor: plan.specs[leaf.path] for leaf in full.inputs}
         self._check_inputs(micro)
+        self.partial = self._partial_ops() if m > 1 else {}
+        self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
         consts = micro_consts(full, micro)
         self.jitted = {
             id(seg): self._compile(seg, micro if seg.kind in "FB" else full, consts)
             for seg in (*self.pre, *self.micro, *self.post)
             if seg.ops
         }
+        self.reducers = {
+            s: (ts, self._reducer(ts, s))
+            for s in range(len(meshes))
+            if (ts := tuple(t for t in sorted(self.deferred) if self._stage_of(t) == s))
+        }
         self.trace: list[tuple[int, str, int]] = []
+
+    def _stage_of(self, t: int) -> int:
+        return self.part.op_stage[self.graph.tensors[t].producer]
+
+    def _batch_axes(self) -> dict[int, tuple[str, ...]]:
+        """The mesh axes each batch group is split on, read from the plan's specs of the
+        batched inputs and its constraints on batched tensors."""
+        found: dict[int, tuple[str, ...]] = {}
+        sources = [(leaf.tensor, self.spec[leaf.tensor]) for leaf in self.graph.inputs]
+        sources += list(self.plan.constraints.items())
+        for t, spec in sources:
+            if t not in self.part.batched or t >= len(self.graph.tensors):
+                continue
+            d = batch_dim(self.groups, t)
+            entry = spec[d] if d is not None and d < len(spec) else None
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if axes:
+                found.setdefault(self.groups.tensor_groups[t][d], axes)
+        return found
+
+    def _partial_ops(self) -> dict[int, tuple[str, ...]]:
+        """Per-microbatch ops that sum an accumulated tensor over a split batch: op index
+        -> the mesh axes of that split (what their "reduce" program reduces over). An op
+        whose batched inputs are split on different axes, or whose result the plan splits
+        on them, is left to XLA."""
+        graph, part = self.graph, self.part
+        axes_of, wanted = self._batch_axes(), self._wanted()
+        accumulated = set(part.accumulated)
+        out: dict[int, tuple[str, ...]] = {}
+        for op in graph.ops:
+            if part.op_phase[op.index] not in (Phase.FWD, Phase.BWD):
+                continue
+            if op.primitive not in SUMS or not accumulated.intersection(op.outputs):
+                continue
+            mesh = self.meshes[part.op_stage[op.index]].shape
+            found = {
+                axes_of.get(self.groups.tensor_groups[u][batch_dim(self.groups, u)], ())
+                for u in op.inputs
+                if u in part.batched
+            }
+            if len(found) != 1 or not (axes := found.pop()) or any(a not in mesh for a in axes):
+                continue
+            # A result the plan splits over those very axes is XLA's to reduce-scatter.
+            spec = [e for t in op.outputs for e in wanted.get(t, ())]
+            if not set(axes) & {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}:
+                out[op.index] = axes
+        return out
+
+    def _reducer(self, tensors: tuple[int, ...], s: int) -> Callable:
+        """Stage s's once-per-step program: each deferred tensor's partial sums ([d, ...],
+        the leading axis split over the batch's axes) summed into the tensor, with the
+        layout the plan asks of it where it asks one."""
+        mesh = self.meshes[s]
+        wanted = self._wanted()
+        shardings = [
+            NamedSharding(mesh, PartitionSpec(*wanted[t])) if t in wanted else None for t in tensors
+        ]
+
+        def reduce(*partials: Any) -> tuple[Any, ...]:
+            sums = [p.sum(axis=0) for p in partials]
+            return tuple(
+                x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                for x, sh in zip(sums, shardings, strict=True)
+            )
+
+        return jax.jit(reduce)
+
+    def _wanted(self) -> dict[int, tuple]:
+        """Specs the plan fixes inside the step: its constraints, and an output spec acts
+        as a constraint where the output is made."""
+        wanted = dict(self.plan.constraints)
+        for leaf in self.graph.outputs:
+            if leaf.path in self.plan.out_specs and leaf.tensor not in self.part.batched:
+                wanted.setdefault(leaf.tensor, self.plan.out_specs[leaf.path])
+        return wanted
 
     def _check_inputs(self, micro) -> None:
         """Every spec must divide its tensor on each stage mesh, at the microbatch's shapes
@@ -188,18 +276,23 @@ class _Pipeline:
 
     def _compile(self, seg: Segment, graph, consts) -> Callable:
         mesh, stage_mesh = self.meshes[seg.stage], dict(self.plan.stages[seg.stage].mesh)
-        wanted = dict(self.plan.constraints)
-        for leaf in self.graph.outputs:  # an output spec acts as a constraint where it is made
-            if leaf.path in self.plan.out_specs and leaf.tensor not in self.part.batched:
-                wanted.setdefault(leaf.tensor, self.plan.out_specs[leaf.path])
+        wanted = self._wanted()
         shardings = {}
         for i in seg.ops:
             for t in graph.ops[i].outputs:
                 if t in wanted:
                     what = f"internal tensor {t} (on pipeline stage {seg.stage})"
                     _micro_divisible(what, graph.tensors[t].shape, wanted[t], stage_mesh)
-                    shardings[t] = NamedSharding(mesh, PartitionSpec(*wanted[t]))
+                    spec = wanted[t]
+                    if t in self.deferred:  # its partial sums: a leading per-device axis
+                        spec = (_entry(self.partial[self.deferred[t]]), *spec)
+                    shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
         use = consts if seg.kind in "FB" else None
+        bind = (
+            {i: self._partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial}
+            if seg.kind in "FB"
+            else None
+        )
 
         def constrain(tid: int, value: Any) -> Any:
             s = shardings.get(tid)
@@ -207,9 +300,40 @@ class _Pipeline:
 
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
-            return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use))
+            return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind))
 
         return jax.jit(body)
+
+    def _partial_sum(self, graph, i: int, mesh: Mesh) -> Callable:
+        """Op i (a sum over the batch) computed by every device on its own examples: its
+        result is [d, *shape], device k's partial sum at index k of the leading axis (split
+        over the batch's axes), with no collective over them. The other axes stay XLA's."""
+        eqn, op, axes = graph.eqns[i], graph.ops[i], self.partial[i]
+        in_specs = []
+        for u in op.inputs:
+            d = batch_dim(self.groups, u) if u in self.part.batched else None
+            spec = [None] * graph.tensors[u].ndim
+            if d is not None:
+                spec[d] = _entry(axes)
+            in_specs.append(PartitionSpec(*spec))
+        # A scatter-add adds its updates into its operand, batch-free as its result is (the
+        # zeros of an embedding's gradient, in general any value): counted once, not d times.
+        into_operand = op.primitive in ("scatter-add", "scatter_add")
+
+        def local(*xs: Any) -> Any:
+            if into_operand:
+                first = jnp.all(jnp.array([jax.lax.axis_index(a) == 0 for a in axes]))
+                xs = (jnp.where(first, xs[0], jnp.zeros_like(xs[0])), *xs[1:])
+            return eqn.primitive.bind(*xs, **eqn.params)[None]
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=tuple(in_specs),
+            out_specs=PartitionSpec(_entry(axes)),
+            axis_names=set(axes),
+            check_vma=False,
+        )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -279,7 +403,9 @@ class _Pipeline:
 
         trace = []
         by_unit = {(seg.stage, seg.kind): seg for seg in self.micro}
-        for s, kind, i in global_order(len(self.meshes), m, self.plan.schedule):
+        order = global_order(len(self.meshes), m, self.plan.schedule)
+        last = {s: k for k, (s, _, _) in enumerate(order)}  # each stage's last unit
+        for k, (s, kind, i) in enumerate(order):
             seg = by_unit[(s, kind)]
             outs = self._run(seg, [mb_value(t, i, s) for t in seg.inputs], ops)
             for t, v in zip(seg.outputs, outs, strict=True):
@@ -296,6 +422,10 @@ class _Pipeline:
                     for key in [k for k in copies[i] if k[0] == t]:
                         del copies[i][key]
             trace.append((s, kind, i))
+            if last[s] == k and s in self.reducers:  # once per step: partial sums reduced
+                tensors, reducer = self.reducers[s]
+                sums = ops.reduce(s, reducer, [acc[t] for t in tensors])
+                acc.update(zip(tensors, sums, strict=True))
         for t, v in acc.items():
             step[t], placed[(t, part.op_stage[graph.tensors[t].producer])] = v, v
         for t, vs in pieces.items():
@@ -335,8 +465,10 @@ class SegmentProgram:
     """One XLA program of a pipeline step, as `run.compile` found it."""
 
     stage: int
-    kind: str  # "pre", "F", "B", "post"; "add"/"concat": the runtime combining microbatches
-    runs: int  # times one step runs it (m for F and B, 1 for pre and post)
+    # "pre", "F", "B", "post"; "reduce": a stage's once-per-step reduction of its partial
+    # sums; "add"/"concat": the runtime combining microbatches
+    kind: str
+    runs: int  # times one step runs it (m for F and B, 1 for pre, reduce and post)
     # The stage mesh it is compiled on: its device ids are this mesh's devices in
     # row-major order, which is how `_hlo.axis_of` reads replica groups.
     mesh: dict[str, int]
@@ -347,6 +479,9 @@ class _Live:
     """What a step does with its values: run, move and combine real arrays."""
 
     def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
+        return list(jitted(*values))
+
+    def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
         return list(jitted(*values))
 
     def put(self, value: Any, sharding: NamedSharding) -> Any:
@@ -395,6 +530,9 @@ class _Dry(_Live):
     def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
         return self._compile(id(seg), seg.stage, seg.kind, jitted, values)
 
+    def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
+        return self._compile(("reduce", stage), stage, "reduce", jitted, values)
+
     def put(self, value: Any, sharding: NamedSharding) -> Any:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
@@ -427,6 +565,11 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
         if size % math.prod(mesh.shape[a] for a in axes):
             return False
     return True
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
+    """A PartitionSpec entry for a dimension split over `axes`."""
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _slice(x: Any, dim: int, i: int, m: int) -> Any:

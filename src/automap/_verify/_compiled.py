@@ -255,7 +255,8 @@ def verify(
 
 def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None) -> VerifyReport:
     """A pipeline plan runs as several XLA programs, not one: per stage its "pre", "F",
-    "B" and "post" segments on the stage's sub-mesh, F and B once per microbatch. Every
+    "B" and "post" segments on the stage's sub-mesh, F and B once per microbatch, and
+    (with several microbatches) its "reduce" of the gradients once per step. Every
     program one step runs is compiled as the runtime compiles it (`run.compile`: the same
     jitted segments, for the input shardings the step hands them), its collectives read
     on the stage mesh, times its runs per step, and summed per stage and kind@axis; the
@@ -269,7 +270,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
     xla: dict[str, float] = {}
     extra = set()  # programs that are not segments: microbatches joined or summed
     for prog in run.compile(*args):
-        if prog.kind not in ("pre", "F", "B", "post"):
+        if prog.kind not in ("pre", "F", "B", "post", "reduce"):
             extra.add(prog.kind)
         collectives = parse_collectives(prog.compiled.as_text())
         for key, nbytes in comm_bytes(collectives, prog.mesh).items():
