@@ -41,7 +41,14 @@ class Problem:
     def build(
         cls, step_fn: Callable, args: Sequence[Any], cluster: Cluster, roles: Any = None
     ) -> Problem:
+        if not isinstance(cluster, Cluster):
+            raise AutomapError(_cluster_hint(cluster))
         graph = capture(step_fn, *args, roles=roles)
+        if not graph.inputs:
+            raise AutomapError(
+                "the step takes no array arguments, so there is nothing to split: pass the "
+                "parameters, optimizer state and batch as arguments (not closed over)."
+            )
         groups = build_groups(graph)
         return cls(graph, groups, cluster, CostModel(graph, cluster, groups))
 
@@ -50,6 +57,18 @@ class Problem:
 
     def priced(self, plan: Plan) -> Plan:
         return dataclasses.replace(plan, predicted=self.estimate(plan))
+
+
+def _cluster_hint(cluster: Any) -> str:
+    if isinstance(cluster, str):
+        return (
+            f"cluster must be a Cluster, not the string {cluster!r}: use "
+            f"am.Cluster.preset({cluster!r}, devices=8) or am.Cluster.from_file(path)."
+        )
+    return (
+        f"cluster must be a Cluster, got {type(cluster).__name__}: use "
+        "am.Cluster.preset('a100', devices=8) or am.Cluster.from_file(path)."
+    )
 
 
 def plan(

@@ -227,6 +227,21 @@ def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:
     return prepare
 
 
+def _a_plan(plan: Any) -> Plan:
+    """`plan` itself when it is a Plan; a one-line error naming the fix otherwise (a path
+    given where the loaded plan belongs is the usual slip)."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        raise PlanError(
+            f"apply takes a Plan, not the path {str(plan)!r}: load it first, "
+            f"am.apply(step, am.Plan.load({str(plan)!r}))."
+        )
+    raise PlanError(
+        f"apply takes a Plan (from am.plan or am.Plan.load), got {type(plan).__name__}."
+    )
+
+
 def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> Callable:
     """A callable that runs `fn` with the plan's shardings on `devices` (default: all).
 
@@ -234,6 +249,7 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     numpy or jax arrays; they are placed with the plan's shardings. The step is traced
     and compiled once per argument structure.
     """
+    plan = _a_plan(plan)
     if len(plan.stages) > 1:  # stages on sub-meshes, fed microbatch by microbatch
         from ._pipeline._runtime import apply_pipeline
 

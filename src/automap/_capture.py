@@ -249,6 +249,7 @@ def _infer_roles(
     overrides: Mapping[Any, Any] | None,
 ) -> list[Role]:
     names = _arg_names(fn, len(args))
+    _check_overrides(overrides, names, paths, len(args))
     optax_args = {i for i, a in enumerate(args) if _holds_optax_state(a)}
     out: list[Role | None] = []
     for path, i in zip(paths, arg_index, strict=True):
@@ -280,6 +281,41 @@ def _infer_roles(
                 if i == firsts[0] and r is None and floating[k]:
                     out[k] = Role.PARAM
     return [r or Role.OTHER for r in out]
+
+
+def _check_overrides(
+    overrides: Mapping[Any, Any] | None, names: list[str | None], paths: list[str], n: int
+) -> None:
+    """Each `roles` entry must name a role and match something: a typo in either would
+    otherwise be ignored silently, and the plan made on guessed roles."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, Mapping):
+        raise CaptureError(
+            f"roles must be a dict such as {{'params': 'param'}}, got {type(overrides).__name__}"
+        )
+    valid = ", ".join(repr(r.value) for r in Role)
+    for key, value in overrides.items():
+        try:
+            Role(value)
+        except ValueError:
+            raise CaptureError(
+                f"roles[{key!r}] = {value!r} is not a role; use one of {valid}"
+            ) from None
+        if isinstance(key, str) and key.startswith("["):
+            matched = any(p.startswith(key) for p in paths)
+        elif isinstance(key, str):
+            matched = key in names
+        else:
+            matched = isinstance(key, int) and not isinstance(key, bool) and 0 <= key < n
+        if not matched:
+            known = ", ".join(repr(x) for x in names if x) or "none"
+            raise CaptureError(
+                f"roles key {key!r} matches no argument of the step (argument names: {known}; "
+                f"indices 0-{n - 1}; or a leaf-path prefix such as {paths[0]!r})"
+                if paths
+                else f"roles key {key!r} matches nothing: the step takes no arguments"
+            )
 
 
 def _override(overrides: Mapping[Any, Any] | None, path: str, name: str, index: int) -> Role | None:

@@ -220,6 +220,13 @@ class Plan:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise PlanError(f"no plan file at {path}: check the path.") from None
+        except IsADirectoryError:
+            raise PlanError(
+                f"{path} is a directory, not a plan file: give the JSON file that "
+                "`automap plan -o plan.json` wrote."
+            ) from None
+        except PermissionError:
+            raise PlanError(f"{path} cannot be read (permission denied).") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(
                 f"{path} is not valid JSON ({e}); it is not a plan file or it is corrupt. "
