@@ -2,11 +2,15 @@
 fix, or (where the input is fine after all) the right result. Issue 14, section 5."""
 
 import dataclasses
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
 from typer.testing import CliRunner
@@ -80,6 +84,64 @@ def _no_argument_step(tmp: Path) -> str:
     return _api_error(lambda: am.plan(lambda: jnp.sum(w @ w), cluster=CPU8, searcher="ilp"))
 
 
+def _before_search(*args: str) -> Callable[[Path], str]:
+    """The command's error, found before any capture or search (which would fail here)."""
+
+    def run(tmp: Path) -> str:
+        def no_search(*_, **__):
+            raise AssertionError("the command searched before refusing its output path")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("automap._api.Problem.build", no_search)
+            return _cli_error(*(a.replace("TMP", str(tmp)) for a in args))
+
+    return run
+
+
+def _unwritable(tmp: Path) -> str:
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere: no unwritable directory to test with")
+    locked = tmp / "locked"
+    locked.mkdir(mode=0o500)
+    return _before_search(*MLP_PLAN, "-o", "TMP/locked/plan.json")(tmp)
+
+
+def _a_plan_file(tmp: Path) -> Path:
+    path = tmp / "plan.json"
+    step_fn, args = _mlp()
+    am.plan(step_fn, *args, cluster=CPU8, searcher="expert").save(path)
+    return path
+
+
+def _report_to(target: str) -> Callable[[Path], str]:
+    def run(tmp: Path) -> str:
+        plan = _a_plan_file(tmp)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("automap._report.write_report", lambda *a, **k: pytest.fail("drew"))
+            return _cli_error("report", str(plan), "-o", target.replace("TMP", str(tmp)))
+
+    return run
+
+
+def _quiet_answer(tmp: Path) -> str:
+    return _cli_ok(*MLP_PLAN, "--searcher", "expert", "-q")
+
+
+def _fn_module(tmp: Path, body: str) -> str:
+    (tmp / "user_step_bad.py").write_text(body)
+    sys.modules.pop("user_step_bad", None)
+    return "user_step_bad:make_step"
+
+
+def _fn_args_dict(tmp: Path) -> str:
+    body = (
+        "import jax.numpy as jnp\n"
+        "def make_step():\n"
+        "    return (lambda w, x: jnp.sum(x @ w)), {'w': jnp.ones((4, 4)), 'x': jnp.ones((8, 4))}\n"
+    )
+    return _cli_error("plan", "--fn", _fn_module(tmp, body), "--cluster", "cpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -109,6 +171,19 @@ CASES = [
     Case("role_key_unknown", _plan_with(roles={"nonexistent": "param"}), r"roles key 'nonexistent' matches no argument .*argument names: 'params'"),
     Case("role_index_unknown", _plan_with(roles={7: "param"}), r"roles key 7 matches no argument"),
     Case("no_argument_step", _no_argument_step, r"takes no array arguments"),
+    # 2. Output paths, refused before the search.
+    Case("plan_o_missing_dir", _before_search(*MLP_PLAN, "-o", "TMP/nowhere/plan.json"), r"the directory .*nowhere does not exist; create it first"),
+    Case("plan_o_under_a_file", lambda tmp: (tmp / "f").write_text("x") and _before_search(*MLP_PLAN, "-o", "TMP/f/plan.json")(tmp), r"/f is a file, not a directory"),
+    Case("plan_o_directory", _before_search(*MLP_PLAN, "-o", "TMP"), r"-o .* is a directory: give a file name"),
+    Case("plan_o_unwritable", _unwritable, r"cannot be written \(permission denied"),
+    Case("plan_save_agent_dir", _before_search(*MLP_PLAN, "--save-agent", "TMP"), r"--save-agent .* is a directory"),
+    Case("compare_json_out_missing", _before_search("compare", "--model", "mlp", "--json-out", "TMP/no/rows.json"), r"--json-out .* does not exist"),
+    Case("report_o_missing_dir", _report_to("TMP/nowhere/r.html"), r"the directory .*nowhere does not exist"),
+    Case("report_o_directory", _report_to("TMP"), r"is a directory: give a file name"),
+    # 3. --quiet without -o or --json prints the answer, in one line.
+    Case("quiet_prints_the_answer", _quiet_answer, r"^\S+: mesh .*, step .* per device, feasible\n$", error=False),
+    # 5. --fn returning its args as a dict.
+    Case("fn_args_dict", _fn_args_dict, r"args is a tuple of the step's positional arguments \(args is a dict\)"),
 ]  # fmt: skip
 
 
@@ -119,3 +194,43 @@ def test_bad_input(case, tmp_path, monkeypatch):
     assert re.search(case.match, text), text
     if case.error:
         assert len(text.strip().splitlines()) == 1, text
+
+
+def test_sigterm_keeps_the_best_plan_as_ctrl_c_does(tmp_path):
+    """A scheduler's time limit (SIGTERM) mid-search saves the best plan so far, exit 143."""
+    marker = tmp_path / "loaded"
+    (tmp_path / "user_step_term.py").write_text(
+        "from pathlib import Path\n"
+        "from automap._zoo import get_model\n"
+        "def make_step():\n"
+        f"    Path({str(marker)!r}).write_text('x')\n"
+        "    spec = get_model('mlp', batch=16, dtype='float32')\n"
+        "    return spec.step_fn, spec.abstract_args()\n"
+    )
+    out = tmp_path / "best.json"
+    command = "from automap._cli import main; main()"
+    args = ["plan", "--fn", "user_step_term:make_step", "--cluster", "cpu", "--searcher"]
+    args += ["random", "--budget", "3600", "-o", str(out)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", command, *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(6.0)  # capture and the first feasible points: the search is under way
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert stdout == ""  # the plan table is not printed for a stopped search
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.strip() == f"search terminated (SIGTERM): the best plan so far is saved to {out}"
+    plan = am.Plan.load(out)
+    assert plan.decisions["interrupted"] is True and plan.predicted.feasible

@@ -27,6 +27,7 @@ from ._cli_app import (
     busy,
     check_budget,
     check_devices,
+    check_output,
     check_plan_file,
     console,
     cpu_devices,
@@ -191,6 +192,8 @@ def report_cmd(
     from ._report import write_report
 
     check_plan_file(plan_file)
+    check_output(output, "-o")
+    check_output(png, "--png")
     with busy("drawing the report...", not (quiet or as_json)):
         path = write_report(plan_file, output, png=png, curve=curve)
     if as_json:

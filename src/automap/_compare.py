@@ -44,6 +44,8 @@ class Row:
         if self.plan is None:
             return ""
         mesh = " × ".join(f"{k} {v}" for k, v in self.plan.mesh.items()) or "one device"
+        if self.plan.replicated and self.plan.devices > 1:
+            return f"replicated ({mesh}: nothing split)"
         if self.stages > 1:
             mesh += f", {self.plan.microbatches} mb {self.plan.schedule}"
         if self.plan.zero_stage:

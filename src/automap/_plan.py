@@ -128,6 +128,14 @@ class Plan:
         return math.prod(self.mesh.values()) if self.mesh else 1
 
     @property
+    def replicated(self) -> bool:
+        """True when the plan splits nothing (no tensor split, no ZeRO, one stage): every
+        device holds everything and runs the whole step, whatever its mesh is called."""
+        specs = (*self.specs.values(), *self.out_specs.values(), *self.constraints.values())
+        split = any(e is not None for spec in specs for e in spec)
+        return not split and self.zero_stage == 0 and len(self.stages) <= 1
+
+    @property
     def in_specs(self) -> Any:
         """PartitionSpecs for the step's arguments: a pytree matching them when the plan was
         made in this process, else a dict keyed by each leaf's path."""
