@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 from typer.testing import CliRunner
@@ -142,6 +143,49 @@ def _fn_args_dict(tmp: Path) -> str:
     return _cli_error("plan", "--fn", _fn_module(tmp, body), "--cluster", "cpu")
 
 
+def _keyed_step(params, batch):
+    """A step whose batch carries a raw PRNG key for its noise, and returns its loss."""
+
+    def loss(p):
+        x = batch["x"] + 0.01 * jax.random.normal(batch["key"], batch["x"].shape)
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), value
+
+
+def _keyed_args(batch: int):
+    params = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}
+    data = {"x": jnp.ones((batch, 16)), "y": jnp.ones((batch, 4)), "key": jax.random.PRNGKey(0)}
+    return params, data
+
+
+def _key_is_not_the_batch(tmp: Path) -> str:
+    from automap._api import Problem
+
+    problem = Problem.build(_keyed_step, _keyed_args(16), CPU8)
+    roles = {leaf.path: leaf.role.value for leaf in problem.graph.inputs}
+    plans = am.expert_plans(_keyed_step, *_keyed_args(16), cluster=CPU8)
+    key = roles["[1]['key']"]
+    return f"key {key}, batch {problem.groups.batch_size}, {sorted(plans)}"
+
+
+def _indivisible_batch_compare(batch: int) -> Callable[[Path], str]:
+    def run(tmp: Path) -> str:
+        from automap._compare import compare
+
+        rows = compare(
+            _keyed_step,
+            *_keyed_args(batch),
+            cluster=CPU8,
+            searchers=["expert", "random"],
+            budget_s=0.2,
+        )
+        return ", ".join(f"{r.searcher}:{r.plan_name}:{r.feasible}" for r in rows)
+
+    return run
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -182,6 +226,10 @@ CASES = [
     Case("report_o_directory", _report_to("TMP"), r"is a directory: give a file name"),
     # 3. --quiet without -o or --json prints the answer, in one line.
     Case("quiet_prints_the_answer", _quiet_answer, r"^\S+: mesh .*, step .* per device, feasible\n$", error=False),
+    # 6. A raw PRNG key is not the batch; a batch the devices do not divide keeps its rows.
+    Case("prng_key_in_batch", _key_is_not_the_batch, r"key other, batch 16, \[.*'data_parallel'.*'gpipe_uniform'", error=False),
+    Case("batch_6_on_8", _indivisible_batch_compare(6), r"^expert:.*:True, .*random:\w+:True$", error=False),
+    Case("batch_7_on_8", _indivisible_batch_compare(7), r"^expert:megatron:True, .*random:\w+:True$", error=False),
     # 5. --fn returning its args as a dict.
     Case("fn_args_dict", _fn_args_dict, r"args is a tuple of the step's positional arguments \(args is a dict\)"),
 ]  # fmt: skip

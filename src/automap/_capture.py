@@ -68,7 +68,8 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
        trainable_variables...; or a path through ".params"/"['params']" in an argument not
        named like a batch → PARAM.
     5. Batch: an argument named batch, inputs, x, y, data, images, tokens, labels,
-       targets... → BATCH. Any other argument that holds an optax state node → OPT_STATE.
+       targets... → BATCH, except a single raw PRNG key (uint32[2] or [4]) in it,
+       which has no batch dimension (→ OTHER). Any other argument that holds an optax state node → OPT_STATE.
     6. If no leaf is a PARAM by now, the first argument with floating-point leaves is the
        parameters (its float leaves). Everything left is OTHER.
 
@@ -268,7 +269,7 @@ def _infer_roles(
                 role = Role.OTHER
             elif param_named or (any(m in rest for m in _PARAM_MARKERS) and not batch_named):
                 role = Role.PARAM
-            elif batch_named:
+            elif batch_named and not _raw_key(invars[len(out)].aval):
                 role = Role.BATCH
             elif i in optax_args:
                 role = Role.OPT_STATE
@@ -281,6 +282,13 @@ def _infer_roles(
                 if i == firsts[0] and r is None and floating[k]:
                     out[k] = Role.PARAM
     return [r or Role.OTHER for r in out]
+
+
+def _raw_key(aval: Any) -> bool:
+    """A single raw PRNG key (`jax.random.PRNGKey`: uint32[2]; the rbg kinds: uint32[4])
+    travels with a batch but is not one: its 2 must not be read as the batch size. A
+    batch of keys (uint32[B, 2]) is a batch."""
+    return str(aval.dtype) == "uint32" and tuple(aval.shape) in ((2,), (4,))
 
 
 def _check_overrides(

@@ -105,8 +105,20 @@ def compare(
     for name in searchers:
         start = time.perf_counter()
         if name == "expert":
-            for plan in _priced_experts(problem).values():
+            try:
+                experts = _priced_experts(problem)
+            except AutomapError as e:  # keep the other searchers' rows
+                add(
+                    Row(
+                        name, "", None, None, False, time.perf_counter() - start, None, None, str(e)
+                    )
+                )
+                continue
+            for plan in experts.values():
                 add(_row("expert", _with_origin(plan, origin), time.perf_counter() - start))
+            if not experts:
+                note = f"no expert plan applies on {cluster.devices} devices"
+                add(Row(name, "", None, None, False, time.perf_counter() - start, None, None, note))
             continue
         try:
             plan = run_searcher(problem, name, budget_s, seed)

@@ -57,14 +57,20 @@ def _fewest_stages(graph, groups, cluster, estimate, cands, batch, name, tp) -> 
         }
         if tp > 1 and MODEL not in assignment.values():
             return None  # nothing to split over the node: not Megatron
-        m = microbatch_counts(batch, data, S, allowed=True)[-1]
+        counts = microbatch_counts(batch, data, S, allowed=True)
+        if not counts:  # the batch (6 on 8 devices, say) does not split over the data axis
+            continue
+        m = counts[-1]
         cuts = uniform_cuts(graph, groups, S)
         plan = pipeline_plan(graph, groups, cuts, mesh, assignment, m, "1f1b", name=name)
         try:
             cost = estimate(plan)
         except PlanError:  # a step that cannot be microbatched (batch norm): one microbatch
             plan = dataclasses.replace(plan, microbatches=1)
-            cost = estimate(plan)
+            try:
+                cost = estimate(plan)
+            except PlanError:  # no pipeline applies (a step that returns no loss): skip it
+                return None
         plan = dataclasses.replace(plan, predicted=cost)
         if cost.feasible:
             return plan
