@@ -186,6 +186,20 @@ def _indivisible_batch_compare(batch: int) -> Callable[[Path], str]:
     return run
 
 
+def _plan_for_another_model(tmp: Path) -> str:
+    step_fn, args = _mlp()
+    plan = am.plan(step_fn, *args, cluster=CPU8, searcher="expert")
+    other = get_model("mlp", layers=6, batch=16, dtype="float32")
+    text = _api_error(lambda: am.apply(other.step_fn, plan)(*other.concrete_args(0)))
+    assert len(text) < 600, text  # the first few paths, not every one
+    return text
+
+
+def _plan_for_another_batch(tmp: Path) -> str:
+    plan = am.plan(_keyed_step, *_keyed_args(16), cluster=CPU8, searcher="expert")
+    return _api_error(lambda: am.apply(_keyed_step, plan)(*_keyed_args(6)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -231,6 +245,8 @@ CASES = [
     Case("batch_6_on_8", _indivisible_batch_compare(6), r"^expert:.*:True, .*random:\w+:True$", error=False),
     Case("batch_7_on_8", _indivisible_batch_compare(7), r"^expert:megatron:True, .*random:\w+:True$", error=False),
     # 5. --fn returning its args as a dict.
+    Case("plan_of_another_model", _plan_for_another_model, r"call lacks: none; inputs of the call the plan lacks: \[0\]\['params'\]\['layer_4'\]\['bias'\], .* and 9 more\. Make the plan"),
+    Case("plan_of_another_batch", _plan_for_another_batch, r"made for batch size 16, this call's batch is 6: make a plan for batch 6"),
     Case("fn_args_dict", _fn_args_dict, r"args is a tuple of the step's positional arguments \(args is a dict\)"),
 ]  # fmt: skip
 

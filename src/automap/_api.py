@@ -162,6 +162,7 @@ def run_searcher(
         fingerprint=problem.graph.fingerprint,
         cluster=problem.cluster.name,
         devices=problem.cluster.devices,
+        batch=problem.graph.batch_rows,
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
 
@@ -203,6 +204,7 @@ def _priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]
             fingerprint=problem.graph.fingerprint,
             cluster=problem.cluster.name,
             devices=problem.cluster.devices,
+            batch=problem.graph.batch_rows,
         )
         decisions = {**p.decisions, "arg_roles": arg_roles(problem.graph)}
         out[name] = dataclasses.replace(p, provenance=provenance, in_tree=tree, decisions=decisions)
@@ -341,10 +343,9 @@ def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
 def _check_fits(graph: Graph, plan: Plan) -> None:
     fp = plan.provenance.fingerprint
     if fp and fp != graph.fingerprint:
-        raise PlanError(
-            f"plan {plan.name or ''!s} was made for another program (fingerprint {fp[:12]}, "
-            f"this one is {graph.fingerprint[:12]}): re-plan for this step function."
-        )
+        from ._apply import other_program
+
+        raise PlanError(other_program(plan, graph))
     paths = {leaf.path for leaf in graph.inputs}
     missing = sorted(paths - set(plan.specs))
     extra = sorted(set(plan.specs) - paths)

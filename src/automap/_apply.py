@@ -89,16 +89,40 @@ def _sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def _first(items: list[str], n: int = 3) -> str:
+    """The first `n` items and how many more: a big model's paths fill kilobytes."""
+    if not items:
+        return "none"
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
 def _check_paths(plan: Plan, paths: list[str]) -> None:
     missing = [p for p in plan.specs if p not in set(paths)]
     unexpected = [p for p in paths if p not in plan.specs]
     if missing or unexpected:
         raise PlanError(
             "the arguments do not match the plan: the plan was made for another program. "
-            f"Inputs the plan has but the call lacks: {missing or 'none'}; inputs of the "
-            f"call the plan lacks: {unexpected or 'none'}. Make the plan for this step "
+            f"Inputs the plan has but the call lacks: {_first(missing)}; inputs of the "
+            f"call the plan lacks: {_first(unexpected)}. Make the plan for this step "
             "(`am.plan(step_fn, *args)`)."
         )
+
+
+def other_program(plan: Plan, graph: Any) -> str:
+    """Why a plan's fingerprint differs from this step's, as plainly as the plan allows:
+    the batch size when that is what changed, else the input shapes or the computation."""
+    made, now = plan.provenance.batch, graph.batch_rows
+    if made is not None and now is not None and made != now:
+        return (
+            f"the plan was made for batch size {made}, this call's batch is {now}: make a "
+            f"plan for batch {now} (`am.plan(step_fn, *args)`) or call with batches of {made}."
+        )
+    return (
+        f"the plan was made for another program (fingerprint "
+        f"{plan.provenance.fingerprint[:12]}…, this step's is {graph.fingerprint[:12]}…): "
+        "same input paths, different computation or shapes. Make a new plan for this step."
+    )
 
 
 class Prepared:
@@ -118,20 +142,17 @@ class Prepared:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         _check_paths(plan, paths)
-        for path, (_, leaf) in zip(paths, flat, strict=True):
-            check_divisible(f"input {path}", _shape(leaf), plan.specs[path], plan.mesh)
-        self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
         if graph is None and (plan.provenance.fingerprint or plan.constraints):
             from ._capture import capture  # lazily: capture is only needed for these
 
             graph = capture(fn, *args)
+            # Before the divisibility checks: "another batch size" says more than "6 is
+            # not divisible by 8".
             if plan.provenance.fingerprint and plan.provenance.fingerprint != graph.fingerprint:
-                raise PlanError(
-                    f"the plan was made for another program (fingerprint "
-                    f"{plan.provenance.fingerprint[:12]}…, this step's is "
-                    f"{graph.fingerprint[:12]}…): same input paths, different computation "
-                    "or shapes. Make a new plan for this step."
-                )
+                raise PlanError(other_program(plan, graph))
+        for path, (_, leaf) in zip(paths, flat, strict=True):
+            check_divisible(f"input {path}", _shape(leaf), plan.specs[path], plan.mesh)
+        self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
         body = fn if not plan.constraints else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}

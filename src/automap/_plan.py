@@ -100,6 +100,7 @@ class Provenance:
     fn: str | None = None  # "package.module:function" for --fn plans
     cluster: str = ""
     devices: int = 0
+    batch: int | None = None  # the batch size it was made for (Graph.batch_rows), if known
 
 
 @dataclasses.dataclass(frozen=True)

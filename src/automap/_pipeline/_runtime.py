@@ -36,7 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._apply import _check_paths, _dtype, _shape, check_divisible, check_plan, per_structure
+from .._apply import (
+    _check_paths,
+    _dtype,
+    _shape,
+    check_divisible,
+    check_plan,
+    other_program,
+    per_structure,
+)
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._interpret import eval_ops
@@ -126,14 +134,9 @@ class _Pipeline:
             lambda x: jax.ShapeDtypeStruct(_shape(x), _dtype(x)), args
         )
         full = capture(fn, *abstract)
-        if plan.provenance.fingerprint and plan.provenance.fingerprint != full.fingerprint:
-            raise PlanError(
-                f"the plan was made for another program (fingerprint "
-                f"{plan.provenance.fingerprint[:12]}…, this step's is "
-                f"{full.fingerprint[:12]}…): same input paths, different computation or "
-                "shapes. Make a new plan for this step."
-            )
         _check_paths(plan, [leaf.path for leaf in full.inputs])
+        if plan.provenance.fingerprint and plan.provenance.fingerprint != full.fingerprint:
+            raise PlanError(other_program(plan, full))
         groups = build_groups(full)
         bounds = [(s.op_start, s.op_stop) for s in plan.stages]
         part = partition(full, groups, bounds, m)
