@@ -200,6 +200,68 @@ def _plan_for_another_batch(tmp: Path) -> str:
     return _api_error(lambda: am.apply(_keyed_step, plan)(*_keyed_args(6)))
 
 
+def _replicated_plan(tmp: Path) -> str:
+    from automap._compare import _row
+    from automap._report_text import answer_line
+
+    step_fn, args = _mlp()
+    specs = {
+        p: (None,) * len(s)
+        for p, s in am.expert_plans(step_fn, *args, cluster=CPU8)["data_parallel"].specs.items()
+    }
+    plan = am.Plan(mesh={"data": 8}, specs=specs, name="nothing")
+    return f"{answer_line(plan)} | {_row('x', plan, 0.0).shape}"
+
+
+def _donation_kept(tmp: Path) -> str:
+    """The compiled program of a step jitted with donate_argnums aliases its inputs."""
+    step_fn, args = _mlp()
+    plan = am.plan(step_fn, *args, cluster=CPU8, searcher="expert")
+    texts = []
+    for fn in (step_fn, jax.jit(step_fn, donate_argnums=(0, 1))):
+        prepared = am.apply(fn, plan).prepare(*args)
+        compiled = prepared.jitted.lower(*prepared.abstract_args(args)).compile().as_text()
+        texts.append("aliased" if "input_output_alias=" in compiled else "copied")
+    return " then ".join(texts)
+
+
+def _compare_off_a_terminal(tmp: Path) -> str:
+    out = _cli_ok(
+        "compare", "--model", "mlp", "--cluster", "cpu", "--searchers", "expert", "--budget", "1"
+    )
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert all(line.count("│") == 10 and "…" not in line for line in rows), out
+    return "\n".join(rows)
+
+
+def _progress_off_a_terminal(tmp: Path) -> str:
+    from automap._searchers import _Progress
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Progress, "LOG_EVERY_S", 0.0)
+        result = runner.invoke(app, [*MLP_PLAN, "--searcher", "random", "--budget", "0.1"])
+    assert result.exit_code == 0 and "step time" in result.stdout, result.output
+    return result.stderr
+
+
+def _devices_chosen(tmp: Path) -> str:
+    from types import SimpleNamespace
+
+    from automap._cli_app import choose_devices
+
+    gpus = [SimpleNamespace(platform="gpu")] * 8
+    cpus = [SimpleNamespace(platform="cpu")] * 8
+    picks = [choose_devices(gpus[:k], lambda: cpus, 8) for k in (8, 1)]
+    picks.append(choose_devices(cpus, lambda: pytest.fail("asked the CPU twice"), 8))
+    return " | ".join(f"{d[0].platform}×{len(d)} {note}" for d, note in picks)
+
+
+def _apply_says_where_it_ran(tmp: Path) -> str:
+    path = str(tmp / "zoo.json")
+    _cli_ok(*MLP_PLAN, "--searcher", "expert", "-q", "-o", path)
+    return _cli_ok("apply", path, "--json")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -244,6 +306,14 @@ CASES = [
     Case("prng_key_in_batch", _key_is_not_the_batch, r"key other, batch 16, \[.*'data_parallel'.*'gpipe_uniform'", error=False),
     Case("batch_6_on_8", _indivisible_batch_compare(6), r"^expert:.*:True, .*random:\w+:True$", error=False),
     Case("batch_7_on_8", _indivisible_batch_compare(7), r"^expert:megatron:True, .*random:\w+:True$", error=False),
+    # 7. Replicated plans, donation, compare's table and progress off a terminal.
+    Case("replicated_plan", _replicated_plan, r"^nothing: mesh replicated on 8 devices \(nothing split; mesh data=8\), .* \| replicated \(data 8: nothing split\)$", error=False),
+    Case("donate_argnums_kept", _donation_kept, r"^copied then aliased$", error=False),
+    Case("compare_table_full_width", _compare_off_a_terminal, r"│ expert +│ gpipe_uniform +│ pipe 2 × data 4, 8 mb 1f1b +│", error=False),
+    Case("progress_lines_off_a_terminal", _progress_off_a_terminal, r"(?m)^random: \d+/20 evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    # 8. apply uses the accelerators when there are enough of them, else virtual CPUs.
+    Case("devices_chosen", _devices_chosen, r"^gpu×8  \| cpu×8 the plan needs 8 devices and this machine has 1 GPU\(s\): running it on 8 virtual CPU devices instead\. \| cpu×8 $", error=False),
+    Case("apply_says_where_it_ran", _apply_says_where_it_ran, r'"platform": "cpu"', error=False),
     # 5. --fn returning its args as a dict.
     Case("plan_of_another_model", _plan_for_another_model, r"call lacks: none; inputs of the call the plan lacks: \[0\]\['params'\]\['layer_4'\]\['bias'\], .* and 9 more\. Make the plan"),
     Case("plan_of_another_batch", _plan_for_another_batch, r"made for batch size 16, this call's batch is 6: make a plan for batch 6"),

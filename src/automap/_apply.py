@@ -8,6 +8,7 @@ that cannot apply here (each refusal names the problem and the fix).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -178,7 +179,9 @@ class Prepared:
                 out,
             )
 
-        self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings))
+        # A step the user jitted with donate_argnums keeps its donation here.
+        donated = _donated_leaves(fn, args, len(paths))
+        self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), donate_argnums=donated)
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Flat abstract arguments carrying the plan's shardings (for lower/compile)."""
@@ -219,6 +222,22 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run
+
+
+def donates(fn: Any) -> bool:
+    """Whether `fn` is a `jax.jit` function with donate_argnums/donate_argnames."""
+    info = getattr(fn, "_jit_info", None)
+    return bool(getattr(info, "donate_argnums", ()) or getattr(info, "donate_argnames", ()))
+
+
+def _donated_leaves(fn: Any, args: tuple, n: int) -> tuple[int, ...]:
+    """Flat indices of the argument leaves `fn` donates (when `fn` is a jitted function
+    with donation), read from its own trace so that argnums and argnames both count."""
+    if not donates(fn):
+        return ()
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(_shape(x), _dtype(x)), args)
+    flags = [a.donated for a in jax.tree_util.tree_leaves(fn.trace(*abstract).args_info)]
+    return tuple(i for i, d in enumerate(flags) if d) if len(flags) == n else ()
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -272,6 +291,13 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     """
     plan = _a_plan(plan)
     if len(plan.stages) > 1:  # stages on sub-meshes, fed microbatch by microbatch
+        if donates(fn):
+            warnings.warn(
+                "the step was jitted with donate_argnums, but a pipeline plan runs it stage "
+                "by stage: its inputs are not donated, so memory holds them and the outputs "
+                "together.",
+                stacklevel=2,
+            )
         from ._pipeline._runtime import apply_pipeline
 
         return apply_pipeline(fn, plan, devices)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 
 from ._cli_app import (
     INTERRUPTED,
@@ -286,7 +287,14 @@ def compare_cmd(
     if as_json:
         print_json(data)
     elif not quiet:
-        console.print(compare_table(what, the_cluster, rows))
+        table = compare_table(what, the_cluster, rows)
+        # Off a terminal Rich assumes 80 columns and wraps every cell: give the table the
+        # width it needs instead, so that a log or a file keeps one row per line.
+        if console.is_terminal:
+            console.print(table)
+        else:
+            wide = console.options.update_width(1000)
+            Console(width=console.measure(table, options=wide).maximum).print(table)
         if json_out is not None:
             console.print(f"rows written to [bold]{json_out}[/bold]")
     if interrupted:

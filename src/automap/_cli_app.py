@@ -138,6 +138,32 @@ def cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", max(n, 1))
 
 
+def run_devices(need: int) -> list[Any]:
+    """The devices to run a plan of `need` devices on: the accelerators when JAX finds
+    enough of them (a GPU or TPU host), else `max(8, need)` virtual CPU devices, as
+    before. JAX_PLATFORMS, when set, is the user's choice and is kept."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(8, need))  # before any backend starts
+    devices, note_text = choose_devices(jax.devices(), lambda: jax.devices("cpu"), need)
+    if note_text:
+        note(note_text)
+    return devices
+
+
+def choose_devices(
+    default: list[Any], cpu: Callable[[], list[Any]], need: int
+) -> tuple[list[Any], str]:
+    """(devices, a note or "") from JAX's default devices and the CPU's: the default ones
+    (accelerators first, as JAX orders its backends) unless there are too few of them."""
+    if default[0].platform == "cpu" or len(default) >= need:
+        return default, ""
+    return cpu(), (
+        f"the plan needs {need} devices and this machine has {len(default)} "
+        f"{default[0].platform.upper()}(s): running it on {need} virtual CPU devices instead."
+    )
+
+
 def check_devices(devices: int, option: str = "--devices") -> None:
     if devices < 1:
         raise AutomapError(f"{option} must be at least 1, got {devices} (e.g. {option} 8).")

@@ -35,6 +35,7 @@ from ._cli_app import (
     json_flags,
     load_step,
     print_json,
+    run_devices,
 )
 from ._errors import AutomapError
 
@@ -122,11 +123,11 @@ def apply_cmd(
     from ._plan import Plan
 
     the_plan = Plan.load(check_plan_file(plan_file))
-    cpu_devices(max(8, the_plan.devices))
+    devices = run_devices(the_plan.devices)
     from ._check import check_plan
 
     with busy("compiling and running the plan...", not (quiet or as_json)):
-        result = check_plan(the_plan, run_only=not check)
+        result = check_plan(the_plan, run_only=not check, devices=devices)
     if as_json:
         print_json(result)
     elif not quiet:
