@@ -316,7 +316,7 @@ CASES = [
     Case("apply_says_where_it_ran", _apply_says_where_it_ran, r'"platform": "cpu"', error=False),
     # 5. --fn returning its args as a dict.
     Case("plan_of_another_model", _plan_for_another_model, r"call lacks: none; inputs of the call the plan lacks: \[0\]\['params'\]\['layer_4'\]\['bias'\], .* and 9 more\. Make the plan"),
-    Case("plan_of_another_batch", _plan_for_another_batch, r"made for batch size 16, this call's batch is 6: make a plan for batch 6"),
+    Case("plan_of_another_batch", _plan_for_another_batch, r"made for another program: batch size 16, this call's batch is 6\. Make a plan for batch 6"),
     Case("fn_args_dict", _fn_args_dict, r"args is a tuple of the step's positional arguments \(args is a dict\)"),
 ]  # fmt: skip
 

@@ -116,8 +116,9 @@ def other_program(plan: Plan, graph: Any) -> str:
     made, now = plan.provenance.batch, graph.batch_rows
     if made is not None and now is not None and made != now:
         return (
-            f"the plan was made for batch size {made}, this call's batch is {now}: make a "
-            f"plan for batch {now} (`am.plan(step_fn, *args)`) or call with batches of {made}."
+            f"the plan was made for another program: batch size {made}, this call's batch "
+            f"is {now}. Make a plan for batch {now} (`am.plan(step_fn, *args)`) or call with "
+            f"batches of {made}."
         )
     return (
         f"the plan was made for another program (fingerprint "
