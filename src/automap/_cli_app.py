@@ -216,6 +216,8 @@ def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
     best plan so far is kept; the yielded dict's "terminated" says which signal it was.
     The handler is the main thread's only (Python delivers signals there) and is undone
     on exit."""
+    from ._search import STOP
+
     seen = {"terminated": False}
     if threading.current_thread() is not threading.main_thread():
         yield seen
@@ -223,13 +225,19 @@ def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
 
     def handler(signum: int, frame: Any) -> None:
         seen["terminated"] = True
-        raise KeyboardInterrupt
+        STOP.set()  # polled by the searchers: the stop holds even if the raise is lost
+        on_ctrl_c = signal.getsignal(signal.SIGINT)
+        if callable(on_ctrl_c):  # what Ctrl-C does now: the DQN's own handler, say
+            on_ctrl_c(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield seen
     finally:
         signal.signal(signal.SIGTERM, previous)
+        STOP.clear()
 
 
 def check_plan_file(path: Path) -> Path:

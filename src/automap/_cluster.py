@@ -246,9 +246,12 @@ def _field_value(name: str, value: Any) -> Any:
         except ValueError:
             number = None
     bad_type = isinstance(number, bool) or not isinstance(number, (int, float))
-    if not bad_type and rule.kind is int and number != int(number):
-        bad_type = True
-    if bad_type or not math.isfinite(number):
+    bad_type = bad_type or math.isnan(number)
+    # An integer field takes whole numbers only; a float field may be +inf where its range
+    # allows it (links that cost nothing: an idealized cluster for a what-if).
+    if not bad_type and rule.kind is int:
+        bad_type = not math.isfinite(number) or number != int(number)
+    if bad_type:
         raise ClusterError(
             f"cluster field {name} must be {rule.text()}, got {value!r} "
             f"({type(value).__name__}); e.g. {name}: {_example(name)}"
