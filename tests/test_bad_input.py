@@ -195,9 +195,14 @@ def _plan_for_another_model(tmp: Path) -> str:
     return text
 
 
-def _plan_for_another_batch(tmp: Path) -> str:
-    plan = am.plan(_keyed_step, *_keyed_args(16), cluster=CPU8, searcher="expert")
-    return _api_error(lambda: am.apply(_keyed_step, plan)(*_keyed_args(6)))
+def _plan_for_another_batch(check: str) -> Callable[[Path], str]:
+    def run(tmp: Path) -> str:
+        plan = am.plan(_keyed_step, *_keyed_args(16), cluster=CPU8, searcher="expert")
+        if check == "apply":
+            return _api_error(lambda: am.apply(_keyed_step, plan)(*_keyed_args(6)))
+        return _api_error(lambda: am.verify(_keyed_step, plan, *_keyed_args(6)))
+
+    return run
 
 
 def _replicated_plan(tmp: Path) -> str:
@@ -316,7 +321,8 @@ CASES = [
     Case("apply_says_where_it_ran", _apply_says_where_it_ran, r'"platform": "cpu"', error=False),
     # 5. --fn returning its args as a dict.
     Case("plan_of_another_model", _plan_for_another_model, r"call lacks: none; inputs of the call the plan lacks: \[0\]\['params'\]\['layer_4'\]\['bias'\], .* and 9 more\. Make the plan"),
-    Case("plan_of_another_batch", _plan_for_another_batch, r"made for another program: batch size 16, this call's batch is 6\. Make a plan for batch 6"),
+    Case("apply_another_batch", _plan_for_another_batch("apply"), r"made for another program: batch size 16, this call's batch is 6\. Make a plan for batch 6"),
+    Case("verify_another_batch", _plan_for_another_batch("verify"), r"made for another program: batch size 16, this call's batch is 6\."),
     Case("fn_args_dict", _fn_args_dict, r"args is a tuple of the step's positional arguments \(args is a dict\)"),
 ]  # fmt: skip
 

@@ -148,10 +148,11 @@ class Prepared:
             from ._capture import capture  # lazily: capture is only needed for these
 
             graph = capture(fn, *args)
-            # Before the divisibility checks: "another batch size" says more than "6 is
-            # not divisible by 8".
-            if plan.provenance.fingerprint and plan.provenance.fingerprint != graph.fingerprint:
-                raise PlanError(other_program(plan, graph))
+        # Before the divisibility checks: "another batch size" says more than "6 is not
+        # divisible by 8". A graph the caller captured (verify's) is checked the same way.
+        fingerprint = plan.provenance.fingerprint
+        if graph is not None and fingerprint and fingerprint != graph.fingerprint:
+            raise PlanError(other_program(plan, graph))
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", _shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
