@@ -241,12 +241,13 @@ def print_check(console: Console, result: Mapping[str, Any]) -> None:
             f"{result['reason']}: checked a reduced variant ({result['overrides']}) "
             f"on mesh {result['mesh']}."
         )
+    where = f" ({result['platform'].upper()})" if result.get("platform") else ""
     if not result.get("checked"):
-        console.print(f"ran on mesh {result['mesh']}.")
+        console.print(f"ran on mesh {result['mesh']}{where}.")
         return
     verdict = "[green]equal[/green]" if result["equal"] else "[red]DIFFERENT[/red]"
     console.print(
-        f"sharded vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
+        f"sharded{where} vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
     )
 
 
