@@ -7,8 +7,17 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from automap._bench import Row, to_markdown, write
-from automap._bench import _run as _bench
+from automap._bench import (
+    QUICK,
+    Case,
+    Row,
+    Settings,
+    run_bench,
+    select,
+    to_markdown,
+    within_1pct,
+    write,
+)
 from automap._cli import app
 from automap._plan import Plan, Provenance
 
@@ -18,9 +27,9 @@ TINY = dict(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512)
 @pytest.fixture(scope="module")
 def result():
     # One small zoo variant with tiny budgets; fidelity on one MLP plan, speed on the MLP.
-    case = _bench.Case("bert-base", "a100", 8, TINY)
-    settings = _bench.Settings(0.1, 1, ("mlp",), 1, "mlp", "automap bench --tiny", dp_budget_s=10.0)
-    return _bench.run_bench([case], settings, progress=False)
+    case = Case("bert-base", "a100", 8, TINY)
+    settings = Settings(0.1, 1, ("mlp",), 1, "mlp", "automap bench --tiny", dp_budget_s=10.0)
+    return run_bench([case], settings, progress=False)
 
 
 def test_markdown_has_header_and_tables(result, tmp_path):
@@ -86,19 +95,19 @@ def test_time_to_1pct_from_evaluations_and_from_elapsed():
     curve = [{"episode": i, "best_time": b, "current_time": b} for i, b in [(1, inf), (2, 2.0)]]
     curve.append({"episode": 3, "best_time": 1.005, "current_time": 1.005})
     # Random/MCMC curves count evaluations: 3 of 10 in 2 s.
-    assert _bench.within_1pct(_row(curve, 10, 2.0), 1.0) == (pytest.approx(0.6), 3)
-    assert _bench.within_1pct(_row(curve[:2], 10, 2.0), 1.0) is None
+    assert within_1pct(_row(curve, 10, 2.0), 1.0) == (pytest.approx(0.6), 3)
+    assert within_1pct(_row(curve[:2], 10, 2.0), 1.0) is None
     # DQN rows carry their own clock; an infeasible episode's time never counts.
     dqn = [
         {"episode": 1, "elapsed_s": 0.1, "best_time": 0.5, "current_time": 0.5, "feasible": False},
         {"episode": 2, "elapsed_s": 0.2, "best_time": 1.0, "current_time": 1.0, "feasible": True},
     ]
-    assert _bench.within_1pct(_row(dqn, 2, 1.0), 1.0) == (0.2, 2)
+    assert within_1pct(_row(dqn, 2, 1.0), 1.0) == (0.2, 2)
 
 
 def test_select_and_cli_errors():
-    assert [c.model for c in _bench.select(_bench.QUICK, ["t5-base"])] == ["t5-base"]
-    assert {c.label for c in _bench.select(_bench.QUICK, ["gpt-6.7b"])} == {
+    assert [c.model for c in select(QUICK, ["t5-base"])] == ["t5-base"]
+    assert {c.label for c in select(QUICK, ["gpt-6.7b"])} == {
         "a100 × 64",
         "h100 × 64",
     }

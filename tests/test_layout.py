@@ -178,4 +178,8 @@ def test_tests_import_stages_through_their_init():
                 parts = node.module.split(".")
                 if len(parts) > 2:
                     bad.append(f"{path.relative_to(TESTS)}:{node.lineno} from {node.module}")
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private or node.module[len("automap.") :] not in RANK:
+                    what = ", ".join(private) or node.module
+                    bad.append(f"{path.relative_to(TESTS)}:{node.lineno} imports {what}")
     assert not bad, "\n".join(bad)

@@ -17,6 +17,7 @@ from ._cluster import Cluster
 from ._errors import PlanError
 from ._graph import Graph
 from ._plan import Cost, Plan, Provenance
+from ._run import other_program
 from ._search import (
     SEARCHERS,
     Problem,
@@ -38,6 +39,18 @@ __all__ = [
     "plan_recipe",
     "run_searcher",
 ]
+
+
+def _cluster_hint(cluster: Any) -> str:
+    if isinstance(cluster, str):
+        return (
+            f"cluster must be a Cluster, not the string {cluster!r}: use "
+            f"am.Cluster.preset({cluster!r}, devices=8) or am.Cluster.from_file(path)."
+        )
+    return (
+        f"cluster must be a Cluster, got {type(cluster).__name__}: use "
+        "am.Cluster.preset('a100', devices=8) or am.Cluster.from_file(path)."
+    )
 
 
 def plan(
@@ -122,6 +135,7 @@ def plan_recipe(
         fingerprint=problem.graph.fingerprint,
         cluster=cluster.name,
         devices=cluster.devices,
+        batch=problem.graph.batch_rows,
         **dict(origin or {}),
     )
     decisions = {**built.decisions, "arg_roles": arg_roles(problem.graph)}
@@ -133,10 +147,7 @@ def plan_recipe(
 def _check_fits(graph: Graph, plan: Plan) -> None:
     fp = plan.provenance.fingerprint
     if fp and fp != graph.fingerprint:
-        raise PlanError(
-            f"plan {plan.name or ''!s} was made for another program (fingerprint {fp[:12]}, "
-            f"this one is {graph.fingerprint[:12]}): re-plan for this step function."
-        )
+        raise PlanError(other_program(plan, graph))
     paths = {leaf.path for leaf in graph.inputs}
     missing = sorted(paths - set(plan.specs))
     extra = sorted(set(plan.specs) - paths)

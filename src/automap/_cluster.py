@@ -82,7 +82,8 @@ class Cluster:
             )
         fields = dict(_PRESETS[key])
         fields.update(overrides)
-        per_node = fields.pop("devices_per_node", 8)
+        per_node = _field_value("devices_per_node", fields.pop("devices_per_node", 8))
+        devices = _field_value("devices", devices)
         return cls(
             name=key, devices=devices, devices_per_node=min(per_node, devices), **fields
         )._checked()
@@ -106,6 +107,11 @@ class Cluster:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
+        """A cluster from a YAML or JSON file of fields (and an optional `preset` to start
+        from). Numbers are plain numbers in the field's unit (bytes, FLOP/s, seconds); a
+        string that reads as one is taken as that number, since PyYAML reads `312e12`
+        (no dot) as a string; anything else, or a value out of range, is a ClusterError
+        naming the field, the type and the range."""
         path = Path(path)
         if not path.exists():
             raise ClusterError(f"no cluster file at {path}: check the path.")
@@ -132,6 +138,16 @@ class Cluster:
         )._checked()
 
     def _checked(self) -> Cluster:
+        checked = {r.name: _field_value(r.name, getattr(self, r.name)) for r in _FIELD_RULES}
+        if any(checked[k] is not getattr(self, k) for k in checked):
+            # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
+            return dataclasses.replace(self, **checked)._checked()
+        if not isinstance(self.reduce_scatter, bool):
+            raise ClusterError(
+                f"cluster field reduce_scatter must be true or false, got {self.reduce_scatter!r}."
+            )
+        if not isinstance(self.name, str) or not self.name:
+            raise ClusterError(f"cluster field name must be a non-empty string, got {self.name!r}.")
         if self.devices < 1:
             raise ClusterError(f"a cluster needs at least one device, got {self.devices}.")
         if self.devices > self.devices_per_node and self.devices % self.devices_per_node:
@@ -178,6 +194,88 @@ class Cluster:
                 links[name] = Link(self.inter_bandwidth, self.inter_latency, "mixed")
             stride = span
         return {name: links[name] for name in mesh}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """The type and range a cluster field must have, for a message that names both."""
+
+    name: str
+    kind: type  # int or float
+    low: float  # the least allowed value
+    low_open: bool = False  # True: the value must be greater than `low`
+    high: float = math.inf
+    unit: str = ""
+
+    def text(self) -> str:
+        low = f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+        high = "" if math.isinf(self.high) else f" and <= {self.high:g}"
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{'an integer' if self.kind is int else 'a number'}{unit} {low}{high}"
+
+
+_FIELD_RULES = (
+    _Rule("devices", int, 1),
+    _Rule("devices_per_node", int, 1),
+    _Rule("peak_flops", float, 0.0, low_open=True, unit="FLOP/s"),
+    _Rule("hbm_bytes", float, 0.0, low_open=True, unit="bytes"),
+    *(
+        _Rule(name, float, 0.0, low_open=True, unit="bytes/s")
+        for name in ("hbm_bandwidth", "intra_bandwidth", "inter_bandwidth")
+    ),
+    _Rule("intra_latency", float, 0.0, unit="seconds"),
+    _Rule("inter_latency", float, 0.0, unit="seconds"),
+    *(
+        _Rule(name, float, 0.0, low_open=True, high=1.0)
+        for name in ("matmul_efficiency", "memory_efficiency", "comm_efficiency")
+    ),
+    _Rule("memory_reserve", float, 0.0, high=0.99),
+    _Rule("collective_float_bytes", int, 0, high=8),
+)
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """`value` checked against its field's rule; a numeric string (PyYAML reads `312e12`
+    as one) becomes its number, anything else that is not a finite number in range is a
+    ClusterError naming the field, the type and the allowed range."""
+    rule = next(r for r in _FIELD_RULES if r.name == name)
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    bad_type = isinstance(number, bool) or not isinstance(number, (int, float))
+    bad_type = bad_type or math.isnan(number)
+    # An integer field takes whole numbers only; a float field may be +inf where its range
+    # allows it (links that cost nothing: an idealized cluster for a what-if).
+    if not bad_type and rule.kind is int:
+        bad_type = not math.isfinite(number) or number != int(number)
+    if bad_type:
+        raise ClusterError(
+            f"cluster field {name} must be {rule.text()}, got {value!r} "
+            f"({type(value).__name__}); e.g. {name}: {_example(name)}"
+            + (" (a plain number, no units)." if isinstance(value, str) else ".")
+        )
+    in_range = (number > rule.low if rule.low_open else number >= rule.low) and (
+        number <= rule.high
+    )
+    if not in_range:
+        raise ClusterError(
+            f"cluster field {name} must be {rule.text()}, got {number:g}; "
+            f"e.g. {name}: {_example(name)}."
+        )
+    if isinstance(value, str) or (rule.kind is int and not isinstance(value, int)):
+        return int(number) if rule.kind is int else float(number)
+    return value  # ints stay ints in float fields: the figures print as they were written
+
+
+def _example(name: str) -> Any:
+    """A plausible value for a field, for the error message: the a100 preset's."""
+    if name in _PRESETS["a100"]:
+        return f"{_PRESETS['a100'][name]:g}"
+    default = next(f.default for f in dataclasses.fields(Cluster) if f.name == name)
+    return 8 if default is dataclasses.MISSING else default
 
 
 # Public figures from the brief; per-direction link bandwidths are half the

@@ -129,6 +129,14 @@ class Graph:
     def leaves(self, role: Role) -> tuple[InputLeaf, ...]:
         return tuple(leaf for leaf in self.inputs if leaf.role == role)
 
+    @property
+    def batch_rows(self) -> int | None:
+        """The leading size of the batch leaves when they agree (the batch size a user
+        would name), else None: recorded in plans to say so when a call's batch differs."""
+        shapes = [self.tensors[leaf.tensor].shape for leaf in self.leaves(Role.BATCH)]
+        sizes = {shape[0] for shape in shapes if shape}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def role_bytes(self, role: Role) -> int:
         return sum(self.tensors[leaf.tensor].nbytes for leaf in self.leaves(role))
 

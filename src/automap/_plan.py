@@ -100,6 +100,7 @@ class Provenance:
     fn: str | None = None  # "package.module:function" for --fn plans
     cluster: str = ""
     devices: int = 0
+    batch: int | None = None  # the batch size it was made for (Graph.batch_rows), if known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,14 @@ class Plan:
     @property
     def devices(self) -> int:
         return math.prod(self.mesh.values()) if self.mesh else 1
+
+    @property
+    def replicated(self) -> bool:
+        """True when the plan splits nothing (no tensor split, no ZeRO, one stage): every
+        device holds everything and runs the whole step, whatever its mesh is called."""
+        specs = (*self.specs.values(), *self.out_specs.values(), *self.constraints.values())
+        split = any(e is not None for spec in specs for e in spec)
+        return not split and self.zero_stage == 0 and len(self.stages) <= 1
 
     @property
     def in_specs(self) -> Any:
@@ -238,6 +247,13 @@ class Plan:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise PlanError(f"no plan file at {path}: check the path.") from None
+        except IsADirectoryError:
+            raise PlanError(
+                f"{path} is a directory, not a plan file: give the JSON file that "
+                "`automap plan -o plan.json` wrote."
+            ) from None
+        except PermissionError:
+            raise PlanError(f"{path} cannot be read (permission denied).") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(
                 f"{path} is not valid JSON ({e}); it is not a plan file or it is corrupt. "

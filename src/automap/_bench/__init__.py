@@ -11,13 +11,17 @@ from ._calibrate import write_cluster as write_cluster
 from ._compare import Row as Row
 from ._compare import compare as compare
 from ._compare import compare_table as compare_table
+from ._compare import make_row as make_row
 from ._compare import speedups as speedups
 from ._compare import to_json as to_json
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
 from ._run import FULL as FULL
 from ._run import QUICK as QUICK
+from ._run import Case as Case
+from ._run import Settings as Settings
 from ._run import full_settings as full_settings
 from ._run import quick_settings as quick_settings
 from ._run import run_bench as run_bench
 from ._run import select as select
+from ._run import within_1pct as within_1pct

@@ -48,6 +48,8 @@ class Row:
         if self.plan is None:
             return ""
         mesh = " × ".join(f"{k} {v}" for k, v in self.plan.mesh.items()) or "one device"
+        if self.plan.replicated and self.plan.devices > 1:
+            return f"replicated ({mesh}: nothing split)"
         if self.stages > 1:
             mesh += f", {self.plan.microbatches} mb {self.plan.schedule}"
         if self.plan.zero_stage:
@@ -107,8 +109,20 @@ def compare(
     for name in searchers:
         start = time.perf_counter()
         if name == "expert":
-            for plan in priced_experts(problem).values():
+            try:
+                experts = priced_experts(problem)
+            except AutomapError as e:  # keep the other searchers' rows
+                add(
+                    Row(
+                        name, "", None, None, False, time.perf_counter() - start, None, None, str(e)
+                    )
+                )
+                continue
+            for plan in experts.values():
                 add(make_row("expert", _with_origin(plan, origin), time.perf_counter() - start))
+            if not experts:
+                note = f"no expert plan applies on {cluster.devices} devices"
+                add(Row(name, "", None, None, False, time.perf_counter() - start, None, None, note))
             continue
         try:
             plan = run_searcher(problem, name, budget_s, seed)

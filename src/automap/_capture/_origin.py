@@ -49,10 +49,21 @@ def load_fn(target: str) -> tuple[Callable, tuple, Origin]:
     if not callable(factory):
         raise AutomapError(f"{module_name} has no function {func_name!r}.")
     result = factory()
-    if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])):
+    # A dict or a single array as `args` would be iterated into keys or rows: refuse it.
+    if not (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and callable(result[0])
+        and isinstance(result[1], (tuple, list))
+    ):
+        got = (
+            f" (args is a {type(result[1]).__name__})"
+            if isinstance(result, tuple) and len(result) == 2
+            else ""
+        )
         raise AutomapError(
             f"{target} must return (step_fn, args) where args is a tuple of the step's "
-            "positional arguments."
+            f"positional arguments{got}: e.g. return step, (params, batch)."
         )
     step_fn, args = result
     return step_fn, tuple(args), {"fn": target}

@@ -68,7 +68,8 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
        trainable_variables...; or a path through ".params"/"['params']" in an argument not
        named like a batch → PARAM.
     5. Batch: an argument named batch, inputs, x, y, data, images, tokens, labels,
-       targets... → BATCH. Any other argument that holds an optax state node → OPT_STATE.
+       targets... → BATCH, except a single raw PRNG key (uint32[2] or [4]) in it,
+       which has no batch dimension (→ OTHER). Any other argument that holds an optax state node → OPT_STATE.
     6. If no leaf is a PARAM by now, the first argument with floating-point leaves is the
        parameters (its float leaves). Everything left is OTHER.
 
@@ -249,6 +250,7 @@ def _infer_roles(
     overrides: Mapping[Any, Any] | None,
 ) -> list[Role]:
     names = _arg_names(fn, len(args))
+    _check_overrides(overrides, names, paths, len(args))
     optax_args = {i for i, a in enumerate(args) if _holds_optax_state(a)}
     out: list[Role | None] = []
     for path, i in zip(paths, arg_index, strict=True):
@@ -267,7 +269,7 @@ def _infer_roles(
                 role = Role.OTHER
             elif param_named or (any(m in rest for m in _PARAM_MARKERS) and not batch_named):
                 role = Role.PARAM
-            elif batch_named:
+            elif batch_named and not _raw_key(invars[len(out)].aval):
                 role = Role.BATCH
             elif i in optax_args:
                 role = Role.OPT_STATE
@@ -280,6 +282,48 @@ def _infer_roles(
                 if i == firsts[0] and r is None and floating[k]:
                     out[k] = Role.PARAM
     return [r or Role.OTHER for r in out]
+
+
+def _raw_key(aval: Any) -> bool:
+    """A single raw PRNG key (`jax.random.PRNGKey`: uint32[2]; the rbg kinds: uint32[4])
+    travels with a batch but is not one: its 2 must not be read as the batch size. A
+    batch of keys (uint32[B, 2]) is a batch."""
+    return str(aval.dtype) == "uint32" and tuple(aval.shape) in ((2,), (4,))
+
+
+def _check_overrides(
+    overrides: Mapping[Any, Any] | None, names: list[str | None], paths: list[str], n: int
+) -> None:
+    """Each `roles` entry must name a role and match something: a typo in either would
+    otherwise be ignored silently, and the plan made on guessed roles."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, Mapping):
+        raise CaptureError(
+            f"roles must be a dict such as {{'params': 'param'}}, got {type(overrides).__name__}"
+        )
+    valid = ", ".join(repr(r.value) for r in Role)
+    for key, value in overrides.items():
+        try:
+            Role(value)
+        except ValueError:
+            raise CaptureError(
+                f"roles[{key!r}] = {value!r} is not a role; use one of {valid}"
+            ) from None
+        if isinstance(key, str) and key.startswith("["):
+            matched = any(p.startswith(key) for p in paths)
+        elif isinstance(key, str):
+            matched = key in names
+        else:
+            matched = isinstance(key, int) and not isinstance(key, bool) and 0 <= key < n
+        if not matched:
+            known = ", ".join(repr(x) for x in names if x) or "none"
+            raise CaptureError(
+                f"roles key {key!r} matches no argument of the step (argument names: {known}; "
+                f"indices 0-{n - 1}; or a leaf-path prefix such as {paths[0]!r})"
+                if paths
+                else f"roles key {key!r} matches nothing: the step takes no arguments"
+            )
 
 
 def _override(overrides: Mapping[Any, Any] | None, path: str, name: str, index: int) -> Role | None:

@@ -16,6 +16,8 @@ import contextlib
 import functools
 import json
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -136,6 +138,32 @@ def cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", max(n, 1))
 
 
+def run_devices(need: int) -> list[Any]:
+    """The devices to run a plan of `need` devices on: the accelerators when JAX finds
+    enough of them (a GPU or TPU host), else `max(8, need)` virtual CPU devices, as
+    before. JAX_PLATFORMS, when set, is the user's choice and is kept."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", max(8, need))  # before any backend starts
+    devices, note_text = choose_devices(jax.devices(), lambda: jax.devices("cpu"), need)
+    if note_text:
+        note(note_text)
+    return devices
+
+
+def choose_devices(
+    default: list[Any], cpu: Callable[[], list[Any]], need: int
+) -> tuple[list[Any], str]:
+    """(devices, a note or "") from JAX's default devices and the CPU's: the default ones
+    (accelerators first, as JAX orders its backends) unless there are too few of them."""
+    if default[0].platform == "cpu" or len(default) >= need:
+        return default, ""
+    return cpu(), (
+        f"the plan needs {need} devices and this machine has {len(default)} "
+        f"{default[0].platform.upper()}(s): running it on {need} virtual CPU devices instead."
+    )
+
+
 def check_devices(devices: int, option: str = "--devices") -> None:
     if devices < 1:
         raise AutomapError(f"{option} must be at least 1, got {devices} (e.g. {option} 8).")
@@ -145,6 +173,71 @@ def check_budget(budget: float | None) -> None:
     if budget is not None and not budget > 0:  # `not >` also catches NaN
         raise AutomapError(f"--budget is seconds of search and must be positive, got {budget:g} "
                            "(e.g. --budget 30).")  # fmt: skip
+
+
+def check_output(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a long search must
+    not end in a traceback that loses its result."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise AutomapError(
+            f"{option} {path} is a directory: give a file name, e.g. {option} "
+            f"{path / ('out' + (path.suffix or '.json'))}."
+        )
+    parent = path.parent
+    for above in (parent, *parent.parents):
+        if above.exists():
+            if not above.is_dir():
+                raise AutomapError(
+                    f"{option} {path}: {above} is a file, not a directory; choose another path."
+                )
+            break
+    if not parent.exists():
+        raise AutomapError(
+            f"{option} {path}: the directory {parent} does not exist; create it first "
+            f"(mkdir -p {parent})."
+        )
+    target = path if path.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise AutomapError(
+            f"{option} {path} cannot be written (permission denied on {target}); choose a "
+            "writable place."
+        )
+
+
+#: The exit code of a command stopped by SIGTERM (128 + 15), as shells report it.
+TERMINATED = 143
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
+    """SIGTERM (a scheduler's time limit, `kill`) stops a search as Ctrl-C does, so the
+    best plan so far is kept; the yielded dict's "terminated" says which signal it was.
+    The handler is the main thread's only (Python delivers signals there) and is undone
+    on exit."""
+    from .._search import STOP
+
+    seen = {"terminated": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        seen["terminated"] = True
+        STOP.set()  # polled by the searchers: the stop holds even if the raise is lost
+        on_ctrl_c = signal.getsignal(signal.SIGINT)
+        if callable(on_ctrl_c):  # what Ctrl-C does now: the DQN's own handler, say
+            on_ctrl_c(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        STOP.clear()
 
 
 def check_plan_file(path: Path) -> Path:

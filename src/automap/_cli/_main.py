@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 
 from .._errors import AutomapError
 from ._app import (
     INTERRUPTED,
+    TERMINATED,
     ClusterOpt,
     DevicesOpt,
     FnOpt,
@@ -28,6 +30,7 @@ from ._app import (
     app,
     busy,
     check_budget,
+    check_output,
     console,
     friendly,
     json_flags,
@@ -35,6 +38,7 @@ from ._app import (
     load_step,
     note,
     print_json,
+    sigterm_as_interrupt,
 )
 
 __all__ = ["app", "main"]
@@ -93,36 +97,40 @@ def plan_cmd(
 ) -> None:
     """Find a plan for a model on a cluster and print it: mesh, shardings, predicted cost.
 
-    Ctrl-C saves the best plan so far (to -o, else a new plan.json) and exits with 130.
+    Ctrl-C saves the best plan so far (to -o, else a new plan.json) and exits with 130;
+    SIGTERM (a scheduler's time limit) does the same and exits with 143.
     With -o, the DQN also keeps its search state next to the plan (plan.search.msgpack):
     --resume continues from it.
 
     Example: automap plan --model bert-large --cluster a100 --devices 16 -o plan.json
     """
     from .._api import plan
-    from .._report import plan_dict, print_plan
+    from .._report import answer_line, plan_dict, print_plan
 
     check_budget(budget)
+    check_output(output, "-o")
+    check_output(save_agent, "--save-agent")
     state = _search_state(output, searcher, resume)
-    step_fn, args, origin = load_step(model, fn, override)
-    the_cluster = load_cluster(cluster, devices)
-    try:
-        result = plan(
-            step_fn,
-            *args,
-            cluster=the_cluster,
-            searcher=searcher,
-            budget_s=budget,
-            seed=seed,
-            origin=origin,
-            progress=not (quiet or as_json),
-            agent_in=agent,
-            agent_out=save_agent,
-            resume=state,
-        )
-    except KeyboardInterrupt:
-        note("interrupted before any feasible plan was found; nothing saved.")
-        raise typer.Exit(INTERRUPTED) from None
+    with sigterm_as_interrupt() as signalled:
+        try:
+            step_fn, args, origin = load_step(model, fn, override)
+            the_cluster = load_cluster(cluster, devices)
+            result = plan(
+                step_fn,
+                *args,
+                cluster=the_cluster,
+                searcher=searcher,
+                budget_s=budget,
+                seed=seed,
+                origin=origin,
+                progress=not (quiet or as_json),
+                agent_in=agent,
+                agent_out=save_agent,
+                resume=state,
+            )
+        except KeyboardInterrupt:
+            note("interrupted before any feasible plan was found; nothing saved.")
+            raise typer.Exit(_stop_code(signalled)) from None
     interrupted = bool(result.decisions.get("interrupted"))
     if interrupted and output is None:
         # The user asked for no file, but an interrupted search printed nothing: keep it.
@@ -130,6 +138,8 @@ def plan_cmd(
     curve_path = _save(result, output) if output is not None else None
     if as_json:
         print_json(plan_dict(result))
+    elif quiet and output is None:
+        console.print(answer_line(result), highlight=False, soft_wrap=True, markup=False)
     elif not (quiet or interrupted):
         print_plan(console, result, the_cluster)
         if output is not None:
@@ -139,8 +149,14 @@ def plan_cmd(
         if state is not None and state.exists():
             console.print(f"search state saved to [bold]{state}[/bold] (go on with --resume)")
     if interrupted:
-        note(f"search interrupted: the best plan so far is saved to {output}")
-        raise typer.Exit(INTERRUPTED)
+        how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
+        note(f"search {how}: the best plan so far is saved to {output}")
+        raise typer.Exit(_stop_code(signalled))
+
+
+def _stop_code(signalled: dict[str, bool]) -> int:
+    """130 after Ctrl-C, 143 after SIGTERM: the codes a shell reports for them."""
+    return TERMINATED if signalled["terminated"] else INTERRUPTED
 
 
 def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | None:
@@ -232,11 +248,15 @@ def compare_cmd(
             f"unknown searcher(s) {', '.join(unknown) or '(none given)'}; --searchers takes "
             f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
         )
+    check_output(json_out, "--json-out")
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far
     interrupted = False
-    with busy("planning...", not (quiet or as_json)) as status:
+    with (
+        busy("planning...", not (quiet or as_json)) as status,
+        sigterm_as_interrupt() as signalled,
+    ):
 
         def on_row(row: Any) -> None:
             if row.plan is not None and row.plan.decisions.get("interrupted"):
@@ -266,12 +286,20 @@ def compare_cmd(
     if as_json:
         print_json(data)
     elif not quiet:
-        console.print(compare_table(what, the_cluster, rows))
+        table = compare_table(what, the_cluster, rows)
+        # Off a terminal Rich assumes 80 columns and wraps every cell: give the table the
+        # width it needs instead, so that a log or a file keeps one row per line.
+        if console.is_terminal:
+            console.print(table)
+        else:
+            wide = console.options.update_width(1000)
+            Console(width=console.measure(table, options=wide).maximum).print(table)
         if json_out is not None:
             console.print(f"rows written to [bold]{json_out}[/bold]")
     if interrupted:
-        note(f"comparison interrupted: {len(rows)} row(s) so far, the rest skipped.")
-        raise typer.Exit(INTERRUPTED)
+        how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
+        note(f"comparison {how}: {len(rows)} row(s) so far, the rest skipped.")
+        raise typer.Exit(_stop_code(signalled))
 
 
 @app.command("estimate")

@@ -28,6 +28,7 @@ from ._app import (
     busy,
     check_budget,
     check_devices,
+    check_output,
     check_plan_file,
     console,
     cpu_devices,
@@ -35,6 +36,7 @@ from ._app import (
     json_flags,
     load_step,
     print_json,
+    run_devices,
 )
 
 
@@ -121,11 +123,11 @@ def apply_cmd(
     from .._plan import Plan
 
     the_plan = Plan.load(check_plan_file(plan_file))
-    cpu_devices(max(8, the_plan.devices))
+    devices = run_devices(the_plan.devices)
     from .._verify import check_saved_plan
 
     with busy("compiling and running the plan...", not (quiet or as_json)):
-        result = check_saved_plan(the_plan, run_only=not check)
+        result = check_saved_plan(the_plan, run_only=not check, devices=devices)
     if as_json:
         print_json(result)
     elif not quiet:
@@ -191,6 +193,8 @@ def report_cmd(
     from .._report import write_report
 
     check_plan_file(plan_file)
+    check_output(output, "-o")
+    check_output(png, "--png")
     with busy("drawing the report...", not (quiet or as_json)):
         path = write_report(plan_file, output, png=png, curve=curve)
     if as_json:

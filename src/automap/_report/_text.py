@@ -115,6 +115,28 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     return d
 
 
+def mesh_text(plan: Plan) -> str:
+    """The mesh as axis=size, or "replicated" when the plan splits nothing on it."""
+    mesh = " × ".join(f"{k}={v}" for k, v in plan.mesh.items()) or "one device"
+    if plan.replicated and plan.devices > 1:
+        return f"replicated on {plan.devices} devices (nothing split; mesh {mesh})"
+    return mesh
+
+
+def answer_line(plan: Plan) -> str:
+    """The plan in one line: what --quiet prints when nothing else would show it."""
+    line = f"{plan.name}: mesh {mesh_text(plan)}, ZeRO {plan.zero_stage}"
+    if plan.pipelined:
+        line += f", {len(plan.stages)} stages × {plan.microbatches} microbatches"
+    cost = plan.predicted
+    if cost is not None:
+        line += (
+            f", step {human_time(cost.step_time_s)}, {human_bytes(cost.memory_bytes)} per "
+            f"device, {'feasible' if cost.feasible else 'infeasible: ' + str(cost.reason)}"
+        )
+    return line
+
+
 def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
     prov = plan.provenance
     what = prov.model or prov.fn or "step"
@@ -122,7 +144,7 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
         f"[bold]Plan[/bold] for [bold]{what}[/bold] on {cluster.name} × {cluster.devices} "
         f"— {plan.name} (searcher {prov.searcher}, {prov.search_time_s:.1f} s)"
     )
-    mesh = " × ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    mesh = mesh_text(plan)
     console.print(
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
         + ("   remat: yes" if plan.remat else "")
@@ -189,10 +211,11 @@ def print_check(console: Console, result: Mapping[str, Any]) -> None:
             f"{result['reason']}: checked a reduced variant ({result['overrides']}) "
             f"on mesh {result['mesh']}."
         )
+    where = f" ({result['platform'].upper()})" if result.get("platform") else ""
     if not result.get("checked"):
-        console.print(f"ran on mesh {result['mesh']}.")
+        console.print(f"ran on mesh {result['mesh']}{where}.")
         return
     verdict = "[green]equal[/green]" if result["equal"] else "[red]DIFFERENT[/red]"
     console.print(
-        f"sharded vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
+        f"sharded{where} vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
     )

@@ -7,6 +7,7 @@ that cannot apply here (each refusal names the problem and the fix).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from ._shared import (
     check_paths,
     leaf_dtype,
     leaf_shape,
+    other_program,
     per_structure,
     validate_plan,
 )
@@ -66,18 +68,16 @@ class Prepared:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         check_paths(plan, paths)
+        if graph is None and (plan.provenance.fingerprint or plan.constraints):
+            graph = capture(fn, *args)
+        # Before the divisibility checks: "another batch size" says more than "6 is not
+        # divisible by 8". A graph the caller captured (verify's) is checked the same way.
+        fingerprint = plan.provenance.fingerprint
+        if graph is not None and fingerprint and fingerprint != graph.fingerprint:
+            raise PlanError(other_program(plan, graph))
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        if graph is None and (plan.provenance.fingerprint or plan.constraints):
-            graph = capture(fn, *args)
-            if plan.provenance.fingerprint and plan.provenance.fingerprint != graph.fingerprint:
-                raise PlanError(
-                    f"the plan was made for another program (fingerprint "
-                    f"{plan.provenance.fingerprint[:12]}…, this step's is "
-                    f"{graph.fingerprint[:12]}…): same input paths, different computation "
-                    "or shapes. Make a new plan for this step."
-                )
         body = fn if not plan.constraints else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
@@ -103,7 +103,9 @@ class Prepared:
                 out,
             )
 
-        self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings))
+        # A step the user jitted with donate_argnums keeps its donation here.
+        donated = _donated_leaves(fn, args, len(paths))
+        self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), donate_argnums=donated)
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Flat abstract arguments carrying the plan's shardings (for lower/compile)."""
@@ -145,6 +147,39 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
     return run
 
 
+def donates(fn: Any) -> bool:
+    """Whether `fn` is a `jax.jit` function with donate_argnums/donate_argnames."""
+    info = getattr(fn, "_jit_info", None)
+    return bool(getattr(info, "donate_argnums", ()) or getattr(info, "donate_argnames", ()))
+
+
+def _donated_leaves(fn: Any, args: tuple, n: int) -> tuple[int, ...]:
+    """Flat indices of the argument leaves `fn` donates (when `fn` is a jitted function
+    with donation), read from its own trace so that argnums and argnames both count."""
+    if not donates(fn):
+        return ()
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
+    )
+    flags = [a.donated for a in jax.tree_util.tree_leaves(fn.trace(*abstract).args_info)]
+    return tuple(i for i, d in enumerate(flags) if d) if len(flags) == n else ()
+
+
+def _a_plan(plan: Any) -> Plan:
+    """`plan` itself when it is a Plan; a one-line error naming the fix otherwise (a path
+    given where the loaded plan belongs is the usual slip)."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        raise PlanError(
+            f"apply takes a Plan, not the path {str(plan)!r}: load it first, "
+            f"am.apply(step, am.Plan.load({str(plan)!r}))."
+        )
+    raise PlanError(
+        f"apply takes a Plan (from am.plan or am.Plan.load), got {type(plan).__name__}."
+    )
+
+
 def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> Callable:
     """A callable that runs `fn` with the plan's shardings on `devices` (default: all).
 
@@ -152,7 +187,15 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     numpy or jax arrays; they are placed with the plan's shardings. The step is traced
     and compiled once per argument structure.
     """
+    plan = _a_plan(plan)
     if plan.pipelined:  # stages on sub-meshes, fed microbatch by microbatch
+        if donates(fn):
+            warnings.warn(
+                "the step was jitted with donate_argnums, but a pipeline plan runs it stage "
+                "by stage: its inputs are not donated, so memory holds them and the outputs "
+                "together.",
+                stacklevel=2,
+            )
         return apply_pipeline(fn, plan, devices)
     validate_plan(plan)
     mesh = make_mesh(plan, devices)

@@ -63,6 +63,7 @@ from ._shared import (
     check_paths,
     leaf_dtype,
     leaf_shape,
+    other_program,
     per_structure,
     validate_plan,
 )
@@ -138,14 +139,9 @@ class _Pipeline:
             lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
         )
         full = capture(fn, *abstract)
-        if plan.provenance.fingerprint and plan.provenance.fingerprint != full.fingerprint:
-            raise PlanError(
-                f"the plan was made for another program (fingerprint "
-                f"{plan.provenance.fingerprint[:12]}…, this step's is "
-                f"{full.fingerprint[:12]}…): same input paths, different computation or "
-                "shapes. Make a new plan for this step."
-            )
         check_paths(plan, [leaf.path for leaf in full.inputs])
+        if plan.provenance.fingerprint and plan.provenance.fingerprint != full.fingerprint:
+            raise PlanError(other_program(plan, full))
         groups = build_groups(full)
         bounds = [(s.op_start, s.op_stop) for s in plan.stages]
         part = partition(full, groups, bounds, m)

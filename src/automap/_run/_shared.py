@@ -66,16 +66,41 @@ def check_divisible(what: str, shape: tuple[int, ...], spec: Spec, mesh: Mapping
             )
 
 
+def _first(items: list[str], n: int = 3) -> str:
+    """The first `n` items and how many more: a big model's paths fill kilobytes."""
+    if not items:
+        return "none"
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
 def check_paths(plan: Plan, paths: list[str]) -> None:
     missing = [p for p in plan.specs if p not in set(paths)]
     unexpected = [p for p in paths if p not in plan.specs]
     if missing or unexpected:
         raise PlanError(
             "the arguments do not match the plan: the plan was made for another program. "
-            f"Inputs the plan has but the call lacks: {missing or 'none'}; inputs of the "
-            f"call the plan lacks: {unexpected or 'none'}. Make the plan for this step "
+            f"Inputs the plan has but the call lacks: {_first(missing)}; inputs of the "
+            f"call the plan lacks: {_first(unexpected)}. Make the plan for this step "
             "(`am.plan(step_fn, *args)`)."
         )
+
+
+def other_program(plan: Plan, graph: Any) -> str:
+    """Why a plan's fingerprint differs from this step's, as plainly as the plan allows:
+    the batch size when that is what changed, else the input shapes or the computation."""
+    made, now = plan.provenance.batch, graph.batch_rows
+    if made is not None and now is not None and made != now:
+        return (
+            f"the plan was made for another program: batch size {made}, this call's batch "
+            f"is {now}. Make a plan for batch {now} (`am.plan(step_fn, *args)`) or call with "
+            f"batches of {made}."
+        )
+    return (
+        f"the plan was made for another program (fingerprint "
+        f"{plan.provenance.fingerprint[:12]}…, this step's is {graph.fingerprint[:12]}…): "
+        "same input paths, different computation or shapes. Make a new plan for this step."
+    )
 
 
 def leaf_shape(x: Any) -> tuple[int, ...]:

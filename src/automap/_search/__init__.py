@@ -7,6 +7,7 @@ are in `_mdp/`. DESIGN.md, "Searchers".
 """
 
 from ._classic import SAFETY as SAFETY
+from ._classic import STOP as STOP
 from ._classic import Tracker as Tracker
 from ._classic import evaluate as evaluate
 from ._classic import options_of as options_of

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,11 @@ ShardPoint = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, Z
 # only a safety stop at SAFETY x the budget.
 EVALS_PER_SECOND = 200
 SAFETY = 5.0
+
+#: Set by a signal handler (the CLI's SIGTERM) to stop a search as Ctrl-C does. Polled, so
+#: that the stop still happens when the KeyboardInterrupt the handler raises lands where
+#: Python ignores exceptions (a garbage-collector callback, say).
+STOP = threading.Event()
 
 
 @dataclasses.dataclass
@@ -64,7 +70,19 @@ class Tracker:
             self.max_evals = max(1, int(self.budget_s * EVALS_PER_SECOND))
 
     def out_of_time(self) -> bool:
+        if self.stop_requested():
+            return True
         return self.evaluated >= self.max_evals or self.elapsed >= SAFETY * self.budget_s
+
+    def stop_requested(self) -> bool:
+        """True when `STOP` asks the search to end, with the best point kept (marked
+        `interrupted`); before any feasible point it is a KeyboardInterrupt, as Ctrl-C."""
+        if not STOP.is_set():
+            return False
+        if self.best is None:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        return True
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
@@ -126,7 +144,7 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
             stack: list[tuple[int, ...]] = [()]
             while stack:
                 chosen = stack.pop()
-                if tracker.elapsed >= tracker.budget_s:
+                if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
                     tracker.complete = False
                     return tracker
                 if len(chosen) == len(space.units):

@@ -17,7 +17,7 @@ from .._axes import DATA
 from .._capture import capture
 from .._cluster import Cluster
 from .._cost import CostModel
-from .._errors import InfeasibleError
+from .._errors import AutomapError, InfeasibleError
 from .._graph import Graph
 from .._groups import Groups, build_groups
 from .._plan import Cost, Plan
@@ -37,7 +37,14 @@ class Problem:
     def build(
         cls, step_fn: Callable, args: Sequence[Any], cluster: Cluster, roles: Any = None
     ) -> Problem:
+        if not isinstance(cluster, Cluster):
+            raise AutomapError(_cluster_hint(cluster))
         graph = capture(step_fn, *args, roles=roles)
+        if not graph.inputs:
+            raise AutomapError(
+                "the step takes no array arguments, so there is nothing to split: pass the "
+                "parameters, optimizer state and batch as arguments (not closed over)."
+            )
         groups = build_groups(graph)
         return cls(graph, groups, cluster, CostModel(graph, cluster, groups))
 
@@ -46,6 +53,18 @@ class Problem:
 
     def priced(self, plan: Plan) -> Plan:
         return dataclasses.replace(plan, predicted=self.estimate(plan))
+
+
+def _cluster_hint(cluster: Any) -> str:
+    if isinstance(cluster, str):
+        return (
+            f"cluster must be a Cluster, not the string {cluster!r}: use "
+            f"am.Cluster.preset({cluster!r}, devices=8) or am.Cluster.from_file(path)."
+        )
+    return (
+        f"cluster must be a Cluster, got {type(cluster).__name__}: use "
+        "am.Cluster.preset('a100', devices=8) or am.Cluster.from_file(path)."
+    )
 
 
 def priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
@@ -66,6 +85,7 @@ def priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
             fingerprint=problem.graph.fingerprint,
             cluster=problem.cluster.name,
             devices=problem.cluster.devices,
+            batch=problem.graph.batch_rows,
         )
         decisions = {**p.decisions, "arg_roles": arg_roles(problem.graph)}
         out[name] = dataclasses.replace(p, provenance=provenance, in_tree=tree, decisions=decisions)

@@ -207,5 +207,6 @@ def run_searcher(
         fingerprint=problem.graph.fingerprint,
         cluster=problem.cluster.name,
         devices=problem.cluster.devices,
+        batch=problem.graph.batch_rows,
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)

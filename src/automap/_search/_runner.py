@@ -9,6 +9,7 @@ rate (see `_classic.EVALS_PER_SECOND`), so the same seed gives the same plan any
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -316,11 +317,18 @@ def _run_dqn(
 
 
 class SearchProgress:
-    """A Rich progress bar with the best step time so far, or nothing when quiet."""
+    """A Rich progress bar with the best step time so far, or nothing when quiet. Off a
+    terminal (a log, a batch job) it prints a plain line to stderr every LOG_EVERY_S
+    seconds instead, so that a long search is seen to be alive."""
+
+    LOG_EVERY_S = 10.0
 
     def __init__(self, enabled: bool, name: str):
         self.enabled, self.name = enabled, name
         self._bar = self._task = None
+        self._log = None  # the stderr console when logging lines off a terminal
+        self._done, self._total, self._best = 0, 0, "—"
+        self._start = self._last = time.perf_counter()
 
     def __enter__(self) -> SearchProgress:
         from rich.console import Console
@@ -336,25 +344,46 @@ class SearchProgress:
                 TextColumn("best {task.fields[best]}"), transient=True, console=console,
             )  # fmt: skip
             self._bar.__enter__()
+        elif self.enabled:
+            self._log = console
         return self
 
     def start(self, total: int) -> None:
+        self._total = total
         if self._bar is not None:
             self._task = self._bar.add_task(self.name, total=total, best="—")
 
     def advance_to(self, completed: int) -> None:
+        self._done = completed
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=completed)
+        self._maybe_log()
 
     def advance(self, point: Any = None, cost: Any = None, best_time: float | None = None) -> None:
-        if self._bar is None or self._task is None:
+        if self._bar is None and self._log is None:
             return
         fields = {}
         if best_time is not None and best_time < float("inf"):
             fields["best"] = f"{best_time * 1e3:.2f} ms"
         elif cost is not None and getattr(cost, "feasible", False):
             fields["best"] = f"{cost.step_time_s * 1e3:.2f} ms (last feasible)"
-        self._bar.update(self._task, advance=1, **fields)
+        self._done += 1
+        self._best = fields.get("best", self._best)
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, advance=1, **fields)
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.perf_counter()
+        if self._log is None or now - self._last < self.LOG_EVERY_S:
+            return
+        self._last = now
+        total = f"/{self._total}" if self._total else ""
+        self._log.print(
+            f"{self.name}: {self._done}{total} evaluated, best {self._best}, "
+            f"{now - self._start:.0f} s",
+            highlight=False, soft_wrap=True, markup=False,
+        )  # fmt: skip
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -59,15 +59,15 @@ def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
     while pp * tp <= cluster.devices:
         dp = cluster.devices // (tp * pp)
         if cluster.devices % (tp * pp) == 0 and groups.batch_size % dp == 0:
-            recipe = Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full")
+            recipe = Recipe(
+                tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", name="megatron_3d"
+            )
             try:
-                plan = recipe_plan(
-                    graph, groups, cluster, dataclasses.replace(recipe, name="megatron_3d")
-                )
+                plan = recipe_plan(graph, groups, cluster, recipe)
+                plan = dataclasses.replace(plan, predicted=estimate(plan))
             except PlanError:  # layers not divisible by pp, a step that cannot microbatch
                 plan = None
             if plan is not None:
-                plan = dataclasses.replace(plan, predicted=estimate(plan))
                 if plan.predicted.feasible:
                     return plan
                 if leanest is None or plan.predicted.memory_bytes < leanest.predicted.memory_bytes:
@@ -106,7 +106,10 @@ def _gpipe(graph, groups, cluster, estimate, cands, batch) -> Plan | None:
             cost = estimate(plan)
         except PlanError:  # a step that cannot be microbatched (batch norm): one microbatch
             plan = dataclasses.replace(plan, microbatches=1)
-            cost = estimate(plan)
+            try:
+                cost = estimate(plan)
+            except PlanError:  # no pipeline applies (a step that returns no loss): skip it
+                return None
         plan = dataclasses.replace(plan, predicted=cost)
         if cost.feasible:
             return plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,10 +38,15 @@ REDUCED = {
 }
 
 
-def check_saved_plan(plan: Plan, *, run_only: bool = False) -> dict[str, Any]:
+def check_saved_plan(
+    plan: Plan, *, run_only: bool = False, devices: Sequence[Any] | None = None
+) -> dict[str, Any]:
+    """Run `plan` on `devices` (default: JAX's default devices) and, unless `run_only`,
+    compare its outputs with the unsharded step's."""
     import jax
 
-    local = len(jax.devices())
+    devices = list(jax.devices() if devices is None else devices)
+    local = len(devices)
     step_fn, args, origin = rebuild(plan.provenance, abstract=True)
     reduced_reason = _reduce_reason(plan, args, local)
     overrides: dict[str, Any] = {}
@@ -58,9 +63,10 @@ def check_saved_plan(plan: Plan, *, run_only: bool = False) -> dict[str, Any]:
         overrides = {k: v for k, v in REDUCED.items() if k in config}
     step_fn, args, origin = rebuild(plan.provenance, abstract=False, overrides=overrides)
     run_plan = _transfer(plan, step_fn, args, local) if reduced_reason else plan
-    sharded = apply(step_fn, run_plan)(*args)
+    sharded = apply(step_fn, run_plan, devices=devices)(*args)
     result: dict[str, Any] = {
         "model": origin.get("model") or origin.get("fn"),
+        "platform": devices[0].platform,
         "reduced": bool(reduced_reason),
         "reason": reduced_reason or "",
         "overrides": overrides,
