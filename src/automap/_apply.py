@@ -121,7 +121,7 @@ class Prepared:
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", _shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        if graph is None and (plan.provenance.fingerprint or plan.constraints):
+        if graph is None and (plan.provenance.fingerprint or plan.constraints or plan.remat):
             from ._capture import capture  # lazily: capture is only needed for these
 
             graph = capture(fn, *args)
@@ -132,7 +132,8 @@ class Prepared:
                     f"{graph.fingerprint[:12]}…): same input paths, different computation "
                     "or shapes. Make a new plan for this step."
                 )
-        body = fn if not plan.constraints else _constrained(graph, plan, mesh)
+        reinterpret = plan.constraints or plan.remat  # remat recomputes inside the program
+        body = fn if not reinterpret else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
         strange = sorted(set(plan.out_specs) - set(out_paths))
@@ -195,6 +196,26 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
 
     def run(*args: Any) -> Any:
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
+        return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
+
+    return run if not plan.remat else _recomputing(graph, constrain)
+
+
+def _recomputing(graph: Any, constrain: Callable) -> Callable:
+    """The captured program re-run with each layer's forward recomputed in the backward
+    (`_remat`: Megatron's full recomputation), fixing the plan's internal tensors too."""
+    from ._linkage import build_groups
+    from ._remat import eval_recomputing, recompute_plan
+
+    rc = recompute_plan(graph, build_groups(graph))
+    wanted = [leaf.tensor for leaf in graph.outputs]
+
+    def run(*args: Any) -> Any:
+        env = {
+            leaf.tensor: x
+            for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
+        }
+        outs = eval_recomputing(graph, rc, range(len(graph.ops)), env, wanted, constrain)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run

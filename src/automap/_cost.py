@@ -30,6 +30,9 @@ numpy operations over those tables:
   parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
   plus activations kept for backward (`_memory.py`) by their layouts, / microbatches.
+  With rematerialization (`_remat.py`, what `am.apply` runs): each recomputed layer's ops
+  are charged a second time, and the activations are the layers' inputs, the residuals
+  made outside them, and one layer's residuals (its backward's).
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
 conservative prediction). Plans with pipeline stages are timed by their schedule on top of
@@ -50,8 +53,8 @@ from . import _kernel as K
 from ._cluster import Cluster
 from ._graph import Graph, Role
 from ._linkage import Groups, build_groups
-from ._memory import find_residuals
 from ._plan import Collective, Cost, Plan
+from ._remat import residuals
 from ._rules import rule
 from ._tables import RowTable, build_tables
 
@@ -72,7 +75,9 @@ class CostModel:
                 _warned.add(p)
                 _log.warning("no sharding rule for %r: kept replicated, costed as memory-bound", p)
         self.unknown_primitives = tuple(unknown)
-        self.tables = build_tables(graph, self.groups, cluster, find_residuals(graph))
+        # What the step keeps for its backward, with and without rematerialization.
+        self.residuals = residuals(graph, self.groups)
+        self.tables = build_tables(graph, self.groups, cluster, self.residuals)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._touch_cache: dict[tuple[int, ...], tuple] = {}

@@ -90,7 +90,7 @@ class Tables:
     op_set: np.ndarray  # [n_ops] iteration set of each op
     op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
     compute_coef: np.ndarray  # [n_sets] op_coef summed by set
-    remat_coef: np.ndarray  # [n_sets] forward ops run again under rematerialization
+    remat_coef: np.ndarray  # [n_sets] recomputed layers' ops, run again in the backward
     param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
@@ -118,7 +118,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     param_sets = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
-    forward = set(res.forward_ops)
+    recomputed = set(res.recomputed)
     fused_bytes = _fused_bytes(graph, res)
     wide = cluster.collective_float_bytes
 
@@ -167,7 +167,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             remat.append(0.0)
             continue
         op_coef.append(coef)
-        remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
+        remat.append(coef if op.index in recomputed else 0.0)  # matmuls included
         if red:
             gs = sorted(red)
             small = [sid(x for x in it if x < g) for g in gs]

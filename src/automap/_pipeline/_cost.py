@@ -44,9 +44,7 @@ import numpy as np
 from .. import _collectives as C
 from .._errors import PlanError
 from .._graph import Role
-from .._memory import find_residuals
 from .._plan import Collective, Cost, Plan
-from .._rules import rule
 from ._partition import Partition, partition
 from ._schedule import simulate
 from ._traffic import (
@@ -116,10 +114,8 @@ def op_costs(
     st, ac = model.op_state(assignment, stage_mesh)
     n = len(graph.ops)
     compute = T.op_coef * st.inv[T.op_set]
-    forward = find_residuals(graph).boundary
-    again = np.array(
-        [rule(op, graph).compute == "memory" and op.index <= forward for op in graph.ops]
-    )
+    # Rematerialization runs every op of the recomputed layers again, matmuls included.
+    again = np.isin(np.arange(n), model.residuals.recomputed)
     remat_compute = compute * again if remat else np.zeros(n)
     pf, rf = T.partial_full, T.reshard_full
     row_op = np.concatenate([pf.op, pf.op, rf.op])
@@ -247,7 +243,7 @@ def stage_costs(
     b = int(np.argmax(own))
     compute_s = float(compute[b] @ runs)
 
-    res = find_residuals(graph)
+    res = model.residuals
     memory, op_state, op_act = stage_memory(
         graph,
         part,

@@ -41,6 +41,7 @@ from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._interpret import eval_ops
 from .._plan import Plan
+from .._remat import eval_recomputing, recompute_plan
 from ._partition import Phase, partition
 from ._schedule import SCHEDULES, global_order
 from ._segments import (
@@ -50,6 +51,7 @@ from ._segments import (
     micro_args,
     micro_consts,
     readers,
+    recompute_segments,
     segments,
 )
 
@@ -142,6 +144,8 @@ class _Pipeline:
             check_same_program(full, micro, groups, m)
         self.graph, self.part, self.groups = full, part, groups
         self.pre, self.micro, self.post = segments(full, part)
+        if plan.remat:  # each B segment recomputes its stage's layers from their inputs
+            self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
         self.readers = readers(self.micro)
         self.per_mb = {
             t
@@ -187,7 +191,8 @@ class _Pipeline:
             if leaf.path in self.plan.out_specs and leaf.tensor not in self.part.batched:
                 wanted.setdefault(leaf.tensor, self.plan.out_specs[leaf.path])
         shardings = {}
-        for i in seg.ops:
+        again = seg.recompute.ops if seg.recompute is not None else ()
+        for i in (*seg.ops, *sorted(again)):
             for t in graph.ops[i].outputs:
                 if t in wanted:
                     what = f"internal tensor {t} (on pipeline stage {seg.stage})"
@@ -201,6 +206,9 @@ class _Pipeline:
 
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
+            if seg.recompute is not None:
+                rc = seg.recompute
+                return tuple(eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use))
             return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use))
 
         return jax.jit(body)
