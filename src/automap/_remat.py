@@ -78,14 +78,20 @@ def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
         return ()
     fwd = forward_ops(graph, groups)
     cuts = cut_candidates(graph, groups)
-    layers = (tuple(i for i in fwd if a <= i < b) for a, b in itertools.pairwise(cuts))
-    return tuple(layer for layer in layers if layer)
+    layers = [tuple(i for i in fwd if a <= i < b) for a, b in itertools.pairwise(cuts)]
+    # The last layer's backward comes right after its forward: recomputing it would only
+    # add work, its residuals are alive at the turn of the step either way.
+    return tuple(layer for layer in layers[:-1] if layer)
 
 
 def recompute_plan(graph: Graph, groups: Groups) -> Recompute:
-    """The layers and, for each, its inputs; the tensors whose backward reads recompute."""
+    """The layers (each cut to the ops its backward's reads need: XLA drops the others,
+    e.g. the projection whose output only feeds the residual add) and their inputs."""
     boundary = find_residuals(graph).boundary
-    layers = layer_ops(graph, groups)
+    whole = layer_ops(graph, groups)
+    borders = {t for layer in whole for t in _reads(graph, layer)}
+    read_after = {t for op in graph.ops[boundary + 1 :] for t in op.inputs}
+    layers = tuple(_needed(graph, layer, read_after - borders) for layer in whole)
     inputs = tuple(_reads(graph, layer) for layer in layers)
     kept = {t for ins in inputs for t in ins}
     owner = {
@@ -96,6 +102,16 @@ def recompute_plan(graph: Graph, groups: Groups) -> Recompute:
         if t not in kept
     }
     return Recompute(boundary, layers, inputs, owner)
+
+
+def _needed(graph: Graph, layer: Sequence[int], wanted: set[int]) -> tuple[int, ...]:
+    """The ops of `layer` that the `wanted` tensors depend on, in program order."""
+    want, keep = set(wanted), []
+    for i in reversed(layer):
+        if any(t in want for t in graph.ops[i].outputs):
+            keep.append(i)
+            want.update(graph.ops[i].inputs)
+    return tuple(reversed(keep))
 
 
 def residuals(graph: Graph, groups: Groups) -> Residuals:
@@ -155,11 +171,18 @@ def eval_recomputing(
         live = rc.inputs[k]
         fenced, _ = jax.lax.optimization_barrier(([values[t] for t in live], anchors))
         local = {**values, **dict(zip(live, fenced, strict=True))}
+        tied = False
         for t in live:
             if _made_in_forward(graph, t, rc.boundary):
-                local[t] = _after(local[t], anchors)
+                local[t], hit = _after(local[t], anchors)
+                tied |= hit
         for i in rc.layers[k]:
             bind(i, local.__getitem__, local)
+            # No input could be tied (an integer mask, say): tie the first value made that
+            # can; only the ops before it may then merge with the forward's.
+            for t in () if tied else graph.ops[i].outputs:
+                local[t], hit = _after(local[t], anchors)
+                tied |= hit
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
         done.add(k)
 
@@ -183,19 +206,20 @@ def eval_recomputing(
     ]
 
 
-def _after(x: Any, anchors: list[Any]) -> Any:
-    """`x`, made to depend on a backward value of its shape: the same bits, but a value
-    XLA cannot merge with the forward's `x` nor compute before that backward value.
+def _after(x: Any, anchors: list[Any]) -> tuple[Any, bool]:
+    """`x`, made to depend on a backward value of its shape (or a scalar one): the same
+    bits, but a value XLA can neither merge with the forward's `x` nor compute before
+    that backward value; and whether such a value was there.
 
     The optimization barrier alone does this on GPUs and TPUs, but XLA's CPU pipeline
     expands barriers away before CSE, which then folds the recompute back into the
     forward. `a == a | a != a` is true for every float (NaN included) yet XLA cannot
-    fold it, so the select keeps `x` exactly; elementwise on one shape, it fuses and
-    moves nothing between devices."""
+    fold it, so the select keeps `x` exactly; elementwise on one shape (or a scalar every
+    device holds), it fuses and moves nothing between devices."""
     for a in anchors:
-        if a.shape == x.shape and jnp.issubdtype(a.dtype, jnp.floating):
-            return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x))
-    return x
+        if (a.shape == x.shape or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
+    return x, False
 
 
 def _reads(graph: Graph, ops: Sequence[int]) -> tuple[int, ...]:
