@@ -15,7 +15,8 @@ import automap as am
 from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel
-from automap._expert import batch_groups
+from automap._expert import batch_groups, block_groups
+from automap._hlo import comm_bytes, parse_collectives
 from automap._linkage import build_groups, plan_from_assignment
 from automap._pipeline._partition import Phase
 from automap._pipeline._plans import pipeline_plan, uniform_cuts
@@ -82,6 +83,29 @@ def test_one_stage_remat_computes_the_step_data_parallel():
     args = spec.concrete_args(0)
     got = am.apply(spec.step_fn, dataclasses.replace(dp, remat=True))(*args)
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
+
+
+def test_recomputed_collectives_are_priced_as_xla_compiles_them():
+    """Megatron's split: a recomputed op with a partial sum on "model" all-reduces again."""
+    spec, graph, groups = gpt()
+    mesh = {"data": 2, "model": 2}
+    assignment = {g.id: "data" for g in batch_groups(groups)}
+    assignment.update({g.id: "model" for g in block_groups(groups)})
+    plan = plan_from_assignment(graph, groups, mesh, assignment)
+    model = CostModel(graph, Cluster.preset("cpu", devices=8), groups)
+    args = spec.abstract_args()
+    compiled, predicted = {}, {}
+    for remat in (False, True):
+        prepared = am.apply(spec.step_fn, dataclasses.replace(plan, remat=remat)).prepare(*args)
+        hlo = prepared.jitted.lower(*prepared.abstract_args(args)).compile().as_text()
+        compiled[remat] = comm_bytes(parse_collectives(hlo, 4), mesh)
+        cost = model.evaluate(assignment, mesh, remat=remat)
+        predicted[remat] = {f"{c.kind}@{c.axis}": c.bytes for c in cost.collectives}
+    assert compiled[True]["all-reduce@model"] > compiled[False]["all-reduce@model"]
+    for key in compiled[True]:
+        grown = compiled[True][key] - compiled[False].get(key, 0.0)
+        priced = predicted[True].get(key, 0.0) - predicted[False].get(key, 0.0)
+        assert priced == pytest.approx(grown), key
 
 
 def test_pipeline_remat_hands_b_the_layer_inputs_and_b_recomputes():

@@ -283,6 +283,22 @@ class CostModel:
         sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
+    def _remat_sums(self, st: K.State) -> np.ndarray:
+        """The recomputed ops' collectives (a row-parallel matmul's all-reduce, say), which
+        the backward's recompute runs a second time: per-key sums like `st.sums`."""
+        T, ac = self.tables, self._costs_for(st.mesh)
+        key, nbytes, count, grad, time = K.rows(
+            T.remat_partial,
+            T.remat_reshard,
+            st.codes,
+            st.P,
+            st.inv,
+            ac,
+            st.microbatches,
+            self.cluster.reduce_scatter,
+        )
+        return K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+
     def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
         T, mesh = self.tables, st.mesh
         ac = self._costs_for(mesh)
@@ -302,8 +318,9 @@ class CostModel:
             free = ~P[:, d]
             zero_bytes = times * float(T.param_coef @ (inv * free))
             zero_count = times * int(T.param_leaves @ free)
+        sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
-            st.sums, ac, zero_mask, zero_bytes, zero_count
+            sums, ac, zero_mask, zero_bytes, zero_count
         )
         comm = float(tot_time.sum())
         collectives = tuple(

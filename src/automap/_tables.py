@@ -102,6 +102,9 @@ class Tables:
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
     reshard_full: RowTable
+    # The collectives of the recomputed ops, which run again in the backward (merged).
+    remat_partial: RowTable
+    remat_reshard: RowTable
 
 
 def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
@@ -146,6 +149,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_set, op_coef, remat = [], [], []
     prow: list[tuple] = []
     rrow: dict[tuple, tuple] = {}
+    rrow_again: dict[tuple, tuple] = {}  # the recomputed ops' own (XLA cannot reuse them)
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
@@ -204,6 +208,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                         op.index,
                         peer,
                     )
+                if op.index in recomputed:
+                    rrow_again.setdefault(key, rrow[key])
 
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
@@ -221,6 +227,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_coef_a = np.array(op_coef, dtype=float)
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
+    again_p = _rows([r for r in prow if r[8] in recomputed], ng, empty).merged()
+    again_r = _rows(list(rrow_again.values()), ng, empty).merged()
     param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
     opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
     other_coef = by_set(
@@ -249,6 +257,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         reshard=reshard_full.merged(),
         partial_full=partial_full,
         reshard_full=reshard_full,
+        remat_partial=again_p,
+        remat_reshard=again_r,
     )
 
 
