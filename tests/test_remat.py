@@ -18,6 +18,7 @@ from automap._cost import CostModel
 from automap._expert import batch_groups, block_groups
 from automap._hlo import comm_bytes, parse_collectives
 from automap._linkage import build_groups, plan_from_assignment
+from automap._pipeline._cost import estimate_pipeline
 from automap._pipeline._partition import Phase
 from automap._pipeline._plans import pipeline_plan, uniform_cuts
 from automap._plan import Plan
@@ -106,6 +107,31 @@ def test_recomputed_collectives_are_priced_as_xla_compiles_them():
         grown = compiled[True][key] - compiled[False].get(key, 0.0)
         priced = predicted[True].get(key, 0.0) - predicted[False].get(key, 0.0)
         assert priced == pytest.approx(grown), key
+
+
+def test_pipeline_recomputed_collectives_are_priced_in_the_stage_that_runs_them():
+    spec, graph, groups = gpt()
+    mesh = {"data": 2, "model": 2}
+    assignment = {g.id: "data" for g in batch_groups(groups)}
+    assignment.update({g.id: "model" for g in block_groups(groups)})
+    plan = pipeline_plan(graph, groups, uniform_cuts(graph, groups, 2), mesh, assignment, 2)
+    model = CostModel(graph, Cluster.preset("cpu", devices=8), groups)
+    compiled, predicted = {}, {}
+    for remat in (False, True):
+        p = dataclasses.replace(plan, remat=remat)
+        for prog in am.apply(spec.step_fn, p).compile(*spec.abstract_args()):
+            hlo = parse_collectives(prog.compiled.as_text(), 4)
+            for key, b in comm_bytes(hlo, prog.mesh).items():
+                at = (remat, prog.stage, key)
+                compiled[at] = compiled.get(at, 0.0) + b * prog.runs
+        for s, collectives in enumerate(estimate_pipeline(model, p).stage_collectives):
+            predicted.update({(remat, s, f"{c.kind}@{c.axis}"): c.bytes for c in collectives})
+    key = "all-reduce@model"
+    grown = [compiled[(True, s, key)] - compiled[(False, s, key)] for s in range(2)]
+    assert any(g > 0 for g in grown)
+    for s in range(2):
+        priced = predicted[(True, s, key)] - predicted[(False, s, key)]
+        assert priced == pytest.approx(grown[s]), s
 
 
 def test_pipeline_remat_hands_b_the_layer_inputs_and_b_recomputes():

@@ -78,6 +78,7 @@ class CostModel:
         # What the step keeps for its backward, with and without rematerialization.
         self.residuals = residuals(graph, self.groups)
         self.tables = build_tables(graph, self.groups, cluster, self.residuals)
+        self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
@@ -286,10 +287,9 @@ class CostModel:
     def _remat_sums(self, st: K.State) -> np.ndarray:
         """The recomputed ops' collectives (a row-parallel matmul's all-reduce, say), which
         the backward's recompute runs a second time: per-key sums like `st.sums`."""
-        T, ac = self.tables, self._costs_for(st.mesh)
+        ac = self._costs_for(st.mesh)
         key, nbytes, count, grad, time = K.rows(
-            T.remat_partial,
-            T.remat_reshard,
+            *self._remat_rows,
             st.codes,
             st.P,
             st.inv,

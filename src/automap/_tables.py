@@ -102,7 +102,8 @@ class Tables:
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
     reshard_full: RowTable
-    # The collectives of the recomputed ops, which run again in the backward (merged).
+    # The collectives of the recomputed ops, which run again in the backward (one row per
+    # op, like the full tables).
     remat_partial: RowTable
     remat_reshard: RowTable
 
@@ -227,8 +228,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_coef_a = np.array(op_coef, dtype=float)
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
-    again_p = _rows([r for r in prow if r[8] in recomputed], ng, empty).merged()
-    again_r = _rows(list(rrow_again.values()), ng, empty).merged()
+    again_p = _rows([r for r in prow if r[8] in recomputed], ng, empty)
+    again_r = _rows(list(rrow_again.values()), ng, empty)
     param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
     opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
     other_coef = by_set(

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _collectives as C
+from .. import _kernel as K
 from .._errors import PlanError
 from .._graph import Role
 from .._plan import Collective, Cost, Plan
@@ -93,6 +94,8 @@ class OpCosts:
     row_batched: np.ndarray  # [rows] the tensor moved carries the batch dimension
     zero_mask: int  # axis mask of the data axis ZeRO gathers over (0: no ZeRO)
     axis_costs: C.AxisCosts
+    # [rows] a recomputed op's collective run again in the backward (remat), or None.
+    row_again: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -140,7 +143,7 @@ def op_costs(
         readers = graph.consumers()
         for t, b, c in _zero_leaves(graph, lay):
             zero_comm[(readers[t] or (0,))[0]] += ac.time1(C.AG, zero_mask, times * b, times * c)
-    return OpCosts(
+    oc = OpCosts(
         mesh=dict(stage_mesh),
         zero_stage=zero_stage,
         remat=bool(remat),
@@ -158,6 +161,32 @@ def op_costs(
         row_batched=row_batched,
         zero_mask=zero_mask,
         axis_costs=ac,
+    )
+    return _with_recomputed_rows(model, oc, st) if remat else oc
+
+
+def _with_recomputed_rows(model: CostModel, oc: OpCosts, st) -> OpCosts:
+    """`oc` with the recomputed ops' collectives added as rows of their own (`row_again`),
+    which `stage_costs` times in the backward, where the recompute runs them."""
+    T, ac = model.tables, oc.axis_costs
+    p, r = T.remat_partial, T.remat_reshard
+    key, nbytes, count, grad, time = K.rows(
+        p, r, st.codes, st.P, st.inv, ac, 1, model.cluster.reduce_scatter
+    )
+    op = np.concatenate([p.op, p.op, r.op])
+    tset = np.concatenate([p.tset, p.tset, r.tset])
+    batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
+    n = len(model.graph.ops)
+    return dataclasses.replace(
+        oc,
+        comm=oc.comm + np.bincount(op, np.where(grad, 0.0, time), minlength=n),
+        row_op=np.concatenate([oc.row_op, op]),
+        row_key=np.concatenate([oc.row_key, key]),
+        row_bytes=np.concatenate([oc.row_bytes, nbytes]),
+        row_count=np.concatenate([oc.row_count, count]),
+        row_grad=np.concatenate([oc.row_grad, grad]),
+        row_batched=np.concatenate([oc.row_batched, batched]),
+        row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
     )
 
 
@@ -211,7 +240,8 @@ def stage_costs(
     on, grad = oc.row_count > 0, oc.row_grad
     r_bytes = oc.row_bytes * np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     r_time = np.where(grad, 0.0, ac.by_key(oc.row_key, r_bytes, oc.row_count))
-    bucket = (stage[r] * 4 + phase[r]) * nk + oc.row_key
+    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, BWD, phase[r])
+    bucket = (stage[r] * 4 + row_phase) * nk + oc.row_key
     nb = S * 4 * nk
     g = grad & on
     g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
