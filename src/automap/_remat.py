@@ -27,6 +27,7 @@ twice), so that the prices are those of the program that runs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -70,7 +71,7 @@ class Recompute:
 
 def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
     """Per-microbatch forward ops between consecutive cut candidates, one tuple a layer.
-    None for a step without a loss: it has no forward pass to recompute."""
+    None for a step without a loss (no forward pass to recompute): an empty tuple."""
     from ._pipeline._partition import forward_ops
     from ._pipeline._plans import cut_candidates
 
@@ -78,7 +79,8 @@ def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
         return ()
     fwd = forward_ops(graph, groups)
     cuts = cut_candidates(graph, groups)
-    layers = [tuple(i for i in fwd if a <= i < b) for a, b in itertools.pairwise(cuts)]
+    at = [bisect.bisect_left(fwd, c) for c in cuts]  # fwd is ascending
+    layers = [fwd[a:b] for a, b in itertools.pairwise(at)]
     # The last layer's backward comes right after its forward: recomputing it would only
     # add work, its residuals are alive at the turn of the step either way.
     return tuple(layer for layer in layers[:-1] if layer)
