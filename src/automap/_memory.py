@@ -27,7 +27,7 @@ from ._graph import Graph, Role, TensorKind
 class Residuals:
     boundary: int  # index of the last forward op
     saved: tuple[int, ...]  # tensor ids kept for backward
-    saved_remat: tuple[int, ...]  # the subset kept under rematerialization
+    saved_remat: tuple[int, ...]  # alive at the turn under rematerialization
     forward_ops: tuple[int, ...]  # op indices up to the boundary
     # Ops run a second time under rematerialization (`_remat.residuals` fills this and
     # `saved_remat` in; on their own, residuals know no layers: nothing is recomputed).

@@ -167,10 +167,11 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
         if not own.layers:
             out.append(seg)
             continue
+        in_b = set(b.ops)
         b_inputs = tuple(
             dict.fromkeys(
                 [t for t in b.inputs if t not in own.owner]
-                + [t for ins in own.inputs for t in ins if graph.tensors[t].producer not in b.ops]
+                + [t for ins in own.inputs for t in ins if graph.tensors[t].producer not in in_b]
             )
         )
         if seg.kind == "B":

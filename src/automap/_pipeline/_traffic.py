@@ -10,7 +10,8 @@ phase of the ops that make and read them), kept apart from the timing in `_cost.
   for a tensor carrying the batch), times the microbatches in flight (GPipe: m; 1F1B:
   min(m, S - s), the schedule's warm-up depth). With rematerialization (`_remat`) those
   copies are of the layers' inputs and the residuals made outside layers; the stage adds
-  one microbatch's residuals of its largest layer, which its backward makes again. A tied parameter (read on two stages) lives on both.
+  one microbatch's residuals of its largest layer, which its backward makes again. A
+  tied parameter (read on two stages) lives on both.
 - sends: every tensor made on one stage and read on another, once per receiving stage,
   by the sender's layout (each device sends its shard to its counterpart). Between two
   per-microbatch ops (activations forward, their gradients and crossing residuals
