@@ -16,5 +16,6 @@ from ._origin import load_zoo as load_zoo
 from ._origin import rebuild as rebuild
 from ._residuals import Residuals as Residuals
 from ._residuals import find_residuals as find_residuals
+from ._residuals import loss_boundary as loss_boundary
 from ._trace import CaptureWarning as CaptureWarning
 from ._trace import capture as capture

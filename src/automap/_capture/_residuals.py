@@ -9,8 +9,9 @@ activation memory at the turn of the step, which is where a training step peaks.
 When no scalar loss is found, the boundary is the op where the unsharded live bytes of
 intermediates peak (a liveness sweep over the op list).
 
-With rematerialization we model JAX's `checkpoint_dots` policy: only the outputs of
-matmuls and convolutions are saved, the other forward ops run again in the backward pass.
+Rematerialization needs the layers (`_pipeline/_remat.py` `remat_residuals`, Megatron's full recomputation:
+each layer's input is kept, its forward runs again in the backward). Without them
+`saved_remat` is all of `saved` and nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ import numpy as np
 
 from .._graph import Graph, Role, TensorKind
 
-_MATMUL = frozenset({"dot_general", "conv_general_dilated"})
-
 
 @dataclasses.dataclass(frozen=True)
 class Residuals:
     boundary: int  # index of the last forward op
     saved: tuple[int, ...]  # tensor ids kept for backward
-    saved_remat: tuple[int, ...]  # the subset kept under rematerialization
+    saved_remat: tuple[int, ...]  # alive at the turn under rematerialization
     forward_ops: tuple[int, ...]  # op indices up to the boundary
+    # Ops run a second time under rematerialization (`remat_residuals` fills this and
+    # `saved_remat` in; on their own, residuals know no layers: nothing is recomputed).
+    recomputed: tuple[int, ...] = ()
+    # Per recomputed layer, the residuals its recomputation makes (alive in its backward);
+    # `saved_remat` holds the largest layer's, a pipeline stage its own largest.
+    layer_saved: tuple[tuple[int, ...], ...] = ()
 
 
 def find_residuals(graph: Graph) -> Residuals:
@@ -37,7 +42,7 @@ def find_residuals(graph: Graph) -> Residuals:
     last_use = np.full(len(graph.tensors), -1, dtype=np.int64)
     for op in graph.ops:
         last_use[list(op.inputs)] = op.index
-    boundary = _loss_boundary(graph)
+    boundary = loss_boundary(graph)
     if boundary is None:
         boundary = _liveness_peak(graph, last_use)
     saved = tuple(
@@ -48,13 +53,10 @@ def find_residuals(graph: Graph) -> Residuals:
         and t.producer <= boundary
         and last_use[t.id] > boundary
     )
-    saved_remat = tuple(
-        t for t in saved if graph.ops[graph.tensors[t].producer].primitive in _MATMUL
-    )
-    return Residuals(boundary, saved, saved_remat, tuple(range(min(boundary + 1, n_ops))))
+    return Residuals(boundary, saved, saved, tuple(range(min(boundary + 1, n_ops))))
 
 
-def _loss_boundary(graph: Graph) -> int | None:
+def loss_boundary(graph: Graph) -> int | None:
     state = {leaf.path for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)}
     for leaf in graph.outputs:
         t = graph.tensors[leaf.tensor]

@@ -30,6 +30,9 @@ numpy operations over those tables:
   parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
+  With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
+  are charged a second time, and the activations are the layers' inputs, the residuals
+  made outside them, and one layer's residuals (its backward's).
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
 conservative prediction). Plans with pipeline stages are timed by their schedule on top of
@@ -46,10 +49,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .._axes import DATA
-from .._capture import find_residuals
 from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, build_groups, rule
+from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
@@ -73,7 +76,10 @@ class CostModel:
                 _warned.add(p)
                 _log.warning("no sharding rule for %r: kept replicated, costed as memory-bound", p)
         self.unknown_primitives = tuple(unknown)
-        self.tables = build_tables(graph, self.groups, cluster, find_residuals(graph))
+        # What the step keeps for its backward, with and without rematerialization.
+        self.residuals = remat_residuals(graph, self.groups)
+        self.tables = build_tables(graph, self.groups, cluster, self.residuals)
+        self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
@@ -276,6 +282,21 @@ class CostModel:
         sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
+    def _remat_sums(self, st: K.State) -> np.ndarray:
+        """The recomputed ops' collectives (a row-parallel matmul's all-reduce, say), which
+        the backward's recompute runs a second time: per-key sums like `st.sums`."""
+        ac = self._costs_for(st.mesh)
+        key, nbytes, count, grad, time = K.collective_rows(
+            *self._remat_rows,
+            st.codes,
+            st.P,
+            st.inv,
+            ac,
+            st.microbatches,
+            self.cluster.reduce_scatter,
+        )
+        return K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+
     def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
         T, mesh = self.tables, st.mesh
         ac = self._costs_for(mesh)
@@ -295,8 +316,9 @@ class CostModel:
             free = ~P[:, d]
             zero_bytes = times * float(T.param_coef @ (inv * free))
             zero_count = times * int(T.param_leaves @ free)
+        sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
-            st.sums, ac, zero_mask, zero_bytes, zero_count
+            sums, ac, zero_mask, zero_bytes, zero_count
         )
         comm = float(tot_time.sum())
         collectives = tuple(

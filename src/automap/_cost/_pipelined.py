@@ -46,13 +46,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._axes import DATA, PIPE
-from .._capture import find_residuals
 from .._errors import PlanError
 from .._graph import Role
-from .._groups import rule
 from .._pipeline import Partition, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
+from ._kernel import collective_rows
 from ._traffic import (
     BWD,
     FWD,
@@ -119,6 +118,8 @@ class OpCosts:
     batch_mask: int  # axis mask of the axes the batch groups are split on
     zero_mask: int  # axis mask of the data axis ZeRO gathers over (0: no ZeRO)
     axis_costs: C.AxisCosts
+    # [rows] a recomputed op's collective run again in the backward (remat), or None.
+    row_again: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -140,10 +141,8 @@ def op_costs(
     st, ac = model.op_state(assignment, stage_mesh)
     n = len(graph.ops)
     compute = T.op_coef * st.inv[T.op_set]
-    forward = find_residuals(graph).boundary
-    again = np.array(
-        [rule(op, graph).compute == "memory" and op.index <= forward for op in graph.ops]
-    )
+    # Rematerialization runs every op of the recomputed layers again, matmuls included.
+    again = np.isin(np.arange(n), model.residuals.recomputed)
     remat_compute = compute * again if remat else np.zeros(n)
     pf, rf = T.partial_full, T.reshard_full
     row_op = np.concatenate([pf.op, pf.op, rf.op])
@@ -168,7 +167,7 @@ def op_costs(
         readers = graph.consumers()
         for t, b, c in zero_leaves(graph, lay):
             zero_comm[(readers[t] or (0,))[0]] += ac.time1(C.AG, zero_mask, times * b, times * c)
-    return OpCosts(
+    oc = OpCosts(
         mesh=dict(stage_mesh),
         zero_stage=zero_stage,
         remat=bool(remat),
@@ -190,6 +189,34 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
+    )
+    return _with_recomputed_rows(model, oc, st) if remat else oc
+
+
+def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
+    """`oc` with the recomputed ops' collectives added as rows of their own (`row_again`),
+    which `stage_costs` times in the backward, where the recompute runs them."""
+    T, ac = model.tables, oc.axis_costs
+    p, r = T.remat_partial, T.remat_reshard
+    key, nbytes, count, grad, time = collective_rows(
+        p, r, st.codes, st.P, st.inv, ac, 1, model.cluster.reduce_scatter
+    )
+    op = np.concatenate([p.op, p.op, r.op])
+    tset = np.concatenate([p.tset, p.tset, r.tset])
+    batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
+    n = len(model.graph.ops)
+    return dataclasses.replace(
+        oc,
+        comm=oc.comm + np.bincount(op, np.where(grad, 0.0, time), minlength=n),
+        row_op=np.concatenate([oc.row_op, op]),
+        row_key=np.concatenate([oc.row_key, key]),
+        row_bytes=np.concatenate([oc.row_bytes, nbytes]),
+        row_count=np.concatenate([oc.row_count, count]),
+        row_grad=np.concatenate([oc.row_grad, grad]),
+        row_batched=np.concatenate([oc.row_batched, batched]),
+        row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
+        # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
+        row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < 2 * len(p.op)]),
     )
 
 
@@ -282,7 +309,7 @@ def stage_costs(
     b = int(np.argmax(own))
     compute_s = float(compute[b] @ runs)
 
-    res = find_residuals(graph)
+    res = model.residuals
     memory, op_state, op_act = stage_memory(
         graph,
         part,
@@ -412,6 +439,8 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     nothing is left (see the module doc)."""
     r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
     phase = phase_codes(part)
+    # A recomputed op's collectives run again in the backward that recomputes it.
+    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, BWD, phase[r])
     accumulated = np.zeros(len(phase), dtype=bool)
     if m > 1:
         accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
@@ -424,7 +453,7 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
         rows,
-        np.concatenate([phase[r], np.full(len(d), REDUCE)]),
+        np.concatenate([row_phase, np.full(len(d), REDUCE)]),
         np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
         np.concatenate([np.where(left > 0, count, 0), count[d]]),
         # One program reduces them all: XLA combines every one (the loss sum with the

@@ -106,7 +106,7 @@ class Tables:
     op_set: np.ndarray  # [n_ops] iteration set of each op
     op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
     compute_coef: np.ndarray  # [n_sets] op_coef summed by set
-    remat_coef: np.ndarray  # [n_sets] forward ops run again under rematerialization
+    remat_coef: np.ndarray  # [n_sets] recomputed layers' ops, run again in the backward
     param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
@@ -118,6 +118,10 @@ class Tables:
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
     reshard_full: RowTable
+    # The collectives of the recomputed ops, which run again in the backward (one row per
+    # op, like the full tables).
+    remat_partial: RowTable
+    remat_reshard: RowTable
 
 
 def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
@@ -134,7 +138,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     param_sets = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
-    forward = set(res.forward_ops)
+    recomputed = set(res.recomputed)
     fused_bytes = _fused_bytes(graph, res)
     wide = cluster.collective_float_bytes
 
@@ -162,6 +166,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_set, op_coef, remat = [], [], []
     prow: list[CandidateRow] = []
     rrow: dict[tuple, CandidateRow] = {}
+    rrow_again: dict[tuple, CandidateRow] = {}  # the recomputed ops' own (XLA cannot reuse them)
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
@@ -183,7 +188,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             remat.append(0.0)
             continue
         op_coef.append(coef)
-        remat.append(coef if r.compute == "memory" and op.index in forward else 0.0)
+        remat.append(coef if op.index in recomputed else 0.0)  # matmuls included
         if red:
             gs = sorted(red)
             small = [sid(x for x in it if x < g) for g in gs]
@@ -222,6 +227,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                         op=op.index,
                         peer=peer,
                     )
+                if op.index in recomputed:
+                    rrow_again.setdefault(key, rrow[key])
 
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
@@ -239,6 +246,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     op_coef_a = np.array(op_coef, dtype=float)
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
+    again_p = _rows([r for r in prow if r.op in recomputed], ng, empty)
+    again_r = _rows(list(rrow_again.values()), ng, empty)
     param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
     opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
     other_coef = by_set(
@@ -267,6 +276,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         reshard=reshard_full.merged(),
         partial_full=partial_full,
         reshard_full=reshard_full,
+        remat_partial=again_p,
+        remat_reshard=again_r,
     )
 
 

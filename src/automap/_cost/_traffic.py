@@ -8,8 +8,10 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   activations kept for backward: the residuals of `_capture.find_residuals` that its
   forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
   for a tensor carrying the batch), times the microbatches in flight (GPipe: m; 1F1B:
-  min(m, S - s), the schedule's warm-up depth). With rematerialization only the
-  `saved_remat` subset is kept. A tied parameter (read on two stages) lives on both.
+  min(m, S - s), the schedule's warm-up depth). With rematerialization (`_remat`) those
+  copies are of the layers' inputs and the residuals made outside layers; the stage adds
+  one microbatch's residuals of its largest layer, which its backward makes again. A
+  tied parameter (read on two stages) lives on both.
 - sends: every tensor made on one stage and read on another, once per receiving stage,
   by the sender's layout (each device sends its shard to its counterpart). Between two
   per-microbatch ops (activations forward, their gradients and crossing residuals
@@ -117,17 +119,40 @@ def stage_memory(
             op_state[readers[0]] += sum(part_bytes.values())
 
     copies = in_flight(S, m, schedule)
+    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
+    recomputed = set(res.recomputed) if remat else set()
     for t in res.saved_remat if remat else res.saved:
+        if t in layered:
+            continue  # made again in its layer's backward: `_remat_peaks`
         p = graph.tensors[t].producer
         b = graph.tensors[t].nbytes * lay.inv[t]
         per_mb = phase[p] == FWD
         if per_mb and t in part.batched:
             b /= m
-        holders = {int(stage[p])} | {int(stage[c]) for c in consumers[t] if phase[c] == BWD}
+        # Read by a backward, or by a layer the backward recomputes (its input).
+        holders = {int(stage[p])} | {
+            int(stage[c]) for c in consumers[t] if phase[c] == BWD or c in recomputed
+        }
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
+    if remat:
+        for s, b in enumerate(_remat_peaks(graph, part, lay, res, m)):
+            out[s]["activations"] += b
     return out, op_state, op_act
+
+
+def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:
+    """Per stage, the largest residuals one of its layers makes again in its backward:
+    one microbatch's, alive while that layer's backward runs."""
+    peak = [0.0] * part.n_stages
+    for ts in res.layer_saved:
+        if not ts:
+            continue
+        s = part.op_stage[graph.tensors[ts[0]].producer]
+        b = sum(graph.tensors[t].nbytes * lay.inv[t] / (m if t in part.batched else 1) for t in ts)
+        peak[s] = max(peak[s], b)
+    return peak
 
 
 @dataclasses.dataclass(frozen=True)

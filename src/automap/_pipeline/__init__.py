@@ -15,6 +15,13 @@ from ._plans import crossing_bytes as crossing_bytes
 from ._plans import cut_candidates as cut_candidates
 from ._plans import pipeline_plan as pipeline_plan
 from ._plans import uniform_cuts as uniform_cuts
+from ._remat import Recompute as Recompute
+from ._remat import layer_ops as layer_ops
+from ._remat import layer_residuals as layer_residuals
+from ._remat import made_after as made_after
+from ._remat import made_in_forward as made_in_forward
+from ._remat import recompute_plan as recompute_plan
+from ._remat import remat_residuals as remat_residuals
 from ._schedule import SCHEDULES as SCHEDULES
 from ._schedule import global_order as global_order
 from ._schedule import simulate as simulate

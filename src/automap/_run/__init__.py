@@ -13,5 +13,6 @@ from ._distributed import rows_in_process_order as rows_in_process_order
 from ._interpret import eval_graph as eval_graph
 from ._interpret import run_graph as run_graph
 from ._pipelined import apply_pipeline as apply_pipeline
+from ._recompute import eval_recomputing as eval_recomputing
 from ._shared import other_program as other_program
 from ._shared import validate_plan as validate_plan

@@ -17,10 +17,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._capture import capture
 from .._errors import ApplyError, PlanError
+from .._groups import build_groups
+from .._pipeline import recompute_plan
 from .._plan import Plan, Spec
 from ._distributed import Feed
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline
+from ._recompute import eval_recomputing
 from ._shared import (
     check_divisible,
     check_paths,
@@ -68,7 +71,7 @@ class Prepared:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         check_paths(plan, paths)
-        if graph is None and (plan.provenance.fingerprint or plan.constraints):
+        if graph is None and (plan.provenance.fingerprint or plan.constraints or plan.remat):
             graph = capture(fn, *args)
         # Before the divisibility checks: "another batch size" says more than "6 is not
         # divisible by 8". A graph the caller captured (verify's) is checked the same way.
@@ -78,7 +81,8 @@ class Prepared:
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        body = fn if not plan.constraints else _constrained(graph, plan, mesh)
+        reinterpret = plan.constraints or plan.remat  # remat recomputes inside the program
+        body = fn if not reinterpret else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
         strange = sorted(set(plan.out_specs) - set(out_paths))
@@ -142,6 +146,24 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
 
     def run(*args: Any) -> Any:
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
+        return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
+
+    return run if not plan.remat else _recomputing(graph, constrain)
+
+
+def _recomputing(graph: Any, constrain: Callable) -> Callable:
+    """The captured program re-run with each layer's forward recomputed in the backward
+    (`_pipeline/_remat.py`: Megatron's full recomputation), fixing the plan's internal
+    tensors too."""
+    rc = recompute_plan(graph, build_groups(graph))
+    wanted = [leaf.tensor for leaf in graph.outputs]
+
+    def run(*args: Any) -> Any:
+        env = {
+            leaf.tensor: x
+            for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
+        }
+        outs = eval_recomputing(graph, rc, range(len(graph.ops)), env, wanted, constrain)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run

@@ -46,9 +46,10 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups
-from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition
+from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition, recompute_plan
 from .._plan import Plan
 from ._interpret import eval_ops
+from ._recompute import eval_recomputing
 from ._segments import (
     Segment,
     batch_dim,
@@ -56,6 +57,7 @@ from ._segments import (
     micro_args,
     micro_consts,
     readers,
+    recompute_segments,
     segments,
 )
 from ._shared import (
@@ -150,6 +152,8 @@ class _Pipeline:
             check_same_program(full, micro, groups, m)
         self.graph, self.part, self.groups = full, part, groups
         self.pre, self.micro, self.post = segments(full, part)
+        if plan.remat:  # each B segment recomputes its stage's layers from their inputs
+            self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
         self.readers = readers(self.micro)
         self.per_mb = {
             t
@@ -274,7 +278,8 @@ class _Pipeline:
         mesh, stage_mesh = self.meshes[seg.stage], dict(self.plan.stages[seg.stage].mesh)
         wanted = self._wanted()
         shardings = {}
-        for i in seg.ops:
+        again = seg.recompute.ops if seg.recompute is not None else ()
+        for i in (*seg.ops, *sorted(again)):
             for t in graph.ops[i].outputs:
                 if t in wanted:
                     what = f"internal tensor {t} (on pipeline stage {seg.stage})"
@@ -296,6 +301,11 @@ class _Pipeline:
 
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
+            if seg.recompute is not None:
+                rc = seg.recompute
+                return tuple(
+                    eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
+                )
             return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind))
 
         return jax.jit(body)

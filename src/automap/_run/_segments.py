@@ -37,6 +37,9 @@ class Segment:
     ops: tuple[int, ...]  # op indices, program order
     inputs: tuple[int, ...]  # tensor ids read from outside (no constants), first use order
     outputs: tuple[int, ...]  # tensor ids produced here that others read (or step outputs)
+    # A "B" segment under rematerialization: the stage's layers it recomputes from their
+    # inputs before their backward (`_pipeline.Recompute`, restricted to the stage).
+    recompute: Any = None
 
 
 def batch_dim(groups: Groups, tensor: int) -> int | None:
@@ -149,6 +152,43 @@ def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment
         for kind, phase in (("F", Phase.FWD), ("B", Phase.BWD))
     ]
     return runs(Phase.PRE, "pre"), micro, runs(Phase.POST, "post")
+
+
+def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segment]:
+    """The per-microbatch segments under rematerialization (Megatron's full recompute):
+    each "B" recomputes its stage's layers from their inputs, so its "F" hands it those
+    inputs instead of the layers' residuals, which no longer outlive the forward."""
+    step_outputs = {leaf.tensor for leaf in graph.outputs}
+    consumers = graph.consumers()
+    by_unit = {(seg.stage, seg.kind): seg for seg in micro}
+    out = []
+    for seg in micro:
+        f, b = by_unit[(seg.stage, "F")], by_unit[(seg.stage, "B")]
+        own = rc.restricted(f.ops)
+        if not own.layers:
+            out.append(seg)
+            continue
+        in_b = set(b.ops)
+        b_inputs = tuple(
+            dict.fromkeys(
+                [t for t in b.inputs if t not in own.owner]
+                + [t for ins in own.inputs for t in ins if graph.tensors[t].producer not in in_b]
+            )
+        )
+        if seg.kind == "B":
+            out.append(dataclasses.replace(seg, inputs=b_inputs, recompute=own))
+            continue
+        if seg.kind == "F":
+            pair = set(f.ops) | set(b.ops)
+            kept = [
+                t
+                for t in f.outputs
+                if t in step_outputs or any(c not in pair for c in consumers[t])
+            ]
+            made = {t for i in f.ops for t in graph.ops[i].outputs}
+            outputs = tuple(dict.fromkeys(kept + [t for t in b_inputs if t in made]))
+            out.append(dataclasses.replace(seg, outputs=outputs))
+    return out
 
 
 def readers(micro: list[Segment]) -> Mapping[int, int]:

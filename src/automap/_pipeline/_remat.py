@@ -1,0 +1,161 @@
+"""Rematerialization as Megatron's full recomputation: keep each layer's input, recompute
+the layer's forward inside the backward.
+
+The captured step is already differentiated: its backward ops read forward tensors
+directly, so `jax.checkpoint` around the user's function cannot apply any more. Instead the
+program is re-run op by op (`_run/_interpret.py`, `_run/_recompute.py`) with the backward's reads redirected: the first
+backward op that reads a tensor a layer made triggers that layer's recomputation from its
+inputs, and every later backward read of the layer's tensors takes the recomputed value.
+The original forward values then have no reader after the forward, so XLA frees them as
+it goes; only the layers' inputs (and the tensors made outside any layer) stay alive.
+
+Two things keep XLA from undoing this, as `jax.checkpoint`'s own lowering does: the
+layer's inputs pass through `optimization_barrier` before the recompute (so CSE cannot
+merge the recomputed ops with the forward ones), and the barrier also carries the
+triggering backward op's backward-made inputs (so the scheduler cannot hoist the recompute
+back next to the forward: it depends on the gradient arriving at that layer).
+
+A layer is the run of per-microbatch forward ops between two consecutive pipeline cut
+candidates (`_plans.cut_candidates`: where the crossing activation is the
+residual stream). The embedding before the first candidate and the head after the last one
+are not recomputed, as in Megatron (for a zoo transformer the candidates also fall inside
+the embedding and before the loss, so those layers carry the embedding and the head). The same `Recompute` drives the one-stage runtime
+(`_run/_apply.py`), the pipeline's backward segments (`_run/_segments.recompute_segments`)
+and the cost model (`remat_residuals`: what stays in memory; `Residuals.recomputed`: what runs
+twice), so that the prices are those of the program that runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+from .._capture import Residuals, find_residuals, loss_boundary
+from .._graph import Graph, TensorKind
+from .._groups import Groups
+from ._partition import forward_ops
+from ._plans import cut_candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """The layers recomputed in the backward and what that leaves alive."""
+
+    boundary: int  # the last forward op: ops after it are the backward
+    layers: tuple[tuple[int, ...], ...]  # forward op indices of each recomputed layer
+    inputs: tuple[tuple[int, ...], ...]  # per layer: tensors it reads from outside
+    owner: Mapping[int, int]  # tensor -> layer, for the tensors a backward read recomputes
+
+    @property
+    def ops(self) -> frozenset[int]:
+        return frozenset(i for layer in self.layers for i in layer)
+
+    def restricted(self, ops: Iterable[int]) -> Recompute:
+        """The layers that lie inside `ops` (a pipeline stage's forward)."""
+        keep = set(ops)
+        ks = [k for k, layer in enumerate(self.layers) if layer and set(layer) <= keep]
+        owner = {t: ks.index(k) for t, k in self.owner.items() if k in ks}
+        return Recompute(
+            self.boundary,
+            tuple(self.layers[k] for k in ks),
+            tuple(self.inputs[k] for k in ks),
+            owner,
+        )
+
+
+def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
+    """Per-microbatch forward ops between consecutive cut candidates, one tuple a layer.
+    None for a step without a loss (no forward pass to recompute): an empty tuple."""
+    if loss_boundary(graph) is None:
+        return ()
+    fwd = forward_ops(graph, groups)
+    cuts = cut_candidates(graph, groups)
+    at = [bisect.bisect_left(fwd, c) for c in cuts]  # fwd is ascending
+    layers = [fwd[a:b] for a, b in itertools.pairwise(at)]
+    # The last layer's backward comes right after its forward: recomputing it would only
+    # add work, its residuals are alive at the turn of the step either way.
+    return tuple(layer for layer in layers[:-1] if layer)
+
+
+def recompute_plan(graph: Graph, groups: Groups) -> Recompute:
+    """The layers (each cut to the ops its backward's reads need: XLA drops the others,
+    e.g. the projection whose output only feeds the residual add) and their inputs."""
+    boundary = find_residuals(graph).boundary
+    whole = layer_ops(graph, groups)
+    borders = {t for layer in whole for t in _reads(graph, layer)}
+    read_after = {t for op in graph.ops[boundary + 1 :] for t in op.inputs}
+    layers = tuple(_needed(graph, layer, read_after - borders) for layer in whole)
+    inputs = tuple(_reads(graph, layer) for layer in layers)
+    kept = {t for ins in inputs for t in ins}
+    owner = {
+        t: k
+        for k, layer in enumerate(layers)
+        for i in layer
+        for t in graph.ops[i].outputs
+        if t not in kept
+    }
+    return Recompute(boundary, layers, inputs, owner)
+
+
+def _needed(graph: Graph, layer: Sequence[int], wanted: set[int]) -> tuple[int, ...]:
+    """The ops of `layer` that the `wanted` tensors depend on, in program order."""
+    want, keep = set(wanted), []
+    for i in reversed(layer):
+        if any(t in want for t in graph.ops[i].outputs):
+            keep.append(i)
+            want.update(graph.ops[i].inputs)
+    return tuple(reversed(keep))
+
+
+def remat_residuals(graph: Graph, groups: Groups) -> Residuals:
+    """`find_residuals` with the rematerialized figures of the runtime's recomputation:
+    `saved_remat` is what stays alive at the turn of the step (every saved tensor no layer
+    recomputes, every layer's inputs, and the largest layer's recomputed residuals, alive
+    while its backward runs); `recomputed` the ops that run a second time."""
+    res = find_residuals(graph)
+    rc = recompute_plan(graph, groups)
+    saved = set(res.saved)
+    per_layer = layer_residuals(graph, rc, saved)
+    kept = {t for t in saved if t not in rc.owner}
+    kept |= {t for ins in rc.inputs for t in ins if made_in_forward(graph, t, rc.boundary)}
+    largest = max(per_layer, key=lambda ts: sum(graph.tensors[t].nbytes for t in ts), default=())
+    return dataclasses.replace(
+        res,
+        saved_remat=tuple(sorted(kept | set(largest))),
+        recomputed=tuple(sorted(rc.ops)),
+        layer_saved=tuple(per_layer),
+    )
+
+
+def layer_residuals(graph: Graph, rc: Recompute, saved: set[int]) -> list[tuple[int, ...]]:
+    """Per layer, the residuals its recomputation makes again (alive during its backward)."""
+    out: list[list[int]] = [[] for _ in rc.layers]
+    for t, k in rc.owner.items():
+        if t in saved:
+            out[k].append(t)
+    return [tuple(sorted(ts)) for ts in out]
+
+
+def _reads(graph: Graph, ops: Sequence[int]) -> tuple[int, ...]:
+    inside = set(ops)
+    return tuple(
+        dict.fromkeys(
+            t
+            for i in ops
+            for t in graph.ops[i].inputs
+            if graph.tensors[t].producer not in inside
+            and graph.tensors[t].kind is not TensorKind.CONST
+        )
+    )
+
+
+def made_in_forward(graph: Graph, t: int, boundary: int) -> bool:
+    p = graph.tensors[t].producer
+    return graph.tensors[t].kind is TensorKind.INTERMEDIATE and p is not None and p <= boundary
+
+
+def made_after(graph: Graph, t: int, boundary: int) -> bool:
+    p = graph.tensors[t].producer
+    return p is not None and p > boundary

@@ -1,0 +1,102 @@
+"""Run a captured program with Megatron's full recomputation: a backward op reading a
+tensor of a recomputed layer reads its value made again from the layer's inputs
+(`_pipeline/_remat.py` says which layers, and why XLA keeps the recompute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._graph import Graph, TensorKind
+from .._pipeline import Recompute, made_after, made_in_forward
+
+Constrain = Callable[[int, Any], Any]
+
+
+def eval_recomputing(
+    graph: Graph,
+    rc: Recompute,
+    ops: Sequence[int],
+    env: Mapping[int, Any],
+    wanted: Sequence[int],
+    constrain: Constrain | None = None,
+    consts: Mapping[int, Any] | None = None,
+    bind: Mapping[int, Callable[..., Any]] | None = None,
+) -> list[Any]:
+    """`_interpret.eval_ops`, except that a backward op (after `rc.boundary`) reading a
+        tensor of a recomputed layer reads its recomputed value, made just before the first
+        such read from the layer's inputs (barriered with that op's backward inputs). `bind[i]`
+    computes op i in place of its primitive, as in `eval_ops`."""
+    values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
+    values.update(env)
+    again: dict[int, Any] = {}
+    done: set[int] = set()
+
+    def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
+        op, eqn = graph.ops[i], graph.eqns[i]
+        invals = [read(t) for t in op.inputs]
+        if bind is not None and i in bind:
+            outs = bind[i](*invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for t, v in zip(op.outputs, outs, strict=True):
+            into[t] = constrain(t, v) if constrain is not None else v
+
+    def recompute(k: int, anchors: list[Any]) -> None:
+        live = rc.inputs[k]
+        fenced, _ = jax.lax.optimization_barrier(([values[t] for t in live], anchors))
+        local = {**values, **dict(zip(live, fenced, strict=True))}
+        tied = False
+        for t in live:
+            if made_in_forward(graph, t, rc.boundary):
+                local[t], hit = _after(local[t], anchors)
+                tied |= hit
+        for i in rc.layers[k]:
+            run(i, local.__getitem__, local)
+            # No input could be tied (an integer mask, say): tie the first value made that
+            # can; only the ops before it may then merge with the forward's.
+            for t in () if tied else graph.ops[i].outputs:
+                local[t], hit = _after(local[t], anchors)
+                tied |= hit
+        again.update({t: local[t] for t, j in rc.owner.items() if j == k})
+        done.add(k)
+
+    for i in ops:
+        op = graph.ops[i]
+        if i > rc.boundary:
+            need = sorted({rc.owner[t] for t in op.inputs if t in rc.owner} - done, reverse=True)
+            anchors = [
+                values[t]
+                for t in op.inputs
+                if t not in rc.owner and made_after(graph, t, rc.boundary)
+            ]
+            for k in need:
+                recompute(k, anchors)
+            run(i, lambda t: again[t] if t in again else values[t], values)
+        else:
+            run(i, values.__getitem__, values)
+    return [
+        jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
+        for t in wanted
+    ]
+
+
+def _after(x: Any, anchors: list[Any]) -> tuple[Any, bool]:
+    """`x`, made to depend on a backward value of its shape (or a scalar one): the same
+    bits, but a value XLA can neither merge with the forward's `x` nor compute before
+    that backward value; and whether such a value was there.
+
+    The optimization barrier alone does this on GPUs and TPUs, but XLA's CPU pipeline
+    expands barriers away before CSE, which then folds the recompute back into the
+    forward. `a == a | a != a` is true for every float (NaN included) yet XLA cannot
+    fold it, so the select keeps `x` exactly; elementwise on one shape (or a scalar every
+    device holds), it fuses and moves nothing between devices."""
+    for a in anchors:
+        if (a.shape == x.shape or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
+    return x, False
