@@ -74,7 +74,10 @@ def plan(
     search and returns the best plan so far, with `plan.decisions["interrupted"] = True`
     (never worse than the best expert plan); before anything feasible is found it raises.
 
-    `searcher="auto"` picks the strongest searcher this version has. `origin` records
+    `searcher="auto"` (the default) searches the widest space (one stage, pipelines,
+    microbatches, ZeRO, rematerialization) with the strongest searcher of each part (the
+    ILP, the stage DP) and returns the best feasible plan, never worse than an expert's;
+    the DQN and the others stay available by name. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
     `automap apply plan.json` can rebuild the step.
 

@@ -27,7 +27,12 @@ class ClusterError(AutomapError):
 
 
 class InfeasibleError(AutomapError):
-    """No plan in the space fits the devices' memory."""
+    """No plan in the space fits the devices' memory; `proved` says whether the search
+    covered the whole space (no budget would help) or ran out of budget first."""
+
+    def __init__(self, message: str, *, proved: bool = False):
+        super().__init__(message)
+        self.proved = proved
 
 
 class ModelError(AutomapError):

@@ -53,7 +53,9 @@ def test_plan_with_the_dqn_returns_the_best_so_far(monkeypatch):
     spec = get_model("mlp", layers=2, hidden=64, features=32, classes=8, batch=16)
     cluster = am.Cluster.preset("a100", 8)
     _interrupt_at(monkeypatch, 12)
-    plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=cluster, budget_s=60.0)
+    plan = am.plan(
+        spec.step_fn, *spec.abstract_args(), cluster=cluster, searcher="dqn", budget_s=60.0
+    )
     assert plan.decisions["interrupted"] is True
     assert plan.decisions["episodes"] == 11  # one evaluation per finished episode
     assert plan.predicted is not None and plan.predicted.feasible
@@ -65,4 +67,7 @@ def test_plan_with_the_dqn_interrupted_at_once_raises(monkeypatch):
     spec = get_model("mlp", layers=2, hidden=64, features=32, classes=8, batch=16)
     _interrupt_at(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt):
-        am.plan(spec.step_fn, *spec.abstract_args(), cluster=am.Cluster.preset("a100", 8))
+        am.plan(
+            spec.step_fn, *spec.abstract_args(), cluster=am.Cluster.preset("a100", 8),
+            searcher="dqn",
+        )  # fmt: skip

@@ -8,6 +8,7 @@ DESIGN.md, "Searchers".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan, Provenance
 from .._version import __version__
 from ._dp import search_dp
-from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts
+from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts, priced_experts
 from ._runner import DQNFiles, run_space_searcher, with_stats
 
 #: The exploration tasks a user can ask for (`tasks=`); "hybrid" is shard and pipeline.
@@ -58,15 +59,20 @@ class Searcher:
 
 def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
     def run(problem: Problem, request: Request) -> Plan:
-        found, stats = run_space_searcher(
-            problem,
-            name,
-            request.budget_s,
-            request.seed,
-            request.progress,
-            request.task,
-            request.files,
-        )
+        try:
+            found, stats = run_space_searcher(
+                problem,
+                name,
+                request.budget_s,
+                request.seed,
+                request.progress,
+                request.task,
+                request.files,
+            )
+        except InfeasibleError as e:
+            if e.proved or name == "ilp" or request.task not in ONE_STAGE:
+                raise
+            raise _why_nothing_fits(problem, request, str(e)) from None
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
         # The DQN may end below an expert it was seeded with, and an interrupted search
         # may not have caught up with the experts yet.
@@ -75,6 +81,19 @@ def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
         return best
 
     return run
+
+
+def _why_nothing_fits(problem: Problem, request: Request, failed: str) -> InfeasibleError:
+    """A sampling searcher found nothing feasible: the ILP tells whether a larger budget
+    could help (some plan of the space fits) or not (none does)."""
+    try:
+        run_space_searcher(problem, "ilp", request.budget_s, 0, False, request.task)
+    except InfeasibleError as proof:
+        return proof if proof.proved else InfeasibleError(f"{failed} {proof}")
+    return InfeasibleError(
+        f"{failed} Plans of this space do fit (the ilp searcher finds one): give it a "
+        "larger budget, or use --searcher auto or ilp."
+    )
 
 
 def _expert(problem: Problem, request: Request) -> Plan:
@@ -88,12 +107,14 @@ def _dp(problem: Problem, request: Request) -> Plan:
     start = time.perf_counter()
     stats: dict[str, Any] = {}
     budget_s = request.budget_s
+    one_stage_proved = request.task == "pipeline"  # nothing to prove there
     try:
         if request.task != "pipeline":
             try:
                 found, one = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
-            except InfeasibleError:
+            except InfeasibleError as e:
                 found, one = None, {}  # nothing fits on one stage: pipelines may
+                one_stage_proved = e.proved
             if found is not None and found.predicted is not None and found.predicted.feasible:
                 candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
             if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
@@ -109,10 +130,17 @@ def _dp(problem: Problem, request: Request) -> Plan:
             raise
         stats = {**stats, "interrupted": True}
     if not candidates:
+        if one_stage_proved and stats.get("complete", False):
+            raise InfeasibleError(
+                f"no plan of this space fits in memory on {problem.cluster.devices} "
+                f"{problem.cluster.name} devices, with or without pipeline stages (ZeRO and "
+                "rematerialization tried). Use more devices, a smaller batch, or a device "
+                "with more memory.",
+                proved=True,
+            )
         raise InfeasibleError(
-            f"no plan fits in memory on {problem.cluster.devices} {problem.cluster.name} "
-            "devices, with or without pipeline stages (ZeRO and rematerialization tried). "
-            "Use more devices, a smaller batch, or a larger device."
+            "the budget ran out before a feasible plan was found (the one-stage ILP or the "
+            "pipeline search was cut short): give it a larger budget."
         )
     best = min(candidates, key=lambda p: p.predicted.step_time_s)
     best = with_stats(best, stats, {"arg_roles": arg_roles(problem.graph)})
@@ -121,12 +149,47 @@ def _dp(problem: Problem, request: Request) -> Plan:
     return best
 
 
+def _auto(problem: Problem, request: Request) -> Plan:
+    """The widest space with the strongest searcher of each part: the one-stage optimum
+    (the ILP) and pipelines with microbatches, ZeRO and rematerialization (the stage DP),
+    through `dp`; never worse than the best expert plan."""
+    found: list[Plan] = []
+    failure: InfeasibleError | None = None
+    try:
+        found.append(_dp(problem, request))
+    except InfeasibleError as e:
+        failure = e
+    with contextlib.suppress(InfeasibleError):  # no expert fits: dp's answer stands
+        found.append(best_expert(problem, request.task))
+    if not found:
+        assert failure is not None
+        raise _with_leanest(problem, failure)
+    return min(found, key=lambda p: p.predicted.step_time_s)
+
+
+def _with_leanest(problem: Problem, failure: InfeasibleError) -> InfeasibleError:
+    """The failure, with what the leanest expert plan needs when no budget would help."""
+    if not failure.proved:
+        return failure
+    plans = [p for p in priced_experts(problem).values() if p.predicted is not None]
+    if not plans:
+        return failure
+    least = min(plans, key=lambda p: p.predicted.memory_bytes)
+    need, limit = least.predicted.memory_bytes, problem.cluster.memory_limit
+    return InfeasibleError(
+        f"{failure} The leanest plan ({least.name}) needs {need / 1e9:.1f} GB per device; "
+        f"the limit is {limit / 1e9:.1f} GB.",
+        proved=True,
+    )
+
+
 #: Every searcher, in the order the CLI lists them. The DQN's "auto" task stays the shard
 #: task: its pipeline tasks price a whole schedule per episode, and the default plan must
 #: stay fast.
 SEARCHERS: dict[str, Searcher] = {
     s.name: s
     for s in (
+        Searcher("auto", _auto, ALL_TASKS, "hybrid"),
         Searcher("dqn", _space_searcher("dqn"), ALL_TASKS, "shard"),
         Searcher("ilp", _space_searcher("ilp"), ONE_STAGE, "shard"),
         Searcher("dp", _dp, ALL_TASKS, "hybrid"),
@@ -136,18 +199,14 @@ SEARCHERS: dict[str, Searcher] = {
         Searcher("mcmc", _space_searcher("mcmc"), ONE_STAGE, "shard"),
     )
 }
-#: What `searcher="auto"` means in this version.
-AUTO_SEARCHER = "dqn"
+#: The default searcher.
+AUTO_SEARCHER = "auto"
 
 
 def check_searcher(searcher: str) -> str:
-    """The registered name of `searcher` ("auto" resolved), or a one-line error."""
-    if searcher == "auto":
-        return AUTO_SEARCHER
+    """The registered name of `searcher`, or a one-line error."""
     if searcher not in SEARCHERS:
-        raise AutomapError(
-            f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)} (or 'auto')."
-        )
+        raise AutomapError(f"unknown searcher {searcher!r}; choose one of {', '.join(SEARCHERS)}.")
     return searcher
 
 

@@ -95,13 +95,15 @@ def run_space_searcher(
         if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
             # Proven: no budget would help.
             raise InfeasibleError(
-                f"no plan in the space fits in memory on {problem.cluster.devices} × "
-                f"{problem.cluster.name} (the {name} search covers all of it); use more "
-                "devices, a smaller batch, or a device with more memory."
+                f"no one-stage plan fits in memory on {problem.cluster.devices} × "
+                f"{problem.cluster.name} (the {name} search covers all of it); pipelines may: "
+                "use --searcher auto (or dp), more devices, a smaller batch, or a device with "
+                "more memory.",
+                proved=True,
             )
         raise InfeasibleError(
-            f"the {name} search found no feasible plan in {stats['evaluated']} tries; "
-            "give it a larger budget, or use more devices or a smaller batch."
+            f"the budget ran out before the {name} search found a feasible plan "
+            f"({stats['evaluated']} tries)."
         )
     plan = space.to_plan(*point, name=name)
     return plan, stats
@@ -215,8 +217,8 @@ def _dqn_pipeline(
     decisions, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, rate, files)
     if decisions is None:
         raise InfeasibleError(
-            f"the dqn search found no feasible {task} plan in {stats['evaluated']} episodes; "
-            "give it a larger budget, or use more devices or a smaller batch."
+            f"the budget ran out before the dqn search found a feasible {task} plan "
+            f"({stats['evaluated']} episodes)."
         )
     return process.to_plan(decisions, name="dqn"), stats
 

@@ -1,0 +1,80 @@
+"""The default searcher ("auto"): the best feasible plan of the widest space, and an
+infeasible answer that says what was proved."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import automap as am
+import automap._search._classic as classic
+from automap._zoo import get_model
+
+SMALL = dict(layers=4, hidden=64, heads=4, batch=16, seq=16)
+A100x8 = am.Cluster.preset("a100", 8)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = get_model("gpt2-xl", **SMALL)
+    return spec, am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=A100x8)
+
+
+def _tight(plans) -> am.Cluster:
+    """A device 10% under every one-stage plan the ILP searches (no recomputation)."""
+    one = [p.predicted.memory_bytes for p in plans.values() if not (p.pipelined or p.remat)]
+    limit = min(one) * 0.9
+    return dataclasses.replace(A100x8, hbm_bytes=limit / (1.0 - A100x8.memory_reserve))
+
+
+def test_auto_is_the_default_and_no_worse_than_any_expert(gpt):
+    spec, experts = gpt
+    plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=A100x8, budget_s=20)
+    assert plan.provenance.searcher == "auto" and plan.predicted.feasible
+    best = min(p.predicted.step_time_s for p in experts.values() if p.predicted.feasible)
+    assert plan.predicted.step_time_s <= best * (1 + 1e-9)
+
+
+def test_auto_finds_pipelines_where_no_one_stage_plan_fits(gpt):
+    spec, experts = gpt
+    tight = _tight(experts)
+    plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=tight, budget_s=30)
+    assert plan.predicted.feasible and plan.predicted.memory_bytes <= tight.memory_limit
+    assert plan.pipelined or plan.remat  # one stage as the ILP searches it cannot fit
+    # The DQN on the shard task cannot help, and says so (proved by the ILP), instead of
+    # asking for a larger budget.
+    with pytest.raises(am.InfeasibleError, match="no one-stage plan fits") as e:
+        am.plan(spec.step_fn, *spec.abstract_args(), cluster=tight, searcher="dqn", budget_s=1)
+    assert e.value.proved and "larger budget" not in str(e.value)
+    assert "--searcher auto" in str(e.value)
+
+
+def test_nothing_fits_says_what_was_proved_and_the_leanest_need(gpt):
+    spec, experts = gpt
+    # Under a tenth of the leanest plan of all: no split, stage count or recomputation fits.
+    least = min(p.predicted.memory_bytes for p in experts.values())
+    tiny = dataclasses.replace(A100x8, hbm_bytes=least / 10 / (1.0 - A100x8.memory_reserve))
+    with pytest.raises(am.InfeasibleError) as e:
+        am.plan(spec.step_fn, *spec.abstract_args(), cluster=tiny, budget_s=60)
+    text = str(e.value)
+    assert e.value.proved and "no plan of this space fits" in text
+    assert "leanest plan" in text and "GB per device" in text and "larger budget" not in text
+
+
+def test_a_budget_that_runs_out_says_so(gpt, monkeypatch):
+    spec, _ = gpt
+    # The sampling searcher sees every point as over memory (its evaluations patched), but
+    # plans of the space do fit, as the ILP (which reads the cost tables) finds.
+    real = classic.evaluate
+
+    def over_memory(space, point):
+        return dataclasses.replace(real(space, point), feasible=False)
+
+    monkeypatch.setattr(classic, "evaluate", over_memory)
+    with pytest.raises(am.InfeasibleError) as e:
+        am.plan(
+            spec.step_fn, *spec.abstract_args(), cluster=A100x8, searcher="random", budget_s=0.2
+        )
+    assert not e.value.proved and "the budget ran out" in str(e.value)
+    assert "the ilp searcher finds one" in str(e.value)
