@@ -103,11 +103,12 @@ def test_assignment_is_a_typed_field_saved_where_plan_files_keep_it(tmp_path):
     assert old.assignment == {2: "data"} and old.decisions == {"x": 1}
 
 
-def test_pipelined_means_more_than_one_stage():
-    plan = _plan()
+def test_pipelined_means_the_staged_runtime():
+    plan = _plan()  # no stages: one program, whatever its microbatches
     assert not plan.pipelined
     one = dataclasses.replace(plan, stages=(Stage(0, 10, tuple(range(8)), {"data": 8}),))
-    assert not one.pipelined
+    assert one.pipelined  # one stage, 4 microbatches: gradient accumulation
+    assert not dataclasses.replace(one, microbatches=1).pipelined
     two = dataclasses.replace(
         plan,
         stages=(Stage(0, 5, (0, 1, 2, 3), {"data": 4}), Stage(5, 10, (4, 5, 6, 7), {"data": 4})),

@@ -112,3 +112,24 @@ def test_estimate_command_prints_the_price_as_json():
     assert data["feasible"] and data["bubble_s"] > 0 and data["microbatches"] == 4
     bad = CliRunner().invoke(app, ["estimate", "--model", "mlp", "--devices", "8", "--tp", "3"])
     assert bad.exit_code == 2 and "tp × pp × dp" in bad.output and "Traceback" not in bad.output
+
+
+def test_one_stage_with_microbatches_accumulates_gradients(gpt):
+    # Megatron's PP=1 rows: one stage fed one sequence at a time, gradients summed.
+    spec = gpt[0]
+    whole = am.plan_recipe(
+        spec.step_fn, *spec.abstract_args(), recipe=am.Recipe(tp=2, dp=4), cluster=CPU8
+    )
+    accum = am.plan_recipe(
+        spec.step_fn,
+        *spec.abstract_args(),
+        recipe=am.Recipe(tp=2, dp=4, microbatch_size=1),
+        cluster=CPU8,
+    )
+    assert not whole.pipelined and accum.pipelined
+    assert len(accum.stages) == 1 and accum.microbatches == 2 and accum.mesh["pipe"] == 1
+    acts = lambda p: p.predicted.memory_breakdown["activations"]  # noqa: E731
+    assert acts(accum) < acts(whole)
+    args = spec.concrete_args(0)
+    got = am.apply(spec.step_fn, accum)(*args)
+    assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])

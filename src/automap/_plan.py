@@ -111,7 +111,7 @@ class Plan:
     specs: Mapping[str, Spec]  # input leaf path (keystr) -> spec
     out_specs: Mapping[str, Spec] = dataclasses.field(default_factory=dict)  # output leaf path
     constraints: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # tensor id -> spec
-    stages: tuple[Stage, ...] = ()  # empty or one stage: no pipeline
+    stages: tuple[Stage, ...] = ()  # empty: one program; see `pipelined`
     microbatches: int = 1
     schedule: str = "1f1b"  # "gpipe" or "1f1b"
     zero_stage: int = 0
@@ -139,8 +139,9 @@ class Plan:
 
     @property
     def pipelined(self) -> bool:
-        """More than one stage: the plan runs as a pipeline."""
-        return len(self.stages) > 1
+        """The plan runs through the staged runtime: more than one stage, or one stage
+        fed microbatch by microbatch (gradient accumulation, as Megatron-LM runs PP=1)."""
+        return len(self.stages) > 1 or (len(self.stages) == 1 and self.microbatches > 1)
 
     @property
     def devices(self) -> int:

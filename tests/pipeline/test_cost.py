@@ -138,13 +138,20 @@ def test_a_stage_over_the_memory_limit_is_infeasible_and_named():
     assert model("gpt2-xl", roomy).estimate(plan).feasible
 
 
-def test_the_single_stage_plan_costs_what_it_did():
+def test_a_single_stage_is_one_program_or_gradient_accumulation():
     cm = model("gpt2-xl")
-    plan = stage_plan("gpt2-xl", 1, 2)
-    assignment = cm.plan_assignment(plan)
-    before = cm.evaluate(assignment, plan.mesh, microbatches=2, detail=True)
+    plan = stage_plan("gpt2-xl", 1, 1)
+    before = cm.evaluate(cm.plan_assignment(plan), plan.mesh, detail=True)
     assert cm.estimate(plan) == before
     assert cm.estimate(dataclasses.replace(plan, stages=())) == before
+    # With microbatches, one stage runs through the staged runtime (gradient
+    # accumulation): the same work, no bubble, and the activations of one microbatch
+    # (with what runs once per step on the whole batch).
+    accum = cm.estimate(stage_plan("gpt2-xl", 1, 2))
+    assert accum.bubble_s == pytest.approx(0.0, abs=1e-12)
+    assert accum.compute_s == pytest.approx(before.compute_s, rel=0.02)
+    acts = lambda c: c.memory_breakdown["activations"]  # noqa: E731
+    assert acts(before) / 2 <= acts(accum) < acts(before) * 0.7
 
 
 @pytest.mark.parametrize(("zero", "remat"), [(0, False), (1, False), (3, True)])

@@ -43,7 +43,8 @@ class Recipe:
     microbatch_size: int | None = None
     """Sequences per microbatch per data replica; None: set by `microbatches`."""
     microbatches: int | None = None
-    """Microbatches per step (pipelines only); None: from `microbatch_size`, else one."""
+    """Microbatches per step; None: from `microbatch_size`, else one. With one stage,
+    gradient accumulation over them."""
     schedule: str = "1f1b"
     """Pipeline schedule: "1f1b" (Megatron's) or "gpipe"."""
     remat: str = "none"
@@ -82,12 +83,13 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
         assignment.update(split)
     mesh = {k: v for k, v in ((DATA, recipe.dp), (MODEL, recipe.tp)) if v > 1} or {DATA: 1}
     remat = recipe.remat == "full"
-    if recipe.pp == 1:
+    if recipe.pp == 1 and m == 1:
         plan = plan_from_assignment(
             graph, groups, mesh, assignment, name=recipe.name, zero_stage=recipe.zero
         )
         return dataclasses.replace(plan, remat=remat)
-    cuts = layer_cuts(graph, groups, recipe.pp)
+    # One stage with microbatches is gradient accumulation: the staged runtime with no cut.
+    cuts = layer_cuts(graph, groups, recipe.pp) if recipe.pp > 1 else ()
     plan = pipeline_plan(
         graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
         zero_stage=recipe.zero,
@@ -140,10 +142,6 @@ def _microbatches(batch: int, recipe: Recipe) -> int:
         m = local // b
     else:
         m = 1
-    if recipe.pp == 1 and m > 1:
-        # A single stage runs its local batch whole: the runtime accumulates gradients
-        # over microbatches only between pipeline stages.
-        return 1
     return m
 
 
