@@ -22,6 +22,7 @@ from ._expert import expert_plans_for
 from ._graph import Graph
 from ._linkage import Groups, build_groups
 from ._plan import Cost, Plan, Provenance
+from ._search import check_budget
 from ._version import __version__
 
 SEARCHERS = ("dqn", "ilp", "dp", "exhaustive", "expert", "random", "mcmc")
@@ -73,6 +74,12 @@ def plan(
     search and returns the best plan so far, with `plan.decisions["interrupted"] = True`
     (never worse than the best expert plan); before anything feasible is found it raises.
 
+    `budget_s` is seconds of search, counted as work at a nominal rate (the same seed and
+    budget give the same plan on any machine); it must be > 0. `float("inf")` means no
+    time limit, for the searchers that end on their own (ilp, exhaustive, dp, expert: a
+    proof, the whole space); dqn, random, mcmc and "auto" sample until the budget is spent,
+    and refuse it.
+
     `searcher="auto"` picks the strongest searcher this version has. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
     `automap apply plan.json` can rebuild the step.
@@ -83,6 +90,7 @@ def plan(
     the total over every run: the same seed then gives the plan of one unbroken search.
     """
     name = _check_searcher(searcher)
+    budget_s = check_budget(budget_s, (searcher,))
     task = _check_tasks(tasks, name)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)
@@ -111,6 +119,7 @@ def run_searcher(
     None is the searcher's widest: "hybrid" for dp and expert, "shard" for the others.
     `agent_in`, `agent_out` and `resume` are the DQN's files (see `plan`)."""
     name = _check_searcher(name)
+    budget_s = check_budget(budget_s, (name,))
     task = _check_tasks("auto", name) if task is None else task
     from ._searchers import DQNFiles
 

@@ -61,7 +61,12 @@ def plan_cmd(
         str, typer.Option(help="dqn, ilp, dp, exhaustive, expert, random, mcmc, or auto.")
     ] = "auto",
     budget: Annotated[
-        float, typer.Option("--budget", help="Search budget in seconds (positive).")
+        float,
+        typer.Option(
+            "--budget",
+            help="Search budget in seconds (positive); inf: no limit, for the searchers that "
+            "end on their own (ilp, exhaustive, dp, expert).",
+        ),
     ] = 60.0,
     seed: SeedOpt = 0,
     output: Annotated[
@@ -102,7 +107,7 @@ def plan_cmd(
     from ._api import plan
     from ._report_text import plan_dict, print_plan
 
-    check_budget(budget)
+    check_budget(budget, (searcher,))
     state = _search_state(output, searcher, resume)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
@@ -225,7 +230,6 @@ def compare_cmd(
     from ._report_text import compare_table
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
-    check_budget(budget)
     names = [s.strip() for s in searchers.split(",") if s.strip()]
     unknown = [n for n in names if n not in SEARCHERS]
     if unknown or not names:
@@ -233,6 +237,7 @@ def compare_cmd(
             f"unknown searcher(s) {', '.join(unknown) or '(none given)'}; --searchers takes "
             f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
         )
+    check_budget(budget, names)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -141,10 +141,12 @@ def check_devices(devices: int, option: str = "--devices") -> None:
         raise AutomapError(f"{option} must be at least 1, got {devices} (e.g. {option} 8).")
 
 
-def check_budget(budget: float | None) -> None:
-    if budget is not None and not budget > 0:  # `not >` also catches NaN
-        raise AutomapError(f"--budget is seconds of search and must be positive, got {budget:g} "
-                           "(e.g. --budget 30).")  # fmt: skip
+def check_budget(budget: float | None, searchers: Sequence[str] | None = None) -> None:
+    """`--budget` by the API's rule (`_search.check_budget`), before any capture or search."""
+    if budget is not None:
+        from ._search import check_budget as rule
+
+        rule(budget, searchers, "--budget")
 
 
 def check_plan_file(path: Path) -> Path:

@@ -15,6 +15,7 @@ from ._api import Problem, _priced_experts, run_searcher
 from ._cluster import Cluster
 from ._errors import AutomapError
 from ._plan import Plan
+from ._search import check_budget
 
 DEFAULT_SEARCHERS = ("expert", "exhaustive", "random", "mcmc")
 
@@ -92,6 +93,7 @@ def compare(
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Plan `step_fn(*args)` with each searcher under the same budget and cost model."""
+    check_budget(budget_s, searchers)
     problem = Problem.build(step_fn, args, cluster, None)
     rows: list[Row] = []
 

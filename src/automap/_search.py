@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ._errors import AutomapError
 from ._plan import Cost
 from ._space import ShardSpace
 
@@ -25,6 +28,36 @@ Point = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, ZeRO s
 # only a safety stop at SAFETY x the budget.
 EVALS_PER_SECOND = 200
 SAFETY = 5.0
+
+#: Searchers that end on their own (a proof, a whole enumeration, a fixed list): for them a
+#: budget of inf means "no time limit, run to the end". dqn, random and mcmc (and "auto",
+#: which samples) go on until the budget is spent, so inf would never end and is refused.
+RUN_TO_THE_END = ("ilp", "exhaustive", "dp", "expert")
+
+
+def check_budget(
+    budget_s: object, searchers: Sequence[str] | None = None, option: str = "budget_s"
+) -> float:
+    """The one rule for a search budget, shared by `am.plan`, `compare` and the CLI's
+    `--budget`: seconds > 0 (not 0, negative or NaN); inf only when every searcher in
+    `searchers` ends on its own (None: any searcher may run, so inf is refused)."""
+    example = "--budget 30" if option.startswith("-") else f"{option}=30"
+    real = isinstance(budget_s, numbers.Real) and not isinstance(budget_s, bool)
+    if not real or not budget_s > 0:  # `not >` also catches NaN
+        shown = f"{budget_s:g}" if real else repr(budget_s)
+        raise AutomapError(
+            f"{option} is seconds of search and must be a positive number, got {shown} "
+            f"(e.g. {example})."
+        )
+    if math.isinf(budget_s):
+        endless = [s for s in (searchers or ("dqn",)) if s not in RUN_TO_THE_END]
+        if endless:
+            raise AutomapError(
+                f"{option} inf means 'run until the search ends', and the {endless[0]} "
+                f"searcher samples until its budget is spent: give seconds (e.g. {example}), "
+                f"or use one that ends on its own ({', '.join(RUN_TO_THE_END)})."
+            )
+    return float(budget_s)
 
 
 @dataclasses.dataclass
@@ -61,7 +94,9 @@ class Tracker:
 
     def __post_init__(self) -> None:
         if self.max_evals <= 0:
-            self.max_evals = max(1, int(self.budget_s * EVALS_PER_SECOND))
+            # An infinite budget (searchers that end on their own) counts no evaluations.
+            evals = self.budget_s * EVALS_PER_SECOND
+            self.max_evals = max(1, int(evals)) if math.isfinite(evals) else sys.maxsize
 
     def out_of_time(self) -> bool:
         return self.evaluated >= self.max_evals or self.elapsed >= SAFETY * self.budget_s
