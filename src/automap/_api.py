@@ -141,8 +141,8 @@ def run_searcher(
 
         found, stats = run_space_searcher(problem, name, budget_s, seed, progress, task, files)
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
-        # An interrupted search may not have caught up with the experts yet.
-        if name == "dqn" or stats.get("interrupted"):
+        # An interrupted or cut short search may not have caught up with the experts yet.
+        if name == "dqn" or stats.get("interrupted") or stats.get("cut_short"):
             best = _no_worse_than_experts(problem, best, stats, task)
     provenance = Provenance(
         searcher=name,
