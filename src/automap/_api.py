@@ -136,6 +136,8 @@ def run_searcher(
         best = _hybrid_dp(problem, budget_s, task)
         if best.decisions.get("interrupted"):
             best = _no_worse_than_experts(problem, best, {"interrupted": True}, task)
+        elif best.decisions.get("complete") is False:  # the budget cut it short
+            best = _no_worse_than_experts(problem, best, {"complete": False}, task)
     else:
         from ._searchers import run_space_searcher, with_stats
 
@@ -296,7 +298,6 @@ def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
     from ._searchers import run_space_searcher, with_stats
 
     candidates = []
-    start = time.perf_counter()
     stats: dict[str, Any] = {}
     try:
         if task != "pipeline":
@@ -308,8 +309,9 @@ def _hybrid_dp(problem: Problem, budget_s: float, task: str) -> Plan:
                 candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
             if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
                 raise KeyboardInterrupt
-        left = max(1.0, budget_s - (time.perf_counter() - start))
-        piped, stats = search_dp(problem, left)
+        # Half the budget each when the ILP ran: counted work, not the wall time left, so
+        # that the same budget gives the same plan on any machine.
+        piped, stats = search_dp(problem, budget_s if task == "pipeline" else budget_s / 2)
         if piped is not None:
             candidates.append(piped)
     except KeyboardInterrupt:
