@@ -146,6 +146,11 @@ def plan_cmd(
     if interrupted:
         note(f"search interrupted: the best plan so far is saved to {output}")
         raise typer.Exit(INTERRUPTED)
+    if result.decisions.get("cut_short") or result.decisions.get("complete") is False:
+        note(
+            f"the budget ({budget:g} s) cut the {result.provenance.searcher} search short: "
+            "this is the best plan found, not a proven optimum (raise --budget)."
+        )
 
 
 def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | None:
