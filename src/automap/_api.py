@@ -22,6 +22,7 @@ from ._search import (
     SEARCHERS,
     Problem,
     arg_roles,
+    check_budget,
     check_searcher,
     check_tasks,
     priced_experts,
@@ -77,7 +78,13 @@ def plan(
     `searcher="auto"` (the default) searches the widest space (one stage, pipelines,
     microbatches, ZeRO, rematerialization) with the strongest searcher of each part (the
     ILP, the stage DP) and returns the best feasible plan, never worse than an expert's;
-    the DQN and the others stay available by name. `origin` records
+    the DQN and the others stay available by name.
+
+    `budget_s` is seconds of search, counted as work at a nominal rate (the same seed and
+    budget give the same plan on any machine); it must be > 0. `float("inf")` means no
+    time limit, for the searchers that end on their own (auto, ilp, exhaustive, dp,
+    expert: a proof, the whole space); dqn, random and mcmc sample until the budget is
+    spent, and refuse it. `origin` records
     what the plan was made for (zoo model and overrides, or an `--fn` path) so that
     `automap apply plan.json` can rebuild the step.
 
@@ -87,6 +94,7 @@ def plan(
     the total over every run: the same seed then gives the plan of one unbroken search.
     """
     name = check_searcher(searcher)
+    budget_s = check_budget(budget_s, (name,))
     task = check_tasks(tasks, name)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)

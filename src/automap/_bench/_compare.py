@@ -18,7 +18,7 @@ from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Plan
 from .._report import human_bytes, human_time
-from .._search import Problem, priced_experts, run_searcher
+from .._search import Problem, check_budget, priced_experts, run_searcher
 
 DEFAULT_SEARCHERS = ("expert", "exhaustive", "random", "mcmc")
 
@@ -98,6 +98,7 @@ def compare(
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Plan `step_fn(*args)` with each searcher under the same budget and cost model."""
+    check_budget(budget_s, searchers)
     problem = Problem.build(step_fn, args, cluster, None)
     rows: list[Row] = []
 

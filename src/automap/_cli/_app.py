@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -169,10 +169,12 @@ def check_devices(devices: int, option: str = "--devices") -> None:
         raise AutomapError(f"{option} must be at least 1, got {devices} (e.g. {option} 8).")
 
 
-def check_budget(budget: float | None) -> None:
-    if budget is not None and not budget > 0:  # `not >` also catches NaN
-        raise AutomapError(f"--budget is seconds of search and must be positive, got {budget:g} "
-                           "(e.g. --budget 30).")  # fmt: skip
+def check_budget(budget: float | None, searchers: Sequence[str] | None = None) -> None:
+    """`--budget` by the API's rule (`_search.check_budget`), before any capture or search."""
+    if budget is not None:
+        from .._search import check_budget as rule
+
+        rule(budget, searchers, "--budget")
 
 
 def check_output(path: Path | None, option: str) -> None:

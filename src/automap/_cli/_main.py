@@ -65,7 +65,12 @@ def plan_cmd(
         str, typer.Option(help="dqn, ilp, dp, exhaustive, expert, random, mcmc, or auto.")
     ] = "auto",
     budget: Annotated[
-        float, typer.Option("--budget", help="Search budget in seconds (positive).")
+        float,
+        typer.Option(
+            "--budget",
+            help="Search budget in seconds (positive); inf: no limit, for the searchers that "
+            "end on their own (ilp, exhaustive, dp, expert).",
+        ),
     ] = 60.0,
     seed: SeedOpt = 0,
     output: Annotated[
@@ -107,7 +112,7 @@ def plan_cmd(
     from .._api import plan
     from .._report import answer_line, plan_dict, print_plan
 
-    check_budget(budget)
+    check_budget(budget, (searcher,))
     check_output(output, "-o")
     check_output(save_agent, "--save-agent")
     state = _search_state(output, searcher, resume)
@@ -152,6 +157,11 @@ def plan_cmd(
         how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
         note(f"search {how}: the best plan so far is saved to {output}")
         raise typer.Exit(_stop_code(signalled))
+    if result.decisions.get("cut_short") or result.decisions.get("complete") is False:
+        note(
+            f"the budget ({budget:g} s) cut the {result.provenance.searcher} search short: "
+            "this is the best plan found, not a proven optimum (raise --budget)."
+        )
 
 
 def _stop_code(signalled: dict[str, bool]) -> int:
@@ -240,7 +250,6 @@ def compare_cmd(
     from .._bench import compare, compare_table, to_json
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
-    check_budget(budget)
     names = [s.strip() for s in searchers.split(",") if s.strip()]
     unknown = [n for n in names if n not in SEARCHERS]
     if unknown or not names:
@@ -249,6 +258,7 @@ def compare_cmd(
             f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
         )
     check_output(json_out, "--json-out")
+    check_budget(budget, names)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far

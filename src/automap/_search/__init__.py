@@ -15,6 +15,7 @@ from ._classic import random_point as random_point
 from ._classic import search_exhaustive as search_exhaustive
 from ._classic import search_mcmc as search_mcmc
 from ._classic import search_random as search_random
+from ._dp import OPS_PER_SECOND as OPS_PER_SECOND
 from ._dp import optimal_cuts as optimal_cuts
 from ._dp import polish_cuts as polish_cuts
 from ._dp import search_dp as search_dp
@@ -34,6 +35,7 @@ from ._registry import SEARCHERS as SEARCHERS
 from ._registry import TASKS as TASKS
 from ._registry import Request as Request
 from ._registry import Searcher as Searcher
+from ._registry import check_budget as check_budget
 from ._registry import check_searcher as check_searcher
 from ._registry import check_tasks as check_tasks
 from ._registry import run_searcher as run_searcher

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -67,7 +68,9 @@ class Tracker:
 
     def __post_init__(self) -> None:
         if self.max_evals <= 0:
-            self.max_evals = max(1, int(self.budget_s * EVALS_PER_SECOND))
+            # An infinite budget (searchers that end on their own) counts no evaluations.
+            evals = self.budget_s * EVALS_PER_SECOND
+            self.max_evals = max(1, int(evals)) if math.isfinite(evals) else sys.maxsize
 
     def out_of_time(self) -> bool:
         if self.stop_requested():

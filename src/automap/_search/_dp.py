@@ -51,10 +51,45 @@ from .._space import (
     microbatch_counts,
     stage_counts,
 )
-from ._shard_ilp import MeshTerms
+from ._classic import SAFETY
+from ._shard_ilp import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3
+#: The budget counts work, not wall time, so that the same budget gives the same plan on
+#: any machine (wall time is only a safety stop, at SAFETY x the budget): ops priced per
+#: second of budget_s. Pricing every op of the program once (an `op_costs` pass, or a
+#: partition's `stage_costs`) is len(graph.ops) of work; an intra-stage MILP is its
+#: joint options at the ILP searcher's nominal rate. Measured on a shared 2-core machine:
+#: 26,000 to 31,000 per second on mlp, vgg19, bert-large (6 layers, 16 devices) and
+#: gpt2-xl (8 layers), whole searches of 1 to 23 s; the rate leaves a margin.
+OPS_PER_SECOND = 20_000
+
+
+@dataclasses.dataclass
+class Work:
+    """Work done against a budget: counted, and a wall-clock safety stop."""
+
+    budget_s: float
+    done: float = 0.0
+    start: float = dataclasses.field(default_factory=_time.perf_counter)
+
+    @property
+    def limit(self) -> float:
+        return self.budget_s * OPS_PER_SECOND
+
+    def add(self, ops: float) -> None:
+        self.done += ops
+
+    def spent(self) -> bool:
+        wall = _time.perf_counter() - self.start
+        return self.done >= self.limit or wall > SAFETY * self.budget_s
+
+    def wall_left(self) -> float:
+        """Seconds to the safety stop (for a solver's own time limit)."""
+        return SAFETY * self.budget_s - (_time.perf_counter() - self.start)
+
+
 #: (ZeRO stage, remat) tried in turn when the plain point does not fit.
 MEMORY_SAVERS = ((0, False), (1, False), (0, True), (1, True), (3, True))
 
@@ -65,9 +100,14 @@ def search_dp(
     schedule: str = "1f1b",
     on_point: Callable[[Plan | None, float], None] | None = None,
 ) -> tuple[Plan | None, dict[str, Any]]:
-    """The best pipeline plan of the hybrid space (None when no point fits) and stats."""
+    """The best pipeline plan of the hybrid space (None when no point fits) and stats.
+
+    `budget_s` is counted as work (`OPS_PER_SECOND`): the same budget gives the same plan
+    on any machine; the search stops after the outer point that spends it (the stats say
+    `complete` False), or at the wall-clock safety stop."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
     start = _time.perf_counter()
+    work = Work(budget_s)
     cands = cut_candidates(graph, groups)
     stats: dict[str, Any] = {"cut_candidates": len(cands), "points": 0, "complete": True}
     if not cands or groups.batch_size is None:
@@ -84,12 +124,12 @@ def search_dp(
     best: Plan | None = None
     best_time = np.inf
     try:
-        for point, assignment in _points(model, cands, batch, microbatching):
-            if _time.perf_counter() - start > budget_s:
+        for point, assignment in _points(model, cands, batch, microbatching, work, stats):
+            if work.spent():
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, fine, cands, point, assignment, schedule)
+            plan = _solve_point(model, fine, cands, point, assignment, schedule, work=work)
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -100,10 +140,10 @@ def search_dp(
         # between its stages, the slowest stage's update): polish the best few against
         # the whole model by moving one cut at a time to a neighbouring candidate.
         for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
-            if _time.perf_counter() - start > budget_s:
+            if work.spent():
                 stats["complete"] = False
                 break
-            plan = polish_cuts(model, plan, cands, deadline=start + budget_s)
+            plan = polish_cuts(model, plan, cands, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
     except KeyboardInterrupt:
@@ -111,10 +151,11 @@ def search_dp(
         if best is None:
             raise
         stats["complete"], stats["interrupted"] = False, True
+    stats["work"] = round(work.done)
     return best, _finish(stats, start, best_time)
 
 
-def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool):
+def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work=None, stats=None):
     """The outer level, (point, intra-stage assignment) by stage count, stage mesh,
     intra-stage plan and microbatch count."""
     graph, groups, cluster = model.graph, model.groups, model.cluster
@@ -124,20 +165,37 @@ def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool):
         for mesh_index, mesh in enumerate(candidate_meshes(per_stage)):
             if mesh.get(MODEL, 1) > cluster.devices_per_node:
                 continue  # tensor parallel across nodes: never worth it
-            for intra, assignment in _intra_plans(space, mesh_index, mesh).items():
+            if work is not None and work.spent():
+                return
+            for intra, assignment in _intra_plans(space, mesh_index, mesh, work, stats).items():
                 for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
                     yield Point(S, mesh, m, intra), assignment
 
 
-def _intra_plans(space: ShardSpace, mesh_index: int, mesh: dict[str, int]) -> dict[str, dict]:
+def _intra_plans(
+    space: ShardSpace, mesh_index: int, mesh: dict[str, int], work=None, stats=None
+) -> dict[str, dict]:
     """Intra-stage assignments worth a pipeline: the stage mesh's time optimum and the
-    Megatron x data expert (kept apart when they differ)."""
+    Megatron x data expert (kept apart when they differ). A stage mesh whose MILP is
+    larger than the budget affords (`_shard_ilp.COLUMNS_PER_SECOND`) keeps the expert only."""
     groups = space.groups
     out: dict[str, dict] = {}
-    problem = MeshTerms(space, mesh_index).problem(0, np.inf)
-    solution = solve_ilp(problem)
-    if solution.feasible:
-        out["ilp"] = space.assignment(solution.choices[: len(space.units)])
+    budget = np.inf if work is None else work.budget_s
+    cap = min(max(COLUMNS_PER_SECOND * budget / 8, MIN_COLUMNS), MAX_COLUMNS)
+    try:
+        terms = MeshTerms(space, mesh_index, max_columns=cap)
+    except TooLarge:
+        terms = None
+        if stats is not None:
+            stats["complete"] = False
+            stats.setdefault("ilp_skipped", []).append(dict(mesh))
+    if terms is not None:
+        if work is not None:
+            work.add(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND)
+        limit = 60.0 if work is None else max(work.wall_left(), 0.01)  # a safety stop
+        solution = solve_ilp(terms.problem(0, np.inf), time_limit_s=limit)
+        if solution.feasible:
+            out["ilp"] = space.assignment(solution.choices[: len(space.units)])
     expert = {
         **axis_assignment(batch_groups(groups), DATA, mesh.get(DATA, 1)),
         **axis_assignment(block_groups(groups), MODEL, mesh.get(MODEL, 1)),
@@ -147,13 +205,17 @@ def _intra_plans(space: ShardSpace, mesh_index: int, mesh: dict[str, int]) -> di
     return out
 
 
-def _solve_point(model, fine, cands, point: Point, assignment, schedule) -> Plan | None:
+def _solve_point(
+    model, fine, cands, point: Point, assignment, schedule, work: Work | None = None
+) -> Plan | None:
     """Cuts for one outer point by the exact DP, priced by the pipeline model; memory
     savers (ZeRO, remat) only when the plain point has no partition that fits."""
     found = None
     for zero, remat in MEMORY_SAVERS:
         if zero and point.stage_mesh.get(DATA, 1) == 1:
             continue
+        if work is not None:  # op_costs, the segment tables, and the plan's pricing
+            work.add(3 * len(model.graph.ops))
         oc = op_costs(model, assignment, point.stage_mesh, zero_stage=zero, remat=remat)
         cuts = optimal_cuts(model, fine, cands, oc, point, schedule)
         if cuts is None:
@@ -211,17 +273,19 @@ def optimal_cuts(model, fine, cands, oc, point: Point, schedule) -> tuple[int, .
     return tuple(cands[i - 1] for i, _ in sol.stages[1:])
 
 
-def polish_cuts(model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf) -> Plan:
+def polish_cuts(
+    model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf, work: Work | None = None
+) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
     whole pipeline model says the step gets faster (the intra-stage plan fixed), until
-    `deadline` (a `time.perf_counter()` value) passes."""
+    `deadline` (a `time.perf_counter()` value) passes or `work` is spent."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     oc = plan_op_costs(model, plan)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
     improved = True
-    while improved and _time.perf_counter() < deadline:
+    while improved and _time.perf_counter() < deadline and not (work and work.spent()):
         improved = False
         for k in range(len(cuts)):
             for step in (-1, 1):
@@ -237,6 +301,8 @@ def polish_cuts(model, plan: Plan, cands: tuple[int, ...], deadline: float = np.
                         strict=True,
                     )
                 )
+                if work is not None:  # a partition and its stage costs
+                    work.add(2 * len(model.graph.ops))
                 part = partition(model.graph, model.groups, bounds, plan.microbatches)
                 pc = stage_costs(model, part, oc, plan.microbatches, plan.schedule)
                 if pc.cost.feasible and pc.cost.step_time_s < best_time * (1 - 1e-9):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,6 +57,9 @@ class Searcher:
     """The tasks it can search."""
     auto_task: str
     """Its task when the user says "auto": the widest space it searches well."""
+    ends: bool = False
+    """It ends on its own (a proof, a whole enumeration, a fixed list), so a budget of inf
+    means "no time limit"; the sampling searchers (dqn, random, mcmc) refuse inf."""
 
 
 def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
@@ -74,9 +79,9 @@ def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
                 raise
             raise _why_nothing_fits(problem, request, str(e)) from None
         best = with_stats(found, stats, {"arg_roles": arg_roles(problem.graph)})
-        # The DQN may end below an expert it was seeded with, and an interrupted search
-        # may not have caught up with the experts yet.
-        if name == "dqn" or stats.get("interrupted"):
+        # The DQN may end below an expert it was seeded with, and an interrupted or cut
+        # short search may not have caught up with the experts yet.
+        if name == "dqn" or stats.get("interrupted") or stats.get("cut_short"):
             best = no_worse_than_experts(problem, best, stats, request.task)
         return best
 
@@ -104,7 +109,6 @@ def _dp(problem: Problem, request: Request) -> Plan:
     """Pipelines by the exact stage DP, and unless the task is pipelines only the one-stage
     optimum (the ILP) too; the faster feasible one wins."""
     candidates = []
-    start = time.perf_counter()
     stats: dict[str, Any] = {}
     budget_s = request.budget_s
     one_stage_proved = request.task == "pipeline"  # nothing to prove there
@@ -119,8 +123,10 @@ def _dp(problem: Problem, request: Request) -> Plan:
                 candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
             if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
                 raise KeyboardInterrupt
-        left = max(1.0, budget_s - (time.perf_counter() - start))
-        piped, stats = search_dp(problem, left)
+        # Half the budget each when the ILP ran: counted work, not the wall time left, so
+        # that the same budget gives the same plan on any machine.
+        dp_budget = budget_s if request.task == "pipeline" else budget_s / 2
+        piped, stats = search_dp(problem, dp_budget)
         if piped is not None:
             candidates.append(piped)
     except KeyboardInterrupt:
@@ -146,6 +152,8 @@ def _dp(problem: Problem, request: Request) -> Plan:
     best = with_stats(best, stats, {"arg_roles": arg_roles(problem.graph)})
     if best.decisions.get("interrupted"):
         best = no_worse_than_experts(problem, best, {"interrupted": True}, request.task)
+    elif best.decisions.get("complete") is False:  # the budget cut it short
+        best = no_worse_than_experts(problem, best, {"complete": False}, request.task)
     return best
 
 
@@ -189,12 +197,12 @@ def _with_leanest(problem: Problem, failure: InfeasibleError) -> InfeasibleError
 SEARCHERS: dict[str, Searcher] = {
     s.name: s
     for s in (
-        Searcher("auto", _auto, ALL_TASKS, "hybrid"),
+        Searcher("auto", _auto, ALL_TASKS, "hybrid", ends=True),
         Searcher("dqn", _space_searcher("dqn"), ALL_TASKS, "shard"),
-        Searcher("ilp", _space_searcher("ilp"), ONE_STAGE, "shard"),
-        Searcher("dp", _dp, ALL_TASKS, "hybrid"),
-        Searcher("exhaustive", _space_searcher("exhaustive"), ONE_STAGE, "shard"),
-        Searcher("expert", _expert, ALL_TASKS, "hybrid"),
+        Searcher("ilp", _space_searcher("ilp"), ONE_STAGE, "shard", ends=True),
+        Searcher("dp", _dp, ALL_TASKS, "hybrid", ends=True),
+        Searcher("exhaustive", _space_searcher("exhaustive"), ONE_STAGE, "shard", ends=True),
+        Searcher("expert", _expert, ALL_TASKS, "hybrid", ends=True),
         Searcher("random", _space_searcher("random"), ONE_STAGE, "shard"),
         Searcher("mcmc", _space_searcher("mcmc"), ONE_STAGE, "shard"),
     )
@@ -249,6 +257,7 @@ def run_searcher(
     None is the searcher's "auto" task. `agent_in`, `agent_out` and `resume` are the
     DQN's files (see `am.plan`)."""
     name = check_searcher(name)
+    budget_s = check_budget(budget_s, (name,))
     task = check_tasks("auto", name) if task is None else task
     files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
     if files and name != "dqn":
@@ -269,3 +278,29 @@ def run_searcher(
         batch=problem.graph.batch_rows,
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
+
+
+def check_budget(
+    budget_s: object, searchers: Sequence[str] | None = None, option: str = "budget_s"
+) -> float:
+    """The one rule for a search budget, shared by `am.plan`, `compare` and the CLI's
+    `--budget`: seconds > 0 (not 0, negative or NaN); inf only when every searcher in
+    `searchers` ends on its own (None: any searcher may run, so inf is refused)."""
+    example = "--budget 30" if option.startswith("-") else f"{option}=30"
+    real = isinstance(budget_s, numbers.Real) and not isinstance(budget_s, bool)
+    if not real or not budget_s > 0:  # `not >` also catches NaN
+        shown = f"{budget_s:g}" if real else repr(budget_s)
+        raise AutomapError(
+            f"{option} is seconds of search and must be a positive number, got {shown} "
+            f"(e.g. {example})."
+        )
+    if math.isinf(budget_s):
+        ending = [n for n, s in SEARCHERS.items() if s.ends]
+        endless = [s for s in (searchers or ("dqn",)) if s not in ending]
+        if endless:
+            raise AutomapError(
+                f"{option} inf means 'run until the search ends', and the {endless[0]} "
+                f"searcher samples until its budget is spent: give seconds (e.g. {example}), "
+                f"or use one that ends on its own ({', '.join(ending)})."
+            )
+    return float(budget_s)

@@ -149,8 +149,20 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: Sear
 
 
 def _ilp(space: ShardSpace, budget_s: float, bar: SearchProgress):
+    """The ILP over the whole budget. Cut short before any feasible point (a time-out that
+    proved nothing, meshes too large for the budget), it falls back to the best expert
+    point of the space, and at worst to the replicated plan when that fits."""
     bar.start(sum(len([z for z in space.zero_options(m) if z != 1]) for m in space.meshes))
-    return search_ilp(space, time_limit_s=max(budget_s, 1.0), on_solve=bar.advance)
+    point, stats = search_ilp(space, time_limit_s=budget_s, on_solve=bar.advance)
+    if point is None and stats.get("cut_short"):
+        replicated = (0, (0,) * len(space.units), 0)
+        for fallback, name in ((expert_start(space), "expert"), (replicated, "replicated")):
+            if (
+                fallback is not None
+                and space.evaluate(*fallback[:2], zero_stage=fallback[2]).feasible
+            ):
+                return fallback, {**stats, "fallback": name}
+    return point, stats
 
 
 def expert_start(space: ShardSpace):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time as _time
 from typing import Any
 
@@ -50,6 +51,29 @@ from .._space import OPTIONS, ShardSpace
 
 OFF = np.inf  # an auxiliary "off" entry when a row of the scope is active
 _log = logging.getLogger("automap")
+
+#: The most MILPs one mesh takes: stage 0 without a memory limit, then stages 0, 2, 3.
+SOLVES_PER_MESH = 4
+#: Joint options of the scopes (the MILP's y columns before merging) a mesh may have per
+#: second of its share of the budget. Past it the mesh is skipped, not solved: building
+#: the tables and HiGHS's presolve do not watch the clock, and a scan that ties every
+#: parameter into one scope gives millions (3.1M on a 4 x 2 mesh of a small
+#: gradient-accumulation step: 16 s to build, 18 s in HiGHS under a 2 s limit; 3.3
+#: billion for a Flax `nn.scan` stack). HiGHS proved the 8-device data mesh of that step
+#: (24,630 joint options, 17,071 columns) optimal in 1.0 s: the rate leaves it a margin.
+#: A nominal rate, like the other searchers' evaluations per second: the same budget
+#: skips the same meshes on any machine.
+COLUMNS_PER_SECOND = 20_000
+#: At least this many whatever the budget: every zoo model's meshes (layer grouping keeps
+#: them under 1,000) are solved on the smallest budget, in a fraction of a second each.
+MIN_COLUMNS = 5_000
+#: And at most this many (a budget of inf included): past it the tables alone take
+#: minutes and gigabytes.
+MAX_COLUMNS = 4_000_000
+
+
+class TooLarge(Exception):
+    """A mesh's MILP is larger than the budget affords (`COLUMNS_PER_SECOND`)."""
 
 
 @dataclasses.dataclass
@@ -71,7 +95,7 @@ class MeshTerms:
     """The cost model's terms on one mesh of a space, by scope; built once per mesh and
     assembled into one `FactorProblem` per ZeRO stage."""
 
-    def __init__(self, space: ShardSpace, mesh_index: int):
+    def __init__(self, space: ShardSpace, mesh_index: int, max_columns: float = np.inf):
         self.space, self.mesh_index = space, mesh_index
         self.mesh = mesh = space.meshes[mesh_index]
         self.T = T = space.cost_model.tables
@@ -88,7 +112,13 @@ class MeshTerms:
         self.eff = np.where(ok, opt_code, 0)  # [ng + 1, options]
         self.d = ac.codes.get(DATA, 0)
         self.D = float(ac.sizes[self.d])
-        self.scopes = [self._evaluate(*b) for b in self._buckets()]
+        buckets = self._buckets()
+        # Joint options of every scope, counted before any is built (Python ints: a scope
+        # of 40 units has 3^40 and must not overflow on its way to being refused).
+        self.columns = sum(math.prod(int(self.unary[u].sum()) for u in b[0]) for b in buckets)
+        if self.columns > max_columns:
+            raise TooLarge(f"{self.columns:,} joint options, more than {max_columns:,.0f}")
+        self.scopes = [self._evaluate(*b) for b in buckets]
 
     def _buckets(self):
         """(scope, own sets, partial rows, reshard rows) for every scope with terms."""
@@ -319,12 +349,31 @@ def search_ilp(
     Per mesh, first stage 0 with no memory limit: ZeRO only adds gathers, so that optimum
     bounds every stage of the mesh from below. A mesh whose bound is no better than the
     best plan so far is skipped; one whose unlimited optimum fits in memory is solved by
-    it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc). Each
-    MILP gets `time_limit_s`; `on_solve(point, cost, best time)` follows each (progress)."""
+    it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc).
+
+    `time_limit_s` is the whole search's: each MILP gets what is left of it over the
+    MILPs that may still come, a mesh too large for its share (`COLUMNS_PER_SECOND`) is
+    skipped, and the search stops when the time is spent. Then `stats["cut_short"]` is
+    True and the best point is the best found, not a proven optimum (None when none was:
+    the caller falls back). `on_solve(point, cost, best time)` follows each MILP."""
     run = _Run(space, time_limit_s, on_solve)
+    # The columns a mesh may have: its nominal share of the budget (not of the time left,
+    # which depends on the machine), at COLUMNS_PER_SECOND.
+    share = time_limit_s / (SOLVES_PER_MESH * max(len(space.meshes), 1))
     try:
         for mesh_index, mesh in enumerate(space.meshes):
-            terms = MeshTerms(space, mesh_index)
+            run.mesh(mesh_index)
+            if run.left() <= 0:
+                run.cut_short = True
+                break
+            try:
+                cap = min(max(COLUMNS_PER_SECOND * share, MIN_COLUMNS), MAX_COLUMNS)
+                terms = MeshTerms(space, mesh_index, max_columns=cap)
+            except TooLarge as e:
+                _log.info("ilp: mesh %s skipped, %s", mesh, e)
+                run.skipped.append(dict(mesh))
+                run.optimal, run.cut_short = False, True
+                continue
             solution, bound = run.solve(terms, 0, np.inf)
             if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
                 continue  # nothing on this mesh, or nothing better than the best so far
@@ -349,15 +398,31 @@ class _Run:
         self.best, self.best_time, self.time_to_best = None, np.inf, 0.0
         self.curve, self.gaps, self.errors, self.sizes = [], [0.0], [0.0], [(0, 0)]
         self.optimal, self.solve_time = True, 0.0
+        self.cut_short, self.skipped = False, []
+        self.mesh_index, self.mesh_solves = 0, 0
+
+    def mesh(self, mesh_index: int) -> None:
+        self.mesh_index, self.mesh_solves = mesh_index, 0
+
+    def left(self) -> float:
+        return self.time_limit_s - (_time.perf_counter() - self.start)
+
+    def slot(self) -> float:
+        """This MILP's time limit: what is left over the MILPs that may still come."""
+        meshes_after = len(self.space.meshes) - self.mesh_index - 1
+        coming = SOLVES_PER_MESH * meshes_after + max(SOLVES_PER_MESH - self.mesh_solves, 1)
+        return self.left() / coming
 
     def solve(self, terms: MeshTerms, zero: int, limit: float):
         """Solve one MILP; returns its solution and the cost model's cost of its point (None
         when it has none). Only points the cost model calls feasible become the best."""
         space, cost = self.space, None
+        self.mesh_solves += 1
         for _ in range(3):
             problem = terms.problem(zero, limit)
             self.sizes.append(problem_size(problem))
-            solution = solve_ilp(problem, time_limit_s=self.time_limit_s)
+            # HiGHS wants a positive limit; a spent budget gets a token one and stops next.
+            solution = solve_ilp(problem, time_limit_s=max(self.slot(), 0.01))
             self.solve_time += solution.solve_time_s
             if not solution.feasible:
                 cost = None
@@ -368,6 +433,8 @@ class _Run:
                 break
             # Over the limit by a rounding of the factor sums: ask again a hair below.
             limit *= 1.0 - 1e-9
+        if solution.status == "time limit reached":
+            self.cut_short = True
         if cost is None:
             # Proven infeasible is still a proof; a time-out without a plan is not.
             self.optimal &= solution.status == "infeasible"
@@ -404,4 +471,7 @@ class _Run:
             "variables": max(v for _, v in self.sizes),
             "objective_error": float(max(self.errors)),
             "curve": self.curve,
+            # The budget ended the search before its proof: a mesh too large for its share
+            # was skipped, a MILP hit its time limit, or the time ran out.
+            **({"cut_short": True, "skipped_meshes": self.skipped} if self.cut_short else {}),
         }

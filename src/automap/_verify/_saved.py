@@ -19,7 +19,7 @@ from .._capture import rebuild
 from .._plan import Plan, Spec
 from .._run import apply
 from .._zoo import get_model
-from ._numerics import compare_outputs
+from ._numerics import compare_outputs, reordered
 
 # A model with more parameters than this is checked on a reduced variant: its full-size
 # step would not fit in this machine's memory, or would take minutes on the CPU.
@@ -77,7 +77,8 @@ def check_saved_plan(
         result["equal"] = True
         return result
     reference = jax.jit(step_fn)(*args)
-    equal, err, worst = compare_outputs(sharded, reference)
+    noise = reordered(step_fn, args, jax.devices()[: max(run_plan.devices, 2)])
+    equal, err, worst = compare_outputs(sharded, reference, noise=noise, before=args)
     result.update(equal=equal, max_abs_err=err, worst_output=worst)
     return result
 

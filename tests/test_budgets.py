@@ -1,0 +1,226 @@
+"""Budgets: one rule for what a budget may be, and every searcher stops within it."""
+
+import math
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from typer.testing import CliRunner
+
+import automap as am
+from automap._cli import app
+from automap._errors import AutomapError
+from automap._search import OPS_PER_SECOND, Problem, run_searcher, search_dp
+from automap._zoo import get_model
+
+CPU8 = am.Cluster.preset("cpu", devices=8)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    spec = get_model("mlp", batch=16, dtype="float32")
+    return spec.step_fn, spec.abstract_args()
+
+
+@pytest.mark.parametrize("budget", [0, -1, math.nan, "10", None, True])
+@pytest.mark.parametrize("searcher", ["dqn", "ilp", "random"])
+def test_api_refuses_what_the_cli_refuses(mlp, searcher, budget):
+    with pytest.raises(AutomapError, match="budget_s is seconds of search and must be a posit"):
+        am.plan(mlp[0], *mlp[1], cluster=CPU8, searcher=searcher, budget_s=budget)
+
+
+@pytest.mark.parametrize("searcher", ["dqn", "random", "mcmc"])
+def test_inf_is_a_clear_error_for_searchers_that_never_end(mlp, searcher):
+    with pytest.raises(AutomapError, match="samples until its budget is spent") as err:
+        am.plan(mlp[0], *mlp[1], cluster=CPU8, searcher=searcher, budget_s=math.inf)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("searcher", ["ilp", "exhaustive", "expert", "auto"])
+def test_inf_runs_to_the_end_for_searchers_that_end_on_their_own(mlp, searcher):
+    plan = am.plan(mlp[0], *mlp[1], cluster=CPU8, searcher=searcher, budget_s=math.inf)
+    assert plan.predicted.feasible
+    if searcher == "exhaustive":
+        assert plan.decisions["complete"] is True
+    if searcher == "ilp":
+        assert plan.decisions["optimal"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("plan", "--model", "mlp", "--searcher", "dqn", "--budget", "inf"), "the dqn searcher"),
+        (("plan", "--model", "mlp", "--searcher", "mcmc", "--budget", "inf"), "the mcmc searcher"),
+        (("plan", "--model", "mlp", "--budget", "nan"), "--budget is seconds"),
+        (("compare", "--model", "mlp", "--budget", "inf"), "the random searcher"),
+        (("bench", "--budget", "inf"), "samples until its budget is spent"),
+    ],
+)
+def test_cli_shares_the_rule(args, message):
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_inf_solves_to_the_proof():
+    result = CliRunner().invoke(
+        app, ["plan", "--model", "mlp", "--searcher", "ilp", "--budget", "inf", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+
+
+# ---- every searcher stops within its budget on the programs that overran -------------
+
+
+def _accumulation_step(hidden=32, micro=4, batch=8, seq=8, vocab=64):
+    """A two-layer LM step with gradient accumulation in a `lax.scan` (the ILP ran 357 s
+    on a larger one with --budget 2)."""
+    opt = optax.adam(1e-3)
+
+    def loss_fn(p, tokens, targets):
+        h = p["embed"][tokens]
+        for layer in ("l0", "l1"):
+            w = p[layer]
+            h = h + jax.nn.gelu(h @ w["wi"] + w["bi"]) @ w["wo"]
+        logp = jax.nn.log_softmax(h @ p["out"])
+        return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(targets, vocab), -1))
+
+    def step(params, opt_state, batch):
+        tokens = batch["tokens"].reshape(micro, -1, seq)
+        targets = batch["targets"].reshape(micro, -1, seq)
+
+        def body(acc, mb):
+            loss, g = jax.value_and_grad(loss_fn)(params, *mb)
+            return jax.tree_util.tree_map(jnp.add, acc, (loss, g)), None
+
+        zero = (jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zero, (tokens, targets))
+        grads = jax.tree_util.tree_map(lambda g: g / micro, grads)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return loss / micro, optax.apply_updates(params, updates), opt_state
+
+    f32 = jnp.float32
+    layer = {
+        "wi": jax.ShapeDtypeStruct((hidden, 4 * hidden), f32),
+        "bi": jax.ShapeDtypeStruct((4 * hidden,), f32),
+        "wo": jax.ShapeDtypeStruct((4 * hidden, hidden), f32),
+    }
+    params = {
+        "embed": jax.ShapeDtypeStruct((vocab, hidden), f32),
+        "out": jax.ShapeDtypeStruct((hidden, vocab), f32),
+        "l0": layer,
+        "l1": dict(layer),
+    }
+    tokens = jax.ShapeDtypeStruct((batch * micro, seq), jnp.int32)
+    return step, (params, jax.eval_shape(opt.init, params), {"tokens": tokens, "targets": tokens})
+
+
+class _Block(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, h, _):
+        y = nn.Dense(4 * self.hidden)(nn.LayerNorm()(h))
+        return h + nn.Dense(self.hidden)(nn.gelu(y)), None
+
+
+class _Stack(nn.Module):
+    hidden: int
+    layers: int
+    vocab: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(self.vocab, self.hidden)(tokens)
+        scanned = nn.scan(
+            _Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers
+        )
+        h, _ = scanned(self.hidden)(h, None)
+        return nn.Dense(self.vocab)(h)
+
+
+def _flax_scan_step(hidden=32, layers=3, batch=8, seq=8, vocab=64):
+    """A Flax `nn.scan` layer stack trained with Adam (the ILP sat in HiGHS for 15 minutes
+    on a larger one with budget_s=5)."""
+    model, opt = _Stack(hidden, layers, vocab), optax.adam(1e-3)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = model.apply(p, batch["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    return step, (params, jax.eval_shape(opt.init, params), {"tokens": tokens, "targets": tokens})
+
+
+A100X8 = am.Cluster.preset("a100", devices=8)
+BUDGET = 2.0
+# budget x 1.1 plus one evaluation; the evaluation's allowance is generous: the test
+# machine has 2 shared cores (the overruns this guards against were minutes long).
+LIMIT = BUDGET * 1.1 + 5.0
+
+
+@pytest.mark.parametrize("program", [_accumulation_step, _flax_scan_step])
+@pytest.mark.parametrize("searcher", ["ilp", "dp", "dqn", "random", "mcmc", "exhaustive"])
+def test_every_searcher_stops_within_its_budget_on_scan_programs(program, searcher):
+    step, args = program()
+    problem = Problem.build(step, args, A100X8)
+    if searcher == "dqn":
+        # Its first call in a process compiles the agent's networks (7 s cold on the test
+        # machine, whatever the budget): a fixed cost, not the search the budget counts.
+        run_searcher(problem, searcher, 0.01, 0)
+    start = time.perf_counter()
+    try:
+        plan = run_searcher(problem, searcher, BUDGET, 0)
+    except AutomapError as e:  # the exhaustive searcher refuses a space this size, at once
+        assert searcher == "exhaustive" and "exhaustive limit" in str(e)
+        plan = None
+    elapsed = time.perf_counter() - start
+    assert elapsed < LIMIT, f"{searcher} took {elapsed:.1f} s on a {BUDGET} s budget"
+    if plan is not None:
+        assert plan.predicted.feasible
+    if searcher == "ilp":  # the tables of these scans outgrow a 2 s budget: it says so
+        assert plan.decisions["cut_short"] and not plan.decisions["optimal"]
+
+
+def test_a_cut_short_ilp_falls_back_and_a_full_one_proves():
+    step, args = _accumulation_step()
+    problem = Problem.build(step, args, A100X8)
+    short = run_searcher(problem, "ilp", 0.5, 0)
+    assert short.decisions["cut_short"] and short.predicted.feasible
+    full = run_searcher(problem, "ilp", 120.0, 0)  # the 8-device meshes now fit the budget
+    assert full.predicted.step_time_s <= short.predicted.step_time_s
+
+
+# ---- dp counts work: the same budget gives the same plan on a fast or slow machine ----
+
+
+def test_dp_gives_the_same_plan_for_the_same_budget_on_a_slowed_machine(monkeypatch):
+    spec = get_model("bert-large", layers=4)
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16))
+    budget = 2.0
+
+    def search():
+        plan, stats = search_dp(problem, budget)
+        return {k: v for k, v in plan.to_dict().items() if k != "provenance"}, stats
+
+    first, stats = search()
+    # The budget ends the search part way (a wall-clock budget would stop elsewhere when
+    # the clock runs three times slower).
+    assert stats["complete"] is False and stats["work"] >= budget * OPS_PER_SECOND
+    again, stats_again = search()
+    real = time.perf_counter
+    origin = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: origin + 3.0 * (real() - origin))
+    slowed, stats_slowed = search()
+    assert first == again == slowed
+    assert stats["points"] == stats_again["points"] == stats_slowed["points"]
