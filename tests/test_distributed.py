@@ -144,7 +144,7 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
         # parameters where the partition runs the update.
         assert checks["trace"] == [list(u) for u in global_order(2, 4, "1f1b")]
         assert checks["held"] == held[i], (i, checks["held"])
-        assert checks["global_batch"] is True
+        assert checks["global_to_stage"] is True
         assert "stages have [4, 2] devices and lie on different processes" in checks["unequal"]
     assert held[0]["['loss']"] == 0 < held[1]["['loss']"] and any(held[0].values())
 
