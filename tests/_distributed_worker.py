@@ -4,8 +4,10 @@
 on loopback, 4 CPU devices each with gloo collectives, so the processes form one
 8-device mesh. For every plan saved in DIR by the test it trains the zoo MLP for a few
 steps, feeding only this process's half of the batch, and writes the outputs, gathered
-whole, to DIR/<plan>-<process>.npz. It then checks the refusals (a plan whose mesh leaves
-out a process, unequal batch shares) and writes their messages to DIR/checks-<process>.json.
+whole, to DIR/<plan>-<process>.npz; the pipeline plan (two stages, one per process) the
+same way. It then checks the refusals (a plan whose mesh leaves out a process, unequal
+batch shares) and writes their messages, and what each process held and ran of the
+pipeline, to DIR/checks-<process>.json.
 
 The test imports MODEL, PLANS, train and flat from here to compute the 1-process
 reference the same way.
@@ -30,6 +32,10 @@ STEPS = 2  # the second step is fed the first one's outputs: global arrays, not 
 # megatron: model 8, the batch replicated, so each process needs the other's rows.
 PLANS = ("megatron_dp", "zero3", "megatron")
 SMALL_PLAN = "data_parallel_4"  # made for 4 devices: its mesh leaves out process 1
+# Two stages on data 2 x model 2 each, 1F1B over 4 microbatches: stage 0 on process 0's
+# devices, stage 1 on process 1's, so activations and gradients cross processes.
+PIPELINE = "pipeline_1f1b"
+UNEQUAL_PLAN = "pipeline_4_2"  # its stages have 4 and 2 devices, on different processes
 
 
 def train(step, params: Any, opt_state: Any, batch: Any) -> dict[str, Any]:
@@ -57,9 +63,10 @@ def main(process_id: int, port: int, out: Path) -> None:
         initialization_timeout=120,
     )
     from jax.experimental.multihost_utils import process_allgather
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import automap as am
-    from automap._run import rows_in_process_order
+    from automap._run import move, rows_in_process_order
     from automap._zoo import get_model
 
     assert jax.device_count() == PROCESSES * DEVICES_PER_PROCESS, jax.devices()
@@ -73,8 +80,28 @@ def main(process_id: int, port: int, out: Path) -> None:
         result = process_allgather(train(step, params, opt_state, mine), tiled=True)
         np.savez(out / f"{name}-{process_id}.npz", **flat(result))
 
-    # Which way each plan's batch is fed: straight from the share, or gathered first.
     checks: dict[str, Any] = {"share_in_process_order": {}}
+    step = am.apply(model.step_fn, am.Plan.load(out / f"{PIPELINE}.json"))
+    result = train(step, params, opt_state, mine)
+    np.savez(out / f"{PIPELINE}-{process_id}.npz", **flat(step.gather(result)))
+    checks["trace"] = [list(unit) for unit in step.trace]
+    # Shards of each output this process's devices hold: those of its own stage only.
+    checks["held"] = {
+        jax.tree_util.keystr(p): len(x.addressable_shards)
+        for p, x in jax.tree_util.tree_flatten_with_path(result)[0]
+    }
+    # A global array on devices that are no stage's (the batch made as a one-stage plan
+    # takes it, over every device) reaches a stage gathered, not sent.
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("all",)), PartitionSpec("all"))
+    x = jax.make_array_from_process_local_data(everywhere, mine["x"])
+    on_stage = move(x, NamedSharding(step.meshes[1], PartitionSpec("data")), step.meshes)
+    checks["global_to_stage"] = bool(np.array_equal(step.gather(on_stage), batch["x"]))
+    try:
+        am.apply(model.step_fn, am.Plan.load(out / f"{UNEQUAL_PLAN}.json"))(params, opt_state, mine)
+    except am.ApplyError as e:
+        checks["unequal"] = str(e)
+
+    # Which way each plan's batch is fed: straight from the share, or gathered first.
     for name in ("megatron_dp", "megatron"):
         plan = am.Plan.load(out / f"{name}.json")
         spec = jax.sharding.PartitionSpec(*plan.specs["[2]['x']"])

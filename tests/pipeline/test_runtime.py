@@ -6,13 +6,16 @@ Flax model written as a user would.
 """
 
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import automap as am
 from automap import ApplyError, PlanError
 from automap._pipeline import global_order, pipeline_plan, uniform_cuts
+from automap._run import send, send_program
 from automap._space import batch_groups, block_groups
-from automap._verify import as_on_cpu, compare_collectives, verify
+from automap._verify import as_on_cpu, compare_collectives, parse_collectives, verify
 
 from ._models import assert_same, flax_args, flax_graph, flax_step, zoo
 
@@ -116,6 +119,26 @@ def test_verify_compares_a_pipeline_with_a_model_axis_and_zero3_compiled_only():
     assert not ok and len(why) == 2
     assert why[0].startswith("all-gather over data (stage 0): predicted")
     assert why[1].startswith("XLA inserts all-gather over data (stage 1)")
+
+
+def test_a_send_across_processes_is_one_collective_permute_of_each_shard():
+    """Under jax.distributed a value crosses stages by `send` (tests/test_distributed.py
+    runs it between processes); here on one process's devices, the same program."""
+    devices = np.array(jax.devices())
+    a = Mesh(devices[:4].reshape(2, 2), ("data", "model"))
+    b = Mesh(devices[4:].reshape(2, 2), ("data", "model"))
+    x = jax.device_put(
+        np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(a, PartitionSpec("data"))
+    )
+    target = NamedSharding(b, PartitionSpec(None, "model"))  # resharded once arrived
+    y = send(x, target)
+    assert y.sharding == target and np.array_equal(np.asarray(y), np.asarray(x))
+    found = parse_collectives(send_program(x.sharding, b, x.shape, x.dtype).as_text(), 8)
+    # Each device of the sending stage sends its shard (4 rows of 8 float32) to its
+    # partner, the device at the same place of the receiving stage: nothing else moves.
+    assert [c.kind for c in found] == ["collective-permute"]
+    assert found[0].bytes == 4 * 8 * 4
+    assert sorted(found[0].groups) == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
 # ---- refusals ---------------------------------------------------------------------------

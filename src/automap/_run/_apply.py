@@ -66,7 +66,7 @@ class Prepared:
     ) -> None:
         self.feed = None
         if jax.process_count() > 1:  # each process feeds its share of the batch
-            self.feed = Feed(fn, mesh, args, graph)
+            self.feed = Feed(fn, [mesh], args, graph)
             args = self.feed.global_args  # the program is traced at the global shapes
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]

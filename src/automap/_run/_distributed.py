@@ -15,17 +15,40 @@ the shards on its devices. The step's arguments are given per process:
 The outputs are global `jax.Array`s. A scalar loss is replicated and reads as a number on
 every process; a sharded output is read whole with
 `jax.experimental.multihost_utils.process_allgather(out, tiled=True)`.
+
+A pipeline plan's stages each run on their own sub-mesh, which may sit inside one process
+or span several. Its runtime (`_pipelined.py`) feeds and moves values with the functions
+below, which every process calls in the same order with the same arguments:
+
+- `Feed.whole`: the batch shares gathered into the global batch on every process (a stage
+  needs the rows of every microbatch it runs, whichever process fed them);
+- `move`: a value onto a stage's sharding. Host data is placed shard by shard; a global
+  array already on the stage's devices is resharded there; one crossing processes is
+  sent by `send`, a collective-permute over the pair of stage meshes (JAX's `device_put`
+  moves arrays between processes only on TPU runtimes), or, when it comes from devices
+  that are not a stage of the same size (a global array the caller made), gathered;
+- `gather`: an output whole on every process, wherever its stage lies
+  (`process_allgather` needs an array on every process's devices).
+
+Every process decides alike whether a `jax.Array` is a global array or host data of its
+own (`is_global`): an array that lies on another process's devices, or on one of the
+run's meshes (an output of a previous step), is global; any other array (a value made
+with `jax.random` or `jnp` on this process's default device) is host data, the same on
+every process.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .._capture import capture
 from .._errors import ApplyError
@@ -41,8 +64,10 @@ class Feed:
     and the construction is a collective: the processes compare their batch shares, so
     that a wrong share is an error on every process rather than a hang in the step."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, args: tuple, graph: Any = None) -> None:
-        check_mesh(mesh)
+    def __init__(
+        self, fn: Callable, meshes: Sequence[Mesh], args: tuple, graph: Any = None
+    ) -> None:
+        check_mesh(meshes)
         flat, treedef = jax.tree_util.tree_flatten_with_path(args)
         self.paths = [jax.tree_util.keystr(p) for p, _ in flat]
         leaves = [x for _, x in flat]
@@ -80,19 +105,53 @@ class Feed:
                 out.append(jax.make_array_from_callback(g.shape, s, lambda i, h=host: h[i]))
         return out
 
+    def whole(self, leaves: Sequence[Any]) -> list[Any]:
+        """The flat arguments with every batch share replaced by the global batch, the
+        shares of all processes in process order (an all-gather every process joins)."""
+        return [
+            x
+            if rows is None
+            else np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+            for x, rows in zip(leaves, self.local_rows, strict=True)
+        ]
 
-def check_mesh(mesh: Mesh) -> None:
-    """Every process must hold part of the mesh: a process without devices in it would
-    have nothing to compute, and the program's collectives would wait for it forever."""
-    held = {d.process_index for d in mesh.devices.flat}
+
+def check_mesh(meshes: Sequence[Mesh]) -> None:
+    """Every process must hold part of the plan's mesh (a pipeline's: the union of its
+    stage meshes): a process without devices in it would have nothing to compute, and the
+    program's collectives would wait for it forever."""
+    devices = {d for mesh in meshes for d in mesh.devices.flat}
+    held = {d.process_index for d in devices}
     missing = sorted(set(range(jax.process_count())) - held)
     if missing:
+        what = (
+            f"the plan's mesh {dict(meshes[0].shape)} covers"
+            if len(meshes) == 1
+            else f"the plan's {len(meshes)} pipeline stages cover"
+        )
         raise ApplyError(
-            f"the plan's mesh {dict(mesh.shape)} covers {mesh.size} of the "
+            f"{what} {len(devices)} of the "
             f"{jax.device_count()} devices of the {jax.process_count()} processes, none of "
             f"process(es) {missing}. Under jax.distributed the mesh must use every "
             f"process's devices: make a plan for {jax.device_count()} devices "
             f"(`automap plan --devices {jax.device_count()}`)."
+        )
+
+
+def check_stages(meshes: Sequence[Mesh]) -> None:
+    """A value crossing processes between stages goes device to device (`send`), which
+    needs the two stages to have as many devices."""
+    sizes = [m.size for m in meshes]
+    procs = [{d.process_index for d in m.devices.flat} for m in meshes]
+    if any(
+        sizes[i] != sizes[j] and len(procs[i] | procs[j]) > 1
+        for i, j in itertools.combinations(range(len(meshes)), 2)
+    ):
+        raise ApplyError(
+            f"the pipeline's stages have {sizes} devices and lie on different processes; "
+            "under jax.distributed each device sends its shard to one device of the next "
+            "stage, so the stages need equal device counts. Make a plan with equal stages "
+            "(every searcher makes them)."
         )
 
 
@@ -160,13 +219,148 @@ def _is_global(x: Any) -> bool:
 
 
 def _host(x: Any) -> Any:
-    """A value to slice shards from: numpy, except for PRNG keys, which numpy cannot hold."""
+    """A value to slice shards from: numpy (of JAX's dtype for a Python scalar), except
+    for PRNG keys, which numpy cannot hold."""
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return x
-    return np.asarray(x)
+    return np.asarray(x, dtype=leaf_dtype(x))
 
 
 def _weak(x: Any) -> bool:
     # Python scalars trace as weakly typed; keeping that keeps the program (and so the
     # plan's fingerprint) the one traced from the arguments themselves.
     return bool(getattr(x, "weak_type", type(x) in (bool, int, float, complex)))
+
+
+# ---- values between stages (pipelines) -----------------------------------------------
+
+# The leading axis of a send's program: index 0 the sender's devices, 1 the receiver's.
+_PAIR = "_send"
+
+
+def is_global(x: Any, meshes: Sequence[Mesh]) -> bool:
+    """Is `x` a global array (rather than this process's copy of host data)? Decided alike
+    on every process: an array on another process's devices, or on one of `meshes`."""
+    if not isinstance(x, jax.Array):
+        return False
+    sharding = x.sharding
+    return not x.is_fully_addressable or (
+        isinstance(sharding, NamedSharding) and any(sharding.mesh == m for m in meshes)
+    )
+
+
+def move(value: Any, sharding: NamedSharding, meshes: Sequence[Mesh]) -> jax.Array:
+    """`value` laid out as `sharding`, a stage's, which may lie on other processes' devices.
+    Every process calls it alike; `meshes` are the run's (see `is_global`)."""
+    if not is_global(value, meshes):  # host data: each process places the shards it holds
+        host, dtype = _host(value), leaf_dtype(value)  # a Python scalar's dtype as JAX's
+        return jax.make_array_from_callback(
+            leaf_shape(value), sharding, lambda i: host[i], dtype=dtype
+        )
+    if value.sharding.device_set == sharding.device_set:  # a reshard on the same devices
+        return jax.device_put(value, sharding)
+    procs = _processes(value.sharding) | _processes(sharding)
+    if len(procs) == 1:  # inside one process: its own copy; the others hold no part of it
+        if jax.process_index() in procs:
+            return jax.device_put(value, sharding)
+        return jax.make_array_from_single_device_arrays(
+            value.shape, sharding, [], dtype=value.dtype
+        )
+    source = value.sharding
+    if not isinstance(source, NamedSharding) or source.mesh.size != sharding.mesh.size:
+        # Not from a stage of equal size (`check_stages`): a global array the caller made
+        # on other devices. Each process gets it whole and places its shards.
+        return move(_gather_leaf(value, meshes), sharding, meshes)
+    return send(value, sharding)
+
+
+def send(x: jax.Array, target: NamedSharding) -> jax.Array:
+    """`x` on `target`'s devices, which other processes hold: a point-to-point send.
+
+    The sender's and the receiver's devices form one "pair" mesh [2, *sender's mesh]
+    (the receiver's devices in row-major order), `x` is read as the sender's half of an
+    array on it (the receiver's half: fresh buffers, the receive buffers), and one
+    collective-permute moves each device's shard to its partner (`send_program`). The
+    receiver then holds `x` in the sender's layout, resharded on its own devices when
+    `target` differs."""
+    source = x.sharding  # a NamedSharding on a mesh of target's size (`move`)
+    pair, arrival = _pair(source, target.mesh)
+    program = send_program(source, target.mesh, x.shape, x.dtype)
+    out = program(_lift(x, pair, (2, *x.shape)))
+    mine = arrival.device_set
+    arrived = jax.make_array_from_single_device_arrays(
+        x.shape,
+        arrival,
+        [s.data[0] for s in out.addressable_shards if s.device in mine],
+        dtype=x.dtype,
+    )
+    return jax.device_put(arrived, target)  # the same array when the layouts agree
+
+
+@functools.cache
+def send_program(
+    source: NamedSharding, receiver: Mesh, shape: tuple[int, ...], dtype: Any
+) -> jax.stages.Compiled:
+    """The compiled send of a `shape` array laid out as `source` to `receiver`'s devices:
+    index 0 of the pair axis to index 1, each device's shard to its partner."""
+    pair, _ = _pair(source, receiver)
+
+    def permute(block: Any) -> Any:
+        return jax.lax.ppermute(block, _PAIR, [(0, 1)])
+
+    program = jax.jit(
+        jax.shard_map(permute, mesh=pair.mesh, in_specs=pair.spec, out_specs=pair.spec)
+    )
+    return program.lower(jax.ShapeDtypeStruct((2, *shape), dtype, sharding=pair)).compile()
+
+
+def _pair(source: NamedSharding, receiver: Mesh) -> tuple[NamedSharding, NamedSharding]:
+    """The send's layout on the pair mesh, and the sender's layout on the receiver's
+    devices (arranged as the sender's mesh), where the shards arrive."""
+    a = source.mesh
+    partner = Mesh(np.array(list(receiver.devices.flat)).reshape(a.devices.shape), a.axis_names)
+    pair = Mesh(np.stack([a.devices, partner.devices]), (_PAIR, *a.axis_names))
+    return (
+        NamedSharding(pair, PartitionSpec(_PAIR, *source.spec)),
+        NamedSharding(partner, source.spec),
+    )
+
+
+def _lift(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """An array of `shape` on `sharding`, whose every device holds a block [1, *a shard of
+    x]: a device of x's its own shard, any other device zeros (a receive buffer). Each
+    process makes the blocks of its devices; nothing moves."""
+    mine = {s.device: s.data for s in x.addressable_shards}
+    block = (1, *x.sharding.shard_shape(x.shape))
+    blocks = [
+        mine[d][None] if d in mine else jnp.zeros(block, x.dtype, device=d)
+        for d in sharding.addressable_devices
+    ]
+    return jax.make_array_from_single_device_arrays(shape, sharding, blocks, dtype=x.dtype)
+
+
+def gather(tree: Any, meshes: Sequence[Mesh]) -> Any:
+    """Every leaf of `tree` whole, as numpy, on every process (every process calls it)."""
+    return jax.tree.map(lambda x: _gather_leaf(x, meshes), tree)
+
+
+def _gather_leaf(x: Any, meshes: Sequence[Mesh]) -> np.ndarray:
+    if jax.process_count() == 1 or not is_global(x, meshes):
+        return np.asarray(x)
+    if len(_processes(x.sharding)) == jax.process_count():
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    # On some processes only: device k's shard as row k of a [devices, *shard] array on
+    # every device (zeros where it holds none), gathered, then each shard put in place.
+    everywhere = Mesh(np.array(jax.devices()), ("_devices",))
+    shape = (everywhere.size, *x.sharding.shard_shape(x.shape))
+    rows = _lift(x, NamedSharding(everywhere, PartitionSpec("_devices")), shape)
+    rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+    row_of = {d: k for k, d in enumerate(everywhere.devices.flat)}
+    out = np.empty(x.shape, x.dtype)
+    for d, index in x.sharding.devices_indices_map(x.shape).items():
+        out[index] = rows[row_of[d]]
+    return out
+
+
+def _processes(sharding: Sharding) -> set[int]:
+    return {d.process_index for d in sharding.device_set}

@@ -5,6 +5,11 @@ segments, then every (stage, "F"/"B", microbatch) unit, then the post segments. 
 dispatch is asynchronous, so units on different stages' devices overlap as the schedule
 intends; a value crossing stages is a `jax.device_put` onto the receiving stage's mesh
 (the point-to-point send), keeping the sender's layout when the receiver's mesh has it.
+Under `jax.distributed` every process runs this same order over global arrays (`_Hosts`):
+a stage's programs run on the processes that hold its devices, the batch shares are
+gathered first, and a value crossing processes is sent by `_distributed.send`, one
+collective-permute from each sending device to its partner (`device_put` cannot cross
+processes off TPU).
 
 Where the work goes, for the cost model:
 - Inside a stage, each segment is an SPMD program over that stage's mesh. Its collectives
@@ -48,6 +53,7 @@ from .._graph import TensorKind
 from .._groups import build_groups
 from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition, recompute_plan
 from .._plan import Plan
+from ._distributed import Feed, check_stages, gather, move
 from ._interpret import eval_ops
 from ._recompute import eval_recomputing
 from ._segments import (
@@ -88,6 +94,9 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
         return out
 
     run.meshes = meshes  # type: ignore[attr-defined]
+    # Under jax.distributed an output lies on its stage's devices only: this brings
+    # outputs whole to every process (every process calls it).
+    run.gather = lambda tree: gather(tree, meshes)  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
     run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
@@ -137,6 +146,11 @@ class _Pipeline:
     def __init__(self, fn: Callable, plan: Plan, meshes: list[Mesh], args: tuple) -> None:
 
         self.plan, self.meshes, m = plan, meshes, plan.microbatches
+        self.feed, self.ops = None, _LIVE
+        if jax.process_count() > 1:  # each process feeds its share of the batch
+            check_stages(meshes)
+            self.feed, self.ops = Feed(fn, meshes, args), _Hosts(meshes)
+            args = self.feed.global_args  # the segments run at the global batch's shapes
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
         )
@@ -345,7 +359,9 @@ class _Pipeline:
 
     def __call__(self, args: tuple) -> Any:
         graph = self.graph
-        step, self.trace = self._step(args, _LIVE)
+        if self.feed is not None:  # every stage may need any process's rows
+            args = tuple(self.feed.whole(jax.tree_util.tree_leaves(args)))
+        step, self.trace = self._step(args, self.ops)
         flat = [
             jnp.asarray(graph.const_values[t] if t not in step else step[t])
             if graph.tensors[t].kind is not TensorKind.INTERMEDIATE
@@ -358,9 +374,8 @@ class _Pipeline:
         """Every program one step on `args` runs, compiled as the step would compile it
         (same jitted segments, same input shardings), without running anything."""
         dry = _Dry(self.meshes)
-        abstract = [
-            jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in jax.tree.leaves(args)
-        ]
+        leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
+        abstract = [jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves]
         self._step(tuple(abstract), dry)
         return tuple(dry.programs.values())
 
@@ -504,6 +519,17 @@ class _Live:
 
 
 _LIVE = _Live()
+
+
+class _Hosts(_Live):
+    """The live step under jax.distributed: every process makes the same moves, on global
+    arrays, each doing the part its devices hold (`_distributed.move`)."""
+
+    def __init__(self, meshes: list[Mesh]) -> None:
+        self._meshes = meshes
+
+    def put(self, value: Any, sharding: NamedSharding) -> Any:
+        return move(value, sharding, self._meshes)
 
 
 class _Dry(_Live):
