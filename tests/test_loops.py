@@ -126,7 +126,9 @@ PROGRAMS = {
 CASES = [
     ("scan", "data_parallel"),
     ("scan", "megatron"),
+    ("scan", "megatron_dp"),  # splits the stacked layer dim: gathered for each scan
     ("nn_scan", "data_parallel"),
+    ("nn_scan", "megatron_dp"),
     ("accumulate", "megatron"),
     ("accumulate", "megatron_dp"),
     ("cond", "data_parallel"),

@@ -206,13 +206,18 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             for d, h in enumerate(tgs[u]):
                 if not split[h] or (u, d) in bound:
                     continue
-                untied = h not in it
+                # A dim no body sees is a scan's stacked dim, sliced per trip: XLA gathers
+                # it whole for the loop even when a result (the stacked gradient) keeps it.
+                untied = h not in it or bool(looped)
                 seam = after.get((op.index, h)) if not scope else None
                 op_small = {x for x in it if x < h and x != seam}
                 if not untied and op_small <= ugs:
                     continue  # the op drops the axis exactly where the tensor does
                 peer = empty if seam is None else sid((seam,))
-                key = (scope, u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
+                # XLA gathers a loop's operand for that loop (checked: a stacked weight split
+                # on its layer dim is gathered once per scan reading it, not shared).
+                where = (*scope, op.index) if looped else scope
+                key = (where, u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
                     nb = comm_bytes(g, u)
