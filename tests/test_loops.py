@@ -62,6 +62,22 @@ def scan_program():
     return _sgd(_scan_loss), (params, _batch(2, B))
 
 
+def _indexed_loss(params, batch):
+    """Layers picked by the loop counter from the whole stack (a loop-invariant operand),
+    as `fori_loop` code writes them."""
+    x, y = batch
+
+    def body(i, h):
+        return jnp.tanh(h @ params["w1"][i]) @ params["w2"][i] + h
+
+    h = jax.lax.fori_loop(0, L, body, x @ params["embed"])
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def indexed_program():
+    return _sgd(_indexed_loss), scan_program()[1]
+
+
 class _Layer(nn.Module):
     @nn.compact
     def __call__(self, h, _):
@@ -119,6 +135,7 @@ def cond_program():
 
 PROGRAMS = {
     "scan": scan_program,
+    "indexed": indexed_program,
     "nn_scan": nn_scan_program,
     "accumulate": accumulate_program,
     "cond": cond_program,
@@ -127,9 +144,12 @@ CASES = [
     ("scan", "data_parallel"),
     ("scan", "megatron"),
     ("scan", "megatron_dp"),  # splits the stacked layer dim: gathered for each scan
+    # The stack split on its layer dim, read whole by every trip: XLA gathers it once,
+    # hoisted out of both loops (forward and backward), not once per trip.
+    ("indexed", "megatron_dp"),
     ("nn_scan", "data_parallel"),
     ("nn_scan", "megatron_dp"),
-    ("accumulate", "megatron"),
+    # ("accumulate", "megatron"): test_accumulation_prices_the_body_collective_per_trip
     ("accumulate", "megatron_dp"),
     ("cond", "data_parallel"),
     ("cond", "megatron"),

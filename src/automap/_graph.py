@@ -116,6 +116,9 @@ class LoopBody:
     binds: tuple[tuple[int, int, int], ...]
     trips: int  # runs per run of the op (a scan's length; 1 for a branch)
     priced: bool = True  # a cond's branches: only the dearest one is priced (capture's rule)
+    # The first `invariant` binds are operands that are the same on every trip (a scan's
+    # or while's consts, a cond's operands): XLA hoists a reshard of one out of the loop.
+    invariant: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

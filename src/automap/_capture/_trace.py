@@ -252,7 +252,8 @@ class _Builder:
             def extra(body_in, body_out):  # the loop-back edge: carry out is carry in
                 return [(t, body_out[i], 0) for i, t in enumerate(init)]
 
-            return (self._body(p["jaxpr"], ins, offsets, outs, out_offsets, trip, extra),)
+            body = self._body(p["jaxpr"], ins, offsets, outs, out_offsets, trip, extra, nc)
+            return (body,)
         if name == "cond":
             branches = p["branches"]
             dearest = max(
@@ -264,7 +265,9 @@ class _Builder:
             )
             zeros_in, zeros_out = [0] * (len(ins) - 1), [0] * len(outs)
             return tuple(
-                self._body(br, ins[1:], zeros_in, outs, zeros_out, 1, None, k == dearest)
+                self._body(
+                    br, ins[1:], zeros_in, outs, zeros_out, 1, None, len(zeros_in), k == dearest
+                )
                 for k, br in enumerate(branches)
             )
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -281,9 +284,10 @@ class _Builder:
             [0] * len(outs),
             trip,
             back,
+            bn,
         )
         test = self._body(
-            p["cond_jaxpr"], (*cconsts, *init), [0] * (cn + len(init)), (), [], trip, None
+            p["cond_jaxpr"], (*cconsts, *init), [0] * (cn + len(init)), (), [], trip, None, cn
         )
         return (body, test)
 
@@ -296,9 +300,11 @@ class _Builder:
         out_offsets: list[int],
         trips: int,
         extra: Callable[[list[int], list[int]], list[tuple[int, int, int]]] | None,
+        invariant: int,
         priced: bool = True,
     ) -> LoopBody:
-        """One sub-program captured on its own (its own tensor ids) and its binds."""
+        """One sub-program captured on its own (its own tensor ids) and its binds; its
+        first `invariant` operands are the same on every trip (consts)."""
         b = _Builder(self.warned)
         env: dict[Any, int] = {}
         jaxpr = closed.jaxpr
@@ -323,7 +329,7 @@ class _Builder:
             const_values=b.const_values,
             bodies=b.bodies,
         )
-        return LoopBody(graph, tuple(binds), max(int(trips), 1), priced)
+        return LoopBody(graph, tuple(binds), max(int(trips), 1), priced, invariant)
 
     def _warn_unknown(self, name: str) -> None:
         self.warn(

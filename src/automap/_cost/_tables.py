@@ -178,9 +178,13 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     rrow: dict[tuple, CandidateRow] = {}
     rrow_again: dict[tuple, CandidateRow] = {}  # the recomputed ops' own (XLA cannot reuse them)
 
-    def collective_rows(op, g, tgs, tsets, scale: float, scope: tuple, row_op: int) -> None:
+    def collective_rows(
+        op, g, tgs, tsets, scale: float, scope: tuple, row_op: int, hoist: dict
+    ) -> None:
         """The candidate collectives of op (of graph g, its dims' groups `tgs`), each
-        happening `scale` times per step; `scope` tells a loop body's tensors apart."""
+        happening `scale` times per step; `scope` tells a loop body's tensors apart.
+        `hoist[t]`: (outer tensor, its scope, its scale) of a body tensor that is the same
+        on every trip, whose reshard XLA hoists out of the loop (and shares, as CSE)."""
         r = rule(op, g)
         outs = {x for o in op.outputs for x in tgs[o] if split[x]}
         red = {x for t, d in r.reduced if split[x := tgs[t][d]]} - outs
@@ -216,8 +220,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 peer = empty if seam is None else sid((seam,))
                 # XLA gathers a loop's operand for that loop (checked: a stacked weight split
                 # on its layer dim is gathered once per scan reading it, not shared).
-                where = (*scope, op.index) if looped else scope
-                key = (where, u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
+                where, ukey, times = (*scope, op.index) if looped else scope, u, scale
+                if u in hoist and not looped:
+                    ukey, where, times = hoist[u]
+                key = (where, ukey, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
                 if key not in rrow:
                     small_u = sid(x for x in ugs if x < h)
                     nb = comm_bytes(g, u)
@@ -230,11 +236,11 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                         tsmall=small_u,
                         other=key[5],
                         untied=untied,
-                        nbytes=nb * scale,
+                        nbytes=nb * times,
                         grad=False,
                         op=row_op,
                         peer=peer,
-                        count=scale,
+                        count=times,
                     )
                 if row_op in recomputed:
                     rrow_again.setdefault(key, rrow[key])
@@ -244,9 +250,14 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             if not body.priced:
                 continue
             bsets = [sid(x) for x in btg]
+            inner_hoist = {
+                inner: hoist.get(outer, (outer, scope, scale))
+                for outer, inner, _ in body.binds[: body.invariant]
+            }
+            where = (*scope, op.index, k)
             for bop in body.graph.ops:
                 collective_rows(
-                    bop, body.graph, btg, bsets, scale * body.trips, (*scope, op.index, k), row_op
+                    bop, body.graph, btg, bsets, scale * body.trips, where, row_op, inner_hoist
                 )
 
     for op in graph.ops:
@@ -271,7 +282,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             continue
         op_coef.append(coef)
         remat.append(coef if op.index in recomputed else 0.0)  # matmuls included
-        collective_rows(op, graph, tg, tset, 1.0, (), op.index)
+        collective_rows(op, graph, tg, tset, 1.0, (), op.index, {})
 
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
