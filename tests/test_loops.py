@@ -1,7 +1,8 @@
 """Loops and conditionals priced as XLA compiles them (issue 14, section 3).
 
-Four programs written as large JAX codebases write them: layers stacked under `lax.scan`,
-under Flax's `nn.scan`, gradient accumulation in a scan, and a `lax.cond`. For each, an
+Programs written as large JAX codebases write them: layers stacked under `lax.scan`,
+under Flax's `nn.scan`, picked by a `fori_loop`'s counter, gradient accumulation in a scan,
+a `lax.cond`, and all of these nested (a cond in a scan in a scan, then a while). For each, an
 expert plan's predicted collectives (kind, axis and bytes) are the ones XLA's compiled
 HLO holds, and the plan's numerics equal the unsharded step's. Before bodies were priced,
 each of these disagreed (a whole-tensor all-gather at the loop boundary predicted, the
@@ -78,6 +79,34 @@ def indexed_program():
     return _sgd(_indexed_loss), scan_program()[1]
 
 
+def _nested_loss(params, batch):
+    x, y = batch
+
+    def layer(h, w):
+        def twice(h, _):
+            branch = jax.lax.cond(h.sum() > 0, lambda h: jnp.tanh(h @ w[0]) @ w[1], lambda h: h, h)
+            return branch, None
+
+        return jax.lax.scan(twice, h, None, length=2)[0], None
+
+    h, _ = jax.lax.scan(layer, x @ params["embed"], (params["w1"], params["w2"]))
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def nested_step(params, batch):
+    params, loss = _sgd(_nested_loss)(params, batch)
+
+    def halve(c):  # a while loop without a static trip count
+        return c[0] + 1, c[1] @ params["embed"] * 0.5
+
+    _, head = jax.lax.while_loop(lambda c: c[1].sum() > 1e9, halve, (0, params["head"]))
+    return {**params, "head": head}, loss
+
+
+def nested_program():
+    return nested_step, scan_program()[1]
+
+
 class _Layer(nn.Module):
     @nn.compact
     def __call__(self, h, _):
@@ -137,6 +166,7 @@ PROGRAMS = {
     "scan": scan_program,
     "indexed": indexed_program,
     "nn_scan": nn_scan_program,
+    "nested": nested_program,
     "accumulate": accumulate_program,
     "cond": cond_program,
 }
@@ -151,11 +181,14 @@ CASES = [
     ("nn_scan", "megatron_dp"),
     # ("accumulate", "megatron"): test_accumulation_prices_the_body_collective_per_trip
     ("accumulate", "megatron_dp"),
+    ("nested", "megatron_dp"),
     ("cond", "data_parallel"),
     ("cond", "megatron"),
 ]
 
 
+# The nested program's while loop has no static trip count: capture says so, as it should.
+@pytest.mark.filterwarnings("ignore:automap. a while loop")
 @pytest.mark.parametrize(("program", "expert"), CASES)
 def test_loop_plans_predict_xla_collectives(program, expert):
     step, args = PROGRAMS[program]()

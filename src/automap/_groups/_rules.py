@@ -488,8 +488,8 @@ _RULES = {
     "rev": _rev,
     "optimization_barrier": _positional,
     "iota": _no_ties,
-    # Loops and conditionals stay one op (capture): their bodies are not looked into, so
-    # every operand is taken whole (replicated), which is safe if not clever.
+    # Loops and conditionals: tied through their bodies (`_loop_ties`) when capture kept
+    # them (`Graph.bodies`); without bodies every operand is taken whole (replicated).
     **{p: _no_ties for p in ("scan", "while", "cond")},
     "rng_bit_generator": _no_ties,
     "rng_uniform": _no_ties,
