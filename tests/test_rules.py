@@ -341,10 +341,15 @@ def test_gradient_bytes_of_a_linear_layer():
     assert np.isclose(sum(c for _, c, _ in cost.per_op), cost.compute_s)
 
 
-def test_loops_are_one_op_taken_whole():
+def test_loops_tie_what_their_body_ties():
+    """A scan's carry enters and leaves with one layout (XLA gives a while loop's state
+    one sharding): its dims are tied in to out, and nothing is reduced at the loop."""
+
     def fn(c):
         return lax.scan(lambda c, _: (c * 2.0, None), c, None, length=3)[0]
 
     g, op = only_op(fn, sds(4, 8), primitive="scan")
     r = rule(op, g)
-    assert r.known and not r.ties and not r.reduced and r.compute == "loop"
+    (c,), (out,) = op.inputs, op.outputs
+    assert r.known and not r.reduced and r.compute == "loop"
+    assert set(r.ties) == {((c, 0), (out, 0)), ((c, 1), (out, 1))}

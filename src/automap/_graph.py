@@ -105,6 +105,23 @@ class OutputLeaf:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopBody:
+    """One sub-program of a scan, while or cond op, as a program of its own: how XLA's
+    partitioner sees it (one iteration, or one branch), so that its collectives can be
+    priced where they happen, inside the loop, once per trip."""
+
+    graph: Graph  # the body: its own tensor ids, ops (and nested loops' bodies)
+    # (outer tensor, body tensor, offset): outer dim d + offset is body dim d. Offset 1 is
+    # a scan's stacked operand or result, sliced or stacked along its leading dim per trip.
+    binds: tuple[tuple[int, int, int], ...]
+    trips: int  # runs per run of the op (a scan's length; 1 for a branch)
+    priced: bool = True  # a cond's branches: only the dearest one is priced (capture's rule)
+    # The first `invariant` binds are operands that are the same on every trip (a scan's
+    # or while's consts, a cond's operands): XLA hoists a reshard of one out of the loop.
+    invariant: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Graph:
     tensors: tuple[Tensor, ...]
     ops: tuple[Op, ...]
@@ -119,6 +136,11 @@ class Graph:
     # `ops`), and the value of each CONST tensor (literals, closed-over constants).
     eqns: tuple[Any, ...] = dataclasses.field(compare=False, repr=False, default=())
     const_values: Mapping[int, Any] = dataclasses.field(
+        compare=False, repr=False, default_factory=dict
+    )
+    # Op index of each scan, while and cond -> its sub-programs (`LoopBody`), for pricing
+    # what their bodies communicate.
+    bodies: Mapping[int, tuple[LoopBody, ...]] = dataclasses.field(
         compare=False, repr=False, default_factory=dict
     )
 

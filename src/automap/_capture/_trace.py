@@ -4,7 +4,8 @@ Nested calls (jit, closed_call, custom_jvp_call, custom_vjp_call, remat/checkpoi
 other primitive that wraps one sub-program of the same signature) are inlined, so a plan
 can fix tensors inside them. scan, while and cond stay one op each: their bodies run many
 times (or once of several), and their cost is the body's times the trip count (cond: the
-dearest branch). Tensor ids: input leaves first (flat order of the argument tuple), then the
+dearest branch). Each body is also captured as a program of its own (`Graph.bodies`), bound
+to the loop's operands and results, so that what it communicates is priced per trip. Tensor ids: input leaves first (flat order of the argument tuple), then the
 top-level constants, then each op's literal operands and outputs in program order.
 """
 
@@ -21,7 +22,7 @@ import jax
 import jax.extend.core as jcore
 
 from .._errors import CaptureError
-from .._graph import Graph, InputLeaf, Op, OutputLeaf, Role, Tensor, TensorKind
+from .._graph import Graph, InputLeaf, LoopBody, Op, OutputLeaf, Role, Tensor, TensorKind
 from . import _flops
 from ._flops import LOOPS, loop_cost, sub_program
 
@@ -126,19 +127,21 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
         out_tree=out_tree,
         eqns=tuple(b.eqns),
         const_values=b.const_values,
+        bodies=b.bodies,
     )
 
 
 class _Builder:
     """Walks a jaxpr, inlining calls, and appends tensors and ops in program order."""
 
-    def __init__(self) -> None:
+    def __init__(self, warned: set[str] | None = None) -> None:
         self.tensors: list[Tensor] = []
         self.ops: list[Op] = []
         self.eqns: list[Any] = []
         self.const_values: dict[int, Any] = {}
-        self.warned: set[str] = set()
+        self.warned: set[str] = set() if warned is None else warned
         self.dtype_names: dict[Any, str] = {}
+        self.bodies: dict[int, tuple[LoopBody, ...]] = {}
 
     def tensor(self, aval: Any, kind: TensorKind, producer: int | None = None) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
@@ -207,6 +210,7 @@ class _Builder:
                 )
             for prim in sorted(cost.unknown):
                 self._warn_unknown(prim)
+            self.bodies[index] = self._bodies(eqn, inputs, outputs, trip)
         else:
             flops, read, written = _flops.op_cost(name, in_avals, out_avals, eqn.params)
             known = _flops.is_known(name)
@@ -228,6 +232,104 @@ class _Builder:
             )
         )
         self.eqns.append(eqn)
+
+    def _bodies(
+        self, eqn: Any, ins: tuple[int, ...], outs: tuple[int, ...], trip: int
+    ) -> tuple[LoopBody, ...]:
+        """The loop's sub-programs, each bound to the loop's operands and results as XLA
+        binds them: a scan slices its stacked operands (`xs`) and stacks its per-trip
+        results (`ys`) along their leading dim; carried values enter, leave and go round
+        with one layout (XLA gives a while loop's state one sharding); a cond's branches
+        read its operands (after the predicate) and write its results."""
+        p = eqn.params
+        name = eqn.primitive.name
+        if name == "scan":
+            nc, ncar = p["num_consts"], p["num_carry"]
+            init = ins[nc : nc + ncar]
+            offsets = [0] * (nc + ncar) + [1] * (len(ins) - nc - ncar)
+            out_offsets = [0] * ncar + [1] * (len(outs) - ncar)
+
+            def extra(body_in, body_out):  # the loop-back edge: carry out is carry in
+                return [(t, body_out[i], 0) for i, t in enumerate(init)]
+
+            body = self._body(p["jaxpr"], ins, offsets, outs, out_offsets, trip, extra, nc)
+            return (body,)
+        if name == "cond":
+            branches = p["branches"]
+            dearest = max(
+                range(len(branches)),
+                key=lambda k: (
+                    (c := _flops.jaxpr_cost(branches[k].jaxpr)).flops,
+                    c.read + c.written,
+                ),
+            )
+            zeros_in, zeros_out = [0] * (len(ins) - 1), [0] * len(outs)
+            return tuple(
+                self._body(
+                    br, ins[1:], zeros_in, outs, zeros_out, 1, None, len(zeros_in), k == dearest
+                )
+                for k, br in enumerate(branches)
+            )
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
+
+        def back(body_in, body_out):  # the loop-back edge, as for a scan's carry
+            return [(t, body_out[i], 0) for i, t in enumerate(init)]
+
+        body = self._body(
+            p["body_jaxpr"],
+            (*bconsts, *init),
+            [0] * (bn + len(init)),
+            outs,
+            [0] * len(outs),
+            trip,
+            back,
+            bn,
+        )
+        test = self._body(
+            p["cond_jaxpr"], (*cconsts, *init), [0] * (cn + len(init)), (), [], trip, None, cn
+        )
+        return (body, test)
+
+    def _body(
+        self,
+        closed: Any,
+        ins: tuple[int, ...],
+        in_offsets: list[int],
+        outs: tuple[int, ...],
+        out_offsets: list[int],
+        trips: int,
+        extra: Callable[[list[int], list[int]], list[tuple[int, int, int]]] | None,
+        invariant: int,
+        priced: bool = True,
+    ) -> LoopBody:
+        """One sub-program captured on its own (its own tensor ids) and its binds; its
+        first `invariant` operands are the same on every trip (consts)."""
+        b = _Builder(self.warned)
+        env: dict[Any, int] = {}
+        jaxpr = closed.jaxpr
+        body_in = [b.tensor(v.aval, TensorKind.INPUT) for v in jaxpr.invars]
+        env.update(zip(jaxpr.invars, body_in, strict=True))
+        for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
+            env[var] = b.const(var.aval, value)
+        b.emit(jaxpr, env, "")
+        body_out = [b.atom(env, v) for v in jaxpr.outvars]
+        binds = [*zip(ins, body_in, in_offsets, strict=True)]
+        if outs:  # a while loop's test returns its predicate, bound to nothing outside
+            binds += [*zip(outs, body_out, out_offsets, strict=True)]
+        if extra is not None:
+            binds += extra(body_in, body_out)
+        graph = Graph(
+            tensors=tuple(b.tensors),
+            ops=tuple(b.ops),
+            inputs=(),
+            outputs=tuple(OutputLeaf(f"[{i}]", t) for i, t in enumerate(body_out)),
+            fingerprint="",
+            eqns=tuple(b.eqns),
+            const_values=b.const_values,
+            bodies=b.bodies,
+        )
+        return LoopBody(graph, tuple(binds), max(int(trips), 1), priced, invariant)
 
     def _warn_unknown(self, name: str) -> None:
         self.warn(

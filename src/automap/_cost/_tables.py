@@ -17,7 +17,16 @@ import numpy as np
 from .._capture import Residuals
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import ARG_REDUCE, ELEMENTWISE, FREE, REDUCE_SUM_LIKE, Groups, rule
+from .._groups import (
+    ARG_REDUCE,
+    ELEMENTWISE,
+    FREE,
+    LOOPS,
+    REDUCE_SUM_LIKE,
+    Groups,
+    body_tensor_groups,
+    rule,
+)
 
 
 class CandidateRow(NamedTuple):
@@ -34,6 +43,7 @@ class CandidateRow(NamedTuple):
     grad: bool
     op: int
     peer: int
+    count: float = 1.0  # occurrences per step (a loop body's: its trips)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +152,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     fused_bytes = _fused_bytes(graph, res)
     wide = cluster.collective_float_bytes
 
-    def comm_bytes(t: int) -> float:
-        """Bytes a collective moves for tensor t (16-bit floats widened where the backend
-        widens them, see Cluster.collective_float_bytes)."""
-        x = graph.tensors[t]
+    def comm_bytes(g: Graph, t: int) -> float:
+        """Bytes a collective moves for tensor t of g (16-bit floats widened where the
+        backend widens them, see Cluster.collective_float_bytes)."""
+        x = g.tensors[t]
         if wide and x.dtype in ("bfloat16", "float16") and x.itemsize < wide:
             return x.size * wide
         return x.nbytes
@@ -167,6 +177,89 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     prow: list[CandidateRow] = []
     rrow: dict[tuple, CandidateRow] = {}
     rrow_again: dict[tuple, CandidateRow] = {}  # the recomputed ops' own (XLA cannot reuse them)
+
+    def collective_rows(
+        op, g, tgs, tsets, scale: float, scope: tuple, row_op: int, hoist: dict
+    ) -> None:
+        """The candidate collectives of op (of graph g, its dims' groups `tgs`), each
+        happening `scale` times per step; `scope` tells a loop body's tensors apart.
+        `hoist[t]`: (outer tensor, its scope, its scale) of a body tensor that is the same
+        on every trip, whose reshard XLA hoists out of the loop (and shares, as CSE)."""
+        r = rule(op, g)
+        outs = {x for o in op.outputs for x in tgs[o] if split[x]}
+        red = {x for t, d in r.reduced if split[x := tgs[t][d]]} - outs
+        it = outs | red
+        looped = op.primitive in LOOPS and g.bodies.get(op.index)
+        if red:
+            gs = sorted(red)
+            small = [sid(x for x in it if x < h) for h in gs]
+            for o in op.outputs:
+                nb = comm_bytes(g, o) * scale
+                grad = not scope and tsets[o] in param_sets
+                prow.append(
+                    CandidateRow(gs, small, tsets[o], 0, 0, False, nb, grad, row_op, empty, scale)
+                )
+        # A loop's operands cross into its bodies, which say what they need (below): only
+        # dims no body sees (a scan's stacked dim) are the loop's own to keep whole.
+        bound: set[tuple[int, int]] = set()
+        for body in looped or ():
+            for u, inner, off in body.binds:
+                bound.update((u, d + off) for d in range(body.graph.tensors[inner].ndim))
+        for u in dict.fromkeys(op.inputs):
+            ugs = {x for x in tgs[u] if split[x]}
+            for d, h in enumerate(tgs[u]):
+                if not split[h] or (u, d) in bound:
+                    continue
+                # A dim no body sees is a scan's stacked dim, sliced per trip: XLA gathers
+                # it whole for the loop even when a result (the stacked gradient) keeps it.
+                untied = h not in it or bool(looped)
+                seam = after.get((op.index, h)) if not scope else None
+                op_small = {x for x in it if x < h and x != seam}
+                if not untied and op_small <= ugs:
+                    continue  # the op drops the axis exactly where the tensor does
+                peer = empty if seam is None else sid((seam,))
+                # XLA gathers a loop's operand for that loop (checked: a stacked weight split
+                # on its layer dim is gathered once per scan reading it, not shared).
+                where, ukey, times = (*scope, op.index) if looped else scope, u, scale
+                if u in hoist and not looped:
+                    ukey, where, times = hoist[u]
+                key = (where, ukey, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
+                if key not in rrow:
+                    small_u = sid(x for x in ugs if x < h)
+                    nb = comm_bytes(g, u)
+                    if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
+                        nb += g.tensors[u].size * 4
+                    rrow[key] = CandidateRow(
+                        group=[h],
+                        small=[key[4]],
+                        tset=tsets[u],
+                        tsmall=small_u,
+                        other=key[5],
+                        untied=untied,
+                        nbytes=nb * times,
+                        grad=False,
+                        op=row_op,
+                        peer=peer,
+                        count=times,
+                    )
+                if row_op in recomputed:
+                    rrow_again.setdefault(key, rrow[key])
+        for k, (body, btg) in enumerate(
+            zip(looped or (), body_tensor_groups(op, g, tgs, ng) if looped else (), strict=True)
+        ):
+            if not body.priced:
+                continue
+            bsets = [sid(x) for x in btg]
+            inner_hoist = {
+                inner: hoist.get(outer, (outer, scope, scale))
+                for outer, inner, _ in body.binds[: body.invariant]
+            }
+            where = (*scope, op.index, k)
+            for bop in body.graph.ops:
+                collective_rows(
+                    bop, body.graph, btg, bsets, scale * body.trips, where, row_op, inner_hoist
+                )
+
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
@@ -189,46 +282,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             continue
         op_coef.append(coef)
         remat.append(coef if op.index in recomputed else 0.0)  # matmuls included
-        if red:
-            gs = sorted(red)
-            small = [sid(x for x in it if x < g) for g in gs]
-            for o in op.outputs:
-                nb = comm_bytes(o)
-                grad = tset[o] in param_sets
-                prow.append(
-                    CandidateRow(gs, small, tset[o], 0, 0, False, nb, grad, op.index, empty)
-                )
-        for u in dict.fromkeys(op.inputs):
-            ugs = {g for g in tg[u] if split[g]}
-            for d, h in enumerate(tg[u]):
-                if not split[h]:
-                    continue
-                untied = h not in it
-                seam = after.get((op.index, h))
-                op_small = {x for x in it if x < h and x != seam}
-                if not untied and op_small <= ugs:
-                    continue  # the op drops the axis exactly where the tensor does
-                peer = empty if seam is None else sid((seam,))
-                key = (u, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
-                if key not in rrow:
-                    small_u = sid(x for x in ugs if x < h)
-                    nb = comm_bytes(u)
-                    if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
-                        nb += graph.tensors[u].size * 4
-                    rrow[key] = CandidateRow(
-                        group=[h],
-                        small=[key[3]],
-                        tset=tset[u],
-                        tsmall=small_u,
-                        other=key[4],
-                        untied=untied,
-                        nbytes=nb,
-                        grad=False,
-                        op=op.index,
-                        peer=peer,
-                    )
-                if op.index in recomputed:
-                    rrow_again.setdefault(key, rrow[key])
+        collective_rows(op, graph, tg, tset, 1.0, (), op.index, {})
 
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
@@ -345,7 +399,7 @@ def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
         other=column("other", np.int64),
         untied=column("untied", bool),
         nbytes=column("nbytes", float),
-        count=np.ones(len(rows)),
+        count=column("count", float),
         grad=column("grad", bool),
         op=column("op", np.int64),
         peer=column("peer", np.int64),

@@ -17,7 +17,9 @@ from ._rules import ARG_REDUCE as ARG_REDUCE
 from ._rules import ELEMENTWISE as ELEMENTWISE
 from ._rules import FREE as FREE
 from ._rules import KNOWN_PRIMITIVES as KNOWN_PRIMITIVES
+from ._rules import LOOPS as LOOPS
 from ._rules import REDUCE_SUM_LIKE as REDUCE_SUM_LIKE
+from ._rules import body_tensor_groups as body_tensor_groups
 from ._rules import dim_ties as dim_ties
 from ._rules import reduced_dims as reduced_dims
 from ._rules import reshape_ties as reshape_ties

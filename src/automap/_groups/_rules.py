@@ -14,6 +14,11 @@ Any input dim neither tied nor reduced must be whole on every device: if it arri
 the op first all-gathers it. Dims of size 1 are never tied: they cannot be split, and
 tying them would merge unrelated dimensions into one group.
 
+scan, while and cond are priced through their bodies (`Graph.bodies`): two dims of the
+loop's operands and results are tied when the body ties them (XLA gives a loop's operands
+one layout for every trip: what the body links, the partitioner keeps aligned), and
+`body_tensor_groups` tells the cost model which group each body dim belongs to.
+
 Unknown primitives get no ties at all (every operand replicated, the op computed on every
 device): conservative, and `Rule.known` is False so the caller can warn once.
 """
@@ -78,7 +83,10 @@ def rule(op: Op, graph: Graph) -> Rule:
         fn = _elementwise
     if fn is None or not op.known:
         return Rule((), (), "memory", known=False)
-    ties, reduced = fn(op, shapes, out_shapes)
+    if op.primitive in LOOPS and op.index in graph.bodies and graph.bodies[op.index]:
+        ties, reduced = _loop_ties(op, graph), []
+    else:
+        ties, reduced = fn(op, shapes, out_shapes)
     ties = tuple((a, b) for a, b in ties if _size(graph, a) > 1 and _size(graph, b) > 1 and a != b)
     reduced = tuple(r for r in reduced if _size(graph, r) > 1)
     if op.primitive in LOOPS:
@@ -115,6 +123,84 @@ def dim_ties(op: Op, graph: Graph) -> list[tuple[DimRef, DimRef]]:
 def reduced_dims(op: Op, graph: Graph) -> list[DimRef]:
     """Input (tensor, dim)s whose split leaves the op's outputs as partial sums."""
     return list(rule(op, graph).reduced)
+
+
+# A node of a loop's union-find: (-1, tensor, dim) for the loop's own operands and
+# results, (k, tensor, dim) for body k's tensors.
+Node = tuple[int, int, int]
+
+
+def _loop_components(op: Op, graph: Graph) -> dict[Node, Node]:
+    """Union-find over the loop's operand/result dims and its bodies' dims, tied by the
+    bodies' own rules (nested loops through theirs) and by the binds at the boundary.
+    Returns each node's root."""
+    parent: dict[Node, Node] = {}
+
+    def find(x: Node) -> Node:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: Node, b: Node) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    for k, body in enumerate(graph.bodies[op.index]):
+        bg = body.graph
+        for bop in bg.ops:
+            for (t1, d1), (t2, d2) in rule(bop, bg).ties:
+                union((k, t1, d1), (k, t2, d2))
+        for outer, inner, offset in body.binds:
+            oshape, ishape = graph.tensors[outer].shape, bg.tensors[inner].shape
+            for d, size in enumerate(ishape):
+                if size > 1 and d + offset < len(oshape) and oshape[d + offset] == size:
+                    union((-1, outer, d + offset), (k, inner, d))
+    return {x: find(x) for x in list(parent)}
+
+
+def _loop_ties(op: Op, graph: Graph) -> Ties:
+    """Ties between the loop's own operand and result dims that its bodies link."""
+    first: dict[Node, DimRef] = {}
+    ties: Ties = []
+    own = set(op.inputs) | set(op.outputs)
+    for node, root in _loop_components(op, graph).items():
+        k, t, d = node
+        if k != -1 or t not in own:
+            continue
+        if root in first:
+            ties.append((first[root], (t, d)))
+        else:
+            first[root] = (t, d)
+    return ties
+
+
+def body_tensor_groups(
+    op: Op, graph: Graph, tensor_groups: Sequence[Sequence[int]], none: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """For each body of a loop op, the group of every dim of every body tensor: the group
+    of a loop operand or result dim it is linked to, or `none` (a dim that lives only
+    inside the body, which no plan decides: XLA keeps it as propagation leaves it, and
+    it is priced unsplit)."""
+    comps = _loop_components(op, graph)
+    root_group: dict[Node, int] = {}
+    for node, root in comps.items():
+        if node[0] == -1 and root not in root_group:
+            root_group[root] = tensor_groups[node[1]][node[2]]
+    out = []
+    for k, body in enumerate(graph.bodies[op.index]):
+        out.append(
+            tuple(
+                tuple(
+                    root_group.get(comps.get((k, t.id, d), (k, t.id, d)), none)
+                    for d in range(t.ndim)
+                )
+                for t in body.graph.tensors
+            )
+        )
+    return out
 
 
 def _size(graph: Graph, ref: DimRef) -> int:
@@ -402,8 +488,8 @@ _RULES = {
     "rev": _rev,
     "optimization_barrier": _positional,
     "iota": _no_ties,
-    # Loops and conditionals stay one op (capture): their bodies are not looked into, so
-    # every operand is taken whole (replicated), which is safe if not clever.
+    # Loops and conditionals: tied through their bodies (`_loop_ties`) when capture kept
+    # them (`Graph.bodies`); without bodies every operand is taken whole (replicated).
     **{p: _no_ties for p in ("scan", "while", "cond")},
     "rng_bit_generator": _no_ties,
     "rng_uniform": _no_ties,
