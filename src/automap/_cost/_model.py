@@ -318,7 +318,9 @@ class CostModel:
             # the sharded update (ZeRO-1/2), or for use in the forward (ZeRO-3).
             free = ~P[:, d]
             zero_bytes = float(T.param_coef @ (inv * free))
-            zero_count = int(T.param_leaves @ free)
+            # One collective: XLA's all-gather combiner joins them as its all-reduce
+            # combiner joins the gradients' reductions.
+            zero_count = int(T.param_leaves @ free > 0)
         sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
             sums, ac, zero_mask, zero_bytes, zero_count, self.cluster.reduce_scatter

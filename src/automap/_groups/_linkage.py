@@ -390,7 +390,10 @@ def plan_from_assignment(
     for leaf in graph.outputs:
         same = state.get(leaf.path)
         # New params and optimizer state keep their inputs' specs: the loop can go on.
-        if same is not None and graph.tensors[same.tensor].shape == graph.tensors[leaf.tensor].shape:
+        if (
+            same is not None
+            and graph.tensors[same.tensor].shape == graph.tensors[leaf.tensor].shape
+        ):
             out_specs[leaf.path] = specs[same.path]
         else:
             out_specs[leaf.path] = lay[leaf.tensor]
@@ -419,16 +422,23 @@ def plan_from_assignment(
         # DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
         # data-parallel partial sums meet a layout split over data), the optimizer update
         # runs on each device's shard, and the new parameters leave in their own layout
-        # (gathered over data, but for ZeRO-3).
-        # A tensor there takes the data axis on the dim linked to the one its parameter's
-        # state takes it on: a transposed or reshaped gradient then needs no all-to-all.
+        # (gathered over data, but for ZeRO-3). A tensor there takes the data axis on the
+        # dim linked to the one the state it becomes takes it on: a transposed or
+        # reshaped gradient then needs no all-to-all.
         gradients, update = update_region(graph, groups)
         wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
         # A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum
         # it in 16 bits, where it now sums after the cast to the parameters' float32.
         pinned = [t for t in gradients if graph.tensors[t].itemsize >= 4]
         for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
-            spec = _on_groups(lay[t], graph.tensors[t].shape, groups.tensor_groups[t], wanted.get(t, ()), mesh, data_axis)
+            spec = _on_groups(
+                lay[t],
+                graph.tensors[t].shape,
+                groups.tensor_groups[t],
+                wanted.get(t, ()),
+                mesh,
+                data_axis,
+            )
             if spec is not None:
                 constraints[t] = spec
     return Plan(
@@ -446,8 +456,9 @@ def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[i
     """Per tensor of the update, the groups of the dims that ZeRO splits over data in the
     new parameters and optimizer state it flows into (read back from the update's end)."""
     want: dict[int, set[int]] = {}
+    state = state_inputs(graph)
     for out in graph.outputs:
-        leaf = state_inputs(graph).get(out.path)
+        leaf = state.get(out.path)
         if leaf is not None:
             t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
             zeroed = zero_spec(lay[t], shape, mesh, data_axis)
@@ -478,14 +489,14 @@ def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
     """Per output path, the parameter or optimizer-state input it is the new value of: the
     same path but for the position in the step's arguments and results (`[0]['params']`
     in, `[1]['params']` out), where that names one input."""
+    state = [leaf for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)]
+    by_path = {leaf.path: leaf for leaf in state}
     by_tail: dict[str, list[InputLeaf]] = {}
-    for leaf in graph.inputs:
-        if leaf.role in (Role.PARAM, Role.OPT_STATE):
-            by_tail.setdefault(_tail(leaf.path), []).append(leaf)
+    for leaf in state:
+        by_tail.setdefault(_tail(leaf.path), []).append(leaf)
     out = {}
     for leaf in graph.outputs:
-        exact = [x for x in graph.inputs if x.path == leaf.path and x.role in (Role.PARAM, Role.OPT_STATE)]
-        match = exact or by_tail.get(_tail(leaf.path), [])
+        match = [by_path[leaf.path]] if leaf.path in by_path else by_tail.get(_tail(leaf.path), [])
         if len(match) == 1:
             out[leaf.path] = match[0]
     return out
