@@ -118,7 +118,9 @@ def test_memory_limit_moves_the_optimum_and_the_ilp_follows():
     free = exhaustive_plan("bert").predicted
     seen = set()
     # Limits below the unconstrained optimum's memory: first another mesh, then ZeRO.
-    for fraction in (0.9, 0.5, 0.2):
+    # (0.3, not 0.2: ZeRO no longer shards the local gradients, which XLA holds whole
+    # until their reduce-scatter, so the smallest plan is larger than it was priced.)
+    for fraction in (0.9, 0.5, 0.3):
         hbm = free.memory_bytes * fraction / 0.9  # 10% of HBM is the default reserve
         problem = problem_for("bert", hbm_bytes=hbm)
         exhaustive = run_searcher(problem, "exhaustive", budget_s=60, seed=0)
@@ -132,7 +134,9 @@ def test_memory_limit_moves_the_optimum_and_the_ilp_follows():
     assert len(seen) >= 2
 
 
-@pytest.mark.parametrize(("case", "fraction"), [("t5", 0.5), ("vgg", 0.3)])
+# vgg at 0.4, not 0.3: ZeRO no longer shards the local gradients (XLA holds them whole
+# until their reduce-scatter), and no plan of its space fits in 0.3 any more.
+@pytest.mark.parametrize(("case", "fraction"), [("t5", 0.5), ("vgg", 0.4)])
 def test_ilp_matches_exhaustive_under_tight_memory(case, fraction):
     free = exhaustive_plan(case).predicted
     problem = problem_for(case, hbm_bytes=free.memory_bytes * fraction / 0.9)

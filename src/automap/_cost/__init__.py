@@ -10,6 +10,7 @@ convention" and "Pipeline".
 from ._collectives import AG as AG
 from ._collectives import AR as AR
 from ._collectives import KINDS as KINDS
+from ._collectives import RS as RS
 from ._collectives import AxisCosts as AxisCosts
 from ._collectives import ring_allreduce_time as ring_allreduce_time
 from ._collectives import tree_allreduce_time as tree_allreduce_time

@@ -116,14 +116,27 @@ def sums(key, nbytes, count, grad, time, n: int, signed: bool = False) -> np.nda
     )
 
 
-def totals(s: np.ndarray, ac: C.AxisCosts, zero_mask: int, zero_bytes: float, zero_count: int):
+def totals(
+    s: np.ndarray,
+    ac: C.AxisCosts,
+    zero_mask: int,
+    zero_bytes: float,
+    zero_count: int,
+    reduce_scatter: bool = True,
+):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined.
 
-    ZeRO as XLA compiles it from specs alone (checked on the CPU): the gradient all-reduce
-    stays, the Adam update runs whole, so the moments sharded over data are gathered (two
-    all-gathers of the parameters' size; ZeRO-3 gathers the parameters for use as well).
-    `zero_bytes`/`zero_count` are those all-gathers over the data axis' `zero_mask`."""
-    g_bytes, g_any = s[3], s[4] > 0
+    ZeRO as the plan pins it (`_groups.plan_from_assignment`): the gradients' all-reduce
+    over the data axis' `zero_mask` becomes a reduce-scatter of the same buffer (where the
+    backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
+    the parameters' all-gathers over it."""
+    g_bytes, g_count = s[3].copy(), s[4].copy()
+    if zero_mask and reduce_scatter:
+        ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
+        g_bytes[rs] += g_bytes[ar]
+        g_count[rs] += g_count[ar]
+        g_bytes[ar] = g_count[ar] = 0.0
+    g_any = g_count > 0
     g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
     time, nbytes, count = s[0] + g_time, s[1] + g_bytes, s[2] + g_any
     if zero_mask and zero_count:

@@ -24,11 +24,14 @@ numpy operations over those tables:
   input's batch dim moves only when the other side's group is not on the same axis;
 - gradient all-reduces (partial sums whose result has a parameter's layout) are combined
   into one tuple collective per axis, as XLA's all-reduce combiner does;
-- ZeRO (stage >= 1), as XLA compiles a plan whose specs shard the optimizer state over
-  data: the gradient all-reduce stays and the Adam update gathers the sharded moments,
-  two all-gathers of the parameters' size (three with ZeRO-3, which also gathers the
-  parameters for use). Checked against XLA; a hand-scheduled ZeRO would reduce-scatter;
-- memory: parameters, gradients, optimizer state and inputs by their layouts (and ZeRO),
+- ZeRO (stage >= 1), as XLA compiles a plan that pins the gradients and the optimizer
+  update to the ZeRO layout (`_groups.plan_from_assignment`): the data-parallel gradient
+  all-reduce becomes a reduce-scatter (the CPU's lowering: an all-reduce and a slice),
+  the update runs on shards and the parameters are all-gathered once: after the update
+  (ZeRO-1/2) or for use in the forward (ZeRO-3). Checked against XLA's HLO;
+- memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
+  the optimizer state, and with ZeRO-3 the stored parameters; the local gradients are
+  whole until their reduce-scatter, in every stage, as XLA compiles them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
@@ -311,14 +314,16 @@ class CostModel:
         zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
         zero_bytes, zero_count = 0.0, 0
         if zero_mask:
-            # Parameters not already split on data, by layout: gathered 2x (3x for ZeRO-3).
-            times = 3 if zero_stage >= 3 else 2
+            # Parameters not already split on data, by layout, are gathered once: after
+            # the sharded update (ZeRO-1/2), or for use in the forward (ZeRO-3).
             free = ~P[:, d]
-            zero_bytes = times * float(T.param_coef @ (inv * free))
-            zero_count = times * int(T.param_leaves @ free)
+            zero_bytes = float(T.param_coef @ (inv * free))
+            # One collective: XLA's all-gather combiner joins them as its all-reduce
+            # combiner joins the gradients' reductions.
+            zero_count = int(T.param_leaves @ free > 0)
         sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
-            sums, ac, zero_mask, zero_bytes, zero_count
+            sums, ac, zero_mask, zero_bytes, zero_count, self.cluster.reduce_scatter
         )
         comm = float(tot_time.sum())
         collectives = tuple(
@@ -335,7 +340,9 @@ class CostModel:
         plain = T.memory_coef @ inv
         zeroed = T.memory_coef[:2] @ (inv / np.where(P[:, d], 1.0, D)) if zero_mask else plain
         params = float(zeroed[0] if zero_stage >= 3 else plain[0])
-        grads = float(zeroed[0] if zero_stage >= 2 else plain[0])
+        # The local gradients are made whole before they are reduce-scattered (XLA combines
+        # the reductions into one at the end of the backward): no stage shards them.
+        grads = float(plain[0])
         opt = float(zeroed[1] if zero_stage >= 1 else plain[1])
         acts = float(plain[3] if st.remat else plain[2]) / st.microbatches
         other = float(plain[4])

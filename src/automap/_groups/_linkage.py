@@ -19,11 +19,12 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .._axes import DATA
-from .._graph import Graph, Op, Role
+from .._graph import Graph, InputLeaf, Op, Role
 from .._plan import Plan, Spec
 from ._rules import minor_factors, rule
 
 _DIGITS = re.compile(r"\d+")
+_POSITION = re.compile(r"^\[\d+\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,8 +363,12 @@ def plan_from_assignment(
     name: str = "",
     zero_stage: int = 0,
     data_axis: str = DATA,
+    shard_update: bool = True,
 ) -> Plan:
-    """The plan that realizes an assignment: input/output specs and internal constraints."""
+    """The plan that realizes an assignment: input/output specs and internal constraints.
+    With ZeRO, `shard_update` pins the gradients and the optimizer update to the ZeRO
+    layout (a pipeline stage, which reduces its gradients in a program of its own, does
+    not yet)."""
     # Only splits the group can take (as the cost model reads the assignment): an axis on
     # an unsplittable group, or one whose size does not divide the group, is dropped.
     assignment = {
@@ -385,11 +390,17 @@ def plan_from_assignment(
             spec = zero_spec(spec, shape, mesh, data_axis)
         specs[leaf.path] = spec
     out_specs: dict[str, Spec] = {}
+    # A pipeline (`shard_update=False`) keeps its inputs' specs only where the paths are
+    # equal, as its cost model prices it (pipelined ZeRO gathers the state for the update).
+    state = state_inputs(graph) if shard_update else _same_path(graph)
     for leaf in graph.outputs:
-        same = specs.get(leaf.path)
+        same = state.get(leaf.path)
         # New params and optimizer state keep their inputs' specs: the loop can go on.
-        if same is not None and len(same) == graph.tensors[leaf.tensor].ndim:
-            out_specs[leaf.path] = same
+        if (
+            same is not None
+            and graph.tensors[same.tensor].shape == graph.tensors[leaf.tensor].shape
+        ):
+            out_specs[leaf.path] = specs[same.path]
         else:
             out_specs[leaf.path] = lay[leaf.tensor]
     constraints: dict[int, Spec] = {}
@@ -413,6 +424,29 @@ def plan_from_assignment(
                 for t in op.outputs:
                     if graph.tensors[t].ndim:
                         constraints[t] = lay[t]
+    if shard_update and zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
+        # DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
+        # data-parallel partial sums meet a layout split over data), the optimizer update
+        # runs on each device's shard, and the new parameters leave in their own layout
+        # (gathered over data, but for ZeRO-3). A tensor there takes the data axis on the
+        # dim linked to the one the state it becomes takes it on: a transposed or
+        # reshaped gradient then needs no all-to-all.
+        gradients, update = update_region(graph, groups)
+        wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
+        # A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum
+        # it in 16 bits, where it now sums after the cast to the parameters' float32.
+        pinned = [t for t in gradients if graph.tensors[t].itemsize >= 4]
+        for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
+            spec = _on_groups(
+                lay[t],
+                graph.tensors[t].shape,
+                groups.tensor_groups[t],
+                wanted.get(t, ()),
+                mesh,
+                data_axis,
+            )
+            if spec is not None:
+                constraints[t] = spec
     return Plan(
         mesh=dict(mesh),
         specs=specs,
@@ -422,6 +456,97 @@ def plan_from_assignment(
         name=name,
         assignment={int(g): a for g, a in sorted(assignment.items())},
     )
+
+
+def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
+    """Per tensor of the update, the groups of the dims that ZeRO splits over data in the
+    new parameters and optimizer state it flows into (read back from the update's end)."""
+    want: dict[int, set[int]] = {}
+    state = state_inputs(graph)
+    for out in graph.outputs:
+        leaf = state.get(out.path)
+        if leaf is not None:
+            t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
+            zeroed = zero_spec(lay[t], shape, mesh, data_axis)
+            dims = [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b]
+            want.setdefault(out.tensor, set()).update(groups.of(out.tensor, d) for d in dims)
+    for i in sorted(update, reverse=True):
+        op = graph.ops[i]
+        w = set().union(*(want.get(t, set()) for t in op.outputs))
+        for t in op.inputs:
+            want.setdefault(t, set()).update(w)
+    return want
+
+
+def _on_groups(spec: Spec, shape, tgroups, wanted, mesh, data_axis: str) -> Spec | None:
+    """`spec` with the data axis added on its first dim in a `wanted` group (None: no such
+    dim can take it)."""
+    if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
+        return None
+    for d, (e, g) in enumerate(zip(spec, tgroups, strict=True)):
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        if g in wanted and shape[d] % (mesh[data_axis] * math.prod(mesh[a] for a in axes)) == 0:
+            new = data_axis if not axes else (*axes, data_axis)
+            return (*spec[:d], new, *spec[d + 1 :])
+    return None
+
+
+def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
+    """Per output path, the parameter or optimizer-state input it is the new value of: the
+    same path but for the position in the step's arguments and results (`[0]['params']`
+    in, `[1]['params']` out), where that names one input."""
+    state = [leaf for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)]
+    by_path = {leaf.path: leaf for leaf in state}
+    by_tail: dict[str, list[InputLeaf]] = {}
+    for leaf in state:
+        by_tail.setdefault(_tail(leaf.path), []).append(leaf)
+    out = {}
+    for leaf in graph.outputs:
+        match = [by_path[leaf.path]] if leaf.path in by_path else by_tail.get(_tail(leaf.path), [])
+        if len(match) == 1:
+            out[leaf.path] = match[0]
+    return out
+
+
+def _same_path(graph: Graph) -> dict[str, InputLeaf]:
+    """Per output path, the input leaf with the very same path."""
+    by_path = {leaf.path: leaf for leaf in graph.inputs}
+    return {leaf.path: by_path[leaf.path] for leaf in graph.outputs if leaf.path in by_path}
+
+
+def _tail(path: str) -> str:
+    """A leaf path without its leading position (`[1]['params']` -> `['params']`)."""
+    return _POSITION.sub("", path, count=1)
+
+
+def update_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The gradients (batch-free tensors, rank >= 1, made by ops that touch the batch and
+    read by ops that do not, or returned) and the update ops (ops that do not touch the
+    batch but read a gradient, directly or not): where ZeRO shards the step. Empty when
+    the step has no batch dimension to tell them by."""
+    batch = set(groups.batch_groups)
+    batched = {t.id for t in graph.tensors if batch.intersection(groups.tensor_groups[t.id])}
+    if not batched:
+        return (), frozenset()
+    per_example = [any(t in batched for t in (*op.inputs, *op.outputs)) for op in graph.ops]
+    consumers = graph.consumers()
+    returned = {leaf.tensor for leaf in graph.outputs}
+    gradients = sorted(
+        t
+        for op in graph.ops
+        if per_example[op.index]
+        for t in op.outputs
+        if t not in batched
+        and graph.tensors[t].ndim
+        and (t in returned or any(not per_example[c] for c in consumers[t]))
+    )
+    after = set(gradients)
+    update: set[int] = set()
+    for op in graph.ops:
+        if not per_example[op.index] and after.intersection(op.inputs):
+            update.add(op.index)
+            after.update(op.outputs)
+    return tuple(gradients), frozenset(update)
 
 
 def _dropped(spec: Spec, tg: tuple[int, ...], assignment: Mapping[int, str]) -> bool:

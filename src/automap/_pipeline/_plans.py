@@ -143,9 +143,13 @@ def pipeline_plan(
     starts = [0, *cuts]
     if any(b <= a for a, b in itertools.pairwise(starts)):
         raise PlanError(f"pipeline cuts {list(cuts)} must be ascending and after op 0.")
+    # The stages reduce their gradients in a "reduce" program of their own: with ZeRO
+    # the update still runs whole there (gathering the moments), as `_cost/_pipelined.py`
+    # prices it; the one-stage reduce-scatter pattern is not carried into stages yet.
     inner = plan_from_assignment(
-        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage
-    )
+        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage,
+        shard_update=False,
+    )  # fmt: skip
     per = math.prod(stage_mesh.values()) if stage_mesh else 1
     stops = [*cuts, len(graph.ops)]
     stages = tuple(

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .._axes import DATA
-from .._cost import AG, KINDS, AxisCosts, RowTable, collective_rows, set_axes
+from .._cost import AG, AR, KINDS, RS, AxisCosts, RowTable, collective_rows, set_axes
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, solve_ilp
 from .._space import OPTIONS, ShardSpace
 
@@ -257,21 +257,28 @@ class MeshTerms:
         for sc in self.scopes:
             pl, zd = sc.plain, sc.zeroed if zero else sc.plain[:, :2]
             params = zd[:, 0] if zero_stage >= 3 else pl[:, 0]
-            grads = zd[:, 0] if zero_stage >= 2 else pl[:, 0]
+            # Local gradients are whole until reduced, whatever the stage (`_cost/_model.py`).
+            grads = pl[:, 0]
             opt = zd[:, 1] if zero_stage >= 1 else pl[:, 1]
             add(sc.units, sc.configs, sc.time, params + grads + opt + pl[:, 2] + pl[:, 4])
+        # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
+        # backend has one (`_cost/_kernel.totals`): one combined collective either way.
+        by_kind: dict[tuple[int, int], list] = {}
         for key in np.flatnonzero(np.any([sc.grad_any.any(axis=0) for sc in self.scopes], axis=0)):
             kind, mask = divmod(int(key), ac.masks)
-            parts = [
+            if zero and kind == AR and mask == ac.bit[self.d] and self.space.cluster.reduce_scatter:
+                kind = RS
+            by_kind.setdefault((kind, mask), []).extend(
                 (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key])
                 for sc in self.scopes
                 if sc.grad_any[:, key].any()
-            ]
+            )
+        for (kind, mask), parts in by_kind.items():
             combined(kind, mask, parts, indicator=True)
         if zero:
-            times = 3 if zero_stage >= 3 else 2
-            parts = [(sc, times * sc.zero_count, times * sc.zero_bytes) for sc in self.scopes]
-            combined(AG, int(ac.bit[self.d]), parts, indicator=False)
+            # The parameters' all-gathers, combined into one (`_cost/_model.py`).
+            parts = [(sc, (sc.zero_count > 0).astype(float), sc.zero_bytes) for sc in self.scopes]
+            combined(AG, int(ac.bit[self.d]), parts, indicator=True)
         if self.space.pruning.masks:
             pair = np.zeros((len(OPTIONS),) * 2)
             for k in range(1, len(OPTIONS)):
