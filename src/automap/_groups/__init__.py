@@ -5,14 +5,14 @@ Input: a Graph. Output: `Groups`, and for an assignment {group: axis} the specs 
 tensor and the Plan (`plan_from_assignment`). DESIGN.md, "Linkage groups".
 """
 
+from ._layouts import expand_classes as expand_classes
+from ._layouts import layouts as layouts
+from ._layouts import plan_from_assignment as plan_from_assignment
+from ._layouts import zero_spec as zero_spec
 from ._linkage import Group as Group
 from ._linkage import Groups as Groups
 from ._linkage import build_groups as build_groups
-from ._linkage import expand_classes as expand_classes
 from ._linkage import group_partners as group_partners
-from ._linkage import layouts as layouts
-from ._linkage import plan_from_assignment as plan_from_assignment
-from ._linkage import zero_spec as zero_spec
 from ._rules import ARG_REDUCE as ARG_REDUCE
 from ._rules import ELEMENTWISE as ELEMENTWISE
 from ._rules import FREE as FREE

@@ -1,0 +1,265 @@
+"""Layouts: an assignment of mesh axes to linkage groups as the Plan that realizes it.
+
+Input: a Graph, its Groups, a mesh and an assignment {group: axis}. Output: every tensor's
+spec (`layouts`) and the Plan with its input and output specs, the internal tensors it
+pins, and with ZeRO the gradients and the update pinned to the data-sharded layout
+(`plan_from_assignment`). DESIGN.md, "Specs" and "Linkage groups".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+from .._axes import DATA
+from .._graph import Graph, InputLeaf, Role
+from .._plan import Plan, Spec
+from ._linkage import Groups
+
+#: An input or output path's leading argument position (`[1]` of `[1]['mu']...`).
+_POSITION = re.compile(r"^\[\d+\]")
+
+
+def expand_classes(groups: Groups, by_class: Mapping[int, str | None]) -> dict[int, str | None]:
+    """A coarse (per layer class) assignment as a per-group one."""
+    return {gid: by_class[c] for c, ids in groups.classes().items() if c in by_class for gid in ids}
+
+
+def layouts(graph: Graph, groups: Groups, assignment: Mapping[int, str | None]) -> tuple[Spec, ...]:
+    """Per tensor, the mesh axis of each dim. One axis cannot split two dims of a tensor:
+    the dim whose group has the smaller id keeps it (the same rule in the cost model)."""
+    out = []
+    for tg in groups.tensor_groups:
+        spec: list[str | None] = []
+        taken: dict[str, int] = {}
+        for g in tg:
+            axis = assignment.get(g)
+            if axis is not None and (axis not in taken or taken[axis] > g):
+                if axis in taken:  # an earlier dim with a larger group id gives it up
+                    spec[spec.index(axis)] = None
+                taken[axis] = g
+                spec.append(axis)
+            else:
+                spec.append(None)
+        out.append(tuple(spec))
+    return tuple(out)
+
+
+# Anchors: ops whose result layout XLA must be told (it may pick another otherwise).
+_ANCHORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add"})
+
+
+def plan_from_assignment(
+    graph: Graph,
+    groups: Groups,
+    mesh: Mapping[str, int],
+    assignment: Mapping[int, str | None],
+    *,
+    name: str = "",
+    zero_stage: int = 0,
+    data_axis: str = DATA,
+    shard_update: bool = True,
+) -> Plan:
+    """The plan that realizes an assignment: input/output specs and internal constraints.
+    With ZeRO, `shard_update` pins the gradients and the optimizer update to the ZeRO
+    layout (a pipeline stage, which reduces its gradients in a program of its own, does
+    not yet)."""
+    # Only splits the group can take (as the cost model reads the assignment): an axis on
+    # an unsplittable group, or one whose size does not divide the group, is dropped.
+    assignment = {
+        int(g): a
+        for g, a in assignment.items()
+        if a in mesh
+        and groups.groups[int(g)].splittable
+        and groups.groups[int(g)].divisor % mesh[a] == 0
+    }
+    lay = layouts(graph, groups, assignment)
+    specs: dict[str, Spec] = {}
+    for leaf in graph.inputs:
+        spec = lay[leaf.tensor]
+        shape = graph.tensors[leaf.tensor].shape
+        zero = (leaf.role == Role.OPT_STATE and zero_stage >= 1) or (
+            leaf.role == Role.PARAM and zero_stage >= 3
+        )
+        if zero and data_axis in mesh and mesh[data_axis] > 1:
+            spec = zero_spec(spec, shape, mesh, data_axis)
+        specs[leaf.path] = spec
+    out_specs: dict[str, Spec] = {}
+    # A pipeline (`shard_update=False`) keeps its inputs' specs only where the paths are
+    # equal, as its cost model prices it (pipelined ZeRO gathers the state for the update).
+    state = state_inputs(graph) if shard_update else _same_path(graph)
+    for leaf in graph.outputs:
+        same = state.get(leaf.path)
+        # New params and optimizer state keep their inputs' specs: the loop can go on.
+        if (
+            same is not None
+            and graph.tensors[same.tensor].shape == graph.tensors[leaf.tensor].shape
+        ):
+            out_specs[leaf.path] = specs[same.path]
+        else:
+            out_specs[leaf.path] = lay[leaf.tensor]
+    constraints: dict[int, Spec] = {}
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    # A seam's result is pinned too: left free, XLA may keep the batch split through the
+    # flatten (and all-reduce the dense layers' gradients) where the plan has it whole.
+    seams = {s.op for s in groups.seams}
+    if math.prod(mesh.values()) > 1:
+        for op in graph.ops:
+            dropped = any(
+                _dropped(lay[t], groups.tensor_groups[t], assignment)
+                for t in (*op.inputs, *op.outputs)
+            )
+            if op.primitive in _ANCHORS or dropped or op.index in seams:
+                for t in op.outputs:
+                    if graph.tensors[t].ndim:
+                        constraints[t] = lay[t]
+            elif zero_stage >= 3 and params.intersection(op.inputs):
+                # ZeRO-3: a parameter is gathered where it is first used (its cast to the
+                # compute dtype); unconstrained, XLA would split the matmul over data.
+                for t in op.outputs:
+                    if graph.tensors[t].ndim:
+                        constraints[t] = lay[t]
+    if shard_update and zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
+        # DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
+        # data-parallel partial sums meet a layout split over data), the optimizer update
+        # runs on each device's shard, and the new parameters leave in their own layout
+        # (gathered over data, but for ZeRO-3). A tensor there takes the data axis on the
+        # dim linked to the one the state it becomes takes it on: a transposed or
+        # reshaped gradient then needs no all-to-all.
+        gradients, update = update_region(graph, groups)
+        wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
+        # A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum
+        # it in 16 bits, where it now sums after the cast to the parameters' float32.
+        pinned = [t for t in gradients if graph.tensors[t].itemsize >= 4]
+        for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
+            spec = _on_groups(
+                lay[t],
+                graph.tensors[t].shape,
+                groups.tensor_groups[t],
+                wanted.get(t, ()),
+                mesh,
+                data_axis,
+            )
+            if spec is not None:
+                constraints[t] = spec
+    return Plan(
+        mesh=dict(mesh),
+        specs=specs,
+        out_specs=out_specs,
+        constraints=constraints,
+        zero_stage=zero_stage,
+        name=name,
+        assignment={int(g): a for g, a in sorted(assignment.items())},
+    )
+
+
+def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
+    """Per tensor of the update, the groups of the dims that ZeRO splits over data in the
+    new parameters and optimizer state it flows into (read back from the update's end)."""
+    want: dict[int, set[int]] = {}
+    state = state_inputs(graph)
+    for out in graph.outputs:
+        leaf = state.get(out.path)
+        if leaf is not None:
+            t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
+            zeroed = zero_spec(lay[t], shape, mesh, data_axis)
+            dims = [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b]
+            want.setdefault(out.tensor, set()).update(groups.of(out.tensor, d) for d in dims)
+    for i in sorted(update, reverse=True):
+        op = graph.ops[i]
+        w = set().union(*(want.get(t, set()) for t in op.outputs))
+        for t in op.inputs:
+            want.setdefault(t, set()).update(w)
+    return want
+
+
+def _on_groups(spec: Spec, shape, tgroups, wanted, mesh, data_axis: str) -> Spec | None:
+    """`spec` with the data axis added on its first dim in a `wanted` group (None: no such
+    dim can take it)."""
+    if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
+        return None
+    for d, (e, g) in enumerate(zip(spec, tgroups, strict=True)):
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        if g in wanted and shape[d] % (mesh[data_axis] * math.prod(mesh[a] for a in axes)) == 0:
+            new = data_axis if not axes else (*axes, data_axis)
+            return (*spec[:d], new, *spec[d + 1 :])
+    return None
+
+
+def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
+    """Per output path, the parameter or optimizer-state input it is the new value of: the
+    same path but for the position in the step's arguments and results (`[0]['params']`
+    in, `[1]['params']` out), where that names one input."""
+    state = [leaf for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)]
+    by_path = {leaf.path: leaf for leaf in state}
+    by_tail: dict[str, list[InputLeaf]] = {}
+    for leaf in state:
+        by_tail.setdefault(_tail(leaf.path), []).append(leaf)
+    out = {}
+    for leaf in graph.outputs:
+        match = [by_path[leaf.path]] if leaf.path in by_path else by_tail.get(_tail(leaf.path), [])
+        if len(match) == 1:
+            out[leaf.path] = match[0]
+    return out
+
+
+def _same_path(graph: Graph) -> dict[str, InputLeaf]:
+    """Per output path, the input leaf with the very same path."""
+    by_path = {leaf.path: leaf for leaf in graph.inputs}
+    return {leaf.path: by_path[leaf.path] for leaf in graph.outputs if leaf.path in by_path}
+
+
+def _tail(path: str) -> str:
+    """A leaf path without its leading position (`[1]['params']` -> `['params']`)."""
+    return _POSITION.sub("", path, count=1)
+
+
+def update_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The gradients (batch-free tensors, rank >= 1, made by ops that touch the batch and
+    read by ops that do not, or returned) and the update ops (ops that do not touch the
+    batch but read a gradient, directly or not): where ZeRO shards the step. Empty when
+    the step has no batch dimension to tell them by."""
+    batch = set(groups.batch_groups)
+    batched = {t.id for t in graph.tensors if batch.intersection(groups.tensor_groups[t.id])}
+    if not batched:
+        return (), frozenset()
+    per_example = [any(t in batched for t in (*op.inputs, *op.outputs)) for op in graph.ops]
+    consumers = graph.consumers()
+    returned = {leaf.tensor for leaf in graph.outputs}
+    gradients = sorted(
+        t
+        for op in graph.ops
+        if per_example[op.index]
+        for t in op.outputs
+        if t not in batched
+        and graph.tensors[t].ndim
+        and (t in returned or any(not per_example[c] for c in consumers[t]))
+    )
+    after = set(gradients)
+    update: set[int] = set()
+    for op in graph.ops:
+        if not per_example[op.index] and after.intersection(op.inputs):
+            update.add(op.index)
+            after.update(op.outputs)
+    return tuple(gradients), frozenset(update)
+
+
+def _dropped(spec: Spec, tg: tuple[int, ...], assignment: Mapping[int, str]) -> bool:
+    return any(s is None and g in assignment for s, g in zip(spec, tg, strict=True))
+
+
+def zero_spec(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int], data_axis: str) -> Spec:
+    """Add the data axis to one dim (ZeRO): the first unsplit dim it divides, else the first
+    split dim whose shard it divides. Left alone when no dim fits (a scalar count)."""
+    if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
+        return spec
+    n = mesh[data_axis]
+    for d, e in enumerate(spec):
+        if e is None and shape[d] % n == 0:
+            return (*spec[:d], data_axis, *spec[d + 1 :])
+    for d, e in enumerate(spec):
+        axes = (e,) if isinstance(e, str) else e
+        if e is not None and shape[d] % (n * math.prod(mesh[a] for a in axes)) == 0:
+            return (*spec[:d], (*axes, data_axis), *spec[d + 1 :])
+    return spec
