@@ -188,16 +188,17 @@ def test_every_searcher_stops_within_its_budget_on_scan_programs(program, search
     assert elapsed < LIMIT, f"{searcher} took {elapsed:.1f} s on a {BUDGET} s budget"
     if plan is not None:
         assert plan.predicted.feasible
-    if searcher == "ilp":  # the tables of these scans outgrow a 2 s budget: it says so
-        assert plan.decisions["cut_short"] and not plan.decisions["optimal"]
+    if searcher == "ilp":  # it proves its answer, or says the budget cut it short
+        assert plan.decisions.get("cut_short") or plan.decisions["optimal"]
 
 
 def test_a_cut_short_ilp_falls_back_and_a_full_one_proves():
     step, args = _accumulation_step()
     problem = Problem.build(step, args, A100X8)
-    short = run_searcher(problem, "ilp", 0.5, 0)
+    short = run_searcher(problem, "ilp", 0.01, 0)  # too little for the 8-device meshes
     assert short.decisions["cut_short"] and short.predicted.feasible
-    full = run_searcher(problem, "ilp", 120.0, 0)  # the 8-device meshes now fit the budget
+    full = run_searcher(problem, "ilp", 120.0, 0)
+    assert full.decisions["optimal"] and not full.decisions.get("cut_short")
     assert full.predicted.step_time_s <= short.predicted.step_time_s
 
 
