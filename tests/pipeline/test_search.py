@@ -12,7 +12,7 @@ from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
 from automap._pipeline import cut_candidates, partition, pipeline_plan
 from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
-from automap._space import Point, microbatch_counts, pipeline_experts
+from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan
 from automap._zoo import get_model
 
 from ._models import assert_same
@@ -100,10 +100,13 @@ def test_megatron_3d_puts_tensor_parallel_inside_the_node():
     pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16))
     plans = pipeline_experts(pb.graph, pb.groups, pb.cluster, pb.estimate)
     p = plans["megatron_3d"]
-    # Megatron's recipe: tensor parallel inside the node (4: the largest power of two up
-    # to the node's 8 that divides the 4 heads), full recomputation, the
-    # fewest stages that fit (one here), microbatches of one sequence when staged.
-    assert p.mesh["model"] == 4 and p.remat and p.predicted.feasible
+    # Megatron's recipe: tensor parallel inside the node (2 or 4: the powers of two up to
+    # the node's 8 that divide the 4 heads, the faster), full recomputation, the fewest
+    # stages that fit, microbatches of one sequence when staged.
+    assert p.mesh["model"] in (2, 4) and p.remat and p.predicted.feasible
+    for tp in (2, 4):
+        other = _megatron_3d_with(pb, tp)
+        assert other is None or p.predicted.step_time_s <= other.predicted.step_time_s
     assert p.mesh.get("pipe", 1) == max(1, len(p.stages))
     if p.pipelined:
         assert p.microbatches == 32 // p.mesh.get("data", 1)
@@ -211,3 +214,17 @@ def test_a_dp_plan_survives_a_round_trip_through_json(gpt, tmp_path):
     assert estimate_pipeline(pb.cost_model, loaded).cost.step_time_s == pytest.approx(
         plan.predicted.step_time_s
     )
+
+
+def _megatron_3d_with(pb, tp):
+    """Megatron's recipe at one tensor parallel size: the fewest stages that fit."""
+    for pp in (1, 2, 4, 8):
+        dp = pb.cluster.devices // (tp * pp)
+        recipe = am.Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full")
+        try:
+            plan = pb.priced(recipe_plan(pb.graph, pb.groups, pb.cluster, recipe))
+        except am.PlanError:
+            continue
+        if plan.predicted.feasible:
+            return plan
+    return None

@@ -2,9 +2,10 @@
 
 - `gpipe_uniform`: GPipe. Equal layer counts per stage (`uniform_cuts`), every stage data
   parallel over its devices.
-- `megatron_3d`: Megatron-LM's recipe (`Recipe`, `_recipes.py`). Tensor parallel over the
-  node (column then row, as the `megatron` expert), the fewest stages equal in layers
-  that fit with full recomputation (one stage included), microbatch size 1, data
+- `megatron_3d`: Megatron-LM's recipe (`Recipe`, `_recipes.py`). Tensor parallel inside
+  the node (column then row, as the `megatron` expert; the fastest of the sizes that
+  split the blocks, as Megatron-LM's runs choose per model), the fewest stages equal in
+  layers that fit with full recomputation (one stage included), microbatch size 1, data
   parallel over the rest; data sizes that do not divide the batch are skipped.
 
 A practitioner picks the fewest stages that fit in memory: both choose the smallest stage
@@ -48,12 +49,23 @@ def pipeline_experts(
 
 
 def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
-    """Megatron's recipe: the node's tensor parallel size (the largest power of two up to
-    it that splits the blocks), then the fewest stages that fit with full recomputation
-    and microbatches of one sequence; None when nothing tensor-parallel applies."""
-    tp = _node_tp(groups, cluster)
-    if tp is None:
-        return None
+    """Megatron's recipe: for each tensor parallel size inside the node (a power of two
+    that splits the blocks, as Megatron-LM's runs pick per model), the fewest stages that
+    fit with full recomputation and microbatches of one sequence; the fastest of them.
+    None when nothing tensor-parallel applies."""
+    found = [
+        plan
+        for tp in _node_tps(groups, cluster)
+        if (plan := _fewest_megatron_stages(graph, groups, cluster, estimate, tp)) is not None
+    ]
+    fits = [p for p in found if p.predicted.feasible]
+    if fits:
+        return min(fits, key=lambda p: p.predicted.step_time_s)
+    return min(found, key=lambda p: p.predicted.memory_bytes, default=None)
+
+
+def _fewest_megatron_stages(graph, groups, cluster, estimate, tp: int) -> Plan | None:
+    """The fewest stages (a power of two) whose recipe fits, else the leanest recipe."""
     leanest: Plan | None = None
     pp = 1
     while pp * tp <= cluster.devices:
@@ -76,16 +88,15 @@ def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
     return leanest  # nothing fits: the leanest, marked infeasible
 
 
-def _node_tp(groups: Groups, cluster: Cluster) -> int | None:
+def _node_tps(groups: Groups, cluster: Cluster) -> list[int]:
+    """Tensor parallel sizes 2, 4, ... up to the node that split every block group."""
     blocks = block_groups(groups)
-    tp = 1
-    while tp * 2 <= min(cluster.devices_per_node, cluster.devices):
+    sizes, tp = [], 2
+    while blocks and tp <= min(cluster.devices_per_node, cluster.devices):
+        if len(axis_assignment(blocks, MODEL, tp)) == len(blocks):
+            sizes.append(tp)
         tp *= 2
-    while tp > 1:
-        if blocks and len(axis_assignment(blocks, MODEL, tp)) == len(blocks):
-            return tp
-        tp //= 2
-    return None
+    return sizes
 
 
 def _gpipe(graph, groups, cluster, estimate, cands, batch) -> Plan | None:
