@@ -51,6 +51,7 @@ class Searcher:
     """One searcher: how to run it, and the spaces it can search."""
 
     name: str
+    """Its name, as `searcher=` and `--searcher` take it."""
     run: Callable[[Problem, Request], Plan]
     """(problem, request) -> its best plan, priced (provenance is added by `run_searcher`)."""
     tasks: frozenset[str]
