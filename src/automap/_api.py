@@ -42,18 +42,6 @@ __all__ = [
 ]
 
 
-def _cluster_hint(cluster: Any) -> str:
-    if isinstance(cluster, str):
-        return (
-            f"cluster must be a Cluster, not the string {cluster!r}: use "
-            f"am.Cluster.preset({cluster!r}, devices=8) or am.Cluster.from_file(path)."
-        )
-    return (
-        f"cluster must be a Cluster, got {type(cluster).__name__}: use "
-        "am.Cluster.preset('a100', devices=8) or am.Cluster.from_file(path)."
-    )
-
-
 def plan(
     step_fn: Callable,
     *args: Any,

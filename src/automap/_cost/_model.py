@@ -114,7 +114,9 @@ class CostModel:
             self.plan_assignment(plan),
             plan.mesh,
             zero_stage=plan.zero_stage,
-            microbatches=plan.microbatches,
+            # Without stages the runtime runs one program on the whole batch; microbatches
+            # (gradient accumulation) run through the staged runtime, priced above.
+            microbatches=1,
             remat=plan.remat,
             detail=True,
         )

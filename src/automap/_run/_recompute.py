@@ -13,8 +13,7 @@ import jax.numpy as jnp
 
 from .._graph import Graph, TensorKind
 from .._pipeline import Recompute, made_after, made_in_forward
-
-Constrain = Callable[[int, Any], Any]
+from ._interpret import Constrain
 
 
 def eval_recomputing(
@@ -28,8 +27,8 @@ def eval_recomputing(
     bind: Mapping[int, Callable[..., Any]] | None = None,
 ) -> list[Any]:
     """`_interpret.eval_ops`, except that a backward op (after `rc.boundary`) reading a
-        tensor of a recomputed layer reads its recomputed value, made just before the first
-        such read from the layer's inputs (barriered with that op's backward inputs). `bind[i]`
+    tensor of a recomputed layer reads its recomputed value, made just before the first
+    such read from the layer's inputs (barriered with that op's backward inputs). `bind[i]`
     computes op i in place of its primitive, as in `eval_ops`."""
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)

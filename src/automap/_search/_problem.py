@@ -32,6 +32,12 @@ class Problem:
     groups: Groups
     cluster: Cluster
     cost_model: CostModel
+    # Priced expert plans by `pipelines`, filled by `priced_experts`: a search asks for
+    # them several times (dp, the auto searcher, the no-worse-than-experts checks), and
+    # pricing the pipeline experts of a large model takes seconds.
+    expert_cache: dict[bool, dict[str, Plan]] = dataclasses.field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @classmethod
     def build(
@@ -69,7 +75,13 @@ def _cluster_hint(cluster: Any) -> str:
 
 def priced_experts(problem: Problem, pipelines: bool = True) -> dict[str, Plan]:
     """Every expert plan that applies, priced, with the problem's provenance; infeasible
-    ones kept (marked by `predicted.feasible`)."""
+    ones kept (marked by `predicted.feasible`). Computed once per problem."""
+    if pipelines not in problem.expert_cache:
+        problem.expert_cache[pipelines] = _price_experts(problem, pipelines)
+    return dict(problem.expert_cache[pipelines])
+
+
+def _price_experts(problem: Problem, pipelines: bool) -> dict[str, Plan]:
     plans = expert_plans_for(problem.graph, problem.groups, problem.cluster, problem.estimate)
     if pipelines:
         plans.update(
