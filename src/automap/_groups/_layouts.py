@@ -283,9 +283,7 @@ def regather_plan(graph: Graph, groups: Groups) -> Regather:
             remake.append(op.index)
             made = frozenset().union(*(roots[t] for t in ins))
             roots.update((t, made) for t in op.outputs)
-    backward = frozenset(
-        op.index for op in graph.ops[boundary + 1 :] if op.index not in update
-    )
+    backward = frozenset(op.index for op in graph.ops[boundary + 1 :] if op.index not in update)
     tensors = frozenset(t for i in backward for t in graph.ops[i].inputs if t in roots)
     params = sorted(frozenset().union(*(roots[t] for t in tensors)))
     return Regather(boundary, backward, tuple(remake), tensors, tuple(params))

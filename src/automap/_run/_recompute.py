@@ -141,7 +141,7 @@ def eval_regathering(
     for i, op in enumerate(graph.ops):
         if i in rg.backward and rg.tensors.intersection(op.inputs):
             anchors = [(t, values[t]) for t in op.inputs if made_after(graph, t, rg.boundary)]
-            run(i, lambda t: regather(t, anchors) if t in rg.tensors else values[t], values)
+            run(i, lambda t, a=anchors: regather(t, a) if t in rg.tensors else values[t], values)
         else:
             run(i, values.__getitem__, values)
     return [
