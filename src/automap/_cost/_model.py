@@ -27,11 +27,14 @@ numpy operations over those tables:
 - ZeRO (stage >= 1), as XLA compiles a plan that pins the gradients and the optimizer
   update to the ZeRO layout (`_groups.plan_from_assignment`): the data-parallel gradient
   all-reduce becomes a reduce-scatter (the CPU's lowering: an all-reduce and a slice),
-  the update runs on shards and the parameters are all-gathered once: after the update
-  (ZeRO-1/2) or for use in the forward (ZeRO-3). Checked against XLA's HLO;
+  the update runs on shards and the parameters are all-gathered: once after the update
+  (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
+  reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
+  Checked against XLA's HLO;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
-  the optimizer state, and with ZeRO-3 the stored parameters; the local gradients are
-  whole until their reduce-scatter, in every stage, as XLA compiles them),
+  the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
+  longer kept for the backward; the local gradients are whole until their reduce-scatter,
+  in every stage, as XLA compiles them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals

@@ -74,7 +74,9 @@ class Prepared:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         check_paths(plan, paths)
-        if graph is None and (plan.provenance.fingerprint or plan.constraints or plan.remat):
+        if graph is None and (
+            plan.provenance.fingerprint or plan.constraints or plan.remat or _regathers(plan)
+        ):
             graph = capture(fn, *args)
         # Before the divisibility checks: "another batch size" says more than "6 is not
         # divisible by 8". A graph the caller captured (verify's) is checked the same way.
@@ -84,7 +86,8 @@ class Prepared:
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        reinterpret = plan.constraints or plan.remat  # remat recomputes inside the program
+        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
+        reinterpret = plan.constraints or plan.remat or _regathers(plan)
         body = fn if not reinterpret else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
@@ -153,9 +156,14 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
 
     if plan.remat:
         return _recomputing(graph, constrain)
-    if plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1:
+    if _regathers(plan):
         return _regathering(graph, plan, mesh, constrain)
     return run
+
+
+def _regathers(plan: Plan) -> bool:
+    """Whether the plan's backward gathers its parameters again (ZeRO-3, FSDP's way)."""
+    return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1 and not plan.remat
 
 
 def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Callable:
@@ -164,7 +172,9 @@ def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Cal
     forward (`_groups.regather_plan`)."""
     groups = build_groups(graph)
     rg = regather_plan(graph, groups)
-    lay = layouts(graph, groups, plan.assignment or {})
+    # The anchors' layouts, where the plan says them (a plan read back from specs alone
+    # does not: its second gathers are then kept apart from the forward's, not ordered).
+    lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
     wanted = [leaf.tensor for leaf in graph.outputs]
 
@@ -195,7 +205,7 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
     tie moves nothing between devices; `a == a | a != a` holds for every float (NaN too),
     and XLA cannot fold it."""
     floats = [(t, a) for t, a in anchors if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
-    if not floats:
+    if not floats or lay is None:
         return jnp.where((x == x) | (x != x), x, jnp.zeros_like(x))  # apart, if not after
     t, a = floats[0]
     a = jax.lax.with_sharding_constraint(a, _sharding(mesh, lay[t]))  # as the plan lays it
