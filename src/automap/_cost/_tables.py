@@ -149,7 +149,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
     recomputed = set(res.recomputed)
-    fused_bytes = _fused_bytes(graph, res)
+    fused_bytes = _fused_bytes(graph, res, cluster.multi_output_fusion)
     wide = cluster.collective_float_bytes
 
     def comm_bytes(g: Graph, t: int) -> float:
@@ -356,11 +356,22 @@ FUSIBLE = (
 )
 
 
-def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
+def _fused_bytes(graph: Graph, res: Residuals, multi_output: bool = True) -> np.ndarray:
     """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours: it
     reads its operands that live in memory and writes its results that must (read by an
-    op that cannot fuse, a step output, kept for backward, or a reduction's result)."""
+    op that cannot fuse, a step output, kept for backward, or a reduction's result).
+
+    Two rules of XLA's fusion passes refine "must":
+    - a broadcast (or iota, or elementwise work on those alone) is never written out, even
+      when the backward reads it (a causal mask): every fusion that reads it regenerates it
+      from its small operand (`_regenerated`; checked on XLA's CPU HLO in tests/test_fusion.py);
+    - with `multi_output` (XLA's GPU pipeline: producer-consumer multi-output fusion, and the
+      Triton normalization-diamond fusion on Ampere and later), a reduction of a tensor that
+      its elementwise producer writes anyway (kept for backward, read by another fusion)
+      runs in the producer's kernel: it does not read that tensor back (softmax's
+      exp(x - max) is written once and summed in the same pass)."""
     fusible = [op.primitive in FUSIBLE for op in graph.ops]
+    regen = _regenerated(graph, fusible)
     in_memory = np.zeros(len(graph.tensors), dtype=bool)
     for t in graph.tensors:
         p = t.producer
@@ -369,14 +380,47 @@ def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
         if not fusible[op.index]:
             in_memory[list(op.inputs)] = True
     in_memory[[leaf.tensor for leaf in graph.outputs]] = True
-    in_memory[list(res.saved)] = True
+    in_memory[[t for t in res.saved if not regen[t]]] = True
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
     out = np.zeros(len(graph.ops))
     for op in graph.ops:
-        if fusible[op.index]:
-            touched = [t for t in (*op.inputs, *op.outputs) if in_memory[t]]
-            out[op.index] = nbytes[touched].sum()
+        if not fusible[op.index]:
+            continue
+        touched = [t for t in (*op.inputs, *op.outputs) if in_memory[t]]
+        if multi_output and op.primitive in REDUCE_SUM_LIKE:
+            touched = [t for t in touched if not _written_alongside(graph, t)]
+        out[op.index] = nbytes[touched].sum()
     return out
+
+
+# Ops whose result XLA recomputes inside every fusion that reads it, from operands no
+# larger than the result's own regenerated inputs.
+_GENERATORS = frozenset({"broadcast_in_dim", "iota"})
+
+
+def _regenerated(graph: Graph, fusible: list[bool]) -> np.ndarray:
+    """Tensors made by broadcasts/iotas and elementwise ops on those (and on scalars) alone:
+    XLA fuses them into each consumer rather than materializing them."""
+    regen = np.zeros(len(graph.tensors), dtype=bool)
+    for op in graph.ops:
+        if not fusible[op.index]:
+            continue
+        if op.primitive in _GENERATORS:
+            ok = True
+        elif op.primitive in ELEMENTWISE:
+            ok = all(regen[t] or graph.tensors[t].ndim == 0 for t in op.inputs)
+        else:
+            ok = False
+        if ok:
+            regen[list(op.outputs)] = True
+    return regen
+
+
+def _written_alongside(graph: Graph, t: int) -> bool:
+    """Whether a reduction of t can run inside the kernel that writes t: t comes from an
+    elementwise op (a loop fusion, the root of a multi-output fusion with the reduction)."""
+    p = graph.tensors[t].producer
+    return p is not None and graph.ops[p].primitive in ELEMENTWISE
 
 
 def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
