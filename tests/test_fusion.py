@@ -20,7 +20,7 @@ from automap._zoo import get_model
 B, HEADS, S = 2, 2, 64
 SPEC = get_model(
     "gpt-1.3b",
-    layers=1,
+    layers=2,
     hidden=32,
     heads=HEADS,
     seq=S,
@@ -106,3 +106,91 @@ def test_a_reduction_reads_back_what_its_producer_wrote_only_where_xla_does():
     # fusion; on Ampere and later the Triton softmax fusion): only the sum is written.
     gpu = charged(graph, Cluster.preset("a100", devices=1))
     assert [gpu[op.index] for op in sums] == pytest.approx([sum_bytes] * len(sums))
+
+
+def scores_tensors(graph, dtype: str) -> set[int]:
+    return {t.id for t in graph.tensors if t.shape == (B, HEADS, S, S) and t.dtype == dtype}
+
+
+def test_a_producer_two_kernels_need_is_read_by_both():
+    # Softmax's backward sums dP * p over each row, then scales dP by the sum: two kernels
+    # (the second needs the first's result), both fed by converting dP (bfloat16, from the
+    # dot) to float32. XLA fuses the convert into both rather than write the float32 copy,
+    # so each kernel reads dP and the saved exp(x - max).
+    graph, _ = step()
+    model = CostModel(graph, Cluster.preset("a100", devices=1))
+    bytes_ = charged(graph, model.cluster)
+    boundary = model.residuals.boundary
+    dots = {op.index for op in graph.ops if op.primitive == "dot_general"}
+    d_p = [t for t in scores_tensors(graph, "bfloat16") if graph.tensors[t].producer in dots]
+    exp = [
+        t
+        for t in scores_tensors(graph, "float32")
+        if graph.ops[graph.tensors[t].producer].primitive == "exp"
+    ]
+    big = graph.tensors[exp[0]].nbytes + graph.tensors[d_p[0]].nbytes
+    row_sums = [
+        op.index
+        for op in graph.ops
+        if op.index > boundary
+        and op.primitive == "reduce_sum"
+        and graph.tensors[op.inputs[0]].shape == (B, HEADS, S, S)
+    ]
+    readers = {i for op in graph.ops if op.primitive == "dot_general" for i in op.inputs}
+    scaled = [
+        graph.tensors[t].producer
+        for t in scores_tensors(graph, "bfloat16")
+        if t in readers
+        and graph.tensors[t].producer > boundary
+        and graph.tensors[t].producer not in dots
+    ]
+    assert len(row_sums) == len(scaled) == 2  # one per layer
+    small = graph.tensors[exp[0]].nbytes / S  # [B, h, S]-sized operands and results
+    for i in row_sums:
+        assert big <= bytes_[i] <= big + 4 * small
+    for i in scaled:
+        out = graph.tensors[graph.ops[i].outputs[0]].nbytes
+        assert big + out <= bytes_[i] <= big + out + 4 * small
+
+
+def test_a_first_forward_under_remat_writes_nothing_the_recompute_makes_again():
+    # With full recomputation the backward reads exp(x - max) from the recompute: the
+    # first forward keeps nothing of it, so its kernel (the row sum's) does not write it.
+    graph, _ = step()
+    model = CostModel(graph, Cluster.preset("a100", devices=1))
+    T = model.tables
+    rate = model.cluster.hbm_bandwidth * model.cluster.memory_efficiency
+    again = set(model.residuals.recomputed)
+    exps = [
+        op.index
+        for op in graph.ops
+        if op.primitive == "exp"
+        and op.index in again
+        and graph.tensors[op.outputs[0]].shape == (B, HEADS, S, S)
+    ]
+    assert exps  # the first layer is recomputed
+    for i in exps:
+        assert T.op_coef[i] * rate >= graph.tensors[graph.ops[i].outputs[0]].nbytes
+        assert T.remat_op_coef[i] == 0
+    # The layer's forward as a whole moves less the first time than when recomputed.
+    assert T.remat_op_coef.sum() < T.op_coef[sorted(again)].sum()
+
+
+def test_a_residual_stream_many_kernels_read_is_written_once():
+    # Each block adds to the residual stream, and a layer norm's row sums and the next
+    # add read it: fusing every add into every reader would read the whole history of
+    # the stream again in each layer. XLA writes it (its priority fusion weighs the two);
+    # so a layer norm's row sum reads one stream's worth, whatever the depth.
+    graph, _ = step()
+    bytes_ = charged(graph, Cluster.preset("a100", devices=1))
+    boundary = CostModel(graph, Cluster.preset("a100", devices=1)).residuals.boundary
+    stream = B * S * 32 * 4  # [B, S, hidden] float32
+    sums = [
+        op.index
+        for op in graph.ops
+        if op.index <= boundary
+        and op.primitive == "reduce_sum"
+        and graph.tensors[op.inputs[0]].shape == (B, S, 32)
+    ]
+    assert len(sums) >= 4  # two layer norms per block, mean and mean of squares
+    assert all(bytes_[i] <= 2 * stream for i in sums)
