@@ -375,7 +375,7 @@ FUSIBLE = (
 
 
 def _fused_bytes(
-    graph: Graph, saved: Iterable[int], ops: set[int], multi_output: bool = True
+    graph: Graph, saved: Iterable[int], ops: set[int] | None = None, multi_output: bool = True
 ) -> np.ndarray:
     """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours.
 
@@ -397,8 +397,9 @@ def _fused_bytes(
       runs in the producer's kernel: it does not read that tensor back (softmax's
       exp(x - max) is written once and summed in the same pass).
 
-    Only `ops` run (XLA removes dead code; a first forward under rematerialization runs
-    without the backward, whose reads the recompute serves)."""
+    Only `ops` run, all by default (XLA removes dead code; a first forward under
+    rematerialization runs without the backward, whose reads the recompute serves)."""
+    ops = set(range(len(graph.ops))) if ops is None else ops
     fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
     regen = _regenerated(graph, fusible)
     in_memory = np.zeros(len(graph.tensors), dtype=bool)
