@@ -9,8 +9,10 @@ numpy operations over those tables:
 - compute: per op, flops / divisor / (peak x matmul efficiency) for dot/conv, bytes /
   divisor / (HBM bandwidth x memory efficiency) for the rest, where an op that XLA fuses
   (elementwise, layout, reductions) only pays for the tensors entering or leaving its
-  fusion (`_tables._fused_bytes`); ops sharing an iteration set are summed ahead of
-  time, so compute is one dot product;
+  fusion (`_tables._fused_bytes`: broadcasts such as a causal mask are regenerated in
+  each fusion, never written; on GPUs a reduction runs in the kernel that writes its
+  operand, `Cluster.multi_output_fusion`); ops sharing an iteration set are summed ahead
+  of time, so compute is one dot product;
 - partial sums: a reduced group split on axis a, when a is not dropped inside the op,
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
   itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
@@ -41,8 +43,13 @@ numpy operations over those tables:
   made outside them, and one layer's residuals (its backward's).
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
-conservative prediction). Plans with pipeline stages are timed by their schedule on top of
-these per-op costs (`_pipelined.py`: bubble, point-to-point sends, memory per stage).
+conservative prediction). The data-parallel gradient all-reduce is not overlapped with the
+backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
+(`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
+are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
+of the SC'21 paper (local DDP) also all-reduces after the backward. Plans with pipeline
+stages are timed by their schedule on top of these per-op costs (`_pipelined.py`: bubble,
+point-to-point sends, memory per stage).
 """
 
 from __future__ import annotations
