@@ -200,6 +200,8 @@ def bench_model(name: str, plans: int, seed: int, pipelines: float, verbose: boo
             predicted_flops_as_xla=report.predicted_flops_as_xla,
             xla_flops=report.xla_flops,
             stage_memory=[list(m) for m in report.stage_memory_bytes],
+            predicted_breakdown=dict(report.predicted_memory_breakdown),
+            xla_breakdown=dict(report.xla_memory_breakdown),
             seconds=time.perf_counter() - t0,
         )
         row["memory_ratio"] = _ratio(row["predicted_memory"], row["xla_memory"])

@@ -38,7 +38,7 @@ from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
-from ._stages import stage_flops, stage_memory
+from ._stages import stage_flops, stage_memory, stage_memory_parts
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
 # A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
@@ -64,6 +64,11 @@ class VerifyReport:
     # program (arguments + outputs + temporaries - aliased); None where not compared.
     predicted_memory_bytes: float | None = None
     xla_memory_bytes: float | None = None
+    # What each side's peak is made of: the cost model's breakdown ("params", "grads",
+    # "opt_state", "activations", "other"), and XLA's ("arguments", "outputs",
+    # "temporaries", "aliased"); a pipeline's are its largest stage's.
+    predicted_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    xla_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     # FLOPs per device per step: the cost model's (remat's recompute included), the same
     # counted as XLA counts them (`_flops.py`: loop bodies once, no padded convolution
     # taps), and XLA's `cost_analysis()` ("flops" + "transcendentals"); a pipeline's are
@@ -98,6 +103,13 @@ class VerifyReport:
                 f"memory per device: predicted {_fmt(self.predicted_memory_bytes)}, XLA's "
                 f"buffer assignment {_fmt(self.xla_memory_bytes)} ({ratio:.2f}x)"
             )
+            for side, parts in (
+                ("predicted", self.predicted_memory_breakdown),
+                ("XLA", self.xla_memory_breakdown),
+            ):
+                if parts:
+                    text = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items())
+                    lines.append(f"  {side}: {text}")
         if self.xla_flops and self.predicted_flops_as_xla is not None:
             lines.append(
                 f"FLOPs per device per step: predicted {self.predicted_flops:.4g}"
@@ -205,6 +217,33 @@ def compiled_memory(compiled: Any) -> float | None:
     )
 
 
+def _donation_note(compiled: Any) -> str:
+    """Why XLA's buffer assignment holds the step's outputs apart, when it does."""
+    parts = memory_parts(compiled)
+    if not parts or parts["aliased"] or parts["outputs"] < 0.25 * parts["arguments"]:
+        return ""
+    return (
+        f"the step donates no input: XLA holds its outputs ({_fmt(parts['outputs'])}: the "
+        "new parameters and optimizer state) apart from its arguments, where the cost "
+        "model prices an update in place; jit the step with donate_argnums (am.apply "
+        "keeps it) to compare like with like"
+    )
+
+
+def memory_parts(compiled: Any) -> dict[str, float]:
+    """XLA's buffer assignment of a compiled program in its parts ({} where the backend
+    does not say): `compiled_memory` is arguments + outputs + temporaries - aliased."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    return {
+        "arguments": float(stats.argument_size_in_bytes),
+        "outputs": float(stats.output_size_in_bytes),
+        "temporaries": float(stats.temp_size_in_bytes),
+        "aliased": float(stats.alias_size_in_bytes),
+    }
+
+
 def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
     """The predicted collectives as XLA's CPU backend lowers them.
 
@@ -284,16 +323,18 @@ def verify(
     predicted = collective_bytes(cost)
     match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
     flops, flops_as_xla = predicted_flops(model, plan)
-    note = ratio_note(flops, flops_as_xla)
+    notes = [n for n in (ratio_note(flops, flops_as_xla), _donation_note(compiled)) if n]
     report = VerifyReport(
         dict(plan.mesh),
         match,
         predicted,
         xla,
         tuple(mismatches),
-        notes=(note,) if note else (),
+        notes=tuple(notes),
         predicted_memory_bytes=float(cost.memory_bytes),
         xla_memory_bytes=compiled_memory(compiled),
+        predicted_memory_breakdown={k: float(v) for k, v in cost.memory_breakdown.items()},
+        xla_memory_breakdown=memory_parts(compiled),
         predicted_flops=flops,
         predicted_flops_as_xla=flops_as_xla,
         xla_flops=compiled_flops(compiled),
@@ -358,6 +399,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         for s, counted in enumerate(predicted_stage_flops(model, plan))
     )
     busiest = max(stages, key=lambda s: flops[s][0])
+    largest = max(stages, key=lambda s: memory[s][0])
     report = VerifyReport(
         dict(plan.mesh),
         match,
@@ -367,6 +409,8 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         tuple(notes),
         predicted_memory_bytes=max(m[0] for m in memory),
         xla_memory_bytes=None if any(m[1] is None for m in memory) else max(m[1] for m in memory),
+        predicted_memory_breakdown={k: float(v) for k, v in pc.stage_memory[largest].items()},
+        xla_memory_breakdown=stage_memory_parts(pipe, programs, largest, pc.in_flight[largest]),
         predicted_flops=flops[busiest][0],
         predicted_flops_as_xla=flops[busiest][1],
         xla_flops=flops[busiest][2],

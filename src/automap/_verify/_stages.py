@@ -40,9 +40,17 @@ def stage_memory(pipe: Any, programs: Sequence[Any], stage: int, in_flight: int)
     """Peak bytes per device of one stage of `pipe` (the runtime's prepared pipeline: its
     graph, partition, specs and stage meshes) from its programs (the module doc's rule);
     None where the backend gives no buffer assignment."""
+    parts = stage_memory_parts(pipe, programs, stage, in_flight)
+    return float(sum(parts.values())) if parts else None
+
+
+def stage_memory_parts(
+    pipe: Any, programs: Sequence[Any], stage: int, in_flight: int
+) -> dict[str, float]:
+    """The terms of `stage_memory` by name ({} where the backend gives no assignment)."""
     stats = [(p.kind, p.compiled.memory_analysis()) for p in programs if p.stage == stage]
     if not stats or any(s is None for _, s in stats):
-        return None
+        return {}
     reduced = [s.argument_size_in_bytes for kind, s in stats if kind == "reduce"]
     grads = (
         sum(reduced)
@@ -51,7 +59,12 @@ def stage_memory(pipe: Any, programs: Sequence[Any], stage: int, in_flight: int)
     )
     fwd = max((s.output_size_in_bytes for kind, s in stats if kind == "F"), default=0)
     temp = max((s.temp_size_in_bytes for kind, s in stats if kind in PER_MICROBATCH), default=0)
-    return float(held_inputs(pipe, stage) + grads + in_flight * fwd + temp)
+    return {
+        "held inputs": float(held_inputs(pipe, stage)),
+        "gradients": float(grads),
+        "in-flight F outputs": float(in_flight * fwd),
+        "temporaries": float(temp),
+    }
 
 
 def held_inputs(pipe: Any, stage: int) -> float:
