@@ -239,3 +239,23 @@ def test_verify_reports_pipeline_memory_and_flops_per_stage():
         assert rf == pytest.approx(rxf, rel=0.15), remat.summary()
         assert pf != pytest.approx(rxf, rel=0.15)
         assert rxf > xf and rxm < xm and rm < pm
+
+
+def test_verify_splits_memory_into_its_parts_and_names_a_step_that_donates_nothing():
+    # The stored state (parameters, Adam's moments, the batch split on "data") is XLA's
+    # arguments, byte for byte; the rest of each side is what the step makes. A step that
+    # donates nothing has XLA hold its outputs apart: a note says so.
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_args(batch=64))
+    plan = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    plain = verify(mlp_step, plan, *args)
+    donated = verify(jax.jit(mlp_step, donate_argnums=(0, 1)), plan, *args)
+    for report in (plain, donated):
+        p, x = report.predicted_memory_breakdown, report.xla_memory_breakdown
+        stored = p["params"] + p["opt_state"] + p["other"]
+        assert stored == pytest.approx(x["arguments"], rel=0.01), report.summary()
+        assert p["opt_state"] == pytest.approx(2 * p["params"], abs=16)  # Adam's moments
+    assert any("donates no input" in n for n in plain.notes)
+    assert plain.xla_memory_breakdown["aliased"] == 0
+    assert not any("donates" in n for n in donated.notes)
+    assert donated.xla_memory_breakdown["aliased"] > 0.9 * plain.xla_memory_breakdown["outputs"]
+    assert donated.xla_memory_bytes < plain.xla_memory_bytes
