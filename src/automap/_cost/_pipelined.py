@@ -52,6 +52,7 @@ from .._pipeline import Partition, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows
+from ._tables import op_compute
 from ._traffic import (
     BWD,
     FWD,
@@ -140,7 +141,7 @@ def op_costs(
     graph, T = model.graph, model.tables
     st, ac = model.op_state(assignment, stage_mesh)
     n = len(graph.ops)
-    compute = T.op_coef * st.inv[T.op_set]
+    compute = op_compute(T, st.inv)
     # Rematerialization runs every op of the recomputed layers again, matmuls included.
     again = np.isin(np.arange(n), model.residuals.recomputed)
     remat_compute = compute * again if remat else np.zeros(n)
