@@ -142,9 +142,9 @@ def op_costs(
     st, ac = model.op_state(assignment, stage_mesh)
     n = len(graph.ops)
     compute = op_compute(T, st.inv)
-    # Rematerialization runs every op of the recomputed layers again, matmuls included.
-    again = np.isin(np.arange(n), model.residuals.recomputed)
-    remat_compute = compute * again if remat else np.zeros(n)
+    # Rematerialization runs every op of the recomputed layers again, matmuls included:
+    # `op_coef` prices the recompute, `remat_op_coef` the lighter first forward.
+    remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
     pf, rf = T.partial_full, T.reshard_full
     row_op = np.concatenate([pf.op, pf.op, rf.op])
     row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])
