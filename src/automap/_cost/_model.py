@@ -70,7 +70,7 @@ from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
 from ._pipelined import estimate_pipeline
-from ._tables import RowTable, build_tables
+from ._tables import RowTable, build_tables, op_compute
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -415,7 +415,7 @@ class CostModel:
         among the ops whose partial sums it completes, by bytes."""
         T = self.tables
         ac = self._costs_for(st.mesh)
-        comp = T.op_coef * st.inv[T.op_set]
+        comp = op_compute(T, st.inv)
         ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
         grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
         g_bytes, g_any = st.sums[3], st.sums[4] > 0

@@ -116,7 +116,13 @@ class Tables:
     divisor: np.ndarray  # [n_groups + 1]
     op_set: np.ndarray  # [n_ops] iteration set of each op
     op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
-    compute_coef: np.ndarray  # [n_sets] op_coef summed by set
+    # A loop's compute is its bodies' ops (x trips), each divided by its own split, as an
+    # unrolled loop's ops are: one entry per body op, owned by the top-level loop op.
+    body_op: np.ndarray  # [n_body] the top-level loop op each body op belongs to
+    body_set: np.ndarray  # [n_body] the body op's iteration set
+    body_coef: np.ndarray  # [n_body] its unsharded seconds per step (all trips)
+    body_remat_coef: np.ndarray  # [n_body] the same for a recomputed loop's, else 0
+    compute_coef: np.ndarray  # [n_sets] op_coef and body_coef summed by set
     # [n_ops] unsharded seconds a recomputed op adds under rematerialization: its first
     # forward, which writes none of what the backward reads (op_coef prices the recompute).
     remat_op_coef: np.ndarray
@@ -228,7 +234,11 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 # it whole for the loop even when a result (the stacked gradient) keeps it.
                 untied = h not in it or bool(looped)
                 seam = after.get((op.index, h)) if not scope else None
-                op_small = {x for x in it if x < h and x != seam}
+                # A loop's "iteration space" is every group it carries (dozens: one set of
+                # them is an ILP scope of 3^dozens options); its stacked dim is gathered
+                # whatever the others hold, so only the operand's own groups compete.
+                rivals = it & ugs if looped else it
+                op_small = {x for x in rivals if x < h and x != seam}
                 if not untied and op_small <= ugs:
                     continue  # the op drops the axis exactly where the tensor does
                 peer = empty if seam is None else sid((seam,))
@@ -274,13 +284,43 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                     bop, body.graph, btg, bsets, scale * body.trips, where, row_op, inner_hoist
                 )
 
+    body_op: list[int] = []
+    body_set: list[int] = []
+    body_coef: list[float] = []
+
+    def body_compute(op, g, tgs, scale: float, owner: int) -> None:
+        """The compute of loop op's bodies, op by op, each on its own split (nested
+        loops through theirs), `scale` times per step, as entries owned by `owner`."""
+        for body, btg in zip(g.bodies[op.index], body_tensor_groups(op, g, tgs, ng), strict=True):
+            if not body.priced:
+                continue
+            bg, times = body.graph, scale * body.trips
+            fused = _fused_bytes(bg, (), None, cluster.multi_output_fusion)
+            for bop in bg.ops:
+                if bop.primitive in LOOPS and bg.bodies.get(bop.index):
+                    body_compute(bop, bg, btg, times, owner)
+                    continue
+                r = rule(bop, bg)
+                outs = {x for o in bop.outputs for x in btg[o] if split[x]}
+                red = {x for t, d in r.reduced if split[x := btg[t][d]]} - outs
+                body_op.append(owner)
+                body_set.append(sid(outs | red))
+                body_coef.append(times * _compute_seconds(bop, r.compute, fused, rates))
+
+    rates = (flop_rate, byte_rate)
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
         red = {g for t, d in r.reduced if split[g := tg[t][d]]} - outs
         it = outs | red
-        op_set.append(sid(it))
-        if r.compute == "matmul":
+        looped = op.primitive in LOOPS and graph.bodies.get(op.index)
+        # A loop's own iteration set would tie every group it carries into one set (one
+        # ILP scope of 3^dozens options): its bodies' ops carry its compute instead.
+        op_set.append(empty if looped else sid(it))
+        if looped and op.index in live_ops:
+            body_compute(op, graph, tg, 1.0, op.index)
+            coef = 0.0  # its bodies' ops carry it
+        elif r.compute == "matmul":
             coef = op.flops / flop_rate
         elif r.compute == "loop":  # a body of matmuls or of memory traffic: the slower
             coef = max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
@@ -315,6 +355,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
 
     op_set_a = np.array(op_set, dtype=np.int64)
     op_coef_a = np.array(op_coef, dtype=float)
+    body_op_a = np.array(body_op, dtype=np.int64)
+    body_set_a = np.array(body_set, dtype=np.int64)
+    body_coef_a = np.array(body_coef, dtype=float)
+    body_again = np.isin(body_op_a, list(recomputed)) * body_coef_a
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
     again_p = _rows([r for r in prow if r.op in recomputed], ng, empty)
@@ -331,9 +375,15 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         divisor=np.array([g.divisor for g in groups.groups] + [1], dtype=np.int64),
         op_set=op_set_a,
         op_coef=op_coef_a,
-        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets),
+        body_op=body_op_a,
+        body_set=body_set_a,
+        body_coef=body_coef_a,
+        body_remat_coef=body_again,
+        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets)
+        + np.bincount(body_set_a, body_coef_a, minlength=n_sets),
         remat_op_coef=np.array(remat, dtype=float),
-        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets),
+        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets)
+        + np.bincount(body_set_a, body_again, minlength=n_sets),
         param_coef=param_coef,
         opt_coef=opt_coef,
         other_coef=other_coef,
@@ -351,6 +401,29 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         remat_partial=again_p,
         remat_reshard=again_r,
     )
+
+
+def op_compute(T: Tables, inv: np.ndarray, remat: bool = False) -> np.ndarray:
+    """[n_ops] compute seconds of each top-level op under a plan whose per-set divisor
+    inverses are `inv` (a loop's: its bodies' ops, each on its own split); `remat`: what a
+    recomputed op adds under rematerialization (`remat_op_coef`) instead."""
+    own = (T.remat_op_coef if remat else T.op_coef) * inv[T.op_set]
+    body = T.body_remat_coef if remat else T.body_coef
+    return own + np.bincount(T.body_op, body * inv[T.body_set], minlength=len(own))
+
+
+def _compute_seconds(op, compute: str, fused: np.ndarray, rates: tuple[float, float]) -> float:
+    """Unsharded seconds of one body op, by the same rule as a top-level op's."""
+    flop_rate, byte_rate = rates
+    if compute == "matmul":
+        return op.flops / flop_rate
+    if compute == "loop":  # a loop kept without bodies: matmuls or memory, the slower
+        return max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
+    if op.primitive in FUSIBLE:
+        return fused[op.index] / byte_rate
+    if compute == "memory":
+        return (op.bytes_read + op.bytes_written) / byte_rate
+    return 0.0
 
 
 # Ops XLA fuses into loops over their operands (elementwise chains, layout changes,
