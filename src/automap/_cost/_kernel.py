@@ -52,10 +52,9 @@ def set_axes(codes: np.ndarray, sets: np.ndarray, sizes: np.ndarray):
 
 
 def partial_slots(R: RowTable) -> int:
-    """Virtual rows per partial-sum row: an all-reduce slot per reduced-group column (the
-    CPU's chain), then a joint all-reduce slot and a reduce-scatter slot. Slot-major: slot
-    j of row i is virtual row j * len(R.tset) + i."""
-    return R.group.shape[1] + 2
+    """Virtual rows per partial-sum row: one per reduced-group column, then one more.
+    Slot-major: slot j of row i is virtual row j * len(R.tset) + i."""
+    return R.group.shape[1] + 1
 
 
 def per_slot(R: RowTable, values: np.ndarray) -> np.ndarray:
@@ -73,11 +72,12 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     - the SPMD partitioner reduces one axis at a time: with K empty, a chain of one
       all-reduce of `base` per axis of R; otherwise one all-reduce of `whole` per axis of K,
       a slice, and one all-reduce of `base` over the rest of R's axes jointly (a dot's
-      lowering). XLA's CPU backend runs exactly that (`reduce_scatter` False).
+      lowering). XLA's CPU backend runs exactly that (`reduce_scatter` False): a column's
+      slot holds its axis' all-reduce, the last slot the joint one.
     - the GPU/TPU pipelines (`reduce_scatter` True) fold an all-reduce feeding another into
       one over their joint axes (AllReduceFolder), and an all-reduce then sliced into a
-      reduce-scatter (ReduceScatterCreator): one reduce-scatter of `whole` over K, one
-      all-reduce of `base` over the rest.
+      reduce-scatter (ReduceScatterCreator): one all-reduce of `base` over the rest (the
+      first column's slot), one reduce-scatter of `whole` over K (the last slot).
     """
     a = A[R.group]  # [rows, KR]
     act = (a > 0) & ~P[R.small, a]
@@ -85,23 +85,23 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     rest = np.bitwise_or.reduce(np.where(act & ~kept, bit[a], 0), axis=1)
     base = R.nbytes * inv[R.tset]
     whole = base * np.prod(np.where(kept, S[a], 1.0), axis=1)
-    n = len(base)
     if reduce_scatter:
         chain = np.zeros_like(a)
-        joint = rest
-        scatter = np.bitwise_or.reduce(np.where(kept, bit[a], 0), axis=1)
+        if a.shape[1]:
+            chain[:, 0] = rest
         chain_bytes = base
+        last = np.bitwise_or.reduce(np.where(kept, bit[a], 0), axis=1)
+        last_kind, last_bytes = C.RS, whole
     else:
         any_kept = kept.any(axis=1)
         chain = np.where(np.where(any_kept[:, None], kept, act), bit[a], 0)
-        joint = np.where(any_kept, rest, 0)
-        scatter = np.zeros(n, dtype=rest.dtype)
         chain_bytes = np.where(any_kept, whole, base)
-    mask = np.concatenate([chain.T.ravel(), joint, scatter])
+        last, last_kind, last_bytes = np.where(any_kept, rest, 0), C.AR, base
+    mask = np.concatenate([chain.T.ravel(), last])
     kind = np.full(len(mask), C.AR)
-    kind[len(mask) - n :] = C.RS
+    kind[len(mask) - len(last) :] = last_kind
     on = mask > 0
-    nbytes = np.concatenate([np.tile(chain_bytes, a.shape[1]), base, whole])
+    nbytes = np.concatenate([np.tile(chain_bytes, a.shape[1]), last_bytes])
     count = per_slot(R, np.where(R.grad, R.count, R.count * m))
     return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0)
 
