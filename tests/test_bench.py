@@ -1,4 +1,5 @@
-"""`automap bench`: a tiny run gives the tables, the header and JSON rows; t-1% is read right."""
+"""`automap bench`: a tiny run gives the tables, the header and JSON rows; t-1% is read right;
+Megatron-LM's published table renders from its rows."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import pytest
 from typer.testing import CliRunner
 
 from automap._bench import (
+    MEGATRON_TABLE,
     QUICK,
     Case,
     Row,
     Settings,
+    megatron_lines,
+    model_flops,
     run_bench,
     select,
+    select_rows,
     to_markdown,
     within_1pct,
     write,
@@ -116,3 +121,74 @@ def test_select_and_cli_errors():
     assert bad.exit_code == 2 and "--seeds" in bad.output
     unknown = runner.invoke(app, ["bench", "--models", "nope"])
     assert unknown.exit_code == 2 and "unknown model" in unknown.output
+
+
+def _megatron_row(params_b, tp, pp, dp, published, predicted, **planned):
+    step = 10.0
+    return {
+        "params_b": params_b, "heads": 8, "hidden": 1024, "layers": 8, "tp": tp, "pp": pp,
+        "gpus": tp * pp * dp, "batch": 64, "published": published, "dp": dp,
+        "predicted_tflops": predicted, "ratio": predicted / published, "step_s": step,
+        "memory_gb": 40.25, "feasible": True, "price_s": 1.0, **planned,
+    }  # fmt: skip
+
+
+def _fake_result(megatron):
+    """The smallest result `to_markdown` renders: no cases, nothing else run."""
+    machine = dict(cpu="cpu", cores=2, memory_bytes=None, python="3", jax="0", automap="0")
+    return {
+        "machine": {**machine, "commit": None, "date": "today"},
+        "command": "automap bench",
+        "settings": {"budget_s": 1.0, "seeds": 1},
+        "wall_s": 60.0,
+        "cases": [],
+        "fidelity": "not run",
+        "speed": "not run",
+        "megatron": megatron,
+    }
+
+
+def test_megatron_section_from_a_fake_result():
+    planned = _megatron_row(
+        1.7, 1, 1, 32, 137, 110.0,
+        plan="data 32 (ZeRO-1)", plan_step_s=8.0, plan_feasible=True, vs_megatron=0.8,
+        plan_wall_s=31.4, plan_peak_gb=2.5,
+    )  # fmt: skip
+    failed = _megatron_row(1008, 8, 64, 6, 163, 140.0, plan_error="x | y", plan_wall_s=12.0)
+    section = {"cluster": "a100", "plan_s": 30.0, "searcher": "auto", "rows": [planned, failed]}
+    text = to_markdown(_fake_result(section))
+    assert "## Megatron-LM's published table" in text
+    assert "`automap plan --searcher auto --budget 30`" in text
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| params (B) |"))
+    assert lines[head].count("|") == lines[head + 1].count("|") == 16
+    assert lines[head + 2] == (
+        "| 1.7 | 1 × 1 × 32 | 32 | 64 | 137 | 110 | 0.80 | 10.00 | 40.2 | yes "
+        "| data 32 (ZeRO-1) | 8.00 | 0.80 | 31 | 2.5 |"
+    )
+    # A row the planner failed on says why (a `|` would break the table) and keeps its price.
+    assert lines[head + 3].startswith("| 1008 | 8 × 64 × 6 | 3072 | 64 | 163 | 140 | 0.86 |")
+    assert "| x / y | — | — | 12 | — |" in lines[head + 3]
+    # Priced only: no planner columns; not run: one line saying how to run it.
+    priced = to_markdown(_fake_result({**section, "plan_s": 0.0, "rows": [failed]}))
+    assert "planner" not in priced.split("## Megatron")[1].splitlines()[4]
+    assert megatron_lines("not run")[-1] == "Megatron table: not run."
+    # A result saved before the section existed renders without it.
+    old = _fake_result(section)
+    del old["megatron"]
+    assert "Megatron-LM's published table" not in to_markdown(old)
+
+
+def test_megatron_rows_and_flop_count():
+    assert len(MEGATRON_TABLE) == 9 and [r.params_b for r in select_rows(["1.7", "1008"])] == [
+        1.7,
+        1008,
+    ]
+    assert all(r.tp * r.pp * r.dp == r.gpus for r in MEGATRON_TABLE)
+    # The paper's count for its 1.7B row: 512 sequences of 2048 tokens, 24 layers of 2304.
+    row = MEGATRON_TABLE[0]
+    assert model_flops(row) == pytest.approx(
+        96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
+    )
+    bad = CliRunner().invoke(app, ["bench", "--megatron-plan-s", "-1"])
+    assert bad.exit_code == 2 and "--megatron-plan-s" in bad.output

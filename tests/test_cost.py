@@ -1,8 +1,9 @@
 """The cost model: collectives of the textbook plans, memory, feasibility, alpha-beta
-formulas, the fast path against the plan path, and one plan held against XLA."""
+formulas, the fast path against the plan path, and plans held against XLA."""
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -16,6 +17,9 @@ from automap._cluster import Cluster
 from automap._cost import AR, AxisCosts, CostModel, ring_allreduce_time, tree_allreduce_time
 from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment, regather_plan
+from automap._search import MeshTerms, search_ilp
+from automap._solvers import evaluate_batch
+from automap._space import ShardSpace
 from automap._verify import verify
 from automap._zoo import get_model
 
@@ -291,3 +295,91 @@ def test_a_seam_moves_the_batch_only_where_its_sides_differ():
         plan = plan_from_assignment(graph, groups, mesh, assignment)
         report = verify(jax.grad(cnn_loss), plan, *CNN_ARGS)
         assert report.collectives_match, report.summary()
+
+
+# A weight gradient contracts the batch and the sequence: split on two mesh axes, the sum
+# is partial over both. At top level and inside a scan over stacked layers.
+TB, TS, TD, TL = 8, 16, 32, 3
+
+
+def _top(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+def _scanned(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return h.sum()
+
+
+@functools.cache
+def two_axis(scan: bool):
+    step = jax.grad(_scanned if scan else _top)
+    args = (sds(TL, TD, TD) if scan else sds(TD, TD), sds(TB, TS, TD))
+    g = capture(step, *args, roles={0: "param", 1: "batch"})
+    groups = build_groups(g)
+    (x,) = (leaf.tensor for leaf in g.leaves(Role.BATCH))
+    assignment = {groups.of(x, 0): "data", groups.of(x, 1): "model"}
+    return step, args, g, groups, assignment
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_sum_over_two_axes_is_two_all_reduces_on_the_cpu_one_on_gpus(scan):
+    step, args, g, groups, assignment = two_axis(scan)
+    mesh = {"data": 2, "model": 4}
+    plan = plan_from_assignment(g, groups, mesh, assignment)
+    grad_bytes = g.role_bytes(Role.PARAM)  # the whole weight gradient, once per layer
+    # XLA's SPMD partitioner reduces one axis at a time; its CPU backend keeps the chain.
+    report = verify(step, plan, *args)
+    assert report.collectives_match, report.summary()
+    chain = {"all-reduce@data": grad_bytes, "all-reduce@model": grad_bytes}
+    assert report.xla_comm_bytes == chain
+    assert report.predicted_comm_bytes == chain
+    # GPUs fold an all-reduce feeding another into one over both axes (AllReduceFolder).
+    gpu = CostModel(g, Cluster.preset("a100", devices=8), groups).estimate(plan)
+    (joint,) = gpu.collectives
+    assert (joint.kind, joint.axis, joint.bytes) == ("all-reduce", "data+model", grad_bytes)
+
+
+def _points(space, mesh):
+    """Every valid option tuple of the space on `mesh` (a tiny space: a few units)."""
+
+    def extend(taken):
+        if len(taken) == len(space.units):
+            yield tuple(taken)
+            return
+        for k in np.flatnonzero(space.allowed(mesh, len(taken), taken)):
+            yield from extend([*taken, int(k)])
+
+    return list(extend([]))
+
+
+def test_the_ilp_prices_the_cpus_chain_as_the_cost_model_does():
+    _, _, g, groups, _ = two_axis(True)
+    cpu = Cluster.preset("cpu", devices=8)
+    space = ShardSpace(g, groups, cpu, CostModel(g, cpu, groups))
+    chained = 0
+    for mesh_index, mesh in enumerate(space.meshes):
+        terms = MeshTerms(space, mesh_index)
+        for zero in space.zero_options(mesh):
+            problem = terms.problem(zero)
+            aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
+            for options in _points(space, mesh):
+                cost = space.evaluate(mesh_index, options, zero_stage=zero)
+                chained += {c.axis for c in cost.collectives} >= {"data", "model"}
+                rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
+                time, memory, _ = evaluate_batch(problem, rows)
+                assert time.min() == pytest.approx(cost.step_time_s, rel=1e-9)
+                assert memory[int(np.argmin(time))] == pytest.approx(cost.memory_bytes, rel=1e-9)
+    assert chained  # the points with a sum over both axes were among them
+    point, stats = search_ilp(space)
+    assert stats["optimal"] and stats["objective_error"] <= 1e-6
+    best = space.evaluate(point[0], point[1], zero_stage=point[2]).step_time_s
+    assert best == pytest.approx(
+        min(
+            space.evaluate(m, o, zero_stage=z).step_time_s
+            for m, mesh in enumerate(space.meshes)
+            for z in space.zero_options(mesh)
+            for o in _points(space, mesh)
+        ),
+        rel=1e-9,
+    )

@@ -1,4 +1,5 @@
-"""BENCHMARKS.md from an `automap bench` result: the header, the plans table, the cost model.
+"""BENCHMARKS.md from an `automap bench` result: the header, the plans table, the cost model,
+Megatron-LM's published table.
 
 Kept apart from `_run.py` (which runs the searches) so that a saved `--json` result can be
 rendered again without rerunning anything.
@@ -97,6 +98,8 @@ def to_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## The cost model", "", *_fidelity_lines(result["fidelity"]), ""]
     lines += _speed_lines(result["speed"])
+    if "megatron" in result:  # results saved before the section existed have none
+        lines += ["", "## Megatron-LM's published table", "", *megatron_lines(result["megatron"])]
     return "\n".join(lines) + "\n"
 
 
@@ -171,6 +174,63 @@ def _speed_lines(r: dict | str) -> list[str]:
         f"| {r['model']} | {r['ops']} | {r['groups']} | {r['decisions']} | "
         f"{r['capture_s']:.1f} s | {r['plans_per_s']:,.0f} | {r['deltas_per_s']:,.0f} |",
     ]
+
+
+def megatron_lines(section: dict | str) -> list[str]:
+    """The Megatron section (`_megatron.megatron_table`'s dict) as markdown: one row per
+    published row; the planner's columns when it ran."""
+    head = (
+        "Narayanan et al., SC'21, Table 1 (GPT, vocabulary 51,200, sequence 2048, A100 80 GB, "
+        "8 per node, mixed precision, full recomputation, 1F1B, microbatch size 1). "
+        "Predicted: Megatron's configuration (tensor parallel TP inside the node, PP stages "
+        "equal in layers, data parallel DP over the rest) priced by the cost model, in "
+        "TFLOP/s per GPU by the paper's count, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per "
+        "step; ratio: predicted over published. "
+        "(`benchmarks/bench_megatron.py` prints the same rows.)"
+    )
+    if isinstance(section, str):
+        return [head, "", f"Megatron table: {section}."]
+    planned = section["plan_s"] > 0
+    if planned:
+        head += (
+            f" Planner: `automap plan --searcher {section['searcher']} --budget "
+            f"{section['plan_s']:g}` on the same model and cluster, one fresh process per row: "
+            "its plan, its predicted step time and that over Megatron's (under 1: faster), "
+            "its wall time (capture included) and the process's peak RSS."
+        )
+    cols = "| params (B) | TP × PP × DP | GPUs | batch | published | predicted | ratio "
+    cols += "| step (s) | memory (GB) | fits |"
+    rule = "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|"
+    if planned:
+        cols += " planner's plan | its step (s) | vs Megatron | planner wall (s) | peak RSS (GB) |"
+        rule += "---|--:|--:|--:|--:|"
+    out = [head, "", cols, rule]
+    for r in section["rows"]:
+        cells = [
+            f"{r['params_b']:g}",
+            f"{r['tp']} × {r['pp']} × {r['dp']}",
+            f"{r['gpus']}",
+            f"{r['batch']}",
+            f"{r['published']:g}",
+            f"{r['predicted_tflops']:.0f}",
+            f"{r['ratio']:.2f}",
+            f"{r['step_s']:.2f}",
+            f"{r['memory_gb']:.1f}",
+            "yes" if r["feasible"] else "no",
+        ]
+        if planned and "plan_error" in r:
+            cells += [r["plan_error"].replace("|", "/"), "—", "—", f"{r['plan_wall_s']:.0f}", "—"]
+        elif planned:
+            fits = "" if r["plan_feasible"] else " (does not fit)"
+            cells += [
+                r["plan"] + fits,
+                f"{r['plan_step_s']:.2f}",
+                f"{r['vs_megatron']:.2f}",
+                f"{r['plan_wall_s']:.0f}",
+                f"{r['plan_peak_gb']:.1f}",
+            ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def write(result: dict, out: Path | None, json_out: Path | None) -> None:

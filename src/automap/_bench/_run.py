@@ -8,6 +8,9 @@ to come within 1% of it. The cost model's own fidelity (against XLA's compiled H
 speed come from `benchmarks/bench_fidelity.py` and `benchmarks/bench_cost.py`, run as they
 are, so the figures here are the ones those scripts print.
 
+Megatron-LM's published table (`_megatron.py`) closes it: Megatron's own configuration of
+each row priced, and the planner's plan for the same model and cluster beside it.
+
 The hybrid column is the `dp` searcher's answer with pipelines allowed: its exact stage cuts
 over the data × tensor × pipeline space, against the one-stage optimum (the ILP's, run once
 for both). The expert column's best includes the pipeline experts (GPipe, Megatron 3-D).
@@ -38,6 +41,7 @@ from .._space import ShardSpace
 from .._version import __version__
 from .._zoo import get_model, list_models
 from ._compare import Row, make_row
+from ._megatron import MEGATRON_TABLE, megatron_table
 
 EXHAUSTIVE_LIMIT = 200_000  # points: above this only the ILP proves the optimum
 WITHIN = 0.01  # "time to 1%": the first moment a curve's best is within this of the optimum
@@ -92,6 +96,11 @@ class Settings:
     # The pipeline search's budget: its outer space (stage count × stage mesh × microbatches,
     # an ILP per stage mesh) is larger than one stage's, and it stops where the budget ends.
     dp_budget_s: float = 60.0
+    # Megatron-LM's published table (`_megatron.py`): None skips it; 0 prices Megatron's
+    # configuration of each row (about 15 s a row on two cores); > 0 also runs the planner
+    # on each row with this budget, in a fresh process (budget + capture + JAX's start).
+    megatron_plan_s: float | None = None
+    megatron_searcher: str = "auto"
 
 
 def quick_settings(command: str, budget_s: float = 3.0, seeds: int = 1) -> Settings:
@@ -99,9 +108,9 @@ def quick_settings(command: str, budget_s: float = 3.0, seeds: int = 1) -> Setti
 
 
 def full_settings(command: str, budget_s: float = 20.0, seeds: int = 1) -> Settings:
-    return Settings(
-        budget_s, seeds, ("mlp", "bert", "gpt", "vgg19"), 10, "bert-large", command, 60.0
-    )
+    # The Megatron table with the planner at 30 s a row: about 10 minutes on two cores.
+    fidelity = ("mlp", "bert", "gpt", "vgg19")
+    return Settings(budget_s, seeds, fidelity, 10, "bert-large", command, 60.0, 30.0)
 
 
 def select(cases: Sequence[Case], models: Sequence[str] | None) -> tuple[Case, ...]:
@@ -387,7 +396,8 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
         disable=not progress, transient=True,
     ) as bar:  # fmt: skip
-        task = bar.add_task("bench", total=len(cases) * steps + 2)
+        megatron_steps = len(MEGATRON_TABLE) if s.megatron_plan_s is not None else 0
+        task = bar.add_task("bench", total=len(cases) * steps + 2 + megatron_steps)
         for case in cases:
 
             def step(what: str, case: Case = case) -> None:
@@ -402,6 +412,17 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         fid = fidelity(s.fidelity_models, s.fidelity_plans)
         bar.update(task, advance=1, description=f"cost model speed ({s.speed_model})")
         spd = speed(s.speed_model)
+        mega: dict | str = "not run (`automap bench --megatron-plan-s 30` runs it)"
+        if s.megatron_plan_s is not None:
+
+            def row_step(what: str) -> None:
+                bar.update(task, advance=1, description=what)
+                if progress and not bar.console.is_terminal:
+                    print(f"[{time.perf_counter() - start:6.0f} s] {what}", file=sys.stderr)
+
+            mega = megatron_table(
+                plan_s=s.megatron_plan_s, searcher=s.megatron_searcher, step=row_step
+            )
     return {
         "machine": machine(),
         "command": s.command,
@@ -410,4 +431,5 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         "cases": results,
         "fidelity": fid,
         "speed": spd,
+        "megatron": mega,
     }

@@ -270,6 +270,18 @@ def bench_cmd(
         Path | None, typer.Option("--json-out", help="Also write every row as JSON here.")
     ] = None,
     quiet: QuietOpt = False,
+    megatron_plan_s: Annotated[
+        float | None,
+        typer.Option(
+            "--megatron-plan-s",
+            help="Megatron-LM's published table: the planner's budget per row (s; 0 prices "
+            "Megatron's configurations only). Default 30 on a full run of every model "
+            "(about 10 min on two cores), off with --quick or --models.",
+        ),
+    ] = None,
+    no_megatron: Annotated[
+        bool, typer.Option("--no-megatron", help="Leave out Megatron-LM's published table.")
+    ] = False,
     legacy_json: Annotated[
         Path | None,
         typer.Argument(hidden=True, help="Old spelling `--json FILE`: now `--json-out FILE`."),
@@ -278,7 +290,8 @@ def bench_cmd(
     """Benchmark every searcher on every zoo model and write BENCHMARKS.md.
 
     Each model on its preset clusters: data parallel, best expert, exact optimum, DQN,
-    random and MCMC; then the cost model's fidelity against XLA and its speed.
+    random and MCMC; then the cost model's fidelity against XLA and its speed; then
+    Megatron-LM's published table, priced and planned.
 
     Example: automap bench --quick --out BENCHMARKS.md --json-out bench.json
     """
@@ -288,15 +301,27 @@ def bench_cmd(
     check_budget(budget)
     if seeds < 1:
         raise AutomapError(f"--seeds must be at least 1, got {seeds} (e.g. --seeds 3).")
+    if megatron_plan_s is not None and not megatron_plan_s >= 0:
+        raise AutomapError(
+            "--megatron-plan-s must be 0 (price Megatron's configurations only) or the "
+            f"planner's budget per row in seconds (e.g. 30), got {megatron_plan_s:g}."
+        )
+    if megatron_plan_s is not None and no_megatron:
+        raise AutomapError("--megatron-plan-s and --no-megatron contradict each other; give one.")
     names = [m.strip() for m in models.split(",") if m.strip()] if models else None
     # The command as it reproduces this run, every default spelled out.
     command = "automap bench" + (" --quick" if quick else "")
     command += f" --budget {budget:g}" if budget is not None else ""
     command += f" --seeds {seeds}" + (f" --models {','.join(names)}" if names else "")
+    command += f" --megatron-plan-s {megatron_plan_s:g}" if megatron_plan_s is not None else ""
+    command += " --no-megatron" if no_megatron else ""
     command += f" --out {out}" if out is not None else ""
     settings = (quick_settings if quick else full_settings)(command, seeds=seeds)
     if budget is not None:
         settings = dataclasses.replace(settings, budget_s=budget)
+    if megatron_plan_s is not None or no_megatron or names:
+        # A run of a few models is about them: the table only when asked for.
+        settings = dataclasses.replace(settings, megatron_plan_s=megatron_plan_s)
     cases = select(QUICK if quick else FULL, names)
     result = run_bench(cases, settings, progress=not (quiet or as_json))
     write(result, out, json_out)

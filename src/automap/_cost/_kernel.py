@@ -1,10 +1,11 @@
 """The cost model's numpy kernel: one assignment's per-row collectives and their sums.
 
 An evaluated assignment is a `State`: the axes each group set holds, each candidate
-collective's contribution (a *virtual row*: partial-sum rows give two, an all-reduce slot
-and a reduce-scatter slot; reshard rows one) and the sums per (kind, axis mask). A state is
-the base of an incremental evaluation: changing one group's axis only touches the sets
-and rows that mention the group, so `delta` recomputes those rows and patches the sums.
+collective's contribution (a *virtual row*: partial-sum rows give `partial_slots`, one per
+collective XLA may chain to complete the sum; reshard rows one) and the sums per (kind,
+axis mask). A state is the base of an incremental evaluation: changing one group's axis
+only touches the sets and rows that mention the group, so `delta` recomputes those rows
+and patches the sums.
 
 Rows of gradients (results with a parameter's layout) are summed by bytes and timed once
 per (kind, axis) at the end, as XLA combines them into one tuple collective.
@@ -50,26 +51,59 @@ def set_axes(codes: np.ndarray, sets: np.ndarray, sizes: np.ndarray):
     return P, 1.0 / div
 
 
+def partial_slots(R: RowTable) -> int:
+    """Virtual rows per partial-sum row: one per reduced-group column, then one more.
+    Slot-major: slot j of row i is virtual row j * len(R.tset) + i."""
+    return R.group.shape[1] + 1
+
+
+def per_slot(R: RowTable, values: np.ndarray) -> np.ndarray:
+    """A per-row array of partial-sum rows repeated for each of their virtual rows."""
+    return np.tile(values, partial_slots(R))
+
+
 def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
-    """Virtual rows (all-reduce slots then reduce-scatter slots) of partial-sum rows."""
+    """Virtual rows (`partial_slots`) of partial-sum rows.
+
+    A row's reduced groups split on axes R: the output is a partial sum over R. Its bytes:
+    `base` the result as it is split, `whole` the result unsplit on the axes K of R that
+    the output keeps. As XLA compiles it (HLO of jax 0.10, read by tests/test_cost.py):
+
+    - the SPMD partitioner reduces one axis at a time: with K empty, a chain of one
+      all-reduce of `base` per axis of R; otherwise one all-reduce of `whole` per axis of K,
+      a slice, and one all-reduce of `base` over the rest of R's axes jointly (a dot's
+      lowering). XLA's CPU backend runs exactly that (`reduce_scatter` False): a column's
+      slot holds its axis' all-reduce, the last slot the joint one.
+    - the GPU/TPU pipelines (`reduce_scatter` True) fold an all-reduce feeding another into
+      one over their joint axes (AllReduceFolder), and an all-reduce then sliced into a
+      reduce-scatter (ReduceScatterCreator): one all-reduce of `base` over the rest (the
+      first column's slot), one reduce-scatter of `whole` over K (the last slot).
+    """
     a = A[R.group]  # [rows, KR]
     act = (a > 0) & ~P[R.small, a]
-    inout = act & P[R.tset[:, None], a]
-    ar = np.bitwise_or.reduce(np.where(act & ~inout, bit[a], 0), axis=1)
-    rs = np.bitwise_or.reduce(np.where(inout, bit[a], 0), axis=1)
+    kept = act & P[R.tset[:, None], a]
+    rest = np.bitwise_or.reduce(np.where(act & ~kept, bit[a], 0), axis=1)
     base = R.nbytes * inv[R.tset]
-    # Split on axes the output keeps: reduce-scatter of the unsplit result over them;
-    # split on the others: all-reduce over their joint axes. Without reduce-scatters
-    # (XLA on the CPU) one all-reduce of the unsplit result over all of them.
-    rs_bytes = base * np.prod(np.where(inout, S[a], 1.0), axis=1)
-    if not reduce_scatter:
-        ar, rs, base = ar | rs, np.zeros_like(rs), rs_bytes
-    count = np.where(R.grad, R.count, R.count * m)
-    mask = np.concatenate([ar, rs])
-    kind = np.concatenate([np.full(len(ar), C.AR), np.full(len(rs), C.RS)])
+    whole = base * np.prod(np.where(kept, S[a], 1.0), axis=1)
+    if reduce_scatter:
+        chain = np.zeros_like(a)
+        if a.shape[1]:
+            chain[:, 0] = rest
+        chain_bytes = base
+        last = np.bitwise_or.reduce(np.where(kept, bit[a], 0), axis=1)
+        last_kind, last_bytes = C.RS, whole
+    else:
+        any_kept = kept.any(axis=1)
+        chain = np.where(np.where(any_kept[:, None], kept, act), bit[a], 0)
+        chain_bytes = np.where(any_kept, whole, base)
+        last, last_kind, last_bytes = np.where(any_kept, rest, 0), C.AR, base
+    mask = np.concatenate([chain.T.ravel(), last])
+    kind = np.full(len(mask), C.AR)
+    kind[len(mask) - len(last) :] = last_kind
     on = mask > 0
-    nbytes = np.where(on, np.concatenate([base, rs_bytes]), 0.0)
-    return kind, mask, nbytes, np.where(on, np.concatenate([count, count]), 0.0)
+    nbytes = np.concatenate([np.tile(chain_bytes, a.shape[1]), last_bytes])
+    count = per_slot(R, np.where(R.grad, R.count, R.count * m))
+    return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0)
 
 
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
@@ -94,7 +128,7 @@ def collective_rows(
     mask = np.concatenate([pm, rm])
     nbytes = np.concatenate([pb, rb])
     count = np.concatenate([pc, rc])
-    grad = np.concatenate([partial.grad, partial.grad, reshard.grad])
+    grad = np.concatenate([per_slot(partial, partial.grad), reshard.grad])
     key = kind * ac.masks + mask
     return key, nbytes, count, grad, np.where(grad, 0.0, ac.by_key(key, nbytes, count))
 

@@ -17,7 +17,8 @@ numpy operations over those tables:
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
   itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
   `Cluster.reduce_scatter`). Several reduced groups on several axes: one collective
-  over their joint axes ("data+model"). Bytes follow DESIGN.md; 16-bit floats are
+  over their joint axes ("data+model") on GPUs and TPUs, a chain of one all-reduce per
+  axis on the CPU (`_kernel.partial_rows`). Bytes follow DESIGN.md; 16-bit floats are
   widened where the backend widens them (`Cluster.collective_float_bytes`: the CPU);
 - resharding: an input dim split on a that the op needs whole (untied, or the axis is
   dropped by the op's own layout): an all-gather on a, or an all-to-all when the op wants
@@ -279,8 +280,8 @@ class CostModel:
                 | in_set[r.peer]
             )[0]
             sets = np.nonzero(in_set)[0]
-            n_p = len(p.tset)
-            idx = np.concatenate([prow, prow + n_p, rrow + 2 * n_p])
+            n_p, slots = len(p.tset), K.partial_slots(p)
+            idx = np.concatenate([*(prow + j * n_p for j in range(slots)), rrow + slots * n_p])
             hit = (sets, T.sets[sets], _take(p, prow), _take(r, rrow), idx)
             if len(self._touch_cache) < 4096:
                 self._touch_cache[key] = hit
@@ -416,8 +417,9 @@ class CostModel:
         T = self.tables
         ac = self._costs_for(st.mesh)
         comp = op_compute(T, st.inv)
-        ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
-        grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
+        pf, rf = T.partial_full, T.reshard_full
+        ops = np.concatenate([K.per_slot(pf, pf.op), rf.op])
+        grad = np.concatenate([K.per_slot(pf, pf.grad), rf.grad])
         g_bytes, g_any = st.sums[3], st.sums[4] > 0
         g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):

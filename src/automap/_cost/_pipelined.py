@@ -51,7 +51,7 @@ from .._graph import Role
 from .._pipeline import Partition, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
-from ._kernel import collective_rows
+from ._kernel import collective_rows, per_slot
 from ._tables import op_compute
 from ._traffic import (
     BWD,
@@ -146,9 +146,9 @@ def op_costs(
     # `op_coef` prices the recompute, `remat_op_coef` the lighter first forward.
     remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
     pf, rf = T.partial_full, T.reshard_full
-    row_op = np.concatenate([pf.op, pf.op, rf.op])
-    row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])
-    tset = np.concatenate([pf.tset, pf.tset, rf.tset])
+    row_op = np.concatenate([per_slot(pf, pf.op), rf.op])
+    row_grad = np.concatenate([per_slot(pf, pf.grad), rf.grad])
+    tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
@@ -184,7 +184,7 @@ def op_costs(
         row_count=st.count,
         row_grad=row_grad,
         row_batched=row_batched,
-        row_partial=np.arange(len(row_op)) < 2 * len(pf.op),
+        row_partial=np.arange(len(row_op)) < len(row_op) - len(rf.op),
         batch_mask=int(np.bitwise_or.reduce(ac.bit[st.codes[list(model.groups.batch_groups)]]))
         if model.groups.batch_groups
         else 0,
@@ -202,8 +202,8 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
     key, nbytes, count, grad, time = collective_rows(
         p, r, st.codes, st.P, st.inv, ac, 1, model.cluster.reduce_scatter
     )
-    op = np.concatenate([p.op, p.op, r.op])
-    tset = np.concatenate([p.tset, p.tset, r.tset])
+    op = np.concatenate([per_slot(p, p.op), r.op])
+    tset = np.concatenate([per_slot(p, p.tset), r.tset])
     batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
     n = len(model.graph.ops)
     return dataclasses.replace(
@@ -217,7 +217,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         row_batched=np.concatenate([oc.row_batched, batched]),
         row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
-        row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < 2 * len(p.op)]),
+        row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < len(op) - len(r.op)]),
     )
 
 

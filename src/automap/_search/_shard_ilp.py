@@ -47,7 +47,17 @@ from typing import Any
 import numpy as np
 
 from .._axes import DATA
-from .._cost import AG, AR, KINDS, RS, AxisCosts, RowTable, collective_rows, set_axes
+from .._cost import (
+    AG,
+    AR,
+    KINDS,
+    RS,
+    AxisCosts,
+    RowTable,
+    collective_rows,
+    partial_slots,
+    set_axes,
+)
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, solve_ilp
 from .._space import OPTIONS, ShardSpace
 
@@ -193,7 +203,8 @@ class MeshTerms:
             Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.reduce_scatter
         )
         cfg = np.concatenate(
-            [np.repeat(np.arange(n_c), len(prows))] * 2 + [np.repeat(np.arange(n_c), len(rrows))]
+            [np.repeat(np.arange(n_c), len(prows))] * partial_slots(Rp)
+            + [np.repeat(np.arange(n_c), len(rrows))]
         )
         n_keys = len(KINDS) * ac.masks
         g = grad & (count != 0)

@@ -1,0 +1,220 @@
+"""Megatron-LM's published weak-scaling table, priced by Auto-MAP, and the planner's plans.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21), Table 1: GPT with vocabulary 51,200 and sequence 2048 on A100 80 GB
+(8 per node), mixed precision, full activation recomputation, 1F1B, microbatch size 1.
+Each row is priced with Megatron's own configuration (`Recipe`: TP inside the node, PP
+stages equal in layers, DP over the rest) and its TFLOP/s per GPU compared with the
+published one, by the paper's count: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per step.
+With a planner budget, the planner (`plan`, searcher "auto" unless told) also runs on the
+same model and cluster, in a fresh process per row, so that its wall time and peak memory
+(the process's peak RSS) are what `automap plan` on that row would show.
+
+One source for `benchmarks/bench_megatron.py` and `automap bench`'s section of
+BENCHMARKS.md (`_markdown.megatron_lines`). Planning uses abstract shapes only: no
+weights are allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._api import plan, plan_recipe
+from .._cluster import Cluster
+from .._errors import AutomapError
+from .._plan import Plan
+from .._space import Recipe
+from .._zoo import ModelSpec, get_model
+
+VOCAB, SEQ = 51200, 2048
+CLUSTER = "a100"
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronRow:
+    """One row of the published table."""
+
+    params_b: float  # billions of parameters, as published
+    heads: int
+    hidden: int
+    layers: int
+    tp: int  # tensor-parallel size (inside a node)
+    pp: int  # pipeline stages
+    gpus: int
+    batch: int  # global batch, sequences
+    published: float  # TFLOP/s per GPU
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+MEGATRON_TABLE = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    MegatronRow(1008, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+
+def select_rows(params_b: Sequence[str] = ()) -> tuple[MegatronRow, ...]:
+    """The rows whose parameter count (as printed: "1.7", "1008") is listed; all if none."""
+    return tuple(r for r in MEGATRON_TABLE if not params_b or f"{r.params_b:g}" in params_b)
+
+
+def model_flops(row: MegatronRow) -> float:
+    """The paper's FLOPs per iteration (with recomputation's extra forward)."""
+    b, s, layers, h, v = row.batch, SEQ, row.layers, row.hidden, VOCAB
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def tflops_per_gpu(row: MegatronRow, step_s: float) -> float:
+    """TFLOP/s per GPU of a step of `step_s` seconds, by the paper's count."""
+    return model_flops(row) / (step_s * row.gpus) / 1e12
+
+
+def spec_of(row: MegatronRow) -> ModelSpec:
+    return get_model(
+        "gpt-1.3b",
+        layers=row.layers,
+        hidden=row.hidden,
+        heads=row.heads,
+        seq=SEQ,
+        vocab=VOCAB,
+        batch=row.batch,
+        positions="learned",
+    )
+
+
+def cluster_of(row: MegatronRow) -> Cluster:
+    return Cluster.preset(CLUSTER, devices=row.gpus)
+
+
+def price_row(row: MegatronRow) -> Plan:
+    """Megatron's configuration of the row, priced by the cost model."""
+    spec = spec_of(row)
+    recipe = Recipe(tp=row.tp, pp=row.pp, dp=row.dp, microbatch_size=1, remat="full")
+    return plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=cluster_of(row))
+
+
+def plan_shape(found: Plan) -> str:
+    """A plan in a few words: its mesh, microbatches, recomputation and ZeRO stage."""
+    mesh = " × ".join(f"{k} {v}" for k, v in found.mesh.items())
+    extra = [f"{found.microbatches} mb"] if found.pipelined else []
+    extra += ["remat"] if found.remat else []
+    extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []
+    return mesh + (f" ({', '.join(extra)})" if extra else "")
+
+
+def plan_row(row: MegatronRow, budget_s: float, searcher: str = "auto") -> dict[str, Any]:
+    """The planner on the row's model and cluster, in this process: its plan, predicted
+    step, wall time (capture included) and this process's peak RSS so far."""
+    spec = spec_of(row)
+    start = time.perf_counter()
+    found = plan(
+        spec.step_fn,
+        *spec.abstract_args(),
+        cluster=cluster_of(row),
+        searcher=searcher,
+        budget_s=budget_s,
+    )
+    wall = time.perf_counter() - start
+    cost = found.predicted
+    return {
+        "plan": plan_shape(found),
+        "plan_step_s": cost.step_time_s,
+        "plan_feasible": bool(cost.feasible),
+        "plan_wall_s": wall,
+        # ru_maxrss is in KiB on Linux.
+        "plan_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
+
+
+def plan_row_isolated(row: MegatronRow, budget_s: float, searcher: str = "auto") -> dict:
+    """`plan_row` in a fresh Python process: the peak RSS is the planner's own, not that of
+    whatever this process ran before (other rows, other benchmarks). A plain subprocess,
+    not multiprocessing: spawning would re-run the caller's main script."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding `automap`
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    job = {"row": dataclasses.asdict(row), "budget_s": budget_s, "searcher": searcher}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        code = "import sys; from automap._bench import plan_row_main; plan_row_main(sys.argv[1])"
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(out)],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if done.returncode != 0 or not out.exists():
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise AutomapError(f"the planner failed: {last[0]}")
+        return json.loads(out.read_text())
+
+
+def plan_row_main(out: str) -> None:
+    """The child's side of `plan_row_isolated`: a job as JSON on stdin, `plan_row`'s
+    answer as JSON in the file `out`."""
+    job = json.loads(sys.stdin.read())
+    found = plan_row(MegatronRow(**job["row"]), job["budget_s"], job["searcher"])
+    Path(out).write_text(json.dumps(found))
+
+
+def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto") -> dict:
+    """One row: the published figures, Megatron's configuration priced, and with
+    `plan_s` > 0 the planner's plan found in that budget."""
+    start = time.perf_counter()
+    cost = price_row(row).predicted
+    got = tflops_per_gpu(row, cost.step_time_s)
+    record = {
+        **dataclasses.asdict(row),
+        "dp": row.dp,
+        "predicted_tflops": got,
+        "ratio": got / row.published,
+        "step_s": cost.step_time_s,
+        "memory_gb": cost.memory_bytes / 1e9,
+        "feasible": bool(cost.feasible),
+        "price_s": time.perf_counter() - start,
+    }
+    if plan_s > 0:
+        start = time.perf_counter()
+        try:
+            found = plan_row_isolated(row, plan_s, searcher)
+        except AutomapError as e:  # no plan (none fits, say): the row says why
+            record.update(plan_error=str(e), plan_wall_s=time.perf_counter() - start)
+        else:
+            record.update(found, vs_megatron=found["plan_step_s"] / cost.step_time_s)
+    return record
+
+
+def megatron_table(
+    rows: Sequence[MegatronRow] = MEGATRON_TABLE,
+    plan_s: float = 0.0,
+    searcher: str = "auto",
+    step: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Every row (`megatron_record`) and the settings they were run with: what
+    BENCHMARKS.md's Megatron section shows."""
+    records = []
+    for row in rows:
+        step(f"megatron {row.params_b:g}B")
+        records.append(megatron_record(row, plan_s, searcher))
+    return {"cluster": CLUSTER, "plan_s": plan_s, "searcher": searcher, "rows": records}
