@@ -52,9 +52,10 @@ class RowTable:
     """Candidate collectives, one row each: they happen when `group`'s axis calls for it.
 
     Partial-sum rows (one per op output) hold the op's reduced groups in `group` as a
-    padded [rows, KR] matrix with `small` alongside: the axes of all the groups that are
-    split end up in one collective over their joint mesh axes ("data+model"), as in XLA.
-    Reshard rows (one per input dim) have a single column."""
+    padded [rows, KR] matrix with `small` alongside: the axes of the groups that are split
+    end up in the collectives the backend compiles (`_kernel.partial_rows`: one joint
+    all-reduce on GPUs, one per axis chained on the CPU). Reshard rows (one per input dim)
+    have a single column."""
 
     group: np.ndarray  # [rows, KR] the group(s) whose split triggers the row
     small: np.ndarray  # [rows, KR] set of the op's groups with a smaller id (they win an axis)
