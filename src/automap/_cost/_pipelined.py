@@ -149,24 +149,36 @@ def op_costs(
     row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])
     tset = np.concatenate([pf.tset, pf.tset, rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
-    # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
-    g = row_grad & (st.count > 0)
-    g_bytes = np.bincount(st.key[g], st.nbytes[g], minlength=len(ac.keys))
-    g_any = np.bincount(st.key[g], minlength=len(ac.keys)) > 0
-    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(g, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
     if data_axis is None:
         data_axis = DATA if DATA in stage_mesh else None
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
     zero_mask = 0
     zero_comm = np.zeros(n)
+    key = st.key
     if zero_stage >= 1 and lay.data_size > 1:
         zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
-        times = 3 if zero_stage >= 3 else 2
-        readers = graph.consumers()
-        for t, b, c in zero_leaves(graph, lay):
-            zero_comm[(readers[t] or (0,))[0]] += ac.time1(C.AG, zero_mask, times * b, times * c)
+        if model.cluster.reduce_scatter:
+            # The gradients meet the ZeRO layout: their all-reduce over data becomes a
+            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
+            ar = row_grad & (key == C.AR * ac.masks + zero_mask)
+            key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+        # Each parameter not already split on data is gathered once per step: after its
+        # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
+        # used (ZeRO-3; `stage_costs` charges every program that reads it).
+        # One program gathers them all in one combined collective, shared by bytes.
+        readers, leaves = graph.consumers(), list(zero_leaves(graph, lay))
+        total = sum(b for _, b, _ in leaves)
+        if total and any(c for *_, c in leaves):
+            seconds = ac.time1(C.AG, zero_mask, total, 1)
+            for t, b, _ in leaves:
+                zero_comm[(readers[t] or (0,))[0]] += seconds * b / total
+    # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
+    g = row_grad & (st.count > 0)
+    g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
+    g_any = np.bincount(key[g], minlength=len(ac.keys)) > 0
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(g, st.nbytes / g_bytes[key] * g_time[key], 0.0)
     oc = OpCosts(
         mesh=dict(stage_mesh),
         zero_stage=zero_stage,
@@ -178,7 +190,7 @@ def op_costs(
         zero_comm=zero_comm,
         layouts=lay,
         row_op=row_op,
-        row_key=st.key,
+        row_key=key,
         row_bytes=st.nbytes,
         row_count=st.count,
         row_grad=row_grad,
@@ -481,7 +493,7 @@ def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
     embeddings, a layer cut mid-way) is updated on only one of them."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
-    gathers = {PRE: 1, FWD: 1, BWD: 1, POST: 3} if oc.zero_stage >= 3 else {POST: 2}
+    gathers = {PRE: 1, FWD: 1, BWD: 1} if oc.zero_stage >= 3 else {POST: 1}
     phase = phase_codes(part)
     for t, b, c in zero_leaves(graph, oc.layouts):
         for s, ph in {(part.op_stage[i], int(phase[i])) for i in consumers[t]}:

@@ -106,7 +106,9 @@ def stage_memory(
         if leaf.role == Role.PARAM:
             part_bytes = {
                 "params": zeroed(t, zero_stage >= 3),
-                "grads": zeroed(t, zero_stage >= 2),
+                # Whole per device at any ZeRO stage: the runtime sums each microbatch's
+                # local gradients whole and reduce-scatters them once per step.
+                "grads": zeroed(t, False),
             }
         elif leaf.role == Role.OPT_STATE:
             part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}

@@ -147,9 +147,8 @@ def pipeline_plan(
     # the update still runs whole there (gathering the moments), as `_cost/_pipelined.py`
     # prices it; the one-stage reduce-scatter pattern is not carried into stages yet.
     inner = plan_from_assignment(
-        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage,
-        shard_update=False,
-    )  # fmt: skip
+        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage
+    )
     per = math.prod(stage_mesh.values()) if stage_mesh else 1
     stops = [*cuts, len(graph.ops)]
     stages = tuple(

@@ -177,6 +177,12 @@ class _Pipeline:
             if part.op_phase[i] in (Phase.FWD, Phase.BWD)
         }
         self.spec = {leaf.tensor: plan.specs[leaf.path] for leaf in full.inputs}
+        # Per-step outputs and the layout they leave in (the plan's output specs).
+        self.out_spec = {
+            leaf.tensor: tuple(plan.out_specs[leaf.path])
+            for leaf in full.outputs
+            if leaf.path in plan.out_specs and leaf.tensor not in part.batched
+        }
         self._check_inputs(micro)
         self.partial = self._partial_ops() if m > 1 else {}
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
@@ -218,7 +224,7 @@ class _Pipeline:
         whose batched inputs are split on different axes, or whose result the plan splits
         on them, is left to XLA."""
         graph, part = self.graph, self.part
-        axes_of, wanted = self._batch_axes(), self._wanted()
+        axes_of = self._batch_axes()
         accumulated = set(part.accumulated)
         out: dict[int, tuple[str, ...]] = {}
         for op in graph.ops:
@@ -234,10 +240,10 @@ class _Pipeline:
             }
             if len(found) != 1 or not (axes := found.pop()) or any(a not in mesh for a in axes):
                 continue
-            # A result the plan splits over those very axes is XLA's to reduce-scatter.
-            spec = [e for t in op.outputs for e in wanted.get(t, ())]
-            if not set(axes) & {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}:
-                out[op.index] = axes
+            # A result the plan splits over those very axes (ZeRO's gradients) is summed
+            # whole per device here and reduce-scattered into that layout by the stage's
+            # "reduce" program, once per step.
+            out[op.index] = axes
         return out
 
     def _reducer(self, tensors: tuple[int, ...], s: int) -> Callable:
@@ -300,7 +306,8 @@ class _Pipeline:
                     _micro_divisible(what, graph.tensors[t].shape, wanted[t], stage_mesh)
                     spec = wanted[t]
                     if t in self.deferred:  # its partial sums: a leading per-device axis
-                        spec = (_entry(self.partial[self.deferred[t]]), *spec)
+                        axes = self.partial[self.deferred[t]]
+                        spec = (_entry(axes), *_without(spec, axes))
                     shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
         use = consts if seg.kind in "FB" else None
         bind = (
@@ -313,14 +320,26 @@ class _Pipeline:
             s = shardings.get(tid)
             return value if s is None else jax.lax.with_sharding_constraint(value, s)
 
+        # A step output pinned inside the step to another layout than the plan's output
+        # spec (ZeRO's new parameters: updated on shards) leaves in its output spec: the
+        # parameters' all-gather after the update, in the program that updates them.
+        leave = {
+            t: NamedSharding(mesh, PartitionSpec(*self.out_spec[t]))
+            for t in seg.outputs
+            if t in self.out_spec and self.out_spec[t] != wanted.get(t)
+        }
+
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
             if seg.recompute is not None:
                 rc = seg.recompute
-                return tuple(
-                    eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
-                )
-            return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind))
+                outs = eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
+            else:
+                outs = eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind)
+            return tuple(
+                jax.lax.with_sharding_constraint(x, leave[t]) if t in leave else x
+                for t, x in zip(seg.outputs, outs, strict=True)
+            )
 
         return jax.jit(body)
 
@@ -602,6 +621,16 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
 def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     """A PartitionSpec entry for a dimension split over `axes`."""
     return axes[0] if len(axes) == 1 else axes
+
+
+def _without(spec: tuple, axes: tuple[str, ...]) -> tuple:
+    """`spec` with `axes` taken off every dimension (they split the partial sums' leading
+    axis instead: a ZeRO gradient is whole per device until its reduce-scatter)."""
+    out = []
+    for e in spec:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
 
 
 def _slice(x: Any, dim: int, i: int, m: int) -> Any:
