@@ -107,8 +107,10 @@ def stage_memory(
             part_bytes = {
                 "params": zeroed(t, zero_stage >= 3),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
-                # local gradients whole and reduce-scatters them once per step.
-                "grads": zeroed(t, False),
+                # local gradients whole and reduce-scatters them once per step. With
+                # several microbatches a B call's own sums live next to the running ones
+                # until they are added: two copies.
+                "grads": zeroed(t, False) * (2 if m > 1 else 1),
             }
         elif leaf.role == Role.OPT_STATE:
             part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}
@@ -119,6 +121,23 @@ def stage_memory(
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
+
+    # Values made once per step before the microbatches are held through them by their
+    # stage and by every stage that reads them later: a weight's cast or transpose,
+    # ZeRO-3's gathered parameters, and an update's terms that read only the state (Adam's
+    # decayed moments, by the update's layout), which the partition runs before.
+    for op in graph.ops:
+        if phase[op.index] != PRE:
+            continue
+        for t in op.outputs:
+            late = [c for c in consumers[t] if phase[c] != PRE]
+            if late:
+                # Read by the update alone: ZeRO pins it to the update's sharded layout.
+                update = all(phase[c] == POST for c in late)
+                b = zeroed(t, zero_stage >= 1 and update)
+                for s in {int(stage[op.index])} | {int(stage[c]) for c in late}:
+                    out[s]["params"] += b
+                op_state[late[0]] += b
 
     copies = in_flight(S, m, schedule)
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()

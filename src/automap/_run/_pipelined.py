@@ -37,6 +37,7 @@ what `am.verify` reads the collectives of.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -99,6 +100,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     run.gather = lambda tree: gather(tree, meshes)  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
     run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
+    run.memory = lambda *args: prepare(*args).memory(args)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
     return run
 
@@ -392,11 +394,22 @@ class _Pipeline:
     def compile(self, args: tuple) -> tuple[SegmentProgram, ...]:
         """Every program one step on `args` runs, compiled as the step would compile it
         (same jitted segments, same input shardings), without running anything."""
+        return tuple(self._dry(args).programs.values())
+
+    def memory(self, args: tuple) -> tuple[float, ...]:
+        """Per stage, the peak bytes per device of one step on `args`: at each program
+        the stage runs, XLA's buffer assignment of that program (arguments + outputs +
+        temporaries - aliased) plus every other value the runtime holds on the stage's
+        devices then (the residuals of microbatches in flight, the gradient sums, the
+        parameters and optimizer state the program does not read); the largest."""
+        return tuple(self._dry(args).peak)
+
+    def _dry(self, args: tuple) -> _Dry:
         dry = _Dry(self.meshes)
         leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
         abstract = [jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves]
         self._step(tuple(abstract), dry)
-        return tuple(dry.programs.values())
+        return dry
 
     def _step(self, args: tuple, ops: _Live) -> tuple[dict[int, Any], list]:
         """One step in the schedule's order: (every tensor of the step by id, the trace).
@@ -413,18 +426,48 @@ class _Pipeline:
                 placed[(t, s)] = self._place(t, step[t], s, ops)
             return placed[(t, s)]
 
-        def run_steps(segs: list[Segment]) -> None:
+        def run_steps(segs: list[Segment], free: bool = False) -> None:
+            # `free`: the per-step values no later segment of `segs` reads are dropped as
+            # they die (after the microbatches only the post segments read them).
+            later = collections.Counter(t for seg in segs for t in seg.inputs) if free else None
+            if later is not None:
+                drop([t for t in step if not later[t]])
             for seg in segs:
                 outs = self._run(seg, [on_stage(t, seg.stage) for t in seg.inputs], ops)
                 for t, v in zip(seg.outputs, outs, strict=True):
                     step[t], placed[(t, seg.stage)] = v, v
+                if later is not None:
+                    later.subtract(seg.inputs)
+                    drop([t for t in seg.inputs if not later[t]])
 
-        run_steps(self.pre)
+        kept = {leaf.tensor for leaf in (*graph.inputs, *graph.outputs)}
+
+        def drop(tensors: list[int]) -> None:
+            """Forget values the step no longer needs (never its inputs or outputs)."""
+            for t in tensors:
+                if t not in kept and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
+                    step.pop(t, None)
+                    for key in [k for k in placed if k[0] == t]:
+                        del placed[key]
+
         made: list[dict[int, Any]] = [{} for _ in range(m)]  # per-microbatch values
         copies: list[dict[tuple[int, int], Any]] = [{} for _ in range(m)]
         left = [dict(self.readers) for _ in range(m)]
         acc: dict[int, Any] = {}
         pieces: dict[int, list[Any]] = {}  # batched step outputs made per microbatch
+
+        def held() -> list[Any]:
+            """Every value the step holds now (a value may sit in several places)."""
+            return [
+                *step.values(),
+                *placed.values(),
+                *(v for d in (*made, *copies) for v in d.values()),
+                *acc.values(),
+                *(v for vs in pieces.values() for v in vs if v is not None),
+            ]
+
+        ops.watch(held)
+        run_steps(self.pre)
         accumulated = set(part.accumulated)
         outputs = {leaf.tensor for leaf in graph.outputs}
 
@@ -472,7 +515,7 @@ class _Pipeline:
             s = part.op_stage[graph.tensors[t].producer]
             d = batch_dim(self.groups, t)
             step[t] = ops.concat([self._send(v, s, ops) for v in vs], d, s)
-        run_steps(self.post)
+        run_steps(self.post, free=True)
         return step, trace
 
     def _run(self, seg: Segment, values: list[Any], ops: _Live) -> list[Any]:
@@ -524,6 +567,9 @@ class _Live:
     def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
         return list(jitted(*values))
 
+    def watch(self, held: Callable[[], list[Any]]) -> None:
+        """`held()` lists the values the step holds at any moment (read by `_Dry`)."""
+
     def put(self, value: Any, sharding: NamedSharding) -> Any:
         return jax.device_put(value, sharding)
 
@@ -560,6 +606,32 @@ class _Dry(_Live):
         self._meshes = meshes
         self._found: dict[Any, tuple[int, str, Any]] = {}
         self._runs: dict[Any, int] = {}
+        self._held: Callable[[], list[Any]] = list
+        self.peak = [0.0] * len(meshes)  # per stage, bytes per device (`memory`)
+
+    def watch(self, held: Callable[[], list[Any]]) -> None:
+        self._held = held
+
+    def _note_peak(self, stage: int, compiled: Any, values: list[Any]) -> None:
+        """The stage's bytes per device while `compiled` runs on `values`."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            return
+        devices = set(self._meshes[stage].devices.flat)
+        args = {id(v) for v in values}
+        others = {id(v): v for v in self._held() if id(v) not in args}
+        kept = sum(
+            _device_bytes(v)
+            for v in others.values()
+            if getattr(v, "sharding", None) is not None and v.sharding.device_set <= devices
+        )
+        own = (
+            stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes
+        )
+        self.peak[stage] = max(self.peak[stage], float(kept + own))
 
     @property
     def programs(self) -> dict[Any, SegmentProgram]:
@@ -575,6 +647,7 @@ class _Dry(_Live):
         if key not in self._found:
             self._found[key] = (stage, kind, jitted.lower(*values).compile())
         self._runs[key] = self._runs.get(key, 0) + 1
+        self._note_peak(stage, self._found[key][2], values)
         outs = self._found[key][2].out_info
         return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
 
@@ -616,6 +689,12 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
         if size % math.prod(mesh.shape[a] for a in axes):
             return False
     return True
+
+
+def _device_bytes(value: Any) -> int:
+    """Bytes of one device's shard of a value with a sharding."""
+    shape = value.sharding.shard_shape(value.shape)
+    return math.prod(shape) * np.dtype(value.dtype).itemsize
 
 
 def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
