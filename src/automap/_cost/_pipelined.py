@@ -48,7 +48,7 @@ import numpy as np
 from .._axes import DATA, PIPE
 from .._errors import PlanError
 from .._graph import Role
-from .._pipeline import Partition, partition, simulate
+from .._pipeline import Partition, Phase, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows
@@ -485,23 +485,45 @@ def zero_leaves(graph, lay: Layouts):
 
 
 def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
-    """ZeRO's all-gathers, charged to the (stage, phase) programs that read each
-    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU):
-    its moments twice in the POST call that updates it; with ZeRO-3 the parameter itself
-    too, there (3 gathers, as `op_costs`), in every F and B call that reads it and in a
-    PRE call that does (a weight cast or broadcast). A parameter read on two stages (tied
-    embeddings, a layer cut mid-way) is updated on only one of them."""
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
+    the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
+    parameter stays sharded and every PRE, F and B program that reads it gathers it for
+    use. A program gathers its parameters in one combined collective (XLA's all-gather
+    combiner); PRE and POST run as several programs, maximal runs of one stage's ops in
+    program order (`_run/_segments.py`). A parameter read on two stages (tied embeddings,
+    a layer cut mid-way) is updated on only one of them."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
-    gathers = {PRE: 1, FWD: 1, BWD: 1} if oc.zero_stage >= 3 else {POST: 1}
-    phase = phase_codes(part)
+    phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
+    phase, program = phase_codes(part), _programs(part)
+    moved: dict[tuple[int, int], float] = {}
+    programs: dict[tuple[int, int], set[int]] = {}
     for t, b, c in zero_leaves(graph, oc.layouts):
-        for s, ph in {(part.op_stage[i], int(phase[i])) for i in consumers[t]}:
-            k = gathers.get(ph, 0)
-            if k:
-                time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, k * b, k * c)
-                nbytes[s, ph, key] += k * b
-                count[s, ph, key] += k * c
+        # Gathered once in each program that reads it.
+        for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
+            if ph in phases and c:
+                moved[(s, ph)] = moved.get((s, ph), 0.0) + b
+                programs.setdefault((s, ph), set()).add(prog)
+    for (s, ph), b in moved.items():
+        n = len(programs[(s, ph)])
+        time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
+        nbytes[s, ph, key] += b
+        count[s, ph, key] += n
+
+
+def _programs(part: Partition) -> list[int]:
+    """Per op, the program it runs in: F and B are one program per stage; PRE and POST
+    ops form one program per maximal run of one stage's ops in program order."""
+    out, last, n = [], {}, 0
+    for s, ph in zip(part.op_stage, part.op_phase, strict=True):
+        if ph in (Phase.PRE, Phase.POST):
+            if last.get(ph, (None, -1))[0] != s:
+                n, last[ph] = n + 1, (s, n + 1)
+            out.append(last[ph][1])
+        else:
+            out.append(-1 - 2 * s - (ph is Phase.BWD))
+    return out
 
 
 def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:

@@ -200,6 +200,7 @@ class _Pipeline:
             if (ts := tuple(t for t in sorted(self.deferred) if self._stage_of(t) == s))
         }
         self.trace: list[tuple[int, str, int]] = []
+        self.dry_runs: dict[tuple, _Dry] = {}
 
     def _stage_of(self, t: int) -> int:
         return self.part.op_stage[self.graph.tensors[t].producer]
@@ -405,11 +406,16 @@ class _Pipeline:
         return tuple(self._dry(args).peak)
 
     def _dry(self, args: tuple) -> _Dry:
-        dry = _Dry(self.meshes)
+        """The step walked on abstract values: once per argument structure (its programs
+        and peaks are those of any arguments of these shapes)."""
         leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
-        abstract = [jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves]
-        self._step(tuple(abstract), dry)
-        return dry
+        abstract = tuple(jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves)
+        key = tuple((x.shape, x.dtype) for x in abstract)
+        if key not in self.dry_runs:
+            dry = _Dry(self.meshes)
+            self._step(abstract, dry)
+            self.dry_runs[key] = dry
+        return self.dry_runs[key]
 
     def _step(self, args: tuple, ops: _Live) -> tuple[dict[int, Any], list]:
         """One step in the schedule's order: (every tensor of the step by id, the trace).
