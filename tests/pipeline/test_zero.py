@@ -214,3 +214,28 @@ def test_the_gradient_sums_are_whole_until_reduced():
             shapes = [o.sharding.shard_shape(o.shape) for o in prog.compiled.out_info]
             assert (1, 64, 256) in shapes
     jax.clear_caches()
+
+
+def test_sixteen_bit_gradients_are_reduce_scattered_too():
+    # The plan leaves a bf16 gradient free (one program would sum it after its float32
+    # cast); a stage sums it in bf16 anyway, so its reduce program scatters it into the
+    # layout the update reads it in, and the model prices a reduce-scatter for it.
+    spec = get_model("gpt-1.3b", layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=128)
+    args = spec.abstract_args()
+    graph = capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    batch = {g: "data" for g in groups.batch_groups}
+    cuts = uniform_cuts(graph, groups, 2)
+    plan = pipeline_plan(graph, groups, cuts, MESH, batch, M, zero_stage=1)
+    for prog in am.apply(spec.step_fn, plan).compile(*args):
+        if prog.kind == "reduce":
+            sums = [o for o in prog.compiled.out_info if o.shape]
+            assert sums and all("data" in str(o.sharding.spec) for o in sums)
+    model = CostModel(graph, Cluster.preset("a100", devices=8), groups)
+    for own in estimate_pipeline(model, plan).stage_collectives:
+        assert {c.kind for c in own if c.axis == "data" and c.bytes > 4} == {
+            "reduce-scatter",
+            "all-gather",
+        }
+    report = verify(spec.step_fn, plan, *args)
+    assert report.collectives_match is True, report.summary()

@@ -19,10 +19,12 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   its own (`_run/_pipelined.py`): the reduction over the batch's axes of its op moves to a
   fifth phase, REDUCE, run once, full size, combined per stage and axis (one program: as
   XLA's combiner does), and timed after the stage's last unit in `_schedule.simulate`.
-  What is left of that reduction (axes that are not the batch's) stays in its call. With ZeRO >= 1 the POST update gathers the sharded moments
-  of the parameters it updates (two all-gathers, as `_model.py`); ZeRO-3 also gathers a
-  parameter in every program that reads it: PRE, every F and every B call, and POST.
-  Rematerialized forward ops run again in B.
+  What is left of that reduction (axes that are not the batch's) stays in its call.
+  With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
+  layout (where the backend has one), the POST update runs on shards and gathers each
+  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
+  F and B program that reads one gathers it (`_add_zero`). Rematerialized forward ops
+  run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
@@ -120,6 +122,9 @@ class OpCosts:
     axis_costs: C.AxisCosts
     # [rows] a recomputed op's collective run again in the backward (remat), or None.
     row_again: np.ndarray | None = None
+    # ZeRO's gradient reductions are reduce-scatters (the backend has them): a stage's
+    # reduce program scatters every gradient, 16-bit ones too (`_rows_by_phase`).
+    scatter: bool = False
 
     @property
     def total(self) -> np.ndarray:
@@ -159,8 +164,12 @@ def op_costs(
         zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
         if model.cluster.reduce_scatter:
             # The gradients meet the ZeRO layout: their all-reduce over data becomes a
-            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
-            ar = row_grad & (key == C.AR * ac.masks + zero_mask)
+            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage). Only
+            # the float32 ones here: the plan leaves a 16-bit gradient whole, so a B call
+            # that reduces it (one microbatch) all-reduces it and the update slices its
+            # shard; a reduce program scatters it (`_rows_by_phase`).
+            wide = np.array([graph.tensors[graph.ops[i].outputs[0]].itemsize >= 4 for i in row_op])
+            ar = row_grad & wide & (key == C.AR * ac.masks + zero_mask)
             key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
         # Each parameter not already split on data is gathered once per step: after its
         # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
@@ -201,6 +210,7 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
+        scatter=bool(zero_mask and model.cluster.reduce_scatter),
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -461,12 +471,15 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)
     d = np.nonzero(deferred)[0]
+    # The reduce program reduce-scatters every ZeRO gradient into its layout.
+    scatter = oc.scatter & oc.row_grad[d] & (kind[d] == C.AR) & (moved[d] == oc.zero_mask)
+    kind_d = np.where(scatter, C.RS, kind[d])
     rows = np.concatenate([r, r[d]])
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
         rows,
         np.concatenate([row_phase, np.full(len(d), REDUCE)]),
-        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
+        np.concatenate([kind * ac.masks + left, kind_d * ac.masks + moved[d]]),
         np.concatenate([np.where(left > 0, count, 0), count[d]]),
         # One program reduces them all: XLA combines every one (the loss sum with the
         # gradients), as it combines the gradient reductions of one call.

@@ -24,7 +24,12 @@ Where the work goes, for the cost model:
   device: its own partial sum, the size of the reduced tensor), no copy per microbatch.
   After the stage's last unit, one "reduce" program per stage sums the leading axis: one
   all-reduce over the data axes per step (XLA combines the stage's tensors), as
-  Megatron-LM reduces gradients once per step, not once per microbatch.
+  Megatron-LM reduces gradients once per step, not once per microbatch. With ZeRO the
+  plan pins the gradients to the ZeRO layout: the sums stay whole per device in F and
+  B, and the reduce program reduce-scatters them into that layout (DeepSpeed's ZeRO).
+- A step output the plan pins inside the step to another layout (ZeRO's new parameters,
+  updated on shards) leaves the program that makes it in its output spec: ZeRO-1/2's
+  one all-gather of the parameters per step, after the update.
 - Per-step work (pre: weight casts; post: the loss division, the optimizer update) runs
   once on the full batch's shapes, on the stage the partition gives it.
 - A microbatch's residuals (forward values its backward reads) are dropped after the last
@@ -48,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
@@ -255,8 +261,9 @@ class _Pipeline:
         layout the plan asks of it where it asks one."""
         mesh = self.meshes[s]
         wanted = self._wanted()
+        specs = [self._scattered(t, wanted.get(t), mesh) for t in tensors]
         shardings = [
-            NamedSharding(mesh, PartitionSpec(*wanted[t])) if t in wanted else None for t in tensors
+            None if spec is None else NamedSharding(mesh, PartitionSpec(*spec)) for spec in specs
         ]
 
         def reduce(*partials: Any) -> tuple[Any, ...]:
@@ -267,6 +274,32 @@ class _Pipeline:
             )
 
         return jax.jit(reduce)
+
+    def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
+        """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
+        float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
+        would sum it after its cast to float32): here it is summed in its own dtype
+        anyway, so it is reduce-scattered too, with the data axis on its dim linked to
+        one the update's ops that read it take it on."""
+        data, graph = DATA, self.graph
+        if self.plan.zero_stage < 1 or mesh.shape.get(data, 1) == 1 or not graph.tensors[t].ndim:
+            return spec
+        spec = tuple(spec) if spec is not None else (None,) * graph.tensors[t].ndim
+        if any(data in _axes_of(e) for e in spec):
+            return spec
+        wanted = self._wanted()
+        linked = {
+            g
+            for c in graph.consumers()[t]
+            for u in graph.ops[c].outputs
+            for e, g in zip(wanted.get(u, ()), self.groups.tensor_groups[u], strict=False)
+            if data in _axes_of(e)
+        }
+        for d, (e, g) in enumerate(zip(spec, self.groups.tensor_groups[t], strict=True)):
+            size = mesh.shape[data] * math.prod(mesh.shape[a] for a in _axes_of(e))
+            if g in linked and graph.tensors[t].shape[d] % size == 0:
+                return (*spec[:d], _entry((*_axes_of(e), data)), *spec[d + 1 :])
+        return spec
 
     def _wanted(self) -> dict[int, tuple]:
         """Specs the plan fixes inside the step: its constraints, and an output spec acts
@@ -695,6 +728,11 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
         if size % math.prod(mesh.shape[a] for a in axes):
             return False
     return True
+
+
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _device_bytes(value: Any) -> int:
