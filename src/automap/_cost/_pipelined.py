@@ -122,9 +122,10 @@ class OpCosts:
     axis_costs: C.AxisCosts
     # [rows] a recomputed op's collective run again in the backward (remat), or None.
     row_again: np.ndarray | None = None
-    # ZeRO's gradient reductions are reduce-scatters (the backend has them): a stage's
-    # reduce program scatters every gradient, 16-bit ones too (`_rows_by_phase`).
-    scatter: bool = False
+    # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
+    # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
+    # stage's reduce program scatters it all the same (`_rows_by_phase`).
+    row_narrow: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -164,12 +165,8 @@ def op_costs(
         zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
         if model.cluster.reduce_scatter:
             # The gradients meet the ZeRO layout: their all-reduce over data becomes a
-            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage). Only
-            # the float32 ones here: the plan leaves a 16-bit gradient whole, so a B call
-            # that reduces it (one microbatch) all-reduces it and the update slices its
-            # shard; a reduce program scatters it (`_rows_by_phase`).
-            wide = np.array([graph.tensors[graph.ops[i].outputs[0]].itemsize >= 4 for i in row_op])
-            ar = row_grad & wide & (key == C.AR * ac.masks + zero_mask)
+            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
+            ar = row_grad & (key == C.AR * ac.masks + zero_mask)
             key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
         # Each parameter not already split on data is gathered once per step: after its
         # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
@@ -210,7 +207,9 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
-        scatter=bool(zero_mask and model.cluster.reduce_scatter),
+        row_narrow=np.array(
+            [graph.tensors[graph.ops[i].outputs[0]].itemsize < 4 for i in row_op], dtype=bool
+        ),
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -239,6 +238,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
         row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < 2 * len(p.op)]),
+        row_narrow=np.concatenate([oc.row_narrow, np.zeros(len(op), dtype=bool)]),
     )
 
 
@@ -471,15 +471,16 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)
     d = np.nonzero(deferred)[0]
-    # The reduce program reduce-scatters every ZeRO gradient into its layout.
-    scatter = oc.scatter & oc.row_grad[d] & (kind[d] == C.AR) & (moved[d] == oc.zero_mask)
-    kind_d = np.where(scatter, C.RS, kind[d])
+    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
+    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
+    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
+    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
     rows = np.concatenate([r, r[d]])
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
         rows,
         np.concatenate([row_phase, np.full(len(d), REDUCE)]),
-        np.concatenate([kind * ac.masks + left, kind_d * ac.masks + moved[d]]),
+        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
         np.concatenate([np.where(left > 0, count, 0), count[d]]),
         # One program reduces them all: XLA combines every one (the loss sum with the
         # gradients), as it combines the gradient reductions of one call.
