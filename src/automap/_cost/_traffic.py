@@ -124,8 +124,8 @@ def stage_memory(
 
     # Values made once per step before the microbatches are held through them by their
     # stage and by every stage that reads them later: a weight's cast or transpose,
-    # ZeRO-3's gathered parameters, and an update's terms that read only the state (Adam's
-    # decayed moments, by the update's layout), which the partition runs before.
+    # ZeRO-3's gathered parameters (by the update's layout where only the update reads
+    # one: the partition runs an op whose results only the update reads with it).
     for op in graph.ops:
         if phase[op.index] != PRE:
             continue

@@ -177,6 +177,13 @@ class _Pipeline:
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
             self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
         self.readers = readers(self.micro)
+        self.input_stages: dict[int, list[int]] = {}
+        for seg in (*self.pre, *self.micro, *self.post):
+            for t in seg.inputs:
+                if full.tensors[t].kind is TensorKind.INPUT:
+                    stages = self.input_stages.setdefault(t, [])
+                    if seg.stage not in stages:
+                        stages.append(seg.stage)
         self.per_mb = {
             t
             for seg in self.micro
@@ -506,6 +513,12 @@ class _Pipeline:
             ]
 
         ops.watch(held)
+        # The step's parameters and optimizer state go to their stages first: in a training
+        # loop they are there already (the last step's outputs), all step long.
+        for leaf in graph.inputs:
+            if leaf.tensor not in part.batched:
+                for s in self.input_stages.get(leaf.tensor, ()):
+                    on_stage(leaf.tensor, s)
         run_steps(self.pre)
         accumulated = set(part.accumulated)
         outputs = {leaf.tensor for leaf in graph.outputs}
