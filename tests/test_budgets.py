@@ -165,8 +165,10 @@ def _flax_scan_step(hidden=32, layers=3, batch=8, seq=8, vocab=64):
 A100X8 = am.Cluster.preset("a100", devices=8)
 BUDGET = 2.0
 # budget x 1.1 plus one evaluation; the evaluation's allowance is generous: the test
-# machine has 2 shared cores (the overruns this guards against were minutes long).
-LIMIT = BUDGET * 1.1 + 5.0
+# machine has 2 shared cores, and work-counted searchers (dqn: its tries) take longer in
+# wall time under load (11.6 s seen at a load average of 13), while the overruns this
+# guards against were minutes long.
+LIMIT = BUDGET * 1.1 + 15.0
 
 
 @pytest.mark.parametrize("program", [_accumulation_step, _flax_scan_step])

@@ -1,5 +1,6 @@
 """verify: XLA's collectives read back, compared with the cost model; numerics checked."""
 
+import dataclasses
 import textwrap
 
 import jax
@@ -8,15 +9,21 @@ import pytest
 
 import automap as am
 from automap import ApplyError, Cluster, Plan, PlanError
+from automap._capture import capture
+from automap._pipeline import pipeline_plan, uniform_cuts
 from automap._plan import Provenance, Stage
+from automap._space import batch_groups, block_groups
 from automap._verify import (
     VerifyReport,
     as_on_cpu,
     compare_collectives,
+    compiled_flops,
     verify,
     verify_in_subprocess,
+    xla_counted_flops,
 )
 from automap._zoo import get_model
+from pipeline._models import zoo
 from test_apply import megatron_rule, mlp_args, mlp_step, specs_for
 
 
@@ -156,3 +163,99 @@ def test_verify_reports_memory_next_to_xlas_buffer_assignment():
     assert report.xla_memory_bytes > 0 and report.predicted_memory_bytes > 0
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
     assert "memory per device: predicted" in report.summary()
+
+
+def _replicated(path, x):
+    return (None,) * x.ndim
+
+
+def test_verify_reports_flops_next_to_xlas_cost_analysis():
+    # FLOPs per device: the cost model's (every op / the divisor of its iteration space)
+    # against XLA's cost analysis of the partitioned program, on two plans whose counts
+    # are 8x apart: the batch split over 8 devices, and the same mesh with nothing split.
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_args(batch=256))
+    split = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    whole = Plan(mesh={"data": 8}, specs=specs_for(args, _replicated))
+    a, b = verify(mlp_step, split, *args), verify(mlp_step, whole, *args)
+    for report in (a, b):
+        assert report.predicted_flops == report.predicted_flops_as_xla  # no loop, no conv
+        assert report.predicted_flops_as_xla == pytest.approx(report.xla_flops, rel=0.15)
+        assert "FLOPs per device per step: predicted" in report.summary()
+    # The comparison can fail: one plan's prediction is far from the other's compiled count.
+    assert b.xla_flops > 4 * a.xla_flops
+    assert a.predicted_flops != pytest.approx(b.xla_flops, rel=0.15)
+    assert VerifyReport.from_dict(a.to_dict()) == a
+
+
+def test_flops_counted_as_xla_counts_loops_and_padded_convolutions():
+    # XLA's CPU cost analysis counts a while body once and only the kernel taps that meet
+    # the input; the graph counts what runs (the body times its trips) and padding as data:
+    # per spatial dim 6 outputs x 3 taps, of which 2 fall on the padding.
+    w = jax.ShapeDtypeStruct((32, 32), np.float32)
+    x = jax.ShapeDtypeStruct((8, 32), np.float32)
+
+    def scan10(x, w):
+        return jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=10)[0]
+
+    image = jax.ShapeDtypeStruct((2, 3, 6, 6), np.float32)  # NCHW, 3x3 kernel, SAME
+    kernel = jax.ShapeDtypeStruct((4, 3, 3, 3), np.float32)
+
+    def conv(img, k):
+        return jax.lax.conv_general_dilated(img, k, (1, 1), "SAME")
+
+    for fn, fargs, graph_over_xla in (
+        (scan10, (x, w), 10.0),
+        (conv, (image, kernel), (18 / 16) ** 2),
+    ):
+        g = capture(fn, *fargs)
+        (op,) = [op for op in g.ops if op.flops > 0]
+        xla = compiled_flops(jax.jit(fn).lower(*fargs).compile())
+        assert xla_counted_flops(g, op) == pytest.approx(xla, rel=0.01)
+        assert op.flops == pytest.approx(graph_over_xla * xla, rel=0.01)
+
+
+@pytest.mark.slow  # two pipelines of a GPT compiled: ~30 s on two cores
+def test_verify_reports_pipeline_memory_and_flops_per_stage():
+    # A tiny GPT in two stages on data=2 x model=2 each, 4 microbatches in 1F1B: per stage,
+    # the pipeline cost model's peak memory and FLOPs against XLA's programs of that stage.
+    spec, graph, groups = zoo("gpt2-xl")
+    args = spec.abstract_args()
+    cuts = uniform_cuts(graph, groups, 2)
+    mesh = {"data": 2, "model": 2}
+    assignment = {g.id: "data" for g in batch_groups(groups)}
+    assignment.update({g.id: "model" for g in block_groups(groups)})
+    plan = pipeline_plan(graph, groups, cuts, mesh, assignment, 4, "1f1b")
+    plain = verify(spec.step_fn, plan, *args)
+    remat = verify(spec.step_fn, dataclasses.replace(plan, remat=True), *args)
+    assert "stage 1: memory predicted" in plain.summary()
+    for s in range(2):
+        (pm, xm), (_, pf, xf) = plain.stage_memory_bytes[s], plain.stage_flops[s]
+        assert pm == pytest.approx(xm, rel=0.15), plain.summary()
+        assert pf == pytest.approx(xf, rel=0.15), plain.summary()
+        # Remat recomputes each stage's layers in its backward: XLA's programs run more
+        # FLOPs and hold less, and the model says so; a model that forgot the recompute
+        # would be off by more than the tolerance.
+        (rm, rxm), (_, rf, rxf) = remat.stage_memory_bytes[s], remat.stage_flops[s]
+        assert rf == pytest.approx(rxf, rel=0.15), remat.summary()
+        assert pf != pytest.approx(rxf, rel=0.15)
+        assert rxf > xf and rxm < xm and rm < pm
+
+
+def test_verify_splits_memory_into_its_parts_and_names_a_step_that_donates_nothing():
+    # The stored state (parameters, Adam's moments, the batch split on "data") is XLA's
+    # arguments, byte for byte; the rest of each side is what the step makes. A step that
+    # donates nothing has XLA hold its outputs apart: a note says so.
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_args(batch=64))
+    plan = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    plain = verify(mlp_step, plan, *args)
+    donated = verify(jax.jit(mlp_step, donate_argnums=(0, 1)), plan, *args)
+    for report in (plain, donated):
+        p, x = report.predicted_memory_breakdown, report.xla_memory_breakdown
+        stored = p["params"] + p["opt_state"] + p["other"]
+        assert stored == pytest.approx(x["arguments"], rel=0.01), report.summary()
+        assert p["opt_state"] == pytest.approx(2 * p["params"], abs=16)  # Adam's moments
+    assert any("donates no input" in n for n in plain.notes)
+    assert plain.xla_memory_breakdown["aliased"] == 0
+    assert not any("donates" in n for n in donated.notes)
+    assert donated.xla_memory_breakdown["aliased"] > 0.9 * plain.xla_memory_breakdown["outputs"]
+    assert donated.xla_memory_bytes < plain.xla_memory_bytes

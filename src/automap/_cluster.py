@@ -65,6 +65,10 @@ class Cluster:
     reduce_scatter: bool = True
     """Whether XLA turns an all-reduce whose result is then split into a reduce-scatter
     (its GPU and TPU pipelines do; the CPU one all-reduces the whole buffer and slices)."""
+    multi_output_fusion: bool = True
+    """Whether XLA reduces a tensor inside the kernel that writes it (its GPU pipeline's
+    producer-consumer multi-output fusion and Triton softmax fusion; the CPU one, False, runs
+    each reduction as its own loop that reads the tensor back: `_cost._tables._fused_bytes`)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -332,5 +336,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         comm_efficiency=0.5,
         collective_float_bytes=4,
         reduce_scatter=False,
+        multi_output_fusion=False,
     ),
 }

@@ -101,6 +101,12 @@ class Provenance:
     cluster: str = ""
     devices: int = 0
     batch: int | None = None  # the batch size it was made for (Graph.batch_rows), if known
+    # What the search could not do on this program and why, in words (shown by `automap
+    # plan` and the report): e.g. layers in one scan that no pipeline stage can cut.
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))  # JSON: a list
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,10 @@ numpy operations over those tables:
 - compute: per op, flops / divisor / (peak x matmul efficiency) for dot/conv, bytes /
   divisor / (HBM bandwidth x memory efficiency) for the rest, where an op that XLA fuses
   (elementwise, layout, reductions) only pays for the tensors entering or leaving its
-  fusion (`_tables._fused_bytes`); ops sharing an iteration set are summed ahead of
-  time, so compute is one dot product;
+  fusion (`_tables._fused_bytes`: broadcasts such as a causal mask are regenerated in
+  each fusion, never written; on GPUs a reduction runs in the kernel that writes its
+  operand, `Cluster.multi_output_fusion`); ops sharing an iteration set are summed ahead
+  of time, so compute is one dot product;
 - partial sums: a reduced group split on axis a, when a is not dropped inside the op,
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
   itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
@@ -27,19 +29,27 @@ numpy operations over those tables:
 - ZeRO (stage >= 1), as XLA compiles a plan that pins the gradients and the optimizer
   update to the ZeRO layout (`_groups.plan_from_assignment`): the data-parallel gradient
   all-reduce becomes a reduce-scatter (the CPU's lowering: an all-reduce and a slice),
-  the update runs on shards and the parameters are all-gathered once: after the update
-  (ZeRO-1/2) or for use in the forward (ZeRO-3). Checked against XLA's HLO;
+  the update runs on shards and the parameters are all-gathered: once after the update
+  (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
+  reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
+  Checked against XLA's HLO;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
-  the optimizer state, and with ZeRO-3 the stored parameters; the local gradients are
-  whole until their reduce-scatter, in every stage, as XLA compiles them),
+  the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
+  longer kept for the backward; the local gradients are whole until their reduce-scatter,
+  in every stage, as XLA compiles them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
   made outside them, and one layer's residuals (its backward's).
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
-conservative prediction). Plans with pipeline stages are timed by their schedule on top of
-these per-op costs (`_pipelined.py`: bubble, point-to-point sends, memory per stage).
+conservative prediction). The data-parallel gradient all-reduce is not overlapped with the
+backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
+(`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
+are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
+of the SC'21 paper (local DDP) also all-reduces after the backward. Plans with pipeline
+stages are timed by their schedule on top of these per-op costs (`_pipelined.py`: bubble,
+point-to-point sends, memory per stage).
 """
 
 from __future__ import annotations
@@ -54,13 +64,13 @@ import numpy as np
 from .._axes import DATA
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, build_groups, rule
+from .._groups import Groups, build_groups, regather_plan, rule
 from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
 from ._pipelined import estimate_pipeline
-from ._tables import RowTable, build_tables
+from ._tables import RowTable, build_tables, op_compute
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -83,6 +93,7 @@ class CostModel:
         self.residuals = remat_residuals(graph, self.groups)
         self.tables = build_tables(graph, self.groups, cluster, self.residuals)
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
+        self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
@@ -315,6 +326,9 @@ class CostModel:
         D = ac.sizes[d] if d else 1.0
         zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
         zero_bytes, zero_count = 0.0, 0
+        # ZeRO-3 without remat (which re-runs the layers' forward with their own gathers)
+        # gathers again in the backward the parameters it reads (`_run/_apply.py`).
+        regather = zero_stage >= 3 and not st.remat
         if zero_mask:
             # Parameters not already split on data, by layout, are gathered once: after
             # the sharded update (ZeRO-1/2), or for use in the forward (ZeRO-3).
@@ -323,6 +337,11 @@ class CostModel:
             # One collective: XLA's all-gather combiner joins them as its all-reduce
             # combiner joins the gradients' reductions.
             zero_count = int(T.param_leaves @ free > 0)
+            if regather:
+                # ... and once more each where the backward reads it: one gather per
+                # leaf, each waiting for the gradient of its own layer.
+                zero_bytes += float(self.regather.param_coef @ (inv * free))
+                zero_count += int(self.regather.param_leaves @ free)
         sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
             sums, ac, zero_mask, zero_bytes, zero_count, self.cluster.reduce_scatter
@@ -347,6 +366,9 @@ class CostModel:
         grads = float(plain[0])
         opt = float(zeroed[1] if zero_stage >= 1 else plain[1])
         acts = float(plain[3] if st.remat else plain[2]) / st.microbatches
+        if regather and zero_mask:
+            # The forward's gathered copies die in the forward: the backward makes its own.
+            acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
         other = float(plain[4])
         memory = params + grads + opt + acts + other
         limit = self.cluster.memory_limit
@@ -393,7 +415,7 @@ class CostModel:
         among the ops whose partial sums it completes, by bytes."""
         T = self.tables
         ac = self._costs_for(st.mesh)
-        comp = T.op_coef * st.inv[T.op_set]
+        comp = op_compute(T, st.inv)
         ops = np.concatenate([T.partial_full.op, T.partial_full.op, T.reshard_full.op])
         grad = np.concatenate([T.partial_full.grad, T.partial_full.grad, T.reshard_full.grad])
         g_bytes, g_any = st.sums[3], st.sums[4] > 0
@@ -402,6 +424,37 @@ class CostModel:
             share = np.where(grad, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
         comm = np.bincount(ops, st.time + np.nan_to_num(share), minlength=len(comp))
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RegatherCoefs:
+    """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`)."""
+
+    param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
+    param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
+    act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
+
+
+def regather_coefs(graph: Graph, groups: Groups, T, res) -> RegatherCoefs:
+    """The per-set coefficients of ZeRO-3's second gather (sets keyed as `build_tables`
+    keys them: a tensor's splittable groups, sorted)."""
+    ng = len(groups.groups)
+    index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
+
+    def set_of(t: int) -> int:
+        return index[tuple(sorted({g for g in groups.tensor_groups[t] if T.splittable[g]}))]
+
+    rg = regather_plan(graph, groups)
+    n = len(T.sets)
+    coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
+    for t in rg.params:
+        coef[set_of(t)] += graph.tensors[t].nbytes
+        leaves[set_of(t)] += graph.tensors[t].ndim > 0
+    # Saved values made from parameters alone (their casts: the same groups, so the same
+    # set as theirs, and split on data exactly where the parameter is).
+    for t in set(res.saved) & rg.tensors:
+        acts[set_of(t)] += graph.tensors[t].nbytes
+    return RegatherCoefs(coef, leaves, acts)
 
 
 def _take(R: RowTable, idx: np.ndarray) -> RowTable:

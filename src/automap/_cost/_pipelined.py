@@ -54,6 +54,7 @@ from .._pipeline import Partition, Phase, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows
+from ._tables import op_compute
 from ._traffic import (
     BWD,
     FWD,
@@ -146,10 +147,10 @@ def op_costs(
     graph, T = model.graph, model.tables
     st, ac = model.op_state(assignment, stage_mesh)
     n = len(graph.ops)
-    compute = T.op_coef * st.inv[T.op_set]
-    # Rematerialization runs every op of the recomputed layers again, matmuls included.
-    again = np.isin(np.arange(n), model.residuals.recomputed)
-    remat_compute = compute * again if remat else np.zeros(n)
+    compute = op_compute(T, st.inv)
+    # Rematerialization runs every op of the recomputed layers again, matmuls included:
+    # `op_coef` prices the recompute, `remat_op_coef` the lighter first forward.
+    remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
     pf, rf = T.partial_full, T.reshard_full
     row_op = np.concatenate([pf.op, pf.op, rf.op])
     row_grad = np.concatenate([pf.grad, pf.grad, rf.grad])

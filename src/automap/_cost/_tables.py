@@ -10,6 +10,7 @@ collective times are linear in both).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -115,8 +116,17 @@ class Tables:
     divisor: np.ndarray  # [n_groups + 1]
     op_set: np.ndarray  # [n_ops] iteration set of each op
     op_coef: np.ndarray  # [n_ops] unsharded seconds of each op
-    compute_coef: np.ndarray  # [n_sets] op_coef summed by set
-    remat_coef: np.ndarray  # [n_sets] recomputed layers' ops, run again in the backward
+    # A loop's compute is its bodies' ops (x trips), each divided by its own split, as an
+    # unrolled loop's ops are: one entry per body op, owned by the top-level loop op.
+    body_op: np.ndarray  # [n_body] the top-level loop op each body op belongs to
+    body_set: np.ndarray  # [n_body] the body op's iteration set
+    body_coef: np.ndarray  # [n_body] its unsharded seconds per step (all trips)
+    body_remat_coef: np.ndarray  # [n_body] the same for a recomputed loop's, else 0
+    compute_coef: np.ndarray  # [n_sets] op_coef and body_coef summed by set
+    # [n_ops] unsharded seconds a recomputed op adds under rematerialization: its first
+    # forward, which writes none of what the backward reads (op_coef prices the recompute).
+    remat_op_coef: np.ndarray
+    remat_coef: np.ndarray  # [n_sets] recomputed layers' ops' first forward (see remat_op_coef)
     param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
@@ -149,7 +159,6 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
     recomputed = set(res.recomputed)
-    fused_bytes = _fused_bytes(graph, res)
     wide = cluster.collective_float_bytes
 
     def comm_bytes(g: Graph, t: int) -> float:
@@ -167,6 +176,17 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         if any(t in live for t in op.outputs):
             live_ops.add(op.index)
             live.update(op.inputs)
+
+    fused_bytes = _fused_bytes(graph, res.saved, live_ops, cluster.multi_output_fusion)
+    # Under rematerialization a recomputed layer's first forward keeps none of what its
+    # backward reads (the recompute makes it again): its kernels write less.
+    made_again = {t for ts in res.layer_saved for t in ts}
+    first_bytes = _fused_bytes(
+        graph,
+        [t for t in res.saved if t not in made_again],
+        {i for i in live_ops if i <= res.boundary},
+        cluster.multi_output_fusion,
+    )
 
     empty = sid(())
     # A seam's input batch dim is untied from its output's, but moves only when the two
@@ -214,7 +234,11 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 # it whole for the loop even when a result (the stacked gradient) keeps it.
                 untied = h not in it or bool(looped)
                 seam = after.get((op.index, h)) if not scope else None
-                op_small = {x for x in it if x < h and x != seam}
+                # A loop's "iteration space" is every group it carries (dozens: one set of
+                # them is an ILP scope of 3^dozens options); its stacked dim is gathered
+                # whatever the others hold, so only the operand's own groups compete.
+                rivals = it & ugs if looped else it
+                op_small = {x for x in rivals if x < h and x != seam}
                 if not untied and op_small <= ugs:
                     continue  # the op drops the axis exactly where the tensor does
                 peer = empty if seam is None else sid((seam,))
@@ -260,13 +284,43 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                     bop, body.graph, btg, bsets, scale * body.trips, where, row_op, inner_hoist
                 )
 
+    body_op: list[int] = []
+    body_set: list[int] = []
+    body_coef: list[float] = []
+
+    def body_compute(op, g, tgs, scale: float, owner: int) -> None:
+        """The compute of loop op's bodies, op by op, each on its own split (nested
+        loops through theirs), `scale` times per step, as entries owned by `owner`."""
+        for body, btg in zip(g.bodies[op.index], body_tensor_groups(op, g, tgs, ng), strict=True):
+            if not body.priced:
+                continue
+            bg, times = body.graph, scale * body.trips
+            fused = _fused_bytes(bg, (), None, cluster.multi_output_fusion)
+            for bop in bg.ops:
+                if bop.primitive in LOOPS and bg.bodies.get(bop.index):
+                    body_compute(bop, bg, btg, times, owner)
+                    continue
+                r = rule(bop, bg)
+                outs = {x for o in bop.outputs for x in btg[o] if split[x]}
+                red = {x for t, d in r.reduced if split[x := btg[t][d]]} - outs
+                body_op.append(owner)
+                body_set.append(sid(outs | red))
+                body_coef.append(times * _compute_seconds(bop, r.compute, fused, rates))
+
+    rates = (flop_rate, byte_rate)
     for op in graph.ops:
         r = rule(op, graph)
         outs = {g for o in op.outputs for g in tg[o] if split[g]}
         red = {g for t, d in r.reduced if split[g := tg[t][d]]} - outs
         it = outs | red
-        op_set.append(sid(it))
-        if r.compute == "matmul":
+        looped = op.primitive in LOOPS and graph.bodies.get(op.index)
+        # A loop's own iteration set would tie every group it carries into one set (one
+        # ILP scope of 3^dozens options): its bodies' ops carry its compute instead.
+        op_set.append(empty if looped else sid(it))
+        if looped and op.index in live_ops:
+            body_compute(op, graph, tg, 1.0, op.index)
+            coef = 0.0  # its bodies' ops carry it
+        elif r.compute == "matmul":
             coef = op.flops / flop_rate
         elif r.compute == "loop":  # a body of matmuls or of memory traffic: the slower
             coef = max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
@@ -281,7 +335,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             remat.append(0.0)
             continue
         op_coef.append(coef)
-        remat.append(coef if op.index in recomputed else 0.0)  # matmuls included
+        # A recomputed op runs twice: as `op_coef` prices it (the recompute, which writes
+        # what the backward reads) and in the first forward, matmuls included.
+        first = first_bytes[op.index] / byte_rate if op.primitive in FUSIBLE else coef
+        remat.append(first if op.index in recomputed else 0.0)
         collective_rows(op, graph, tg, tset, 1.0, (), op.index, {})
 
     n_sets = len(set_ids)
@@ -298,6 +355,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
 
     op_set_a = np.array(op_set, dtype=np.int64)
     op_coef_a = np.array(op_coef, dtype=float)
+    body_op_a = np.array(body_op, dtype=np.int64)
+    body_set_a = np.array(body_set, dtype=np.int64)
+    body_coef_a = np.array(body_coef, dtype=float)
+    body_again = np.isin(body_op_a, list(recomputed)) * body_coef_a
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
     again_p = _rows([r for r in prow if r.op in recomputed], ng, empty)
@@ -314,8 +375,15 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         divisor=np.array([g.divisor for g in groups.groups] + [1], dtype=np.int64),
         op_set=op_set_a,
         op_coef=op_coef_a,
-        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets),
-        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets),
+        body_op=body_op_a,
+        body_set=body_set_a,
+        body_coef=body_coef_a,
+        body_remat_coef=body_again,
+        compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets)
+        + np.bincount(body_set_a, body_coef_a, minlength=n_sets),
+        remat_op_coef=np.array(remat, dtype=float),
+        remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets)
+        + np.bincount(body_set_a, body_again, minlength=n_sets),
         param_coef=param_coef,
         opt_coef=opt_coef,
         other_coef=other_coef,
@@ -333,6 +401,29 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         remat_partial=again_p,
         remat_reshard=again_r,
     )
+
+
+def op_compute(T: Tables, inv: np.ndarray, remat: bool = False) -> np.ndarray:
+    """[n_ops] compute seconds of each top-level op under a plan whose per-set divisor
+    inverses are `inv` (a loop's: its bodies' ops, each on its own split); `remat`: what a
+    recomputed op adds under rematerialization (`remat_op_coef`) instead."""
+    own = (T.remat_op_coef if remat else T.op_coef) * inv[T.op_set]
+    body = T.body_remat_coef if remat else T.body_coef
+    return own + np.bincount(T.body_op, body * inv[T.body_set], minlength=len(own))
+
+
+def _compute_seconds(op, compute: str, fused: np.ndarray, rates: tuple[float, float]) -> float:
+    """Unsharded seconds of one body op, by the same rule as a top-level op's."""
+    flop_rate, byte_rate = rates
+    if compute == "matmul":
+        return op.flops / flop_rate
+    if compute == "loop":  # a loop kept without bodies: matmuls or memory, the slower
+        return max(op.flops / flop_rate, (op.bytes_read + op.bytes_written) / byte_rate)
+    if op.primitive in FUSIBLE:
+        return fused[op.index] / byte_rate
+    if compute == "memory":
+        return (op.bytes_read + op.bytes_written) / byte_rate
+    return 0.0
 
 
 # Ops XLA fuses into loops over their operands (elementwise chains, layout changes,
@@ -356,27 +447,149 @@ FUSIBLE = (
 )
 
 
-def _fused_bytes(graph: Graph, res: Residuals) -> np.ndarray:
-    """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours: it
-    reads its operands that live in memory and writes its results that must (read by an
-    op that cannot fuse, a step output, kept for backward, or a reduction's result)."""
-    fusible = [op.primitive in FUSIBLE for op in graph.ops]
+def _fused_bytes(
+    graph: Graph, saved: Iterable[int], ops: set[int] | None = None, multi_output: bool = True
+) -> np.ndarray:
+    """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours.
+
+    A tensor is written to memory when it must be: read by an op that cannot fuse, a step
+    output, kept for the backward (`saved`), or a reduction's result. Each such write ends
+    a kernel, whose root op is charged the kernel's traffic: what it writes, and the
+    in-memory tensors its fused producers read (its cone, up to tensors in memory). A
+    producer that two kernels need is fused into both, as XLA does, so what it reads is
+    read twice (softmax's backward reads its incoming gradient before and after the
+    row sum); ops inside a cone are charged nothing of their own.
+
+    Two rules of XLA's fusion passes refine "must be written":
+    - a broadcast (or iota, or elementwise work on those alone) is never written out, even
+      when the backward reads it (a causal mask): every fusion that reads it regenerates it
+      from its small operand (`_regenerated`; checked on XLA's CPU HLO in tests/test_fusion.py);
+    - with `multi_output` (XLA's GPU pipeline: producer-consumer multi-output fusion, and the
+      Triton normalization-diamond fusion on Ampere and later), a reduction of a tensor that
+      its elementwise producer writes anyway (kept for backward, read by another kernel)
+      runs in the producer's kernel: it does not read that tensor back (softmax's
+      exp(x - max) is written once and summed in the same pass).
+
+    Only `ops` run, all by default (XLA removes dead code; a first forward under
+    rematerialization runs without the backward, whose reads the recompute serves)."""
+    ops = set(range(len(graph.ops))) if ops is None else ops
+    fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
+    regen = _regenerated(graph, fusible)
     in_memory = np.zeros(len(graph.tensors), dtype=bool)
     for t in graph.tensors:
         p = t.producer
         in_memory[t.id] = p is None or not fusible[p] or graph.ops[p].primitive in REDUCE_SUM_LIKE
     for op in graph.ops:
-        if not fusible[op.index]:
+        if not fusible[op.index] and op.index in ops:
             in_memory[list(op.inputs)] = True
     in_memory[[leaf.tensor for leaf in graph.outputs]] = True
-    in_memory[list(res.saved)] = True
+    in_memory[[t for t in saved if not regen[t]]] = True
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    in_memory = _materialize_shared(graph, in_memory, fusible, regen, nbytes)
     out = np.zeros(len(graph.ops))
     for op in graph.ops:
-        if fusible[op.index]:
-            touched = [t for t in (*op.inputs, *op.outputs) if in_memory[t]]
-            out[op.index] = nbytes[touched].sum()
+        written = [t for t in op.outputs if in_memory[t]]
+        if not fusible[op.index] or not written:
+            continue  # not a kernel's root: its work is charged to the roots it feeds
+        read = _cone_reads(graph, op, in_memory, fusible)
+        if multi_output and op.primitive in REDUCE_SUM_LIKE:
+            read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
+        out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
     return out
+
+
+def _materialize_shared(
+    graph: Graph, in_memory: np.ndarray, fusible: list[bool], regen: np.ndarray, nbytes: np.ndarray
+) -> np.ndarray:
+    """Where a fused producer feeds k kernels, XLA either fuses it into all of them (each
+    reads what it reads, L bytes) or writes its result (X bytes) once for all to read: it
+    picks the cheaper, as its priority fusion weighs the two, so the result is written when
+    (k - 1) L > (k + 1) X (a residual stream read by a layer norm's kernels and the next
+    residual add is written; a convert feeding a softmax gradient's two kernels is not).
+    Iterated to a fixed point: each write makes new kernel roots upstream."""
+    in_memory = in_memory.copy()
+    for _ in range(4):
+        kernels = _kernels_reading(graph, in_memory, fusible)
+        changed = False
+        for op in graph.ops:
+            if not fusible[op.index]:
+                continue
+            pending = [t for t in op.outputs if not in_memory[t] and not regen[t]]
+            k = max((len(kernels[t]) for t in pending), default=0)
+            if k < 2:
+                continue
+            reads = nbytes[sorted(_cone_reads(graph, op, in_memory, fusible))].sum()
+            for t in pending:
+                k = len(kernels[t])
+                if (k - 1) * reads > (k + 1) * nbytes[t]:
+                    in_memory[t] = changed = True
+        if not changed:
+            break
+    return in_memory
+
+
+def _kernels_reading(graph: Graph, in_memory: np.ndarray, fusible: list[bool]) -> list:
+    """Per tensor not in memory, the kernel roots (ops writing a tensor to memory) whose
+    fused cone computes it."""
+    roots: list = [frozenset()] * len(graph.tensors)
+    for op in reversed(graph.ops):
+        if not fusible[op.index]:
+            continue
+        mine = {op.index} if any(in_memory[t] for t in op.outputs) else set()
+        for o in op.outputs:
+            if not in_memory[o]:
+                mine |= roots[o]
+        for t in op.inputs:
+            if not in_memory[t]:
+                roots[t] = roots[t] | mine
+    return roots
+
+
+def _cone_reads(graph: Graph, root, in_memory: np.ndarray, fusible: list[bool]) -> set[int]:
+    """The in-memory tensors a kernel rooted at `root` reads: walking its operands back
+    through fused producers (tensors not in memory) to tensors that are."""
+    read, seen, todo = set(), set(), list(root.inputs)
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        p = graph.tensors[t].producer
+        if in_memory[t] or p is None or not fusible[p]:
+            read.add(t)
+        else:
+            todo.extend(graph.ops[p].inputs)
+    return read
+
+
+# Ops whose result XLA recomputes inside every fusion that reads it, from operands no
+# larger than the result's own regenerated inputs.
+_GENERATORS = frozenset({"broadcast_in_dim", "iota"})
+
+
+def _regenerated(graph: Graph, fusible: list[bool]) -> np.ndarray:
+    """Tensors made by broadcasts/iotas and elementwise ops on those (and on scalars) alone:
+    XLA fuses them into each consumer rather than materializing them."""
+    regen = np.zeros(len(graph.tensors), dtype=bool)
+    for op in graph.ops:
+        if not fusible[op.index]:
+            continue
+        if op.primitive in _GENERATORS:
+            ok = True
+        elif op.primitive in ELEMENTWISE:
+            ok = all(regen[t] or graph.tensors[t].ndim == 0 for t in op.inputs)
+        else:
+            ok = False
+        if ok:
+            regen[list(op.outputs)] = True
+    return regen
+
+
+def _written_alongside(graph: Graph, t: int) -> bool:
+    """Whether a reduction of t can run inside the kernel that writes t: t comes from an
+    elementwise op (a loop fusion, the root of a multi-output fusion with the reduction)."""
+    p = graph.tensors[t].producer
+    return p is not None and graph.ops[p].primitive in ELEMENTWISE
 
 
 def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:

@@ -5,9 +5,12 @@ Input: a Graph. Output: `Groups`, and for an assignment {group: axis} the specs 
 tensor and the Plan (`plan_from_assignment`). DESIGN.md, "Linkage groups".
 """
 
+from ._layouts import Regather as Regather
 from ._layouts import expand_classes as expand_classes
 from ._layouts import layouts as layouts
 from ._layouts import plan_from_assignment as plan_from_assignment
+from ._layouts import regather_plan as regather_plan
+from ._layouts import unzero_spec as unzero_spec
 from ._layouts import zero_spec as zero_spec
 from ._linkage import Group as Group
 from ._linkage import Groups as Groups

@@ -8,12 +8,14 @@ pins, and with ZeRO the gradients and the update pinned to the data-sharded layo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
 
 from .._axes import DATA
-from .._graph import Graph, InputLeaf, Role
+from .._capture import find_residuals, loss_boundary
+from .._graph import Graph, InputLeaf, Role, TensorKind
 from .._plan import Plan, Spec
 from ._linkage import Groups
 
@@ -243,6 +245,60 @@ def update_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozen
             update.add(op.index)
             after.update(op.outputs)
     return tuple(gradients), frozenset(update)
+
+
+@dataclasses.dataclass(frozen=True)
+class Regather:
+    """ZeRO-3 as FSDP runs it: the backward gathers the parameters it reads once more,
+    instead of keeping the forward's gathered copies alive from forward to backward.
+
+    The captured step is already differentiated, so its backward ops read the forward's
+    gathered values (a weight's cast to the compute dtype, say). The runtime
+    (`_run/_recompute.eval_regathering`) makes those values again for the backward, from
+    the sharded parameters, at the first backward read; the cost model charges the second
+    gather of `params`."""
+
+    boundary: int  # the last forward op
+    backward: frozenset[int]  # ops that take the gathered values again: after the loss,
+    # outside the optimizer update (which runs on the shards)
+    remake: tuple[int, ...]  # forward ops computing from parameters alone, in order
+    tensors: frozenset[int]  # what the backward reads of parameters or of `remake`'s results
+    params: tuple[int, ...]  # the parameter tensors those are made from
+
+
+def regather_plan(graph: Graph, groups: Groups) -> Regather:
+    """Which backward reads ZeRO-3 serves with a second gather (empty without a loss: no
+    backward to tell)."""
+    if loss_boundary(graph) is None:
+        return Regather(len(graph.ops), frozenset(), (), frozenset(), ())
+    boundary = find_residuals(graph).boundary
+    _, update = update_region(graph, groups)
+    roots: dict[int, frozenset[int]] = {
+        leaf.tensor: frozenset({leaf.tensor}) for leaf in graph.leaves(Role.PARAM)
+    }
+    remake = []
+    for op in graph.ops[: boundary + 1]:
+        ins = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.CONST]
+        if ins and all(t in roots for t in ins):
+            remake.append(op.index)
+            made = frozenset().union(*(roots[t] for t in ins))
+            roots.update((t, made) for t in op.outputs)
+    backward = frozenset(op.index for op in graph.ops[boundary + 1 :] if op.index not in update)
+    tensors = frozenset(t for i in backward for t in graph.ops[i].inputs if t in roots)
+    params = sorted(frozenset().union(*(roots[t] for t in tensors)))
+    return Regather(boundary, backward, tuple(remake), tensors, tuple(params))
+
+
+def unzero_spec(spec: Spec, data_axis: str) -> Spec:
+    """`spec` without the data axis (the layout a ZeRO-3 parameter is gathered to)."""
+    out: list = []
+    for e in spec:
+        if isinstance(e, tuple):
+            rest = tuple(a for a in e if a != data_axis)
+            out.append(rest if len(rest) > 1 else rest[0] if rest else None)
+        else:
+            out.append(None if e == data_axis else e)
+    return tuple(out)
 
 
 def _dropped(spec: Spec, tg: tuple[int, ...], assignment: Mapping[int, str]) -> bool:

@@ -1,5 +1,6 @@
 """What a staged plan means: which stage and phase each op of a step belongs to
-(`partition`), where stages may start (`cut_candidates`), the Plan for a set of cuts, and
+(`partition`), layers no stage can cut between
+(`scanned_layers`), where stages may start (`cut_candidates`), the Plan for a set of cuts, and
 the GPipe and 1F1B schedules that the runtime, the cost model and the report all read.
 
 Input: a Graph, its Groups and the stage cuts. Output: a `Partition`, a pipeline Plan, the
@@ -9,8 +10,10 @@ schedule's order and timing. DESIGN.md, "Pipeline".
 from ._partition import SUMS as SUMS
 from ._partition import Partition as Partition
 from ._partition import Phase as Phase
+from ._partition import ScannedStack as ScannedStack
 from ._partition import forward_ops as forward_ops
 from ._partition import partition as partition
+from ._partition import scanned_layers as scanned_layers
 from ._plans import crossing_bytes as crossing_bytes
 from ._plans import cut_candidates as cut_candidates
 from ._plans import pipeline_plan as pipeline_plan

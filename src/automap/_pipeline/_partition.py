@@ -23,12 +23,18 @@ Microbatching is exact only when examples do not mix: a batch statistic fed back
 per-example work (batch normalization), per-example random numbers, or a batch reduction
 that is not a sum (a max) would change with the microbatch size. `partition` refuses
 those with `microbatches > 1`, naming the op.
+
+Stages cut between top-level ops, so layers stacked under one `lax.scan` / `nn.scan` are
+one op that no cut can enter: `scanned_layers` finds such a stack (its stacked parameters,
+trip count and share of the step's FLOPs) so that the planner can say why a pipeline
+cannot split it, instead of silently offering fewer stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Sequence
 
 from .._capture import find_residuals
@@ -48,6 +54,10 @@ class Phase(enum.StrEnum):
 SUMS = frozenset(
     {"reduce_sum", "dot_general", "conv_general_dilated", "scatter-add", "scatter_add"}
 )
+#: A scanned stack holding at least this share of the step's FLOPs holds "the layers": a
+#: pipeline of it can only cut around it (an embedding, a head), never between layers.
+MOST_FLOPS = 0.5
+_CASTS = frozenset({"convert_element_type", "copy"})
 #: Primitives whose values depend on where an example sits in the batch.
 _RANDOM = frozenset({"random_bits", "threefry2x32", "random_wrap", "rng_bit_generator"})
 
@@ -70,6 +80,77 @@ class Partition:
             for i, (s, p) in enumerate(zip(self.op_stage, self.op_phase, strict=True))
             if s == stage and p == phase
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ScannedStack:
+    """Layers stacked under one scan: the forward scan op and what it iterates over."""
+
+    op: int  # the forward scan's op index
+    trips: int  # its trip count: the stacked layers
+    path: str  # the pytree path the stacked parameters share, e.g. "[0]['layers']"
+    params: tuple[str, ...]  # the stacked parameter leaves' paths
+    flops_share: float  # the step's FLOPs inside the scans over them (forward and backward)
+
+    def why_no_cuts(self) -> str:
+        """Why a pipeline cannot cut between these layers, and what would let it."""
+        return (
+            f"the layers live in one scan (op {self.op}, over {self.path}: {self.trips} "
+            f"trips, {self.flops_share:.0%} of the step's FLOPs), and pipeline stages cut "
+            "only between ops, never inside a loop. To cut between layers, write them as a "
+            "Python loop over per-layer parameters (a list of layers, or Flax modules in a "
+            "loop instead of nn.scan); `unroll=` of lax.scan / nn.scan keeps one scan op in "
+            "the program and does not help."
+        )
+
+
+def scanned_layers(graph: Graph) -> ScannedStack | None:
+    """The scan over stacked parameters (a parameter leaf sliced along its leading dim,
+    one slice per trip) that holds the most FLOPs, counting every scan over the same
+    stack (the backward scan runs over it again), if it holds at least `MOST_FLOPS` of the
+    step's: the program's layers then live in that one op."""
+    leaf_of = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
+    for op in graph.ops:  # mixed precision: a stack cast to bf16 before the scan
+        if op.primitive in _CASTS and len(op.inputs) == 1 and op.inputs[0] in leaf_of:
+            leaf_of.update(dict.fromkeys(op.outputs, leaf_of[op.inputs[0]]))
+    scans = sorted(i for i in graph.bodies if graph.ops[i].primitive == "scan")
+    sliced = {  # scan op -> the tensors it slices one per trip (its stacked operands)
+        i: {o for b in graph.bodies[i] for o, _, off in b.binds if off}
+        for i in scans
+        if graph.ops[i].trip_count > 1
+    }
+    best: ScannedStack | None = None
+    counted: set[int] = set()
+    for index, operands in sliced.items():  # in program order: the forward scan first
+        stacked = {leaf_of[t] for t in operands if t in leaf_of}
+        if not stacked or index in counted:
+            continue
+        # The backward scan runs over the same stack, or over the stacked residuals the
+        # forward scan saved for it (a body's weights among them).
+        reads = {t for t in operands if t in leaf_of} | set(graph.ops[index].outputs)
+        same = [i for i, other in sliced.items() if i == index or other & reads]
+        counted.update(same)
+        share = sum(graph.ops[i].flops for i in same) / max(graph.total_flops, 1.0)
+        if share >= MOST_FLOPS and (best is None or share > best.flops_share):
+            params = tuple(sorted(stacked))
+            best = ScannedStack(
+                index, graph.ops[index].trip_count, _common_path(params), params, share
+            )
+    return best
+
+
+def _common_path(paths: Sequence[str]) -> str:
+    """The pytree path the stacked leaves share (`[0]['layers']`), or the leaves
+    themselves when they share no more than the argument."""
+    split = [re.findall(r"\[[^\]]*\]|\.\w+", p) for p in paths]
+    common: list[str] = []
+    for parts in zip(*split, strict=False):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    if len(common) > 1 or len(paths) == 1:
+        return "".join(common) or paths[0]
+    return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
 
 
 def forward_ops(graph: Graph, groups: Groups) -> tuple[int, ...]:

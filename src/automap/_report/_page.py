@@ -135,6 +135,7 @@ def _header(plan: Plan, cluster: Cluster | None) -> str:
         ("search time", f"{prov.search_time_s:.1f} s"),
         ("made by automap", prov.version),
         ("program fingerprint", prov.fingerprint[:16] or "unknown"),
+        *(("note", text) for text in prov.notes),
     ]
     cost = plan.predicted
     if cost is None:

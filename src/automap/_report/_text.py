@@ -149,6 +149,8 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
         + ("   remat: yes" if plan.remat else "")
     )
+    for text in prov.notes:  # what the search could not do here, and why
+        console.print(f"[yellow]note:[/yellow] {escape(text)}")
     if plan.pipelined:
         console.print(stages_table(plan))
     table = Table(title="Parameters")

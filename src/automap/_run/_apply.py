@@ -12,18 +12,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
-from .._groups import build_groups
+from .._graph import Role
+from .._groups import build_groups, layouts, regather_plan, unzero_spec
 from .._pipeline import recompute_plan
 from .._plan import Plan, Spec
 from ._distributed import Feed
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline
-from ._recompute import eval_recomputing
+from ._recompute import eval_recomputing, eval_regathering
 from ._shared import (
     check_divisible,
     check_paths,
@@ -71,7 +74,9 @@ class Prepared:
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(args)
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         check_paths(plan, paths)
-        if graph is None and (plan.provenance.fingerprint or plan.constraints or plan.remat):
+        if graph is None and (
+            plan.provenance.fingerprint or plan.constraints or plan.remat or _regathers(plan)
+        ):
             graph = capture(fn, *args)
         # Before the divisibility checks: "another batch size" says more than "6 is not
         # divisible by 8". A graph the caller captured (verify's) is checked the same way.
@@ -81,7 +86,8 @@ class Prepared:
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        reinterpret = plan.constraints or plan.remat  # remat recomputes inside the program
+        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
+        reinterpret = plan.constraints or plan.remat or _regathers(plan)
         body = fn if not reinterpret else _constrained(graph, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
@@ -148,7 +154,73 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
-    return run if not plan.remat else _recomputing(graph, constrain)
+    if plan.remat:
+        return _recomputing(graph, constrain)
+    if _regathers(plan):
+        return _regathering(graph, plan, mesh, constrain)
+    return run
+
+
+def _regathers(plan: Plan) -> bool:
+    """Whether the plan's backward gathers its parameters again (ZeRO-3, FSDP's way)."""
+    return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1 and not plan.remat
+
+
+def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Callable:
+    """The captured program re-run with ZeRO-3's second gather (FSDP): the backward
+    gathers the parameters it reads again, the forward's gathered copies die with the
+    forward (`_groups.regather_plan`)."""
+    groups = build_groups(graph)
+    rg = regather_plan(graph, groups)
+    # The anchors' layouts, where the plan says them (a plan read back from specs alone
+    # does not: its second gathers are then kept apart from the forward's, not ordered).
+    lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
+    spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
+    wanted = [leaf.tensor for leaf in graph.outputs]
+
+    def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
+        spec = spec_of[t]
+        whole = unzero_spec(spec, DATA)
+        if whole == spec:  # not sharded by ZeRO (no dim divides): nothing to gather
+            return x
+        x = _tied(x, spec, anchors, lay, mesh)
+        return jax.lax.with_sharding_constraint(x, _sharding(mesh, whole))
+
+    def run(*args: Any) -> Any:
+        env = {
+            leaf.tensor: x
+            for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
+        }
+        outs = eval_regathering(graph, rg, env, wanted, gather, constrain)
+        return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
+
+    return run
+
+
+def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mesh) -> Any:
+    """The sharded parameter `x`, made to depend on a backward value (the same bits): its
+    second gather can then neither merge with the forward's (CSE) nor run before the
+    backward reaches its layer (XLA's CPU pipeline expands optimization barriers before
+    scheduling). Each device selects on an element of its own block of the anchor, so the
+    tie moves nothing between devices; `a == a | a != a` holds for every float (NaN too),
+    and XLA cannot fold it."""
+    floats = [(t, a) for t, a in anchors if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
+    if not floats or lay is None:
+        return jnp.where((x == x) | (x != x), x, jnp.zeros_like(x))  # apart, if not after
+    t, a = floats[0]
+    a = jax.lax.with_sharding_constraint(a, _sharding(mesh, lay[t]))  # as the plan lays it
+
+    def local(xs: Any, block: Any) -> Any:
+        s = block.reshape(-1)[0]
+        return jnp.where((s == s) | (s != s), xs, jnp.zeros_like(xs))
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(*spec), PartitionSpec(*lay[t])),
+        out_specs=PartitionSpec(*spec),
+        check_vma=False,
+    )(x, a)
 
 
 def _recomputing(graph: Any, constrain: Callable) -> Callable:

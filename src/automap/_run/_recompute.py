@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import Graph, TensorKind
+from .._groups import Regather
 from .._pipeline import Recompute, made_after, made_in_forward
 from ._interpret import Constrain
 
@@ -99,3 +100,51 @@ def _after(x: Any, anchors: list[Any]) -> tuple[Any, bool]:
         if (a.shape == x.shape or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
             return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
     return x, False
+
+
+def eval_regathering(
+    graph: Graph,
+    rg: Regather,
+    env: Mapping[int, Any],
+    wanted: Sequence[int],
+    gather: Callable[[int, Any, Sequence[tuple[int, Any]]], Any],
+    constrain: Constrain | None = None,
+) -> list[Any]:
+    """The whole program, with ZeRO-3's second gather (`_groups.Regather`): a backward op
+    reading a parameter, or a forward value made from parameters alone (its cast to the
+    compute dtype), reads it made again from the sharded parameter, gathered once more by
+    `gather(param, value, anchors)` after the op's backward inputs `anchors` ((tensor,
+    value) pairs), so that XLA can neither merge it with the forward's gather nor hoist it
+    there. The forward's gathered values then have no reader after the forward."""
+    values: dict[int, Any] = dict(graph.const_values)
+    values.update(env)
+    again: dict[int, Any] = {}
+    remake = set(rg.remake)
+
+    def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
+        op, eqn = graph.ops[i], graph.eqns[i]
+        outs = eqn.primitive.bind(*[read(t) for t in op.inputs], **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for t, v in zip(op.outputs, outs, strict=True):
+            into[t] = constrain(t, v) if constrain is not None else v
+
+    def regather(t: int, anchors: list[tuple[int, Any]]) -> Any:
+        if graph.tensors[t].kind is TensorKind.CONST:
+            return values[t]
+        if t not in again:
+            if graph.tensors[t].producer in remake:  # made again from the second gather
+                run(graph.tensors[t].producer, lambda s: regather(s, anchors), again)
+            else:  # a parameter
+                again[t] = gather(t, values[t], anchors)
+        return again[t]
+
+    for i, op in enumerate(graph.ops):
+        if i in rg.backward and rg.tensors.intersection(op.inputs):
+            anchors = [(t, values[t]) for t in op.inputs if made_after(graph, t, rg.boundary)]
+            run(i, lambda t, a=anchors: regather(t, a) if t in rg.tensors else values[t], values)
+        else:
+            run(i, values.__getitem__, values)
+    return [
+        jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
+        for t in wanted
+    ]

@@ -38,7 +38,8 @@ from .._cost import (
     stage_costs,
 )
 from .._errors import PlanError
-from .._pipeline import Phase, cut_candidates, partition, pipeline_plan
+from .._graph import Graph
+from .._pipeline import Phase, cut_candidates, partition, pipeline_plan, scanned_layers
 from .._plan import Plan
 from .._solvers import optimal_partition, solve_ilp
 from .._space import (
@@ -110,6 +111,8 @@ def search_dp(
     work = Work(budget_s)
     cands = cut_candidates(graph, groups)
     stats: dict[str, Any] = {"cut_candidates": len(cands), "points": 0, "complete": True}
+    if notes := pipeline_notes(graph):
+        stats["notes"] = list(notes)
     if not cands or groups.batch_size is None:
         return None, stats
     bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
@@ -153,6 +156,15 @@ def search_dp(
         stats["complete"], stats["interrupted"] = False, True
     stats["work"] = round(work.done)
     return best, _finish(stats, start, best_time)
+
+
+def pipeline_notes(graph: Graph) -> tuple[str, ...]:
+    """What limits the pipelines of this program, for the plan's provenance: layers in one
+    scan, which the stage cuts (between top-level ops) cannot split."""
+    stack = scanned_layers(graph)
+    if stack is None:
+        return ()
+    return (f"pipelines can only cut around the layers: {stack.why_no_cuts()}",)
 
 
 def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work=None, stats=None):

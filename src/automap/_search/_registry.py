@@ -20,7 +20,7 @@ from typing import Any
 from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan, Provenance
 from .._version import __version__
-from ._dp import search_dp
+from ._dp import pipeline_notes, search_dp
 from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts, priced_experts
 from ._runner import DQNFiles, run_space_searcher, with_stats
 
@@ -280,6 +280,8 @@ def run_searcher(
         cluster=problem.cluster.name,
         devices=problem.cluster.devices,
         batch=problem.graph.batch_rows,
+        # A space with pipelines says what kept them from cutting between layers.
+        notes=pipeline_notes(problem.graph) if task in ("pipeline", "hybrid") else (),
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
 

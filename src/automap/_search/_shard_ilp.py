@@ -24,6 +24,8 @@ at once. Two parts are not separable, and are made exact with auxiliary units:
   auxiliary unit. One corner is not exact: the cost model skips that collective when no
   parameter of rank >= 1 is left off the data axis, where the factors still charge beta x
   the bytes of the scalar parameters left (an overestimate of a few bytes' transfer).
+  ZeRO-3's second gathers, in the backward, are one collective per parameter leaf:
+  linear, their latencies charged per scope.
 
 The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
 factors that forbid one axis on two units sharing a tensor, or a seam's dense side on an
@@ -89,6 +91,10 @@ class _Scope:
     zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
     zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
     zero_count: np.ndarray  # [n_c] parameter leaves not split on data
+    # ZeRO-3's second gather, in the backward (`_cost/_model.RegatherCoefs`):
+    regather_bytes: np.ndarray  # [n_c] bytes of the parameters gathered again
+    regather_count: np.ndarray  # [n_c] their leaves: one all-gather each
+    regather_acts: np.ndarray  # [n_c] the forward's gathered values no longer saved
 
 
 class MeshTerms:
@@ -99,6 +105,7 @@ class MeshTerms:
         self.space, self.mesh_index = space, mesh_index
         self.mesh = mesh = space.meshes[mesh_index]
         self.T = T = space.cost_model.tables
+        self.rg = space.cost_model.regather
         self.ac = ac = AxisCosts(space.cluster, mesh)
         self.n_units = len(space.units)
         self.unary = [space.allowed(mesh, u, []) for u in range(self.n_units)]
@@ -210,6 +217,9 @@ class MeshTerms:
             zeroed=zinv @ T.memory_coef[:2, own].T,
             zero_bytes=(inv_c * free) @ T.param_coef[own],
             zero_count=free.astype(float) @ T.param_leaves[own],
+            regather_bytes=(inv_c * free) @ self.rg.param_coef[own],
+            regather_count=free.astype(float) @ self.rg.param_leaves[own],
+            regather_acts=(inv_c * free) @ self.rg.act_coef[own],
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -238,17 +248,18 @@ class MeshTerms:
             variants = best[:1] or [0, 1]
             if not indicator and len(variants) == 1:
                 v = variants[0]
-                for sc, count, nbytes in parts:
-                    add(sc.units, sc.configs, alpha[v] * count + beta[v] * nbytes)
+                for sc, count, nbytes, calls in parts:
+                    add(sc.units, sc.configs, alpha[v] * (count + calls) + beta[v] * nbytes)
                 return
             aux = len(n_options)
             n_options.append(len(variants) + indicator)
             unary = [0.0] * indicator + [alpha[v] if indicator else 0.0 for v in variants]
             add((aux,), np.arange(len(unary))[:, None], np.array(unary))
-            for sc, count, nbytes in parts:
+            for sc, count, nbytes, calls in parts:
                 cols = [np.where(count > 0, OFF, 0.0)] if indicator else []
                 cols += [
-                    (0.0 if indicator else alpha[v] * count) + beta[v] * nbytes for v in variants
+                    alpha[v] * ((0.0 if indicator else count) + calls) + beta[v] * nbytes
+                    for v in variants
                 ]
                 for o, col in enumerate(cols):
                     cfg = np.column_stack([sc.configs, np.full(len(sc.configs), o)])
@@ -260,7 +271,8 @@ class MeshTerms:
             # Local gradients are whole until reduced, whatever the stage (`_cost/_model.py`).
             grads = pl[:, 0]
             opt = zd[:, 1] if zero_stage >= 1 else pl[:, 1]
-            add(sc.units, sc.configs, sc.time, params + grads + opt + pl[:, 2] + pl[:, 4])
+            acts = pl[:, 2] - (sc.regather_acts if zero and zero_stage >= 3 else 0.0)
+            add(sc.units, sc.configs, sc.time, params + grads + opt + acts + pl[:, 4])
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
         by_kind: dict[tuple[int, int], list] = {}
@@ -269,15 +281,25 @@ class MeshTerms:
             if zero and kind == AR and mask == ac.bit[self.d] and self.space.cluster.reduce_scatter:
                 kind = RS
             by_kind.setdefault((kind, mask), []).extend(
-                (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key])
+                (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key], 0.0)
                 for sc in self.scopes
                 if sc.grad_any[:, key].any()
             )
         for (kind, mask), parts in by_kind.items():
             combined(kind, mask, parts, indicator=True)
         if zero:
-            # The parameters' all-gathers, combined into one (`_cost/_model.py`).
-            parts = [(sc, (sc.zero_count > 0).astype(float), sc.zero_bytes) for sc in self.scopes]
+            # The parameters' all-gathers, combined into one (`_cost/_model.py`); with
+            # ZeRO-3 also the backward's, one per leaf.
+            again = zero_stage >= 3
+            parts = [
+                (
+                    sc,
+                    (sc.zero_count > 0).astype(float),
+                    sc.zero_bytes + (sc.regather_bytes if again else 0.0),
+                    sc.regather_count if again else 0.0,
+                )
+                for sc in self.scopes
+            ]
             combined(AG, int(ac.bit[self.d]), parts, indicator=True)
         if self.space.pruning.masks:
             pair = np.zeros((len(OPTIONS),) * 2)

@@ -23,7 +23,13 @@ from .._cluster import Cluster
 from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups, plan_from_assignment
-from .._pipeline import SCHEDULES, cut_candidates, forward_ops, pipeline_plan
+from .._pipeline import (
+    SCHEDULES,
+    cut_candidates,
+    forward_ops,
+    pipeline_plan,
+    scanned_layers,
+)
 from .._plan import Plan
 from ._experts import axis_assignment, batch_groups, block_groups
 
@@ -69,6 +75,12 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
             "that divides the batch."
         )
     m = _microbatches(batch, recipe)
+    stack = scanned_layers(graph) if recipe.pp > 1 else None
+    if stack is not None:
+        raise PlanError(
+            f"pp={recipe.pp} needs stage cuts between layers, but {stack.why_no_cuts()} "
+            "Or use pp=1."
+        )
     assignment = axis_assignment(batch_groups(groups), DATA, recipe.dp)
     if recipe.tp > 1:
         blocks = block_groups(groups)

@@ -1,8 +1,9 @@
 """Verify: a plan held against what XLA really compiles, and against one device.
 
 Input: a step function, a Plan and arguments (or a saved plan to rebuild). Output: a
-`VerifyReport`: the cost model's collectives next to the compiled HLO's, and numerics
-against the unsharded step. DESIGN.md, "Collectives: the bytes convention".
+`VerifyReport`: the cost model's collectives next to the compiled HLO's, its peak memory
+and FLOPs per device next to XLA's buffer assignment and cost analysis (`_flops.py`,
+`_stages.py` for pipelines), and numerics against the unsharded step. DESIGN.md, "Collectives: the bytes convention".
 """
 
 from ._compiled import VerifyReport as VerifyReport
@@ -15,6 +16,10 @@ from ._compiled import predicted_memory as predicted_memory
 from ._compiled import subprocess_main as subprocess_main
 from ._compiled import verify as verify
 from ._compiled import verify_in_subprocess as verify_in_subprocess
+from ._flops import compiled_flops as compiled_flops
+from ._flops import predicted_flops as predicted_flops
+from ._flops import predicted_stage_flops as predicted_stage_flops
+from ._flops import xla_counted_flops as xla_counted_flops
 from ._hlo import axis_of as axis_of
 from ._hlo import comm_bytes as comm_bytes
 from ._hlo import parse_collectives as parse_collectives
@@ -23,3 +28,4 @@ from ._hlo import shape_bytes as shape_bytes
 from ._numerics import compare_outputs as compare_outputs
 from ._numerics import reordered as reordered
 from ._saved import check_saved_plan as check_saved_plan
+from ._stages import stage_memory as stage_memory

@@ -35,8 +35,10 @@ from .._cost import CostModel, estimate_pipeline
 from .._errors import ApplyError, AutomapError
 from .._plan import Plan
 from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
+from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
+from ._stages import stage_flops, stage_memory, stage_memory_parts
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
 # A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
@@ -62,6 +64,22 @@ class VerifyReport:
     # program (arguments + outputs + temporaries - aliased); None where not compared.
     predicted_memory_bytes: float | None = None
     xla_memory_bytes: float | None = None
+    # What each side's peak is made of: the cost model's breakdown ("params", "grads",
+    # "opt_state", "activations", "other"), and XLA's ("arguments", "outputs",
+    # "temporaries", "aliased"); a pipeline's are its largest stage's.
+    predicted_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    xla_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # FLOPs per device per step: the cost model's (remat's recompute included), the same
+    # counted as XLA counts them (`_flops.py`: loop bodies once, no padded convolution
+    # taps), and XLA's `cost_analysis()` ("flops" + "transcendentals"); a pipeline's are
+    # its busiest stage's (every program it runs, times its runs).
+    predicted_flops: float | None = None
+    predicted_flops_as_xla: float | None = None
+    xla_flops: float | None = None
+    # Pipeline plans, per stage: (predicted, XLA) peak memory per device, and (predicted,
+    # as XLA counts, XLA) FLOPs per device per step.
+    stage_memory_bytes: tuple[tuple[float | None, float | None], ...] = ()
+    stage_flops: tuple[tuple[float, float, float | None], ...] = ()
 
     def summary(self) -> str:
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
@@ -85,6 +103,28 @@ class VerifyReport:
                 f"memory per device: predicted {_fmt(self.predicted_memory_bytes)}, XLA's "
                 f"buffer assignment {_fmt(self.xla_memory_bytes)} ({ratio:.2f}x)"
             )
+            for side, parts in (
+                ("predicted", self.predicted_memory_breakdown),
+                ("XLA", self.xla_memory_breakdown),
+            ):
+                if parts:
+                    text = ", ".join(f"{k} {_fmt(v)}" for k, v in parts.items())
+                    lines.append(f"  {side}: {text}")
+        if self.xla_flops and self.predicted_flops_as_xla is not None:
+            lines.append(
+                f"FLOPs per device per step: predicted {self.predicted_flops:.4g}"
+                f" ({self.predicted_flops_as_xla:.4g} as XLA counts), XLA's cost analysis "
+                f"{self.xla_flops:.4g} ({self.predicted_flops_as_xla / self.xla_flops:.2f}x)"
+            )
+        for s, ((pm, xm), (pf, pfx, xf)) in enumerate(
+            zip(self.stage_memory_bytes, self.stage_flops, strict=True)
+        ):
+            mem = f"{pm / xm:.2f}x" if pm and xm else "not compared"
+            fl = f"{pfx / xf:.2f}x" if xf else "not compared"
+            lines.append(
+                f"  stage {s}: memory predicted {_fmt(pm)}, XLA {_fmt(xm)} ({mem}); FLOPs "
+                f"predicted {pf:.4g} ({pfx:.4g} as XLA counts), XLA {_fmt_flops(xf)} ({fl})"
+            )
         if self.numerics_ok is not None:
             ok = "ok" if self.numerics_ok else "DIFFERENT"
             lines.append(f"numerics vs the unsharded step: {ok} (max |err| {self.max_abs_err:.3g})")
@@ -98,7 +138,13 @@ class VerifyReport:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
         tuples = {k: tuple(d.get(k, ())) for k in ("mismatches", "notes")}
+        for k in ("stage_memory_bytes", "stage_flops"):
+            tuples[k] = tuple(tuple(row) for row in d.get(k, ()))
         return cls(**{**d, **tuples})
+
+
+def _fmt_flops(n: float | None) -> str:
+    return "—" if n is None else f"{n:.4g}"
 
 
 def _fmt(n: float | None) -> str:
@@ -132,9 +178,13 @@ def compare_collectives(
 
 def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, float]:
     """The cost model's bytes per kind@axis (`Cost.collectives` summed by kind and axis)."""
-    cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
+    return collective_bytes(cpu_model(graph, plan, cluster).estimate(plan))
+
+
+def collective_bytes(cost: Any) -> dict[str, float]:
+    """A Cost's collectives summed by kind@axis."""
     out: dict[str, float] = {}
-    for c in CostModel(graph, cluster).estimate(plan).collectives:
+    for c in cost.collectives:
         key = f"{c.kind}@{c.axis}"
         out[key] = out.get(key, 0.0) + float(c.bytes)
     return out
@@ -142,8 +192,14 @@ def predicted_bytes(graph: Any, plan: Plan, cluster: Any = None) -> dict[str, fl
 
 def predicted_memory(graph: Any, plan: Plan, cluster: Any = None) -> float:
     """The cost model's peak memory per device for the plan."""
+    return float(cpu_model(graph, plan, cluster).estimate(plan).memory_bytes)
+
+
+def cpu_model(graph: Any, plan: Plan, cluster: Any = None) -> CostModel:
+    """The cost model of `graph` on `cluster` (default: CPUs) with the CPU's collective
+    lowering, where verify compiles (`as_compiled_on_cpu`)."""
     cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
-    return float(CostModel(graph, cluster).estimate(plan).memory_bytes)
+    return CostModel(graph, cluster)
 
 
 def compiled_memory(compiled: Any) -> float | None:
@@ -159,6 +215,33 @@ def compiled_memory(compiled: Any) -> float | None:
         + stats.temp_size_in_bytes
         - stats.alias_size_in_bytes
     )
+
+
+def _donation_note(compiled: Any) -> str:
+    """Why XLA's buffer assignment holds the step's outputs apart, when it does."""
+    parts = memory_parts(compiled)
+    if not parts or parts["aliased"] or parts["outputs"] < 0.25 * parts["arguments"]:
+        return ""
+    return (
+        f"the step donates no input: XLA holds its outputs ({_fmt(parts['outputs'])}: the "
+        "new parameters and optimizer state) apart from its arguments, where the cost "
+        "model prices an update in place; jit the step with donate_argnums (am.apply "
+        "keeps it) to compare like with like"
+    )
+
+
+def memory_parts(compiled: Any) -> dict[str, float]:
+    """XLA's buffer assignment of a compiled program in its parts ({} where the backend
+    does not say): `compiled_memory` is arguments + outputs + temporaries - aliased."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    return {
+        "arguments": float(stats.argument_size_in_bytes),
+        "outputs": float(stats.output_size_in_bytes),
+        "temporaries": float(stats.temp_size_in_bytes),
+        "aliased": float(stats.alias_size_in_bytes),
+    }
 
 
 def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
@@ -235,16 +318,26 @@ def verify(
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
     prepared, compiled = compile_plan(fn, plan, args, graph=graph)
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
-    predicted = predicted_bytes(graph, plan, cluster)
+    model = cpu_model(graph, plan, cluster)
+    cost = model.estimate(plan)
+    predicted = collective_bytes(cost)
     match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    flops, flops_as_xla = predicted_flops(model, plan)
+    notes = [n for n in (ratio_note(flops, flops_as_xla), _donation_note(compiled)) if n]
     report = VerifyReport(
         dict(plan.mesh),
         match,
         predicted,
         xla,
         tuple(mismatches),
-        predicted_memory_bytes=predicted_memory(graph, plan, cluster),
+        notes=tuple(notes),
+        predicted_memory_bytes=float(cost.memory_bytes),
         xla_memory_bytes=compiled_memory(compiled),
+        predicted_memory_breakdown={k: float(v) for k, v in cost.memory_breakdown.items()},
+        xla_memory_breakdown=memory_parts(compiled),
+        predicted_flops=flops,
+        predicted_flops_as_xla=flops_as_xla,
+        xla_flops=compiled_flops(compiled),
     )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
@@ -268,29 +361,62 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
 
     run = apply_pipeline(fn, plan, _cpu_devices(plan.devices))
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
+    programs = run.compile(*args)
     xla: dict[str, float] = {}
     extra = set()  # programs that are not segments: microbatches joined or summed
-    for prog in run.compile(*args):
+    for prog in programs:
         if prog.kind not in ("pre", "F", "B", "post", "reduce"):
             extra.add(prog.kind)
         collectives = parse_collectives(prog.compiled.as_text())
         for key, nbytes in comm_bytes(collectives, prog.mesh).items():
             key = _on_stage(key, prog.stage)
             xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
-    predicted = _pipeline_predicted(pipe.graph, plan, cluster)
+    model = cpu_model(pipe.graph, plan, cluster)
+    pc = estimate_pipeline(model, plan)
+    predicted = _pipeline_predicted(pc)
     match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
     notes = [
         f"pipeline plan ({len(plan.stages)} stages, {plan.microbatches} microbatches, "
         f"{plan.schedule}): each stage's programs are compiled on its sub-mesh and their "
         "collectives summed over one step, per stage; the point-to-point sends between "
-        "stages are jax.device_put copies, not XLA collectives, and are not compared"
+        "stages are jax.device_put copies, not XLA collectives, and are not compared",
+        "pipeline memory per stage: XLA's side is combined from the stage's programs (its "
+        "input leaves as placed + its reduce's gradients + F's outputs x the microbatches "
+        "in flight + the largest F/B temporaries; automap._verify._stages)",
     ]
     if extra:
         notes.append(
             "the runtime also combines microbatches in programs of its own "
             f"({', '.join(sorted(extra))}): their collectives are on XLA's side only"
         )
-    report = VerifyReport(dict(plan.mesh), match, predicted, xla, tuple(mismatches), tuple(notes))
+    stages = range(len(plan.stages))
+    memory = tuple(
+        (float(pc.stage_memory_bytes[s]), stage_memory(pipe, programs, s, pc.in_flight[s]))
+        for s in stages
+    )
+    flops = tuple(
+        (*counted, stage_flops(programs, s))
+        for s, counted in enumerate(predicted_stage_flops(model, plan))
+    )
+    busiest = max(stages, key=lambda s: flops[s][0])
+    largest = max(stages, key=lambda s: memory[s][0])
+    report = VerifyReport(
+        dict(plan.mesh),
+        match,
+        predicted,
+        xla,
+        tuple(mismatches),
+        tuple(notes),
+        predicted_memory_bytes=max(m[0] for m in memory),
+        xla_memory_bytes=None if any(m[1] is None for m in memory) else max(m[1] for m in memory),
+        predicted_memory_breakdown={k: float(v) for k, v in pc.stage_memory[largest].items()},
+        xla_memory_breakdown=stage_memory_parts(pipe, programs, largest, pc.in_flight[largest]),
+        predicted_flops=flops[busiest][0],
+        predicted_flops_as_xla=flops[busiest][1],
+        xla_flops=flops[busiest][2],
+        stage_memory_bytes=memory,
+        stage_flops=flops,
+    )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         ok, err = _numerics(fn, run(*args), args, plan.devices)
@@ -303,10 +429,8 @@ def _on_stage(key: str, stage: int) -> str:
     return f"{key} (stage {stage})"
 
 
-def _pipeline_predicted(graph: Any, plan: Plan, cluster: Any) -> dict[str, float]:
+def _pipeline_predicted(pc: Any) -> dict[str, float]:
     """The pipeline cost model's collectives per stage and kind@axis, sends left out."""
-    cluster = as_compiled_on_cpu(cluster or Cluster.preset("cpu", devices=plan.devices))
-    pc = estimate_pipeline(CostModel(graph, cluster), plan)
     out: dict[str, float] = {}
     for s, collectives in enumerate(pc.stage_collectives):
         for c in collectives:

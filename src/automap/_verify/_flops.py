@@ -1,0 +1,154 @@
+"""FLOPs per device: the cost model's count of a plan next to XLA's `cost_analysis()`.
+
+The cost model prices compute from the captured graph's FLOPs (`_capture/_flops.py`: a
+multiply-accumulate is two, one per elementwise output, transcendentals included), each
+op divided by the sharding divisor of its iteration space under the plan, and the ops a
+remat plan recomputes counted twice. XLA's `compiled.cost_analysis()` of the partitioned
+program counts the FLOPs one device runs. Read with jax 0.10 on the CPU backend, it
+differs from the graph's count in three ways, which the comparison accounts for:
+
+- transcendentals (exp, log, tanh, rsqrt, sqrt...) are counted apart from "flops"
+  (`cost_analysis()["transcendentals"]`): XLA's side here is their sum, as the graph
+  counts them;
+- a while loop's body is counted once, whatever its trip count (a scan of 10 matmuls
+  counts one): the graph counts the body times its trips, which is what runs. The
+  comparison uses the graph's count *as XLA counts*: every loop body once;
+- a convolution counts only the kernel taps that meet the input (padding is not data),
+  where the graph counts padding as data, as published CNN FLOP counts do: the count as
+  XLA counts it takes the taps that meet the input, per spatial dimension.
+
+What is left is small and named: reductions count n - 1 adds (the graph n), the
+all-reduce of a collective adds its sums, and XLA's algebraic simplifier removes a few
+elementwise ops. The ZeRO update runs on shards, which the cost model's compute does not
+divide (an optimizer update is a few FLOPs per parameter, far below the matmuls).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._axes import PIPE
+from .._cost import CostModel
+from .._graph import Graph, Op
+from .._pipeline import partition
+from .._plan import Plan
+
+#: Primitives whose graph count differs from XLA's by the loop and padding rules above.
+LOOP_PRIMITIVES = frozenset({"scan", "while", "cond"})
+
+
+def compiled_flops(compiled: Any) -> float | None:
+    """FLOPs per device of a compiled program by XLA's cost analysis: "flops" plus
+    "transcendentals" (the graph counts a transcendental as one FLOP); None where the
+    backend does not say."""
+    stats = compiled.cost_analysis()
+    if isinstance(stats, (list, tuple)):  # older jax: one dict per program
+        stats = stats[0] if stats else None
+    if stats is None:
+        return None
+    return float(stats.get("flops", 0.0)) + float(stats.get("transcendentals", 0.0))
+
+
+def xla_counted_flops(graph: Graph, op: Op) -> float:
+    """An op's FLOPs as XLA's cost analysis counts them: loop bodies once, convolutions
+    without the padded taps; every other op as the graph counts it."""
+    bodies = graph.bodies.get(op.index) if op.primitive in LOOP_PRIMITIVES else None
+    if bodies:
+        priced = [b for b in bodies if b.priced] or list(bodies)
+        return sum(xla_counted_flops(b.graph, bop) for b in priced for bop in b.graph.ops)
+    if op.primitive == "conv_general_dilated":
+        return _conv_flops_without_padding(graph, op)
+    return op.flops
+
+
+def _conv_flops_without_padding(graph: Graph, op: Op) -> float:
+    """2 x (batch x output features) x (input features per group) x, per spatial dim, the
+    (output position, kernel tap) pairs that land on a real input element (XLA's
+    HloCostAnalysis for convolutions, dilations and strides included)."""
+    p = op.params
+    dn = p["dimension_numbers"]
+    lhs = graph.tensors[op.inputs[0]].shape
+    rhs = graph.tensors[op.inputs[1]].shape
+    out = graph.tensors[op.outputs[0]].shape
+    pairs = 1
+    spatial = zip(dn.lhs_spec[2:], dn.rhs_spec[2:], dn.out_spec[2:], strict=True)
+    for i, (li, ri, oi) in enumerate(spatial):
+        o = np.arange(out[oi])[:, None] * p["window_strides"][i]
+        k = np.arange(rhs[ri])[None, :] * p["rhs_dilation"][i]
+        pos = o + k - p["padding"][i][0]
+        dil = p["lhs_dilation"][i]
+        pairs *= int(np.sum((pos >= 0) & (pos <= (lhs[li] - 1) * dil) & (pos % dil == 0)))
+    batch_features = out[dn.out_spec[0]] * out[dn.out_spec[1]]
+    return 2.0 * batch_features * rhs[dn.rhs_spec[1]] * pairs
+
+
+def live_ops(graph: Graph) -> np.ndarray:
+    """Per op, whether a result reaches a step output: XLA removes the others."""
+    live = {leaf.tensor for leaf in graph.outputs}
+    out = np.zeros(len(graph.ops), dtype=bool)
+    for op in reversed(graph.ops):
+        if any(t in live for t in op.outputs):
+            out[op.index] = True
+            live.update(op.inputs)
+    return out
+
+
+def op_divisors(model: CostModel, plan: Plan, mesh: dict[str, int]) -> np.ndarray:
+    """Per op, 1 / the sharding divisor of its iteration space under the plan: the share
+    of its FLOPs one device runs, as the cost model prices compute."""
+    state = model.state(model.plan_assignment(plan), mesh)
+    return state.inv[model.tables.op_set]
+
+
+def op_runs(model: CostModel, plan: Plan) -> np.ndarray:
+    """Per op, how many times one step runs its whole-batch work: 1, and 2 for an op
+    a remat plan recomputes in the backward (matmuls included); 0 for dead ops."""
+    runs = live_ops(model.graph).astype(float)
+    if plan.remat:
+        again = list(model.residuals.recomputed)
+        runs[again] += runs[again]
+    return runs
+
+
+def per_op_flops(model: CostModel, plan: Plan, mesh: dict[str, int]) -> tuple[np.ndarray, ...]:
+    """Per op, FLOPs per device per step: (as the graph counts them, as XLA counts them)."""
+    share = op_divisors(model, plan, mesh) * op_runs(model, plan)
+    graph = model.graph
+    counted = np.array([op.flops for op in graph.ops], dtype=float)
+    as_xla = np.array([xla_counted_flops(graph, op) for op in graph.ops], dtype=float)
+    return counted * share, as_xla * share
+
+
+def predicted_flops(model: CostModel, plan: Plan) -> tuple[float, float]:
+    """FLOPs per device per step of a one-program plan: (the cost model's, the same
+    counted as XLA's cost analysis counts them)."""
+    counted, as_xla = per_op_flops(model, plan, dict(plan.mesh))
+    return float(counted.sum()), float(as_xla.sum())
+
+
+def predicted_stage_flops(model: CostModel, plan: Plan) -> tuple[tuple[float, float], ...]:
+    """Per pipeline stage, FLOPs per device per step (every microbatch's share summed):
+    (the cost model's, as XLA counts them). The stage mesh is the plan's without "pipe"."""
+    stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
+    counted, as_xla = per_op_flops(model, plan, stage_mesh)
+    bounds = [(st.op_start, st.op_stop) for st in plan.stages]
+    part = partition(model.graph, model.groups, bounds, plan.microbatches)
+    stage = np.array(part.op_stage)
+    return tuple(
+        (float(counted[stage == s].sum()), float(as_xla[stage == s].sum()))
+        for s in range(part.n_stages)
+    )
+
+
+def ratio_note(predicted: float, as_xla: float) -> str:
+    """Why the graph's count and the XLA-convention count differ, when they do."""
+    if math.isclose(predicted, as_xla, rel_tol=1e-9):
+        return ""
+    return (
+        f"FLOPs: the cost model counts {predicted:.4g} per device; XLA's cost analysis "
+        "counts a loop body once and no padded convolution taps, so the graph's count "
+        f"compared with XLA's is {as_xla:.4g} (this module's doc)"
+    )
