@@ -238,7 +238,10 @@ def test_verify_reports_pipeline_memory_and_flops_per_stage():
         (rm, rxm), (_, rf, rxf) = remat.stage_memory_bytes[s], remat.stage_flops[s]
         assert rf == pytest.approx(rxf, rel=0.15), remat.summary()
         assert pf != pytest.approx(rxf, rel=0.15)
-        assert rxf > xf and rxm < xm and rm < pm
+        # The runtime's peak (run.memory) of the last stage (one microbatch in flight) can
+        # be its update, where remat saves nothing: never more, less on the first.
+        assert rxf > xf and rxm <= xm and rm < pm
+    assert remat.stage_memory_bytes[0][1] < plain.stage_memory_bytes[0][1]
 
 
 def test_verify_splits_memory_into_its_parts_and_names_a_step_that_donates_nothing():

@@ -162,11 +162,9 @@ def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
     whole = cm.evaluate(assignment, mesh, zero_stage=zero, remat=remat)
     oc = op_costs(cm, assignment, mesh, zero_stage=zero, remat=remat)
     assert (oc.compute + oc.remat_compute).sum() == pytest.approx(whole.compute_s)
-    if not zero:
-        # With ZeRO a one-stage plan reduce-scatters the gradients and gathers the
-        # parameters once (tests/test_zero.py); a pipeline stage still all-reduces them
-        # and gathers the moments for a whole update (its ZeRO is not sharded yet).
-        assert (oc.comm + oc.grad_comm + oc.zero_comm).sum() == pytest.approx(whole.comm_s)
+    # With ZeRO, as for one stage: the gradients reduce-scattered, each parameter gathered
+    # once (tests/test_zero.py).
+    assert (oc.comm + oc.grad_comm + oc.zero_comm).sum() == pytest.approx(whole.comm_s)
     # Cut in stages at one microbatch, every op still runs once: compute is conserved.
     plan = stage_plan("gpt2-xl", 4, 1)
     part = partition(graph, groups, bounds_of(plan), 1)
@@ -224,11 +222,15 @@ def test_stage_collectives_are_each_stages_own():
 
 def test_zero_gathers_are_charged_where_each_parameter_is_updated():
     # gpt2's token embedding is tied: read on the first stage (the lookup) and the last
-    # (the logits), updated on one. Its moments are gathered once per step, there (as
-    # XLA does: tests/pipeline/test_runtime.py checks ZeRO-3's gathers against it).
+    # (the logits), updated on one. Each parameter is gathered once per step after its
+    # sharded update, there (as XLA does: tests/pipeline/test_zero.py).
     cm = model("gpt2-xl")
     plan = stage_plan("gpt2-xl", 2, 2, zero=1)
     pc = estimate_pipeline(cm, plan)
-    moments = 2 * sum(b for _, b, _ in zero_leaves(cm.graph, plan_op_costs(cm, plan).layouts))
+    params = sum(b for _, b, _ in zero_leaves(cm.graph, plan_op_costs(cm, plan).layouts))
     gathered = sum(c.bytes for own in pc.stage_collectives for c in own if c.kind == "all-gather")
-    assert gathered == pytest.approx(moments)
+    assert gathered == pytest.approx(params)
+    # Where reduce-scatter exists, the gradients' data reduction is one, once per step.
+    for own in pc.stage_collectives:
+        data = {c.kind for c in own if c.axis == "data"}
+        assert "reduce-scatter" in data, own

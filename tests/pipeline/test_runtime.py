@@ -100,7 +100,7 @@ def test_verify_compares_a_pipeline_with_a_model_axis_and_zero3_compiled_only():
     assert report.numerics_ok is None  # compiled, not run
     assert report.collectives_match is True, report.summary()
     # In both stages: partial sums over "model", gradients over "data", and ZeRO-3's
-    # gathers of the parameters in every program that reads them (pre, F, B, post).
+    # gathers of the parameters in every program that reads them for use (pre, F, B).
     for s in (0, 1):
         for kind in ("all-reduce@model", "all-reduce@data", "all-gather@data"):
             assert report.xla_comm_bytes[f"{kind} (stage {s})"] > 0

@@ -19,10 +19,12 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   its own (`_run/_pipelined.py`): the reduction over the batch's axes of its op moves to a
   fifth phase, REDUCE, run once, full size, combined per stage and axis (one program: as
   XLA's combiner does), and timed after the stage's last unit in `_schedule.simulate`.
-  What is left of that reduction (axes that are not the batch's) stays in its call. With ZeRO >= 1 the POST update gathers the sharded moments
-  of the parameters it updates (two all-gathers, as `_model.py`); ZeRO-3 also gathers a
-  parameter in every program that reads it: PRE, every F and every B call, and POST.
-  Rematerialized forward ops run again in B.
+  What is left of that reduction (axes that are not the batch's) stays in its call.
+  With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
+  layout (where the backend has one), the POST update runs on shards and gathers each
+  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
+  F and B program that reads one gathers it (`_add_zero`). Rematerialized forward ops
+  run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
@@ -48,7 +50,7 @@ import numpy as np
 from .._axes import DATA, PIPE
 from .._errors import PlanError
 from .._graph import Role
-from .._pipeline import Partition, partition, simulate
+from .._pipeline import Partition, Phase, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows, per_slot
@@ -121,6 +123,10 @@ class OpCosts:
     axis_costs: C.AxisCosts
     # [rows] a recomputed op's collective run again in the backward (remat), or None.
     row_again: np.ndarray | None = None
+    # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
+    # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
+    # stage's reduce program scatters it all the same (`_rows_by_phase`).
+    row_narrow: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -150,24 +156,36 @@ def op_costs(
     row_grad = np.concatenate([per_slot(pf, pf.grad), rf.grad])
     tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
-    # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
-    g = row_grad & (st.count > 0)
-    g_bytes = np.bincount(st.key[g], st.nbytes[g], minlength=len(ac.keys))
-    g_any = np.bincount(st.key[g], minlength=len(ac.keys)) > 0
-    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(g, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
     if data_axis is None:
         data_axis = DATA if DATA in stage_mesh else None
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
     zero_mask = 0
     zero_comm = np.zeros(n)
+    key = st.key
     if zero_stage >= 1 and lay.data_size > 1:
         zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
-        times = 3 if zero_stage >= 3 else 2
-        readers = graph.consumers()
-        for t, b, c in zero_leaves(graph, lay):
-            zero_comm[(readers[t] or (0,))[0]] += ac.time1(C.AG, zero_mask, times * b, times * c)
+        if model.cluster.reduce_scatter:
+            # The gradients meet the ZeRO layout: their all-reduce over data becomes a
+            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
+            ar = row_grad & (key == C.AR * ac.masks + zero_mask)
+            key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+        # Each parameter not already split on data is gathered once per step: after its
+        # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
+        # used (ZeRO-3; `stage_costs` charges every program that reads it).
+        # One program gathers them all in one combined collective, shared by bytes.
+        readers, leaves = graph.consumers(), list(zero_leaves(graph, lay))
+        total = sum(b for _, b, _ in leaves)
+        if total and any(c for *_, c in leaves):
+            seconds = ac.time1(C.AG, zero_mask, total, 1)
+            for t, b, _ in leaves:
+                zero_comm[(readers[t] or (0,))[0]] += seconds * b / total
+    # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
+    g = row_grad & (st.count > 0)
+    g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
+    g_any = np.bincount(key[g], minlength=len(ac.keys)) > 0
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(g, st.nbytes / g_bytes[key] * g_time[key], 0.0)
     oc = OpCosts(
         mesh=dict(stage_mesh),
         zero_stage=zero_stage,
@@ -179,7 +197,7 @@ def op_costs(
         zero_comm=zero_comm,
         layouts=lay,
         row_op=row_op,
-        row_key=st.key,
+        row_key=key,
         row_bytes=st.nbytes,
         row_count=st.count,
         row_grad=row_grad,
@@ -190,6 +208,9 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
+        row_narrow=np.array(
+            [graph.tensors[graph.ops[i].outputs[0]].itemsize < 4 for i in row_op], dtype=bool
+        ),
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -218,6 +239,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
         row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < len(op) - len(r.op)]),
+        row_narrow=np.concatenate([oc.row_narrow, np.zeros(len(op), dtype=bool)]),
     )
 
 
@@ -450,6 +472,10 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)
     d = np.nonzero(deferred)[0]
+    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
+    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
+    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
+    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
     rows = np.concatenate([r, r[d]])
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
@@ -474,23 +500,45 @@ def zero_leaves(graph, lay: Layouts):
 
 
 def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
-    """ZeRO's all-gathers, charged to the (stage, phase) programs that read each
-    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU):
-    its moments twice in the POST call that updates it; with ZeRO-3 the parameter itself
-    too, there (3 gathers, as `op_costs`), in every F and B call that reads it and in a
-    PRE call that does (a weight cast or broadcast). A parameter read on two stages (tied
-    embeddings, a layer cut mid-way) is updated on only one of them."""
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
+    the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
+    parameter stays sharded and every PRE, F and B program that reads it gathers it for
+    use. A program gathers its parameters in one combined collective (XLA's all-gather
+    combiner); PRE and POST run as several programs, maximal runs of one stage's ops in
+    program order (`_run/_segments.py`). A parameter read on two stages (tied embeddings,
+    a layer cut mid-way) is updated on only one of them."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
-    gathers = {PRE: 1, FWD: 1, BWD: 1, POST: 3} if oc.zero_stage >= 3 else {POST: 2}
-    phase = phase_codes(part)
+    phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
+    phase, program = phase_codes(part), _programs(part)
+    moved: dict[tuple[int, int], float] = {}
+    programs: dict[tuple[int, int], set[int]] = {}
     for t, b, c in zero_leaves(graph, oc.layouts):
-        for s, ph in {(part.op_stage[i], int(phase[i])) for i in consumers[t]}:
-            k = gathers.get(ph, 0)
-            if k:
-                time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, k * b, k * c)
-                nbytes[s, ph, key] += k * b
-                count[s, ph, key] += k * c
+        # Gathered once in each program that reads it.
+        for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
+            if ph in phases and c:
+                moved[(s, ph)] = moved.get((s, ph), 0.0) + b
+                programs.setdefault((s, ph), set()).add(prog)
+    for (s, ph), b in moved.items():
+        n = len(programs[(s, ph)])
+        time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
+        nbytes[s, ph, key] += b
+        count[s, ph, key] += n
+
+
+def _programs(part: Partition) -> list[int]:
+    """Per op, the program it runs in: F and B are one program per stage; PRE and POST
+    ops form one program per maximal run of one stage's ops in program order."""
+    out, last, n = [], {}, 0
+    for s, ph in zip(part.op_stage, part.op_phase, strict=True):
+        if ph in (Phase.PRE, Phase.POST):
+            if last.get(ph, (None, -1))[0] != s:
+                n, last[ph] = n + 1, (s, n + 1)
+            out.append(last[ph][1])
+        else:
+            out.append(-1 - 2 * s - (ph is Phase.BWD))
+    return out
 
 
 def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:

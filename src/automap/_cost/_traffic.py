@@ -106,7 +106,11 @@ def stage_memory(
         if leaf.role == Role.PARAM:
             part_bytes = {
                 "params": zeroed(t, zero_stage >= 3),
-                "grads": zeroed(t, zero_stage >= 2),
+                # Whole per device at any ZeRO stage: the runtime sums each microbatch's
+                # local gradients whole and reduce-scatters them once per step. With
+                # several microbatches a B call's own sums live next to the running ones
+                # until they are added: two copies.
+                "grads": zeroed(t, False) * (2 if m > 1 else 1),
             }
         elif leaf.role == Role.OPT_STATE:
             part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}
@@ -117,6 +121,23 @@ def stage_memory(
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
+
+    # Values made once per step before the microbatches are held through them by their
+    # stage and by every stage that reads them later: a weight's cast or transpose,
+    # ZeRO-3's gathered parameters (by the update's layout where only the update reads
+    # one: the partition runs an op whose results only the update reads with it).
+    for op in graph.ops:
+        if phase[op.index] != PRE:
+            continue
+        for t in op.outputs:
+            late = [c for c in consumers[t] if phase[c] != PRE]
+            if late:
+                # Read by the update alone: ZeRO pins it to the update's sharded layout.
+                update = all(phase[c] == POST for c in late)
+                b = zeroed(t, zero_stage >= 1 and update)
+                for s in {int(stage[op.index])} | {int(stage[c]) for c in late}:
+                    out[s]["params"] += b
+                op_state[late[0]] += b
 
     copies = in_flight(S, m, schedule)
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()

@@ -188,6 +188,14 @@ def partition(
         else (Phase.POST if after[i] else Phase.PRE)
         for i in range(n)
     ]
+    # An op reading only inputs whose results only the update reads (Adam's decayed
+    # moments, b1 * mu) runs with the update: made before the microbatches, its results
+    # would be held through them.
+    for op in reversed(graph.ops):
+        if phase[op.index] is Phase.PRE:
+            readers = [c for t in op.outputs for c in consumers[t]]
+            if readers and all(phase[c] is Phase.POST for c in readers):
+                phase[op.index] = Phase.POST
     stage: list[int | None] = [None] * n
     for s, (start, stop) in enumerate(bounds):
         for i in range(start, min(stop, n)):

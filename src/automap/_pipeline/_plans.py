@@ -143,13 +143,12 @@ def pipeline_plan(
     starts = [0, *cuts]
     if any(b <= a for a, b in itertools.pairwise(starts)):
         raise PlanError(f"pipeline cuts {list(cuts)} must be ascending and after op 0.")
-    # The stages reduce their gradients in a "reduce" program of their own: with ZeRO
-    # the update still runs whole there (gathering the moments), as `_cost/_pipelined.py`
-    # prices it; the one-stage reduce-scatter pattern is not carried into stages yet.
+    # With ZeRO, as for one stage: the gradients and the update pinned to the ZeRO layout.
+    # A stage sums its gradients whole over the microbatches and its "reduce" program
+    # reduce-scatters them into that layout once per step (`_run/_pipelined.py`).
     inner = plan_from_assignment(
-        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage,
-        shard_update=False,
-    )  # fmt: skip
+        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage
+    )
     per = math.prod(stage_mesh.values()) if stage_mesh else 1
     stops = [*cuts, len(graph.ops)]
     stages = tuple(

@@ -24,7 +24,12 @@ Where the work goes, for the cost model:
   device: its own partial sum, the size of the reduced tensor), no copy per microbatch.
   After the stage's last unit, one "reduce" program per stage sums the leading axis: one
   all-reduce over the data axes per step (XLA combines the stage's tensors), as
-  Megatron-LM reduces gradients once per step, not once per microbatch.
+  Megatron-LM reduces gradients once per step, not once per microbatch. With ZeRO the
+  plan pins the gradients to the ZeRO layout: the sums stay whole per device in F and
+  B, and the reduce program reduce-scatters them into that layout (DeepSpeed's ZeRO).
+- A step output the plan pins inside the step to another layout (ZeRO's new parameters,
+  updated on shards) leaves the program that makes it in its output spec: ZeRO-1/2's
+  one all-gather of the parameters per step, after the update.
 - Per-step work (pre: weight casts; post: the loss division, the optimizer update) runs
   once on the full batch's shapes, on the stage the partition gives it.
 - A microbatch's residuals (forward values its backward reads) are dropped after the last
@@ -37,6 +42,7 @@ what `am.verify` reads the collectives of.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -47,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
@@ -99,6 +106,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     run.gather = lambda tree: gather(tree, meshes)  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
     run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
+    run.memory = lambda *args: prepare(*args).memory(args)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
     return run
 
@@ -169,6 +177,13 @@ class _Pipeline:
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
             self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
         self.readers = readers(self.micro)
+        self.input_stages: dict[int, list[int]] = {}
+        for seg in (*self.pre, *self.micro, *self.post):
+            for t in seg.inputs:
+                if full.tensors[t].kind is TensorKind.INPUT:
+                    stages = self.input_stages.setdefault(t, [])
+                    if seg.stage not in stages:
+                        stages.append(seg.stage)
         self.per_mb = {
             t
             for seg in self.micro
@@ -177,6 +192,12 @@ class _Pipeline:
             if part.op_phase[i] in (Phase.FWD, Phase.BWD)
         }
         self.spec = {leaf.tensor: plan.specs[leaf.path] for leaf in full.inputs}
+        # Per-step outputs and the layout they leave in (the plan's output specs).
+        self.out_spec = {
+            leaf.tensor: tuple(plan.out_specs[leaf.path])
+            for leaf in full.outputs
+            if leaf.path in plan.out_specs and leaf.tensor not in part.batched
+        }
         self._check_inputs(micro)
         self.partial = self._partial_ops() if m > 1 else {}
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
@@ -192,6 +213,7 @@ class _Pipeline:
             if (ts := tuple(t for t in sorted(self.deferred) if self._stage_of(t) == s))
         }
         self.trace: list[tuple[int, str, int]] = []
+        self.dry_runs: dict[tuple, _Dry] = {}
 
     def _stage_of(self, t: int) -> int:
         return self.part.op_stage[self.graph.tensors[t].producer]
@@ -218,7 +240,7 @@ class _Pipeline:
         whose batched inputs are split on different axes, or whose result the plan splits
         on them, is left to XLA."""
         graph, part = self.graph, self.part
-        axes_of, wanted = self._batch_axes(), self._wanted()
+        axes_of = self._batch_axes()
         accumulated = set(part.accumulated)
         out: dict[int, tuple[str, ...]] = {}
         for op in graph.ops:
@@ -234,10 +256,10 @@ class _Pipeline:
             }
             if len(found) != 1 or not (axes := found.pop()) or any(a not in mesh for a in axes):
                 continue
-            # A result the plan splits over those very axes is XLA's to reduce-scatter.
-            spec = [e for t in op.outputs for e in wanted.get(t, ())]
-            if not set(axes) & {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}:
-                out[op.index] = axes
+            # A result the plan splits over those very axes (ZeRO's gradients) is summed
+            # whole per device here and reduce-scattered into that layout by the stage's
+            # "reduce" program, once per step.
+            out[op.index] = axes
         return out
 
     def _reducer(self, tensors: tuple[int, ...], s: int) -> Callable:
@@ -246,8 +268,9 @@ class _Pipeline:
         layout the plan asks of it where it asks one."""
         mesh = self.meshes[s]
         wanted = self._wanted()
+        specs = [self._scattered(t, wanted.get(t), mesh) for t in tensors]
         shardings = [
-            NamedSharding(mesh, PartitionSpec(*wanted[t])) if t in wanted else None for t in tensors
+            None if spec is None else NamedSharding(mesh, PartitionSpec(*spec)) for spec in specs
         ]
 
         def reduce(*partials: Any) -> tuple[Any, ...]:
@@ -258,6 +281,32 @@ class _Pipeline:
             )
 
         return jax.jit(reduce)
+
+    def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
+        """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
+        float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
+        would sum it after its cast to float32): here it is summed in its own dtype
+        anyway, so it is reduce-scattered too, with the data axis on its dim linked to
+        one the update's ops that read it take it on."""
+        data, graph = DATA, self.graph
+        if self.plan.zero_stage < 1 or mesh.shape.get(data, 1) == 1 or not graph.tensors[t].ndim:
+            return spec
+        spec = tuple(spec) if spec is not None else (None,) * graph.tensors[t].ndim
+        if any(data in _axes_of(e) for e in spec):
+            return spec
+        wanted = self._wanted()
+        linked = {
+            g
+            for c in graph.consumers()[t]
+            for u in graph.ops[c].outputs
+            for e, g in zip(wanted.get(u, ()), self.groups.tensor_groups[u], strict=False)
+            if data in _axes_of(e)
+        }
+        for d, (e, g) in enumerate(zip(spec, self.groups.tensor_groups[t], strict=True)):
+            size = mesh.shape[data] * math.prod(mesh.shape[a] for a in _axes_of(e))
+            if g in linked and graph.tensors[t].shape[d] % size == 0:
+                return (*spec[:d], _entry((*_axes_of(e), data)), *spec[d + 1 :])
+        return spec
 
     def _wanted(self) -> dict[int, tuple]:
         """Specs the plan fixes inside the step: its constraints, and an output spec acts
@@ -300,7 +349,8 @@ class _Pipeline:
                     _micro_divisible(what, graph.tensors[t].shape, wanted[t], stage_mesh)
                     spec = wanted[t]
                     if t in self.deferred:  # its partial sums: a leading per-device axis
-                        spec = (_entry(self.partial[self.deferred[t]]), *spec)
+                        axes = self.partial[self.deferred[t]]
+                        spec = (_entry(axes), *_without(spec, axes))
                     shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
         use = consts if seg.kind in "FB" else None
         bind = (
@@ -313,14 +363,26 @@ class _Pipeline:
             s = shardings.get(tid)
             return value if s is None else jax.lax.with_sharding_constraint(value, s)
 
+        # A step output pinned inside the step to another layout than the plan's output
+        # spec (ZeRO's new parameters: updated on shards) leaves in its output spec: the
+        # parameters' all-gather after the update, in the program that updates them.
+        leave = {
+            t: NamedSharding(mesh, PartitionSpec(*self.out_spec[t]))
+            for t in seg.outputs
+            if t in self.out_spec and self.out_spec[t] != wanted.get(t)
+        }
+
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
             if seg.recompute is not None:
                 rc = seg.recompute
-                return tuple(
-                    eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
-                )
-            return tuple(eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind))
+                outs = eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
+            else:
+                outs = eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind)
+            return tuple(
+                jax.lax.with_sharding_constraint(x, leave[t]) if t in leave else x
+                for t, x in zip(seg.outputs, outs, strict=True)
+            )
 
         return jax.jit(body)
 
@@ -373,11 +435,27 @@ class _Pipeline:
     def compile(self, args: tuple) -> tuple[SegmentProgram, ...]:
         """Every program one step on `args` runs, compiled as the step would compile it
         (same jitted segments, same input shardings), without running anything."""
-        dry = _Dry(self.meshes)
+        return tuple(self._dry(args).programs.values())
+
+    def memory(self, args: tuple) -> tuple[float, ...]:
+        """Per stage, the peak bytes per device of one step on `args`: at each program
+        the stage runs, XLA's buffer assignment of that program (arguments + outputs +
+        temporaries - aliased) plus every other value the runtime holds on the stage's
+        devices then (the residuals of microbatches in flight, the gradient sums, the
+        parameters and optimizer state the program does not read); the largest."""
+        return tuple(self._dry(args).peak)
+
+    def _dry(self, args: tuple) -> _Dry:
+        """The step walked on abstract values: once per argument structure (its programs
+        and peaks are those of any arguments of these shapes)."""
         leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
-        abstract = [jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves]
-        self._step(tuple(abstract), dry)
-        return tuple(dry.programs.values())
+        abstract = tuple(jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves)
+        key = tuple((x.shape, x.dtype) for x in abstract)
+        if key not in self.dry_runs:
+            dry = _Dry(self.meshes)
+            self._step(abstract, dry)
+            self.dry_runs[key] = dry
+        return self.dry_runs[key]
 
     def _step(self, args: tuple, ops: _Live) -> tuple[dict[int, Any], list]:
         """One step in the schedule's order: (every tensor of the step by id, the trace).
@@ -394,18 +472,54 @@ class _Pipeline:
                 placed[(t, s)] = self._place(t, step[t], s, ops)
             return placed[(t, s)]
 
-        def run_steps(segs: list[Segment]) -> None:
+        def run_steps(segs: list[Segment], free: bool = False) -> None:
+            # `free`: the per-step values no later segment of `segs` reads are dropped as
+            # they die (after the microbatches only the post segments read them).
+            later = collections.Counter(t for seg in segs for t in seg.inputs) if free else None
+            if later is not None:
+                drop([t for t in step if not later[t]])
             for seg in segs:
                 outs = self._run(seg, [on_stage(t, seg.stage) for t in seg.inputs], ops)
                 for t, v in zip(seg.outputs, outs, strict=True):
                     step[t], placed[(t, seg.stage)] = v, v
+                if later is not None:
+                    later.subtract(seg.inputs)
+                    drop([t for t in seg.inputs if not later[t]])
 
-        run_steps(self.pre)
+        kept = {leaf.tensor for leaf in (*graph.inputs, *graph.outputs)}
+
+        def drop(tensors: list[int]) -> None:
+            """Forget values the step no longer needs (never its inputs or outputs)."""
+            for t in tensors:
+                if t not in kept and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
+                    step.pop(t, None)
+                    for key in [k for k in placed if k[0] == t]:
+                        del placed[key]
+
         made: list[dict[int, Any]] = [{} for _ in range(m)]  # per-microbatch values
         copies: list[dict[tuple[int, int], Any]] = [{} for _ in range(m)]
         left = [dict(self.readers) for _ in range(m)]
         acc: dict[int, Any] = {}
         pieces: dict[int, list[Any]] = {}  # batched step outputs made per microbatch
+
+        def held() -> list[Any]:
+            """Every value the step holds now (a value may sit in several places)."""
+            return [
+                *step.values(),
+                *placed.values(),
+                *(v for d in (*made, *copies) for v in d.values()),
+                *acc.values(),
+                *(v for vs in pieces.values() for v in vs if v is not None),
+            ]
+
+        ops.watch(held)
+        # The step's parameters and optimizer state go to their stages first: in a training
+        # loop they are there already (the last step's outputs), all step long.
+        for leaf in graph.inputs:
+            if leaf.tensor not in part.batched:
+                for s in self.input_stages.get(leaf.tensor, ()):
+                    on_stage(leaf.tensor, s)
+        run_steps(self.pre)
         accumulated = set(part.accumulated)
         outputs = {leaf.tensor for leaf in graph.outputs}
 
@@ -453,7 +567,7 @@ class _Pipeline:
             s = part.op_stage[graph.tensors[t].producer]
             d = batch_dim(self.groups, t)
             step[t] = ops.concat([self._send(v, s, ops) for v in vs], d, s)
-        run_steps(self.post)
+        run_steps(self.post, free=True)
         return step, trace
 
     def _run(self, seg: Segment, values: list[Any], ops: _Live) -> list[Any]:
@@ -505,6 +619,9 @@ class _Live:
     def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
         return list(jitted(*values))
 
+    def watch(self, held: Callable[[], list[Any]]) -> None:
+        """`held()` lists the values the step holds at any moment (read by `_Dry`)."""
+
     def put(self, value: Any, sharding: NamedSharding) -> Any:
         return jax.device_put(value, sharding)
 
@@ -541,6 +658,32 @@ class _Dry(_Live):
         self._meshes = meshes
         self._found: dict[Any, tuple[int, str, Any]] = {}
         self._runs: dict[Any, int] = {}
+        self._held: Callable[[], list[Any]] = list
+        self.peak = [0.0] * len(meshes)  # per stage, bytes per device (`memory`)
+
+    def watch(self, held: Callable[[], list[Any]]) -> None:
+        self._held = held
+
+    def _note_peak(self, stage: int, compiled: Any, values: list[Any]) -> None:
+        """The stage's bytes per device while `compiled` runs on `values`."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            return
+        devices = set(self._meshes[stage].devices.flat)
+        args = {id(v) for v in values}
+        others = {id(v): v for v in self._held() if id(v) not in args}
+        kept = sum(
+            _device_bytes(v)
+            for v in others.values()
+            if getattr(v, "sharding", None) is not None and v.sharding.device_set <= devices
+        )
+        own = (
+            stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes
+        )
+        self.peak[stage] = max(self.peak[stage], float(kept + own))
 
     @property
     def programs(self) -> dict[Any, SegmentProgram]:
@@ -556,6 +699,7 @@ class _Dry(_Live):
         if key not in self._found:
             self._found[key] = (stage, kind, jitted.lower(*values).compile())
         self._runs[key] = self._runs.get(key, 0) + 1
+        self._note_peak(stage, self._found[key][2], values)
         outs = self._found[key][2].out_info
         return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
 
@@ -599,9 +743,30 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
     return True
 
 
+def _axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _device_bytes(value: Any) -> int:
+    """Bytes of one device's shard of a value with a sharding."""
+    shape = value.sharding.shard_shape(value.shape)
+    return math.prod(shape) * np.dtype(value.dtype).itemsize
+
+
 def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
     """A PartitionSpec entry for a dimension split over `axes`."""
     return axes[0] if len(axes) == 1 else axes
+
+
+def _without(spec: tuple, axes: tuple[str, ...]) -> tuple:
+    """`spec` with `axes` taken off every dimension (they split the partial sums' leading
+    axis instead: a ZeRO gradient is whole per device until its reduce-scatter)."""
+    out = []
+    for e in spec:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
 
 
 def _slice(x: Any, dim: int, i: int, m: int) -> Any:

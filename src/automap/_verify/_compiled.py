@@ -38,7 +38,7 @@ from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
-from ._stages import stage_flops, stage_memory, stage_memory_parts
+from ._stages import stage_flops, stage_memory_parts
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
 # A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
@@ -380,9 +380,10 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         f"{plan.schedule}): each stage's programs are compiled on its sub-mesh and their "
         "collectives summed over one step, per stage; the point-to-point sends between "
         "stages are jax.device_put copies, not XLA collectives, and are not compared",
-        "pipeline memory per stage: XLA's side is combined from the stage's programs (its "
-        "input leaves as placed + its reduce's gradients + F's outputs x the microbatches "
-        "in flight + the largest F/B temporaries; automap._verify._stages)",
+        "pipeline memory per stage: XLA's side is the largest, over the programs the stage "
+        "runs, of that program's buffer assignment plus every other value the runtime "
+        "holds on the stage's devices then (run.memory); its breakdown is the stage's "
+        "program sizes combined as automap._verify._stages says",
     ]
     if extra:
         notes.append(
@@ -390,10 +391,8 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
             f"({', '.join(sorted(extra))}): their collectives are on XLA's side only"
         )
     stages = range(len(plan.stages))
-    memory = tuple(
-        (float(pc.stage_memory_bytes[s]), stage_memory(pipe, programs, s, pc.in_flight[s]))
-        for s in stages
-    )
+    held = run.memory(*args)  # the same abstract walk as run.compile: compiled once
+    memory = tuple((float(pc.stage_memory_bytes[s]), float(held[s])) for s in stages)
     flops = tuple(
         (*counted, stage_flops(programs, s))
         for s, counted in enumerate(predicted_stage_flops(model, plan))
