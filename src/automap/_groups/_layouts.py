@@ -61,12 +61,10 @@ def plan_from_assignment(
     name: str = "",
     zero_stage: int = 0,
     data_axis: str = DATA,
-    shard_update: bool = True,
 ) -> Plan:
     """The plan that realizes an assignment: input/output specs and internal constraints.
-    With ZeRO, `shard_update` pins the gradients and the optimizer update to the ZeRO
-    layout (a pipeline stage, which reduces its gradients in a program of its own, does
-    not yet)."""
+    With ZeRO, the gradients and the optimizer update are pinned to the ZeRO layout (one
+    stage and pipeline stages alike)."""
     # Only splits the group can take (as the cost model reads the assignment): an axis on
     # an unsplittable group, or one whose size does not divide the group, is dropped.
     assignment = {
@@ -88,9 +86,7 @@ def plan_from_assignment(
             spec = zero_spec(spec, shape, mesh, data_axis)
         specs[leaf.path] = spec
     out_specs: dict[str, Spec] = {}
-    # A pipeline (`shard_update=False`) keeps its inputs' specs only where the paths are
-    # equal, as its cost model prices it (pipelined ZeRO gathers the state for the update).
-    state = state_inputs(graph) if shard_update else _same_path(graph)
+    state = state_inputs(graph)
     for leaf in graph.outputs:
         same = state.get(leaf.path)
         # New params and optimizer state keep their inputs' specs: the loop can go on.
@@ -122,7 +118,7 @@ def plan_from_assignment(
                 for t in op.outputs:
                     if graph.tensors[t].ndim:
                         constraints[t] = lay[t]
-    if shard_update and zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
+    if zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
         # DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
         # data-parallel partial sums meet a layout split over data), the optimizer update
         # runs on each device's shard, and the new parameters leave in their own layout
@@ -204,12 +200,6 @@ def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
         if len(match) == 1:
             out[leaf.path] = match[0]
     return out
-
-
-def _same_path(graph: Graph) -> dict[str, InputLeaf]:
-    """Per output path, the input leaf with the very same path."""
-    by_path = {leaf.path: leaf for leaf in graph.inputs}
-    return {leaf.path: by_path[leaf.path] for leaf in graph.outputs if leaf.path in by_path}
 
 
 def _tail(path: str) -> str:

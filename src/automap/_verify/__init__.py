@@ -28,4 +28,3 @@ from ._hlo import shape_bytes as shape_bytes
 from ._numerics import compare_outputs as compare_outputs
 from ._numerics import reordered as reordered
 from ._saved import check_saved_plan as check_saved_plan
-from ._stages import stage_memory as stage_memory

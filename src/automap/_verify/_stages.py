@@ -1,4 +1,4 @@
-"""A pipeline stage's peak memory and FLOPs read from the XLA programs it runs.
+"""A pipeline stage's memory terms and FLOPs read from the XLA programs it runs.
 
 A pipeline step is not one program: per stage the runtime runs "pre" programs once
 (casts and copies of the step's inputs), "F" and "B" once per microbatch, a "reduce" of
@@ -36,18 +36,12 @@ from ._flops import compiled_flops
 PER_MICROBATCH = ("F", "B")
 
 
-def stage_memory(pipe: Any, programs: Sequence[Any], stage: int, in_flight: int) -> float | None:
-    """Peak bytes per device of one stage of `pipe` (the runtime's prepared pipeline: its
-    graph, partition, specs and stage meshes) from its programs (the module doc's rule);
-    None where the backend gives no buffer assignment."""
-    parts = stage_memory_parts(pipe, programs, stage, in_flight)
-    return float(sum(parts.values())) if parts else None
-
-
 def stage_memory_parts(
     pipe: Any, programs: Sequence[Any], stage: int, in_flight: int
 ) -> dict[str, float]:
-    """The terms of `stage_memory` by name ({} where the backend gives no assignment)."""
+    """A stage's memory by the module doc's terms, per device ({} where the backend gives
+    no buffer assignment). `am.verify` shows it as XLA's breakdown; its peak figure is
+    `run.memory`'s, which also holds the values the runtime keeps between programs."""
     stats = [(p.kind, p.compiled.memory_analysis()) for p in programs if p.stage == stage]
     if not stats or any(s is None for _, s in stats):
         return {}
