@@ -257,6 +257,31 @@ def test_body_gradient_all_reduces_are_combined_per_trip(program, expert):
     assert ar.count - sum(c.count for c in data) == st.sums[2, key] * calls[0, key]
 
 
+def test_delta_on_body_gradients_equals_a_full_evaluation():
+    """Moving groups one at a time onto and off the axes (incremental sums, the body's
+    combine slot included) prices a plan as evaluating it whole does."""
+    step, args = scan_program()
+    plan = am.expert_plans(step, *args, cluster=CLUSTER)["megatron_dp"]
+    model = CostModel(am.capture(step, *args), CLUSTER)
+    target = model.plan_assignment(plan)
+    base, current = model.state({}, plan.mesh), {}
+    for gid, axis in target.items():
+        cost, base = model.evaluate_delta(base, {gid: axis})
+        current[gid] = axis
+        full = model.evaluate(current, plan.mesh)
+        assert cost.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+        assert [(c.kind, c.axis, c.count) for c in cost.collectives] == [
+            (c.kind, c.axis, c.count) for c in full.collectives
+        ]
+        assert [c.bytes for c in cost.collectives] == pytest.approx(
+            [c.bytes for c in full.collectives]
+        )
+    back, _ = model.evaluate_delta(base, {gid: None})
+    del current[gid]
+    assert back.step_time_s == pytest.approx(model.evaluate(current, plan.mesh).step_time_s)
+    assert model.tables.combine_trips.tolist() == [1.0, L]
+
+
 def test_loop_bodies_are_captured_and_bound():
     """Each loop op keeps its body as a program bound to its operands: a scan slices its
     stacked weights along their leading dim, and a cond prices its dearest branch."""
