@@ -2,6 +2,8 @@
 
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,12 +54,35 @@ CASES = {
 _graphs: dict = {}
 
 
+def _scanned_step(params, batch):
+    """Two-matmul layers stacked under `lax.scan`: the backward body's weight-gradient
+    all-reduces are combined once per trip (`_cost/_kernel.combined_times`)."""
+
+    def loss_fn(params):
+        x, y = batch
+        h, _ = jax.lax.scan(
+            lambda h, w: (jnp.tanh(h @ w[0]) @ w[1] + h, None), x, (params["w1"], params["w2"])
+        )
+        return jnp.mean((h - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), loss
+
+
+def _scanned_args():
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    return {"w1": f32(4, 32, 64), "w2": f32(4, 64, 32)}, (f32(16, 32), f32(16, 32))
+
+
 def problem_for(case: str, **cluster_overrides) -> Problem:
     """The case's problem; each model is captured once per test session."""
-    name, overrides, preset, devices = CASES[case]
+    name, overrides, preset, devices = CASES.get(case, ("", {}, "cpu", 8))
     if case not in _graphs:
-        spec = get_model(name, **overrides)
-        graph = capture(spec.step_fn, *spec.abstract_args())
+        if case == "scan":
+            graph = capture(_scanned_step, *_scanned_args())
+        else:
+            spec = get_model(name, **overrides)
+            graph = capture(spec.step_fn, *spec.abstract_args())
         _graphs[case] = (graph, build_groups(graph))
     graph, groups = _graphs[case]
     cluster = am.Cluster.preset(preset, devices, **cluster_overrides)
@@ -78,12 +103,14 @@ def space_of(problem: Problem) -> ShardSpace:
     return ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
 
 
-@pytest.mark.parametrize("case", ["bert", "t5"])
+@pytest.mark.parametrize("case", ["bert", "t5", "scan"])
 def test_factor_sums_are_the_cost_models_figures(case):
     """On random points of every mesh and ZeRO stage (ZeRO-1 too, which the search skips),
     the factors with their auxiliary units at their best give the cost model's step time,
-    memory and feasibility."""
+    memory and feasibility (on a scan: its body's gradients combined once per trip)."""
     space = space_of(problem_for(case))
+    if case == "scan":
+        assert space.cost_model.tables.combine_trips.tolist() == [1.0, 4.0]
     rng = np.random.default_rng(0)
     for mesh_index, mesh in enumerate(space.meshes):
         terms = MeshTerms(space, mesh_index)
@@ -101,7 +128,7 @@ def test_factor_sums_are_the_cost_models_figures(case):
                 assert feasible[best] == cost.feasible
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "scan"])
 def test_ilp_finds_the_exhaustive_optimum(case):
     exhaustive = exhaustive_plan(case)
     ilp = run_searcher(problem_for(case), "ilp", budget_s=60, seed=0)

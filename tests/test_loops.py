@@ -20,8 +20,10 @@ from typer.testing import CliRunner
 
 import automap as am
 from automap._cli import app
+from automap._cost import AR, AxisCosts, CostModel, combined_times
 from automap._pipeline import scanned_layers
 from automap._report import print_plan
+from automap._verify import axis_of, compile_plan, parse_collectives
 
 B, D, F, L = 16, 32, 64, 4
 CLUSTER = am.Cluster.preset("cpu", devices=8)
@@ -217,6 +219,67 @@ def test_accumulation_prices_the_body_collective_per_trip():
     per_trip = 2 * (B * D * 4)  # forward activations and backward input gradient, f32
     assert report.predicted_comm_bytes["all-reduce@model"] >= 4 * per_trip
     assert report.collectives_match, report.summary()
+
+
+@pytest.mark.parametrize(
+    ("program", "expert"),
+    [("scan", "data_parallel"), ("scan", "megatron_dp"), ("nn_scan", "data_parallel")],
+)
+def test_body_gradient_all_reduces_are_combined_per_trip(program, expert):
+    """XLA's all-reduce combiner runs on the while body: a scanned layer's weight-gradient
+    all-reduces become one tuple all-reduce per trip (L in all), next to the one the
+    step's other gradients make after the loop. The model charged each body gradient its
+    own latency (2 per trip: 10 all-reduces for the scan program's 5)."""
+    step, args = PROGRAMS[program]()
+    plan = am.expert_plans(step, *args, cluster=CLUSTER)[expert]
+    hlo = parse_collectives(compile_plan(step, plan, args)[1].as_text())
+    ar_of = [(c, axis_of(c.kind, c.groups, plan.mesh)) for c in hlo if c.kind == "all-reduce"]
+    data = [c for c, axis in ar_of if axis == "data"]
+    in_loop = [c for c in data if c.count > 1]
+    assert len(in_loop) == 1 and in_loop[0].count == L  # one tuple all-reduce per trip
+    model = CostModel(am.capture(step, *args), CLUSTER)
+    st = model.state(model.plan_assignment(plan), plan.mesh)
+    ac = AxisCosts(CLUSTER, plan.mesh)
+    _, g_bytes, calls = combined_times(st.sums, ac, model.tables.combine_trips)
+    key = AR * ac.masks + int(ac.bit[list(plan.mesh).index("data") + 1])
+    # Slot 0: the step's gradients, after the loop; slot 1: the scan's backward body.
+    assert calls[1:, key].tolist() == [L]
+    assert g_bytes[1:, key].tolist() == [in_loop[0].bytes * L]
+    assert calls[0, key] <= 1  # outside the loop: one combined, as before
+    out = [c for c in data if c.count == 1]
+    assert g_bytes[0, key] + st.sums[1, key] == sum(c.bytes for c in out)
+    cost = model.estimate(plan)
+    (ar,) = [c for c in cost.collectives if (c.kind, c.axis) == ("all-reduce", "data")]
+    assert ar.bytes == sum(c.bytes * c.count for c in data)
+    # Known gap, outside loops as before: XLA also folds the loss' scalar sum into the
+    # step's gradient tuple, which the model prices as its own all-reduce.
+    assert ar.count == L + calls[0, key] + st.sums[2, key]
+    assert ar.count - sum(c.count for c in data) == st.sums[2, key] * calls[0, key]
+
+
+def test_delta_on_body_gradients_equals_a_full_evaluation():
+    """Moving groups one at a time onto and off the axes (incremental sums, the body's
+    combine slot included) prices a plan as evaluating it whole does."""
+    step, args = scan_program()
+    plan = am.expert_plans(step, *args, cluster=CLUSTER)["megatron_dp"]
+    model = CostModel(am.capture(step, *args), CLUSTER)
+    target = model.plan_assignment(plan)
+    base, current = model.state({}, plan.mesh), {}
+    for gid, axis in target.items():
+        cost, base = model.evaluate_delta(base, {gid: axis})
+        current[gid] = axis
+        full = model.evaluate(current, plan.mesh)
+        assert cost.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+        assert [(c.kind, c.axis, c.count) for c in cost.collectives] == [
+            (c.kind, c.axis, c.count) for c in full.collectives
+        ]
+        assert [c.bytes for c in cost.collectives] == pytest.approx(
+            [c.bytes for c in full.collectives]
+        )
+    back, _ = model.evaluate_delta(base, {gid: None})
+    del current[gid]
+    assert back.step_time_s == pytest.approx(model.evaluate(current, plan.mesh).step_time_s)
+    assert model.tables.combine_trips.tolist() == [1.0, L]
 
 
 def test_loop_bodies_are_captured_and_bound():

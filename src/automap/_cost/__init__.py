@@ -15,6 +15,8 @@ from ._collectives import AxisCosts as AxisCosts
 from ._collectives import ring_allreduce_time as ring_allreduce_time
 from ._collectives import tree_allreduce_time as tree_allreduce_time
 from ._kernel import collective_rows as collective_rows
+from ._kernel import combine_slots as combine_slots
+from ._kernel import combined_times as combined_times
 from ._kernel import partial_slots as partial_slots
 from ._kernel import set_axes as set_axes
 from ._model import CostModel as CostModel

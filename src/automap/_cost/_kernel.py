@@ -8,7 +8,11 @@ only touches the sets and rows that mention the group, so `delta` recomputes tho
 and patches the sums.
 
 Rows of gradients (results with a parameter's layout) are summed by bytes and timed once
-per (kind, axis) at the end, as XLA combines them into one tuple collective.
+per (kind, axis) at the end, as XLA combines them into one tuple collective. A loop body's
+gradient rows are combined the same way within the body, once per trip: XLA's all-reduce
+combiner runs on the while body, which it cannot merge across trips (each *slot* of
+`Tables.combine_trips` is one such combine; slot 0 the step's). Sums are keyed
+slot * (kinds * masks) + kind * masks + axis mask.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ class State:
     nbytes: np.ndarray  # [virtual rows] bytes (0 when inactive)
     count: np.ndarray  # [virtual rows] occurrences (0 when inactive)
     time: np.ndarray  # [virtual rows] seconds of non-gradient rows
-    sums: np.ndarray  # [5, kinds * masks]: time, bytes, count (non-gradient); bytes, rows (grad)
+    # [5, slots * kinds * masks]: time, bytes, count (non-gradient, slot 0 only); bytes,
+    # rows (gradients, by their combine slot)
+    sums: np.ndarray
 
 
 def set_axes(codes: np.ndarray, sets: np.ndarray, sizes: np.ndarray):
@@ -133,21 +139,42 @@ def collective_rows(
     return key, nbytes, count, grad, np.where(grad, 0.0, ac.by_key(key, nbytes, count))
 
 
-def sums(key, nbytes, count, grad, time, n: int, signed: bool = False) -> np.ndarray:
+def combine_slots(partial: RowTable, reshard: RowTable) -> np.ndarray:
+    """Each virtual row's combine slot (`RowTable.combine`: 0 unless a body's gradient)."""
+    return np.concatenate([per_slot(partial, partial.combine), np.zeros_like(reshard.combine)])
+
+
+def sums(
+    key, nbytes, count, grad, time, n: int, slot, slots: int, signed: bool = False
+) -> np.ndarray:
     """Per key: time, bytes, count of non-gradient rows; bytes and active rows of gradient
-    rows. `signed`: rows with negative counts are removals (an incremental update)."""
-    ng = ~grad
-    g = grad & (count != 0)
+    rows (a body's by its combine `slot`, of `slots`). `signed`: rows with negative
+    counts are removals (an incremental update)."""
+    combined = grad | (slot > 0)
+    ng = ~combined
+    g = combined & (count != 0)
+    gkey = slot[g] * n + key[g]
     rows = np.sign(count[g]) if signed else None
+    w = n * slots
     return np.stack(
         [
-            np.bincount(key, time, minlength=n),
-            np.bincount(key[ng], nbytes[ng], minlength=n),
-            np.bincount(key[ng], count[ng], minlength=n),
-            np.bincount(key[g], nbytes[g], minlength=n),
-            np.bincount(key[g], rows, minlength=n).astype(float),
+            np.bincount(key[ng], time[ng], minlength=w),
+            np.bincount(key[ng], nbytes[ng], minlength=w),
+            np.bincount(key[ng], count[ng], minlength=w),
+            np.bincount(gkey, nbytes[g], minlength=w),
+            np.bincount(gkey, rows, minlength=w).astype(float),
         ]
     )
+
+
+def combined_times(s: np.ndarray, ac: C.AxisCosts, trips: np.ndarray):
+    """Per slot and key [slots, keys]: time, bytes and occurrences of the combined gradient
+    collectives (one per step for slot 0, one per trip for a body's)."""
+    n = len(ac.keys)
+    g_bytes, g_any = s[3].reshape(-1, n), s[4].reshape(-1, n) > 0
+    calls = g_any * trips[:, None]
+    g_time = np.where(g_any, ac.by_key(ac.keys[None, :], g_bytes, calls), 0.0)
+    return g_time, g_bytes, calls
 
 
 def totals(
@@ -157,22 +184,27 @@ def totals(
     zero_bytes: float,
     zero_count: int,
     reduce_scatter: bool = True,
+    trips: np.ndarray | None = None,
 ):
-    """Per (kind, axis mask): time, bytes and count, gradient collectives combined.
+    """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
+    step's once, each loop body's once per trip: `trips` per combine slot).
 
     ZeRO as the plan pins it (`_groups.plan_from_assignment`): the gradients' all-reduce
     over the data axis' `zero_mask` becomes a reduce-scatter of the same buffer (where the
     backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
-    the parameters' all-gathers over it."""
-    g_bytes, g_count = s[3].copy(), s[4].copy()
+    the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
+    layout: a body's are reduced inside the loop, per trip."""
+    n = len(ac.keys)
+    s = s.copy()
     if zero_mask and reduce_scatter:
         ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
-        g_bytes[rs] += g_bytes[ar]
-        g_count[rs] += g_count[ar]
-        g_bytes[ar] = g_count[ar] = 0.0
-    g_any = g_count > 0
-    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
-    time, nbytes, count = s[0] + g_time, s[1] + g_bytes, s[2] + g_any
+        s[3:, rs] += s[3:, ar]
+        s[3:, ar] = 0.0
+    trips = np.ones(1) if trips is None else trips
+    g_time, g_bytes, calls = combined_times(s, ac, trips)
+    time = s[0, :n] + g_time.sum(axis=0)
+    nbytes = s[1, :n] + g_bytes.sum(axis=0)
+    count = s[2, :n] + calls.sum(axis=0)
     if zero_mask and zero_count:
         i = C.AG * ac.masks + zero_mask
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)

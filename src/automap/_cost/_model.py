@@ -26,7 +26,8 @@ numpy operations over those tables:
   free local slice. At a seam (a flatten where the batch group was cut, `Seam`) the
   input's batch dim moves only when the other side's group is not on the same axis;
 - gradient all-reduces (partial sums whose result has a parameter's layout) are combined
-  into one tuple collective per axis, as XLA's all-reduce combiner does;
+  into one tuple collective per axis, as XLA's all-reduce combiner does; a loop body's
+  (a scanned layer's weight gradients) into one per axis per trip, inside the loop;
 - ZeRO (stage >= 1), as XLA compiles a plan that pins the gradients and the optimizer
   update to the ZeRO layout (`_groups.plan_from_assignment`): the data-parallel gradient
   all-reduce becomes a reduce-scatter (the CPU's lowering: an all-reduce and a slice),
@@ -234,6 +235,7 @@ class CostModel:
         key, nbytes, count, grad, time = K.collective_rows(
             sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.reduce_scatter
         )
+        slot = K.combine_slots(sub_p, sub_r)
         # One signed pass: the touched rows' new contributions minus their old ones.
         both = K.sums(
             np.concatenate([key, base.key[idx]]),
@@ -242,6 +244,8 @@ class CostModel:
             np.concatenate([grad, grad]),
             np.concatenate([time, -base.time[idx]]),
             len(C.KINDS) * ac.masks,
+            np.concatenate([slot, slot]),
+            len(T.combine_trips),
             signed=True,
         )
         state = K.State(
@@ -296,7 +300,10 @@ class CostModel:
         key, nbytes, count, grad, time = K.collective_rows(
             partial, reshard, A, P, inv, ac, m, self.cluster.reduce_scatter
         )
-        sums = K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+        slot = K.combine_slots(partial, reshard)
+        sums = K.sums(
+            key, nbytes, count, grad, time, len(C.KINDS) * ac.masks, slot, len(T.combine_trips)
+        )
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
     def _remat_sums(self, st: K.State) -> np.ndarray:
@@ -312,7 +319,9 @@ class CostModel:
             st.microbatches,
             self.cluster.reduce_scatter,
         )
-        return K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks)
+        slot = K.combine_slots(*self._remat_rows)
+        n = len(C.KINDS) * ac.masks
+        return K.sums(key, nbytes, count, grad, time, n, slot, len(self.tables.combine_trips))
 
     def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
         T, mesh = self.tables, st.mesh
@@ -345,7 +354,13 @@ class CostModel:
                 zero_count += int(self.regather.param_leaves @ free)
         sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
-            sums, ac, zero_mask, zero_bytes, zero_count, self.cluster.reduce_scatter
+            sums,
+            ac,
+            zero_mask,
+            zero_bytes,
+            zero_count,
+            self.cluster.reduce_scatter,
+            T.combine_trips,
         )
         comm = float(tot_time.sum())
         collectives = tuple(
@@ -419,12 +434,15 @@ class CostModel:
         comp = op_compute(T, st.inv)
         pf, rf = T.partial_full, T.reshard_full
         ops = np.concatenate([K.per_slot(pf, pf.op), rf.op])
-        grad = np.concatenate([K.per_slot(pf, pf.grad), rf.grad])
-        g_bytes, g_any = st.sums[3], st.sums[4] > 0
-        g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+        slot = K.combine_slots(pf, rf)
+        grad = np.concatenate([K.per_slot(pf, pf.grad), rf.grad]) | (slot > 0)
+        g_time, g_bytes, _ = K.combined_times(st.sums, ac, T.combine_trips)
+        g_time, g_bytes = g_time.ravel(), g_bytes.ravel()
+        gkey = slot * len(ac.keys) + st.key
         with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(grad, st.nbytes / g_bytes[st.key] * g_time[st.key], 0.0)
-        comm = np.bincount(ops, st.time + np.nan_to_num(share), minlength=len(comp))
+            share = np.where(grad, st.nbytes / g_bytes[gkey] * g_time[gkey], 0.0)
+        own = np.where(grad, 0.0, st.time)
+        comm = np.bincount(ops, own + np.nan_to_num(share), minlength=len(comp))
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
 
 

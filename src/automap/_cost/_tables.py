@@ -45,6 +45,7 @@ class CandidateRow(NamedTuple):
     op: int
     peer: int
     count: float = 1.0  # occurrences per step (a loop body's: its trips)
+    combine: int = 0  # a loop body's gradient row: its body's slot (`Tables.combine_trips`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,10 @@ class RowTable:
     count: np.ndarray  # occurrences merged into the row
     grad: np.ndarray  # the result has a parameter's layout: a gradient collective
     op: np.ndarray  # op index (the first one, for merged rows)
+    # A loop body's gradient partial sum (a result with a parameter's layout): its body's
+    # slot, whose rows of one (kind, axes) XLA combines into one collective per trip; 0
+    # for every other row (top-level gradients combine once per step through `grad`).
+    combine: np.ndarray
 
     def merged(self) -> RowTable:
         if len(self.tset) == 0:
@@ -86,6 +91,7 @@ class RowTable:
             self.untied,
             self.grad,
             self.peer,
+            self.combine,
             per_occurrence,
         ]
         keys = np.concatenate(
@@ -104,6 +110,7 @@ class RowTable:
             untied=rest[:, 3].astype(bool),
             grad=rest[:, 4].astype(bool),
             peer=rest[:, 5],
+            combine=rest[:, 6],
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
@@ -143,6 +150,9 @@ class Tables:
     # op, like the full tables).
     remat_partial: RowTable
     remat_reshard: RowTable
+    # [slots] occurrences per step of each combined collective slot: 1 for slot 0 (the
+    # step's gradients), a loop body's trips for its own slot (`RowTable.combine`).
+    combine_trips: np.ndarray
 
 
 def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
@@ -198,14 +208,19 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     prow: list[CandidateRow] = []
     rrow: dict[tuple, CandidateRow] = {}
     rrow_again: dict[tuple, CandidateRow] = {}  # the recomputed ops' own (XLA cannot reuse them)
+    # Combined collective slots: the step's gradients (0), then each loop body with
+    # gradient rows, with its trips per step.
+    slots: dict[tuple, tuple[int, float]] = {(): (0, 1.0)}
 
     def collective_rows(
-        op, g, tgs, tsets, scale: float, scope: tuple, row_op: int, hoist: dict
+        op, g, tgs, tsets, scale: float, scope: tuple, row_op: int, hoist: dict, params: set
     ) -> None:
         """The candidate collectives of op (of graph g, its dims' groups `tgs`), each
         happening `scale` times per step; `scope` tells a loop body's tensors apart.
         `hoist[t]`: (outer tensor, its scope, its scale) of a body tensor that is the same
-        on every trip, whose reshard XLA hoists out of the loop (and shares, as CSE)."""
+        on every trip, whose reshard XLA hoists out of the loop (and shares, as CSE).
+        `params`: the sets of g's tensors with a parameter's layout (in a body: those
+        bound to such a tensor outside)."""
         r = rule(op, g)
         outs = {x for o in op.outputs for x in tgs[o] if split[x]}
         red = {x for t, d in r.reduced if split[x := tgs[t][d]]} - outs
@@ -216,9 +231,25 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
             small = [sid(x for x in it if x < h) for h in gs]
             for o in op.outputs:
                 nb = comm_bytes(g, o) * scale
-                grad = not scope and tsets[o] in param_sets
+                grad = tsets[o] in params
+                # A body's gradient partial sums are combined per trip, not per step
+                # (checked on XLA's CPU HLO in tests/test_loops.py).
+                slot = slots.setdefault(scope, (len(slots), scale))[0] if grad and scope else 0
                 prow.append(
-                    CandidateRow(gs, small, tsets[o], 0, 0, False, nb, grad, row_op, empty, scale)
+                    CandidateRow(
+                        gs,
+                        small,
+                        tsets[o],
+                        0,
+                        0,
+                        False,
+                        nb,
+                        grad and not scope,
+                        row_op,
+                        empty,
+                        scale,
+                        slot,
+                    )
                 )
         # A loop's operands cross into its bodies, which say what they need (below): only
         # dims no body sees (a scan's stacked dim) are the loop's own to keep whole.
@@ -280,9 +311,18 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 for outer, inner, _ in body.binds[: body.invariant]
             }
             where = (*scope, op.index, k)
+            inner_params = {bsets[i] for u, i, _ in body.binds if tsets[u] in params}
             for bop in body.graph.ops:
                 collective_rows(
-                    bop, body.graph, btg, bsets, scale * body.trips, where, row_op, inner_hoist
+                    bop,
+                    body.graph,
+                    btg,
+                    bsets,
+                    scale * body.trips,
+                    where,
+                    row_op,
+                    inner_hoist,
+                    inner_params,
                 )
 
     body_op: list[int] = []
@@ -340,7 +380,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         # what the backward reads) and in the first forward, matmuls included.
         first = first_bytes[op.index] / byte_rate if op.primitive in FUSIBLE else coef
         remat.append(first if op.index in recomputed else 0.0)
-        collective_rows(op, graph, tg, tset, 1.0, (), op.index, {})
+        collective_rows(op, graph, tg, tset, 1.0, (), op.index, {}, param_sets)
 
     n_sets = len(set_ids)
     width = max(1, *(len(k) for k in set_ids))
@@ -401,6 +441,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         reshard_full=reshard_full,
         remat_partial=again_p,
         remat_reshard=again_r,
+        combine_trips=np.array([t for _, t in sorted(slots.values())], dtype=float),
     )
 
 
@@ -617,4 +658,5 @@ def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
         grad=column("grad", bool),
         op=column("op", np.int64),
         peer=column("peer", np.int64),
+        combine=column("combine", np.int64),
     )

@@ -55,6 +55,7 @@ from .._cost import (
     AxisCosts,
     RowTable,
     collective_rows,
+    combine_slots,
     partial_slots,
     set_axes,
 )
@@ -95,8 +96,8 @@ class _Scope:
     units: tuple[int, ...]
     configs: np.ndarray  # [n_c, k] option of each unit
     time: np.ndarray  # [n_c] compute + non-gradient collectives
-    grad_bytes: np.ndarray  # [n_c, keys] gradient bytes per (kind, axis mask) key
-    grad_any: np.ndarray  # [n_c, keys] some gradient row is active on the key
+    grad_bytes: np.ndarray  # [n_c, slots * keys] gradient bytes per (slot, kind, axis mask)
+    grad_any: np.ndarray  # [n_c, slots * keys] some gradient row is active on the key
     plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
     zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
     zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
@@ -207,11 +208,16 @@ class MeshTerms:
             + [np.repeat(np.arange(n_c), len(rrows))]
         )
         n_keys = len(KINDS) * ac.masks
-        g = grad & (count != 0)
-        grad_bytes = np.zeros((n_c, n_keys))
-        np.add.at(grad_bytes, (cfg[g], key[g]), nbytes[g])
-        grad_any = np.zeros((n_c, n_keys), dtype=bool)
-        grad_any[cfg[g], key[g]] = True
+        # Gradient rows by combine slot (`_cost/_kernel.sums`): the step's, each body's.
+        slot = combine_slots(Rp, Rr)
+        combined = grad | (slot > 0)
+        g = combined & (count != 0)
+        gkey = slot[g] * n_keys + key[g]
+        grad_bytes = np.zeros((n_c, n_keys * len(T.combine_trips)))
+        np.add.at(grad_bytes, (cfg[g], gkey), nbytes[g])
+        grad_any = np.zeros(grad_bytes.shape, dtype=bool)
+        grad_any[cfg[g], gkey] = True
+        rtime = np.where(combined, 0.0, rtime)
 
         j = np.searchsorted(sl, own)
         inv_c = inv.reshape(n_c, n_sl)[:, j]  # [n_c, own sets]
@@ -252,8 +258,9 @@ class MeshTerms:
             if memory is not None:
                 entry[1][index] += memory if units else memory.sum()
 
-        def combined(kind, mask, parts, indicator):
-            """min over variants of alpha x count + beta x bytes, exact (see module doc)."""
+        def combined(kind, mask, parts, indicator, trips=1.0):
+            """min over variants of alpha x count + beta x bytes, exact (see module doc);
+            `trips`: occurrences of an indicated collective (a loop body's, per trip)."""
             alpha, beta = ac.alpha[kind, :, mask], ac.beta[kind, :, mask]
             best = [v for v in (0, 1) if alpha[v] <= alpha.min() and beta[v] <= beta.min()]
             variants = best[:1] or [0, 1]
@@ -264,7 +271,7 @@ class MeshTerms:
                 return
             aux = len(n_options)
             n_options.append(len(variants) + indicator)
-            unary = [0.0] * indicator + [alpha[v] if indicator else 0.0 for v in variants]
+            unary = [0.0] * indicator + [alpha[v] * trips if indicator else 0.0 for v in variants]
             add((aux,), np.arange(len(unary))[:, None], np.array(unary))
             for sc, count, nbytes, calls in parts:
                 cols = [np.where(count > 0, OFF, 0.0)] if indicator else []
@@ -286,18 +293,21 @@ class MeshTerms:
             add(sc.units, sc.configs, sc.time, params + grads + opt + acts + pl[:, 4])
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
-        by_kind: dict[tuple[int, int], list] = {}
+        # A loop body's gradients are combined per trip, inside the loop (its slot's trips).
+        by_kind: dict[tuple[int, int, int], list] = {}
         for key in np.flatnonzero(np.any([sc.grad_any.any(axis=0) for sc in self.scopes], axis=0)):
-            kind, mask = divmod(int(key), ac.masks)
-            if zero and kind == AR and mask == ac.bit[self.d] and self.space.cluster.reduce_scatter:
-                kind = RS
-            by_kind.setdefault((kind, mask), []).extend(
+            slot, rest = divmod(int(key), len(KINDS) * ac.masks)
+            kind, mask = divmod(rest, ac.masks)
+            if zero and not slot and kind == AR and mask == ac.bit[self.d]:
+                kind = RS if self.space.cluster.reduce_scatter else kind
+            by_kind.setdefault((slot, kind, mask), []).extend(
                 (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key], 0.0)
                 for sc in self.scopes
                 if sc.grad_any[:, key].any()
             )
-        for (kind, mask), parts in by_kind.items():
-            combined(kind, mask, parts, indicator=True)
+        for (slot, kind, mask), parts in by_kind.items():
+            trips = float(self.T.combine_trips[slot])
+            combined(kind, mask, parts, indicator=True, trips=trips)
         if zero:
             # The parameters' all-gathers, combined into one (`_cost/_model.py`); with
             # ZeRO-3 also the backward's, one per leaf.
