@@ -47,6 +47,31 @@ pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU): FLOPs within 15% on
   the predicted gradients + activations. Part is the CPU's gradient all-reduce, whose
   output is a buffer of its own next to its input (2x the gradients: vgg19 on model=8
   and data=8); the rest is not explained yet;
+- which residuals XLA stores (measured, and modelled on branch h/memfid, not on main): a
+  residual made by a cheap elementwise or layout op that only fusible ops read is never
+  written; XLA's fusion pass duplicates its producer into every reader (forward and
+  backward) and stores the producer's operands instead; expensive ops (XLA's
+  `IsExpensive`: tanh, exp, div, sqrt...), reductions and a matmul's operands are
+  stored. On a GELU MLP that is 3 of the jaxpr's 6 [N, F] residuals (matmul output, tanh,
+  GELU output), and XLA's temporaries lie between the two sets. On main (seed 0,
+  `--plans 8`) memory agrees on 17 of 48 (35%); pricing the stored set instead of the
+  jaxpr's (one-stage tables, pipeline stages, the rematerialized layers with their inputs
+  fenced as `_run/_recompute.py` fences them) gives 26 of 48 (54%: mlp 6, bert 2, gpt 3,
+  vgg19 4, flax_lm 5, eqx_mlp 6 of 8), every transformer miss turning into an
+  under-prediction (0.48-0.87x). That change is not on main: what remains unpriced is
+  the backward's own temporaries at the peak (gpt on one device: XLA's peak is at the
+  loss gradient, where the logits, their exp and two [B*S, V] gradient buffers are live
+  beside the stored residuals), and without them three ZeRO memory checks of
+  tests/test_zero.py (bf16 gpt, flax) drop from within 15% to 0.76-0.84x;
+- vgg19's misses on one device (XLA's buffer assignment, single CPU device, 9.5 MiB of
+  temporaries against 3.1 MiB residuals + 1.2 MiB gradients): the peak is in the
+  forward, at the first max pool, not at the turn. XLA's CPU expands the pool's gradient
+  (select_and_scatter_add) into a reduce-window carrying one int32 argmax index per
+  dimension and a scatter; the rank iotas of each pool's input shape (20 for vgg19's
+  five pools, ~4 MiB) and the scatters' zero buffers are scheduled at the program's
+  start and held until used, as are copies of every conv kernel (a layout copy, its
+  reversal for the input gradient, a transposed copy: ~3x the kernels). None of this is
+  in the jaxpr;
 - FLOPs agree within 4% on every plan without ZeRO (18 of 18) and on the 4 pipelines.
   15 of the 26 one-stage ZeRO plans disagree (0.72-1.65x), all of them plans whose data
   axis does not carry the batch (24 of the 26 the random draw made: ZeRO shards over
