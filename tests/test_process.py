@@ -67,14 +67,15 @@ def test_dqn_plans_are_real_reach_the_optimum_and_beat_the_experts(bert):
     optimum = run_searcher(problem, "exhaustive", budget_s=60, seed=0).predicted.step_time_s
     expert = run_searcher(problem, "expert", budget_s=60, seed=0).predicted.step_time_s
     assert optimum < 0.9 * expert  # the space holds something clearly better than the experts
-    # 240 episodes: over 12 seeds the DQN reached this space's optimum after 130 episodes
-    # (median) and always within 480 (benchmarks/bench_dqn.py); random search needs ~1,600.
+    # 480 episodes: with the per-kernel fusion model, 10 of 12 seeds reached this space's
+    # optimum within 480 episodes (22 to 403, median 127) and 2 stayed on model=16 at
+    # 1.30x of it up to 960; random search needs ~1,600. Seeds 0 and 1 are of the ten.
     for seed in (0, 1):
-        dqn = run_searcher(problem, "dqn", budget_s=6, seed=seed)
+        dqn = run_searcher(problem, "dqn", budget_s=12, seed=seed)
         assert dqn.predicted.step_time_s <= optimum * (1 + 1e-9), seed
-        assert dqn.decisions["curve"] and dqn.decisions["episodes"] == 240
+        assert dqn.decisions["curve"] and dqn.decisions["episodes"] == 480
         if seed == 0:
-            again = run_searcher(problem, "dqn", budget_s=6, seed=0)
+            again = run_searcher(problem, "dqn", budget_s=12, seed=0)
             assert again.specs == dqn.specs and again.mesh == dqn.mesh  # same seed, same plan
             curve = [row["current_time"] for row in dqn.decisions["curve"]]
             assert curve == [row["current_time"] for row in again.decisions["curve"]]
