@@ -279,6 +279,21 @@ def regather_plan(graph: Graph, groups: Groups) -> Regather:
     return Regather(boundary, backward, tuple(remake), tensors, tuple(params))
 
 
+def lookups(graph: Graph) -> dict[int, int]:
+    """The ops that index a parameter (an embedding table read by a gather): op index ->
+    the parameter. ZeRO-3 gathers such a table where the lookup reads it, as it gathers
+    a weight where a matmul reads it. Left sharded there, XLA looks the rows up in the
+    table's ZeRO shards (its hidden dim split over data) and moves them back to the batch
+    split with an all-to-all: a collective the plan does not ask for and the cost model,
+    which charges the table's all-gather, does not price."""
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    return {
+        op.index: op.inputs[0]
+        for op in graph.ops
+        if op.primitive == "gather" and op.inputs and op.inputs[0] in params
+    }
+
+
 def unzero_spec(spec: Spec, data_axis: str) -> Spec:
     """`spec` without the data axis (the layout a ZeRO-3 parameter is gathered to)."""
     out: list = []
