@@ -396,10 +396,9 @@ class _Pipeline:
         out: dict[int, Callable] = {}
         for i, t in lookups(graph).items():
             spec = self.spec.get(t)
-            if i not in ops or spec is None or unzero_spec(spec, DATA) == spec:
-                continue
-            whole = NamedSharding(mesh, PartitionSpec(*unzero_spec(spec, DATA)))
-            out[i] = gathered_lookup(graph.eqns[i], whole)
+            whole = None if spec is None else unzero_spec(spec, DATA)
+            if self.plan.zero_stage >= 3 and i in ops and whole != spec:
+                out[i] = gathered_lookup(graph.eqns[i], NamedSharding(mesh, PartitionSpec(*whole)))
         return out
 
     def _partial_sum(self, graph, i: int, mesh: Mesh) -> Callable:
