@@ -21,8 +21,9 @@ from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
 from automap._graph import Role
-from automap._groups import build_groups
+from automap._groups import build_groups, plan_from_assignment
 from automap._pipeline import partition, pipeline_plan, uniform_cuts
+from automap._space import block_groups
 from automap._verify import axis_of, comm_bytes, parse_collectives, verify
 from automap._zoo import get_model
 
@@ -239,3 +240,34 @@ def test_sixteen_bit_gradients_are_reduce_scattered_too():
         }
     report = verify(spec.step_fn, plan, *args)
     assert report.collectives_match is True, report.summary()
+
+
+@functools.cache
+def gpt2():
+    """A float32 GPT-2 (its token embedding, tied to the LM head, looked up by a gather)."""
+    spec = get_model("gpt2-xl", layers=2, hidden=64, heads=4, seq=16, batch=16, vocab=512,
+                     dtype="float32")  # fmt: skip
+    graph = capture(spec.step_fn, *spec.abstract_args())
+    return spec, graph, build_groups(graph)
+
+
+@pytest.mark.parametrize(("stages", "zero"), [(2, 3), (1, 3), (1, 1)])
+def test_an_embedding_lookup_under_zero_and_tensor_parallelism_moves_what_is_priced(stages, zero):
+    # Data × model with the vocab split over model: ZeRO adds data on the table's hidden
+    # dim. Looked up in that layout (ZeRO-3's forward) or scattered into it (its gradient),
+    # XLA moved the rows with an all-to-all over data that no plan priced; the table is
+    # gathered where the lookup reads it and its gradient reduced whole, as priced.
+    spec, graph, groups = gpt2()
+    assignment = {g: "data" for g in groups.batch_groups}
+    assignment.update({g.id: "model" for g in block_groups(groups)})
+    if stages == 2:
+        cuts = uniform_cuts(graph, groups, 2)
+        mesh = {"data": 2, "model": 2}
+        plan = pipeline_plan(graph, groups, cuts, mesh, assignment, M, zero_stage=zero)
+    else:
+        mesh = {"data": 4, "model": 2}
+        plan = plan_from_assignment(graph, groups, mesh, assignment, zero_stage=zero)
+    report = verify(spec.step_fn, plan, *spec.concrete_args())
+    assert not [k for k in report.xla_comm_bytes if k.startswith("all-to-all")], report.summary()
+    assert report.collectives_match is True, report.summary()
+    assert report.numerics_ok, report.summary()

@@ -8,6 +8,7 @@ tensor and the Plan (`plan_from_assignment`). DESIGN.md, "Linkage groups".
 from ._layouts import Regather as Regather
 from ._layouts import expand_classes as expand_classes
 from ._layouts import layouts as layouts
+from ._layouts import lookups as lookups
 from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
 from ._layouts import unzero_spec as unzero_spec

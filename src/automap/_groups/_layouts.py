@@ -50,6 +50,8 @@ def layouts(graph: Graph, groups: Groups, assignment: Mapping[int, str | None]) 
 
 # Anchors: ops whose result layout XLA must be told (it may pick another otherwise).
 _ANCHORS = frozenset({"dot_general", "conv_general_dilated", "gather", "scatter-add"})
+#: A lookup's gradient, as JAX's versions spell the primitive.
+_SCATTERS = frozenset({"scatter-add", "scatter_add"})
 
 
 def plan_from_assignment(
@@ -129,7 +131,17 @@ def plan_from_assignment(
         wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
         # A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum
         # it in 16 bits, where it now sums after the cast to the parameters' float32.
-        pinned = [t for t in gradients if graph.tensors[t].itemsize >= 4]
+        # A lookup's gradient (a scatter-add of the rows' gradients into the table) keeps
+        # the plan's layout, summed over data, and meets the ZeRO layout where the update
+        # (or a tied table's sum with its other gradient) reads it. Pinned to the ZeRO
+        # layout itself, XLA all-to-alls the rows' gradients onto the table's data split
+        # and scatters them there: a collective the cost model does not price.
+        pinned = [
+            t
+            for t in gradients
+            if graph.tensors[t].itemsize >= 4
+            and graph.ops[graph.tensors[t].producer].primitive not in _SCATTERS
+        ]
         for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
             spec = _on_groups(
                 lay[t],
@@ -277,6 +289,21 @@ def regather_plan(graph: Graph, groups: Groups) -> Regather:
     tensors = frozenset(t for i in backward for t in graph.ops[i].inputs if t in roots)
     params = sorted(frozenset().union(*(roots[t] for t in tensors)))
     return Regather(boundary, backward, tuple(remake), tensors, tuple(params))
+
+
+def lookups(graph: Graph) -> dict[int, int]:
+    """The ops that index a parameter (an embedding table read by a gather): op index ->
+    the parameter. ZeRO-3 gathers such a table where the lookup reads it, as it gathers
+    a weight where a matmul reads it. Left sharded there, XLA looks the rows up in the
+    table's ZeRO shards (its hidden dim split over data) and moves them back to the batch
+    split with an all-to-all: a collective the plan does not ask for and the cost model,
+    which charges the table's all-gather, does not price."""
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    return {
+        op.index: op.inputs[0]
+        for op in graph.ops
+        if op.primitive == "gather" and op.inputs and op.inputs[0] in params
+    }
 
 
 def unzero_spec(spec: Spec, data_axis: str) -> Spec:

@@ -20,12 +20,12 @@ from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import Role
-from .._groups import build_groups, layouts, regather_plan, unzero_spec
+from .._groups import build_groups, layouts, lookups, regather_plan, unzero_spec
 from .._pipeline import recompute_plan
 from .._plan import Plan, Spec
 from ._distributed import Feed
 from ._interpret import eval_graph
-from ._pipelined import apply_pipeline
+from ._pipelined import apply_pipeline, gathered_lookup
 from ._recompute import eval_recomputing, eval_regathering
 from ._shared import (
     check_divisible,
@@ -155,10 +155,25 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     if plan.remat:
-        return _recomputing(graph, constrain)
+        return _recomputing(graph, constrain, _lookups(graph, plan, mesh))
     if _regathers(plan):
         return _regathering(graph, plan, mesh, constrain)
     return run
+
+
+def _lookups(graph: Any, plan: Plan, mesh: Mesh) -> dict[int, Callable]:
+    """ZeRO-3: the lookups (gathers indexing a parameter) made to read the table gathered
+    over data, as the cost model charges it (`_groups.lookups`: else XLA looks up in the
+    shards and all-to-alls the rows)."""
+    if plan.zero_stage < 3:
+        return {}
+    spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
+    out: dict[int, Callable] = {}
+    for i, t in lookups(graph).items():
+        whole = unzero_spec(spec_of[t], DATA)
+        if whole != spec_of[t]:
+            out[i] = gathered_lookup(graph.eqns[i], _sharding(mesh, whole))
+    return out
 
 
 def _regathers(plan: Plan) -> bool:
@@ -177,6 +192,7 @@ def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Cal
     lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
     wanted = [leaf.tensor for leaf in graph.outputs]
+    lookup = _lookups(graph, plan, mesh)
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
         spec = spec_of[t]
@@ -191,7 +207,7 @@ def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Cal
             leaf.tensor: x
             for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
         }
-        outs = eval_regathering(graph, rg, env, wanted, gather, constrain)
+        outs = eval_regathering(graph, rg, env, wanted, gather, constrain, lookup)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run
@@ -223,10 +239,10 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
     )(x, a)
 
 
-def _recomputing(graph: Any, constrain: Callable) -> Callable:
+def _recomputing(graph: Any, constrain: Callable, bind: dict[int, Callable]) -> Callable:
     """The captured program re-run with each layer's forward recomputed in the backward
     (`_pipeline/_remat.py`: Megatron's full recomputation), fixing the plan's internal
-    tensors too."""
+    tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups)."""
     rc = recompute_plan(graph, build_groups(graph))
     wanted = [leaf.tensor for leaf in graph.outputs]
 
@@ -235,7 +251,8 @@ def _recomputing(graph: Any, constrain: Callable) -> Callable:
             leaf.tensor: x
             for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
         }
-        outs = eval_recomputing(graph, rc, range(len(graph.ops)), env, wanted, constrain)
+        ops = range(len(graph.ops))
+        outs = eval_recomputing(graph, rc, ops, env, wanted, constrain, bind=bind)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run

@@ -57,7 +57,7 @@ from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
-from .._groups import build_groups
+from .._groups import build_groups, lookups, unzero_spec
 from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition, recompute_plan
 from .._plan import Plan
 from ._distributed import Feed, check_stages, gather, move
@@ -354,7 +354,10 @@ class _Pipeline:
                     shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
         use = consts if seg.kind in "FB" else None
         bind = (
-            {i: self._partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial}
+            {
+                **self._lookups(graph, (*seg.ops, *sorted(again)), mesh),
+                **{i: self._partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial},
+            }
             if seg.kind in "FB"
             else None
         )
@@ -385,6 +388,18 @@ class _Pipeline:
             )
 
         return jax.jit(body)
+
+    def _lookups(self, graph, ops: Sequence[int], mesh: Mesh) -> dict[int, Callable]:
+        """ZeRO-3: the lookups among `ops` (gathers indexing a parameter) made to read the
+        table gathered over data, as the cost model charges it (`_groups.lookups`: else
+        XLA looks up in the shards and all-to-alls the rows)."""
+        out: dict[int, Callable] = {}
+        for i, t in lookups(graph).items():
+            spec = self.spec.get(t)
+            whole = None if spec is None else unzero_spec(spec, DATA)
+            if self.plan.zero_stage >= 3 and i in ops and whole != spec:
+                out[i] = gathered_lookup(graph.eqns[i], NamedSharding(mesh, PartitionSpec(*whole)))
+        return out
 
     def _partial_sum(self, graph, i: int, mesh: Mesh) -> Callable:
         """Op i (a sum over the batch) computed by every device on its own examples: its
@@ -741,6 +756,18 @@ def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
         if size % math.prod(mesh.shape[a] for a in axes):
             return False
     return True
+
+
+def gathered_lookup(eqn: Any, whole: NamedSharding) -> Callable:
+    """A lookup (a gather's eqn) that reads its table in the layout `whole`: ZeRO-3's
+    gather of an embedding table, where the lookup reads it."""
+
+    def lookup(table: Any, *rest: Any) -> Any:
+        return eqn.primitive.bind(
+            jax.lax.with_sharding_constraint(table, whole), *rest, **eqn.params
+        )
+
+    return lookup
 
 
 def _axes_of(entry: Any) -> tuple[str, ...]:

@@ -109,13 +109,15 @@ def eval_regathering(
     wanted: Sequence[int],
     gather: Callable[[int, Any, Sequence[tuple[int, Any]]], Any],
     constrain: Constrain | None = None,
+    bind: Mapping[int, Callable[..., Any]] | None = None,
 ) -> list[Any]:
     """The whole program, with ZeRO-3's second gather (`_groups.Regather`): a backward op
     reading a parameter, or a forward value made from parameters alone (its cast to the
     compute dtype), reads it made again from the sharded parameter, gathered once more by
     `gather(param, value, anchors)` after the op's backward inputs `anchors` ((tensor,
     value) pairs), so that XLA can neither merge it with the forward's gather nor hoist it
-    there. The forward's gathered values then have no reader after the forward."""
+    there. The forward's gathered values then have no reader after the forward. `bind[i]`
+    computes op i in place of its primitive, as in `eval_ops`."""
     values: dict[int, Any] = dict(graph.const_values)
     values.update(env)
     again: dict[int, Any] = {}
@@ -123,7 +125,11 @@ def eval_regathering(
 
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
         op, eqn = graph.ops[i], graph.eqns[i]
-        outs = eqn.primitive.bind(*[read(t) for t in op.inputs], **eqn.params)
+        invals = [read(t) for t in op.inputs]
+        if bind is not None and i in bind:
+            outs = bind[i](*invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
         outs = outs if eqn.primitive.multiple_results else [outs]
         for t, v in zip(op.outputs, outs, strict=True):
             into[t] = constrain(t, v) if constrain is not None else v
