@@ -208,11 +208,17 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
-        row_narrow=np.array(
-            [graph.tensors[graph.ops[i].outputs[0]].itemsize < 4 for i in row_op], dtype=bool
-        ),
+        row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
+
+
+def _narrow_ops(graph) -> np.ndarray:
+    """[n_ops] the op's (first) result has 16-bit elements."""
+    return np.array(
+        [bool(op.outputs) and graph.tensors[op.outputs[0]].itemsize < 4 for op in graph.ops],
+        dtype=bool,
+    )
 
 
 def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:

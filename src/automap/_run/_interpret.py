@@ -71,16 +71,8 @@ def eval_ops(
         for t in graph.ops[i].inputs:
             last_use[t] = k
     for k, i in enumerate(ops):
-        op, eqn = graph.ops[i], graph.eqns[i]
-        invals = [values[t] for t in op.inputs]
-        if bind is not None and i in bind:
-            outvals = bind[i](*invals)
-        else:
-            outvals = eqn.primitive.bind(*invals, **eqn.params)
-        if not eqn.primitive.multiple_results:
-            outvals = [outvals]
-        for tid, value in zip(op.outputs, outvals, strict=True):
-            values[tid] = constrain(tid, value) if constrain is not None else value
+        op = graph.ops[i]
+        run_op(graph, i, values.__getitem__, values, constrain, bind)
         # Drop values no later op or output needs: keeps eager (un-jitted) runs lean.
         for t in op.inputs:
             if (
@@ -94,6 +86,27 @@ def eval_ops(
         jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
         for t in wanted
     ]
+
+
+def run_op(
+    graph: Graph,
+    i: int,
+    read: Callable[[int], Any],
+    into: dict[int, Any],
+    constrain: Constrain | None = None,
+    bind: Mapping[int, Callable[..., Any]] | None = None,
+) -> None:
+    """Run op i on the values `read` gives its inputs and store its (constrained) outputs
+    in `into`; `bind[i]`, where given, computes it in place of its primitive."""
+    op, eqn = graph.ops[i], graph.eqns[i]
+    invals = [read(t) for t in op.inputs]
+    if bind is not None and i in bind:
+        outs = bind[i](*invals)
+    else:
+        outs = eqn.primitive.bind(*invals, **eqn.params)
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    for t, v in zip(op.outputs, outs, strict=True):
+        into[t] = constrain(t, v) if constrain is not None else v
 
 
 def run_graph(graph: Graph, *args: Any, constrain: Constrain | None = None) -> Any:

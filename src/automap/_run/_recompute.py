@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from .._graph import Graph, TensorKind
 from .._groups import Regather
 from .._pipeline import Recompute, made_after, made_in_forward
-from ._interpret import Constrain
+from ._interpret import Constrain, run_op
 
 
 def eval_recomputing(
@@ -37,15 +37,7 @@ def eval_recomputing(
     done: set[int] = set()
 
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
-        op, eqn = graph.ops[i], graph.eqns[i]
-        invals = [read(t) for t in op.inputs]
-        if bind is not None and i in bind:
-            outs = bind[i](*invals)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        for t, v in zip(op.outputs, outs, strict=True):
-            into[t] = constrain(t, v) if constrain is not None else v
+        run_op(graph, i, read, into, constrain, bind)
 
     def recompute(k: int, anchors: list[Any]) -> None:
         live = rc.inputs[k]
@@ -124,15 +116,7 @@ def eval_regathering(
     remake = set(rg.remake)
 
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
-        op, eqn = graph.ops[i], graph.eqns[i]
-        invals = [read(t) for t in op.inputs]
-        if bind is not None and i in bind:
-            outs = bind[i](*invals)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        for t, v in zip(op.outputs, outs, strict=True):
-            into[t] = constrain(t, v) if constrain is not None else v
+        run_op(graph, i, read, into, constrain, bind)
 
     def regather(t: int, anchors: list[tuple[int, Any]]) -> Any:
         if graph.tensors[t].kind is TensorKind.CONST:
