@@ -15,7 +15,8 @@ import pytest
 import automap as am
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
-from automap._pipeline import global_order, stage_orders
+from automap._graph import Role
+from automap._pipeline import global_order, partition, stage_orders
 from automap._verify import axis_of, parse_collectives, verify
 
 from ._models import assert_same, flax_args, flax_graph, flax_step
@@ -104,3 +105,38 @@ def test_one_microbatch_keeps_the_reduction_in_its_only_backward():
     assert all(len(_data_reductions(p)) >= 1 for p in programs if p.kind == "B")
     pc = estimate_pipeline(CostModel(graph, Cluster.preset("cpu", devices=8)), plan)
     assert pc.reduce_ops == ()
+
+
+def test_later_microbatches_add_into_the_donated_running_sums(dp_plan):
+    # The first microbatch's program makes each stage's running sums; every later one
+    # takes them donated and writes its own into the same buffers: XLA aliases them.
+    run = am.apply(flax_step, dp_plan)
+    programs = run.compile(*flax_args())
+    adding = [
+        p
+        for p in programs
+        if p.kind in ("F", "B") and p.compiled.memory_analysis().alias_size_in_bytes
+    ]
+    assert sorted(p.runs for p in adding) == [M - 1] * len(adding)
+    # Per device, each partial sum is the reduced tensor's size: every parameter's
+    # gradient and the loss sum, once.
+    params = sum(x.size for x in jax.tree_util.tree_leaves(flax_args()[0])) * 4
+    assert sum(p.compiled.memory_analysis().alias_size_in_bytes for p in adding) == params + 4
+    # So a stage holds one copy of the gradients of the parameters it reads (a parameter
+    # read on both stages, on each), as the cost model charges.
+    graph, groups = flax_graph()
+    part = partition(graph, groups, [(st.op_start, st.op_stop) for st in dp_plan.stages], M)
+    consumers = graph.consumers()
+    pc = estimate_pipeline(CostModel(graph, Cluster.preset("cpu", devices=8)), dp_plan)
+    for s, own in enumerate(pc.stage_memory):
+        read = [
+            leaf.tensor
+            for leaf in graph.leaves(Role.PARAM)
+            if any(part.op_stage[c] == s for c in consumers[leaf.tensor])
+        ]
+        assert own["grads"] == sum(graph.tensors[t].nbytes for t in read)
+    # With the old state donated (a training loop's step), each stage's peak is what its
+    # compiled programs and the values the runtime holds then make.
+    held = am.apply(jax.jit(flax_step, donate_argnums=(0, 1)), dp_plan).memory(*flax_args())
+    for predicted, measured in zip(pc.stage_memory_bytes, held, strict=True):
+        assert predicted == pytest.approx(measured, rel=0.15)

@@ -50,7 +50,7 @@ import numpy as np
 from .._axes import DATA, PIPE
 from .._errors import PlanError
 from .._graph import Role
-from .._pipeline import Partition, Phase, partition, simulate
+from .._pipeline import Partition, op_programs, partition, simulate
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows, per_slot
@@ -511,13 +511,12 @@ def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
     the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
     parameter stays sharded and every PRE, F and B program that reads it gathers it for
     use. A program gathers its parameters in one combined collective (XLA's all-gather
-    combiner); PRE and POST run as several programs, maximal runs of one stage's ops in
-    program order (`_run/_segments.py`). A parameter read on two stages (tied embeddings,
+    combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
     a layer cut mid-way) is updated on only one of them."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
     phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
-    phase, program = phase_codes(part), _programs(part)
+    phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
     programs: dict[tuple[int, int], set[int]] = {}
     for t, b, c in zero_leaves(graph, oc.layouts):
@@ -531,20 +530,6 @@ def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
         time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
         nbytes[s, ph, key] += b
         count[s, ph, key] += n
-
-
-def _programs(part: Partition) -> list[int]:
-    """Per op, the program it runs in: F and B are one program per stage; PRE and POST
-    ops form one program per maximal run of one stage's ops in program order."""
-    out, last, n = [], {}, 0
-    for s, ph in zip(part.op_stage, part.op_phase, strict=True):
-        if ph in (Phase.PRE, Phase.POST):
-            if last.get(ph, (None, -1))[0] != s:
-                n, last[ph] = n + 1, (s, n + 1)
-            out.append(last[ph][1])
-        else:
-            out.append(-1 - 2 * s - (ph is Phase.BWD))
-    return out
 
 
 def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:

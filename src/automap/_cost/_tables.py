@@ -155,7 +155,11 @@ class Tables:
     combine_trips: np.ndarray
 
 
-def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
+def build_tables(
+    graph: Graph, groups: Groups, cluster: Cluster, res: Residuals, temporaries: Iterable[int] = ()
+) -> Tables:
+    """The cost tables of a step; `temporaries` are the backward's own buffers alive at
+    its peak (`_traffic.backward_temporaries`), held beside the residuals."""
     ng = len(groups.groups)
     split = np.array([g.splittable for g in groups.groups] + [False])
     set_ids: dict[tuple[int, ...], int] = {}
@@ -409,7 +413,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
-    act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
+    temp = by_set(temporaries)
+    act_coef, act_remat_coef = by_set(res.saved) + temp, by_set(res.saved_remat) + temp
     return Tables(
         sets=sets,
         splittable=split,

@@ -27,10 +27,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._capture import Residuals
+from .._capture import Residuals, loss_boundary
 from .._cluster import Cluster, Link
+from .._errors import PlanError
 from .._graph import Graph, Role
-from .._pipeline import Partition, Phase
+from .._groups import Groups
+from .._pipeline import Partition, Phase, op_programs, partition
+from ._tables import FUSIBLE
 
 #: Phase codes used as array indices; FWD and BWD run once per microbatch.
 PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
@@ -104,13 +107,16 @@ def stage_memory(
         if not readers:
             continue
         if leaf.role == Role.PARAM:
+            # ZeRO-3 keeps a parameter sharded between programs, but each F and B program
+            # gathers the ones it reads at its start (`_run/_pipelined.py`: nothing makes
+            # XLA gather layer by layer), so at a stage's peak they are whole.
+            per_mb = any(phase[c] in (FWD, BWD) for c in readers)
             part_bytes = {
-                "params": zeroed(t, zero_stage >= 3),
+                "params": zeroed(t, zero_stage >= 3 and not per_mb),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
-                # local gradients whole and reduce-scatters them once per step. With
-                # several microbatches a B call's own sums live next to the running ones
-                # until they are added: two copies.
-                "grads": zeroed(t, False) * (2 if m > 1 else 1),
+                # local gradients whole and reduce-scatters them once per step. One copy:
+                # a B call adds its own into the donated running sums.
+                "grads": zeroed(t, False),
             }
         elif leaf.role == Role.OPT_STATE:
             part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}
@@ -150,9 +156,11 @@ def stage_memory(
         per_mb = phase[p] == FWD
         if per_mb and t in part.batched:
             b /= m
-        # Read by a backward, or by a layer the backward recomputes (its input).
-        holders = {int(stage[p])} | {
-            int(stage[c]) for c in consumers[t] if phase[c] == BWD or c in recomputed
+        # Held by the stages that read it in a backward, or in a layer the backward
+        # recomputes (its input); the stage that made it and only sends it on frees it
+        # once sent (`_run/_pipelined.py`).
+        holders = {int(stage[c]) for c in consumers[t] if phase[c] == BWD or c in recomputed} or {
+            int(stage[p])
         }
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
@@ -160,7 +168,73 @@ def stage_memory(
     if remat:
         for s, b in enumerate(_remat_peaks(graph, part, lay, res, m)):
             out[s]["activations"] += b
+    for s, held in enumerate(temporaries(graph, part, lay.inv, m, BWD, consumers)):
+        out[s]["activations"] += sum(held.values())
+    # The update runs after the last microbatch, when no activation is alive: a stage's
+    # peak is the larger of its backward's and its update's.
+    for s, held in enumerate(temporaries(graph, part, lay.inv, m, POST, consumers)):
+        out[s]["activations"] = max(out[s]["activations"], sum(held.values()))
     return out, op_state, op_act
+
+
+def temporaries(
+    graph: Graph, part: Partition, inv: np.ndarray, m: int, which: int, consumers=None
+) -> list[dict[int, float]]:
+    """Per stage, what the ops of phase `which` (BWD: one microbatch's backward; POST: the
+    update) hold at their peak of what they make themselves, tensor -> bytes per device
+    (`inv`: each tensor's fraction per device). These are the buffers XLA writes, each
+    alive from the op that makes it to its last reader on the stage, in program order. A
+    buffer is written when a kernel XLA cannot fuse into its reader makes it or reads it
+    (a matmul, a reduction), or when it crosses from one program to the next
+    (`once_programs`). Not counted: a new parameter or optimizer state, written over the
+    old one (the step donates it), and with one microbatch a gradient, which is the
+    gradient buffer itself; with several, a microbatch's gradient is a buffer of its own
+    until it is added into the running sum."""
+    stage, phase = part.op_stage, phase_codes(part)
+    skip = {leaf.tensor for leaf in graph.outputs} if which == POST else set()
+    if m == 1:
+        skip |= set(part.accumulated)
+    program = op_programs(graph, part)
+    ops = [i for i in range(len(graph.ops)) if phase[i] == which]
+    consumers = graph.consumers() if consumers is None else consumers
+    last: dict[int, int] = {}
+    for i in ops:
+        for t in graph.ops[i].inputs:
+            last[t] = i
+    peak = [0.0] * part.n_stages
+    at_peak: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
+    live: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
+    for i in ops:
+        op, own = graph.ops[i], live[stage[i]]
+        for t in op.outputs:
+            written = op.primitive not in FUSIBLE or any(
+                graph.ops[c].primitive not in FUSIBLE or program[c] != program[i]
+                for c in consumers[t]
+            )
+            if written and t not in skip:
+                b = graph.tensors[t].nbytes * inv[t]
+                own[t] = b / m if t in part.batched and which == BWD else b
+        if sum(own.values()) > peak[stage[i]]:
+            peak[stage[i]], at_peak[stage[i]] = sum(own.values()), dict(own)
+        for t in (*op.inputs, *op.outputs):
+            if last.get(t, -1) <= i:
+                own.pop(t, None)
+    return at_peak
+
+
+def backward_temporaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
+    """The backward's own buffers alive at its peak in a one-stage program (`temporaries`
+    of the step as one stage and one microbatch, every tensor whole: where the peak falls
+    is taken from the unsharded step, so that the bytes stay linear in each tensor's
+    split, as the cost tables and the ILP need). None for a step without a backward."""
+    if loss_boundary(graph) is None:
+        return ()
+    try:
+        part = partition(graph, groups, [(0, len(graph.ops))], 1)
+    except PlanError:
+        return ()
+    (held,) = temporaries(graph, part, np.ones(len(graph.tensors)), 1, BWD)
+    return tuple(sorted(held))
 
 
 def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:

@@ -12,6 +12,8 @@ from ._partition import Partition as Partition
 from ._partition import Phase as Phase
 from ._partition import ScannedStack as ScannedStack
 from ._partition import forward_ops as forward_ops
+from ._partition import once_programs as once_programs
+from ._partition import op_programs as op_programs
 from ._partition import partition as partition
 from ._partition import scanned_layers as scanned_layers
 from ._plans import crossing_bytes as crossing_bytes

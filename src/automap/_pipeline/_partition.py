@@ -82,6 +82,49 @@ class Partition:
         )
 
 
+def once_programs(
+    graph: Graph, part: Partition, phase: Phase
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The once-per-step ops of `phase` (PRE or POST) as the programs the runtime runs
+    them in, in order: (stage, op indices in program order).
+
+    Each op gets a level, the stage changes along the chain of this phase's ops it reads
+    from (reading another stage's result is one level up), and each (level, stage) is one
+    program; levels run in turn. A stage's Adam update is then one program, which XLA
+    fuses leaf by leaf; a global gradient norm, which reads every stage, costs two more
+    rounds. (Cut at every change of stage in program order instead, optax's tree_map order
+    makes many small programs whose every crossing value is a buffer of its own.)"""
+    level: dict[int, int] = {}
+    for op in graph.ops:
+        if part.op_phase[op.index] is not phase:
+            continue
+        s, up = part.op_stage[op.index], 0
+        for t in op.inputs:
+            p = graph.tensors[t].producer
+            if p in level:
+                up = max(up, level[p] + (part.op_stage[p] != s))
+        level[op.index] = up
+    programs: dict[tuple[int, int], list[int]] = {}
+    for i, up in level.items():  # in program order
+        programs.setdefault((up, part.op_stage[i]), []).append(i)
+    return tuple((s, tuple(ops)) for (_, s), ops in sorted(programs.items()))
+
+
+def op_programs(graph: Graph, part: Partition) -> list[int]:
+    """Per op, the program it runs in: F and B are one program per stage (negative ids);
+    PRE and POST ops as `once_programs` groups them."""
+    out = [
+        -1 - 2 * s - (ph is Phase.BWD) for s, ph in zip(part.op_stage, part.op_phase, strict=True)
+    ]
+    n = 0
+    for phase in (Phase.PRE, Phase.POST):
+        for _, ops in once_programs(graph, part, phase):
+            for i in ops:
+                out[i] = n
+            n += 1
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ScannedStack:
     """Layers stacked under one scan: the forward scan op and what it iterates over."""

@@ -7,7 +7,6 @@ microbatch (pipelines), on one host or several. DESIGN.md, "Specs" and "Pipeline
 
 from ._apply import Prepared as Prepared
 from ._apply import apply as apply
-from ._apply import donates as donates
 from ._apply import make_mesh as make_mesh
 from ._distributed import move as move
 from ._distributed import rows_in_process_order as rows_in_process_order
@@ -17,5 +16,6 @@ from ._interpret import eval_graph as eval_graph
 from ._interpret import run_graph as run_graph
 from ._pipelined import apply_pipeline as apply_pipeline
 from ._recompute import eval_recomputing as eval_recomputing
+from ._shared import donates as donates
 from ._shared import other_program as other_program
 from ._shared import validate_plan as validate_plan

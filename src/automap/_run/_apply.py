@@ -7,7 +7,6 @@ that cannot apply here (each refusal names the problem and the fix).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from ._recompute import eval_recomputing, eval_regathering
 from ._shared import (
     check_divisible,
     check_paths,
+    donated_leaves,
     leaf_dtype,
     leaf_shape,
     other_program,
@@ -114,7 +114,7 @@ class Prepared:
             )
 
         # A step the user jitted with donate_argnums keeps its donation here.
-        donated = _donated_leaves(fn, args, len(paths))
+        donated = donated_leaves(fn, args, len(paths))
         self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), donate_argnums=donated)
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
@@ -258,24 +258,6 @@ def _recomputing(graph: Any, constrain: Callable, bind: dict[int, Callable]) -> 
     return run
 
 
-def donates(fn: Any) -> bool:
-    """Whether `fn` is a `jax.jit` function with donate_argnums/donate_argnames."""
-    info = getattr(fn, "_jit_info", None)
-    return bool(getattr(info, "donate_argnums", ()) or getattr(info, "donate_argnames", ()))
-
-
-def _donated_leaves(fn: Any, args: tuple, n: int) -> tuple[int, ...]:
-    """Flat indices of the argument leaves `fn` donates (when `fn` is a jitted function
-    with donation), read from its own trace so that argnums and argnames both count."""
-    if not donates(fn):
-        return ()
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
-    )
-    flags = [a.donated for a in jax.tree_util.tree_leaves(fn.trace(*abstract).args_info)]
-    return tuple(i for i, d in enumerate(flags) if d) if len(flags) == n else ()
-
-
 def _a_plan(plan: Any) -> Plan:
     """`plan` itself when it is a Plan; a one-line error naming the fix otherwise (a path
     given where the loaded plan belongs is the usual slip)."""
@@ -300,13 +282,6 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
     """
     plan = _a_plan(plan)
     if plan.pipelined:  # stages on sub-meshes, fed microbatch by microbatch
-        if donates(fn):
-            warnings.warn(
-                "the step was jitted with donate_argnums, but a pipeline plan runs it stage "
-                "by stage: its inputs are not donated, so memory holds them and the outputs "
-                "together.",
-                stacklevel=2,
-            )
         return apply_pipeline(fn, plan, devices)
     validate_plan(plan)
     mesh = make_mesh(plan, devices)

@@ -19,9 +19,11 @@ Where the work goes, for the cost model:
   contraction or reduce_sum over it) runs under `jax.shard_map` with the batch's mesh
   axes manual (the others stay XLA's), so the segment returns each device's partial sum
   on a leading axis split over those axes: [d, *shape], no collective.
-- Accumulated tensors are added up on their stage as the "B" (or "F") units finish, in the
-  schedule's order (GPipe adds the last microbatch first): one buffer per tensor (per
-  device: its own partial sum, the size of the reduced tensor), no copy per microbatch.
+- Accumulated tensors are added up on their stage in the schedule's order (GPipe adds the
+  last microbatch first), in place: the first "B" (or "F") unit makes the running sums,
+  every later one takes them as donated inputs and returns them with its own added, so
+  XLA writes into the same buffers (Megatron-LM's main_grad). One buffer per tensor (per
+  device: its own partial sum, the size of the reduced tensor), never a second copy.
   After the stage's last unit, one "reduce" program per stage sums the leading axis: one
   all-reduce over the data axes per step (XLA combines the stage's tensors), as
   Megatron-LM reduces gradients once per step, not once per microbatch. With ZeRO the
@@ -32,8 +34,9 @@ Where the work goes, for the cost model:
   one all-gather of the parameters per step, after the update.
 - Per-step work (pre: weight casts; post: the loss division, the optimizer update) runs
   once on the full batch's shapes, on the stage the partition gives it.
-- A microbatch's residuals (forward values its backward reads) are dropped after the last
-  segment that reads them, so a stage holds those of the microbatches in flight.
+- A microbatch's residuals (forward values its backward reads) are dropped on each stage
+  after that stage's last segment that reads them, so a stage holds those of the
+  microbatches in flight, and a stage's output dies on it once the next stage has it.
 
 `run.compile(*args)` walks the same step on abstract values instead (`_Dry`): every
 segment is compiled for the shardings the live step would hand it, nothing runs. That is
@@ -76,6 +79,7 @@ from ._segments import (
 from ._shared import (
     check_divisible,
     check_paths,
+    donated_leaves,
     leaf_dtype,
     leaf_shape,
     other_program,
@@ -177,6 +181,9 @@ class _Pipeline:
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
             self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
         self.readers = readers(self.micro)
+        self.read_on: dict[int, list[int]] = {}  # tensor -> stages whose segments read it
+        for t, s in self.readers:
+            self.read_on.setdefault(t, []).append(s)
         self.input_stages: dict[int, list[int]] = {}
         for seg in (*self.pre, *self.micro, *self.post):
             for t in seg.inputs:
@@ -202,10 +209,30 @@ class _Pipeline:
         self.partial = self._partial_ops() if m > 1 else {}
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
         consts = micro_consts(full, micro)
-        self.jitted = {
+        bodies = {
             id(seg): self._compile(seg, micro if seg.kind in "FB" else full, consts)
             for seg in (*self.pre, *self.micro, *self.post)
             if seg.ops
+        }
+        self.donate = self._post_donations(fn, args)
+        self.jitted = {
+            k: jax.jit(body, donate_argnums=self.donate.get(k, ())) for k, body in bodies.items()
+        }
+        # A segment that makes accumulated tensors runs every microbatch after the first
+        # as `adding`: it takes the running sums, donated, and returns them with its own
+        # added, so a stage holds one copy of its gradients (Megatron's main_grad).
+        self.sums = {
+            id(seg): ts
+            for seg in self.micro
+            if seg.ops and m > 1 and (ts := tuple(t for t in seg.outputs if t in part.accumulated))
+        }
+        self.adding = {
+            id(seg): jax.jit(
+                _adding(bodies[id(seg)], seg.outputs, self.sums[id(seg)]),
+                donate_argnums=tuple(range(len(seg.inputs), len(seg.inputs) + len(ts))),
+            )
+            for seg in self.micro
+            if (ts := self.sums.get(id(seg)))
         }
         self.reducers = {
             s: (ts, self._reducer(ts, s))
@@ -214,6 +241,24 @@ class _Pipeline:
         }
         self.trace: list[tuple[int, str, int]] = []
         self.dry_runs: dict[tuple, _Dry] = {}
+
+    def _post_donations(self, fn: Callable, args: tuple) -> dict[int, tuple[int, ...]]:
+        """Per post segment, the positions of the inputs it donates: the step inputs `fn`
+        donates (the old parameters and optimizer state), each in the last post segment
+        of its stage that reads it. The update then runs in place, as the cost model
+        prices it and as `apply` runs a donating step; without donation the old state
+        lives beside the new one until the step returns."""
+        graph = self.graph
+        donated = {graph.inputs[k].tensor for k in donated_leaves(fn, args, len(graph.inputs))}
+        donated -= {leaf.tensor for leaf in graph.outputs}
+        out: dict[int, tuple[int, ...]] = {}
+        claimed: set[tuple[int, int]] = set()
+        for seg in reversed(self.post):
+            mine = [(k, t) for k, t in enumerate(seg.inputs) if (t, seg.stage) not in claimed]
+            claimed.update((t, seg.stage) for t in seg.inputs)
+            if positions := tuple(k for k, t in mine if t in donated):
+                out[id(seg)] = positions
+        return out
 
     def _stage_of(self, t: int) -> int:
         return self.part.op_stage[self.graph.tensors[t].producer]
@@ -387,7 +432,7 @@ class _Pipeline:
                 for t, x in zip(seg.outputs, outs, strict=True)
             )
 
-        return jax.jit(body)
+        return body
 
     def _lookups(self, graph, ops: Sequence[int], mesh: Mesh) -> dict[int, Callable]:
         """ZeRO-3: the lookups among `ops` (gathers indexing a parameter) made to read the
@@ -495,6 +540,8 @@ class _Pipeline:
                 drop([t for t in step if not later[t]])
             for seg in segs:
                 outs = self._run(seg, [on_stage(t, seg.stage) for t in seg.inputs], ops)
+                for k in self.donate.get(id(seg), ()):  # its buffer is the new value's now
+                    placed.pop((seg.inputs[k], seg.stage), None)
                 for t, v in zip(seg.outputs, outs, strict=True):
                     step[t], placed[(t, seg.stage)] = v, v
                 if later is not None:
@@ -557,20 +604,31 @@ class _Pipeline:
         last = {s: k for k, (s, _, _) in enumerate(order)}  # each stage's last unit
         for k, (s, kind, i) in enumerate(order):
             seg = by_unit[(s, kind)]
-            outs = self._run(seg, [mb_value(t, i, s) for t in seg.inputs], ops)
+            values = [mb_value(t, i, s) for t in seg.inputs]
+            sums = self.sums.get(id(seg), ())
+            if sums and sums[0] in acc:  # the running sums go in, donated, and come back
+                running = [acc.pop(t) for t in sums]
+                outs = ops.call(seg, self.adding[id(seg)], values + running, adding=True)
+            else:
+                outs = self._run(seg, values, ops)
             for t, v in zip(seg.outputs, outs, strict=True):
-                if t in self.readers:
-                    made[i][t], copies[i][(t, s)] = v, v
+                if t in self.read_on:
+                    made[i][t] = v
+                    if (t, s) in self.readers:
+                        copies[i][(t, s)] = v
                 if t in accumulated:
-                    acc[t] = v if t not in acc else ops.add(acc[t], v, s)
+                    acc[t] = v
                 elif t in outputs and t in part.batched:
                     pieces.setdefault(t, [None] * m)[i] = v
-            for t in seg.inputs:  # drop what no later unit of this microbatch reads
-                left[i][t] -= 1
-                if not left[i][t]:
+            for t in seg.inputs:  # drop what no later unit of this stage reads
+                left[i][(t, s)] -= 1
+                if not left[i][(t, s)]:
+                    copies[i].pop((t, s), None)
+                # The value as made goes once every stage that reads it has its copy or is
+                # done with it: a stage's output dies on it once sent, as Megatron-LM frees
+                # a sent activation.
+                if all(left[i][(t, q)] == 0 or (t, q) in copies[i] for q in self.read_on[t]):
                     made[i].pop(t, None)
-                    for key in [k for k in copies[i] if k[0] == t]:
-                        del copies[i][key]
             trace.append((s, kind, i))
             if last[s] == k and s in self.reducers:  # once per step: partial sums reduced
                 tensors, reducer = self.reducers[s]
@@ -616,7 +674,7 @@ class SegmentProgram:
 
     stage: int
     # "pre", "F", "B", "post"; "reduce": a stage's once-per-step reduction of its partial
-    # sums; "add"/"concat": the runtime combining microbatches
+    # sums; "concat": the runtime joining microbatches' outputs
     kind: str
     runs: int  # times one step runs it (m for F and B, 1 for pre, reduce and post)
     # The stage mesh it is compiled on: its device ids are this mesh's devices in
@@ -628,7 +686,10 @@ class SegmentProgram:
 class _Live:
     """What a step does with its values: run, move and combine real arrays."""
 
-    def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
+    def call(
+        self, seg: Segment, jitted: Callable, values: list[Any], adding: bool = False
+    ) -> list[Any]:
+        """Run a segment's program (`adding`: its variant adding into running sums)."""
         return list(jitted(*values))
 
     def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
@@ -642,9 +703,6 @@ class _Live:
 
     def slice(self, x: Any, dim: int, i: int, m: int) -> Any:
         return _slice(x, dim, i, m)
-
-    def add(self, a: Any, b: Any, stage: int) -> Any:
-        return a + b
 
     def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
         return jnp.concatenate(xs, axis=dim)
@@ -718,8 +776,10 @@ class _Dry(_Live):
         outs = self._found[key][2].out_info
         return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
 
-    def call(self, seg: Segment, jitted: Callable, values: list[Any]) -> list[Any]:
-        return self._compile(id(seg), seg.stage, seg.kind, jitted, values)
+    def call(
+        self, seg: Segment, jitted: Callable, values: list[Any], adding: bool = False
+    ) -> list[Any]:
+        return self._compile((id(seg), adding), seg.stage, seg.kind, jitted, values)
 
     def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
         return self._compile(("reduce", stage), stage, "reduce", jitted, values)
@@ -738,14 +798,25 @@ class _Dry(_Live):
         out = compiled.out_info
         return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
 
-    def add(self, a: Any, b: Any, stage: int) -> Any:
-        if a.sharding == b.sharding:
-            return a  # elementwise on one layout: no program that moves anything
-        return self._compile("add", stage, "add", jax.jit(jnp.add), [a, b])[0]
-
     def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
         join = jax.jit(lambda *xs: jnp.concatenate(xs, axis=dim))
         return self._compile(("concat", dim), stage, "concat", join, xs)[0]
+
+
+def _adding(body: Callable, outputs: Sequence[int], sums: Sequence[int]) -> Callable:
+    """`body` that also takes the running sums of its outputs `sums` (after its own
+    inputs) and returns each with its own result added: XLA writes the sum into the
+    donated running buffer."""
+    at = [list(outputs).index(t) for t in sums]
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        n = len(values) - len(at)
+        outs = list(body(*values[:n]))
+        for k, running in zip(at, values[n:], strict=True):
+            outs[k] = running + outs[k]
+        return tuple(outs)
+
+    return run
 
 
 def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:

@@ -4,7 +4,8 @@
 `Segment`s: a stage's forward ops of one microbatch ("F"), its backward ops ("B"), and the
 once-per-step ops before ("pre") and after ("post") the microbatches. Pre and post ops may
 read each other's values across stages (a global gradient norm reads every stage's
-gradients), so they run in program order as maximal runs of one stage each.
+gradients), so they run as `_pipeline.once_programs` orders them: one program per stage
+and round of cross-stage reads.
 
 Per-microbatch ops run from a second capture of the step at the microbatch's shapes: their
 eqns carry shape parameters (a broadcast to [B/m, S, H]) that the full capture would get
@@ -24,7 +25,7 @@ import jax
 from .._errors import PlanError
 from .._graph import Graph, TensorKind
 from .._groups import Groups
-from .._pipeline import Partition, Phase
+from .._pipeline import Partition, Phase, once_programs
 from ._shared import leaf_dtype, leaf_shape
 
 
@@ -135,16 +136,7 @@ def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment
         return Segment(stage, kind, tuple(ops), tuple(reads), tuple(needed))
 
     def runs(phase: Phase, kind: str) -> list[Segment]:
-        out: list[tuple[int, list[int]]] = []
-        for op in graph.ops:
-            if part.op_phase[op.index] is not phase:
-                continue
-            s = part.op_stage[op.index]
-            if out and out[-1][0] == s:
-                out[-1][1].append(op.index)
-            else:
-                out.append((s, [op.index]))
-        return [make(s, kind, ops) for s, ops in out]
+        return [make(s, kind, list(ops)) for s, ops in once_programs(graph, part, phase)]
 
     micro = [
         make(s, kind, list(part.ops(s, phase)))
@@ -191,11 +183,12 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
     return out
 
 
-def readers(micro: list[Segment]) -> Mapping[int, int]:
-    """How many per-microbatch segments read each tensor: a microbatch's copy of it can be
-    dropped once that many have run (residuals die after their backward)."""
-    count: dict[int, int] = {}
+def readers(micro: list[Segment]) -> Mapping[tuple[int, int], int]:
+    """How many per-microbatch segments of each stage read each tensor, by (tensor,
+    stage): a microbatch's copy of it on that stage can be dropped once that many have run
+    (residuals die after their backward, a value sent on dies on its sender)."""
+    count: dict[tuple[int, int], int] = {}
     for seg in micro:
         for t in seg.inputs:
-            count[t] = count.get(t, 0) + 1
+            count[(t, seg.stage)] = count.get((t, seg.stage), 0) + 1
     return count
