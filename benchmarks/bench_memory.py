@@ -47,13 +47,13 @@ pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU): FLOPs within 15% on
   the predicted gradients + activations. Part is the CPU's gradient all-reduce, whose
   output is a buffer of its own next to its input (2x the gradients: vgg19 on model=8
   and data=8); the rest is not explained yet;
-- which residuals XLA stores (measured, and modelled on branch h/memfid, not on main): a
+- which residuals XLA stores (`_cost.stored_residuals`, tests/test_residual_memory.py): a
   residual made by a cheap elementwise or layout op that only fusible ops read is never
   written; XLA's fusion pass duplicates its producer into every reader (forward and
   backward) and stores the producer's operands instead; expensive ops (XLA's
   `IsExpensive`: tanh, exp, div, sqrt...), reductions and a matmul's operands are
   stored. On a GELU MLP that is 3 of the jaxpr's 6 [N, F] residuals (matmul output, tanh,
-  GELU output), and XLA's temporaries lie between the two sets. On main (seed 0,
+  GELU output), and XLA's temporaries lie between the two sets. On main (3408027, seed 0,
   `--plans 8`) memory agrees on 17 of 48 (35%); pricing the stored set instead of the
   jaxpr's (one-stage tables, pipeline stages, the rematerialized layers with their inputs
   fenced as `_run/_recompute.py` fences them) gives 26 of 48 (54%: mlp 6, bert 2, gpt 3,

@@ -28,4 +28,5 @@ from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
 from ._pipelined import zero_leaves as zero_leaves
 from ._tables import RowTable as RowTable
+from ._tables import stored_residuals as stored_residuals
 from ._traffic import in_flight as in_flight

@@ -665,3 +665,50 @@ def _rows(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
         peer=column("peer", np.int64),
         combine=column("combine", np.int64),
     )
+
+
+# Elementwise ops XLA's fusion pass will not duplicate into a second consumer
+# (`InstructionFusion::IsExpensive`: transcendental functions and float division): their
+# result is written once and read back by every kernel that needs it.
+EXPENSIVE = frozenset(
+    """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
+    exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
+)
+
+
+def stored_residuals(
+    graph: Graph, saved: Iterable[int], fenced: Iterable[int] = (), consumers=None
+) -> tuple[int, ...]:
+    """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
+
+    A residual made by a cheap elementwise or layout op (not `EXPENSIVE`) that only fusible
+    ops read is never written: XLA fuses its producer into each of its readers, the
+    forward's and the backward's, and makes it again there from the producer's operands,
+    which are stored in its place (recursively: GELU's polynomial chain is made again from
+    the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
+    expensive results and reductions stay stored, and so do the `fenced` ones (a recomputed
+    layer's inputs, which pass through an optimization barrier: `_run/_recompute.py`)."""
+    consumers = graph.consumers() if consumers is None else consumers
+    fenced = set(fenced)
+    cheap = ELEMENTWISE | FREE
+    out, todo, seen = set(), list(saved), set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        p = graph.tensors[t].producer
+        if p is None:
+            continue  # a step input: stored as such, not an activation
+        op = graph.ops[p]
+        remade = (
+            t not in fenced
+            and op.primitive in cheap
+            and op.primitive not in EXPENSIVE
+            and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+        )
+        if remade:
+            todo.extend(i for i in op.inputs if graph.tensors[i].ndim)
+        else:
+            out.add(t)
+    return tuple(sorted(out))
