@@ -33,7 +33,7 @@ from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups
 from .._pipeline import Partition, Phase, op_programs, partition
-from ._tables import FUSIBLE
+from ._tables import FUSIBLE, layer_inputs, stored_residuals
 
 #: Phase codes used as array indices; FWD and BWD run once per microbatch.
 PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
@@ -148,9 +148,13 @@ def stage_memory(
     copies = in_flight(S, m, schedule)
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()
     recomputed = set(res.recomputed) if remat else set()
-    for t in res.saved_remat if remat else res.saved:
-        if t in layered:
-            continue  # made again in its layer's backward: `_remat_peaks`
+    # What XLA stores of them (`stored_residuals`); a recomputed layer's inputs as they are.
+    if remat:
+        kept = [t for t in res.saved_remat if t not in layered]
+        kept = stored_residuals(graph, kept, layer_inputs(graph, res, consumers), consumers)
+    else:
+        kept = stored_residuals(graph, res.saved, (), consumers)
+    for t in kept:
         p = graph.tensors[t].producer
         b = graph.tensors[t].nbytes * lay.inv[t]
         per_mb = phase[p] == FWD
@@ -241,7 +245,9 @@ def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> li
     """Per stage, the largest residuals one of its layers makes again in its backward:
     one microbatch's, alive while that layer's backward runs."""
     peak = [0.0] * part.n_stages
+    consumers = graph.consumers()
     for ts in res.layer_saved:
+        ts = stored_residuals(graph, ts, (), consumers)
         if not ts:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
