@@ -264,3 +264,16 @@ def test_verify_splits_memory_into_its_parts_and_names_a_step_that_donates_nothi
     assert not any("donates" in n for n in donated.notes)
     assert donated.xla_memory_breakdown["aliased"] > 0.9 * plain.xla_memory_breakdown["outputs"]
     assert donated.xla_memory_bytes < plain.xla_memory_bytes
+
+
+def test_verify_runs_a_donating_step_on_copies_of_concrete_arguments():
+    # A training loop's step donates its state; verify runs it (and the unsharded step
+    # it compares with) more than once, so each run gets buffers of its own, and the
+    # caller's arguments are left as they were.
+    args = mlp_args(batch=64)
+    before = jax.tree.map(np.array, args)
+    plan = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    report = verify(jax.jit(mlp_step, donate_argnums=(0, 1)), plan, *args)
+    assert report.numerics_ok, report.summary()
+    for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)

@@ -73,7 +73,6 @@ from . import _collectives as C
 from . import _kernel as K
 from ._pipelined import estimate_pipeline
 from ._tables import RowTable, build_tables, op_compute
-from ._traffic import backward_temporaries
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -94,9 +93,7 @@ class CostModel:
         self.unknown_primitives = tuple(unknown)
         # What the step keeps for its backward, with and without rematerialization.
         self.residuals = remat_residuals(graph, self.groups)
-        self.tables = build_tables(
-            graph, self.groups, cluster, self.residuals, backward_temporaries(graph, self.groups)
-        )
+        self.tables = build_tables(graph, self.groups, cluster, self.residuals)
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}

@@ -155,11 +155,7 @@ class Tables:
     combine_trips: np.ndarray
 
 
-def build_tables(
-    graph: Graph, groups: Groups, cluster: Cluster, res: Residuals, temporaries: Iterable[int] = ()
-) -> Tables:
-    """The cost tables of a step; `temporaries` are the backward's own buffers alive at
-    its peak (`_traffic.backward_temporaries`), held beside the residuals."""
+def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
     ng = len(groups.groups)
     split = np.array([g.splittable for g in groups.groups] + [False])
     set_ids: dict[tuple[int, ...], int] = {}
@@ -413,11 +409,7 @@ def build_tables(
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
-    # What XLA stores of them (`stored_residuals`), and the backward's own buffers at its
-    # peak: the tables price memory as compiled.
-    temp = by_set(temporaries)
-    act_coef = by_set(stored_residuals(graph, res.saved)) + temp
-    act_remat_coef = by_set(stored_remat(graph, res)) + temp
+    act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
     return Tables(
         sets=sets,
         splittable=split,
@@ -715,22 +707,3 @@ def stored_residuals(
         else:
             out.add(t)
     return tuple(sorted(out))
-
-
-def stored_remat(graph: Graph, res: Residuals) -> tuple[int, ...]:
-    """`stored_residuals` under rematerialization: of `saved_remat`, the recomputed layers'
-    inputs are stored as they are (fenced), the rest (residuals made outside layers, the
-    largest layer's recomputed ones) by the same rule."""
-    sets = res.layer_saved
-    largest = max(sets, key=lambda ts: sum(graph.tensors[t].nbytes for t in ts), default=())
-    consumers = graph.consumers()
-    fenced = layer_inputs(graph, res, consumers)
-    rest = set(res.saved_remat) - set(largest)
-    kept = stored_residuals(graph, rest, fenced, consumers)
-    return tuple(sorted(set(kept) | set(stored_residuals(graph, largest, (), consumers))))
-
-
-def layer_inputs(graph: Graph, res: Residuals, consumers) -> set[int]:
-    """The tensors alive at the turn that a recomputed layer reads: its inputs."""
-    again = set(res.recomputed)
-    return {t for t in res.saved_remat if any(c in again for c in consumers[t])}

@@ -27,13 +27,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._capture import Residuals, loss_boundary
+from .._capture import Residuals
 from .._cluster import Cluster, Link
-from .._errors import PlanError
 from .._graph import Graph, Role
-from .._groups import Groups
-from .._pipeline import Partition, Phase, op_programs, partition
-from ._tables import FUSIBLE, layer_inputs, stored_residuals
+from .._pipeline import Partition, Phase, op_programs
+from ._tables import FUSIBLE, stored_residuals
 
 #: Phase codes used as array indices; FWD and BWD run once per microbatch.
 PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
@@ -148,13 +146,12 @@ def stage_memory(
     copies = in_flight(S, m, schedule)
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()
     recomputed = set(res.recomputed) if remat else set()
-    # What XLA stores of them (`stored_residuals`); a recomputed layer's inputs as they are.
-    if remat:
-        kept = [t for t in res.saved_remat if t not in layered]
-        kept = stored_residuals(graph, kept, layer_inputs(graph, res, consumers), consumers)
-    else:
-        kept = stored_residuals(graph, res.saved, (), consumers)
-    for t in kept:
+    # Every residual as the jaxpr has it: a stage's F program hands its B program all it
+    # reads (program outputs, each a buffer), where one program would let XLA fuse the
+    # cheap ones into their backward readers (`stored_residuals`, the one-stage tables).
+    for t in res.saved_remat if remat else res.saved:
+        if t in layered:
+            continue  # made again in its layer's backward: `_remat_peaks`
         p = graph.tensors[t].producer
         b = graph.tensors[t].nbytes * lay.inv[t]
         per_mb = phase[p] == FWD
@@ -224,21 +221,6 @@ def temporaries(
             if last.get(t, -1) <= i:
                 own.pop(t, None)
     return at_peak
-
-
-def backward_temporaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
-    """The backward's own buffers alive at its peak in a one-stage program (`temporaries`
-    of the step as one stage and one microbatch, every tensor whole: where the peak falls
-    is taken from the unsharded step, so that the bytes stay linear in each tensor's
-    split, as the cost tables and the ILP need). None for a step without a backward."""
-    if loss_boundary(graph) is None:
-        return ()
-    try:
-        part = partition(graph, groups, [(0, len(graph.ops))], 1)
-    except PlanError:
-        return ()
-    (held,) = temporaries(graph, part, np.ones(len(graph.tensors)), 1, BWD)
-    return tuple(sorted(held))
 
 
 def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:

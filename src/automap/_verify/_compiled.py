@@ -341,7 +341,7 @@ def verify(
     )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        got = compiled(*jax.device_put(leaves, prepared.in_shardings))
+        got = compiled(*jax.device_put(_fresh(leaves), prepared.in_shardings))
         ok, err = _numerics(fn, got, args, plan.devices)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
@@ -418,7 +418,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
     )
     leaves = jax.tree_util.tree_leaves(args)
     if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        ok, err = _numerics(fn, run(*args), args, plan.devices)
+        ok, err = _numerics(fn, run(*_fresh(args)), args, plan.devices)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
 
@@ -438,12 +438,19 @@ def _pipeline_predicted(pc: Any) -> dict[str, float]:
     return out
 
 
+def _fresh(tree: Any) -> Any:
+    """Host copies of concrete arguments: every run gets buffers of its own, so that a
+    step that donates its inputs (a training loop's) leaves the caller's arguments, which
+    the next run and the comparison read, as they were."""
+    return jax.tree_util.tree_map(np.array, tree)
+
+
 def _numerics(fn: Callable, got: Any, args: tuple, devices: int) -> tuple[bool, float]:
     """`got` against the unsharded step, within the noise of summing in another order
     (the step once more on the plan's devices, inputs split: `_numerics.reordered`)."""
     cpus = jax.devices("cpu")
-    want = jax.jit(fn)(*jax.device_put(args, cpus[0]))  # one device, unsharded
-    noise = reordered(fn, args, cpus[: max(devices, 2)])
+    want = jax.jit(fn)(*jax.device_put(_fresh(args), cpus[0]))  # one device, unsharded
+    noise = reordered(fn, _fresh(args), cpus[: max(devices, 2)])
     ok, err, _ = compare_outputs(got, want, noise=noise, before=args)
     return ok, err
 
