@@ -1,5 +1,6 @@
 """Budgets: one rule for what a budget may be, and every searcher stops within it."""
 
+import dataclasses
 import math
 import time
 
@@ -11,9 +12,23 @@ import pytest
 from typer.testing import CliRunner
 
 import automap as am
+import automap._search._registry as registry
 from automap._cli import app
 from automap._errors import AutomapError
-from automap._search import OPS_PER_SECOND, Problem, run_searcher, search_dp
+from automap._search import (
+    COLUMNS_PER_SECOND,
+    OPS_PER_SECOND,
+    PROOF_SHARE,
+    SAFETY,
+    Problem,
+    Tracker,
+    leanest_point,
+    run_searcher,
+    search_dp,
+    search_exhaustive,
+    search_leanest,
+    space_of,
+)
 from automap._zoo import get_model
 
 CPU8 = am.Cluster.preset("cpu", devices=8)
@@ -227,3 +242,96 @@ def test_dp_gives_the_same_plan_for_the_same_budget_on_a_slowed_machine(monkeypa
     slowed, stats_slowed = search()
     assert first == again == slowed
     assert stats["points"] == stats_again["points"] == stats_slowed["points"]
+
+
+# ---- a sampling searcher that finds nothing: whether a larger budget helps, in budget --
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A small GPT and the memory of the leanest one-stage plan of its space on 8 A100s,
+    by enumerating every point (518 of them)."""
+    spec = get_model("gpt2-xl", layers=4, hidden=64, heads=4, batch=16, seq=16)
+    step, args = spec.step_fn, spec.abstract_args()
+    memory = []
+    tracker = Tracker(budget_s=math.inf)
+    tracker.on_offer = lambda point, cost, best: memory.append(cost.memory_bytes)
+    search_exhaustive(space_of(Problem.build(step, args, A100X8), "shard"), tracker)
+    assert tracker.complete and len(memory) > 100
+    return step, args, min(memory)
+
+
+def _limited(limit: float) -> am.Cluster:
+    """The A100 cluster with `limit` bytes usable per device."""
+    return dataclasses.replace(A100X8, hbm_bytes=limit / (1.0 - A100X8.memory_reserve))
+
+
+@pytest.mark.parametrize(
+    ("searcher", "scale"),
+    [("random", 0.99), ("dqn", 0.99), ("random", 1.001)],
+    ids=["random-none-fits", "dqn-none-fits", "random-misses-what-fits"],
+)
+def test_a_sampler_that_finds_nothing_says_whether_a_larger_budget_helps(
+    gpt, searcher, scale, monkeypatch
+):
+    step, args, leanest = gpt
+    # Just under the leanest plan nothing fits; just over it a few of the 518 points do,
+    # which the random searcher's 400 tries miss.
+    problem = Problem.build(step, args, _limited(leanest * scale))
+    if searcher == "dqn":  # compile the agent's networks first (see above)
+        with pytest.raises(am.InfeasibleError):
+            run_searcher(problem, searcher, 0.01, 0)
+    checks = []
+
+    def recorded(*args):
+        checks.append(leanest_point(*args))
+        return checks[-1]
+
+    monkeypatch.setattr(registry, "leanest_point", recorded)
+    start = time.perf_counter()
+    with pytest.raises(am.InfeasibleError) as e:
+        run_searcher(problem, searcher, BUDGET, 0)
+    elapsed = time.perf_counter() - start
+    assert elapsed < LIMIT, f"{searcher} took {elapsed:.1f} s on a {BUDGET} s budget"
+    # The check answered within its tenth of the budget, counted in work: with the search's
+    # own (counted too), the call is within budget x 1.1.
+    [check] = checks
+    assert check.proved and check.work <= PROOF_SHARE * BUDGET * COLUMNS_PER_SECOND
+    text = str(e.value)
+    assert "\n" not in text
+    if scale < 1:
+        assert e.value.proved and "no one-stage plan fits" in text
+        assert "the leanest needs 23.0 MB per device" in text and "larger budget" not in text
+    else:
+        assert not e.value.proved and "the budget ran out" in text
+        assert "Plans of this space do fit" in text and "larger budget" in text
+
+
+def test_the_check_finds_the_leanest_plan_within_its_share_of_the_budget(gpt):
+    step, args, leanest = gpt
+    space = space_of(Problem.build(step, args, _limited(leanest * 0.99)), "shard")
+    # As the searchers call it: a tenth of the budget in work, the call's wall-clock stop.
+    found = search_leanest(space, PROOF_SHARE * BUDGET, SAFETY * BUDGET)
+    # Every mesh covered, the enumeration's leanest plan found, within a tenth of the
+    # budget on the nominal clock.
+    assert found.complete and not found.fits
+    assert found.memory_bytes == pytest.approx(leanest, rel=1e-9)
+    assert found.work <= PROOF_SHARE * BUDGET * COLUMNS_PER_SECOND
+    space = space_of(Problem.build(step, args, _limited(leanest * 1.001)), "shard")
+    found = search_leanest(space, PROOF_SHARE * BUDGET, SAFETY * BUDGET)
+    assert found.fits and found.memory_bytes <= leanest * 1.001
+
+
+def test_the_check_gives_the_same_answer_on_a_slowed_machine(gpt, monkeypatch):
+    step, args, leanest = gpt
+    space = space_of(Problem.build(step, args, _limited(leanest * 0.99)), "shard")
+    budget = 0.5  # the check's share, 1,000 joint options, covers part of the meshes
+    first = search_leanest(space, PROOF_SHARE * budget, SAFETY * budget)
+    # The counted work ends it part way, where a wall-clock allowance would end elsewhere
+    # when the clock runs three times slower.
+    assert not first.complete and not first.proved
+    assert first.work >= PROOF_SHARE * budget * COLUMNS_PER_SECOND
+    real = time.perf_counter
+    origin = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: origin + 3.0 * (real() - origin))
+    assert search_leanest(space, PROOF_SHARE * budget, SAFETY * budget) == first

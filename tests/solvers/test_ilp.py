@@ -7,6 +7,8 @@ from automap._solvers import (
     Factor,
     FactorProblem,
     evaluate,
+    evaluate_batch,
+    leanest_problem,
     random_problem,
     solve_exhaustive,
     solve_ilp,
@@ -134,3 +136,19 @@ def test_time_limit_returns_unproven_plan():
     if solution.feasible:
         assert evaluate(problem, solution.choices)[0] == solution.time
         assert solution.gap > 0.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_leanest_problem_finds_the_least_memory_of_the_space(seed):
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng, n_units=5, n_points=1, inf_fraction=0.2)
+    leanest = solve_ilp(leanest_problem(problem), max_nodes=1_000)
+    # Every assignment the masks allow, with a finite time (an inf time forbids it).
+    grids = np.meshgrid(*(np.flatnonzero(a) for a in problem.allowed), indexing="ij")
+    choices = np.stack([g.ravel() for g in grids], axis=1)
+    time, memory, _ = evaluate_batch(problem, choices)
+    allowed = np.isfinite(time)
+    assert leanest.feasible == allowed.any()
+    if allowed.any():
+        assert leanest.optimal and leanest.time == pytest.approx(memory[allowed].min(), rel=1e-9)
+        assert np.isfinite(evaluate(problem, leanest.choices)[0])

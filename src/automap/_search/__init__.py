@@ -31,6 +31,7 @@ from ._problem import Problem as Problem
 from ._problem import arg_roles as arg_roles
 from ._problem import best_expert as best_expert
 from ._problem import priced_experts as priced_experts
+from ._registry import PROOF_SHARE as PROOF_SHARE
 from ._registry import SEARCHERS as SEARCHERS
 from ._registry import TASKS as TASKS
 from ._registry import Request as Request
@@ -44,9 +45,14 @@ from ._runner import DQNFiles as DQNFiles
 from ._runner import SearchProgress as SearchProgress
 from ._runner import expert_seeds as expert_seeds
 from ._runner import expert_start as expert_start
+from ._runner import leanest_point as leanest_point
 from ._runner import run_space_searcher as run_space_searcher
 from ._runner import search_dqn as search_dqn
+from ._runner import space_of as space_of
 from ._runner import with_stats as with_stats
+from ._shard_ilp import COLUMNS_PER_SECOND as COLUMNS_PER_SECOND
+from ._shard_ilp import Leanest as Leanest
 from ._shard_ilp import MeshTerms as MeshTerms
 from ._shard_ilp import fine_space as fine_space
 from ._shard_ilp import search_ilp as search_ilp
+from ._shard_ilp import search_leanest as search_leanest

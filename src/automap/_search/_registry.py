@@ -20,9 +20,10 @@ from typing import Any
 from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan, Provenance
 from .._version import __version__
+from ._classic import SAFETY
 from ._dp import pipeline_notes, search_dp
 from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts, priced_experts
-from ._runner import DQNFiles, run_space_searcher, with_stats
+from ._runner import DQNFiles, leanest_point, run_space_searcher, with_stats
 
 #: The exploration tasks a user can ask for (`tasks=`); "hybrid" is shard and pipeline.
 TASKS = ("shard", "replicate", "pipeline")
@@ -89,20 +90,49 @@ def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
     return run
 
 
+#: The check that explains a sampling searcher's failure gets this share of the budget,
+#: in counted work: with the search's own, the call ends within budget x (1 + PROOF_SHARE)
+#: plus one mesh of the check (`_shard_ilp.search_leanest`).
+PROOF_SHARE = 0.1
+
+
 def _why_nothing_fits(problem: Problem, request: Request, failed: str) -> InfeasibleError:
-    """A sampling searcher found nothing feasible: the ILP tells whether a larger budget
-    could help (some plan of the space fits) or not (none does). It gets the whole budget
-    again: the ILP stops at its proof (a fraction of a second on the zoo), but a tenth of
-    a one-second budget ran out before it on a loaded CI machine, and the answer then asked
-    for a larger budget where none could help."""
-    try:
-        run_space_searcher(problem, "ilp", request.budget_s, 0, False, request.task)
-    except InfeasibleError as proof:
-        return proof if proof.proved else InfeasibleError(f"{failed} {proof}")
+    """A sampling searcher found nothing feasible: whether a larger budget could help (some
+    plan of the space fits) or not (none does), by the leanest plan of each mesh. The check
+    counts its work (PROOF_SHARE of the budget), so it answers the same on a loaded
+    machine: CI once ran a tenth of a one-second budget out in wall time before the proof,
+    and the answer asked for a larger budget where none could help. Its wall-clock stop is
+    the whole call's (SAFETY x the budget), a safety stop only."""
+    budget = request.budget_s
+    found = leanest_point(problem, request.task, PROOF_SHARE * budget, SAFETY * budget)
+    cluster = problem.cluster
+    if found.fits:
+        return InfeasibleError(
+            f"{failed} Plans of this space do fit (the ilp searcher finds one): give it a "
+            "larger budget, or use --searcher auto or ilp."
+        )
+    if not found.complete:
+        return InfeasibleError(
+            f"{failed} Whether any plan of this space fits is not known either (that check "
+            "ran out of its share of the budget): give it a larger budget, or use --searcher "
+            "auto or ilp."
+        )
+    need = ""
+    if found.point is not None:
+        need = (
+            f" (the leanest needs {_size(found.memory_bytes)} per device, the limit is "
+            f"{_size(cluster.memory_limit)})"
+        )
     return InfeasibleError(
-        f"{failed} Plans of this space do fit (the ilp searcher finds one): give it a "
-        "larger budget, or use --searcher auto or ilp."
+        f"no one-stage plan fits in memory on {cluster.devices} × {cluster.name}{need}; "
+        "pipelines may: use --searcher auto (or dp), more devices, a smaller batch, or a "
+        "device with more memory.",
+        proved=True,
     )
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.1f} MB"
 
 
 def _expert(problem: Problem, request: Request) -> Plan:

@@ -29,7 +29,7 @@ from ..rl import search as dqn_search
 from ._classic import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
 from ._problem import Problem
-from ._shard_ilp import search_ilp
+from ._shard_ilp import Leanest, search_ilp, search_leanest
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
@@ -75,13 +75,7 @@ def run_space_searcher(
             "use searcher='dqn' or leave them out"
         )
     pipelined = task in ("pipeline", "hybrid")
-    space = ShardSpace(
-        problem.graph,
-        problem.groups,
-        problem.cluster,
-        problem.cost_model,
-        task="shard" if pipelined else task,
-    )
+    space = space_of(problem, "shard" if pipelined else task)
     if pipelined:
         if name != "dqn":
             raise AutomapError(f"the {name} searcher has no {task} task; use dqn or dp")
@@ -107,6 +101,17 @@ def run_space_searcher(
         )
     plan = space.to_plan(*point, name=name)
     return plan, stats
+
+
+def space_of(problem: Problem, task: str) -> ShardSpace:
+    """The one-stage space of `task` ("shard" or "replicate") over the problem."""
+    return ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model, task=task)
+
+
+def leanest_point(problem: Problem, task: str, budget_s: float, wall_s: float) -> Leanest:
+    """Whether some plan of the one-stage space of `task` fits in memory, within `budget_s`
+    of counted work (`_shard_ilp.search_leanest`); `wall_s` is a safety stop only."""
+    return search_leanest(space_of(problem, task), budget_s, wall_s)
 
 
 def _exhaustive(space: ShardSpace, tracker: Tracker, seed: int) -> None:

@@ -11,6 +11,7 @@ from ._factor import FactorProblem as FactorProblem
 from ._factor import Solution as Solution
 from ._factor import evaluate as evaluate
 from ._factor import evaluate_batch as evaluate_batch
+from ._factor import leanest_problem as leanest_problem
 from ._factor import memory_by_point as memory_by_point
 from ._factor import merge_factors as merge_factors
 from ._factor import random_problem as random_problem

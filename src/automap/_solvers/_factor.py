@@ -216,6 +216,30 @@ def merge_factors(factors) -> dict[tuple[int, ...], np.ndarray]:
     return merged
 
 
+def leanest_problem(problem: FactorProblem) -> FactorProblem:
+    """The same space with its memory as the objective and no memory limit: its optimum is
+    the leanest assignment, and its optimal objective that assignment's memory. Needs one
+    time point (a peak over several is not a sum). The time factors stay for what they
+    forbid: an infinite time entry keeps its combination out."""
+    if len(problem.memory_factors) != 1:
+        raise ValueError(
+            f"the leanest assignment needs one memory time point, got {len(problem.memory_factors)}"
+        )
+    time = merge_factors(problem.time_factors)
+    memory = merge_factors(problem.memory_factors[0])
+    factors = []
+    for units in sorted(set(time) | set(memory), key=lambda u: (len(u), u)):
+        shape = tuple(problem.n_options[u] for u in units)
+        t, m = time.get(units, np.zeros(shape)), memory.get(units, np.zeros(shape))
+        factors.append(Factor(units, np.where(np.isfinite(t), m, np.inf)))
+    return FactorProblem(
+        n_options=problem.n_options,
+        allowed=problem.allowed,
+        time_factors=tuple(factors),
+        constant_time=0.0 if np.isfinite(problem.constant_time) else np.inf,
+    )
+
+
 # ---- random problems: the test bed on which the exact solvers are held against each other
 
 

@@ -220,7 +220,11 @@ def _lp(model) -> highspy.HighsLp:
 
 
 def solve_ilp(
-    problem: FactorProblem, *, time_limit_s: float = 60.0, mip_rel_gap: float = 0.0
+    problem: FactorProblem,
+    *,
+    time_limit_s: float = 60.0,
+    mip_rel_gap: float = 0.0,
+    max_nodes: int | None = None,
 ) -> Solution:
     """Solve the factored plan space exactly with HiGHS (see the module docstring).
 
@@ -228,6 +232,8 @@ def solve_ilp(
     not from the solver's objective, so they are exactly comparable with other searchers.
     `optimal` is True only when HiGHS proves optimality (to `mip_rel_gap`) and the plan
     checks feasible; on a time limit the best plan found is returned with its gap.
+    `max_nodes` caps the branch-and-bound nodes (the root is one): a limit in work, which
+    ends the solve at the same point on any machine, where `time_limit_s` does not.
     """
     start = _time.perf_counter()
     model = _build(problem)
@@ -251,6 +257,8 @@ def solve_ilp(
     highs.setOptionValue("random_seed", 0)
     highs.setOptionValue("time_limit", float(time_limit_s))
     highs.setOptionValue("mip_rel_gap", float(mip_rel_gap))
+    if max_nodes is not None:
+        highs.setOptionValue("mip_max_nodes", max(int(max_nodes), 1))
     highs.setOptionValue("mip_abs_gap", 1e-9)  # the objective is scaled to O(1)
     highs.setOptionValue("mip_feasibility_tolerance", 1e-9)
     highs.setOptionValue("primal_feasibility_tolerance", 1e-9)
