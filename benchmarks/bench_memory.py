@@ -53,16 +53,21 @@ pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU): FLOPs within 15% on
   backward) and stores the producer's operands instead; expensive ops (XLA's
   `IsExpensive`: tanh, exp, div, sqrt...), reductions and a matmul's operands are
   stored. On a GELU MLP that is 3 of the jaxpr's 6 [N, F] residuals (matmul output, tanh,
-  GELU output), and XLA's temporaries lie between the two sets. On main (3408027, seed 0,
-  `--plans 8`) memory agrees on 17 of 48 (35%); pricing the stored set instead of the
-  jaxpr's (one-stage tables, pipeline stages, the rematerialized layers with their inputs
-  fenced as `_run/_recompute.py` fences them) gives 26 of 48 (54%: mlp 6, bert 2, gpt 3,
-  vgg19 4, flax_lm 5, eqx_mlp 6 of 8), every transformer miss turning into an
-  under-prediction (0.48-0.87x). That change is not on main: what remains unpriced is
-  the backward's own temporaries at the peak (gpt on one device: XLA's peak is at the
-  loss gradient, where the logits, their exp and two [B*S, V] gradient buffers are live
-  beside the stored residuals), and without them three ZeRO memory checks of
-  tests/test_zero.py (bf16 gpt, flax) drop from within 15% to 0.76-0.84x;
+  GELU output), and XLA's temporaries lie between the two sets. Pricing the stored set
+  instead of the jaxpr's in the one-stage tables, plus the backward's own buffers at its
+  peak (`_cost/_traffic.temporaries`, the liveness walk the pipeline stages use), was
+  measured at dad0fc5's parent (`--plans 4`, seed 0): memory within 15% on 12 of 24
+  (50%) against 7 of 24 (29%) with the jaxpr's residuals; but on the tests' plans
+  compiled with the state donated (like with like: the model prices an update in
+  place) it under-predicts: bf16 gpt ZeRO-0/1/3 0.87/0.82/0.90x, a float32 Megatron plan
+  0.82x, where the jaxpr's set gives 1.03/1.03/1.26x and 1.14x. The gap on ZeRO-0/1 is
+  about one copy of the gradients, which ZeRO-3 (reduced layer by layer) does not show:
+  the CPU's one combined gradient all-reduce at the end of the backward writes a buffer
+  of its own beside its input, not modelled yet. An under-prediction promises plans that
+  do not fit, so the one-stage tables keep the jaxpr's set; pipeline stages price the
+  jaxpr's set too, because that is what a stage's F program hands its B (every residual
+  is a program output), and `stored_residuals` where one program holds the residuals
+  (a recomputed layer inside its B);
 - vgg19's misses on one device (XLA's buffer assignment, single CPU device, 9.5 MiB of
   temporaries against 3.1 MiB residuals + 1.2 MiB gradients): the peak is in the
   forward, at the first max pool, not at the turn. XLA's CPU expands the pool's gradient

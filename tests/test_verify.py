@@ -239,6 +239,7 @@ def test_verify_reports_pipeline_memory_and_flops_per_stage():
         # would be off by more than the tolerance.
         (rm, rxm), (_, rf, rxf) = remat.stage_memory_bytes[s], remat.stage_flops[s]
         assert rf == pytest.approx(rxf, rel=0.15), remat.summary()
+        assert rm == pytest.approx(rxm, rel=0.15), remat.summary()
         assert pf != pytest.approx(rxf, rel=0.15)
         # The runtime's peak (run.memory) of the last stage (one microbatch in flight) can
         # be its update, where remat saves nothing: never more, less on the first.

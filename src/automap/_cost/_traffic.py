@@ -225,15 +225,26 @@ def temporaries(
 
 def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:
     """Per stage, the largest residuals one of its layers makes again in its backward:
-    one microbatch's, alive while that layer's backward runs."""
+    one microbatch's, alive while that layer's backward runs. The layer and its backward
+    are one program (the stage's B), so these are the ones XLA stores
+    (`stored_residuals`), of what the recompute makes: an operand it stores in place of
+    a cheap residual and that comes from outside the layer (its input, a weight) is held
+    already."""
     peak = [0.0] * part.n_stages
     consumers = graph.consumers()
+    again = set(res.recomputed)
     for ts in res.layer_saved:
-        ts = stored_residuals(graph, ts, (), consumers)
         if not ts:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
-        b = sum(graph.tensors[t].nbytes * lay.inv[t] / (m if t in part.batched else 1) for t in ts)
+        made = [
+            t
+            for t in stored_residuals(graph, ts, (), consumers)
+            if graph.tensors[t].producer in again and part.op_stage[graph.tensors[t].producer] == s
+        ]
+        b = sum(
+            graph.tensors[t].nbytes * lay.inv[t] / (m if t in part.batched else 1) for t in made
+        )
         peak[s] = max(peak[s], b)
     return peak
 
