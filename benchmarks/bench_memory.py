@@ -27,8 +27,11 @@ language model trained with optax's Adam ("flax_lm"), and an Equinox MLP classif
 with optax's Adam ("eqx_mlp"). Nothing is downloaded.
 
 Measured (`--plans 8`, seed 0, the default 25% pipelines; 48 plans, 44 one-stage and 4
-pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU): FLOPs within 15% on 33 of
-48 (69%), memory on 15 of 48 (31%). What the numbers say:
+pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU) at 0853a7b: FLOPs within 15%
+on 32 of 48 (67%), memory on 17 of 48 (35%: mlp 6, bert 2, gpt 0, vgg19 1, flax_lm 2,
+eqx_mlp 6 of 8); the pipelines' stage memory on 3 of 4 (0.78-1.13x), since pipeline
+stages are priced as the runtime holds them (one gradient buffer, the backward's and the
+update's own buffers by liveness). What the numbers say of the one-stage plans:
 
 - the stored state agrees: on every one-stage plan, the cost model's parameters +
   optimizer state + inputs (ZeRO's shards included) equal XLA's arguments within 0.5%;
