@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -167,6 +168,12 @@ class Graph:
 
     def consumers(self) -> tuple[tuple[int, ...], ...]:
         """For each tensor id, the indices of the ops that read it (program order)."""
+        return self._consumers
+
+    @functools.cached_property
+    def _consumers(self) -> tuple[tuple[int, ...], ...]:
+        # Computed once: the graph is immutable, and the cost model asks for it every time
+        # it prices a pipeline plan (`_cost/_traffic.py`).
         users: list[list[int]] = [[] for _ in self.tensors]
         for op in self.ops:
             for t in dict.fromkeys(op.inputs):

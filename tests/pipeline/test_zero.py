@@ -31,13 +31,18 @@ MESH = {"data": 4}
 M = 2
 
 
-@functools.cache
-def gpt():
-    """A float32 GPT (a 16-bit one would sum its gradients in 16 bits, ZeRO or not)."""
-    spec = get_model("gpt-1.3b", layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=128,
-                     dtype="float32")  # fmt: skip
+def _captured(name: str, **overrides):
+    """A float32 zoo model (a 16-bit one would sum its gradients in 16 bits, ZeRO or not),
+    its graph and groups."""
+    spec = get_model(name, layers=2, hidden=64, heads=4, batch=16, dtype="float32", **overrides)
     graph = capture(spec.step_fn, *spec.abstract_args())
     return spec, graph, build_groups(graph)
+
+
+@functools.cache
+def gpt():
+    """A float32 GPT."""
+    return _captured("gpt-1.3b", seq=32, vocab=128)
 
 
 @functools.cache
@@ -245,10 +250,7 @@ def test_sixteen_bit_gradients_are_reduce_scattered_too():
 @functools.cache
 def gpt2():
     """A float32 GPT-2 (its token embedding, tied to the LM head, looked up by a gather)."""
-    spec = get_model("gpt2-xl", layers=2, hidden=64, heads=4, seq=16, batch=16, vocab=512,
-                     dtype="float32")  # fmt: skip
-    graph = capture(spec.step_fn, *spec.abstract_args())
-    return spec, graph, build_groups(graph)
+    return _captured("gpt2-xl", seq=16, vocab=512)
 
 
 @pytest.mark.parametrize(("stages", "zero"), [(2, 3), (1, 3), (1, 1)])

@@ -590,18 +590,30 @@ def _kernels_reading(graph: Graph, in_memory: np.ndarray, fusible: list[bool]) -
 def _cone_reads(graph: Graph, root, in_memory: np.ndarray, fusible: list[bool]) -> set[int]:
     """The in-memory tensors a kernel rooted at `root` reads: walking its operands back
     through fused producers (tensors not in memory) to tensors that are."""
-    read, seen, todo = set(), set(), list(root.inputs)
+
+    def through(t: int) -> Iterable[int] | None:
+        p = graph.tensors[t].producer
+        return None if in_memory[t] or p is None or not fusible[p] else graph.ops[p].inputs
+
+    return _walk_back(root.inputs, through)
+
+
+def _walk_back(start: Iterable[int], through) -> set[int]:
+    """The tensors where a walk back from `start` stops: `through(t)` gives the tensors to
+    walk on to in t's place (its producer's operands; empty: drop t), or None to stop at
+    t and keep it."""
+    out, seen, todo = set(), set(), list(start)
     while todo:
         t = todo.pop()
         if t in seen:
             continue
         seen.add(t)
-        p = graph.tensors[t].producer
-        if in_memory[t] or p is None or not fusible[p]:
-            read.add(t)
+        further = through(t)
+        if further is None:
+            out.add(t)
         else:
-            todo.extend(graph.ops[p].inputs)
-    return read
+            todo.extend(further)
+    return out
 
 
 # Ops whose result XLA recomputes inside every fusion that reads it, from operands no
@@ -671,9 +683,7 @@ EXPENSIVE = frozenset(
 )
 
 
-def stored_residuals(
-    graph: Graph, saved: Iterable[int], fenced: Iterable[int] = (), consumers=None
-) -> tuple[int, ...]:
+def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
     A residual made by a cheap elementwise or layout op (not `EXPENSIVE`) that only fusible
@@ -681,29 +691,20 @@ def stored_residuals(
     forward's and the backward's, and makes it again there from the producer's operands,
     which are stored in its place (recursively: GELU's polynomial chain is made again from
     the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
-    expensive results and reductions stay stored, and so do the `fenced` ones (a recomputed
-    layer's inputs, which pass through an optimization barrier: `_run/_recompute.py`)."""
+    expensive results and reductions stay stored."""
     consumers = graph.consumers() if consumers is None else consumers
-    fenced = set(fenced)
     cheap = ELEMENTWISE | FREE
-    out, todo, seen = set(), list(saved), set()
-    while todo:
-        t = todo.pop()
-        if t in seen:
-            continue
-        seen.add(t)
+
+    def through(t: int) -> Iterable[int] | None:
         p = graph.tensors[t].producer
         if p is None:
-            continue  # a step input: stored as such, not an activation
+            return ()  # a step input: stored as such, not an activation
         op = graph.ops[p]
         remade = (
-            t not in fenced
-            and op.primitive in cheap
+            op.primitive in cheap
             and op.primitive not in EXPENSIVE
             and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
         )
-        if remade:
-            todo.extend(i for i in op.inputs if graph.tensors[i].ndim)
-        else:
-            out.add(t)
-    return tuple(sorted(out))
+        return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
+
+    return tuple(sorted(_walk_back(saved, through)))

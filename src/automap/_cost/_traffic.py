@@ -169,20 +169,21 @@ def stage_memory(
     if remat:
         for s, b in enumerate(_remat_peaks(graph, part, lay, res, m)):
             out[s]["activations"] += b
-    for s, held in enumerate(temporaries(graph, part, lay.inv, m, BWD, consumers)):
-        out[s]["activations"] += sum(held.values())
+    program = op_programs(graph, part)
+    for s, b in enumerate(temporaries(graph, part, lay.inv, m, BWD, program)):
+        out[s]["activations"] += b
     # The update runs after the last microbatch, when no activation is alive: a stage's
     # peak is the larger of its backward's and its update's.
-    for s, held in enumerate(temporaries(graph, part, lay.inv, m, POST, consumers)):
-        out[s]["activations"] = max(out[s]["activations"], sum(held.values()))
+    for s, b in enumerate(temporaries(graph, part, lay.inv, m, POST, program)):
+        out[s]["activations"] = max(out[s]["activations"], b)
     return out, op_state, op_act
 
 
 def temporaries(
-    graph: Graph, part: Partition, inv: np.ndarray, m: int, which: int, consumers=None
-) -> list[dict[int, float]]:
-    """Per stage, what the ops of phase `which` (BWD: one microbatch's backward; POST: the
-    update) hold at their peak of what they make themselves, tensor -> bytes per device
+    graph: Graph, part: Partition, inv: np.ndarray, m: int, which: int, program=None
+) -> list[float]:
+    """Per stage, the most bytes per device the ops of phase `which` (BWD: one
+    microbatch's backward; POST: the update) hold at once of what they make themselves
     (`inv`: each tensor's fraction per device). These are the buffers XLA writes, each
     alive from the op that makes it to its last reader on the stage, in program order. A
     buffer is written when a kernel XLA cannot fuse into its reader makes it or reads it
@@ -190,23 +191,24 @@ def temporaries(
     (`once_programs`). Not counted: a new parameter or optimizer state, written over the
     old one (the step donates it), and with one microbatch a gradient, which is the
     gradient buffer itself; with several, a microbatch's gradient is a buffer of its own
-    until it is added into the running sum."""
+    until it is added into the running sum. `program`: `op_programs(graph, part)`, when
+    the caller has it."""
     stage, phase = part.op_stage, phase_codes(part)
     skip = {leaf.tensor for leaf in graph.outputs} if which == POST else set()
     if m == 1:
         skip |= set(part.accumulated)
-    program = op_programs(graph, part)
+    program = op_programs(graph, part) if program is None else program
     ops = [i for i in range(len(graph.ops)) if phase[i] == which]
-    consumers = graph.consumers() if consumers is None else consumers
+    consumers = graph.consumers()
     last: dict[int, int] = {}
     for i in ops:
         for t in graph.ops[i].inputs:
             last[t] = i
     peak = [0.0] * part.n_stages
-    at_peak: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
+    held = [0.0] * part.n_stages  # bytes alive now, per stage
     live: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
     for i in ops:
-        op, own = graph.ops[i], live[stage[i]]
+        op, s = graph.ops[i], stage[i]
         for t in op.outputs:
             written = op.primitive not in FUSIBLE or any(
                 graph.ops[c].primitive not in FUSIBLE or program[c] != program[i]
@@ -214,13 +216,13 @@ def temporaries(
             )
             if written and t not in skip:
                 b = graph.tensors[t].nbytes * inv[t]
-                own[t] = b / m if t in part.batched and which == BWD else b
-        if sum(own.values()) > peak[stage[i]]:
-            peak[stage[i]], at_peak[stage[i]] = sum(own.values()), dict(own)
+                live[s][t] = b / m if t in part.batched and which == BWD else b
+                held[s] += live[s][t]
+        peak[s] = max(peak[s], held[s])
         for t in (*op.inputs, *op.outputs):
-            if last.get(t, -1) <= i:
-                own.pop(t, None)
-    return at_peak
+            if last.get(t, -1) <= i and t in live[s]:
+                held[s] -= live[s].pop(t)
+    return peak
 
 
 def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:
@@ -239,7 +241,7 @@ def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> li
         s = part.op_stage[graph.tensors[ts[0]].producer]
         made = [
             t
-            for t in stored_residuals(graph, ts, (), consumers)
+            for t in stored_residuals(graph, ts, consumers)
             if graph.tensors[t].producer in again and part.op_stage[graph.tensors[t].producer] == s
         ]
         b = sum(

@@ -607,8 +607,7 @@ class _Pipeline:
             values = [mb_value(t, i, s) for t in seg.inputs]
             sums = self.sums.get(id(seg), ())
             if sums and sums[0] in acc:  # the running sums go in, donated, and come back
-                running = [acc.pop(t) for t in sums]
-                outs = ops.call(seg, self.adding[id(seg)], values + running, adding=True)
+                outs = self._run(seg, values + [acc.pop(t) for t in sums], ops, adding=True)
             else:
                 outs = self._run(seg, values, ops)
             for t, v in zip(seg.outputs, outs, strict=True):
@@ -643,10 +642,12 @@ class _Pipeline:
         run_steps(self.post, free=True)
         return step, trace
 
-    def _run(self, seg: Segment, values: list[Any], ops: _Live) -> list[Any]:
+    def _run(self, seg: Segment, values: list[Any], ops: _Live, adding: bool = False) -> list[Any]:
+        """Run a segment (`adding`: its variant that takes the running sums after `values`)."""
         if not seg.ops:
             return []
-        outs = ops.call(seg, self.jitted[id(seg)], values)
+        jitted = self.adding[id(seg)] if adding else self.jitted[id(seg)]
+        outs = ops.call(seg, jitted, values, adding)
         return [self._send(v, seg.stage, ops) for v in outs]
 
     def _place(self, t: int, value: Any, s: int, ops: _Live) -> Any:
