@@ -98,6 +98,7 @@ def spec_of(row: MegatronRow) -> ModelSpec:
         vocab=VOCAB,
         batch=row.batch,
         positions="learned",
+        softmax="fused",
     )
 
 

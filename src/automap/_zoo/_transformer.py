@@ -59,6 +59,30 @@ def rotary(x: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+@jax.custom_vjp
+def fused_softmax(scores: jax.Array, scale: float, mask: jax.Array) -> jax.Array:
+    """softmax(where(mask, scores * scale, -1e9)) as Megatron-LM's fused kernel computes it:
+    reads the scores in the compute dtype, works in float32, writes probabilities in the
+    compute dtype, and its backward reads those 16-bit probabilities (not float32 ones)."""
+    return _fused_softmax(scores, scale, mask)[0]
+
+
+def _fused_softmax(scores, scale, mask):
+    x = jnp.where(mask, scores.astype(_F32) * scale, -1e9)
+    probs = jax.nn.softmax(x, axis=-1).astype(scores.dtype)
+    return probs, (probs, scale)
+
+
+def _fused_softmax_bwd(saved, grad):
+    probs, scale = saved
+    p, g = probs.astype(_F32), grad.astype(_F32)
+    dx = p * (g - jnp.sum(g * p, axis=-1, keepdims=True)) * scale
+    return dx.astype(probs.dtype), None, None
+
+
+fused_softmax.defvjp(_fused_softmax, _fused_softmax_bwd)
+
+
 class Attention(nn.Module):
     """Multi-head attention; `kv` given = cross-attention, `bias` = additive [1|B, h, S, T]."""
 
@@ -67,6 +91,7 @@ class Attention(nn.Module):
     causal: bool = False
     use_rotary: bool = False
     use_bias: bool = True
+    softmax: str = "float32"  # or "fused": `fused_softmax` (causal, no bias)
 
     @nn.compact
     def __call__(self, x, kv=None, bias=None):
@@ -80,14 +105,18 @@ class Attention(nn.Module):
         v = proj(name="value")(kv).reshape(b, t, self.heads, head_dim)  # [B, T, h, d]
         if self.use_rotary:
             q, k = rotary(q), rotary(k)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)  # [B, h, S, T]
-        # Softmax in float32: bf16 logits lose the small differences attention depends on.
-        scores = scores.astype(_F32)
-        if bias is not None:
-            scores = scores + bias
-        if self.causal:
-            scores = jnp.where(causal_mask(s, t)[None, None], scores, -1e9)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        if self.softmax == "fused":
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # [B, h, S, T]
+            probs = fused_softmax(scores, 1 / math.sqrt(head_dim), causal_mask(s, t)[None, None])
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)  # [B, h, S, T]
+            # Softmax in float32: bf16 logits lose the small differences attention needs.
+            scores = scores.astype(_F32)
+            if bias is not None:
+                scores = scores + bias
+            if self.causal:
+                scores = jnp.where(causal_mask(s, t)[None, None], scores, -1e9)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, hidden)  # [B, S, H]
         return proj(name="out")(out)
 
@@ -231,6 +260,10 @@ class GptConfig:
     """Compute dtype; parameters and Adam moments stay float32."""
     learning_rate: float = 1e-4
     """Adam step size."""
+    softmax: str = "float32"
+    """"float32" (the scores cast to float32, softmax and its saved output in float32) or
+    "fused" (Megatron-LM's fused scale-mask-softmax: float32 inside one function, its
+    input, output and saved probabilities in the compute dtype)."""
 
     def resolved(self) -> GptConfig:
         check_config("gpt", self)
@@ -238,6 +271,8 @@ class GptConfig:
             raise ModelError(f"gpt: positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.positions == "rotary" and (self.hidden // self.heads) % 2:
             raise ModelError("gpt: rotary positions need an even head size (hidden / heads)")
+        if self.softmax not in ("float32", "fused"):
+            raise ModelError(f"gpt: softmax={self.softmax!r}; use 'float32' or 'fused'")
         return dataclasses.replace(self, ff=resolve_ff(self.ff, self.hidden))
 
 
@@ -254,6 +289,7 @@ class GptLayer(nn.Module):
             cfg.dtype,
             causal=True,
             use_rotary=cfg.positions == "rotary",
+            softmax=cfg.softmax,
             name="attention",
         )
         x = x + attn(layer_norm(dtype, "attention_norm")(x))
