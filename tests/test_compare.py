@@ -36,7 +36,10 @@ def test_vgg_optimum_is_the_one_weird_trick():
     # Batch 32 on 8 V100s: convolutions data parallel, the FC layers' weights split.
     found = rows("vgg19", "v100", 8, "expert,ilp", depth=11, batch=32)
     optimum, owt = found["ilp"], found["owt"]
-    assert optimum.step_time_s == pytest.approx(owt.step_time_s, rel=1e-9)
+    # OWT's layout, with the Adam update on ZeRO-2's shards (the FC layers' moments are
+    # most of the update's memory traffic): 6% faster than OWT as published.
+    assert optimum.plan.zero_stage == 2
+    assert 0.9 * owt.step_time_s < optimum.step_time_s < owt.step_time_s
     assert owt.step_time_s < 0.5 * found["data_parallel"].step_time_s
     assert owt.step_time_s < found["megatron_dp"].step_time_s
     specs = optimum.plan.specs
@@ -50,9 +53,10 @@ def test_vgg_optimum_is_the_one_weird_trick():
     assert len(dense) == 3 and all("data" in s for s in dense.values())
 
 
-def test_resnet_data_parallel_is_within_a_few_percent_of_the_optimum():
+def test_resnet_data_parallel_is_the_optimum_with_its_update_on_zero_shards():
     found = rows("resnet50", "v100", 8, "expert,ilp")
-    assert found["data_parallel"].step_time_s <= 1.05 * found["ilp"].step_time_s
+    assert found["zero2"].step_time_s == pytest.approx(found["ilp"].step_time_s, rel=1e-9)
+    assert found["data_parallel"].step_time_s <= 1.07 * found["ilp"].step_time_s
 
 
 def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():

@@ -34,7 +34,9 @@ numpy operations over those tables:
   the update runs on shards and the parameters are all-gathered: once after the update
   (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
   reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
-  Checked against XLA's HLO;
+  The ops ZeRO pins (the update, and a gradient whose iteration space the data axis does
+  not already split) compute on the device's data shard (`_tables.zero_shares`).
+  Checked against XLA's HLO and `cost_analysis()`;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
   the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
   longer kept for the backward; the local gradients are whole until their reduce-scatter,
@@ -335,6 +337,9 @@ class CostModel:
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = ac.sizes[d] if d else 1.0
         zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
+        if zero_mask:
+            # ZeRO's pinned gradients and update ops run on the device's data shard.
+            compute -= (1 - 1 / D) * float(T.zero_coef @ (inv * ~P[:, d]))
         zero_bytes, zero_count = 0.0, 0
         # ZeRO-3 without remat (which re-runs the layers' forward with their own gathers)
         # gathers again in the backward the parameters it reads (`_run/_apply.py`).
@@ -398,7 +403,7 @@ class CostModel:
             )
         per_op: tuple = ()
         if detail:
-            per_op = self._per_op(st)
+            per_op = self._per_op(st, (P, d, D) if zero_mask else None)
         step = compute + comm
         return Cost(
             step_time_s=step,
@@ -426,12 +431,12 @@ class CostModel:
             return 0.0
         return self._total_flops / (step * self.cluster.peak_flops * devices)
 
-    def _per_op(self, st: K.State) -> tuple[tuple[int, float, float], ...]:
+    def _per_op(self, st: K.State, zero=None) -> tuple[tuple[int, float, float], ...]:
         """(op, compute s, comm s) per op; a combined gradient collective's time is shared
         among the ops whose partial sums it completes, by bytes."""
         T = self.tables
         ac = self._costs_for(st.mesh)
-        comp = op_compute(T, st.inv)
+        comp = op_compute(T, st.inv, zero=zero)  # `zero`: ZeRO's shards (`zero_shares`)
         pf, rf = T.partial_full, T.reshard_full
         ops = np.concatenate([K.per_slot(pf, pf.op), rf.op])
         slot = K.combine_slots(pf, rf)

@@ -163,7 +163,11 @@ def op_costs(
     zero_comm = np.zeros(n)
     key = st.key
     if zero_stage >= 1 and lay.data_size > 1:
-        zero_mask = int(ac.bit[list(stage_mesh).index(data_axis) + 1])
+        d = list(stage_mesh).index(data_axis) + 1
+        zero_mask = int(ac.bit[d])
+        # The update and the gradients the data axis does not already split run on
+        # ZeRO's shards, as for one stage (`CostModel._finish`).
+        compute = op_compute(T, st.inv, zero=(st.P, d, lay.data_size))
         if model.cluster.reduce_scatter:
             # The gradients meet the ZeRO layout: their all-reduce over data becomes a
             # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).

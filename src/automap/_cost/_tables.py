@@ -27,6 +27,7 @@ from .._groups import (
     Groups,
     body_tensor_groups,
     rule,
+    zero_region,
 )
 
 
@@ -135,6 +136,12 @@ class Tables:
     # forward, which writes none of what the backward reads (op_coef prices the recompute).
     remat_op_coef: np.ndarray
     remat_coef: np.ndarray  # [n_sets] recomputed layers' ops' first forward (see remat_op_coef)
+    # [n_ops] whether ZeRO's layout pins the op's result (a gradient made where it meets
+    # it, an update op): XLA computes the device's data shard of it, where the op's
+    # iteration space is not already split over data (`_groups.zero_region`).
+    zero_op: np.ndarray
+    body_zero: np.ndarray  # [n_body] the same for a loop body's ops
+    zero_coef: np.ndarray  # [n_sets] op_coef and body_coef of those ops, summed by set
     param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
@@ -328,15 +335,21 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     body_op: list[int] = []
     body_set: list[int] = []
     body_coef: list[float] = []
+    body_zero: list[bool] = []
+    pinned, update = zero_region(graph, groups)
+    pinned_set = set(pinned)
 
     def body_compute(op, g, tgs, scale: float, owner: int) -> None:
         """The compute of loop op's bodies, op by op, each on its own split (nested
-        loops through theirs), `scale` times per step, as entries owned by `owner`."""
+        loops through theirs), `scale` times per step, as entries owned by `owner`. A
+        top-level loop's body op that makes (a trip's slice of) a gradient ZeRO pins is
+        marked, as the op that makes one outside a loop is (`Tables.zero_op`)."""
         for body, btg in zip(g.bodies[op.index], body_tensor_groups(op, g, tgs, ng), strict=True):
             if not body.priced:
                 continue
             bg, times = body.graph, scale * body.trips
             fused = _fused_bytes(bg, (), None, cluster.multi_output_fusion)
+            zeroed = {b for o, b, _ in body.binds if o in pinned_set} if g is graph else set()
             for bop in bg.ops:
                 if bop.primitive in LOOPS and bg.bodies.get(bop.index):
                     body_compute(bop, bg, btg, times, owner)
@@ -347,6 +360,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 body_op.append(owner)
                 body_set.append(sid(outs | red))
                 body_coef.append(times * _compute_seconds(bop, r.compute, fused, rates))
+                body_zero.append(bool(zeroed.intersection(bop.outputs)))
 
     rates = (flop_rate, byte_rate)
     for op in graph.ops:
@@ -410,6 +424,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
     act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
+    zero_op = np.zeros(len(graph.ops), dtype=bool)
+    zero_op[[graph.tensors[t].producer for t in pinned]] = True
+    zero_op[sorted(update)] = True
     return Tables(
         sets=sets,
         splittable=split,
@@ -422,6 +439,10 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         body_remat_coef=body_again,
         compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets)
         + np.bincount(body_set_a, body_coef_a, minlength=n_sets),
+        zero_op=zero_op,
+        body_zero=np.array(body_zero, dtype=bool),
+        zero_coef=np.bincount(op_set_a, op_coef_a * zero_op, minlength=n_sets)
+        + np.bincount(body_set_a, body_coef_a * np.array(body_zero, dtype=bool), minlength=n_sets),
         remat_op_coef=np.array(remat, dtype=float),
         remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets)
         + np.bincount(body_set_a, body_again, minlength=n_sets),
@@ -445,13 +466,26 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     )
 
 
-def op_compute(T: Tables, inv: np.ndarray, remat: bool = False) -> np.ndarray:
+def op_compute(T: Tables, inv: np.ndarray, remat: bool = False, zero=None) -> np.ndarray:
     """[n_ops] compute seconds of each top-level op under a plan whose per-set divisor
     inverses are `inv` (a loop's: its bodies' ops, each on its own split); `remat`: what a
-    recomputed op adds under rematerialization (`remat_op_coef`) instead."""
+    recomputed op adds under rematerialization (`remat_op_coef`) instead. `zero`: (P, d,
+    size) of a ZeRO plan over the axis of code d (`zero_shares`)."""
     own = (T.remat_op_coef if remat else T.op_coef) * inv[T.op_set]
-    body = T.body_remat_coef if remat else T.body_coef
-    return own + np.bincount(T.body_op, body * inv[T.body_set], minlength=len(own))
+    body = (T.body_remat_coef if remat else T.body_coef) * inv[T.body_set]
+    if zero is not None:
+        own = own * zero_shares(T, *zero)
+        P, d, size = zero
+        body = body * np.where(T.body_zero & ~P[T.body_set, d], 1.0 / size, 1.0)
+    return own + np.bincount(T.body_op, body, minlength=len(own))
+
+
+def zero_shares(T: Tables, P: np.ndarray, d: int, size: float) -> np.ndarray:
+    """[n_ops] the share of its work each op runs on a device under ZeRO over the mesh
+    axis of code `d` and size `size` (`P`: per set, its axes): 1 / size for an op ZeRO
+    pins (`Tables.zero_op`) whose iteration space is not already split over that axis,
+    else 1."""
+    return np.where(T.zero_op & ~P[T.op_set, d], 1.0 / size, 1.0)
 
 
 def _compute_seconds(op, compute: str, fused: np.ndarray, rates: tuple[float, float]) -> float:

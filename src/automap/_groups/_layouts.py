@@ -127,21 +127,8 @@ def plan_from_assignment(
         # (gathered over data, but for ZeRO-3). A tensor there takes the data axis on the
         # dim linked to the one the state it becomes takes it on: a transposed or
         # reshaped gradient then needs no all-to-all.
-        gradients, update = update_region(graph, groups)
+        pinned, update = zero_region(graph, groups)
         wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
-        # A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum
-        # it in 16 bits, where it now sums after the cast to the parameters' float32.
-        # A lookup's gradient (a scatter-add of the rows' gradients into the table) keeps
-        # the plan's layout, summed over data, and meets the ZeRO layout where the update
-        # (or a tied table's sum with its other gradient) reads it. Pinned to the ZeRO
-        # layout itself, XLA all-to-alls the rows' gradients onto the table's data split
-        # and scatters them there: a collective the cost model does not price.
-        pinned = [
-            t
-            for t in gradients
-            if graph.tensors[t].itemsize >= 4
-            and graph.ops[graph.tensors[t].producer].primitive not in _SCATTERS
-        ]
         for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
             spec = _on_groups(
                 lay[t],
@@ -217,6 +204,29 @@ def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
 def _tail(path: str) -> str:
     """A leaf path without its leading position (`[1]['params']` -> `['params']`)."""
     return _POSITION.sub("", path, count=1)
+
+
+def zero_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozenset[int]]:
+    """What ZeRO pins to its layout split over data: the gradients (of `update_region`)
+    that meet it where they are made, and the update ops. With the data axis not carrying
+    the batch, XLA then computes only the device's shard of a pinned gradient (slicing
+    the operand that carries the split dim) and runs the update on shards.
+
+    A gradient in a 16-bit compute dtype is left free: pinned there, XLA would sum it in
+    16 bits, where it now sums after the cast to the parameters' float32. A lookup's
+    gradient (a scatter-add of the rows' gradients into the table) keeps the plan's
+    layout, summed over data, and meets the ZeRO layout where the update (or a tied
+    table's sum with its other gradient) reads it. Pinned to the ZeRO layout itself, XLA
+    all-to-alls the rows' gradients onto the table's data split and scatters them there:
+    a collective the cost model does not price."""
+    gradients, update = update_region(graph, groups)
+    pinned = tuple(
+        t
+        for t in gradients
+        if graph.tensors[t].itemsize >= 4
+        and graph.ops[graph.tensors[t].producer].primitive not in _SCATTERS
+    )
+    return pinned, update
 
 
 def update_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozenset[int]]:

@@ -66,8 +66,8 @@ from ._classic import SAFETY
 OFF = np.inf  # an auxiliary "off" entry when a row of the scope is active
 _log = logging.getLogger("automap")
 
-#: The most MILPs one mesh takes: stage 0 without a memory limit, then stages 0, 2, 3.
-SOLVES_PER_MESH = 4
+#: The most MILPs one mesh takes: stages 0 and 2 without a memory limit, then 0, 2, 3.
+SOLVES_PER_MESH = 5
 #: Joint options of the scopes (the MILP's y columns before merging) a mesh may have per
 #: second of its share of the budget. Past it the mesh is skipped, not solved: building
 #: the tables and HiGHS's presolve do not watch the clock, and a scan that ties every
@@ -97,6 +97,7 @@ class _Scope:
     units: tuple[int, ...]
     configs: np.ndarray  # [n_c, k] option of each unit
     time: np.ndarray  # [n_c] compute + non-gradient collectives
+    zero_time: np.ndarray  # [n_c] compute of ZeRO's pinned ops not split on data
     grad_bytes: np.ndarray  # [n_c, slots * keys] gradient bytes per (slot, kind, axis mask)
     grad_any: np.ndarray  # [n_c, slots * keys] some gradient row is active on the key
     plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
@@ -229,6 +230,7 @@ class MeshTerms:
             units=tuple(scope),
             configs=configs,
             time=np.bincount(cfg, rtime, minlength=n_c) + inv_c @ T.compute_coef[own],
+            zero_time=(inv_c * free) @ T.zero_coef[own],
             grad_bytes=grad_bytes,
             grad_any=grad_any,
             plain=inv_c @ T.memory_coef[:, own].T,
@@ -291,7 +293,9 @@ class MeshTerms:
             grads = pl[:, 0]
             opt = zd[:, 1] if zero_stage >= 1 else pl[:, 1]
             acts = pl[:, 2] - (sc.regather_acts if zero and zero_stage >= 3 else 0.0)
-            add(sc.units, sc.configs, sc.time, params + grads + opt + acts + pl[:, 4])
+            # ZeRO's pinned gradients and update ops run on data shards (`zero_shares`).
+            time = sc.time - (1 - 1 / self.D) * sc.zero_time if zero else sc.time
+            add(sc.units, sc.configs, time, params + grads + opt + acts + pl[:, 4])
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
         # A loop body's gradients are combined per trip, inside the loop (its slot's trips).
@@ -397,10 +401,12 @@ def search_ilp(
 ) -> tuple[tuple[int, tuple[int, ...], int] | None, dict[str, Any]]:
     """The best point of the space (mesh index, options, ZeRO stage) and the search stats.
 
-    Per mesh, first stage 0 with no memory limit: ZeRO only adds gathers, so that optimum
-    bounds every stage of the mesh from below. A mesh whose bound is no better than the
-    best plan so far is skipped; one whose unlimited optimum fits in memory is solved by
-    it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc).
+    Per mesh, first stages 0 and 2 with no memory limit: ZeRO moves data parallel's
+    bytes and runs the update (and a gradient the data axis does not already split) on
+    shards, and stage 3 only adds gathers to stage 2, so the faster of the two bounds
+    every stage of the mesh from below. A mesh whose bound is no better than the best
+    plan so far is skipped; one whose fastest unlimited optimum fits in memory is solved
+    by it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc).
 
     `time_limit_s` is the whole search's: each MILP gets what is left of it over the
     MILPs that may still come, a mesh too large for its share (`COLUMNS_PER_SECOND`) is
@@ -425,12 +431,17 @@ def search_ilp(
                 run.skipped.append(dict(mesh))
                 run.optimal, run.cut_short = False, True
                 continue
-            solution, bound = run.solve(terms, 0, np.inf)
-            if solution.optimal and (bound is None or bound.step_time_s >= run.best_time):
+            # Without a memory limit, stage 0 and stage 2 (ZeRO's compute on shards but
+            # none of stage 3's second gathers): the faster bounds every stage.
+            stages = [z for z in space.zero_options(mesh) if z != 1]
+            bounds = [run.solve(terms, z, np.inf) for z in stages if z in (0, 2)]
+            times = [c.step_time_s if c is not None else np.inf for _, c in bounds]
+            solution, bound = bounds[int(np.argmin(times))]
+            if all(s.optimal for s, _ in bounds) and min(times) >= run.best_time:
                 continue  # nothing on this mesh, or nothing better than the best so far
             if solution.optimal and bound.feasible:
-                continue  # the unlimited optimum fits: no stage of this mesh does better
-            for zero in (z for z in space.zero_options(mesh) if z != 1):
+                continue  # the fastest unlimited optimum fits: no stage does better
+            for zero in stages:
                 run.solve(terms, zero, space.cluster.memory_limit)
     except KeyboardInterrupt:
         # Ctrl-C keeps the best point so far (no longer a proof of optimality).

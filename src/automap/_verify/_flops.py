@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .._axes import PIPE
-from .._cost import CostModel
+from .._axes import DATA, PIPE
+from .._cost import CostModel, zero_shares
 from .._graph import Graph, Op
 from .._pipeline import partition
 from .._plan import Plan
@@ -98,9 +98,13 @@ def live_ops(graph: Graph) -> np.ndarray:
 
 def op_divisors(model: CostModel, plan: Plan, mesh: dict[str, int]) -> np.ndarray:
     """Per op, 1 / the sharding divisor of its iteration space under the plan: the share
-    of its FLOPs one device runs, as the cost model prices compute."""
+    of its FLOPs one device runs, as the cost model prices compute (ZeRO's pinned
+    gradients and update ops on the device's data shard included)."""
     state = model.state(model.plan_assignment(plan), mesh)
-    return state.inv[model.tables.op_set]
+    share = state.inv[model.tables.op_set]
+    if plan.zero_stage >= 1 and mesh.get(DATA, 1) > 1:
+        share = share * zero_shares(model.tables, state.P, list(mesh).index(DATA) + 1, mesh[DATA])
+    return share
 
 
 def op_runs(model: CostModel, plan: Plan) -> np.ndarray:
