@@ -144,3 +144,25 @@ def test_zero3_on_a_flax_model():
     assert report.xla_comm_bytes["all-gather@data"] == pytest.approx(gathered)
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
     assert report.numerics_ok, report.summary()
+
+
+def test_zero_computes_only_the_kept_shard_of_what_it_pins():
+    # The batch on "model", ZeRO over "data": a weight gradient is no partial sum over
+    # data, and pinned to the ZeRO layout XLA computes only the device's data shard of
+    # it (a [256, 64] piece of a [256, 256] gradient on data=4); the update runs on
+    # shards. The cost model prices those shares (`_cost.zero_shares`): FLOPs per device
+    # as XLA's cost analysis counts them, about 3/4 of the same layout without ZeRO.
+    spec = get_model("mlp", batch=32)
+    args = spec.abstract_args()
+    g = capture(spec.step_fn, *args)
+    groups = build_groups(g)
+    mesh, batch = {"model": 2, "data": 4}, {groups.batch_groups[0]: "model"}
+    plan = plan_from_assignment(g, groups, mesh, batch, zero_stage=2)
+    text = compile_plan(spec.step_fn, plan, args, graph=g)[1].as_text()
+    assert re.search(r"= f32\[256,64\]\{1,0\} dot\(", text)
+    assert not re.search(r"= f32\[256,256\]\{1,0\} dot\(", text)
+    report = verify(spec.step_fn, plan, *args)
+    assert report.predicted_flops_as_xla == pytest.approx(report.xla_flops, rel=0.05)
+    whole = verify(spec.step_fn, plan_from_assignment(g, groups, mesh, batch), *args)
+    assert whole.predicted_flops_as_xla == pytest.approx(whole.xla_flops, rel=0.05)
+    assert report.xla_flops < 0.8 * whole.xla_flops
