@@ -5,7 +5,8 @@ Conventions (the cost model reads these numbers, so they are fixed here once):
 - A FLOP is one floating-point add or multiply; a multiply-accumulate is two.
 - `dot_general` and `conv_general_dilated` are exact: 2 × (output elements) × (reduction
   length). Convolution padding is counted as if it were data, which is what every published
-  FLOP count of a CNN does (and what XLA's own `cost_analysis` does for "SAME" padding).
+  FLOP count of a CNN does. XLA's own `cost_analysis` does not: it skips the padded taps
+  (`_verify/_flops.py` counts a convolution as XLA does, to compare with it).
 - Elementwise primitives cost one FLOP per output element, transcendentals included
   (exp, log, tanh, logistic, erf, rsqrt...): they run at the memory roofline anyway, so a
   per-primitive constant would change nothing the planner decides.
