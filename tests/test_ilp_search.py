@@ -118,7 +118,13 @@ def test_factor_sums_are_the_cost_models_figures(case):
             problem = terms.problem(zero)
             aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
             for _ in range(6):
+                # A point of the space: with ZeRO, the batch on data (the MILP's masks
+                # forbid the rest, `ShardSpace.zero_options`).
                 options = options_of(space, mesh_index, rng)
+                for _ in range(1000):
+                    if zero in space.zero_options(mesh, options):
+                        break
+                    options = options_of(space, mesh_index, rng)
                 cost = space.evaluate(mesh_index, options, zero_stage=zero)
                 rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
                 time, memory, feasible = evaluate_batch(problem, rows)

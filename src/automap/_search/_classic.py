@@ -112,7 +112,7 @@ def options_of(space: ShardSpace, mesh_index: int, rng: np.random.Generator) -> 
 def random_point(space: ShardSpace, rng: np.random.Generator) -> ShardPoint:
     mesh_index = int(rng.integers(len(space.meshes)))
     options = options_of(space, mesh_index, rng)
-    zero = int(rng.choice(space.zero_options(space.meshes[mesh_index])))
+    zero = int(rng.choice(space.zero_options(space.meshes[mesh_index], options)))
     return mesh_index, options, zero
 
 
@@ -147,14 +147,17 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
             stack: list[tuple[int, ...]] = [()]
             while stack:
                 chosen = stack.pop()
-                if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
-                    tracker.complete = False
-                    return tracker
                 if len(chosen) == len(space.units):
-                    for zero in space.zero_options(mesh):
+                    for zero in space.zero_options(mesh, chosen):
+                        if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
+                            tracker.complete = False
+                            return tracker
                         point = (mesh_index, chosen, zero)
                         tracker.offer(point, evaluate(space, point))
                     continue
+                if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
+                    tracker.complete = False
+                    return tracker
                 mask = space.allowed(mesh, len(chosen), chosen)
                 stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask)[::-1])
     return tracker
@@ -203,7 +206,7 @@ def _neighbour(space: ShardSpace, point: ShardPoint, rng: np.random.Generator) -
         mesh_index = int(rng.integers(len(space.meshes)))
         return mesh_index, options_of(space, mesh_index, rng), 0
     if roll < 0.2:
-        zeros = space.zero_options(space.meshes[mesh_index])
+        zeros = space.zero_options(space.meshes[mesh_index], options)
         return mesh_index, options, int(rng.choice(zeros))
     if not options:
         return point
@@ -216,7 +219,9 @@ def _neighbour(space: ShardSpace, point: ShardPoint, rng: np.random.Generator) -
     if not mask.any():
         return point
     chosen[unit] = int(rng.choice(np.flatnonzero(mask)))
-    return mesh_index, _repair(space, mesh, chosen, unit), zero
+    options = _repair(space, mesh, chosen, unit)
+    # The batch moved off the data axis: no ZeRO there (`ShardSpace.zero_options`).
+    return mesh_index, options, zero if zero in space.zero_options(mesh, options) else 0
 
 
 def _repair(

@@ -344,6 +344,10 @@ class MeshTerms:
         const = tables.pop((), [np.zeros(()), np.zeros(())])
         limit = self.space.cluster.memory_limit if memory_limit is None else memory_limit
         allowed = [*self.unary, *(np.ones(k, bool) for k in n_options[n:])]
+        if zero and self.space.batch_unit is not None:
+            # ZeRO only with the batch on data (`ShardSpace.zero_options`).
+            u = self.space.batch_unit
+            allowed[u] = allowed[u] & (np.arange(len(OPTIONS)) == OPTIONS.index(DATA))
         return FactorProblem(
             n_options=tuple(n_options),
             allowed=tuple(allowed),
@@ -439,7 +443,7 @@ def search_ilp(
             solution, bound = bounds[int(np.argmin(times))]
             if all(s.optimal for s, _ in bounds) and min(times) >= run.best_time:
                 continue  # nothing on this mesh, or nothing better than the best so far
-            if solution.optimal and bound.feasible:
+            if solution.optimal and bound is not None and bound.feasible:
                 continue  # the fastest unlimited optimum fits: no stage does better
             for zero in stages:
                 run.solve(terms, zero, space.cluster.memory_limit)
@@ -485,8 +489,9 @@ def search_leanest(space: ShardSpace, budget_s: float, wall_s: float | None = No
     MILP with memory as its objective (`leanest_problem`), until one fits.
 
     Memory at a point never grows with the ZeRO stage (a stage shards state, it adds none:
-    `_cost/_model.py`), so a mesh's leanest point has its highest stage: one MILP a mesh,
-    which HiGHS solves at the root on every zoo model. The work is counted, not timed, so
+    `_cost/_model.py`), so a mesh's leanest point has its highest stage, or stage 0 where
+    ZeRO ties the batch to data (`ShardSpace.zero_options`) and the batch elsewhere
+    splits more: two MILPs a mesh, which HiGHS solves at the root on every zoo model. The work is counted, not timed, so
     the same budget gives the same answer on a fast or a slow machine: a mesh costs its
     joint options (its tables), and its MILP `MILP_SETUP` plus its columns per node;
     `budget_s` affords `COLUMNS_PER_SECOND` a second. A mesh starts while work is left and
@@ -509,26 +514,32 @@ def search_leanest(space: ShardSpace, budget_s: float, wall_s: float | None = No
             _log.info("leanest: mesh %s skipped, %s", mesh, e)
             complete = False
             continue
-        zero = max(space.zero_options(mesh))
-        problem = leanest_problem(terms.problem(zero, np.inf))
-        columns = problem_size(problem)[1]
-        work += terms.columns + MILP_SETUP
-        nodes = max(int((limit - work) // max(columns, 1)), 1)
-        solution = solve_ilp(problem, time_limit_s=max(wall_left, 0.01), max_nodes=nodes)
-        work += columns * max(solution.explored, 1)
-        if not solution.feasible:
-            # No point on this mesh at all is a proof too; a cut-short solve is not.
-            complete &= solution.status == "infeasible"
-            continue
-        point = (mesh_index, tuple(solution.choices[: terms.n_units]), zero)
-        cost = space.evaluate(*point[:2], zero_stage=zero)
-        if best_cost is None or cost.memory_bytes < best_cost.memory_bytes:
-            best, best_cost = point, cost
-        if cost.feasible:
-            last = mesh_index == len(space.meshes) - 1
-            return Leanest(point, cost.memory_bytes, True, complete and last, work)
-        # Over the limit: a proof for this mesh only when no point of it is leaner.
-        complete &= solution.optimal
+        work += terms.columns
+        # The highest stage (ZeRO with the batch on data) and, where that ties the batch
+        # to data, stage 0 (the batch anywhere): the leaner is the mesh's leanest point.
+        zeros = space.zero_options(mesh)
+        for zero in sorted(
+            {max(zeros), 0} if terms.space.batch_unit is not None else {max(zeros)}, reverse=True
+        ):
+            problem = leanest_problem(terms.problem(zero, np.inf))
+            columns = problem_size(problem)[1]
+            work += MILP_SETUP
+            nodes = max(int((limit - work) // max(columns, 1)), 1)
+            solution = solve_ilp(problem, time_limit_s=max(wall_left, 0.01), max_nodes=nodes)
+            work += columns * max(solution.explored, 1)
+            if not solution.feasible:
+                # No point on this mesh at all is a proof too; a cut-short solve is not.
+                complete &= solution.status == "infeasible"
+                continue
+            point = (mesh_index, tuple(solution.choices[: terms.n_units]), zero)
+            cost = space.evaluate(*point[:2], zero_stage=zero)
+            if best_cost is None or cost.memory_bytes < best_cost.memory_bytes:
+                best, best_cost = point, cost
+            if cost.feasible:
+                last = mesh_index == len(space.meshes) - 1
+                return Leanest(point, cost.memory_bytes, True, complete and last, work)
+            # Over the limit: a proof for this mesh only when no point of it is leaner.
+            complete &= solution.optimal
     memory = np.inf if best_cost is None else best_cost.memory_bytes
     return Leanest(best, memory, False, complete, work)
 

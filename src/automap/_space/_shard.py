@@ -179,6 +179,9 @@ class ShardSpace:
             for c, o in groups.seam_pairs()
             if c in unit_of and o in unit_of and unit_of[c] != unit_of[o]
         )
+        # The unit of the step's batch (its first batch group's): ZeRO needs it on data.
+        first = groups.batch_groups[0] if groups.batch_groups else None
+        self.batch_unit = unit_of.get(first) if first is not None else None
 
     # ---- the space ----------------------------------------------------------------------
 
@@ -208,29 +211,50 @@ class ShardSpace:
         # One mesh axis twice in one tensor: a co-occurring unit already took it.
         return any(v < len(taken) and taken[v] == option for v in self.neighbours[unit])
 
-    def zero_options(self, mesh: dict[str, int]) -> tuple[int, ...]:
-        return ZERO_STAGES if (self.pruning.zero and mesh.get(DATA, 1) > 1) else (0,)
+    def zero_options(
+        self, mesh: dict[str, int], options: Sequence[int | None] | None = None
+    ) -> tuple[int, ...]:
+        """The ZeRO stages a point on `mesh` may take (with its `options`, per unit, when
+        known): 1-3 only where the mesh has a data axis and the batch is on it. ZeRO
+        shards over the data-parallel axis; pinned to a data split the batch does not
+        take, XLA compiles other collectives than the cost model prices (3-5x its bytes
+        on `benchmarks/bench_memory.py`'s plans), so those points are not searched."""
+        size = mesh.get(DATA, 1)
+        if not self.pruning.zero or size <= 1:
+            return (0,)
+        u = self.batch_unit
+        if u is not None and self.units[u].divisor % size:
+            return (0,)  # the batch cannot take the data axis on this mesh
+        if options is not None and not self.batch_on_data(options):
+            return (0,)
+        return ZERO_STAGES
+
+    def batch_on_data(self, options: Sequence[int | None]) -> bool:
+        """Whether the point's options put the step's batch on the data axis (True for a
+        step without a batch unit)."""
+        u = self.batch_unit
+        return u is None or (
+            u < len(options) and options[u] is not None and OPTIONS[options[u]] == DATA
+        )
 
     def size(self) -> int:
         """Number of complete decision sequences, counting masks exactly (by DFS for small
         spaces, an upper bound past ~1e6 per mesh)."""
-        total = 0
-        for mesh in self.meshes:
-            total += self._count(mesh, [], cap=10**6) * len(self.zero_options(mesh))
-        return total
+        return sum(self._count(mesh, [], cap=10**6) for mesh in self.meshes)
 
     def _count(self, mesh: dict[str, int], taken: list[int | None], cap: int) -> int:
+        """Points of the mesh: option sequences times the ZeRO stages each may take."""
         if len(taken) == len(self.units):
             return 1
         per_unit = [int(self.allowed(mesh, u, []).sum()) for u in range(len(self.units))]
         if math.prod(per_unit) > cap or not self.pruning.masks:
-            return math.prod(per_unit)
+            return math.prod(per_unit) * len(self.zero_options(mesh))
         count = 0
         stack = [(0, [])]
         while stack:
             depth, chosen = stack.pop()
             if depth == len(self.units):
-                count += 1
+                count += len(self.zero_options(mesh, chosen))
                 continue
             mask = self.allowed(mesh, depth, chosen)
             stack.extend((depth + 1, [*chosen, k]) for k in np.flatnonzero(mask))

@@ -72,7 +72,12 @@ class ShardProcess:
         return self._zero is not None or len(self._zero_options()) == 1
 
     def _zero_options(self) -> tuple[int, ...]:
-        return self.space.zero_options(self.space.meshes[self._mesh])
+        # The options are taken in decision order (`self.order`); the space reads them by
+        # unit, and not all are taken before the last one.
+        by_unit: list[int | None] = [None] * len(self.space.units)
+        for u, k in zip(self.order, self._options, strict=False):
+            by_unit[u] = k
+        return self.space.zero_options(self.space.meshes[self._mesh], by_unit)
 
     def action_mask(self) -> np.ndarray:
         mask = np.zeros(self.n_actions, bool)
@@ -209,7 +214,7 @@ class ShardProcess:
             if not self.space.allowed(self.space.meshes[mesh_index], u, options)[k]:
                 return None
             options.append(k)
-        zeros = self.space.zero_options(self.space.meshes[mesh_index])
+        zeros = self.space.zero_options(self.space.meshes[mesh_index], options)
         if zero_stage not in zeros:
             return None
         tail = (zero_stage,) if len(zeros) > 1 else ()
