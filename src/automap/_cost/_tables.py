@@ -424,6 +424,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
     act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
+    body_zero_a = np.array(body_zero, dtype=bool)
     zero_op = np.zeros(len(graph.ops), dtype=bool)
     zero_op[[graph.tensors[t].producer for t in pinned]] = True
     zero_op[sorted(update)] = True
@@ -440,9 +441,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         compute_coef=np.bincount(op_set_a, op_coef_a, minlength=n_sets)
         + np.bincount(body_set_a, body_coef_a, minlength=n_sets),
         zero_op=zero_op,
-        body_zero=np.array(body_zero, dtype=bool),
+        body_zero=body_zero_a,
         zero_coef=np.bincount(op_set_a, op_coef_a * zero_op, minlength=n_sets)
-        + np.bincount(body_set_a, body_coef_a * np.array(body_zero, dtype=bool), minlength=n_sets),
+        + np.bincount(body_set_a, body_coef_a * body_zero_a, minlength=n_sets),
         remat_op_coef=np.array(remat, dtype=float),
         remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets)
         + np.bincount(body_set_a, body_again, minlength=n_sets),
@@ -475,8 +476,7 @@ def op_compute(T: Tables, inv: np.ndarray, remat: bool = False, zero=None) -> np
     body = (T.body_remat_coef if remat else T.body_coef) * inv[T.body_set]
     if zero is not None:
         own = own * zero_shares(T, *zero)
-        P, d, size = zero
-        body = body * np.where(T.body_zero & ~P[T.body_set, d], 1.0 / size, 1.0)
+        body = body * _shares(T.body_zero, T.body_set, *zero)
     return own + np.bincount(T.body_op, body, minlength=len(own))
 
 
@@ -485,7 +485,11 @@ def zero_shares(T: Tables, P: np.ndarray, d: int, size: float) -> np.ndarray:
     axis of code `d` and size `size` (`P`: per set, its axes): 1 / size for an op ZeRO
     pins (`Tables.zero_op`) whose iteration space is not already split over that axis,
     else 1."""
-    return np.where(T.zero_op & ~P[T.op_set, d], 1.0 / size, 1.0)
+    return _shares(T.zero_op, T.op_set, P, d, size)
+
+
+def _shares(pinned: np.ndarray, sets: np.ndarray, P: np.ndarray, d: int, size: float):
+    return np.where(pinned & ~P[sets, d], 1.0 / size, 1.0)
 
 
 def _compute_seconds(op, compute: str, fused: np.ndarray, rates: tuple[float, float]) -> float:

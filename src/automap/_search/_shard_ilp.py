@@ -517,10 +517,8 @@ def search_leanest(space: ShardSpace, budget_s: float, wall_s: float | None = No
         work += terms.columns
         # The highest stage (ZeRO with the batch on data) and, where that ties the batch
         # to data, stage 0 (the batch anywhere): the leaner is the mesh's leanest point.
-        zeros = space.zero_options(mesh)
-        for zero in sorted(
-            {max(zeros), 0} if terms.space.batch_unit is not None else {max(zeros)}, reverse=True
-        ):
+        top = max(space.zero_options(mesh))
+        for zero in [top, 0] if top and space.batch_unit is not None else [top]:
             problem = leanest_problem(terms.problem(zero, np.inf))
             columns = problem_size(problem)[1]
             work += MILP_SETUP
