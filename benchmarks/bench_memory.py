@@ -26,13 +26,31 @@ third-party families written as their users write them: a Flax (linen) transform
 language model trained with optax's Adam ("flax_lm"), and an Equinox MLP classifier
 with optax's Adam ("eqx_mlp"). Nothing is downloaded.
 
-Measured (`--plans 8`, seed 0, the default 25% pipelines; 48 plans, 44 one-stage and 4
-pipelines, 30 with ZeRO 1-3, 31 with remat; jax 0.10.2 CPU) at 858d8e4: FLOPs within 15%
-on 40 of 48 (83%; 32 of 48 at 0853a7b, before ZeRO's sharded compute was priced), memory
-on 17 of 48 (35%: mlp 6, bert 2, gpt 0, vgg19 1, flax_lm 2, eqx_mlp 6 of 8); the
-pipelines' stage memory on 3 of 4 (0.78-1.13x), since pipeline
-stages are priced as the runtime holds them (one gradient buffer, the backward's and the
-update's own buffers by liveness). What the numbers say of the one-stage plans:
+Measured (`--plans 8`, seed 0, the default 25% pipelines; jax 0.10.2 CPU) at 50d0011:
+48 plans, 41 one-stage and 7 pipelines, 7 with ZeRO 1-3 (the space offers ZeRO only
+where the batch is on the data axis, which a random point rarely picks: 5 of the 7 are
+pipelines, whose stage mesh puts it there), 28 with remat. FLOPs within 15% on 47 of 48
+(98%; the one miss is vgg19's ZeRO-2 with remat, 1.17x), memory on 27 of 48 (56%: mlp 6,
+bert 6, gpt 5, vgg19 0, flax_lm 3, eqx_mlp 7 of 8); the pipelines' stage memory on 6 of 7
+(0.78-0.96x), since pipeline stages are priced as the runtime holds them (one gradient
+buffer, the backward's and the update's own buffers by liveness). The same command at
+858d8e4, when the space still offered ZeRO with the batch off the data axis (44
+one-stage and 4 pipelines, 30 with ZeRO), gave FLOPs on 40 of 48 and memory on 17 of 48;
+the bullets below that name ZeRO plans with the batch off data are from that draw.
+
+A third memory model was measured at 50d0011 and is the next step (not built): the
+pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
+the update's own buffers by liveness) applied to the one-stage program as a one-stage
+partition, with XLA's stored set (`stored_residuals`) in place of the jaxpr's, and under
+remat the recomputed layers' stored set. It brings memory to 32 of 48 (67%): vgg19 7 of
+8 (0.84-1.08x, from 0.52-0.83x: the backward's own buffers were the missing part), bert 6
+of 6 and gpt 3 of 5 one-stage plans; what it still misses is over-prediction on MLPs
+(mlp, eqx_mlp 1.13-1.21x: a ReLU's boolean mask, which the stored set replaces by its
+float32 operand) and flax_lm with remat (1.27-1.43x). It is a liveness walk per plan,
+not a linear table: before the searchers can use it, the ILP's memory rows need a linear
+bound of it and `estimate`'s many calls a vectorized form.
+
+What the numbers say of the one-stage plans:
 
 - the stored state agrees: on every one-stage plan, the cost model's parameters +
   optimizer state + inputs (ZeRO's shards included) equal XLA's arguments within 0.5%;
