@@ -47,8 +47,11 @@ remat the recomputed layers' stored set. It brings memory to 32 of 48 (67%): vgg
 of 6 and gpt 3 of 5 one-stage plans; what it still misses is over-prediction on MLPs
 (mlp, eqx_mlp 1.13-1.21x: a ReLU's boolean mask, which the stored set replaces by its
 float32 operand) and flax_lm with remat (1.27-1.43x). It is a liveness walk per plan,
-not a linear table: before the searchers can use it, the ILP's memory rows need a linear
-bound of it and `estimate`'s many calls a vectorized form.
+not a linear table. Its peak moves with the layout: one linear row, the live set where
+the unsharded program peaks, priced under each plan's layout, gives only 26 of 48 (vgg19
+0.75-0.88x). So the tables need one row per candidate peak point (live bytes per tensor
+set), `evaluate` their maximum (one matrix product) and the ILP one memory constraint per
+row (`FactorProblem.memory_factors` already takes several points).
 
 What the numbers say of the one-stage plans:
 
