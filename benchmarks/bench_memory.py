@@ -51,7 +51,9 @@ not a linear table. Its peak moves with the layout: one linear row, the live set
 the unsharded program peaks, priced under each plan's layout, gives only 26 of 48 (vgg19
 0.75-0.88x). So the tables need one row per candidate peak point (live bytes per tensor
 set), `evaluate` their maximum (one matrix product) and the ILP one memory constraint per
-row (`FactorProblem.memory_factors` already takes several points).
+row (`FactorProblem.memory_factors` already takes several points; `leanest_problem`,
+which minimizes memory, takes one today and would need the maximum over rows as its
+objective).
 
 What the numbers say of the one-stage plans:
 
