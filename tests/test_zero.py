@@ -4,16 +4,20 @@ ZeRO-3, where the forward uses them and again where the backward does (FSDP); th
 model prices that program's collectives and memory, and the step computes what the plain
 step does."""
 
+import dataclasses
 import functools
 import re
+import warnings
 
 import pytest
 
+import automap as am
 from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel
+from automap._errors import PlanError
 from automap._graph import Role
-from automap._groups import build_groups, plan_from_assignment, regather_plan
+from automap._groups import build_groups, plan_from_assignment, regather_plan, zero_mismatch
 from automap._verify import comm_bytes, compile_plan, parse_collectives, verify
 from automap._zoo import get_model
 from pipeline._models import flax_args, flax_step
@@ -166,3 +170,40 @@ def test_zero_computes_only_the_kept_shard_of_what_it_pins():
     whole = verify(spec.step_fn, plan_from_assignment(g, groups, mesh, batch), *args)
     assert whole.predicted_flops_as_xla == pytest.approx(whole.xla_flops, rel=0.05)
     assert report.xla_flops < 0.8 * whole.xla_flops
+
+
+def test_a_plan_whose_zero_stage_was_edited_is_refused_where_it_is_priced_or_run():
+    # The cost model reads zero_stage, the runtime the shardings: an edited field would be
+    # priced as ZeRO-2 (a gather, the moments sharded) and run as data parallel.
+    spec, args, g, groups = gpt()
+    edited = dataclasses.replace(zero_plan(0), zero_stage=2)
+    cpu = Cluster.preset("cpu", devices=8)
+    with pytest.raises(PlanError, match="zero_stage=2 but its shardings are those of zero_stag"):
+        am.estimate(spec.step_fn, *args, plan=edited, cluster=cpu)
+    with pytest.raises(PlanError, match="Make the plan again at stage 2"):
+        compile_plan(spec.step_fn, edited, args, graph=g)
+    # ZeRO-2's shardings are ZeRO-1's too: that edit changes nothing the runtime does.
+    assert zero_mismatch(g, groups, zero_plan(2)) == ""
+    assert zero_mismatch(g, groups, dataclasses.replace(zero_plan(2), zero_stage=1)) == ""
+    assert "those of zero_stage=1 or 2" in zero_mismatch(
+        g, groups, dataclasses.replace(zero_plan(2), zero_stage=3)
+    )
+
+
+def test_estimate_warns_of_zero_over_a_data_axis_the_batch_is_not_on():
+    # XLA compiles other collectives for these plans than the cost model prices (what
+    # ShardSpace.zero_options keeps out of the searches); estimate prices them, and says so.
+    spec = get_model("mlp", batch=32)
+    args = spec.abstract_args()
+    g = capture(spec.step_fn, *args)
+    groups = build_groups(g)
+    mesh, cpu = {"model": 2, "data": 4}, Cluster.preset("cpu", devices=8)
+    off = plan_from_assignment(g, groups, mesh, {groups.batch_groups[0]: "model"}, zero_stage=2)
+    with pytest.warns(am.PriceWarning, match="does not put the batch on the data axis"):
+        am.estimate(spec.step_fn, *args, plan=off, cluster=cpu)
+    on = plan_from_assignment(g, groups, mesh, {groups.batch_groups[0]: "data"}, zero_stage=2)
+    plain = plan_from_assignment(g, groups, mesh, {groups.batch_groups[0]: "model"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", am.PriceWarning)
+        am.estimate(spec.step_fn, *args, plan=on, cluster=cpu)
+        am.estimate(spec.step_fn, *args, plan=plain, cluster=cpu)

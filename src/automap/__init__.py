@@ -14,6 +14,7 @@ from ._errors import ClusterError as ClusterError
 from ._errors import InfeasibleError as InfeasibleError
 from ._errors import ModelError as ModelError
 from ._errors import PlanError as PlanError
+from ._errors import PriceWarning as PriceWarning
 from ._graph import Graph as Graph
 from ._graph import Role as Role
 from ._plan import Collective as Collective

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._axes import DATA
 from ._cluster import Cluster
-from ._errors import PlanError
+from ._errors import PlanError, PriceWarning
 from ._graph import Graph
+from ._groups import zero_mismatch
 from ._plan import Cost, Plan, Provenance
 from ._run import other_program
 from ._search import (
@@ -102,7 +105,30 @@ def estimate(
     """The cost model's prediction for `plan` applied to `step_fn(*args)` on `cluster`."""
     problem = Problem.build(step_fn, args, cluster, roles)
     _check_fits(problem.graph, plan)
+    why = zero_mismatch(problem.graph, problem.groups, plan)
+    if why:
+        raise PlanError(why)
+    if _zero_off_batch(problem, plan):
+        warnings.warn(
+            f"this ZeRO-{plan.zero_stage} plan does not put the batch on the data axis it "
+            "shards over: XLA compiles other collectives for it than the cost model prices "
+            "(3-5x the bytes on benchmarks/bench_memory.py's plans), so its prices may be "
+            "off. Put the batch on 'data' (as the searchers do) or use zero_stage=0; "
+            "am.verify shows what XLA compiles.",
+            PriceWarning,
+            stacklevel=2,
+        )
     return problem.estimate(plan)
+
+
+def _zero_off_batch(problem: Problem, plan: Plan) -> bool:
+    """Whether `plan` is ZeRO over a data axis that does not carry the step's batch: the
+    points the searchers leave out (`ShardSpace.zero_options`)."""
+    mesh = plan.stages[0].mesh if plan.pipelined else plan.mesh
+    batch = problem.groups.batch_groups
+    if plan.zero_stage < 1 or mesh.get(DATA, 1) <= 1 or not batch:
+        return False
+    return problem.cost_model.plan_assignment(plan).get(batch[0]) != DATA
 
 
 def expert_plans(

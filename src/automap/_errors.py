@@ -37,3 +37,8 @@ class InfeasibleError(AutomapError):
 
 class ModelError(AutomapError):
     """An unknown zoo model or a bad override."""
+
+
+class PriceWarning(UserWarning):
+    """A plan the cost model prices but does not price as XLA compiles it (the figures may
+    be off; the warning says how and what to change)."""

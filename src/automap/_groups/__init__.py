@@ -12,6 +12,7 @@ from ._layouts import lookups as lookups
 from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
 from ._layouts import unzero_spec as unzero_spec
+from ._layouts import zero_mismatch as zero_mismatch
 from ._layouts import zero_region as zero_region
 from ._layouts import zero_spec as zero_spec
 from ._linkage import Group as Group

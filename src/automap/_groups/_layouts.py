@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 
-from .._axes import DATA
+from .._axes import DATA, PIPE
 from .._capture import find_residuals, loss_boundary
 from .._graph import Graph, InputLeaf, Role, TensorKind
 from .._plan import Plan, Spec
@@ -148,6 +148,37 @@ def plan_from_assignment(
         zero_stage=zero_stage,
         name=name,
         assignment={int(g): a for g, a in sorted(assignment.items())},
+    )
+
+
+def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
+    """Why `plan` cannot run as it is priced: its `zero_stage` is not the one its shardings
+    were made with ("" when it is, or when that cannot be told). The cost model reads the
+    stage from the field and the runtime does what the specs and constraints say, so a
+    plan edited with `dataclasses.replace(plan, zero_stage=k)` would be priced as ZeRO-k
+    and run as before. Told by making the plan's recorded assignment again at each stage:
+    only a plan whose shardings are exactly another stage's is refused."""
+    if plan.assignment is None:
+        return ""
+    mesh = {a: n for a, n in plan.mesh.items() if a != PIPE}  # a pipeline's stage mesh
+
+    def shardings(stage: int) -> tuple:
+        made = plan_from_assignment(graph, groups, mesh, plan.assignment, zero_stage=stage)
+        return dict(made.specs), dict(made.constraints)
+
+    own = dict(plan.specs), dict(plan.constraints)
+    if shardings(plan.zero_stage) == own:
+        return ""
+    made_at = [k for k in range(4) if k != plan.zero_stage and shardings(k) == own]
+    if not made_at:
+        return ""  # edited otherwise (specs by hand): nothing to say about ZeRO
+    stages = " or ".join(map(str, made_at))  # ZeRO-1 and ZeRO-2 shard alike
+    return (
+        f"the plan says zero_stage={plan.zero_stage} but its shardings are those of "
+        f"zero_stage={stages} (was it edited with dataclasses.replace?), so it would be "
+        f"priced at one stage and run at another. Make the plan again at stage "
+        f"{plan.zero_stage}, e.g. am.plan_recipe(..., recipe=am.Recipe(..., "
+        f"zero={plan.zero_stage})), or set zero_stage back to {made_at[0]}."
     )
 
 

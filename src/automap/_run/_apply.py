@@ -19,7 +19,14 @@ from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import Role
-from .._groups import build_groups, layouts, lookups, regather_plan, unzero_spec
+from .._groups import (
+    build_groups,
+    layouts,
+    lookups,
+    regather_plan,
+    unzero_spec,
+    zero_mismatch,
+)
 from .._pipeline import recompute_plan
 from .._plan import Plan, Spec
 from ._distributed import Feed
@@ -83,6 +90,10 @@ class Prepared:
         fingerprint = plan.provenance.fingerprint
         if graph is not None and fingerprint and fingerprint != graph.fingerprint:
             raise PlanError(other_program(plan, graph))
+        if graph is not None and plan.assignment is not None:
+            why = zero_mismatch(graph, build_groups(graph), plan)
+            if why:
+                raise PlanError(why)
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]

@@ -60,7 +60,7 @@ from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
-from .._groups import build_groups, lookups, unzero_spec
+from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
 from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition, recompute_plan
 from .._plan import Plan
 from ._distributed import Feed, check_stages, gather, move
@@ -171,6 +171,9 @@ class _Pipeline:
         if plan.provenance.fingerprint and plan.provenance.fingerprint != full.fingerprint:
             raise PlanError(other_program(plan, full))
         groups = build_groups(full)
+        why = zero_mismatch(full, groups, plan)
+        if why:
+            raise PlanError(why)
         bounds = [(s.op_start, s.op_stop) for s in plan.stages]
         part = partition(full, groups, bounds, m)
         micro = full if m == 1 else capture(fn, *micro_args(full, groups, part, abstract, m))
