@@ -45,8 +45,9 @@ partition, with XLA's stored set (`stored_residuals`) in place of the jaxpr's, a
 remat the recomputed layers' stored set. It brings memory to 32 of 48 (67%): vgg19 7 of
 8 (0.84-1.08x, from 0.52-0.83x: the backward's own buffers were the missing part), bert 6
 of 6 and gpt 3 of 5 one-stage plans; what it still misses is over-prediction on MLPs
-(mlp, eqx_mlp 1.13-1.21x: a ReLU's boolean mask, which the stored set replaces by its
-float32 operand) and flax_lm with remat (1.27-1.43x). It is a liveness walk per plan,
+(mlp, eqx_mlp 1.13-1.21x; not the residual set: on one device XLA stores for a ReLU
+what `stored_residuals` names, the matmul output and the max, and remakes the mask) and
+flax_lm with remat (1.27-1.43x). It is a liveness walk per plan,
 not a linear table. Its peak moves with the layout: one linear row, the live set where
 the unsharded program peaks, priced under each plan's layout, gives only 26 of 48 (vgg19
 0.75-0.88x). So the tables need one row per candidate peak point (live bytes per tensor
