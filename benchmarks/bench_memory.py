@@ -38,6 +38,24 @@ buffer, the backward's and the update's own buffers by liveness). The same comma
 one-stage and 4 pipelines, 30 with ZeRO), gave FLOPs on 40 of 48 and memory on 17 of 48;
 the bullets below that name ZeRO plans with the batch off data are from that draw.
 
+The Megatron table's configurations on reduced GPTs (`am.plan_recipe` with the fused
+softmax, 4 layers, hidden 64 and 128, batch 16 and 8, bf16 and float32, `am.verify` of
+the step jitted with its state donated; measured at f2667b0), predicted / XLA:
+
+| recipe                          | hidden 64 bf16 | f32  | hidden 128 bf16 | f32  |
+|---------------------------------|---------------:|-----:|----------------:|-----:|
+| tp 2 x dp 4, full recomputation |           0.94 | 1.09 |            0.97 | 1.11 |
+| tp 2 x dp 4, none               |           0.89 | 1.26 |            0.89 | 1.23 |
+| tp 4 x dp 2, full recomputation |           0.81 | 0.96 |            0.85 | 0.99 |
+| tp 2 x pp 2 x dp 2, full, m 4   |    0.84 / 0.89 | 0.84 / 0.98 | 0.80 / 0.85 | 0.79 / 0.89 |
+
+(pipelines: stage 0 / stage 1). The pipelined rows' stage 0 is under-predicted: at
+its B program's peak (hidden 128, float32) XLA holds five score-sized float32 buffers
+of the attention's backward at once (the softmax backward's products, and a causal-mask
+broadcast the CPU materializes in the recompute and holds to that point), 1.25 MiB of
+its 1.91 MiB temporaries, where the stage model's liveness of the backward's own
+buffers finds fewer.
+
 A third memory model was measured at 50d0011 and is the next step (not built): the
 pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
 the update's own buffers by liveness) applied to the one-stage program as a one-stage
