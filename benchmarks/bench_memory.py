@@ -49,12 +49,26 @@ the step jitted with its state donated; measured at f2667b0), predicted / XLA:
 | tp 4 x dp 2, full recomputation |           0.81 | 0.96 |            0.85 | 0.99 |
 | tp 2 x pp 2 x dp 2, full, m 4   |    0.84 / 0.89 | 0.84 / 0.98 | 0.80 / 0.85 | 0.79 / 0.89 |
 
-(pipelines: stage 0 / stage 1). The pipelined rows' stage 0 is under-predicted: at
-its B program's peak (hidden 128, float32) XLA holds five score-sized float32 buffers
-of the attention's backward at once (the softmax backward's products, and a causal-mask
-broadcast the CPU materializes in the recompute and holds to that point), 1.25 MiB of
-its 1.91 MiB temporaries, where the stage model's liveness of the backward's own
-buffers finds fewer.
+(pipelines: stage 0 / stage 1). The pipelined rows' stage 0 is under-predicted. At its
+B program's peak (hidden 128, float32) XLA's temporaries are 1.91 MiB against the stage
+model's 0.88 (the backward's own buffers, 0.38, and the recomputed layer's stored
+residuals, 0.50). Two things make the difference:
+
+- the microbatch's weight gradients (0.64 MiB): XLA's CPU writes each to a buffer of its
+  own, held to the end of the B program, where the running sums are added. Holding them
+  in the stage model's backward walk (tried, not kept) brings every float32 recipe above
+  within 15% (stage 0 0.79 -> 0.89x; tp 1 x pp 4 0.87-1.08x). But it over-predicts the
+  Flax pipelines of `tests/pipeline/test_grad_reduce.py` (1.09-1.24x, from 0.94-1.14x),
+  where XLA adds them earlier; when XLA's CPU scheduler holds them is not found yet. A
+  GPU would not hold them at all: XLA's GPU GEMM rewriter folds a matrix added to a
+  matmul's result into the GEMM (its C operand);
+- five score-sized float32 buffers of the attention's backward at once (the softmax
+  backward's products, and a causal-mask broadcast the CPU materializes in the recompute
+  and holds to that point), 1.25 MiB, where the model's liveness finds two or three.
+
+The bfloat16 recipes stay 0.75-0.94x with both: XLA's CPU runs a bf16 matmul in float32,
+on float32 copies of its operands, which the temporaries of every F and B program carry
+(2.1 and 3.2 MiB on tp 1 x pp 4).
 
 A third memory model was measured at 50d0011 and is the next step (not built): the
 pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
