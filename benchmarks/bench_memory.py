@@ -66,9 +66,10 @@ residuals, 0.50). Two things make the difference:
   backward's products, and a causal-mask broadcast the CPU materializes in the recompute
   and holds to that point), 1.25 MiB, where the model's liveness finds two or three.
 
-The bfloat16 recipes stay 0.75-0.94x with both: XLA's CPU runs a bf16 matmul in float32,
-on float32 copies of its operands, which the temporaries of every F and B program carry
-(2.1 and 3.2 MiB on tp 1 x pp 4).
+The bfloat16 recipes stay 0.75-0.94x with or without that hold. XLA's CPU runs a bf16
+matmul in float32 (the bf16 GPT's buffer assignment has a float32 convert of every bf16
+weight), which likely makes most of its F and B programs' temporaries (2.1 and 3.2 MiB
+on tp 1 x pp 4); not checked buffer by buffer.
 
 A third memory model was measured at 50d0011 and is the next step (not built): the
 pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
