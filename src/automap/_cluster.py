@@ -69,6 +69,12 @@ class Cluster:
     """Whether XLA reduces a tensor inside the kernel that writes it (its GPU pipeline's
     producer-consumer multi-output fusion and Triton softmax fusion; the CPU one, False, runs
     each reduction as its own loop that reads the tensor back: `_cost._tables._fused_bytes`)."""
+    matmul_accumulates: bool = True
+    """Whether XLA adds a running sum inside the matmul that makes its addend (its GPU
+    pipeline's GEMM rewriter takes a matrix added to a matmul's result as the GEMM's C
+    operand); the CPU one, False, writes a pipeline microbatch's weight gradients that a
+    matmul makes to buffers of their own, held to the end of its B program, where the
+    running sums are added (`_cost._traffic.held_gradients`)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -146,10 +152,11 @@ class Cluster:
         if any(checked[k] is not getattr(self, k) for k in checked):
             # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
             return dataclasses.replace(self, **checked)._checked()
-        if not isinstance(self.reduce_scatter, bool):
-            raise ClusterError(
-                f"cluster field reduce_scatter must be true or false, got {self.reduce_scatter!r}."
-            )
+        for flag in ("reduce_scatter", "multi_output_fusion", "matmul_accumulates"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ClusterError(
+                    f"cluster field {flag} must be true or false, got {getattr(self, flag)!r}."
+                )
         if not isinstance(self.name, str) or not self.name:
             raise ClusterError(f"cluster field name must be a non-empty string, got {self.name!r}.")
         if self.devices < 1:
@@ -337,5 +344,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         collective_float_bytes=4,
         reduce_scatter=False,
         multi_output_fusion=False,
+        matmul_accumulates=False,
     ),
 }

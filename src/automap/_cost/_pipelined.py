@@ -352,6 +352,7 @@ def stage_costs(
         schedule=schedule,
         zero_stage=oc.zero_stage,
         remat=oc.remat,
+        matmul_accumulates=cluster.matmul_accumulates,
     )
     totals = [sum(d.values()) for d in memory]
     worst = int(np.argmax(totals))

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,6 +83,7 @@ def stage_memory(
     schedule: str,
     zero_stage: int,
     remat: bool,
+    matmul_accumulates: bool = True,
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
     "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
@@ -151,7 +153,7 @@ def stage_memory(
     # cheap ones into their backward readers (`stored_residuals`, the one-stage tables).
     for t in res.saved_remat if remat else res.saved:
         if t in layered:
-            continue  # made again in its layer's backward: `_remat_peaks`
+            continue  # made again in its layer's backward: `_remade`
         p = graph.tensors[t].producer
         b = graph.tensors[t].nbytes * lay.inv[t]
         per_mb = phase[p] == FWD
@@ -166,11 +168,11 @@ def stage_memory(
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
-    if remat:
-        for s, b in enumerate(_remat_peaks(graph, part, lay, res, m)):
-            out[s]["activations"] += b
     program = op_programs(graph, part)
-    for s, b in enumerate(temporaries(graph, part, lay.inv, m, BWD, program)):
+    held = () if matmul_accumulates else held_gradients(graph, part, lay, m)
+    remade = _remade(graph, part, lay, res, m) if remat else ()
+    bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
+    for s, b in enumerate(bwd):
         out[s]["activations"] += b
     # The update runs after the last microbatch, when no activation is alive: a stage's
     # peak is the larger of its backward's and its update's.
@@ -180,7 +182,14 @@ def stage_memory(
 
 
 def temporaries(
-    graph: Graph, part: Partition, inv: np.ndarray, m: int, which: int, program=None
+    graph: Graph,
+    part: Partition,
+    inv: np.ndarray,
+    m: int,
+    which: int,
+    program=None,
+    held: Collection[int] = (),
+    remade: Sequence[Remade] = (),
 ) -> list[float]:
     """Per stage, the most bytes per device the ops of phase `which` (BWD: one
     microbatch's backward; POST: the update) hold at once of what they make themselves
@@ -191,8 +200,10 @@ def temporaries(
     (`once_programs`). Not counted: a new parameter or optimizer state, written over the
     old one (the step donates it), and with one microbatch a gradient, which is the
     gradient buffer itself; with several, a microbatch's gradient is a buffer of its own
-    until it is added into the running sum. `program`: `op_programs(graph, part)`, when
-    the caller has it."""
+    until it is added into the running sum: at once, or, for those in `held`
+    (`held_gradients`), at the end of its stage's backward. `remade`: the recomputed
+    layers' stored residuals, alive while their layer's backward runs. `program`:
+    `op_programs(graph, part)`, when the caller has it."""
     stage, phase = part.op_stage, phase_codes(part)
     skip = {leaf.tensor for leaf in graph.outputs} if which == POST else set()
     if m == 1:
@@ -204,11 +215,22 @@ def temporaries(
     for i in ops:
         for t in graph.ops[i].inputs:
             last[t] = i
+    if held and which == BWD:
+        end = {int(stage[i]): i for i in ops}  # each stage's last backward op
+        for t in held:
+            last[t] = end[int(stage[graph.tensors[t].producer])]
     peak = [0.0] * part.n_stages
-    held = [0.0] * part.n_stages  # bytes alive now, per stage
+    held_now = [0.0] * part.n_stages  # bytes alive now, per stage
     live: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
+    starts: dict[int, list[Remade]] = {}
+    for r in remade:
+        starts.setdefault(r.first, []).append(r)
+    ends: dict[int, list[Remade]] = {}
     for i in ops:
         op, s = graph.ops[i], stage[i]
+        for r in starts.get(i, ()):
+            held_now[r.stage] += r.nbytes
+            ends.setdefault(r.last, []).append(r)
         for t in op.outputs:
             written = op.primitive not in FUSIBLE or any(
                 graph.ops[c].primitive not in FUSIBLE or program[c] != program[i]
@@ -217,26 +239,73 @@ def temporaries(
             if written and t not in skip:
                 b = graph.tensors[t].nbytes * inv[t]
                 live[s][t] = b / m if t in part.batched and which == BWD else b
-                held[s] += live[s][t]
-        peak[s] = max(peak[s], held[s])
+                held_now[s] += live[s][t]
+        peak[s] = max(peak[s], held_now[s])
         for t in (*op.inputs, *op.outputs):
             if last.get(t, -1) <= i and t in live[s]:
-                held[s] -= live[s].pop(t)
+                held_now[s] -= live[s].pop(t)
+        for r in ends.pop(i, ()):
+            held_now[r.stage] -= r.nbytes
     return peak
 
 
-def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[float]:
-    """Per stage, the largest residuals one of its layers makes again in its backward:
-    one microbatch's, alive while that layer's backward runs. The layer and its backward
-    are one program (the stage's B), so these are the ones XLA stores
-    (`stored_residuals`), of what the recompute makes: an operand it stores in place of
-    a cheap residual and that comes from outside the layer (its input, a weight) is held
-    already."""
-    peak = [0.0] * part.n_stages
+def held_gradients(graph: Graph, part: Partition, lay: Layouts, m: int) -> set[int]:
+    """A microbatch's gradients that a backend adding the running sums outside the matmuls
+    (`Cluster.matmul_accumulates` False: XLA's CPU) holds to the end of a stage's B
+    program, where it adds them: those a matmul makes, seen through layout ops. A matmul
+    whose contraction is one element per device is not one: XLA rewrites it as a
+    multiply and fuses it into the add (a microbatch of one example per device). With
+    one microbatch there is no running sum: the gradient is its buffer."""
+    if m <= 1:
+        return set()
+    phase = phase_codes(part)
+    out = set()
+    for t in part.accumulated:
+        p = graph.tensors[t].producer
+        if p is None or phase[p] != BWD:
+            continue
+        op = graph.ops[p]
+        while op.primitive in _LAYOUT and graph.tensors[op.inputs[0]].producer is not None:
+            op = graph.ops[graph.tensors[op.inputs[0]].producer]
+        if op.primitive != "dot_general":
+            continue
+        (contracted, _), _ = op.params["dimension_numbers"]
+        lhs = op.inputs[0]
+        k = math.prod(graph.tensors[lhs].shape[d] for d in contracted)
+        if lhs in part.batched:
+            k /= m * (lay.data_size if lay.on_data[lhs] else 1)
+        if k > 1:
+            out.add(t)
+    return out
+
+
+#: Ops XLA's layout assignment makes free (a bitcast) between a matmul and its reader.
+_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type"})
+
+
+class Remade(NamedTuple):
+    """One recomputed layer's stored residuals in the backward walk (`temporaries`)."""
+
+    stage: int
+    first: int  # the backward op that first reads the layer's residuals: the recompute
+    last: int  # the backward op that last reads them
+    nbytes: float  # per device, one microbatch's
+
+
+def _remade(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[Remade]:
+    """Per recomputed layer, the residuals it makes again in its backward: one
+    microbatch's, alive from the first backward op that reads the layer's residuals (the
+    recompute runs just before it) to the last. The layer and its backward are one
+    program (the stage's B), so these are the ones XLA stores (`stored_residuals`), of
+    what the recompute makes: an operand it stores in place of a cheap residual and that
+    comes from outside the layer (its input, a weight) is held already."""
+    out = []
     consumers = graph.consumers()
     again = set(res.recomputed)
+    phase = phase_codes(part)
     for ts in res.layer_saved:
-        if not ts:
+        reads = [c for t in ts for c in consumers[t] if phase[c] == BWD]
+        if not reads:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
         made = [
@@ -247,8 +316,8 @@ def _remat_peaks(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> li
         b = sum(
             graph.tensors[t].nbytes * lay.inv[t] / (m if t in part.batched else 1) for t in made
         )
-        peak[s] = max(peak[s], b)
-    return peak
+        out.append(Remade(s, min(reads), max(reads), b))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
