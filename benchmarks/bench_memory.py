@@ -26,50 +26,48 @@ third-party families written as their users write them: a Flax (linen) transform
 language model trained with optax's Adam ("flax_lm"), and an Equinox MLP classifier
 with optax's Adam ("eqx_mlp"). Nothing is downloaded.
 
-Measured (`--plans 8`, seed 0, the default 25% pipelines; jax 0.10.2 CPU) at 50d0011:
+Measured (`--plans 8`, seed 0, the default 25% pipelines; jax 0.10.2 CPU) at 476e55a:
 48 plans, 41 one-stage and 7 pipelines, 7 with ZeRO 1-3 (the space offers ZeRO only
 where the batch is on the data axis, which a random point rarely picks: 5 of the 7 are
 pipelines, whose stage mesh puts it there), 28 with remat. FLOPs within 15% on 47 of 48
-(98%; the one miss is vgg19's ZeRO-2 with remat, 1.17x), memory on 27 of 48 (56%: mlp 6,
-bert 6, gpt 5, vgg19 0, flax_lm 3, eqx_mlp 7 of 8); the pipelines' stage memory on 6 of 7
-(0.78-0.96x), since pipeline stages are priced as the runtime holds them (one gradient
-buffer, the backward's and the update's own buffers by liveness). The same command at
-858d8e4, when the space still offered ZeRO with the batch off the data axis (44
-one-stage and 4 pipelines, 30 with ZeRO), gave FLOPs on 40 of 48 and memory on 17 of 48;
-the bullets below that name ZeRO plans with the batch off data are from that draw.
+(98%; the one miss is vgg19's ZeRO-2 with remat, 1.17x), memory on 28 of 48 (58%: mlp 7,
+bert 6, gpt 5, vgg19 0, flax_lm 3, eqx_mlp 7 of 8); the pipelines' stage memory on 7 of 7
+(0.90-1.03x), since pipeline stages are priced as the runtime holds them (one gradient
+buffer, the backward's and the update's own buffers by liveness, and on the CPU each
+microbatch's weight gradients held to the end of its B program). At 50d0011, before
+that hold, memory was on 27 of 48 and the pipelines on 6 of 7 (0.78-0.96x). The same
+command at 858d8e4, when the space still offered ZeRO with the batch off the data axis
+(44 one-stage and 4 pipelines, 30 with ZeRO), gave FLOPs on 40 of 48 and memory on 17 of
+48; the bullets below that name ZeRO plans with the batch off data are from that draw.
 
 The Megatron table's configurations on reduced GPTs (`am.plan_recipe` with the fused
 softmax, 4 layers, hidden 64 and 128, batch 16 and 8, bf16 and float32, `am.verify` of
-the step jitted with its state donated; measured at f2667b0), predicted / XLA:
+the step jitted with its state donated), predicted / XLA; one stage measured at f2667b0,
+pipelines (stage 0 / stage 1, 4 microbatches) at 476e55a:
 
 | recipe                          | hidden 64 bf16 | f32  | hidden 128 bf16 | f32  |
 |---------------------------------|---------------:|-----:|----------------:|-----:|
 | tp 2 x dp 4, full recomputation |           0.94 | 1.09 |            0.97 | 1.11 |
 | tp 2 x dp 4, none               |           0.89 | 1.26 |            0.89 | 1.23 |
 | tp 4 x dp 2, full recomputation |           0.81 | 0.96 |            0.85 | 0.99 |
-| tp 2 x pp 2 x dp 2, full, m 4   |    0.84 / 0.89 | 0.84 / 0.98 | 0.80 / 0.85 | 0.79 / 0.89 |
+| tp 2 x pp 2 x dp 2, full        |    0.88 / 0.94 | 0.93 / 1.09 | 0.85 / 0.91 | 0.89 / 1.02 |
+| tp 2 x pp 2 x dp 2, none        |    0.83 / 0.80 | 0.95 / 1.01 | 0.81 / 0.79 | 0.96 / 1.03 |
+| tp 1 x pp 4 x dp 2, full        | 0.75-0.88 | 0.93-1.06 | 0.75-0.87 | 0.87-1.00 |
 
-(pipelines: stage 0 / stage 1). The pipelined rows' stage 0 is under-predicted. At its
-B program's peak (hidden 128, float32) XLA's temporaries are 1.91 MiB against the stage
-model's 0.88 (the backward's own buffers, 0.38, and the recomputed layer's stored
-residuals, 0.50). Two things make the difference:
+Every float32 recipe is within 15%. The pipelines' first stage was 0.79-0.84x before
+476e55a: XLA's CPU B program writes each weight gradient a matmul makes to a buffer of
+its own and adds the running sums at its end (0.64 MiB of stage 0's 1.91 MiB
+temporaries, hidden 128), and the stage model now holds them there
+(`_cost._traffic.held_gradients`; a GPU's GEMM rewriter folds that add into the matmul,
+`Cluster.matmul_accumulates`). What stage 0 still misses there: five score-sized float32
+buffers of the attention's backward at once (the softmax backward's products, and a
+causal-mask broadcast the CPU materializes in the recompute and holds), 1.25 MiB, where
+the model's liveness finds two or three.
 
-- the microbatch's weight gradients (0.64 MiB): XLA's CPU writes each to a buffer of its
-  own, held to the end of the B program, where the running sums are added. Holding them
-  in the stage model's backward walk (tried, not kept) brings every float32 recipe above
-  within 15% (stage 0 0.79 -> 0.89x; tp 1 x pp 4 0.87-1.08x). But it over-predicts the
-  Flax pipelines of `tests/pipeline/test_grad_reduce.py` (1.09-1.24x, from 0.94-1.14x),
-  where XLA adds them earlier; when XLA's CPU scheduler holds them is not found yet. A
-  GPU would not hold them at all: XLA's GPU GEMM rewriter folds a matrix added to a
-  matmul's result into the GEMM (its C operand);
-- five score-sized float32 buffers of the attention's backward at once (the softmax
-  backward's products, and a causal-mask broadcast the CPU materializes in the recompute
-  and holds to that point), 1.25 MiB, where the model's liveness finds two or three.
-
-The bfloat16 recipes stay 0.75-0.94x with or without that hold. XLA's CPU runs a bf16
-matmul in float32 (the bf16 GPT's buffer assignment has a float32 convert of every bf16
-weight), which likely makes most of its F and B programs' temporaries (2.1 and 3.2 MiB
-on tp 1 x pp 4); not checked buffer by buffer.
+The bfloat16 recipes stay 0.75-0.97x. XLA's CPU runs a bf16 matmul in float32 (the bf16
+GPT's buffer assignment has a float32 convert of every bf16 weight), which likely makes
+most of its F and B programs' temporaries (2.1 and 3.2 MiB on tp 1 x pp 4); not checked
+buffer by buffer.
 
 A third memory model was measured at 50d0011 and is the next step (not built): the
 pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
