@@ -54,7 +54,9 @@ pipelines (stage 0 / stage 1, 4 microbatches) at 476e55a:
 | tp 2 x pp 2 x dp 2, none        |    0.83 / 0.80 | 0.95 / 1.01 | 0.81 / 0.79 | 0.96 / 1.03 |
 | tp 1 x pp 4 x dp 2, full        | 0.75-0.88 | 0.93-1.06 | 0.75-0.87 | 0.87-1.00 |
 
-Every float32 recipe is within 15%. The pipelines' first stage was 0.79-0.84x before
+(`python benchmarks/bench_recipe_memory.py` prints this table.) Every float32 pipeline
+and float32 recipe with recomputation is within 15%; one stage without recomputation is
+over-predicted (1.23-1.26x). The pipelines' first stage was 0.79-0.84x before
 476e55a: XLA's CPU B program writes each weight gradient a matmul makes to a buffer of
 its own and adds the running sums at its end (0.64 MiB of stage 0's 1.91 MiB
 temporaries, hidden 128), and the stage model now holds them there
