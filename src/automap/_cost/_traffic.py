@@ -169,8 +169,8 @@ def stage_memory(
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
     program = op_programs(graph, part)
-    held = () if matmul_accumulates else held_gradients(graph, part, lay, m)
-    remade = _remade(graph, part, lay, res, m) if remat else ()
+    held = () if matmul_accumulates else held_gradients(graph, part, lay, m, phase)
+    remade = _remade(graph, part, lay, res, m, phase) if remat else ()
     bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
@@ -249,16 +249,18 @@ def temporaries(
     return peak
 
 
-def held_gradients(graph: Graph, part: Partition, lay: Layouts, m: int) -> set[int]:
+def held_gradients(
+    graph: Graph, part: Partition, lay: Layouts, m: int, phase: np.ndarray
+) -> set[int]:
     """A microbatch's gradients that a backend adding the running sums outside the matmuls
     (`Cluster.matmul_accumulates` False: XLA's CPU) holds to the end of a stage's B
     program, where it adds them: those a matmul makes, seen through layout ops. A matmul
     whose contraction is one element per device is not one: XLA rewrites it as a
     multiply and fuses it into the add (a microbatch of one example per device). With
-    one microbatch there is no running sum: the gradient is its buffer."""
+    one microbatch there is no running sum: the gradient is its buffer. `phase`: the
+    partition's `phase_codes`."""
     if m <= 1:
         return set()
-    phase = phase_codes(part)
     out = set()
     for t in part.accumulated:
         p = graph.tensors[t].producer
@@ -292,7 +294,9 @@ class Remade(NamedTuple):
     nbytes: float  # per device, one microbatch's
 
 
-def _remade(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[Remade]:
+def _remade(
+    graph: Graph, part: Partition, lay: Layouts, res, m: int, phase: np.ndarray
+) -> list[Remade]:
     """Per recomputed layer, the residuals it makes again in its backward: one
     microbatch's, alive from the first backward op that reads the layer's residuals (the
     recompute runs just before it) to the last. The layer and its backward are one
@@ -302,7 +306,6 @@ def _remade(graph: Graph, part: Partition, lay: Layouts, res, m: int) -> list[Re
     out = []
     consumers = graph.consumers()
     again = set(res.recomputed)
-    phase = phase_codes(part)
     for ts in res.layer_saved:
         reads = [c for t in ts for c in consumers[t] if phase[c] == BWD]
         if not reads:

@@ -20,6 +20,7 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import Role
 from .._groups import (
+    Groups,
     build_groups,
     layouts,
     lookups,
@@ -90,16 +91,18 @@ class Prepared:
         fingerprint = plan.provenance.fingerprint
         if graph is not None and fingerprint and fingerprint != graph.fingerprint:
             raise PlanError(other_program(plan, graph))
-        if graph is not None and plan.assignment is not None:
-            why = zero_mismatch(graph, build_groups(graph), plan)
+        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
+        reinterpret = plan.constraints or plan.remat or _regathers(plan)
+        checked = graph is not None and plan.assignment is not None
+        groups = build_groups(graph) if checked or reinterpret else None
+        if checked:
+            why = zero_mismatch(graph, groups, plan)
             if why:
                 raise PlanError(why)
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
-        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
-        reinterpret = plan.constraints or plan.remat or _regathers(plan)
-        body = fn if not reinterpret else _constrained(graph, plan, mesh)
+        body = fn if not reinterpret else _constrained(graph, groups, plan, mesh)
         out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
         strange = sorted(set(plan.out_specs) - set(out_paths))
@@ -145,7 +148,7 @@ class Prepared:
         return self.jitted(*jax.device_put(leaves, self.in_shardings))
 
 
-def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
+def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable:
     """The captured program re-run op by op, fixing the plan's internal tensors."""
 
     for tid, spec in plan.constraints.items():
@@ -166,9 +169,9 @@ def _constrained(graph: Any, plan: Plan, mesh: Mesh) -> Callable:
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     if plan.remat:
-        return _recomputing(graph, constrain, _lookups(graph, plan, mesh))
+        return _recomputing(graph, groups, constrain, _lookups(graph, plan, mesh))
     if _regathers(plan):
-        return _regathering(graph, plan, mesh, constrain)
+        return _regathering(graph, groups, plan, mesh, constrain)
     return run
 
 
@@ -192,11 +195,12 @@ def _regathers(plan: Plan) -> bool:
     return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1 and not plan.remat
 
 
-def _regathering(graph: Any, plan: Plan, mesh: Mesh, constrain: Callable) -> Callable:
+def _regathering(
+    graph: Any, groups: Groups, plan: Plan, mesh: Mesh, constrain: Callable
+) -> Callable:
     """The captured program re-run with ZeRO-3's second gather (FSDP): the backward
     gathers the parameters it reads again, the forward's gathered copies die with the
     forward (`_groups.regather_plan`)."""
-    groups = build_groups(graph)
     rg = regather_plan(graph, groups)
     # The anchors' layouts, where the plan says them (a plan read back from specs alone
     # does not: its second gathers are then kept apart from the forward's, not ordered).
@@ -250,11 +254,13 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
     )(x, a)
 
 
-def _recomputing(graph: Any, constrain: Callable, bind: dict[int, Callable]) -> Callable:
+def _recomputing(
+    graph: Any, groups: Groups, constrain: Callable, bind: dict[int, Callable]
+) -> Callable:
     """The captured program re-run with each layer's forward recomputed in the backward
     (`_pipeline/_remat.py`: Megatron's full recomputation), fixing the plan's internal
     tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups)."""
-    rc = recompute_plan(graph, build_groups(graph))
+    rc = recompute_plan(graph, groups)
     wanted = [leaf.tensor for leaf in graph.outputs]
 
     def run(*args: Any) -> Any:

@@ -142,6 +142,14 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
             f"the space has {size:,} points, more than the exhaustive limit {max_points:,}; "
             "use searcher='ilp' or a smaller model."
         )
+
+    def out_of_budget() -> bool:
+        # Checked before every point and every branch: a stop proves nothing.
+        if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
+            tracker.complete = False
+            return True
+        return False
+
     with tracker.interruptible():
         for mesh_index, mesh in enumerate(space.meshes):
             stack: list[tuple[int, ...]] = [()]
@@ -149,14 +157,12 @@ def search_exhaustive(space: ShardSpace, tracker: Tracker, max_points: int = 200
                 chosen = stack.pop()
                 if len(chosen) == len(space.units):
                     for zero in space.zero_options(mesh, chosen):
-                        if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
-                            tracker.complete = False
+                        if out_of_budget():
                             return tracker
                         point = (mesh_index, chosen, zero)
                         tracker.offer(point, evaluate(space, point))
                     continue
-                if tracker.elapsed >= tracker.budget_s or tracker.stop_requested():
-                    tracker.complete = False
+                if out_of_budget():
                     return tracker
                 mask = space.allowed(mesh, len(chosen), chosen)
                 stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask)[::-1])

@@ -491,10 +491,10 @@ def search_leanest(space: ShardSpace, budget_s: float, wall_s: float | None = No
     Memory at a point never grows with the ZeRO stage (a stage shards state, it adds none:
     `_cost/_model.py`), so a mesh's leanest point has its highest stage, or stage 0 where
     ZeRO ties the batch to data (`ShardSpace.zero_options`) and the batch elsewhere
-    splits more: two MILPs a mesh, which HiGHS solves at the root on every zoo model. The work is counted, not timed, so
-    the same budget gives the same answer on a fast or a slow machine: a mesh costs its
-    joint options (its tables), and its MILP `MILP_SETUP` plus its columns per node;
-    `budget_s` affords `COLUMNS_PER_SECOND` a second. A mesh starts while work is left and
+    splits more: two MILPs a mesh, which HiGHS solves at the root on every zoo model.
+    The work is counted, not timed, so the same budget gives the same answer on a fast or
+    a slow machine: a mesh costs its joint options (its tables), and each MILP
+    `MILP_SETUP` plus its columns per node; `budget_s` affords `COLUMNS_PER_SECOND` a second. A mesh starts while work is left and
     its MILP gets the nodes left (the root at least), so the search ends within its budget
     plus one mesh. `wall_s` (default SAFETY x budget_s) is a safety stop only."""
     limit = budget_s * COLUMNS_PER_SECOND

@@ -244,8 +244,6 @@ class ShardSpace:
 
     def _count(self, mesh: dict[str, int], taken: list[int | None], cap: int) -> int:
         """Points of the mesh: option sequences times the ZeRO stages each may take."""
-        if len(taken) == len(self.units):
-            return 1
         per_unit = [int(self.allowed(mesh, u, []).sum()) for u in range(len(self.units))]
         if math.prod(per_unit) > cap or not self.pruning.masks:
             return math.prod(per_unit) * len(self.zero_options(mesh))
