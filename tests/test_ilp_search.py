@@ -22,7 +22,7 @@ from automap._search import (
     search_exhaustive,
     search_ilp,
 )
-from automap._solvers import evaluate_batch
+from automap._solvers import evaluate_batch, leanest_problem, solve_exhaustive, solve_ilp
 from automap._space import ShardSpace
 from automap._zoo import get_model
 
@@ -51,6 +51,10 @@ CASES = {
     ),
 }
 
+#: The MLP again on the CPU, whose gradients' all-reduce is not in place: a second memory
+#: point, at the end of the backward (`_cost/_model.reduced_gradients`).
+CPU_CASES = {"mlp_cpu": (*CASES["mlp"][:2], "cpu", 8)}
+
 _graphs: dict = {}
 
 
@@ -76,7 +80,7 @@ def _scanned_args():
 
 def problem_for(case: str, **cluster_overrides) -> Problem:
     """The case's problem; each model is captured once per test session."""
-    name, overrides, preset, devices = CASES.get(case, ("", {}, "cpu", 8))
+    name, overrides, preset, devices = {**CASES, **CPU_CASES}.get(case, ("", {}, "cpu", 8))
     if case not in _graphs:
         if case == "scan":
             graph = capture(_scanned_step, *_scanned_args())
@@ -103,14 +107,16 @@ def space_of(problem: Problem) -> ShardSpace:
     return ShardSpace(problem.graph, problem.groups, problem.cluster, problem.cost_model)
 
 
-@pytest.mark.parametrize("case", ["bert", "t5", "scan"])
+@pytest.mark.parametrize("case", ["bert", "t5", "scan", "mlp_cpu"])
 def test_factor_sums_are_the_cost_models_figures(case):
     """On random points of every mesh and ZeRO stage (ZeRO-1 too, which the search skips),
     the factors with their auxiliary units at their best give the cost model's step time,
-    memory and feasibility (on a scan: its body's gradients combined once per trip)."""
+    memory and feasibility (on a scan: its body's gradients combined once per trip; on
+    the CPU: the peak of two memory points, the second where the gradients are reduced)."""
     space = space_of(problem_for(case))
     if case == "scan":
         assert space.cost_model.tables.combine_trips.tolist() == [1.0, 4.0]
+    second_peaks = 0
     rng = np.random.default_rng(0)
     for mesh_index, mesh in enumerate(space.meshes):
         terms = MeshTerms(space, mesh_index)
@@ -132,6 +138,27 @@ def test_factor_sums_are_the_cost_models_figures(case):
                 assert time[best] == pytest.approx(cost.step_time_s, rel=1e-9)
                 assert memory[best] == pytest.approx(cost.memory_bytes, rel=1e-9)
                 assert feasible[best] == cost.feasible
+                assert len(problem.memory_factors) == (
+                    1 if space.cluster.all_reduce_in_place else 2
+                )
+                second_peaks += cost.memory_breakdown["activations"] == 0.0
+    if case == "mlp_cpu":  # its gradients outweigh its activations: often the second point
+        assert second_peaks > 0
+
+
+def test_the_leanest_point_of_two_memory_points_is_their_least_peak():
+    # On the CPU a mesh's leanest point minimizes the larger of the backward's peak and
+    # the gradients' reduction (not a sum: `leanest_problem` with minimize="peak"); the
+    # MILP finds what enumerating the mesh finds.
+    space = space_of(problem_for("mlp_cpu"))
+    for mesh_index, mesh in enumerate(space.meshes):
+        terms = MeshTerms(space, mesh_index)
+        for zero in space.zero_options(mesh):
+            lean = leanest_problem(terms.problem(zero, np.inf))
+            assert lean.minimize == "peak"
+            ilp, every = solve_ilp(lean), solve_exhaustive(lean)
+            assert ilp.optimal and ilp.time == pytest.approx(every.time, rel=1e-9)
+            assert ilp.time == pytest.approx(ilp.memory, rel=1e-9)
 
 
 @pytest.mark.parametrize("case", [*CASES, "scan"])

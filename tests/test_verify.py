@@ -186,6 +186,26 @@ def test_pipeline_memory_holds_the_microbatch_gradients_the_cpu_holds():
     assert on_cpu > plan.predicted.memory_bytes
 
 
+@pytest.mark.parametrize("expert", ["data_parallel", "zero1", "zero3"])
+def test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes(expert):
+    # The zoo MLP on data=8, its gradients far larger than its activations. XLA's CPU
+    # all-reduces the gradients synchronously into buffers of their own (with ZeRO too:
+    # it all-reduces and slices), so at the end of the backward its temporaries are the
+    # local gradients and their reduced copy; a GPU's asynchronous all-reduce writes over
+    # its input. Verify's CPU pricing has that second peak, a GPU cluster's does not.
+    spec = get_model("mlp")
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    a100 = Cluster.preset("a100", devices=8)
+    plan = am.expert_plans(step, *args, cluster=a100)[expert]
+    report = verify(step, plan, *args)
+    grads = capture(step, *args).role_bytes(am.Role.PARAM)
+    assert report.xla_memory_breakdown["temporaries"] == pytest.approx(2 * grads, rel=0.02)
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+    assert report.predicted_memory_breakdown["grads"] == pytest.approx(2 * grads)
+    assert plan.predicted.memory_bytes < 0.85 * report.xla_memory_bytes
+    assert plan.predicted.memory_breakdown["grads"] == pytest.approx(grads)
+
+
 def _replicated(path, x):
     return (None,) * x.ndim
 

@@ -75,6 +75,12 @@ class Cluster:
     operand); the CPU one, False, writes a pipeline microbatch's weight gradients that a
     matmul makes to buffers of their own, held to the end of its B program, where the
     running sums are added (`_cost._traffic.held_gradients`)."""
+    all_reduce_in_place: bool = True
+    """Whether the step's combined gradient all-reduce writes its result over its input.
+    XLA's GPU pipeline makes it asynchronous, and its dataflow analysis aliases an
+    all-reduce-start's output with its operand; the CPU one, False, runs it synchronously
+    into a buffer of its own, so at the end of the backward the local gradients and their
+    reduced copy are both alive (with ZeRO too: the CPU all-reduces and slices)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -152,7 +158,12 @@ class Cluster:
         if any(checked[k] is not getattr(self, k) for k in checked):
             # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
             return dataclasses.replace(self, **checked)._checked()
-        for flag in ("reduce_scatter", "multi_output_fusion", "matmul_accumulates"):
+        for flag in (
+            "reduce_scatter",
+            "multi_output_fusion",
+            "matmul_accumulates",
+            "all_reduce_in_place",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise ClusterError(
                     f"cluster field {flag} must be true or false, got {getattr(self, flag)!r}."
@@ -345,5 +356,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         reduce_scatter=False,
         multi_output_fusion=False,
         matmul_accumulates=False,
+        all_reduce_in_place=False,
     ),
 }

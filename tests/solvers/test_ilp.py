@@ -1,5 +1,7 @@
 """The HiGHS ILP against exhaustive search on random factored problems."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -138,11 +140,14 @@ def test_time_limit_returns_unproven_plan():
         assert solution.gap > 0.0
 
 
+@pytest.mark.parametrize("points", [1, 3])
 @pytest.mark.parametrize("seed", range(20))
-def test_the_leanest_problem_finds_the_least_memory_of_the_space(seed):
+def test_the_leanest_problem_finds_the_least_memory_of_the_space(seed, points):
+    # With several points the leanest minimizes their peak, which is not a sum.
     rng = np.random.default_rng(seed)
-    problem = random_problem(rng, n_units=5, n_points=1, inf_fraction=0.2)
+    problem = random_problem(rng, n_units=5, n_points=points, inf_fraction=0.2)
     leanest = solve_ilp(leanest_problem(problem), max_nodes=1_000)
+    assert leanest_problem(problem).minimize == ("peak" if points > 1 else "time")
     # Every assignment the masks allow, with a finite time (an inf time forbids it).
     grids = np.meshgrid(*(np.flatnonzero(a) for a in problem.allowed), indexing="ij")
     choices = np.stack([g.ravel() for g in grids], axis=1)
@@ -152,3 +157,9 @@ def test_the_leanest_problem_finds_the_least_memory_of_the_space(seed):
     if allowed.any():
         assert leanest.optimal and leanest.time == pytest.approx(memory[allowed].min(), rel=1e-9)
         assert np.isfinite(evaluate(problem, leanest.choices)[0])
+        # The exhaustive search agrees, and so do both under a limit that binds.
+        lean = leanest_problem(problem)
+        assert solve_exhaustive(lean).time == pytest.approx(leanest.time, rel=1e-9)
+        limited = dataclasses.replace(lean, memory_limit=float(np.median(memory[allowed])))
+        a, b = solve_ilp(limited, max_nodes=1_000), solve_exhaustive(limited)
+        assert a.feasible == b.feasible and a.time == pytest.approx(b.time, rel=1e-9)

@@ -392,6 +392,13 @@ class CostModel:
             acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
         other = float(plain[4])
         memory = params + grads + opt + acts + other
+        # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
+        # second copy of what it reduces, alive beside the local gradients at the end of
+        # the backward, when the activations are gone: a second peak.
+        reduced = 0.0 if self.cluster.all_reduce_in_place else reduced_gradients(st.sums, ac)
+        if reduced > acts:
+            grads, acts = grads + reduced, 0.0
+            memory = params + grads + opt + other
         limit = self.cluster.memory_limit
         reason = ""
         if memory > limit:
@@ -458,6 +465,14 @@ class RegatherCoefs:
     param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
     param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
+
+
+def reduced_gradients(sums: np.ndarray, ac: C.AxisCosts) -> float:
+    """Bytes per device of the step's gradient reductions' results (slot 0 of
+    `K.sums`, every kind and axis): one buffer each where the all-reduce is not in place.
+    A gradient reduced over two axes one after the other counts once per all-reduce, an
+    upper bound: its local copy may be dead by the second."""
+    return float(sums[3, : len(C.KINDS) * ac.masks].sum())
 
 
 def regather_coefs(graph: Graph, groups: Groups, T, res) -> RegatherCoefs:

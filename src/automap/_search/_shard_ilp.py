@@ -100,6 +100,7 @@ class _Scope:
     zero_time: np.ndarray  # [n_c] compute of ZeRO's pinned ops not split on data
     grad_bytes: np.ndarray  # [n_c, slots * keys] gradient bytes per (slot, kind, axis mask)
     grad_any: np.ndarray  # [n_c, slots * keys] some gradient row is active on the key
+    reduced: np.ndarray  # [n_c] the step's gradient reductions' bytes (`reduced_gradients`)
     plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
     zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
     zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
@@ -232,6 +233,7 @@ class MeshTerms:
             time=np.bincount(cfg, rtime, minlength=n_c) + inv_c @ T.compute_coef[own],
             zero_time=(inv_c * free) @ T.zero_coef[own],
             grad_bytes=grad_bytes,
+            reduced=grad_bytes[:, :n_keys].sum(axis=1),
             grad_any=grad_any,
             plain=inv_c @ T.memory_coef[:, own].T,
             zeroed=zinv @ T.memory_coef[:2, own].T,
@@ -249,17 +251,21 @@ class MeshTerms:
         auxiliary (combined collectives)."""
         ac, n = self.ac, self.n_units
         zero = zero_stage >= 1 and self.d and self.D > 1
-        tables: dict[tuple, list] = {}  # scope -> [time table, memory table]
+        # Memory points: the backward's peak; where the gradients' all-reduce is not in
+        # place, also its end, local gradients and their reduced copy (`_cost/_model.py`).
+        points = 1 if self.space.cluster.all_reduce_in_place else 2
+        tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
 
-        def add(units, configs, time, memory=None):
-            shape = tuple(n_options[u] for u in units)
-            entry = tables.setdefault(units, [np.zeros(shape), np.zeros(shape)])
+        def blank(shape) -> list:
+            return [np.zeros(shape) for _ in range(1 + points)]
+
+        def add(units, configs, time, memory=()):
+            entry = tables.setdefault(units, blank(tuple(n_options[u] for u in units)))
             # One joint option per row of configs; the empty scope has one (a constant).
             index = tuple(configs.T) if units else ()
-            entry[0][index] += time if units else time.sum()
-            if memory is not None:
-                entry[1][index] += memory if units else memory.sum()
+            for table, value in zip(entry, (time, *memory), strict=False):
+                table[index] += value if units else value.sum()
 
         def combined(kind, mask, parts, indicator, trips=1.0):
             """min over variants of alpha x count + beta x bytes, exact (see module doc);
@@ -295,7 +301,8 @@ class MeshTerms:
             acts = pl[:, 2] - (sc.regather_acts if zero and zero_stage >= 3 else 0.0)
             # ZeRO's pinned gradients and update ops run on data shards (`zero_shares`).
             time = sc.time - (1 - 1 / self.D) * sc.zero_time if zero else sc.time
-            add(sc.units, sc.configs, time, params + grads + opt + acts + pl[:, 4])
+            state = params + grads + opt + pl[:, 4]
+            add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
         # A loop body's gradients are combined per trip, inside the loop (its slot's trips).
@@ -333,15 +340,15 @@ class MeshTerms:
                 pair[k, k] = np.inf  # one mesh axis twice in one tensor
             for u in range(n):
                 for v in sorted(w for w in self.space.neighbours[u] if w > u):
-                    tables.setdefault((u, v), [np.zeros((3, 3)), np.zeros((3, 3))])[0] += pair
+                    tables.setdefault((u, v), blank((3, 3)))[0] += pair
             # A seam's dense side: none, or the convolutions' axis (`ShardSpace.seam_units`).
             codes = np.arange(len(OPTIONS))
             seam = np.where((codes[None, :] != 0) & (codes[None, :] != codes[:, None]), np.inf, 0)
             for conv, dense in self.space.seam_units:
                 key, table = ((conv, dense), seam) if conv < dense else ((dense, conv), seam.T)
-                tables.setdefault(key, [np.zeros((3, 3)), np.zeros((3, 3))])[0] += table
+                tables.setdefault(key, blank((3, 3)))[0] += table
         tables = _absorb(tables)
-        const = tables.pop((), [np.zeros(()), np.zeros(())])
+        const = tables.pop((), blank(()))
         limit = self.space.cluster.memory_limit if memory_limit is None else memory_limit
         allowed = [*self.unary, *(np.ones(k, bool) for k in n_options[n:])]
         if zero and self.space.batch_unit is not None:
@@ -352,7 +359,10 @@ class MeshTerms:
             n_options=tuple(n_options),
             allowed=tuple(allowed),
             time_factors=tuple(Factor(k, v[0]) for k, v in tables.items()),
-            memory_factors=((Factor((), const[1]), *(Factor(k, v[1]) for k, v in tables.items())),),
+            memory_factors=tuple(
+                (Factor((), const[p]), *(Factor(k, v[p]) for k, v in tables.items()))
+                for p in range(1, 1 + points)
+            ),
             # The cost model's test is memory <= limit; the factor test adds MEMORY_RTOL.
             memory_limit=limit / (1.0 + MEMORY_RTOL),
             constant_time=float(const[0]),

@@ -79,6 +79,8 @@ def solve_exhaustive(
             feasible &= np.isfinite(memory) & (memory <= limit)
             np.maximum(peak, memory, out=peak)
         feasible &= np.isfinite(time)
+        if problem.minimize == "peak":
+            time = time + peak
         scored = np.where(feasible, time, np.inf).ravel()
         i = int(np.argmin(scored))  # argmin returns the first of equal minima
         # Strict < keeps the earlier prefix's plan on a tie: enumeration order decides.

@@ -57,6 +57,9 @@ class FactorProblem:
             per device at that point and must be `<= memory_limit`.
         memory_limit: bytes per device; `np.inf` for none.
         constant_time: seconds that no decision changes.
+        minimize: "time", or "peak": the objective is the peak memory over the points plus
+            the time sum, whose factors then only forbid (0 or `np.inf`: `leanest_problem`
+            over several points, where a peak is not a sum).
     """
 
     n_options: tuple[int, ...]
@@ -65,8 +68,11 @@ class FactorProblem:
     memory_factors: tuple[tuple[Factor, ...], ...] = ()
     memory_limit: float = np.inf
     constant_time: float = 0.0
+    minimize: str = "time"
 
     def __post_init__(self) -> None:
+        if self.minimize not in ("time", "peak"):
+            raise ValueError(f"minimize must be 'time' or 'peak', got {self.minimize!r}")
         n_options = tuple(int(n) for n in self.n_options)
         if any(n < 1 for n in n_options):
             raise ValueError(f"every unit needs at least one option, got {n_options}")
@@ -165,6 +171,8 @@ def evaluate_batch(
         for factor in point:
             memory[p] += factor.table[tuple(safe[:, u] for u in factor.units)]
     peak = memory.max(axis=0) if memory.shape[0] else np.zeros(n)
+    if problem.minimize == "peak":
+        time = time + peak
     # Infinite memory is a forbidden combination even when there is no limit.
     within = np.isfinite(memory) & (memory <= problem.memory_limit * (1.0 + MEMORY_RTOL))
     feasible = ok & np.isfinite(time) & within.all(axis=0)
@@ -218,13 +226,25 @@ def merge_factors(factors) -> dict[tuple[int, ...], np.ndarray]:
 
 def leanest_problem(problem: FactorProblem) -> FactorProblem:
     """The same space with its memory as the objective and no memory limit: its optimum is
-    the leanest assignment, and its optimal objective that assignment's memory. Needs one
-    time point (a peak over several is not a sum). The time factors stay for what they
-    forbid: an infinite time entry keeps its combination out."""
-    if len(problem.memory_factors) != 1:
-        raise ValueError(
-            f"the leanest assignment needs one memory time point, got {len(problem.memory_factors)}"
+    the leanest assignment, and its optimal objective that assignment's memory. The time
+    factors stay for what they forbid: an infinite time entry keeps its combination out.
+    One time point's memory is a sum, made the time factors; several points' peak is
+    not, and the problem minimizes it (`minimize="peak"`)."""
+    if len(problem.memory_factors) > 1:
+        forbid = [
+            Factor(f.units, np.where(np.isfinite(f.table), 0.0, np.inf))
+            for f in problem.time_factors
+        ]
+        return FactorProblem(
+            n_options=problem.n_options,
+            allowed=problem.allowed,
+            time_factors=tuple(forbid),
+            memory_factors=problem.memory_factors,
+            constant_time=0.0 if np.isfinite(problem.constant_time) else np.inf,
+            minimize="peak",
         )
+    if not problem.memory_factors:
+        raise ValueError("the leanest assignment needs a memory time point, got none")
     time = merge_factors(problem.time_factors)
     memory = merge_factors(problem.memory_factors[0])
     factors = []

@@ -17,6 +17,8 @@ Constraints:
         HiGHS's absolute feasibility tolerance becomes a relative one on bytes.
 Objective: sum of time entries times x or y, plus constant_time; divided by the largest
     coefficient so that HiGHS's absolute gap tolerance means the same on any time scale.
+    With `minimize="peak"` one more column z, the peak memory, joins the objective and
+    every memory row (sum - z <= -constant: z bounds each point; z <= the limit, if any).
 
 The model is exact for the factor model: every assignment's cost is the sum of its factor
 entries, and the ILP's feasible integral points are exactly the feasible assignments.
@@ -83,6 +85,7 @@ def _build(problem: FactorProblem):
     """Arrays of the MILP, or None when the problem is trivially infeasible."""
     limit = float(problem.memory_limit)
     has_limit = bool(np.isfinite(limit) and problem.memory_factors)
+    peak = problem.minimize == "peak" and bool(problem.memory_factors)
     n_points = len(problem.memory_factors)
     # Merge on unit sets across time and memory so one y block carries both.
     time_tables = merge_factors(problem.time_factors)
@@ -123,16 +126,26 @@ def _build(problem: FactorProblem):
         entry_cols.append(np.asarray(c, dtype=np.int64))
         values.append(np.asarray(v, dtype=np.float64))
 
-    memory_row = add_rows(n_points, -_INF, 1.0) if has_limit else -1
-    if has_limit:
-        upper[-1] = 1.0 - constant_memory / limit
+    # Memory rows in units of `ref` bytes: the limit, or for a peak objective without
+    # one the largest entry, so that HiGHS's absolute tolerances mean the same on any size.
+    ref = limit if has_limit else 1.0
+    if peak and not has_limit:
+        entries = [
+            np.abs(t[np.isfinite(t)]).max(initial=0.0) for m in memory_tables for t in m.values()
+        ]
+        ref = max(1.0, float(np.abs(constant_memory).max(initial=0.0)), *entries)
+    rows_on = has_limit or peak
+    memory_row = add_rows(n_points, -_INF, 1.0) if rows_on else -1
+    if rows_on:
+        # A peak objective z (in ref bytes) bounds every point: sum - z <= -constant.
+        upper[-1] = -constant_memory / ref if peak else 1.0 - constant_memory / limit
 
     def add_memory(col_ids, memory) -> None:
-        if not has_limit:
+        if not rows_on:
             return
         for p, table in enumerate(memory):
             nz = table != 0.0
-            add_entries(np.full(nz.sum(), memory_row + p), col_ids[nz], table[nz] / limit)
+            add_entries(np.full(nz.sum(), memory_row + p), col_ids[nz], table[nz] / ref)
 
     # x: one binary per allowed option; single-unit factors cost straight on x.
     x_col = []  # per unit: option -> column id, -1 where masked
@@ -177,6 +190,10 @@ def _build(problem: FactorProblem):
             add_entries(base + local[configs[:, axis]], ids, np.ones(ids.size))
             add_entries(base + np.arange(opts.size), x_col[u][opts], -np.ones(opts.size))
         add_memory(ids, [m[index] for m in memory])
+
+    if peak:
+        z = cols.add(np.array([ref]), np.array([1.0 if has_limit else _INF]), integer=False)
+        add_entries(memory_row + np.arange(n_points), np.repeat(z, n_points), -np.ones(n_points))
 
     cost = np.concatenate(cols.cost) if cols.n else np.zeros(0)
     model = {

@@ -265,12 +265,18 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
     """`cluster` with the collective lowering of XLA's CPU backend, where verify compiles.
 
     Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32, never emits
-    reduce-scatter, and adds a pipeline's running gradient sums outside the matmuls.
-    Bytes, not times, are compared, so only these three fields matter; the user's cluster
-    (a100, ...) keeps its own values everywhere else.
+    reduce-scatter, adds a pipeline's running gradient sums outside the matmuls, and
+    writes the gradients' all-reduce to a buffer of its own. Bytes, not times, are
+    compared, so only these four fields matter; the user's cluster (a100, ...) keeps its
+    own values everywhere else.
     """
     fields = {f.name for f in dataclasses.fields(cluster)}
-    cpu = {"collective_float_bytes": 4, "reduce_scatter": False, "matmul_accumulates": False}
+    cpu = {
+        "collective_float_bytes": 4,
+        "reduce_scatter": False,
+        "matmul_accumulates": False,
+        "all_reduce_in_place": False,
+    }
     return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
 
 
