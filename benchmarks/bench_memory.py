@@ -3,8 +3,10 @@ what XLA compiles, on random plans.
 
 For each model, draw random plans of the shard space (a random mesh factorization of 8
 devices, a random mesh axis or none for every splittable linkage group, a random ZeRO
-stage 0-3 where the mesh has a data axis) with rematerialization on or off at random;
-with `--pipelines P`, a fraction P of the plans are pipelines instead (2 or 4 stages cut
+stage 0-3 where the space offers one: with the batch on the data axis) with
+rematerialization on or off at random; a random point rarely puts the batch on data, so
+with `--zero Z` a share Z of the one-stage plans is drawn again until it has ZeRO 1-3.
+With `--pipelines P`, a fraction P of the plans are pipelines instead (2 or 4 stages cut
 at uniform FLOPs, 1, 2 or 4 microbatches, GPipe or 1F1B, the stage mesh's batch on
 "data" and the rest random as above). Each plan is compiled by XLA on 8 virtual CPU
 devices (`automap._verify.verify`), and two numbers are held against XLA's:
@@ -26,19 +28,31 @@ third-party families written as their users write them: a Flax (linen) transform
 language model trained with optax's Adam ("flax_lm"), and an Equinox MLP classifier
 with optax's Adam ("eqx_mlp"). Nothing is downloaded.
 
-Measured (`--plans 8`, seed 0, the default 25% pipelines; jax 0.10.2 CPU) at 476e55a:
-48 plans, 41 one-stage and 7 pipelines, 7 with ZeRO 1-3 (the space offers ZeRO only
-where the batch is on the data axis, which a random point rarely picks: 5 of the 7 are
-pipelines, whose stage mesh puts it there), 28 with remat. FLOPs within 15% on 47 of 48
-(98%; the one miss is vgg19's ZeRO-2 with remat, 1.17x), memory on 28 of 48 (58%: mlp 7,
-bert 6, gpt 5, vgg19 0, flax_lm 3, eqx_mlp 7 of 8); the pipelines' stage memory on 7 of 7
-(0.90-1.03x), since pipeline stages are priced as the runtime holds them (one gradient
-buffer, the backward's and the update's own buffers by liveness, and on the CPU each
-microbatch's weight gradients held to the end of its B program). At 50d0011, before
-that hold, memory was on 27 of 48 and the pipelines on 6 of 7 (0.78-0.96x). The same
-command at 858d8e4, when the space still offered ZeRO with the batch off the data axis
-(44 one-stage and 4 pipelines, 30 with ZeRO), gave FLOPs on 40 of 48 and memory on 17 of
-48; the bullets below that name ZeRO plans with the batch off data are from that draw.
+Measured at e191666 (jax 0.10.2 CPU; seed 0, 25% pipelines; about 2.5 min each):
+
+| draw                  | plans | memory ±15%                                    | FLOPs ±15% |
+|-----------------------|------:|------------------------------------------------|-----------:|
+| `--plans 8`           | 48    | 29 (60%): ZeRO 10 of 16, pipelines 8 of 9      | 48 (100%)  |
+| `--plans 8 --zero 0`  | 48    | 32 (67%): ZeRO 6 of 7, pipelines 7 of 7        | 47 (98%)   |
+
+Per model (`--zero 0`, the draw of the earlier figures): mlp 8, bert 6, gpt 5, vgg19 2,
+flax_lm 3, eqx_mlp 8 of 8; with ZeRO drawn (`--plans 8`): 8, 3, 3, 4, 3, 8. At 645f9af
+the `--zero 0` draw gave 28 of 48 (mlp 7, vgg19 0, eqx_mlp 7): e191666 added the CPU's
+second one-stage peak, the gradients' all-reduce writing a copy of its own beside them
+(`Cluster.all_reduce_in_place`), which is all of XLA's temporaries on data-parallel
+MLPs (mlp's data 2 x model 4 plan 0.81 -> 1.00x, eqx_mlp's ZeRO-3 0.67 -> 1.00x, vgg19's
+data=8 plans 0.82 -> 0.95x). The pipelines' stage memory is priced as the runtime holds
+it (one gradient buffer, the backward's and the update's own buffers by liveness, and on
+the CPU each microbatch's weight gradients held to the end of its B program). What is
+left: one-stage transformers over-predicted (bert, gpt 1.15-1.36x, flax_lm 1.19-1.60x,
+most with remat), convolutions under (vgg19 0.46-0.76x), and a replicated bert with remat
+under (0.64x: four FFN-sized buffers of the recomputed layer's backward at once, and the
+CPU's materialized broadcasts of the attention mask and the layer norms' scales, held from
+the forward to the backward). FLOPs: the one miss without ZeRO drawn is vgg19's ZeRO-2
+with remat (1.17x). At 858d8e4, when the space still offered ZeRO with the batch off the
+data axis (44 one-stage and 4 pipelines, 30 with ZeRO), this command gave FLOPs on 40 of
+48 and memory on 17 of 48; the bullets below that name ZeRO plans with the batch off
+data are from that draw.
 
 The Megatron table's configurations on reduced GPTs (`am.plan_recipe` with the fused
 softmax, 4 layers, hidden 64 and 128, batch 16 and 8, bf16 and float32, `am.verify` of
@@ -71,23 +85,24 @@ GPT's buffer assignment has a float32 convert of every bf16 weight), which likel
 most of its F and B programs' temporaries (2.1 and 3.2 MiB on tp 1 x pp 4); not checked
 buffer by buffer.
 
-A third memory model was measured at 50d0011 and is the next step (not built): the
-pipeline stages' model (`_cost._traffic.stage_memory`: the residuals, the backward's and
-the update's own buffers by liveness) applied to the one-stage program as a one-stage
-partition, with XLA's stored set (`stored_residuals`) in place of the jaxpr's, and under
-remat the recomputed layers' stored set. It brings memory to 32 of 48 (67%): vgg19 7 of
-8 (0.84-1.08x, from 0.52-0.83x: the backward's own buffers were the missing part), bert 6
-of 6 and gpt 3 of 5 one-stage plans; what it still misses is over-prediction on MLPs
-(mlp, eqx_mlp 1.13-1.21x; not the residual set: on one device XLA stores for a ReLU
-what `stored_residuals` names, the matmul output and the max, and remakes the mask) and
-flax_lm with remat (1.27-1.43x). It is a liveness walk per plan,
-not a linear table. Its peak moves with the layout: one linear row, the live set where
-the unsharded program peaks, priced under each plan's layout, gives only 26 of 48 (vgg19
-0.75-0.88x). So the tables need one row per candidate peak point (live bytes per tensor
-set), `evaluate` their maximum (one matrix product) and the ILP one memory constraint per
-row (`FactorProblem.memory_factors` already takes several points; `leanest_problem`,
-which minimizes memory, takes one today and would need the maximum over rows as its
-objective).
+A third memory model was measured and not built: the pipeline stages' model
+(`_cost._traffic.stage_memory`: the residuals, the backward's and the update's own
+buffers by liveness) applied to the one-stage program as a one-stage partition, with
+XLA's stored set (`stored_residuals`) in place of the jaxpr's, and under remat the
+recomputed layers' stored set. At 50d0011 it brought memory to 32 of 48 from 28 (vgg19 7
+of 8, 0.84-1.08x: the backward's own buffers were the missing part; bert 6 of 6); at
+e191666, with the all-reduce's second peak in both, it gives 27 of 48 against the linear
+tables' 32: it over-predicts the MLPs (1.07-1.21x; not the residual set: on one device
+XLA stores for a ReLU what `stored_residuals` names, the matmul output and the max, and
+remakes the mask) and flax_lm with remat (1.21-1.32x), and under-predicts gpt (0.79-0.85x,
+the attention backward's score-sized buffers). It is a liveness walk per plan, not a
+linear table; its peak moves with the layout (one linear row, the live set where the
+unsharded program peaks, gives 26 of 48), so it would need one row per candidate peak
+point, `evaluate` their maximum and the ILP one memory constraint per row, which the
+solvers now take (`FactorProblem.memory_factors`, and `leanest_problem` minimizes their
+peak), at the price of a larger MILP. Pricing only the largest recomputed layer with the
+stored set (the recompute and its backward are one program) gives 35 of 48 at e191666,
+but under-predicts four remat plans (0.73-0.84x), so it is not kept.
 
 What the numbers say of the one-stage plans:
 
@@ -104,10 +119,11 @@ What the numbers say of the one-stage plans:
   predicts 0.44-0.57x, roots plus expensive elementwise results (exp, div, tanh...)
   0.66-0.80x, the jaxpr's residuals 1.19-1.43x. Gradients and activations are also
   summed where their lifetimes only partly overlap;
-- convolutions (vgg19) are under-predicted (0.52-0.83x): XLA's temporaries are 1.7-3x
-  the predicted gradients + activations. Part is the CPU's gradient all-reduce, whose
-  output is a buffer of its own next to its input (2x the gradients: vgg19 on model=8
-  and data=8); the rest is not explained yet;
+- convolutions (vgg19) are under-predicted (0.46-0.76x, where the all-reduce's copy is
+  not the peak): XLA's temporaries are 1.7-3x the predicted gradients + activations. The
+  CPU's gradient all-reduce writing a buffer of its own beside its input (2x the
+  gradients on data=8) is priced since e191666; for the rest, the bullet on vgg19's
+  misses on one device below;
 - which residuals XLA stores (`_cost.stored_residuals`, tests/test_residual_memory.py): a
   residual made by a cheap elementwise or layout op that only fusible ops read is never
   written; XLA's fusion pass duplicates its producer into every reader (forward and
@@ -124,7 +140,8 @@ What the numbers say of the one-stage plans:
   0.82x, where the jaxpr's set gives 1.03/1.03/1.26x and 1.14x. The gap on ZeRO-0/1 is
   about one copy of the gradients, which ZeRO-3 (reduced layer by layer) does not show:
   the CPU's one combined gradient all-reduce at the end of the backward writes a buffer
-  of its own beside its input, not modelled yet. An under-prediction promises plans that
+  of its own beside its input (priced since e191666, as a second peak where the
+  activations are dead: not measured again with the stored set). An under-prediction promises plans that
   do not fit, so the one-stage tables keep the jaxpr's set; pipeline stages price the
   jaxpr's set too, because that is what a stage's F program hands its B (every residual
   is a program output), and `stored_residuals` where one program holds the residuals
@@ -299,7 +316,9 @@ def random_pipeline(graph, groups, rng):
     return pipeline_plan(graph, groups, cuts, mesh, assignment, m, schedule, zero_stage=zero)
 
 
-def bench_model(name: str, plans: int, seed: int, pipelines: float, verbose: bool) -> dict:
+def bench_model(
+    name: str, plans: int, seed: int, pipelines: float, zero: float, verbose: bool
+) -> dict:
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
@@ -317,7 +336,14 @@ def bench_model(name: str, plans: int, seed: int, pipelines: float, verbose: boo
         except Exception:
             plan = None
         if plan is None:
+            # A random point rarely puts the batch on data, where the space offers ZeRO:
+            # a share `zero` of the one-stage plans is drawn again until it has a stage.
+            wants_zero = zero > 0 and rng.random() < zero  # --zero 0: the draw before it
             plan = random_plan(graph, groups, rng, zero=True)
+            for _ in range(500):
+                if plan.zero_stage or not wants_zero:
+                    break
+                plan = random_plan(graph, groups, rng, zero=True)
         plan = dataclasses.replace(plan, remat=bool(rng.integers(2)))
         try:
             report = verify(step, plan, *args)
@@ -390,6 +416,16 @@ def summarize(results: list[dict]) -> None:
     mem = sum(_within(r["memory_ratio"]) for r in every)
     fl = sum(_within(r["flops_ratio"]) for r in every)
     print(f"{'all':<10} {len(every):>5} {'':>6} {mem / n:>12.0%} {fl / n:>11.0%}")
+    kinds = {
+        "ZeRO 1-3": lambda r: r["zero"] > 0,
+        "remat": lambda r: r["remat"],
+        "pipelines": lambda r: r["stages"] > 0,
+    }
+    for label, pick in kinds.items():
+        some = [r for r in every if pick(r)]
+        mem = sum(_within(r["memory_ratio"]) for r in some)
+        fl = sum(_within(r["flops_ratio"]) for r in some)
+        print(f"{label:<10} {len(some):>5} {'':>6} {mem:>6}/{len(some):<5} {fl:>5}/{len(some):<5}")
     worst = sorted(every, key=lambda r: -abs((r["memory_ratio"] or 0) - 1))[:8]
     print("\nworst memory disagreements (predicted / XLA):")
     for r in worst:
@@ -404,11 +440,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pipelines", type=float, default=0.25, help="fraction of plans that are pipelines"
     )
+    parser.add_argument(
+        "--zero", type=float, default=0.25, help="fraction of one-stage plans with ZeRO 1-3"
+    )
     parser.add_argument("--verbose", action="store_true", help="print every verify report")
     parser.add_argument("--json", help="write every plan's row to this file")
     opts = parser.parse_args(argv)
     results = [
-        bench_model(m, opts.plans, opts.seed, opts.pipelines, opts.verbose) for m in opts.models
+        bench_model(m, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.verbose)
+        for m in opts.models
     ]
     summarize(results)
     if opts.json:
