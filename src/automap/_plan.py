@@ -48,7 +48,9 @@ class Cost:
     feasible: bool = True
     reason: str = ""  # why not feasible, in words
     memory_limit_bytes: float = math.inf
-    # Peak memory split: "params", "grads", "opt_state", "activations", "other".
+    # Peak memory split: "params", "grads", "opt_state", "activations", "other". Where
+    # the peak is the gradients' reduction on a backend that does not reduce in place
+    # (`Cluster.all_reduce_in_place`), "grads" holds both copies and "activations" none.
     memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
     # Per-op (op index, compute seconds, communication seconds); not saved in plan files.
