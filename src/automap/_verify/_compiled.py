@@ -381,6 +381,16 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
     model = cpu_model(pipe.graph, plan, cluster)
     pc = estimate_pipeline(model, plan)
     predicted = _pipeline_predicted(pc)
+    stages = range(len(plan.stages))
+    held = run.memory(*args)  # the same abstract walk as run.compile: compiled once
+    memory = tuple((float(pc.stage_memory_bytes[s]), float(held[s])) for s in stages)
+    largest = max(stages, key=lambda s: memory[s][0])
+    parts = stage_memory_parts(pipe, programs, largest, pc.in_flight[largest])
+    if parts and memory[largest][1] > sum(parts.values()):
+        # The values run.memory holds that no program's buffer assignment has: an
+        # activation sent on until its receiver has it, a per-step value a later
+        # program reads.
+        parts["held between programs"] = memory[largest][1] - sum(parts.values())
     match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
     notes = [
         f"pipeline plan ({len(plan.stages)} stages, {plan.microbatches} microbatches, "
@@ -389,23 +399,20 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         "stages are jax.device_put copies, not XLA collectives, and are not compared",
         "pipeline memory per stage: XLA's side is the largest, over the programs the stage "
         "runs, of that program's buffer assignment plus every other value the runtime "
-        "holds on the stage's devices then (run.memory); its breakdown is the stage's "
-        "program sizes combined as automap._verify._stages says",
+        "holds on the stage's devices then (run.memory); the breakdowns are those of the "
+        f"stage predicted largest ({largest}), XLA's its program sizes combined as "
+        "automap._verify._stages says and what run.memory holds besides",
     ]
     if extra:
         notes.append(
             "the runtime also combines microbatches in programs of its own "
             f"({', '.join(sorted(extra))}): their collectives are on XLA's side only"
         )
-    stages = range(len(plan.stages))
-    held = run.memory(*args)  # the same abstract walk as run.compile: compiled once
-    memory = tuple((float(pc.stage_memory_bytes[s]), float(held[s])) for s in stages)
     flops = tuple(
         (*counted, stage_flops(programs, s))
         for s, counted in enumerate(predicted_stage_flops(model, plan))
     )
     busiest = max(stages, key=lambda s: flops[s][0])
-    largest = max(stages, key=lambda s: memory[s][0])
     report = VerifyReport(
         dict(plan.mesh),
         match,
@@ -416,7 +423,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         predicted_memory_bytes=max(m[0] for m in memory),
         xla_memory_bytes=None if any(m[1] is None for m in memory) else max(m[1] for m in memory),
         predicted_memory_breakdown={k: float(v) for k, v in pc.stage_memory[largest].items()},
-        xla_memory_breakdown=stage_memory_parts(pipe, programs, largest, pc.in_flight[largest]),
+        xla_memory_breakdown=parts,
         predicted_flops=flops[busiest][0],
         predicted_flops_as_xla=flops[busiest][1],
         xla_flops=flops[busiest][2],

@@ -41,7 +41,8 @@ def stage_memory_parts(
 ) -> dict[str, float]:
     """A stage's memory by the module doc's terms, per device ({} where the backend gives
     no buffer assignment). `am.verify` shows it as XLA's breakdown; its peak figure is
-    `run.memory`'s, which also holds the values the runtime keeps between programs."""
+    `run.memory`'s, which also holds the values the runtime keeps between programs (verify
+    adds them to the breakdown as "held between programs")."""
     stats = [(p.kind, p.compiled.memory_analysis()) for p in programs if p.stage == stage]
     if not stats or any(s is None for _, s in stats):
         return {}
