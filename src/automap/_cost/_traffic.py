@@ -84,11 +84,13 @@ def stage_memory(
     zero_stage: int,
     remat: bool,
     matmul_accumulates: bool = True,
+    layer_stored: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
     "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
     leaves it reads first and the residual bytes it makes per microbatch (what a stage
-    DP sums over a layer segment)."""
+    DP sums over a layer segment). `layer_stored`: per recomputed layer, `stored_residuals`
+    of its `res.layer_saved`, when the caller prices many partitions of one graph."""
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
@@ -170,7 +172,10 @@ def stage_memory(
         op_act[p] += b
     program = op_programs(graph, part)
     held = () if matmul_accumulates else held_gradients(graph, part, lay, m, phase)
-    remade = _remade(graph, part, lay, res, m, phase) if remat else ()
+    if remat and layer_stored is None:
+        consumers = graph.consumers()
+        layer_stored = [stored_residuals(graph, ts, consumers) for ts in res.layer_saved]
+    remade = _remade(graph, part, lay, res, layer_stored, m, phase) if remat else ()
     bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
@@ -295,25 +300,32 @@ class Remade(NamedTuple):
 
 
 def _remade(
-    graph: Graph, part: Partition, lay: Layouts, res, m: int, phase: np.ndarray
+    graph: Graph,
+    part: Partition,
+    lay: Layouts,
+    res,
+    layer_stored: Sequence[tuple[int, ...]],
+    m: int,
+    phase: np.ndarray,
 ) -> list[Remade]:
     """Per recomputed layer, the residuals it makes again in its backward: one
     microbatch's, alive from the first backward op that reads the layer's residuals (the
     recompute runs just before it) to the last. The layer and its backward are one
     program (the stage's B), so these are the ones XLA stores (`stored_residuals`), of
     what the recompute makes: an operand it stores in place of a cheap residual and that
-    comes from outside the layer (its input, a weight) is held already."""
+    comes from outside the layer (its input, a weight) is held already. `layer_stored`:
+    `stored_residuals` of each of `res.layer_saved`."""
     out = []
     consumers = graph.consumers()
     again = set(res.recomputed)
-    for ts in res.layer_saved:
+    for ts, stored in zip(res.layer_saved, layer_stored, strict=True):
         reads = [c for t in ts for c in consumers[t] if phase[c] == BWD]
         if not reads:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
         made = [
             t
-            for t in stored_residuals(graph, ts, consumers)
+            for t in stored
             if graph.tensors[t].producer in again and part.op_stage[graph.tensors[t].producer] == s
         ]
         b = sum(

@@ -37,7 +37,7 @@ import enum
 import re
 from collections.abc import Sequence
 
-from .._capture import find_residuals
+from .._capture import find_residuals, loss_boundary
 from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups
@@ -348,7 +348,10 @@ def _forward_end(graph: Graph) -> int:
             "is where the forward pass ends and the backward pass begins. Return the loss "
             "from the step, or make a plan without pipeline stages."
         )
-    return find_residuals(graph).boundary
+    # find_residuals's boundary, without the residuals it also collects: a partition asks
+    # on every pipeline estimate.
+    boundary = loss_boundary(graph)
+    return find_residuals(graph).boundary if boundary is None else boundary
 
 
 def _batched(graph: Graph, groups: Groups) -> set[int]:
