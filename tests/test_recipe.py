@@ -4,6 +4,7 @@ choices; `automap estimate` prints the price."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -88,6 +89,44 @@ def test_megatron_3d_skips_data_sizes_that_do_not_divide_the_batch():
     mega = plans["megatron_3d"]
     assert mega.remat and mega.predicted.feasible
     assert 6 % mega.mesh.get("data", 1) == 0
+
+
+def test_megatron_3d_prices_no_stage_count_whose_stored_state_cannot_fit():
+    # The recipe's busiest stage holds at least its share of the parameters, their
+    # gradients and the Adam moments, split tp ways over pp stages. With a limit under
+    # that share at one stage, those counts are not priced, and the plan is still the one
+    # pricing every count finds: per tensor parallel size the fewest stages that fit, the
+    # fastest of those.
+    spec = get_model("gpt-1.3b", **SMALL)
+    args = spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    state = 2 * graph.role_bytes(am.Role.PARAM) + graph.role_bytes(am.Role.OPT_STATE)
+    cluster = dataclasses.replace(CPU8, hbm_bytes=0.45 * state / (1 - CPU8.memory_reserve))
+    model, priced = CostModel(graph, cluster, groups), []
+
+    def estimate(plan):
+        priced.append((plan.mesh.get("model"), len(plan.stages) or 1))
+        return model.estimate(plan)
+
+    mega = pipeline_experts(graph, groups, cluster, estimate)["megatron_3d"]
+    every = {}
+    for tp in (2, 4):
+        for pp in (p for p in (1, 2, 4) if tp * p <= 8):
+            recipe = am.Recipe(tp=tp, pp=pp, dp=8 // (tp * pp), microbatch_size=1, remat="full")
+            every[tp, pp] = am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=cluster)
+    fewest = [
+        next(p for pp, p in sorted((pp, p) for (t, pp), p in every.items() if t == tp)
+             if p.predicted.feasible)
+        for tp in (2, 4)
+    ]  # fmt: skip
+    best = min(fewest, key=lambda p: p.predicted.step_time_s)
+    assert mega.predicted.feasible and (2, 1) not in priced
+    assert mega.predicted.step_time_s == pytest.approx(best.predicted.step_time_s)
+    assert (mega.mesh["model"], len(mega.stages) or 1) == (
+        best.mesh["model"],
+        len(best.stages) or 1,
+    )
 
 
 def test_estimate_command_prints_the_price_as_json():
