@@ -115,12 +115,12 @@ def test_megatron_3d_prices_no_stage_count_whose_stored_state_cannot_fit():
         for pp in (p for p in (1, 2, 4) if tp * p <= 8):
             recipe = am.Recipe(tp=tp, pp=pp, dp=8 // (tp * pp), microbatch_size=1, remat="full")
             every[tp, pp] = am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=cluster)
-    fewest = [
-        next(p for pp, p in sorted((pp, p) for (t, pp), p in every.items() if t == tp)
-             if p.predicted.feasible)
-        for tp in (2, 4)
-    ]  # fmt: skip
-    best = min(fewest, key=lambda p: p.predicted.step_time_s)
+
+    def fewest(tp: int) -> am.Plan:
+        counts = sorted(pp for t, pp in every if t == tp)
+        return next(every[tp, pp] for pp in counts if every[tp, pp].predicted.feasible)
+
+    best = min((fewest(2), fewest(4)), key=lambda p: p.predicted.step_time_s)
     assert mega.predicted.feasible and (2, 1) not in priced
     assert mega.predicted.step_time_s == pytest.approx(best.predicted.step_time_s)
     assert (mega.mesh["model"], len(mega.stages) or 1) == (
