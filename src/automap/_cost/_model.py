@@ -402,14 +402,13 @@ class CostModel:
             # The forward's gathered copies die in the forward: the backward makes its own.
             acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
         other = float(plain[4])
-        memory = params + grads + opt + acts + other
         # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
         # second copy of what it reduces, alive beside the local gradients at the end of
         # the backward, when the activations are gone: a second peak.
         reduced = 0.0 if self.cluster.all_reduce_in_place else reduced_gradients(st.sums, ac)
         if reduced > acts:
             grads, acts = grads + reduced, 0.0
-            memory = params + grads + opt + other
+        memory = params + grads + opt + acts + other
         limit = self.cluster.memory_limit
         reason = ""
         if memory > limit:

@@ -353,7 +353,7 @@ def stage_costs(
         zero_stage=oc.zero_stage,
         remat=oc.remat,
         matmul_accumulates=cluster.matmul_accumulates,
-        layer_stored=model.layer_stored if oc.remat else None,
+        layer_stored=model.layer_stored if oc.remat else (),
     )
     totals = [sum(d.values()) for d in memory]
     worst = int(np.argmax(totals))

@@ -32,7 +32,7 @@ from .._capture import Residuals
 from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._pipeline import Partition, Phase, op_programs
-from ._tables import FUSIBLE, stored_residuals
+from ._tables import FUSIBLE
 
 #: Phase codes used as array indices; FWD and BWD run once per microbatch.
 PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
@@ -84,13 +84,13 @@ def stage_memory(
     zero_stage: int,
     remat: bool,
     matmul_accumulates: bool = True,
-    layer_stored: Sequence[tuple[int, ...]] | None = None,
+    layer_stored: Sequence[tuple[int, ...]] = (),
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
     "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
     leaves it reads first and the residual bytes it makes per microbatch (what a stage
-    DP sums over a layer segment). `layer_stored`: per recomputed layer, `stored_residuals`
-    of its `res.layer_saved`, when the caller prices many partitions of one graph."""
+    DP sums over a layer segment). `layer_stored` (under remat): per recomputed layer,
+    `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once)."""
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
@@ -172,9 +172,6 @@ def stage_memory(
         op_act[p] += b
     program = op_programs(graph, part)
     held = () if matmul_accumulates else held_gradients(graph, part, lay, m, phase)
-    if remat and layer_stored is None:
-        consumers = graph.consumers()
-        layer_stored = [stored_residuals(graph, ts, consumers) for ts in res.layer_saved]
     remade = _remade(graph, part, lay, res, layer_stored, m, phase) if remat else ()
     bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
     for s, b in enumerate(bwd):

@@ -57,22 +57,21 @@ def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
     leanest of every candidate."""
     tps = _node_tps(groups, cluster)
     floor = _state_floor(graph, groups)
-    found = [
-        plan
-        for tp in tps
-        if (plan := _fewest_megatron_stages(graph, groups, cluster, estimate, tp, floor))
-        is not None
-    ]
+    priced: dict[tuple[int, int], Plan | None] = {}  # (tp, pp) -> its recipe, once
+
+    def fewest(floor: float | None) -> list[Plan]:
+        found = (
+            _fewest_megatron_stages(graph, groups, cluster, estimate, tp, floor, priced)
+            for tp in tps
+        )
+        return [plan for plan in found if plan is not None]
+
+    found = fewest(floor)
     fits = [p for p in found if p.predicted.feasible]
     if fits:
         return min(fits, key=lambda p: p.predicted.step_time_s)
     if floor is not None:
-        found = [
-            plan
-            for tp in tps
-            if (plan := _fewest_megatron_stages(graph, groups, cluster, estimate, tp, None))
-            is not None
-        ]
+        found = fewest(None)  # the skipped counts too: the leanest of every candidate
     return min(found, key=lambda p: p.predicted.memory_bytes, default=None)
 
 
@@ -94,24 +93,20 @@ def _state_floor(graph: Graph, groups: Groups) -> float | None:
 
 
 def _fewest_megatron_stages(
-    graph, groups, cluster, estimate, tp: int, floor: float | None
+    graph, groups, cluster, estimate, tp: int, floor: float | None, priced: dict
 ) -> Plan | None:
     """The fewest stages (a power of two) whose recipe fits, else the leanest recipe of
-    those priced (`floor`: see `_state_floor`; None prices every one)."""
+    those priced (`floor`: see `_state_floor`; None prices every one). `priced`: (tp, pp)
+    -> recipe already priced (None: it does not apply), filled in."""
     leanest: Plan | None = None
     pp = 1
     while pp * tp <= cluster.devices:
         dp = cluster.devices // (tp * pp)
         lean_enough = floor is None or floor / (tp * pp) <= cluster.memory_limit
         if cluster.devices % (tp * pp) == 0 and groups.batch_size % dp == 0 and lean_enough:
-            recipe = Recipe(
-                tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", name="megatron_3d"
-            )
-            try:
-                plan = recipe_plan(graph, groups, cluster, recipe)
-                plan = dataclasses.replace(plan, predicted=estimate(plan))
-            except PlanError:  # layers not divisible by pp, a step that cannot microbatch
-                plan = None
+            if (tp, pp) not in priced:
+                priced[tp, pp] = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp)
+            plan = priced[tp, pp]
             if plan is not None:
                 if plan.predicted.feasible:
                     return plan
@@ -119,6 +114,17 @@ def _fewest_megatron_stages(
                     leanest = plan
         pp *= 2
     return leanest  # nothing fits: the leanest, marked infeasible
+
+
+def _megatron_recipe(graph, groups, cluster, estimate, tp: int, pp: int, dp: int) -> Plan | None:
+    """Megatron's recipe at these sizes, priced; None where it does not apply (layers not
+    divisible by pp, a step that cannot microbatch)."""
+    recipe = Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", name="megatron_3d")
+    try:
+        plan = recipe_plan(graph, groups, cluster, recipe)
+        return dataclasses.replace(plan, predicted=estimate(plan))
+    except PlanError:
+        return None
 
 
 def _node_tps(groups: Groups, cluster: Cluster) -> list[int]:
