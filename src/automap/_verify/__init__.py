@@ -3,7 +3,8 @@
 Input: a step function, a Plan and arguments (or a saved plan to rebuild). Output: a
 `VerifyReport`: the cost model's collectives next to the compiled HLO's, its peak memory
 and FLOPs per device next to XLA's buffer assignment and cost analysis (`_flops.py`,
-`_stages.py` for pipelines), and numerics against the unsharded step. DESIGN.md, "Collectives: the bytes convention".
+`_stages.py` for pipelines), and numerics against the unsharded step; with a GPU
+target, the same one-stage plan compiled for that GPU without one (`_gpu.py`). DESIGN.md, "Collectives: the bytes convention".
 """
 
 from ._compiled import VerifyReport as VerifyReport
@@ -20,6 +21,8 @@ from ._flops import compiled_flops as compiled_flops
 from ._flops import predicted_flops as predicted_flops
 from ._flops import predicted_stage_flops as predicted_stage_flops
 from ._flops import xla_counted_flops as xla_counted_flops
+from ._gpu import gpu_devices as gpu_devices
+from ._gpu import target_config as target_config
 from ._hlo import axis_of as axis_of
 from ._hlo import comm_bytes as comm_bytes
 from ._hlo import parse_collectives as parse_collectives

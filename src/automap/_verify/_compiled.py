@@ -36,6 +36,7 @@ from .._errors import ApplyError, AutomapError
 from .._plan import Plan
 from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
+from ._gpu import gpu_devices
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
 from ._stages import stage_flops, stage_memory_parts
@@ -266,8 +267,8 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
 
     Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32, never emits
     reduce-scatter, adds a pipeline's running gradient sums outside the matmuls, and
-    writes the gradients' all-reduce to a buffer of its own. Bytes, not times, are
-    compared, so only these four fields matter; the user's cluster (a100, ...) keeps its
+    writes the gradients' all-reduce to a buffer of its own, and keeps about every
+    residual of the jaxpr. Bytes, not times, are compared, so only these five fields matter; the user's cluster (a100, ...) keeps its
     own values everywhere else.
     """
     fields = {f.name for f in dataclasses.fields(cluster)}
@@ -276,6 +277,7 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
         "reduce_scatter": False,
         "matmul_accumulates": False,
         "all_reduce_in_place": False,
+        "remakes_residuals": False,
     }
     return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
 
@@ -292,10 +294,14 @@ def _cpu_devices(n: int) -> list[Any]:
     return devices
 
 
-def compile_plan(fn: Callable, plan: Plan, args: tuple, graph: Any = None) -> tuple[Prepared, Any]:
-    """`fn` under `plan` compiled by XLA on a CPU mesh; arguments stay abstract. The
-    executable is kept so that a numerics check runs it without compiling twice."""
-    mesh = make_mesh(plan, _cpu_devices(plan.devices))
+def compile_plan(
+    fn: Callable, plan: Plan, args: tuple, graph: Any = None, target: str | None = None
+) -> tuple[Prepared, Any]:
+    """`fn` under `plan` compiled by XLA on a CPU mesh, or with `target` ("a100", "h100")
+    on compile-only GPUs (`_gpu.py`); arguments stay abstract. The executable is kept so
+    that a numerics check runs it without compiling twice."""
+    devices = gpu_devices(target, plan.devices) if target else _cpu_devices(plan.devices)
+    mesh = make_mesh(plan, devices)
     prepared = Prepared(fn, plan, mesh, args, graph=graph)
     return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
 
@@ -310,6 +316,7 @@ def verify(
     plan: Plan,
     *args: Any,
     cluster: Any = None,
+    target: str | None = None,
 ) -> VerifyReport:
     """Compile `fn` under `plan` with XLA and compare its collectives with the cost model's.
 
@@ -317,18 +324,31 @@ def verify(
     plan is also run and its outputs compared with `jax.jit(fn)`'s
     (`_numerics.compare_outputs`: within the noise of the same step summed in another
     order, measured, with Adam's flipped updates allowed on parameters).
+
+    `target` ("a100", "h100"): compile for that GPU without one (`_gpu.py`) and hold the
+    program against the cost model of `cluster` (default: the GPU's preset) as it prices
+    a GPU, not the CPU's lowering. Nothing runs (no numerics) and XLA's GPU compiler
+    reports no FLOPs; one-stage plans only.
     """
+    if target and plan.pipelined:
+        raise ApplyError(
+            "verify(target=...) compiles one-stage plans; a pipeline's programs compile on "
+            "the CPU: call verify without target."
+        )
     if plan.pipelined:
         return _verify_pipeline(fn, plan, args, cluster)
     validate_plan(plan)
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
-    prepared, compiled = compile_plan(fn, plan, args, graph=graph)
+    prepared, compiled = compile_plan(fn, plan, args, graph=graph, target=target)
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
-    model = cpu_model(graph, plan, cluster)
+    if target:
+        model = CostModel(graph, cluster or Cluster.preset(target, devices=plan.devices))
+    else:
+        model = cpu_model(graph, plan, cluster)
     cost = model.estimate(plan)
     predicted = collective_bytes(cost)
-    match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    match, mismatches = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
     flops, flops_as_xla = predicted_flops(model, plan)
     notes = [n for n in (ratio_note(flops, flops_as_xla), _donation_note(compiled)) if n]
     report = VerifyReport(
@@ -347,7 +367,7 @@ def verify(
         xla_flops=compiled_flops(compiled),
     )
     leaves = jax.tree_util.tree_leaves(args)
-    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+    if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         got = compiled(*jax.device_put(_fresh(leaves), prepared.in_shardings))
         ok, err = _numerics(fn, got, args, plan.devices)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
