@@ -81,6 +81,13 @@ class Cluster:
     all-reduce-start's output with its operand; the CPU one, False, runs it synchronously
     into a buffer of its own, so at the end of the backward the local gradients and their
     reduced copy are both alive (with ZeRO too: the CPU all-reduces and slices)."""
+    remakes_residuals: bool = True
+    """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
+    the backward reads that an elementwise or layout op makes, and only fusible ops read,
+    is fused into each reader and made again from its producer's operands, which are kept
+    instead (`_cost.stored_residuals`). XLA's GPU pipeline does (held against its buffer
+    assignment on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, keeps about
+    every residual of the jaxpr, its library fusions taking their operands from memory."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -163,6 +170,7 @@ class Cluster:
             "multi_output_fusion",
             "matmul_accumulates",
             "all_reduce_in_place",
+            "remakes_residuals",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ClusterError(
@@ -357,5 +365,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         multi_output_fusion=False,
         matmul_accumulates=False,
         all_reduce_in_place=False,
+        remakes_residuals=False,
     ),
 }

@@ -14,6 +14,8 @@ from automap._pipeline import cut_candidates, partition, pipeline_plan
 from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
 from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan
 from automap._zoo import get_model
+from test_auto import SMALL as SMALL_VOCAB
+from test_auto import leanest_one_stage
 
 from ._models import assert_same
 
@@ -80,14 +82,14 @@ def test_search_dp_returns_a_priced_feasible_pipeline(gpt):
 def test_pipelines_make_a_model_fit_that_one_stage_cannot(gpt):
     """Under a memory limit below every one-stage plan, the dp searcher still finds a plan,
     with stages, and the expert pipelines are there too."""
-    spec, pb = gpt
+    _, pb = gpt
+    spec = get_model("gpt2-xl", **SMALL_VOCAB)
     dp = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=pb.cluster)
-    # One-stage plans as the ILP searches them (no recomputation: megatron_3d's one-stage
-    # recipe recomputes, which only pipelines of the dp search do).
-    one_stage = [p.predicted.memory_bytes for p in dp.values() if not (p.pipelined or p.remat)]
     piped = [p for p in dp.values() if len(p.stages) > 1]
     assert {"gpipe_uniform"} <= set(dp) and piped
-    limit = min(one_stage) * 0.9
+    # Under the leanest one-stage plan as the ILP searches them (no recomputation:
+    # megatron_3d's one-stage recipe recomputes, which only pipelines of the dp search do).
+    limit = leanest_one_stage(spec.step_fn, spec.abstract_args(), pb.cluster) * 0.9
     tight = dataclasses.replace(pb.cluster, hbm_bytes=limit / (1.0 - pb.cluster.memory_reserve))
     assert tight.memory_limit == pytest.approx(limit)
     plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=tight, searcher="dp", budget_s=60)

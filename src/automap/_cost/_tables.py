@@ -423,7 +423,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
-    act_coef, act_remat_coef = by_set(res.saved), by_set(res.saved_remat)
+    saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals)
+    act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
     body_zero_a = np.array(body_zero, dtype=bool)
     zero_op = np.zeros(len(graph.ops), dtype=bool)
     zero_op[[graph.tensors[t].producer for t in pinned]] = True
@@ -719,6 +720,26 @@ EXPENSIVE = frozenset(
     """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
     exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
 )
+
+
+def kept_residuals(
+    graph: Graph, res: Residuals, remade: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What one program keeps for its backward, without and with rematerialization.
+
+    With `remade` (`Cluster.remakes_residuals`: XLA's GPU pipeline) the residuals XLA
+    stores (`stored_residuals`) of the jaxpr's: of every residual without remat; with it,
+    of those no layer recomputes and the layer inputs, and of the largest layer's (made
+    again by its recompute, alive in its backward). Without, the jaxpr's sets."""
+    if not remade:
+        return res.saved, res.saved_remat
+    consumers = graph.consumers()
+    layered = {t for ts in res.layer_saved for t in ts}
+    once = [t for t in res.saved_remat if t not in layered]
+    again = [t for t in res.saved_remat if t in layered]
+    remat = set(stored_residuals(graph, once, consumers))
+    remat |= set(stored_residuals(graph, again, consumers))
+    return stored_residuals(graph, res.saved, consumers), tuple(sorted(remat))
 
 
 def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tuple[int, ...]:

@@ -1,0 +1,62 @@
+"""verify(target=...): plans compiled by XLA's GPU compiler on compile-only GPUs (no GPU
+here: JAX's CUDA plugin compiles for a described A100), held against the cost model as it
+prices that GPU."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import automap as am
+from automap import ApplyError
+from automap._capture import capture
+from automap._cost import CostModel
+from automap._verify import gpu_devices, target_config, verify
+from automap._zoo import get_model
+
+
+def _gpt():
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=64, heads=8, seq=32, batch=16, vocab=128, dtype="float32"
+    )
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+
+
+@pytest.mark.parametrize("recipe", [am.Recipe(tp=8), am.Recipe(tp=2, dp=4, remat="full")])
+def test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices(recipe):
+    # XLA's GPU fusion makes a cheap residual (GELU's chain, LayerNorm's centred input)
+    # again in each backward reader and keeps its producer's operands: the a100 model
+    # prices those (`Cluster.remakes_residuals`), within 15% of the GPU buffer assignment,
+    # where the jaxpr's residuals (what the CPU keeps) are 1.3x it and more.
+    step, args = _gpt()
+    a100 = am.Cluster.preset("a100", devices=8)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+    assert report.xla_flops is None and report.numerics_ok is None  # compiled, never run
+    jaxpr_set = dataclasses.replace(a100, remakes_residuals=False)
+    kept_all = CostModel(capture(step, *args), jaxpr_set).estimate(plan).memory_bytes
+    assert kept_all > 1.3 * report.xla_memory_bytes
+    # The stored state is the same on both sides: arguments are parameters, optimizer
+    # state and the batch.
+    parts = report.predicted_memory_breakdown
+    state = parts["params"] + parts["opt_state"] + parts["other"]
+    assert report.xla_memory_breakdown["arguments"] == pytest.approx(state, rel=0.01)
+
+
+def test_compile_only_gpus_say_what_they_cannot_do():
+    assert 'device_description_str: "NVIDIA A100-SXM4-80GB"' in target_config("a100")
+    with pytest.raises(ApplyError, match="no compile-only description of GPU 'v100'"):
+        gpu_devices("v100", 8)
+    with pytest.raises(ApplyError, match="whole nodes of 8"):
+        gpu_devices("a100", 12)
+    assert len(gpu_devices("h100", 16)) == 16
+    step, args = _gpt()
+    plan = am.plan_recipe(
+        step,
+        *args,
+        recipe=am.Recipe(pp=2, dp=4, microbatches=2),
+        cluster=am.Cluster.preset("a100", devices=8),
+    )
+    with pytest.raises(ApplyError, match="compiles one-stage plans"):
+        verify(step, plan, *args, target="a100")
