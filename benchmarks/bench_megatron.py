@@ -22,7 +22,11 @@ The one-stage rows moved from 0.78-0.83 to 0.81-0.86 of the published figure wit
 The rows' GPT is the zoo's with Megatron's fused softmax (`softmax="fused"`: the scores,
 the probabilities and the probabilities the backward reads are 16-bit, float32 only
 inside, where the zoo's default keeps them in float32): every row moved up by 0.01-0.06,
-the one-stage rows to 0.83-0.92. What still differs from Megatron: XLA runs that softmax
+the one-stage rows to 0.83-0.92. The tensor-parallel backward then all-reduced the input
+gradient of the separate Q, K and V projections three times where XLA's GPU (compiled
+without a GPU, `tests/test_verify_gpu.py`) and Megatron's fused QKV add them first and
+all-reduce once (`Cluster.reassociates_all_reduce`): every row moved up by 0.00-0.07,
+to 0.86-0.97, the 7.5B row from 0.83 into the 15% band. What still differs from Megatron: XLA runs that softmax
 as three kernels (row max; exp and its row sum; normalize) with float32 exponentials
 written between them, where Megatron's kernel reads the scores once and writes the
 probabilities once; its layer norms, residual adds and GELU are separate

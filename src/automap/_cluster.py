@@ -81,6 +81,12 @@ class Cluster:
     all-reduce-start's output with its operand; the CPU one, False, runs it synchronously
     into a buffer of its own, so at the end of the backward the local gradients and their
     reduced copy are both alive (with ZeRO too: the CPU all-reduces and slices)."""
+    reassociates_all_reduce: bool = True
+    """Whether XLA adds partial sums before it all-reduces them: two partial sums that
+    would be all-reduced alike and are then added become one all-reduce of their sum
+    (`_cost._tables.summed_partials`: the input gradient of separate Q, K, V projections
+    under tensor parallelism). XLA's GPU pipeline does (its all-reduce reassociation, read
+    on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, all-reduces each."""
     remakes_residuals: bool = True
     """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
     the backward reads that an elementwise or layout op makes, and only fusible ops read,
@@ -170,6 +176,7 @@ class Cluster:
             "multi_output_fusion",
             "matmul_accumulates",
             "all_reduce_in_place",
+            "reassociates_all_reduce",
             "remakes_residuals",
         ):
             if not isinstance(getattr(self, flag), bool):
@@ -365,6 +372,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         multi_output_fusion=False,
         matmul_accumulates=False,
         all_reduce_in_place=False,
+        reassociates_all_reduce=False,
         remakes_residuals=False,
     ),
 }

@@ -213,6 +213,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     after = {(s.op, s.before): s.after for s in groups.seams}
     op_set, op_coef, remat = [], [], []
     prow: list[CandidateRow] = []
+    partial_row: dict[int, int] = {}  # a top-level op's output -> its partial-sum row
     rrow: dict[tuple, CandidateRow] = {}
     rrow_again: dict[tuple, CandidateRow] = {}  # the recomputed ops' own (XLA cannot reuse them)
     # Combined collective slots: the step's gradients (0), then each loop body with
@@ -242,6 +243,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
                 # A body's gradient partial sums are combined per trip, not per step
                 # (checked on XLA's CPU HLO in tests/test_loops.py).
                 slot = slots.setdefault(scope, (len(slots), scale))[0] if grad and scope else 0
+                if not scope:
+                    partial_row[o] = len(prow)
                 prow.append(
                     CandidateRow(
                         gs,
@@ -414,6 +417,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     body_set_a = np.array(body_set, dtype=np.int64)
     body_coef_a = np.array(body_coef, dtype=float)
     body_again = np.isin(body_op_a, list(recomputed)) * body_coef_a
+    if cluster.reassociates_all_reduce:
+        gone = summed_partials(graph, prow, partial_row)
+        prow = [r for i, r in enumerate(prow) if i not in gone]
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
     again_p = _rows([r for r in prow if r.op in recomputed], ng, empty)
@@ -720,6 +726,36 @@ EXPENSIVE = frozenset(
     """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
     exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
 )
+
+
+def summed_partials(
+    graph: Graph, rows: list[CandidateRow], partial_row: dict[int, int]
+) -> set[int]:
+    """The partial-sum rows XLA's all-reduce reassociation removes: where two partial sums
+    that would be all-reduced alike (the same row but for its op) are added and read by
+    nothing else, XLA adds them first and all-reduces the sum once (the input gradient of
+    separate Q, K and V projections: three partial sums, one all-reduce, as Megatron-LM's
+    fused QKV). Following the adds, a sum of k partials keeps one row; the others go."""
+    consumers = graph.consumers()
+
+    def alike(r: CandidateRow) -> tuple:
+        return r._replace(op=0)
+
+    root = dict(partial_row)  # tensor -> the row that reduces it (or the sum it feeds)
+    gone: set[int] = set()
+    for op in graph.ops:
+        if op.primitive not in ("add", "add_any") or len(op.inputs) != 2:
+            continue
+        a, b = op.inputs
+        if a == b or a not in root or b not in root:
+            continue
+        if alike(rows[root[a]]) != alike(rows[root[b]]):
+            continue
+        if len(consumers[a]) != 1 or len(consumers[b]) != 1:
+            continue
+        gone.add(root[b])
+        root[op.outputs[0]] = root[a]
+    return gone
 
 
 def kept_residuals(

@@ -267,8 +267,9 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
 
     Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32, never emits
     reduce-scatter, adds a pipeline's running gradient sums outside the matmuls, and
-    writes the gradients' all-reduce to a buffer of its own, and keeps about every
-    residual of the jaxpr. Bytes, not times, are compared, so only these five fields matter; the user's cluster (a100, ...) keeps its
+    writes the gradients' all-reduce to a buffer of its own, all-reduces each partial sum
+    before adding them, and keeps about every residual of the jaxpr. Bytes, not times,
+    are compared, so only these six fields matter; the user's cluster (a100, ...) keeps its
     own values everywhere else.
     """
     fields = {f.name for f in dataclasses.fields(cluster)}
@@ -277,6 +278,7 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
         "reduce_scatter": False,
         "matmul_accumulates": False,
         "all_reduce_in_place": False,
+        "reassociates_all_reduce": False,
         "remakes_residuals": False,
     }
     return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
