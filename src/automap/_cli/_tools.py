@@ -146,6 +146,14 @@ def verify_cmd(
         bool,
         typer.Option("--numerics", help="Also run it on random arguments and compare numbers."),
     ] = False,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="Compile for this GPU (a100, h100) without one, and hold its collectives and "
+            "memory against the cost model as it prices that GPU (one-stage plans).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -159,8 +167,11 @@ def verify_cmd(
     from .._verify import verify_in_subprocess
 
     check_plan_file(plan_file)
-    with busy("compiling with XLA on a CPU mesh...", not (quiet or as_json)):
-        report = verify_in_subprocess(plan_file, concrete=numerics)
+    if target and numerics:
+        raise AutomapError("--numerics runs the plan, which --target only compiles: give one.")
+    where = f"for {target} GPUs" if target else "on a CPU mesh"
+    with busy(f"compiling with XLA {where}...", not (quiet or as_json)):
+        report = verify_in_subprocess(plan_file, concrete=numerics, target=target)
     if as_json:
         print_json(report.to_dict())
     elif not quiet:

@@ -1,9 +1,10 @@
 """verify: hold a plan against what XLA really compiles, and against the unsharded step.
 
-The plan is compiled by XLA's SPMD partitioner on a CPU mesh of the plan's shape with
-abstract arguments (nothing allocated), its collectives are read from the HLO text
-(`_hlo.py`) and compared, kind by kind and axis by axis, with the cost model's. With
-concrete small arguments the plan is also run and compared with `jax.jit(fn)`.
+The plan is compiled by XLA's SPMD partitioner on a CPU mesh of the plan's shape (or, with
+`target`, on compile-only GPUs: `_gpu.py`) with abstract arguments (nothing allocated),
+its collectives are read from the HLO text (`_hlo.py`) and compared, kind by kind and axis
+by axis, with the cost model's. With concrete small arguments the plan is also run and
+compared with `jax.jit(fn)`.
 
 A pipeline plan runs as several programs (per stage and phase, on the stage's devices):
 each is compiled as the pipeline runtime compiles it, and their collectives are compared
@@ -497,11 +498,13 @@ def verify_in_subprocess(
     cluster: Any = None,
     concrete: bool = False,
     timeout: float | None = None,
+    target: str | None = None,
 ) -> VerifyReport:
     """`verify` in a fresh Python with as many virtual CPU devices as the plan needs.
 
     The step is rebuilt from the plan's provenance (a zoo model or a `--fn` target);
-    `concrete=True` also runs the numerics check on random or seeded arguments.
+    `concrete=True` also runs the numerics check on random or seeded arguments; `target`
+    compiles for that GPU instead (`verify`'s).
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     n = max(plan.devices, 1)
@@ -516,6 +519,7 @@ def verify_in_subprocess(
             (Path(tmp) / "cluster.json").write_text(json.dumps(cluster.to_dict()))
             cmd += ["--cluster", str(Path(tmp) / "cluster.json")]
         cmd += ["--concrete"] if concrete else []
+        cmd += ["--target", target] if target else []
         flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         env = {
             **os.environ,
@@ -548,8 +552,9 @@ def subprocess_main(argv: list[str]) -> None:
         cluster = (
             Cluster.from_file(argv[argv.index("--cluster") + 1]) if "--cluster" in argv else None
         )
+        target = argv[argv.index("--target") + 1] if "--target" in argv else None
         fn, args, _ = rebuild(plan.provenance, abstract="--concrete" not in argv)
-        result = verify(fn, plan, *args, cluster=cluster).to_dict()
+        result = verify(fn, plan, *args, cluster=cluster, target=target).to_dict()
     except AutomapError as e:
         result = {"error": str(e), "type": type(e).__name__}
     print(_MARK + json.dumps(result))

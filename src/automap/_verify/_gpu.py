@@ -1,7 +1,7 @@
 """Compile-only GPUs: XLA's GPU compiler without a GPU, for what a GPU program holds.
 
 XLA's CPU backend keeps buffers a GPU program does not (its library fusions' materialized
-operands, a float32 copy of every bf16 matmul operand, an all-reduce into a fresh
+operands, float32 copies of bf16 matmul operands, an all-reduce into a fresh
 buffer), so its buffer assignment is the wrong yardstick for a cost model priced for
 GPUs. JAX's CUDA plugin compiles for a described GPU without one being present (a
 "compile-only" topology from a target description: the device's figures, no driver):
