@@ -103,8 +103,9 @@ def test_verify_checks_pipeline_plans_like_apply():
         verify(mlp_step, plan, *mlp_args())
 
 
-def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):
-    # A --fn target the child can import: it rebuilds the step from the plan's provenance.
+def tiny_fn_plan(tmp_path, monkeypatch) -> Plan:
+    """A plan on data 4 x model 4 for a --fn target a verify child can import from the
+    working directory (`tmp_path`): it rebuilds the step from the plan's provenance."""
     (tmp_path / "tiny_step.py").write_text(
         textwrap.dedent(
             """
@@ -121,11 +122,15 @@ def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):
         )
     )
     monkeypatch.chdir(tmp_path)
-    plan = Plan(
+    return Plan(
         mesh={"data": 4, "model": 4},
         specs={"[0]": (None, "model"), "[1]": ("data", None)},
         provenance=Provenance(fn="tiny_step:make"),
     )
+
+
+def test_verify_in_subprocess_with_more_devices(tmp_path, monkeypatch):
+    plan = tiny_fn_plan(tmp_path, monkeypatch)
     report = verify_in_subprocess(plan, timeout=120)
     assert report.mesh == {"data": 4, "model": 4}
     # The weight gradient is a partial sum over the batch split: one all-reduce on "data".

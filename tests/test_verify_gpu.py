@@ -4,20 +4,19 @@ prices that GPU."""
 
 import dataclasses
 import json
-import textwrap
 
 import jax
 import pytest
 from typer.testing import CliRunner
 
 import automap as am
-from automap import ApplyError, Plan
+from automap import ApplyError
 from automap._capture import capture
 from automap._cli import app
 from automap._cost import CostModel
-from automap._plan import Provenance
 from automap._verify import gpu_devices, target_config, verify
 from automap._zoo import get_model
+from test_verify import tiny_fn_plan
 
 
 def _gpt():
@@ -79,29 +78,9 @@ def test_compile_only_gpus_say_what_they_cannot_do():
 
 
 def test_automap_verify_compiles_for_a_gpu(tmp_path, monkeypatch):
-    # A --fn target the verify child rebuilds; the weight gradient is a partial sum over
-    # the batch split, all-reduced on "data" on the GPU as on the CPU.
-    (tmp_path / "tiny_step.py").write_text(
-        textwrap.dedent(
-            """
-            import jax, jax.numpy as jnp
-
-            def step(w, x):
-                g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
-                return w - 0.1 * g
-
-            def make():
-                return step, (jax.ShapeDtypeStruct((32, 16), jnp.float32),
-                              jax.ShapeDtypeStruct((64, 32), jnp.float32))
-            """
-        )
-    )
-    monkeypatch.chdir(tmp_path)
-    plan = Plan(
-        mesh={"data": 4, "model": 4},
-        specs={"[0]": (None, "model"), "[1]": ("data", None)},
-        provenance=Provenance(fn="tiny_step:make"),
-    )
+    # The weight gradient is a partial sum over the batch split, all-reduced on "data" on
+    # the GPU as on the CPU.
+    plan = tiny_fn_plan(tmp_path, monkeypatch)
     path = plan.save(tmp_path / "plan.json")
     out = CliRunner().invoke(app, ["verify", str(path), "--target", "a100", "--json"])
     assert out.exit_code == 0, out.output
