@@ -417,8 +417,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     body_set_a = np.array(body_set, dtype=np.int64)
     body_coef_a = np.array(body_coef, dtype=float)
     body_again = np.isin(body_op_a, list(recomputed)) * body_coef_a
+    consumers = graph.consumers()
     if cluster.reassociates_all_reduce:
-        gone = summed_partials(graph, prow, partial_row)
+        gone = summed_partials(graph, prow, partial_row, consumers)
         prow = [r for i, r in enumerate(prow) if i not in gone]
     partial_full = _rows(prow, ng, empty)
     reshard_full = _rows(list(rrow.values()), ng, empty)
@@ -429,7 +430,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
-    saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals)
+    saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals, consumers)
     act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
     body_zero_a = np.array(body_zero, dtype=bool)
     zero_op = np.zeros(len(graph.ops), dtype=bool)
@@ -729,14 +730,14 @@ EXPENSIVE = frozenset(
 
 
 def summed_partials(
-    graph: Graph, rows: list[CandidateRow], partial_row: dict[int, int]
+    graph: Graph, rows: list[CandidateRow], partial_row: dict[int, int], consumers
 ) -> set[int]:
     """The partial-sum rows XLA's all-reduce reassociation removes: where two partial sums
     that would be all-reduced alike (the same row but for its op) are added and read by
     nothing else, XLA adds them first and all-reduces the sum once (the input gradient of
     separate Q, K and V projections: three partial sums, one all-reduce, as Megatron-LM's
-    fused QKV). Following the adds, a sum of k partials keeps one row; the others go."""
-    consumers = graph.consumers()
+    fused QKV). Following the adds, a sum of k partials keeps one row; the others go.
+    `consumers`: `graph.consumers()`."""
 
     def alike(r: CandidateRow) -> tuple:
         return r._replace(op=0)
@@ -759,7 +760,7 @@ def summed_partials(
 
 
 def kept_residuals(
-    graph: Graph, res: Residuals, remade: bool
+    graph: Graph, res: Residuals, remade: bool, consumers
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What one program keeps for its backward, without and with rematerialization.
 
@@ -769,7 +770,6 @@ def kept_residuals(
     again by its recompute, alive in its backward). Without, the jaxpr's sets."""
     if not remade:
         return res.saved, res.saved_remat
-    consumers = graph.consumers()
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]

@@ -127,7 +127,13 @@ def _topology(gpu: str, n: int) -> tuple[Any, ...]:
         return tuple(topology().devices)
     except NotImplementedError:
         _load_plugin()
-    return tuple(topology().devices)
+    try:
+        return tuple(topology().devices)
+    except NotImplementedError as e:
+        raise ApplyError(
+            f"JAX's CUDA plugin from {PLUGIN_DIR} did not register a GPU compiler ({e}): "
+            "reinstall it with `make clean && make`."
+        ) from None
 
 
 def _load_plugin() -> None:
