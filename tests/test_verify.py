@@ -202,8 +202,9 @@ def test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes(expe
     # The zoo MLP on data=8, its gradients far larger than its activations. XLA's CPU
     # all-reduces the gradients synchronously into buffers of their own (with ZeRO too:
     # it all-reduces and slices), so at the end of the backward its temporaries are the
-    # local gradients and their reduced copy; a GPU's asynchronous all-reduce writes over
-    # its input. Verify's CPU pricing has that second peak, a GPU cluster's does not.
+    # local gradients and their reduced copy: verify's CPU pricing has that second peak.
+    # A GPU's combined all-reduce copies them too (their concatenation, which it reduces),
+    # where ZeRO's reduce-scatter writes only the device's shards (`busiest_moment`).
     spec = get_model("mlp")
     step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
     a100 = Cluster.preset("a100", devices=8)
@@ -213,8 +214,9 @@ def test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes(expe
     assert report.xla_memory_breakdown["temporaries"] == pytest.approx(2 * grads, rel=0.02)
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
     assert report.predicted_memory_breakdown["grads"] == pytest.approx(2 * grads)
-    assert plan.predicted.memory_bytes < 0.85 * report.xla_memory_bytes
-    assert plan.predicted.memory_breakdown["grads"] == pytest.approx(grads)
+    if expert != "zero3":  # whose busiest moment is the backward's, parameters gathered
+        copy = 1.0 if expert == "data_parallel" else 1 / 8
+        assert plan.predicted.memory_breakdown["grads"] == pytest.approx((1 + copy) * grads)
 
 
 def _replicated(path, x):

@@ -76,11 +76,12 @@ class Cluster:
     matmul makes to buffers of their own, held to the end of its B program, where the
     running sums are added (`_cost._traffic.held_gradients`)."""
     all_reduce_in_place: bool = True
-    """Whether the step's combined gradient all-reduce writes its result over its input.
-    XLA's GPU pipeline makes it asynchronous, and its dataflow analysis aliases an
-    all-reduce-start's output with its operand; the CPU one, False, runs it synchronously
-    into a buffer of its own, so at the end of the backward the local gradients and their
-    reduced copy are both alive (with ZeRO too: the CPU all-reduces and slices)."""
+    """Whether the step's combined gradient all-reduce writes its result over its input,
+    where memory is priced as every activation and gradient alive together
+    (`frees_at_last_use` False). XLA's CPU, False, runs it synchronously into a buffer of
+    its own, so at the end of the backward the local gradients and their reduced copy are
+    both alive (with ZeRO too: the CPU all-reduces and slices). A scheduled step prices
+    the reduction's copy itself (`_cost/_model.busiest_moment`)."""
     reassociates_all_reduce: bool = True
     """Whether XLA adds partial sums before it all-reduces them: two partial sums that
     would be all-reduced alike and are then added become one all-reduce of their sum
@@ -94,6 +95,14 @@ class Cluster:
     instead (`_cost.stored_residuals`). XLA's GPU pipeline does (held against its buffer
     assignment on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, keeps about
     every residual of the jaxpr, its library fusions taking their operands from memory."""
+    frees_at_last_use: bool = True
+    """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
+    moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
+    collective holds consumed by its update as soon as it is made, the reduced ones held to
+    the step's combined reduction, which copies them once more. XLA's GPU pipeline
+    schedules so (its buffer assignment on compile-only GPUs, `_verify/_gpu.py`); the
+    CPU's, False, is priced as every activation and every gradient alive together, which
+    its buffer assignment agrees with better (its library kernels' own copies)."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -178,6 +187,7 @@ class Cluster:
             "all_reduce_in_place",
             "reassociates_all_reduce",
             "remakes_residuals",
+            "frees_at_last_use",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise ClusterError(
@@ -374,5 +384,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         all_reduce_in_place=False,
         reassociates_all_reduce=False,
         remakes_residuals=False,
+        frees_at_last_use=False,
     ),
 }

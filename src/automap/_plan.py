@@ -51,6 +51,9 @@ class Cost:
     # Peak memory split: "params", "grads", "opt_state", "activations", "other". Where
     # the peak is the gradients' reduction on a backend that does not reduce in place
     # (`Cluster.all_reduce_in_place`), "grads" holds both copies and "activations" none.
+    # Where one-stage steps are scheduled (`Cluster.frees_at_last_use`), "activations" is
+    # every buffer alive at the busiest moment (gradients in flight included) and "grads"
+    # the reduced gradients held then; at the reduction, the gradients and their copy.
     memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
     # Per-op (op index, compute seconds, communication seconds); not saved in plan files.

@@ -74,6 +74,7 @@ from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
+from ._liveness import Moments
 from ._pipelined import estimate_pipeline
 from ._tables import RowTable, build_tables, op_compute, stored_residuals
 
@@ -402,12 +403,23 @@ class CostModel:
             # The forward's gathered copies die in the forward: the backward makes its own.
             acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
         other = float(plain[4])
-        # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
-        # second copy of what it reduces, alive beside the local gradients at the end of
-        # the backward, when the activations are gone: a second peak.
-        reduced = 0.0 if self.cluster.all_reduce_in_place else reduced_gradients(st.sums, ac)
-        if reduced > acts:
-            grads, acts = grads + reduced, 0.0
+        moments = T.moments_remat if st.remat else T.moments
+        if moments is not None:
+            # ZeRO's reduce-scatter (a tuple of the local gradients, combined) writes the
+            # device's shards of them; data parallel's all-reduce a copy of their concat.
+            copy = 1.0 / D if zero_mask else 1.0
+            gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
+            grads, acts = busiest_moment(
+                moments, inv, reduced_gradients(st.sums, ac), copy, gathered, st.microbatches
+            )
+        else:
+            # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
+            # second copy of what it reduces, alive beside the local gradients at the end
+            # of the backward, when the activations are gone: a second peak.
+            in_place = self.cluster.all_reduce_in_place
+            reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
+            if reduced > acts:
+                grads, acts = grads + reduced, 0.0
         memory = params + grads + opt + acts + other
         limit = self.cluster.memory_limit
         reason = ""
@@ -475,6 +487,30 @@ class RegatherCoefs:
     param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
     param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
+
+
+def busiest_moment(
+    moments: Moments,
+    inv: np.ndarray,
+    reduced: float,
+    copy: float,
+    gathered: np.ndarray | None = None,
+    microbatches: int = 1,
+) -> tuple[float, float]:
+    """(gradients, the rest) of what a scheduled step holds besides its arguments at its
+    peak (`_liveness.py`): the busiest candidate moment, with the `reduced` gradients' share
+    made by then held for their reduction; or the reduction itself, the gradients and
+    `copy` times them (XLA's GPU combiner concatenates an all-reduce's operands and
+    reduces the concatenation; a reduce-scatter writes the device's shard)."""
+    made = moments.held * reduced
+    at = moments.live @ inv / microbatches + made
+    if gathered is not None:
+        at = at + moments.gathered @ gathered
+    end = (1.0 + copy) * reduced
+    k = int(np.argmax(at)) if len(at) else -1
+    if k < 0 or end >= at[k]:
+        return float(end), 0.0
+    return float(made[k]), float(at[k] - made[k])
 
 
 def reduced_gradients(sums: np.ndarray, ac: C.AxisCosts) -> float:

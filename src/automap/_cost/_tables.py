@@ -29,6 +29,7 @@ from .._groups import (
     rule,
     zero_region,
 )
+from ._liveness import Buffers, Moments, gathered_parameters, step_moments
 
 
 class CandidateRow(NamedTuple):
@@ -148,6 +149,10 @@ class Tables:
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
+    # The step's candidate peak moments, without and with rematerialization, where the
+    # backend frees each buffer at its last reader (`Cluster.frees_at_last_use`), else None.
+    moments: Moments | None
+    moments_remat: Moments | None
     param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
@@ -432,6 +437,25 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     )
     saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals, consumers)
     act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
+    moments = moments_remat = None
+    if cluster.frees_at_last_use:
+        last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
+        grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in prow if r.grad]
+        tensor_set = np.array(tset, dtype=np.int64)
+        nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+        moments, moments_remat = (
+            step_moments(
+                step_buffers(graph, res, consumers, remat, cluster.remakes_residuals),
+                gathered_parameters(graph, consumers, res.boundary, update, remat),
+                nbytes,
+                tensor_set,
+                sets,
+                ng,
+                grads,
+                len(graph.ops),
+            )
+            for remat in (False, True)
+        )
     body_zero_a = np.array(body_zero, dtype=bool)
     zero_op = np.zeros(len(graph.ops), dtype=bool)
     zero_op[[graph.tensors[t].producer for t in pinned]] = True
@@ -461,6 +485,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         act_coef=act_coef,
         act_remat_coef=act_remat_coef,
         memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
+        moments=moments,
+        moments_remat=moments_remat,
         param_leaves=np.bincount(
             [tset[x.tensor] for x in graph.leaves(Role.PARAM) if graph.tensors[x.tensor].ndim],
             minlength=n_sets,
@@ -562,6 +588,27 @@ def _fused_bytes(
     rematerialization runs without the backward, whose reads the recompute serves)."""
     ops = set(range(len(graph.ops))) if ops is None else ops
     fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
+    in_memory = in_memory_tensors(graph, saved, ops)
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        written = [t for t in op.outputs if in_memory[t]]
+        if not fusible[op.index] or not written:
+            continue  # not a kernel's root: its work is charged to the roots it feeds
+        read = _cone_reads(graph, op, in_memory, fusible)
+        if multi_output and op.primitive in REDUCE_SUM_LIKE:
+            read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
+        out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
+    return out
+
+
+def in_memory_tensors(
+    graph: Graph, saved: Iterable[int], ops: set[int] | None = None
+) -> np.ndarray:
+    """Which tensors XLA writes to memory once it has fused the fusible ops (`_fused_bytes`
+    gives the rules): per tensor, True where a kernel writes it (or it is a step input)."""
+    ops = set(range(len(graph.ops))) if ops is None else ops
+    fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
     regen = _regenerated(graph, fusible)
     in_memory = np.zeros(len(graph.tensors), dtype=bool)
     for t in graph.tensors:
@@ -573,17 +620,7 @@ def _fused_bytes(
     in_memory[[leaf.tensor for leaf in graph.outputs]] = True
     in_memory[[t for t in saved if not regen[t]]] = True
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
-    in_memory = _materialize_shared(graph, in_memory, fusible, regen, nbytes)
-    out = np.zeros(len(graph.ops))
-    for op in graph.ops:
-        written = [t for t in op.outputs if in_memory[t]]
-        if not fusible[op.index] or not written:
-            continue  # not a kernel's root: its work is charged to the roots it feeds
-        read = _cone_reads(graph, op, in_memory, fusible)
-        if multi_output and op.primitive in REDUCE_SUM_LIKE:
-            read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
-        out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
-    return out
+    return _materialize_shared(graph, in_memory, fusible, regen, nbytes)
 
 
 def _materialize_shared(
@@ -778,6 +815,106 @@ def kept_residuals(
     return stored_residuals(graph, res.saved, consumers), tuple(sorted(remat))
 
 
+def step_buffers(
+    graph: Graph, res: Residuals, consumers, remat: bool, remade: bool = True
+) -> Buffers:
+    """The buffers of a one-stage step as XLA's GPU pipeline keeps them (`_liveness.py`):
+    what it writes to memory, each from its maker to its last reader; with `remade`
+    (`Cluster.remakes_residuals`) a stored residual until the last reader of those it
+    stands in for (`stored_residuals`), else the jaxpr's residuals. Under `remat`
+    a layer's residuals live twice: in the first forward until its last forward reader,
+    and again from the backward's first read of any of them (JAX emits a layer's
+    recompute as one block before its backward)."""
+    last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
+    birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
+    # the backward's first read of each tensor or of one it stands in for
+    first = np.array([min((x for x in c if x > res.boundary), default=-1) for c in consumers])
+
+    stored = stand_in_map(graph, consumers) if remade else lambda r: (r,)
+
+    def stand_ins(saved: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for r in saved:
+            for t in stored(r):
+                out.add(t)
+                last[t] = max(last[t], last[r])
+                if first[r] >= 0:
+                    first[t] = first[r] if first[t] < 0 else min(first[t], first[r])
+        return out
+
+    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
+    kept = stand_ins(t for t in (res.saved_remat if remat else res.saved) if t not in layered)
+    recomputed: list[int] = []
+    for ts in res.layer_saved if remat else ():
+        again = sorted(stand_ins(ts) - kept)
+        reads = first[again][first[again] >= 0]
+        if len(reads):
+            birth[again] = reads.min()
+        recomputed += again
+    in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
+    outputs = {leaf.tensor for leaf in graph.outputs}
+    ids = [
+        t.id
+        for t in graph.tensors
+        if t.producer is not None
+        and in_memory[t.id]
+        and t.id not in outputs
+        and t.nbytes
+        and last[t.id] >= 0
+    ]
+    rows = [(t, birth[t], max(last[t], birth[t])) for t in ids]
+    first_forward = in_memory_tensors(graph, sorted(kept)) if recomputed else None
+    for t in recomputed:
+        reads = [c for c in consumers[t] if c <= res.boundary]
+        if reads and first_forward[t]:
+            rows.append((t, graph.tensors[t].producer, max(reads)))
+    tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return Buffers(tensor=tensor, birth=born, death=dies)
+
+
+def stand_in_map(graph: Graph, consumers):
+    """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
+    in its place (r itself, or the operands it is made again from)."""
+    memo: dict[int, frozenset[int]] = {}
+
+    def stored(r: int) -> frozenset[int]:
+        todo = [r]
+        while todo:
+            t = todo[-1]
+            if t in memo:
+                todo.pop()
+                continue
+            further = _remade_from(graph, consumers, t)
+            if further is None:
+                memo[t] = frozenset((t,))
+            elif all(i in memo for i in further):
+                memo[t] = frozenset().union(*(memo[i] for i in further))
+            else:
+                todo.extend(i for i in further if i not in memo)
+                continue
+            todo.pop()
+        return memo[r]
+
+    return stored
+
+
+_CHEAP = ELEMENTWISE | FREE
+
+
+def _remade_from(graph: Graph, consumers, t: int) -> list[int] | None:
+    """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
+    p = graph.tensors[t].producer
+    if p is None:
+        return []  # a step input: stored as such, not an activation
+    op = graph.ops[p]
+    remade = (
+        op.primitive in _CHEAP
+        and op.primitive not in EXPENSIVE
+        and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+    )
+    return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
+
+
 def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
@@ -788,18 +925,4 @@ def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tupl
     the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
     expensive results and reductions stay stored."""
     consumers = graph.consumers() if consumers is None else consumers
-    cheap = ELEMENTWISE | FREE
-
-    def through(t: int) -> Iterable[int] | None:
-        p = graph.tensors[t].producer
-        if p is None:
-            return ()  # a step input: stored as such, not an activation
-        op = graph.ops[p]
-        remade = (
-            op.primitive in cheap
-            and op.primitive not in EXPENSIVE
-            and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
-        )
-        return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
-
-    return tuple(sorted(_walk_back(saved, through)))
+    return tuple(sorted(_walk_back(saved, lambda t: _remade_from(graph, consumers, t))))

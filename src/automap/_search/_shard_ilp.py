@@ -6,8 +6,10 @@ few decision units (the groups of one set or one collective row, see `_cost/_tab
 - compute: `compute_coef[s] / divisor(s)` per group set s;
 - a non-gradient collective row: its own alpha-beta time (the cheaper of ring and tree for
   that row alone), a function of the units of the row's groups and sets;
-- memory (the cost model checks one point, the turn of the step): per set, its parameter,
-  optimizer, activation and input bytes over its divisor (and over data under ZeRO).
+- memory: per set, its parameter, optimizer, activation and input bytes over its divisor
+  (and over data under ZeRO), at each point the cost model checks (the turn of the step;
+  where the step's buffers are scheduled, each candidate moment of `_cost/_liveness.py`
+  and the gradients' reduction): one memory factor sum per point, each bounded.
 
 Each distinct unit *scope* becomes one `Factor`, its table filled by running the cost
 model's own kernel (`_cost/_kernel.collective_rows`, `set_axes`) on every joint option of the scope
@@ -53,6 +55,7 @@ from .._cost import (
     KINDS,
     RS,
     AxisCosts,
+    Moments,
     RowTable,
     collective_rows,
     combine_slots,
@@ -109,6 +112,10 @@ class _Scope:
     regather_bytes: np.ndarray  # [n_c] bytes of the parameters gathered again
     regather_count: np.ndarray  # [n_c] their leaves: one all-gather each
     regather_acts: np.ndarray  # [n_c] the forward's gathered values no longer saved
+    # Where the step's buffers are scheduled (`Cluster.frees_at_last_use`), per candidate
+    # moment (`_cost/_liveness.py`): what is alive, and ZeRO-3's gathered parameters.
+    live: np.ndarray  # [n_c, moments]
+    gathered: np.ndarray  # [n_c, moments]
 
 
 class MeshTerms:
@@ -227,6 +234,7 @@ class MeshTerms:
         on_data = P.reshape(n_c, n_sl, -1)[:, j, self.d] if self.d else np.zeros_like(inv_c, bool)
         zinv = inv_c / np.where(on_data, 1.0, self.D)
         free = ~on_data
+        moments = T.moments or _NO_MOMENTS(len(T.sets))
         return _Scope(
             units=tuple(scope),
             configs=configs,
@@ -242,6 +250,8 @@ class MeshTerms:
             regather_bytes=(inv_c * free) @ self.rg.param_coef[own],
             regather_count=free.astype(float) @ self.rg.param_leaves[own],
             regather_acts=(inv_c * free) @ self.rg.act_coef[own],
+            live=inv_c @ moments.live[:, own].T,
+            gathered=(inv_c * free) @ moments.gathered[:, own].T,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -253,7 +263,9 @@ class MeshTerms:
         zero = zero_stage >= 1 and self.d and self.D > 1
         # Memory points: the backward's peak; where the gradients' all-reduce is not in
         # place, also its end, local gradients and their reduced copy (`_cost/_model.py`).
-        points = 1 if self.space.cluster.all_reduce_in_place else 2
+        # Where the buffers are scheduled, each candidate moment and the reduction.
+        moments = self.T.moments
+        points = memory_points(self.space.cluster, self.T)
         tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
 
@@ -301,6 +313,15 @@ class MeshTerms:
             acts = pl[:, 2] - (sc.regather_acts if zero and zero_stage >= 3 else 0.0)
             # ZeRO's pinned gradients and update ops run on data shards (`zero_shares`).
             time = sc.time - (1 - 1 / self.D) * sc.zero_time if zero else sc.time
+            if moments is not None:
+                # `_cost/_model.busiest_moment`, one point per moment and the reduction's
+                held = np.outer(sc.reduced, moments.held)
+                at = sc.live + held + (sc.gathered if zero and zero_stage >= 3 else 0.0)
+                copy = 1.0 / self.D if zero else 1.0
+                ends = (1.0 + copy) * sc.reduced
+                base = params + opt + pl[:, 4]
+                add(sc.units, sc.configs, time, (*(base[:, None] + at).T, base + ends))
+                continue
             state = params + grads + opt + pl[:, 4]
             add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
@@ -367,6 +388,24 @@ class MeshTerms:
             memory_limit=limit / (1.0 + MEMORY_RTOL),
             constant_time=float(const[0]),
         )
+
+
+def memory_points(cluster, T) -> int:
+    """How many memory points (peaks the limit bounds) a problem has: one per candidate
+    moment and the gradients' reduction where the buffers are scheduled; else the
+    backward's peak, and the reduction's where its result is a copy (XLA's CPU)."""
+    if T.moments is not None:
+        return len(T.moments.at) + 1
+    return 1 if cluster.all_reduce_in_place else 2
+
+
+def _NO_MOMENTS(n_sets: int):
+    return Moments(
+        live=np.zeros((0, n_sets)),
+        held=np.zeros(0),
+        gathered=np.zeros((0, n_sets)),
+        at=np.zeros(0, dtype=np.int64),
+    )
 
 
 def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:

@@ -269,9 +269,9 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
     Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32, never emits
     reduce-scatter, adds a pipeline's running gradient sums outside the matmuls, and
     writes the gradients' all-reduce to a buffer of its own, all-reduces each partial sum
-    before adding them, and keeps about every residual of the jaxpr. Bytes, not times,
-    are compared, so only these six fields matter; the user's cluster (a100, ...) keeps its
-    own values everywhere else.
+    before adding them, keeps about every residual of the jaxpr and is priced as holding
+    every activation and gradient together. Bytes, not times, are compared, so only these
+    seven fields matter; the user's cluster (a100, ...) keeps its own values elsewhere.
     """
     fields = {f.name for f in dataclasses.fields(cluster)}
     cpu = {
@@ -281,6 +281,7 @@ def as_compiled_on_cpu(cluster: Any) -> Any:
         "all_reduce_in_place": False,
         "reassociates_all_reduce": False,
         "remakes_residuals": False,
+        "frees_at_last_use": False,
     }
     return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
 

@@ -1,0 +1,150 @@
+"""The moments of a one-stage step at which its buffers may peak, for a scheduled backend.
+
+XLA's GPU pipeline frees each buffer after its last reader, and its scheduler runs the
+optimizer update of a gradient no collective holds right after the matmul that makes it:
+the step's peak is the largest sum of the buffers alive at one moment, not the sum of every
+activation and every gradient (read on compile-only A100s: a ReLU MLP whose gradients are
+not reduced held 1.2x what the plan predicted; a transformer under rematerialization
+1.3-1.6x, its loss' residuals gone before any layer is recomputed).
+
+A buffer here is a tensor XLA writes to memory (`_tables.in_memory_tensors`), alive from
+the op that makes it to its last reader in program order (the jaxpr's: forward, then the
+backward in reverse layer order). A residual XLA keeps in place of one it remakes lives
+until the remade one's last reader. Under rematerialization a layer's residuals are made
+again just before its backward first reads them. Parameters, optimizer state and inputs
+are the program's arguments (counted apart); the updated state aliases them.
+
+Which moments peak depends on the plan (how it splits each tensor): the candidates are the
+highest moments under a fixed set of probe splittings (seeded, so the same graph always
+gives the same candidates), and a plan's peak is the largest of their sums under its own.
+Gradients a collective reduces are held past their update, until the step's combined
+reduction at the end of the backward (`held`: the share of the gradients' bytes made and
+past their update at each moment)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from .._graph import Graph, Role
+
+# Candidate moments kept per probe splitting (its highest local maxima), and probes.
+PER_PROBE = 3
+PROBES = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Moments:
+    """Candidate peak moments of one program: bytes per group set alive at each (unsplit)."""
+
+    live: np.ndarray  # [k, n_sets]
+    # [k] share of the gradients' bytes made and past their update (held where reduced)
+    held: np.ndarray
+    # [k, n_sets] the parameters ZeRO-3 gathers in use then (whole over the data axis)
+    gathered: np.ndarray
+    at: np.ndarray  # [k] the moments (op index in program order), for reading
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+    """Every buffer of one program: its tensor, birth and last op (program order)."""
+
+    tensor: np.ndarray
+    birth: np.ndarray
+    death: np.ndarray
+
+
+def gathered_parameters(
+    graph: Graph, consumers, boundary: int, update: set[int], remat: bool
+) -> Buffers:
+    """The whole copies of the parameters ZeRO-3 gathers (`_run/_apply.py`): each from its
+    first reader to its last in the forward, and gathered again for the backward's
+    (`_groups.regather_plan`); under rematerialization XLA keeps the forward's copy for the
+    backward (one gather, CSE'd with the recompute's: read on compile-only A100s). The
+    `update` ops read the device's shard."""
+    rows = []
+    for leaf in graph.leaves(Role.PARAM):
+        reads = sorted(set(consumers[leaf.tensor]) - update)
+        fwd, bwd = [r for r in reads if r <= boundary], [r for r in reads if r > boundary]
+        for part in [reads] if remat else [fwd, bwd]:
+            if part:
+                rows.append((leaf.tensor, part[0], part[-1]))
+    t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return Buffers(tensor=t, birth=b, death=d)
+
+
+def step_moments(
+    buffers: Buffers,
+    gathered: Buffers,
+    nbytes: np.ndarray,
+    tensor_set: np.ndarray,
+    set_groups: np.ndarray,
+    n_groups: int,
+    gradients: Sequence[tuple[int, float]],
+    n_ops: int,
+) -> Moments:
+    """The candidate moments of `buffers` and ZeRO-3's `gathered` parameters (`nbytes`,
+    `tensor_set` per tensor; `set_groups` the groups of each set, padded with `n_groups`).
+    `gradients`: (last reader, bytes) of each gradient a collective may reduce."""
+    n_sets = len(set_groups)
+    grads = np.array(gradients, dtype=float).reshape(-1, 2)
+
+    def curve(per_set: np.ndarray, zero: bool) -> np.ndarray:
+        ev = np.zeros(n_ops + 2)
+        for buf in (buffers, gathered) if zero else (buffers,):
+            w = nbytes[buf.tensor] * per_set[tensor_set[buf.tensor]]
+            np.add.at(ev, buf.birth, w)
+            np.add.at(ev, buf.death + 1, -w)
+        out = np.cumsum(ev)[:n_ops]
+        if zero:
+            # every gradient reduced, held from its last reader to the end
+            past = np.bincount(grads[:, 0].astype(np.int64) + 1, grads[:, 1], minlength=n_ops + 2)
+            out = out + np.cumsum(past)[:n_ops]
+        return out
+
+    rng = np.random.default_rng(0)
+    probes = [np.ones(n_sets)]
+    for _ in range(PROBES):
+        split = np.append(rng.random(n_groups) < 0.5, False)
+        probes.append(1.0 / 8.0 ** split[set_groups].sum(axis=1))
+    picked: set[int] = set()
+    for per_set in probes:
+        # as data parallel holds the gradients, ZeRO-3 its gathered parameters too
+        for zero in (False, True):
+            picked.update(_highest_peaks(curve(per_set, zero), PER_PROBE))
+    at = np.array(sorted(picked), dtype=np.int64)
+    return Moments(
+        live=_alive(buffers, at, nbytes, tensor_set, n_sets),
+        held=held_at(at, grads),
+        gathered=_alive(gathered, at, nbytes, tensor_set, n_sets),
+        at=at,
+    )
+
+
+def _alive(buf: Buffers, at: np.ndarray, nbytes, tensor_set, n_sets: int) -> np.ndarray:
+    """[moments, sets] bytes of the buffers alive at each moment."""
+    out = np.zeros((len(at), n_sets))
+    for k, t in enumerate(at):
+        on = buf.tensor[(buf.birth <= t) & (buf.death >= t)]
+        out[k] = np.bincount(tensor_set[on], nbytes[on], minlength=n_sets)
+    return out
+
+
+def held_at(at: np.ndarray, grads: np.ndarray) -> np.ndarray:
+    """Per moment, the share of the gradients' bytes made and past their last reader."""
+    if not grads[:, 1].sum():
+        return np.zeros(len(at))
+    past = (grads[None, :, 0] < at[:, None]).astype(float)
+    return past @ grads[:, 1] / grads[:, 1].sum()
+
+
+def _highest_peaks(curve: np.ndarray, k: int) -> list[int]:
+    """The k highest local maxima of a curve (the first moment of a plateau)."""
+    if not len(curve):
+        return []
+    rise = np.diff(curve, prepend=-np.inf) > 0
+    tops = np.flatnonzero(rise & (np.diff(curve, append=-np.inf) <= 0))
+    order = np.argsort(-curve[tops], kind="stable")[:k]
+    return [int(t) for t in tops[order]]
