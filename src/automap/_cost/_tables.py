@@ -868,8 +868,31 @@ def step_buffers(
         reads = [c for c in consumers[t] if c <= res.boundary]
         if reads and first_forward[t]:
             rows.append((t, graph.tensors[t].producer, max(reads)))
+    rows += layout_copies(graph, consumers)
+    # a max-pool's backward scatters in place into a copy of the pooled tensor, which XLA's
+    # copy insertion makes where the tensor is made (read on vgg19's A100 compile)
+    rows += [
+        (op.inputs[1], birth[op.inputs[1]], op.index)
+        for op in graph.ops
+        if op.primitive == "select_and_scatter_add" and birth[op.inputs[1]] >= 0
+    ]
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
     return Buffers(tensor=tensor, birth=born, death=dies)
+
+
+def layout_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
+    """(tensor, first, last reader) of the step inputs convolutions read, which XLA's GPU
+    pipeline copies once to the layout cuDNN takes (a kernel OIHW, the images their
+    channels' way) and keeps for every convolution reading them, the backward's too (read
+    on compile-only A100s: VGG's kernels and input images)."""
+    rows = []
+    for leaf in graph.inputs:
+        reads = [
+            c for c in consumers[leaf.tensor] if graph.ops[c].primitive == "conv_general_dilated"
+        ]
+        if reads and graph.tensors[leaf.tensor].ndim == 4:
+            rows.append((leaf.tensor, min(reads), max(reads)))
+    return rows
 
 
 def stand_in_map(graph: Graph, consumers):
