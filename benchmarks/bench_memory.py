@@ -31,17 +31,16 @@ the two runs compare plan by plan), and XLA's GPU compiler reports no FLOPs.
 
     python benchmarks/bench_memory.py --plans 8 --zero 0 --target a100   # 41 plans, 3 min
 
-Against the GPU (this draw's 41 one-stage plans): 26 within 15% (63%: mlp 3 of 7, bert 3
-of 6, gpt 2 of 5, vgg19 8 of 8, flax_lm 5 of 7, eqx_mlp 5 of 8), from 15 (37%) with the
-jaxpr's residuals, which over-predicted every transformer 1.4-2.4x: the GPU makes cheap
-residuals again in the backward (`Cluster.remakes_residuals`, docs/DESIGN.md). Left:
-transformers with remat and a data axis over-predicted (bert, gpt 1.17-1.40x, flax_lm
-1.54x): not explained yet; ReLU MLPs over (1.16-1.20x: the stored set keeps the matmul
-output and the max, where XLA's GPU keeps less); one flax_lm remat plan under (0.76x);
-mlp's data 2 x model 4 plan under (0.81x: its temporaries are twice the gradients, an
-all-reduce copy the GPU was priced not to make, `Cluster.all_reduce_in_place`). On the
-same compiles the tensor-parallel all-reduces moved 29-40% fewer bytes than priced
-(the GPT of tests/test_verify_gpu.py, tp 8 and tp 2): not explained yet.
+Against the GPU, one-stage memory is priced as the busiest moment of the scheduled step
+(`Cluster.frees_at_last_use`, `automap._cost._liveness`, docs/DESIGN.md): at 5aa2397
+(seed 0; 2.5-4 min each), `--plans 8` 36 of 39 within 15% (92%: mlp 6 of 6, bert 7 of 8,
+gpt 5 of 6, vgg19 5 of 5, flax_lm 6 of 7, eqx_mlp 7 of 7; ZeRO 10 of 10, remat 23 of 26),
+`--plans 8 --zero 0` 35 of 41 (85%), the default 12 a model 50 of 57 (88%). Before it
+(every activation and gradient alive together) the same draws gave 27 of 39 and 26 of
+41. Left, on every draw: transformer plans under remat 0.78-0.84x (XLA's combiner joins a
+recomputed layer's activation all-reduce with an independent one of its backward, whose
+concatenation and result peak together: not priced), one replicated-batch bert under remat
+1.23x, a bert ZeRO-2 remat plan 1.17x and a vgg19 ZeRO-3 plan 0.72x (not read yet).
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two
 third-party families written as their users write them: a Flax (linen) transformer
