@@ -21,7 +21,10 @@ With `--target a100` the one-stage recipes compile for an A100 without one
 (`automap._verify._gpu`) and are priced as the a100 preset prices them; pipelines are
 skipped (their programs compile on the CPU). Measured at 5158eeb (2026-12-02, 1 min): 6
 of 12 within 15%: bf16 0.83-1.06x (tp 4 with recomputation under, 0.83-0.85x), float32
-1.05-1.25x (over on hidden 64 and without recomputation). Not read buffer by buffer yet.
+1.05-1.25x (over on hidden 64 and without recomputation). With the scheduled step's
+busiest moment priced (`Cluster.frees_at_last_use`, at 5aa2397): float32 6 of 6
+(0.90-1.06x), bfloat16 2 of 6 (0.65-0.93x, under: the mixed-precision program holds
+float32 buffers the model does not price, not read buffer by buffer yet).
 """
 
 from __future__ import annotations
