@@ -3,23 +3,26 @@
 XLA's GPU pipeline frees each buffer after its last reader, and its scheduler runs the
 optimizer update of a gradient no collective holds right after the matmul that makes it:
 the step's peak is the largest sum of the buffers alive at one moment, not the sum of every
-activation and every gradient (read on compile-only A100s: a ReLU MLP whose gradients are
-not reduced held 1.2x what the plan predicted; a transformer under rematerialization
-1.3-1.6x, its loss' residuals gone before any layer is recomputed).
+activation and every gradient (read on compile-only A100s, where that sum was 1.2x XLA's
+buffers on ReLU MLPs whose gradients are not reduced, and 1.3-1.6x on transformers under
+rematerialization, whose loss' residuals are gone before any layer is recomputed).
 
 A buffer here is a tensor XLA writes to memory (`_tables.in_memory_tensors`), alive from
 the op that makes it to its last reader in program order (the jaxpr's: forward, then the
-backward in reverse layer order). A residual XLA keeps in place of one it remakes lives
-until the remade one's last reader. Under rematerialization a layer's residuals are made
-again just before its backward first reads them. Parameters, optimizer state and inputs
-are the program's arguments (counted apart); the updated state aliases them.
+backward in reverse layer order); `_tables.step_buffers` lists them: a residual XLA keeps
+in place of one it remakes lives until the remade one's last reader, a recomputed layer's
+residuals live in the first forward and again from the layer's backward on, and two
+copies a convolutional net's GPU program makes are buffers too. Parameters, optimizer
+state and inputs are the program's arguments (counted apart); the updated state aliases
+them.
 
 Which moments peak depends on the plan (how it splits each tensor): the candidates are the
 highest moments under a fixed set of probe splittings (seeded, so the same graph always
 gives the same candidates), and a plan's peak is the largest of their sums under its own.
 Gradients a collective reduces are held past their update, until the step's combined
 reduction at the end of the backward (`held`: the share of the gradients' bytes made and
-past their update at each moment)."""
+past their update at each moment); ZeRO-3's gathered parameters are priced per moment
+apart (`gathered`), as only that stage gathers them."""
 
 from __future__ import annotations
 

@@ -824,7 +824,8 @@ def step_buffers(
     stands in for (`stored_residuals`), else the jaxpr's residuals. Under `remat`
     a layer's residuals live twice: in the first forward until its last forward reader,
     and again from the backward's first read of any of them (JAX emits a layer's
-    recompute as one block before its backward)."""
+    recompute as one block before its backward). With the copies of a convolutional
+    net (`convolution_copies`)."""
     last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
     birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
     # the backward's first read of each tensor or of one it stands in for
@@ -863,36 +864,37 @@ def step_buffers(
         and last[t.id] >= 0
     ]
     rows = [(t, birth[t], max(last[t], birth[t])) for t in ids]
-    first_forward = in_memory_tensors(graph, sorted(kept)) if recomputed else None
-    for t in recomputed:
-        reads = [c for c in consumers[t] if c <= res.boundary]
-        if reads and first_forward[t]:
-            rows.append((t, graph.tensors[t].producer, max(reads)))
-    rows += layout_copies(graph, consumers)
-    # a max-pool's backward scatters in place into a copy of the pooled tensor, which XLA's
-    # copy insertion makes where the tensor is made (read on vgg19's A100 compile)
-    rows += [
-        (op.inputs[1], birth[op.inputs[1]], op.index)
-        for op in graph.ops
-        if op.primitive == "select_and_scatter_add" and birth[op.inputs[1]] >= 0
-    ]
+    if recomputed:
+        # the first forward makes them too, each dead after its last forward reader
+        written = in_memory_tensors(graph, sorted(kept))
+        for t in recomputed:
+            reads = [c for c in consumers[t] if c <= res.boundary]
+            if reads and written[t]:
+                rows.append((t, graph.tensors[t].producer, max(reads)))
+    rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
     return Buffers(tensor=tensor, birth=born, death=dies)
 
 
-def layout_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
-    """(tensor, first, last reader) of the step inputs convolutions read, which XLA's GPU
-    pipeline copies once to the layout cuDNN takes (a kernel OIHW, the images their
-    channels' way) and keeps for every convolution reading them, the backward's too (read
-    on compile-only A100s: VGG's kernels and input images)."""
+def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
+    """(tensor, birth, death) of two copies XLA's GPU pipeline makes in a convolutional
+    net (read on compile-only A100s, VGG): each step input a convolution reads (a kernel,
+    the images) copied once to the layout cuDNN takes and kept for every convolution
+    reading it, the backward's too; and the pooled tensor of a max pool, whose backward
+    scatters in place into a copy that XLA's copy insertion makes where the tensor is."""
     rows = []
     for leaf in graph.inputs:
-        reads = [
-            c for c in consumers[leaf.tensor] if graph.ops[c].primitive == "conv_general_dilated"
-        ]
-        if reads and graph.tensors[leaf.tensor].ndim == 4:
-            rows.append((leaf.tensor, min(reads), max(reads)))
+        conv = [c for c in consumers[leaf.tensor] if graph.ops[c].primitive == CONV]
+        if conv and graph.tensors[leaf.tensor].ndim == 4:
+            rows.append((leaf.tensor, min(conv), max(conv)))
+    for op in graph.ops:
+        pooled = graph.tensors[op.inputs[1]] if op.primitive == "select_and_scatter_add" else None
+        if pooled is not None and pooled.producer is not None:
+            rows.append((pooled.id, pooled.producer, op.index))
     return rows
+
+
+CONV = "conv_general_dilated"
 
 
 def stand_in_map(graph: Graph, consumers):
