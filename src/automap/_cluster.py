@@ -103,6 +103,11 @@ class Cluster:
     schedules so (its buffer assignment on compile-only GPUs, `_verify/_gpu.py`); the
     CPU's, False, is priced as every activation and every gradient alive together, which
     its buffer assignment agrees with better (its library kernels' own copies)."""
+    all_reduce_combine_bytes: float = 30 * 2**20
+    """The most bytes XLA's GPU combiner joins into one gradient all-reduce (its default
+    `--xla_gpu_all_reduce_combine_threshold_bytes`, 30 MiB): a combined all-reduce copies
+    its operands into one buffer (their concatenation) and reduces that, so a scheduled
+    step's reduction holds the gradients and at most this much more."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -278,6 +283,7 @@ _FIELD_RULES = (
     ),
     _Rule("memory_reserve", float, 0.0, high=0.99),
     _Rule("collective_float_bytes", int, 0, high=8),
+    _Rule("all_reduce_combine_bytes", float, 0.0, unit="bytes"),
 )
 
 

@@ -405,13 +405,10 @@ class CostModel:
         other = float(plain[4])
         moments = T.moments_remat if st.remat else T.moments
         if moments is not None:
-            # ZeRO's reduce-scatter (a tuple of the local gradients, combined) writes the
-            # device's shards of them; data parallel's all-reduce a copy of their concat.
-            copy = 1.0 / D if zero_mask else 1.0
+            reduced = reduced_gradients(st.sums, ac)
             gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
-            grads, acts = busiest_moment(
-                moments, inv, reduced_gradients(st.sums, ac), copy, gathered, st.microbatches
-            )
+            copy = reduction_copy(reduced, D if zero_mask else 0, self.cluster, T.param_coef)
+            grads, acts = busiest_moment(moments, inv, reduced, copy, gathered, st.microbatches)
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
             # second copy of what it reduces, alive beside the local gradients at the end
@@ -489,6 +486,23 @@ class RegatherCoefs:
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
 
 
+def reduction_copy(
+    reduced: float, zero_size: float, cluster: Cluster, param_coef: np.ndarray
+) -> float:
+    """Bytes the step's gradient reduction writes beside the `reduced` gradients: ZeRO's
+    reduce-scatter over `zero_size` devices (a tuple of the local gradients, combined)
+    the device's shards of them; the all-reduce a copy of one combined bucket (XLA's GPU
+    combiner concatenates its operands and reduces the concatenation): all of them where
+    no plan reduces more than `Cluster.all_reduce_combine_bytes` (every gradient, reduced
+    over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
+    but for a plan that reduces less than a bucket of a model that has more, at most a
+    bucket over; and linear, as the shard ILP's memory points must be."""
+    if zero_size:
+        return reduced / zero_size
+    bucket = cluster.all_reduce_combine_bytes
+    return reduced if 2 * float(param_coef.sum()) <= bucket else bucket
+
+
 def busiest_moment(
     moments: Moments,
     inv: np.ndarray,
@@ -500,13 +514,12 @@ def busiest_moment(
     """(gradients, the rest) of what a scheduled step holds besides its arguments at its
     peak (`_liveness.py`): the busiest candidate moment, with the `reduced` gradients' share
     made by then held for their reduction; or the reduction itself, the gradients and
-    `copy` times them (XLA's GPU combiner concatenates an all-reduce's operands and
-    reduces the concatenation; a reduce-scatter writes the device's shard)."""
+    the `copy` it writes (`reduction_copy`)."""
     made = moments.held * reduced
     at = moments.live @ inv / microbatches + made
     if gathered is not None:
         at = at + moments.gathered @ gathered
-    end = (1.0 + copy) * reduced
+    end = reduced + copy
     k = int(np.argmax(at)) if len(at) else -1
     if k < 0 or end >= at[k]:
         return float(end), 0.0

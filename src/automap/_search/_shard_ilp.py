@@ -266,6 +266,10 @@ class MeshTerms:
         # Where the buffers are scheduled, each candidate moment and the reduction.
         moments = self.T.moments
         points = memory_points(self.space.cluster, self.T)
+        # The all-reduce's copy (`_cost/_model.reduction_copy`): the reduced gradients
+        # where all of them fit one combined bucket, else a whole bucket.
+        bucket = self.space.cluster.all_reduce_combine_bytes
+        copy_share = 1.0 if 2 * self.T.param_coef.sum() <= bucket else 0.0
         tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
 
@@ -317,13 +321,16 @@ class MeshTerms:
                 # `_cost/_model.busiest_moment`, one point per moment and the reduction's
                 held = np.outer(sc.reduced, moments.held)
                 at = sc.live + held + (sc.gathered if zero and zero_stage >= 3 else 0.0)
-                copy = 1.0 / self.D if zero else 1.0
-                ends = (1.0 + copy) * sc.reduced
                 base = params + opt + pl[:, 4]
-                add(sc.units, sc.configs, time, (*(base[:, None] + at).T, base + ends))
+                end = base + sc.reduced * (1.0 + (1.0 / self.D if zero else copy_share))
+                add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
             add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
+        if moments is not None and not zero and not copy_share:
+            ends = np.zeros(points)
+            ends[-1] = bucket
+            add((), None, np.zeros(1), tuple(ends[:, None]))
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
         # A loop body's gradients are combined per trip, inside the loop (its slot's trips).
