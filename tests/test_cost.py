@@ -143,6 +143,21 @@ def test_memory_decreases_with_sharding_and_zero():
     assert remat.compute_s > none.compute_s
 
 
+def test_a_reduction_without_reduce_scatter_writes_a_whole_copy():
+    # A scheduled step ends with the gradients and what their reduction writes: ZeRO's
+    # reduce-scatter the device's shards; a backend without one (XLA's CPU all-reduces and
+    # slices) a whole copy, as data parallel's all-reduce does.
+    _, _, g, groups = gpt()
+    dp = {groups.batch_groups[0]: "data"}
+    no_scatter = dataclasses.replace(A100, reduce_scatter=False)
+    cost = CostModel(g, no_scatter, groups).evaluate(dp, {"data": 8}, zero_stage=2)
+    reduced = by_key(cost)[("all-reduce", "data")].bytes
+    assert cost.memory_breakdown["activations"] == 0.0  # the reduction is the peak
+    assert cost.memory_breakdown["grads"] == pytest.approx(2 * reduced, rel=1e-4)  # + a scalar
+    shards = CostModel(g, A100, groups).evaluate(dp, {"data": 8}, zero_stage=2)
+    assert shards.memory_bytes < cost.memory_bytes
+
+
 def test_over_the_memory_limit_is_infeasible_with_a_reason():
     _, _, g, groups = gpt()
     tiny = dataclasses.replace(Cluster.preset("cpu", devices=8), hbm_bytes=1e6)

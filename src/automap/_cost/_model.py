@@ -491,13 +491,14 @@ def reduction_copy(
 ) -> float:
     """Bytes the step's gradient reduction writes beside the `reduced` gradients: ZeRO's
     reduce-scatter over `zero_size` devices (a tuple of the local gradients, combined)
-    the device's shards of them; the all-reduce a copy of one combined bucket (XLA's GPU
-    combiner concatenates its operands and reduces the concatenation): all of them where
+    the device's shards of them (where the backend has one: XLA's CPU all-reduces and
+    slices); the all-reduce a copy of one combined bucket (XLA's GPU combiner concatenates
+    its operands and reduces the concatenation; the CPU's writes its own): all of them where
     no plan reduces more than `Cluster.all_reduce_combine_bytes` (every gradient, reduced
     over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
     but for a plan that reduces less than a bucket of a model that has more, at most a
     bucket over; and linear, as the shard ILP's memory points must be."""
-    if zero_size:
+    if zero_size and cluster.reduce_scatter:
         return reduced / zero_size
     bucket = cluster.all_reduce_combine_bytes
     return reduced if 2 * float(param_coef.sum()) <= bucket else bucket

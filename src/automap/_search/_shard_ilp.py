@@ -270,6 +270,7 @@ class MeshTerms:
         # where all of them fit one combined bucket, else a whole bucket.
         bucket = self.space.cluster.all_reduce_combine_bytes
         copy_share = 1.0 if 2 * self.T.param_coef.sum() <= bucket else 0.0
+        scatter = zero and self.space.cluster.reduce_scatter  # else all-reduced and sliced
         tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
 
@@ -322,12 +323,12 @@ class MeshTerms:
                 held = np.outer(sc.reduced, moments.held)
                 at = sc.live + held + (sc.gathered if zero and zero_stage >= 3 else 0.0)
                 base = params + opt + pl[:, 4]
-                end = base + sc.reduced * (1.0 + (1.0 / self.D if zero else copy_share))
+                end = base + sc.reduced * (1.0 + (1.0 / self.D if scatter else copy_share))
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
             add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
-        if moments is not None and not zero and not copy_share:
+        if moments is not None and not scatter and not copy_share:
             ends = np.zeros(points)
             ends[-1] = bucket
             add((), None, np.zeros(1), tuple(ends[:, None]))
