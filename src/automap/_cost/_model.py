@@ -102,6 +102,7 @@ class CostModel:
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
+        self._param_bytes = float(self.tables.param_coef.sum())
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
 
     # ---- public -----------------------------------------------------------------------
@@ -407,7 +408,8 @@ class CostModel:
         if moments is not None:
             reduced = reduced_gradients(st.sums, ac)
             gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
-            copy = reduction_copy(reduced, D if zero_mask else 0, self.cluster, T.param_coef)
+            share, const = reduction_copy(D if zero_mask else 0, self.cluster, self._param_bytes)
+            copy = share * reduced + const
             grads, acts = busiest_moment(moments, inv, reduced, copy, gathered, st.microbatches)
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
@@ -486,10 +488,9 @@ class RegatherCoefs:
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
 
 
-def reduction_copy(
-    reduced: float, zero_size: float, cluster: Cluster, param_coef: np.ndarray
-) -> float:
-    """Bytes the step's gradient reduction writes beside the `reduced` gradients: ZeRO's
+def reduction_copy(zero_size: float, cluster: Cluster, param_bytes: float) -> tuple[float, float]:
+    """(share, constant): the bytes the step's gradient reduction writes beside the
+    `reduced` gradients are share x reduced + constant. ZeRO's
     reduce-scatter over `zero_size` devices (a tuple of the local gradients, combined)
     the device's shards of them (where the backend has one: XLA's CPU all-reduces and
     slices); the all-reduce a copy of one combined bucket (XLA's GPU combiner concatenates
@@ -497,11 +498,12 @@ def reduction_copy(
     no plan reduces more than `Cluster.all_reduce_combine_bytes` (every gradient, reduced
     over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
     but for a plan that reduces less than a bucket of a model that has more, at most a
-    bucket over; and linear, as the shard ILP's memory points must be."""
+    bucket over; and linear, as the shard ILP's memory points must be (`param_bytes`: the
+    model's unsplit parameter bytes)."""
     if zero_size and cluster.reduce_scatter:
-        return reduced / zero_size
+        return 1.0 / zero_size, 0.0
     bucket = cluster.all_reduce_combine_bytes
-    return reduced if 2 * float(param_coef.sum()) <= bucket else bucket
+    return (1.0, 0.0) if 2 * param_bytes <= bucket else (0.0, bucket)
 
 
 def busiest_moment(

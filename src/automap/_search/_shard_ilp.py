@@ -55,11 +55,11 @@ from .._cost import (
     KINDS,
     RS,
     AxisCosts,
-    Moments,
     RowTable,
     collective_rows,
     combine_slots,
     partial_slots,
+    reduction_copy,
     set_axes,
 )
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, leanest_problem, solve_ilp
@@ -114,8 +114,8 @@ class _Scope:
     regather_acts: np.ndarray  # [n_c] the forward's gathered values no longer saved
     # Where the step's buffers are scheduled (`Cluster.frees_at_last_use`), per candidate
     # moment (`_cost/_liveness.py`): what is alive, and ZeRO-3's gathered parameters.
-    live: np.ndarray  # [n_c, moments]
-    gathered: np.ndarray  # [n_c, moments]
+    live: np.ndarray | None  # [n_c, moments]
+    gathered: np.ndarray | None  # [n_c, moments]
 
 
 class MeshTerms:
@@ -234,7 +234,7 @@ class MeshTerms:
         on_data = P.reshape(n_c, n_sl, -1)[:, j, self.d] if self.d else np.zeros_like(inv_c, bool)
         zinv = inv_c / np.where(on_data, 1.0, self.D)
         free = ~on_data
-        moments = T.moments or _NO_MOMENTS(len(T.sets))
+        moments = T.moments
         return _Scope(
             units=tuple(scope),
             configs=configs,
@@ -250,8 +250,8 @@ class MeshTerms:
             regather_bytes=(inv_c * free) @ self.rg.param_coef[own],
             regather_count=free.astype(float) @ self.rg.param_leaves[own],
             regather_acts=(inv_c * free) @ self.rg.act_coef[own],
-            live=inv_c @ moments.live[:, own].T,
-            gathered=(inv_c * free) @ moments.gathered[:, own].T,
+            live=inv_c @ moments.live[:, own].T if moments else None,
+            gathered=(inv_c * free) @ moments.gathered[:, own].T if moments else None,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -266,11 +266,10 @@ class MeshTerms:
         # Where the buffers are scheduled, each candidate moment and the reduction.
         moments = self.T.moments
         points = memory_points(self.space.cluster, self.T)
-        # The all-reduce's copy (`_cost/_model.reduction_copy`): the reduced gradients
-        # where all of them fit one combined bucket, else a whole bucket.
-        bucket = self.space.cluster.all_reduce_combine_bytes
-        copy_share = 1.0 if 2 * self.T.param_coef.sum() <= bucket else 0.0
-        scatter = zero and self.space.cluster.reduce_scatter  # else all-reduced and sliced
+        # What the reduction writes beside the gradients: share x reduced + a constant.
+        share, const = reduction_copy(
+            self.D if zero else 0, self.space.cluster, float(self.T.param_coef.sum())
+        )
         tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
 
@@ -323,14 +322,14 @@ class MeshTerms:
                 held = np.outer(sc.reduced, moments.held)
                 at = sc.live + held + (sc.gathered if zero and zero_stage >= 3 else 0.0)
                 base = params + opt + pl[:, 4]
-                end = base + sc.reduced * (1.0 + (1.0 / self.D if scatter else copy_share))
+                end = base + sc.reduced * (1.0 + share)
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
             add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
-        if moments is not None and not scatter and not copy_share:
+        if moments is not None and const:
             ends = np.zeros(points)
-            ends[-1] = bucket
+            ends[-1] = const
             add((), None, np.zeros(1), tuple(ends[:, None]))
         # With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         # backend has one (`_cost/_kernel.totals`): one combined collective either way.
@@ -405,15 +404,6 @@ def memory_points(cluster, T) -> int:
     if T.moments is not None:
         return len(T.moments.at) + 1
     return 1 if cluster.all_reduce_in_place else 2
-
-
-def _NO_MOMENTS(n_sets: int):
-    return Moments(
-        live=np.zeros((0, n_sets)),
-        held=np.zeros(0),
-        gathered=np.zeros((0, n_sets)),
-        at=np.zeros(0, dtype=np.int64),
-    )
 
 
 def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:
