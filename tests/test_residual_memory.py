@@ -58,3 +58,50 @@ def test_xla_stores_the_tanh_and_the_matmul_outputs_of_gelu_not_its_chain(width)
     # cannot hold the jaxpr's residuals, and do hold the stored ones.
     assert saved > temp >= stored
     assert stored >= 0.7 * temp
+
+
+@jax.custom_vjp
+def fused_softmax(scores):
+    """Megatron-LM's fused softmax (as the zoo's): float32 inside, 16-bit probabilities out
+    and read back by its backward."""
+    return fused_softmax_fwd(scores)[0]
+
+
+def fused_softmax_fwd(scores):
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
+    return probs, probs
+
+
+def fused_softmax_bwd(probs, grad):
+    p, g = probs.astype(jnp.float32), grad.astype(jnp.float32)
+    return ((p * (g - jnp.sum(g * p, axis=-1, keepdims=True))).astype(probs.dtype),)
+
+
+fused_softmax.defvjp(fused_softmax_fwd, fused_softmax_bwd)
+
+
+def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_from():
+    # Megatron's fused softmax in bfloat16 keeps 16-bit probabilities for its backward,
+    # which converts them back to float32. XLA's GPU pipeline drops that round trip
+    # (excess precision) and makes the float32 softmax again from the scores inside the
+    # backward's kernel (a Triton row fusion, reductions and exp included): it keeps the
+    # scores, and the 16-bit probabilities the value matmul reads. Without the GPU's rules
+    # (`rows=False`) only the probabilities are kept.
+    b16 = jnp.bfloat16
+    s = 16
+
+    def loss(q, k, v):
+        scores = jnp.einsum("bqd,bkd->bqk", q, k)
+        probs = fused_softmax(scores)
+        return jnp.sum(jnp.einsum("bqk,bkd->bqd", probs, v).astype(jnp.float32) ** 2)
+
+    args = [jax.ShapeDtypeStruct((4, s, 32), b16)] * 3
+    graph = capture(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    saved = find_residuals(graph).saved
+    made = lambda ts: {graph.ops[graph.tensors[t].producer].primitive for t in ts}  # noqa: E731
+    square = lambda ts: [t for t in ts if graph.tensors[t].shape == (4, s, s)]  # noqa: E731
+    gpu = square(stored_residuals(graph, saved, rows=True))
+    jaxpr = square(stored_residuals(graph, saved))
+    assert made(jaxpr) == {"convert_element_type"}  # the 16-bit probabilities
+    assert made(gpu) == {"convert_element_type", "dot_general"}  # and the scores
+    assert all(graph.tensors[t].dtype == "bfloat16" for t in gpu)

@@ -52,11 +52,13 @@ class Moments:
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-    """Every buffer of one program: its tensor, birth and last op (program order)."""
+    """Every buffer of one program: its tensor, birth and last op (program order), and its
+    bytes as a multiple of the tensor's (2 where XLA keeps a 16-bit result in float32)."""
 
     tensor: np.ndarray
     birth: np.ndarray
     death: np.ndarray
+    width: np.ndarray
 
 
 def gathered_parameters(
@@ -75,7 +77,7 @@ def gathered_parameters(
             if part:
                 rows.append((leaf.tensor, part[0], part[-1]))
     t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    return Buffers(tensor=t, birth=b, death=d)
+    return Buffers(tensor=t, birth=b, death=d, width=np.ones(len(t)))
 
 
 def step_moments(
@@ -97,7 +99,7 @@ def step_moments(
     def curve(per_set: np.ndarray, zero: bool) -> np.ndarray:
         ev = np.zeros(n_ops + 2)
         for buf in (buffers, gathered) if zero else (buffers,):
-            w = nbytes[buf.tensor] * per_set[tensor_set[buf.tensor]]
+            w = nbytes[buf.tensor] * buf.width * per_set[tensor_set[buf.tensor]]
             np.add.at(ev, buf.birth, w)
             np.add.at(ev, buf.death + 1, -w)
         out = np.cumsum(ev)[:n_ops]
@@ -130,8 +132,9 @@ def _alive(buf: Buffers, at: np.ndarray, nbytes, tensor_set, n_sets: int) -> np.
     """[moments, sets] bytes of the buffers alive at each moment."""
     out = np.zeros((len(at), n_sets))
     for k, t in enumerate(at):
-        on = buf.tensor[(buf.birth <= t) & (buf.death >= t)]
-        out[k] = np.bincount(tensor_set[on], nbytes[on], minlength=n_sets)
+        on = (buf.birth <= t) & (buf.death >= t)
+        x = buf.tensor[on]
+        out[k] = np.bincount(tensor_set[x], nbytes[x] * buf.width[on], minlength=n_sets)
     return out
 
 

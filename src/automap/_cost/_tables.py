@@ -810,9 +810,9 @@ def kept_residuals(
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]
-    remat = set(stored_residuals(graph, once, consumers))
-    remat |= set(stored_residuals(graph, again, consumers))
-    return stored_residuals(graph, res.saved, consumers), tuple(sorted(remat))
+    remat = set(stored_residuals(graph, once, consumers, rows=True))
+    remat |= set(stored_residuals(graph, again, consumers, rows=True))
+    return stored_residuals(graph, res.saved, consumers, rows=True), tuple(sorted(remat))
 
 
 def step_buffers(
@@ -873,7 +873,8 @@ def step_buffers(
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    return Buffers(tensor=tensor, birth=born, death=dies)
+    width = np.array([held_wide(graph, consumers, t) for t in tensor], dtype=float)
+    return Buffers(tensor=tensor, birth=born, death=dies, width=width)
 
 
 def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
@@ -899,7 +900,8 @@ CONV = "conv_general_dilated"
 
 def stand_in_map(graph: Graph, consumers):
     """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
-    in its place (r itself, or the operands it is made again from)."""
+    in its place (r itself, or the operands it is made again from; and its wider source's
+    where a reader converts it back, `widened_source`)."""
     memo: dict[int, frozenset[int]] = {}
 
     def stored(r: int) -> frozenset[int]:
@@ -909,7 +911,7 @@ def stand_in_map(graph: Graph, consumers):
             if t in memo:
                 todo.pop()
                 continue
-            further = _remade_from(graph, consumers, t)
+            further = _remade_from(graph, consumers, t, True)
             if further is None:
                 memo[t] = frozenset((t,))
             elif all(i in memo for i in further):
@@ -920,13 +922,17 @@ def stand_in_map(graph: Graph, consumers):
             todo.pop()
         return memo[r]
 
-    return stored
+    def stored_or_widened(r: int) -> frozenset[int]:
+        u = widened_source(graph, consumers, r)
+        return stored(r) if u is None else stored(r) | stored(u)
+
+    return stored_or_widened
 
 
 _CHEAP = ELEMENTWISE | FREE
 
 
-def _remade_from(graph: Graph, consumers, t: int) -> list[int] | None:
+def _remade_from(graph: Graph, consumers, t: int, rows: bool) -> list[int] | None:
     """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
     p = graph.tensors[t].producer
     if p is None:
@@ -934,13 +940,80 @@ def _remade_from(graph: Graph, consumers, t: int) -> list[int] | None:
     op = graph.ops[p]
     remade = (
         op.primitive in _CHEAP
-        and op.primitive not in EXPENSIVE
+        and (op.primitive not in EXPENSIVE or (rows and _normalizes(graph, t)))
         and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
     )
     return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
 
 
-def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tuple[int, ...]:
+def _normalizes(graph: Graph, t: int, depth: int = 8) -> bool:
+    """Whether t is part of a row normalization (a softmax's exp or division): made by
+    elementwise and layout ops from a reduction over a tensor's last axis, within `depth`
+    ops. XLA's GPU pipeline fuses such a chain, its reductions included, into one Triton
+    kernel that it also fuses into each reader, so an expensive op there is made again from
+    the chain's input like a cheap one (read on compile-only A100s: the backward of a
+    softmax reads the scores, not the probabilities it made in the forward)."""
+    todo, seen = [(t, 0)], set()
+    while todo:
+        x, d = todo.pop()
+        p = graph.tensors[x].producer
+        if p is None or x in seen or d > depth:
+            continue
+        seen.add(x)
+        op = graph.ops[p]
+        if op.primitive in REDUCE_SUM_LIKE:
+            operand = graph.tensors[op.inputs[0]]
+            if tuple(op.params.get("axes", ())) == (operand.ndim - 1,):
+                return True
+        elif op.primitive in _CHEAP:
+            todo.extend((i, d + 1) for i in op.inputs if graph.tensors[i].ndim)
+    return False
+
+
+def widened_source(graph: Graph, consumers, t: int) -> int | None:
+    """u, where t narrows float u (a convert to 16 bits) and a reader of t converts it back
+    to u's type: XLA, allowed excess precision (its default), drops the round trip, so that
+    reader reads u itself (a mixed-precision softmax's backward reads its float32 result,
+    not the 16-bit probabilities, read on compile-only A100s). Else None."""
+    p = graph.tensors[t].producer
+    if p is None or graph.ops[p].primitive != "convert_element_type":
+        return None
+    u = graph.ops[p].inputs[0]
+    wide, narrow = graph.tensors[u], graph.tensors[t]
+    if not (_is_float(wide.dtype) and _is_float(narrow.dtype)) or narrow.itemsize >= wide.itemsize:
+        return None
+    back = any(
+        graph.ops[c].primitive == "convert_element_type"
+        and graph.tensors[graph.ops[c].outputs[0]].dtype == wide.dtype
+        for c in consumers[t]
+    )
+    return u if back else None
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith("float") or dtype == "bfloat16"
+
+
+def held_wide(graph: Graph, consumers, t: int) -> float:
+    """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
+    transcendental function (`EXPENSIVE`) of 16-bit floats in float32, and where only
+    fusible ops read the result, it keeps that float32 value for them (excess precision:
+    GELU's tanh is stored for the backward in float32, read on compile-only A100s)."""
+    x = graph.tensors[t]
+    p = x.producer
+    if (
+        p is None
+        or graph.ops[p].primitive not in EXPENSIVE
+        or x.dtype not in ("bfloat16", "float16")
+        or not all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+    ):
+        return 1.0
+    return 4.0 / x.itemsize
+
+
+def stored_residuals(
+    graph: Graph, saved: Iterable[int], consumers=None, rows: bool = False
+) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
     A residual made by a cheap elementwise or layout op (not `EXPENSIVE`) that only fusible
@@ -948,6 +1021,12 @@ def stored_residuals(graph: Graph, saved: Iterable[int], consumers=None) -> tupl
     forward's and the backward's, and makes it again there from the producer's operands,
     which are stored in its place (recursively: GELU's polynomial chain is made again from
     the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
-    expensive results and reductions stay stored."""
+    expensive results and reductions stay stored. With `rows` (XLA's GPU pipeline,
+    `Cluster.remakes_residuals`), a row normalization's expensive results are made again too
+    (`_normalizes`), and a residual converted back to the type it was narrowed from is read
+    as its wider source (`widened_source`), which is stored or made again in turn."""
     consumers = graph.consumers() if consumers is None else consumers
-    return tuple(sorted(_walk_back(saved, lambda t: _remade_from(graph, consumers, t))))
+    start = list(saved)
+    if rows:
+        start += [u for t in start if (u := widened_source(graph, consumers, t)) is not None]
+    return tuple(sorted(_walk_back(start, lambda t: _remade_from(graph, consumers, t, rows))))
