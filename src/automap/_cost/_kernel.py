@@ -112,6 +112,16 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0)
 
 
+def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
+    """Per partial-sum row, the bytes per device it all-reduces under the plan (its result
+    as split, per occurrence; `partial_rows`' `base`), 0 where no axis of its reduced groups
+    makes it an all-reduce (none split, or only axes its output keeps: a reduce-scatter)."""
+    a = A[R.group]
+    act = (a > 0) & ~P[R.small, a]
+    reduced = (act & ~P[R.tset[:, None], a]).any(axis=1)
+    return np.where(reduced, R.nbytes / np.maximum(R.count, 1) * inv[R.tset], 0.0)
+
+
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
     """Virtual rows of reshard rows: all-gather, or all-to-all when the axis moves."""
     a = A[R.group[:, 0]]

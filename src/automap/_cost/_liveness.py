@@ -50,6 +50,9 @@ class Moments:
     at: np.ndarray  # [k] the moments (op index in program order), for reading
 
 
+NO_BLOCKS = np.zeros((0, 3), dtype=np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffers:
     """Every buffer of one program: its tensor, birth and last op (program order), and its
@@ -59,6 +62,9 @@ class Buffers:
     birth: np.ndarray
     death: np.ndarray
     width: np.ndarray
+    # [layers, 3] per recomputed layer: its first and last forward op and the moment its
+    # recompute runs (its residuals' birth in the backward); empty without remat.
+    blocks: np.ndarray
 
 
 def gathered_parameters(
@@ -77,7 +83,7 @@ def gathered_parameters(
             if part:
                 rows.append((leaf.tensor, part[0], part[-1]))
     t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    return Buffers(tensor=t, birth=b, death=d, width=np.ones(len(t)))
+    return Buffers(tensor=t, birth=b, death=d, width=np.ones(len(t)), blocks=NO_BLOCKS)
 
 
 def step_moments(
@@ -119,6 +125,8 @@ def step_moments(
         # as data parallel holds the gradients, ZeRO-3 its gathered parameters too
         for zero in (False, True):
             picked.update(_highest_peaks(curve(per_set, zero), PER_PROBE))
+    # and each recomputed layer's recompute, where its combined all-reduces copy
+    picked.update(int(b) for b in buffers.blocks[:, 2])
     at = np.array(sorted(picked), dtype=np.int64)
     return Moments(
         live=_alive(buffers, at, nbytes, tensor_set, n_sets),

@@ -411,7 +411,13 @@ class CostModel:
             gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
             share, const = reduction_copy(D if zero_mask else 0, self.cluster, self._param_bytes)
             copy = share * reduced + const
-            grads, acts = busiest_moment(moments, inv, reduced, copy, gathered, st.microbatches)
+            copies = T.copies if st.remat else None
+            if copies is not None:
+                ops = K.partial_results(copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
+                copies = np.bincount(copies.moment, ops, minlength=len(moments.at))
+            grads, acts = busiest_moment(
+                moments, inv, reduced, copy, gathered, st.microbatches, copies
+            )
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
             # second copy of what it reduces, alive beside the local gradients at the end
@@ -514,13 +520,17 @@ def busiest_moment(
     copy: float,
     gathered: np.ndarray | None = None,
     microbatches: int = 1,
+    copies: np.ndarray | None = None,
 ) -> tuple[float, float]:
     """(gradients, the rest) of what a scheduled step holds besides its arguments at its
     peak (`_liveness.py`): the busiest candidate moment, with the `reduced` gradients' share
-    made by then held for their reduction; or the reduction itself, the gradients and
-    the `copy` it writes (`reduction_copy`)."""
+    made by then held for their reduction (and `copies`, per moment, of a recomputed
+    layer's partial sums: `_tables.combined_copies`); or the reduction itself, the
+    gradients and the `copy` it writes (`reduction_copy`)."""
     made = moments.held * reduced
     at = moments.live @ inv / microbatches + made
+    if copies is not None:
+        at = at + copies / microbatches
     if gathered is not None:
         at = at + moments.gathered @ gathered
     end = reduced + copy

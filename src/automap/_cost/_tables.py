@@ -153,6 +153,9 @@ class Tables:
     # backend frees each buffer at its last reader (`Cluster.frees_at_last_use`), else None.
     moments: Moments | None
     moments_remat: Moments | None
+    # The recomputed layers' activation all-reduces, copied once more at their recompute
+    # (`combined_copies`); None where nothing is recomputed or the buffers aren't scheduled.
+    copies: CombinedCopies | None
     param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
@@ -437,25 +440,24 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     )
     saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals, consumers)
     act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
-    moments = moments_remat = None
+    moments = moments_remat = copies = None
     if cluster.frees_at_last_use:
         last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
         grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in prow if r.grad]
         tensor_set = np.array(tset, dtype=np.int64)
         nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
-        moments, moments_remat = (
-            step_moments(
-                step_buffers(graph, res, consumers, remat, cluster.remakes_residuals),
-                gathered_parameters(graph, consumers, res.boundary, update, remat),
-                nbytes,
-                tensor_set,
-                sets,
-                ng,
-                grads,
-                len(graph.ops),
+
+        def moments_of(remat: bool) -> tuple[Buffers, Moments]:
+            buf = step_buffers(graph, res, consumers, remat, cluster.remakes_residuals)
+            gathered = gathered_parameters(graph, consumers, res.boundary, update, remat)
+            return buf, step_moments(
+                buf, gathered, nbytes, tensor_set, sets, ng, grads, len(graph.ops)
             )
-            for remat in (False, True)
-        )
+
+        moments = moments_of(False)[1]
+        again, moments_remat = moments_of(True)
+        recomputed_rows = [r for r in prow if r.op in recomputed and not r.grad]
+        copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, ng, empty)
     body_zero_a = np.array(body_zero, dtype=bool)
     zero_op = np.zeros(len(graph.ops), dtype=bool)
     zero_op[[graph.tensors[t].producer for t in pinned]] = True
@@ -487,6 +489,7 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
         moments=moments,
         moments_remat=moments_remat,
+        copies=copies,
         param_leaves=np.bincount(
             [tset[x.tensor] for x in graph.leaves(Role.PARAM) if graph.tensors[x.tensor].ndim],
             minlength=n_sets,
@@ -824,8 +827,9 @@ def step_buffers(
     stands in for (`stored_residuals`), else the jaxpr's residuals. Under `remat`
     a layer's residuals live twice: in the first forward until its last forward reader,
     and again from the backward's first read of any of them (JAX emits a layer's
-    recompute as one block before its backward). With the copies of a convolutional
-    net (`convolution_copies`)."""
+    recompute as one block before its backward; each layer's first and last forward op and
+    that moment are its `blocks`). With the copies of a convolutional net
+    (`convolution_copies`)."""
     last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
     birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
     # the backward's first read of each tensor or of one it stands in for
@@ -846,11 +850,14 @@ def step_buffers(
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()
     kept = stand_ins(t for t in (res.saved_remat if remat else res.saved) if t not in layered)
     recomputed: list[int] = []
+    blocks = []
     for ts in res.layer_saved if remat else ():
         again = sorted(stand_ins(ts) - kept)
         reads = first[again][first[again] >= 0]
         if len(reads):
             birth[again] = reads.min()
+            made = [graph.tensors[t].producer for t in ts]
+            blocks.append((min(made), max(made), reads.min()))
         recomputed += again
     in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
     outputs = {leaf.tensor for leaf in graph.outputs}
@@ -874,7 +881,41 @@ def step_buffers(
     rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
     width = np.array([held_wide(graph, consumers, t) for t in tensor], dtype=float)
-    return Buffers(tensor=tensor, birth=born, death=dies, width=width)
+    block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+    return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinedCopies:
+    """The partial sums a recomputed layer all-reduces, each at its layer's recompute
+    moment (`combined_copies`)."""
+
+    rows: RowTable  # partial-sum rows of recomputed ops (not gradients), one per op
+    moment: np.ndarray  # [rows] index into `Moments.at` of the row's layer's recompute
+
+
+def combined_copies(
+    rows: list[CandidateRow], blocks: np.ndarray, at: np.ndarray, pad_group: int, empty_set: int
+) -> CombinedCopies | None:
+    """A recomputed layer's activation all-reduces (a row-parallel matmul's partial sums)
+    depend on the layer's input alone, not on the backward's, and XLA's all-reduce combiner
+    joins them with the backward's own: a combined all-reduce first copies its operands into
+    one buffer (its result then reuses that buffer, as a lone all-reduce reuses its
+    operand's). So at the layer's recompute the step holds its partial sums twice (read in
+    the buffer assignment on compile-only A100s: transformer plans under remat with split
+    matmuls peaked at that copy, 0.78-0.84x priced without it). `blocks`: per layer, first
+    and last forward op and its recompute moment (`Buffers.blocks`), one of `at`."""
+    keep, moment = [], []
+    for r in rows:
+        hit = np.flatnonzero((blocks[:, 0] <= r.op) & (r.op <= blocks[:, 1]))
+        if len(hit):
+            keep.append(r)
+            moment.append(int(np.searchsorted(at, blocks[hit[0], 2])))
+    if not keep:
+        return None
+    return CombinedCopies(
+        rows=_rows(keep, pad_group, empty_set), moment=np.array(moment, dtype=np.int64)
+    )
 
 
 def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
