@@ -37,10 +37,14 @@ Against the GPU, one-stage memory is priced as the busiest moment of the schedul
 gpt 5 of 6, vgg19 5 of 5, flax_lm 6 of 7, eqx_mlp 7 of 7; ZeRO 10 of 10, remat 23 of 26),
 `--plans 8 --zero 0` 35 of 41 (85%), the default 12 a model 50 of 57 (88%). Before it
 (every activation and gradient alive together) the same draws gave 27 of 39 and 26 of
-41. Left, on every draw: transformer plans under remat 0.78-0.84x (XLA's combiner joins a
-recomputed layer's activation all-reduce with an independent one of its backward, whose
-concatenation and result peak together: not priced), one replicated-batch bert under remat
-1.23x, a bert ZeRO-2 remat plan 1.17x and a vgg19 ZeRO-3 plan 0.72x (not read yet).
+41. With a recomputed layer's combined all-reduces priced (XLA's combiner joins its
+activation all-reduces with the backward's and copies their operands into one buffer at
+the recompute: `_cost._tables.combined_copies`), at 3f530c9: `--plans 8` 38 of 39 (97%;
+remat 25 of 26), `--zero 0` 41 of 41, the default 54 of 57 (95%): the transformer remat
+plans that were 0.78-0.84x are 0.98-1.03x. Left: one replicated-batch bert under remat
+1.23x (XLA's backward holds less of the recomputed layer than the block priced), a bert
+ZeRO-2 remat plan 1.17x, and a vgg19 ZeRO-3 plan 0.72x (XLA gathers every kernel of the
+backward early and keeps each, copied to cuDNN's layout, to the end of the backward).
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two
 third-party families written as their users write them: a Flax (linen) transformer
