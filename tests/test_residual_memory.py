@@ -86,7 +86,7 @@ def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_fr
     # (excess precision) and makes the float32 softmax again from the scores inside the
     # backward's kernel (a Triton row fusion, reductions and exp included): it keeps the
     # scores, and the 16-bit probabilities the value matmul reads. Without the GPU's rules
-    # (`rows=False`) only the probabilities are kept.
+    # (`gpu_fusions=False`) only the probabilities are kept.
     b16 = jnp.bfloat16
     s = 16
 
@@ -100,7 +100,7 @@ def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_fr
     saved = find_residuals(graph).saved
     made = lambda ts: {graph.ops[graph.tensors[t].producer].primitive for t in ts}  # noqa: E731
     square = lambda ts: [t for t in ts if graph.tensors[t].shape == (4, s, s)]  # noqa: E731
-    gpu = square(stored_residuals(graph, saved, rows=True))
+    gpu = square(stored_residuals(graph, saved, gpu_fusions=True))
     jaxpr = square(stored_residuals(graph, saved))
     assert made(jaxpr) == {"convert_element_type"}  # the 16-bit probabilities
     assert made(gpu) == {"convert_element_type", "dot_general"}  # and the scores

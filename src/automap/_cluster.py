@@ -92,14 +92,17 @@ class Cluster:
     """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
     the backward reads that an elementwise or layout op makes, and only fusible ops read,
     is fused into each reader and made again from its producer's operands, which are kept
-    instead (`_cost.stored_residuals`). XLA's GPU pipeline does (held against its buffer
-    assignment on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, keeps about
-    every residual of the jaxpr, its library fusions taking their operands from memory."""
+    instead (`_cost.stored_residuals`); so is a softmax (a Triton row fusion), and a 16-bit
+    residual read back in float32 is read as its float32 source (excess precision). XLA's
+    GPU pipeline does (held against its buffer assignment on compile-only GPUs,
+    `_verify/_gpu.py`); the CPU one, False, keeps about every residual of the jaxpr, its
+    library fusions taking their operands from memory."""
     frees_at_last_use: bool = True
     """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
     moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
     collective holds consumed by its update as soon as it is made, the reduced ones held to
-    the step's combined reduction, which copies them once more. XLA's GPU pipeline
+    the step's combined reduction, which copies them once more (as a recomputed layer's
+    combined all-reduces copy its partial sums at its recompute). XLA's GPU pipeline
     schedules so (its buffer assignment on compile-only GPUs, `_verify/_gpu.py`); the
     CPU's, False, is priced as every activation and every gradient alive together, which
     its buffer assignment agrees with better (its library kernels' own copies)."""

@@ -114,7 +114,7 @@ class CostModel:
         once (a 1T GPT's Megatron expert prices some 40 partitions of 128 layers)."""
         consumers = self.graph.consumers()
         return tuple(
-            stored_residuals(self.graph, ts, consumers, rows=self.cluster.remakes_residuals)
+            stored_residuals(self.graph, ts, consumers, gpu_fusions=self.cluster.remakes_residuals)
             for ts in self.residuals.layer_saved
         )
 

@@ -813,9 +813,9 @@ def kept_residuals(
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]
-    remat = set(stored_residuals(graph, once, consumers, rows=True))
-    remat |= set(stored_residuals(graph, again, consumers, rows=True))
-    return stored_residuals(graph, res.saved, consumers, rows=True), tuple(sorted(remat))
+    remat = set(stored_residuals(graph, once, consumers, gpu_fusions=True))
+    remat |= set(stored_residuals(graph, again, consumers, gpu_fusions=True))
+    return stored_residuals(graph, res.saved, consumers, gpu_fusions=True), tuple(sorted(remat))
 
 
 def step_buffers(
@@ -880,7 +880,7 @@ def step_buffers(
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    width = np.array([held_wide(graph, consumers, t) for t in tensor], dtype=float)
+    width = np.array([_held_wide(graph, consumers, t) for t in tensor], dtype=float)
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
     return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
 
@@ -942,7 +942,7 @@ CONV = "conv_general_dilated"
 def stand_in_map(graph: Graph, consumers):
     """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
     in its place (r itself, or the operands it is made again from; and its wider source's
-    where a reader converts it back, `widened_source`)."""
+    where a reader converts it back, `_widened_source`)."""
     memo: dict[int, frozenset[int]] = {}
 
     def stored(r: int) -> frozenset[int]:
@@ -964,7 +964,7 @@ def stand_in_map(graph: Graph, consumers):
         return memo[r]
 
     def stored_or_widened(r: int) -> frozenset[int]:
-        u = widened_source(graph, consumers, r)
+        u = _widened_source(graph, consumers, r)
         return stored(r) if u is None else stored(r) | stored(u)
 
     return stored_or_widened
@@ -973,7 +973,7 @@ def stand_in_map(graph: Graph, consumers):
 _CHEAP = ELEMENTWISE | FREE
 
 
-def _remade_from(graph: Graph, consumers, t: int, rows: bool) -> list[int] | None:
+def _remade_from(graph: Graph, consumers, t: int, gpu_fusions: bool) -> list[int] | None:
     """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
     p = graph.tensors[t].producer
     if p is None:
@@ -981,7 +981,7 @@ def _remade_from(graph: Graph, consumers, t: int, rows: bool) -> list[int] | Non
     op = graph.ops[p]
     remade = (
         op.primitive in _CHEAP
-        and (op.primitive not in EXPENSIVE or (rows and _normalizes(graph, t)))
+        and (op.primitive not in EXPENSIVE or (gpu_fusions and _normalizes(graph, t)))
         and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
     )
     return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
@@ -1011,7 +1011,7 @@ def _normalizes(graph: Graph, t: int, depth: int = 8) -> bool:
     return False
 
 
-def widened_source(graph: Graph, consumers, t: int) -> int | None:
+def _widened_source(graph: Graph, consumers, t: int) -> int | None:
     """u, where t narrows float u (a convert to 16 bits) and a reader of t converts it back
     to u's type: XLA, allowed excess precision (its default), drops the round trip, so that
     reader reads u itself (a mixed-precision softmax's backward reads its float32 result,
@@ -1035,7 +1035,7 @@ def _is_float(dtype: str) -> bool:
     return dtype.startswith("float") or dtype == "bfloat16"
 
 
-def held_wide(graph: Graph, consumers, t: int) -> float:
+def _held_wide(graph: Graph, consumers, t: int) -> float:
     """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
     transcendental function (`EXPENSIVE`) of 16-bit floats in float32, and where only
     fusible ops read the result, it keeps that float32 value for them (excess precision:
@@ -1053,7 +1053,7 @@ def held_wide(graph: Graph, consumers, t: int) -> float:
 
 
 def stored_residuals(
-    graph: Graph, saved: Iterable[int], consumers=None, rows: bool = False
+    graph: Graph, saved: Iterable[int], consumers=None, gpu_fusions: bool = False
 ) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
@@ -1062,12 +1062,14 @@ def stored_residuals(
     forward's and the backward's, and makes it again there from the producer's operands,
     which are stored in its place (recursively: GELU's polynomial chain is made again from
     the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
-    expensive results and reductions stay stored. With `rows` (XLA's GPU pipeline,
+    expensive results and reductions stay stored. With `gpu_fusions` (XLA's GPU pipeline,
     `Cluster.remakes_residuals`), a row normalization's expensive results are made again too
     (`_normalizes`), and a residual converted back to the type it was narrowed from is read
-    as its wider source (`widened_source`), which is stored or made again in turn."""
+    as its wider source (`_widened_source`), which is stored or made again in turn."""
     consumers = graph.consumers() if consumers is None else consumers
     start = list(saved)
-    if rows:
-        start += [u for t in start if (u := widened_source(graph, consumers, t)) is not None]
-    return tuple(sorted(_walk_back(start, lambda t: _remade_from(graph, consumers, t, rows))))
+    if gpu_fusions:
+        start += [u for t in start if (u := _widened_source(graph, consumers, t)) is not None]
+    return tuple(
+        sorted(_walk_back(start, lambda t: _remade_from(graph, consumers, t, gpu_fusions)))
+    )
