@@ -15,6 +15,7 @@ import pytest
 
 from automap._capture import capture, find_residuals
 from automap._cost import stored_residuals
+from automap._zoo import fused_softmax
 
 N, D = 256, 64
 
@@ -60,26 +61,6 @@ def test_xla_stores_the_tanh_and_the_matmul_outputs_of_gelu_not_its_chain(width)
     assert stored >= 0.7 * temp
 
 
-@jax.custom_vjp
-def fused_softmax(scores):
-    """Megatron-LM's fused softmax (as the zoo's): float32 inside, 16-bit probabilities out
-    and read back by its backward."""
-    return fused_softmax_fwd(scores)[0]
-
-
-def fused_softmax_fwd(scores):
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
-    return probs, probs
-
-
-def fused_softmax_bwd(probs, grad):
-    p, g = probs.astype(jnp.float32), grad.astype(jnp.float32)
-    return ((p * (g - jnp.sum(g * p, axis=-1, keepdims=True))).astype(probs.dtype),)
-
-
-fused_softmax.defvjp(fused_softmax_fwd, fused_softmax_bwd)
-
-
 def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_from():
     # Megatron's fused softmax in bfloat16 keeps 16-bit probabilities for its backward,
     # which converts them back to float32. XLA's GPU pipeline drops that round trip
@@ -92,7 +73,7 @@ def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_fr
 
     def loss(q, k, v):
         scores = jnp.einsum("bqd,bkd->bqk", q, k)
-        probs = fused_softmax(scores)
+        probs = fused_softmax(scores, 0.125, jnp.tril(jnp.ones((s, s), bool))[None])
         return jnp.sum(jnp.einsum("bqk,bkd->bqd", probs, v).astype(jnp.float32) ** 2)
 
     args = [jax.ShapeDtypeStruct((4, s, 32), b16)] * 3

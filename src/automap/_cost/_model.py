@@ -411,12 +411,13 @@ class CostModel:
             gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
             share, const = reduction_copy(D if zero_mask else 0, self.cluster, self._param_bytes)
             copy = share * reduced + const
-            copies = T.copies if st.remat else None
-            if copies is not None:
-                ops = K.partial_results(copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
-                copies = np.bincount(copies.moment, ops, minlength=len(moments.at))
+            # A recomputed layer's partial sums, copied at its recompute (per moment).
+            copied = None
+            if st.remat and T.copies is not None:
+                ops = K.partial_results(T.copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
+                copied = np.bincount(T.copies.moment, ops, minlength=len(moments.at))
             grads, acts = busiest_moment(
-                moments, inv, reduced, copy, gathered, st.microbatches, copies
+                moments, inv, reduced, copy, gathered, st.microbatches, copied
             )
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a

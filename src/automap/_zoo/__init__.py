@@ -5,3 +5,4 @@ from ._registry import ModelInfo as ModelInfo
 from ._registry import get_model as get_model
 from ._registry import list_models as list_models
 from ._train import ModelSpec as ModelSpec
+from ._transformer import fused_softmax as fused_softmax
