@@ -26,8 +26,9 @@ Prints one line per plan and the fraction of plans within 15% (|predicted / XLA 
 With `--target a100` (or h100) each one-stage plan is compiled instead by XLA's GPU
 compiler for that GPU without one (`automap._verify._gpu`, the `gpu-compile` extra), and
 the cost model prices it as on that GPU's preset: what a user of the GPU plans is told,
-against what the GPU program would hold. Pipelines are skipped there (the same draw, so
-the two runs compare plan by plan), and XLA's GPU compiler reports no FLOPs.
+against what the GPU program would hold; a pipeline's programs are compiled for it stage
+by stage (the same draw as on the CPU, so the two runs compare plan by plan). XLA's GPU
+compiler reports no FLOPs.
 
     python benchmarks/bench_memory.py --plans 8 --zero 0 --target a100   # 41 plans, 3 min
 
@@ -384,10 +385,6 @@ def bench_model(
                     break
                 plan = random_plan(graph, groups, rng, zero=True)
         plan = dataclasses.replace(plan, remat=bool(rng.integers(2)))
-        if target and plan.pipelined:
-            # The same draw as on the CPU, so the two runs compare plan by plan.
-            print(f"{name:<8} {i:>3} pipeline: compiled on the CPU only, skipped", flush=True)
-            continue
         try:
             report = verify(step, plan, *args, target=target)
         except Exception as e:

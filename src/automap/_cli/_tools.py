@@ -151,7 +151,8 @@ def verify_cmd(
         typer.Option(
             "--target",
             help="Compile for this GPU (a100, h100) without one, and hold its collectives and "
-            "memory against the cost model as it prices that GPU (one-stage plans).",
+            "memory against the cost model as it prices that GPU (a pipeline's programs "
+            "stage by stage).",
         ),
     ] = None,
     as_json: JsonOpt = False,

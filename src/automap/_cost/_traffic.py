@@ -85,12 +85,15 @@ def stage_memory(
     remat: bool,
     matmul_accumulates: bool = True,
     layer_stored: Sequence[tuple[int, ...]] = (),
+    reduce_buffers: bool = False,
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
     "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
     leaves it reads first and the residual bytes it makes per microbatch (what a stage
     DP sums over a layer segment). `layer_stored` (under remat): per recomputed layer,
-    `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once)."""
+    `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once).
+    `reduce_buffers`: a stage's peak may be its reduce program (`reduce_program`), where
+    the step's peak is priced as its busiest moment (`Cluster.frees_at_last_use`)."""
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
@@ -129,6 +132,18 @@ def stage_memory(
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
+
+    if m > 1:
+        # The runtime holds the running sums it adds each microbatch's into, at their own
+        # width (a mixed-precision step's 16-bit weight gradients, not the float32
+        # parameters'): those, rather than the parameter leaves' bytes.
+        summed = [0.0] * S
+        for t in part.accumulated:
+            p = graph.tensors[t].producer
+            if p is not None and phase[p] in (FWD, BWD):
+                summed[int(stage[p])] += graph.tensors[t].nbytes * lay.inv[t]
+        for s in range(S):
+            out[s]["grads"] = summed[s]
 
     # Values made once per step before the microbatches are held through them by their
     # stage and by every stage that reads them later: a weight's cast or transpose,
@@ -180,7 +195,38 @@ def stage_memory(
     # peak is the larger of its backward's and its update's.
     for s, b in enumerate(temporaries(graph, part, lay.inv, m, POST, program)):
         out[s]["activations"] = max(out[s]["activations"], b)
+    # So does the once-per-step reduction of the gradients, between the two.
+    if reduce_buffers:
+        for s, b in enumerate(reduce_program(graph, part, lay, m, zero_stage, phase)):
+            out[s]["activations"] = max(out[s]["activations"], b)
     return out, op_state, op_act
+
+
+def reduce_program(
+    graph: Graph, part: Partition, lay: Layouts, m: int, zero_stage: int, phase: np.ndarray
+) -> list[float]:
+    """Per stage, the bytes per device a stage's reduce program writes besides the partial
+    sums it reads (the `grads` term), read in XLA's buffer assignment of the programs
+    compiled for A100s (`_run/_pipelined.py`, `verify(target=...)`). Its arguments are not
+    donated, so its collective cannot work in place on them: it writes its result (each
+    tensor whole, or its ZeRO shard), the copy its combined collective reduces (float32
+    wide: a 16-bit sum is reduced in float32) and, of a 16-bit sum, the float32 result it
+    casts back (whole, or the shard). Counted where a data axis reduces partial sums over
+    several microbatches: every accumulated tensor of a per-microbatch program."""
+    out = [0.0] * part.n_stages
+    D = lay.data_size
+    if m <= 1 or D <= 1:
+        return out
+    for t in part.accumulated:
+        x, p = graph.tensors[t], graph.tensors[t].producer
+        if p is None or phase[p] not in (FWD, BWD):
+            continue
+        whole = x.nbytes * lay.inv[t]
+        kept = 1 / D if zero_stage >= 1 and x.ndim else 1.0  # ZeRO scatters the gradient
+        narrow = x.itemsize < 4 and x.dtype.startswith(("float", "bfloat"))
+        wide = 4 * whole / x.itemsize if narrow else 0.0  # its float32 sum
+        out[part.op_stage[p]] += whole * kept + (wide or whole) + wide * kept
+    return out
 
 
 def temporaries(

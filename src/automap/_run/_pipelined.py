@@ -322,7 +322,7 @@ class _Pipeline:
         ]
 
         def reduce(*partials: Any) -> tuple[Any, ...]:
-            sums = [p.sum(axis=0) for p in partials]
+            sums = [_total(p) for p in partials]
             return tuple(
                 x if sh is None else jax.lax.with_sharding_constraint(x, sh)
                 for x, sh in zip(sums, shardings, strict=True)
@@ -333,8 +333,8 @@ class _Pipeline:
     def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
         """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
         float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
-        would sum it after its cast to float32): here it is summed in its own dtype
-        anyway, so it is reduce-scattered too, with the data axis on its dim linked to
+        would sum it after its cast to float32): here it is summed apart from the update
+        anyway (`_total`), so it is reduce-scattered too, with the data axis on its dim linked to
         one the update's ops that read it take it on."""
         data, graph = DATA, self.graph
         if self.plan.zero_stage < 1 or mesh.shape.get(data, 1) == 1 or not graph.tensors[t].ndim:
@@ -887,3 +887,13 @@ def _micro_divisible(what: str, shape, spec, mesh) -> None:
             f"{e} (On a pipeline stage a per-microbatch tensor has the microbatch's batch "
             "size: fewer microbatches or a smaller data axis may fit.)"
         ) from None
+
+
+def _total(partials: Any) -> Any:
+    """Partial sums ([d, ...]) summed over their leading axis. A float of fewer than 32
+    bits is summed in float32 and cast back, as Megatron-LM reduces bf16 gradients in
+    fp32 (and as `jnp.sum` does unasked): its reduction moves float32 bytes, which
+    `_cost/_pipelined.py` prices."""
+    if jnp.issubdtype(partials.dtype, jnp.floating) and partials.dtype.itemsize < 4:
+        return partials.sum(axis=0, dtype=jnp.float32).astype(partials.dtype)
+    return partials.sum(axis=0)

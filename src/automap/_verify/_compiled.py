@@ -8,7 +8,8 @@ compared with `jax.jit(fn)`.
 
 A pipeline plan runs as several programs (per stage and phase, on the stage's devices):
 each is compiled as the pipeline runtime compiles it, and their collectives are compared
-stage by stage with the pipeline cost model's (`_verify_pipeline`).
+stage by stage with the pipeline cost model's (`_verify_pipeline`), on the CPU mesh or
+on compile-only GPUs alike.
 
 Virtual CPU devices are fixed when JAX starts, so a plan for more devices than this
 process has is verified in a fresh Python process (`verify_in_subprocess`).
@@ -82,10 +83,13 @@ class VerifyReport:
     # as XLA counts, XLA) FLOPs per device per step.
     stage_memory_bytes: tuple[tuple[float | None, float | None], ...] = ()
     stage_flops: tuple[tuple[float, float, float | None], ...] = ()
+    # The GPU the plan was compiled for without one ("a100", "h100"); None: a CPU mesh.
+    target: str | None = None
 
     def summary(self) -> str:
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
-        lines = [f"verify: mesh {mesh} ({int(np.prod(list(self.mesh.values())))} CPU devices)"]
+        where = f"compile-only {self.target} GPUs" if self.target else "CPU devices"
+        lines = [f"verify: mesh {mesh} ({int(np.prod(list(self.mesh.values())))} {where})"]
         verdict = {True: "match", False: "DO NOT MATCH", None: "not compared (no cost model)"}
         lines.append(
             f"collectives: {verdict[self.collectives_match]} (each kind@axis within "
@@ -330,26 +334,18 @@ def verify(
     order, measured, with Adam's flipped updates allowed on parameters).
 
     `target` ("a100", "h100"): compile for that GPU without one (`_gpu.py`) and hold the
-    program against the cost model of `cluster` (default: the GPU's preset) as it prices
-    a GPU, not the CPU's lowering. Nothing runs (no numerics) and XLA's GPU compiler
-    reports no FLOPs; one-stage plans only.
+    program(s) against the cost model of `cluster` (default: the GPU's preset) as it
+    prices a GPU, not the CPU's lowering. Nothing runs (no numerics) and XLA's GPU
+    compiler reports no FLOPs.
     """
-    if target and plan.pipelined:
-        raise ApplyError(
-            "verify(target=...) compiles one-stage plans; a pipeline's programs compile on "
-            "the CPU: call verify without target."
-        )
     if plan.pipelined:
-        return _verify_pipeline(fn, plan, args, cluster)
+        return _verify_pipeline(fn, plan, args, cluster, target)
     validate_plan(plan)
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
     prepared, compiled = compile_plan(fn, plan, args, graph=graph, target=target)
     xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
-    if target:
-        model = CostModel(graph, cluster or Cluster.preset(target, devices=plan.devices))
-    else:
-        model = cpu_model(graph, plan, cluster)
+    model = _held_against(graph, plan, cluster, target)
     cost = model.estimate(plan)
     predicted = collective_bytes(cost)
     match, mismatches = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
@@ -369,6 +365,7 @@ def verify(
         predicted_flops=flops,
         predicted_flops_as_xla=flops_as_xla,
         xla_flops=compiled_flops(compiled),
+        target=target,
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
@@ -378,7 +375,18 @@ def verify(
     return report
 
 
-def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None) -> VerifyReport:
+def _held_against(graph: Any, plan: Plan, cluster: Any, target: str | None) -> CostModel:
+    """The cost model a compiled plan is held against: on compile-only GPUs `cluster`
+    (default: the GPU's preset) as it prices that GPU, on the CPU mesh the CPU's
+    lowering (`cpu_model`)."""
+    if target:
+        return CostModel(graph, cluster or Cluster.preset(target, devices=plan.devices))
+    return cpu_model(graph, plan, cluster)
+
+
+def _verify_pipeline(
+    fn: Callable, plan: Plan, args: tuple, cluster: Any = None, target: str | None = None
+) -> VerifyReport:
     """A pipeline plan runs as several XLA programs, not one: per stage its "pre", "F",
     "B" and "post" segments on the stage's sub-mesh, F and B once per microbatch, and
     (with several microbatches) its "reduce" of the gradients once per step. Every
@@ -388,9 +396,11 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
     pipeline cost model's per-stage collectives are held against them with the rules of
     one-program plans. Stage-to-stage sends are `jax.device_put`s, not XLA collectives:
     they are left out of both sides. With concrete arguments the pipeline is also run
-    and compared with the one-device step."""
+    and compared with the one-device step. With `target` the programs are compiled for
+    that GPU (`_gpu.py`) and held against its cost model; nothing runs."""
 
-    run = apply_pipeline(fn, plan, _cpu_devices(plan.devices))
+    devices = gpu_devices(target, plan.devices) if target else _cpu_devices(plan.devices)
+    run = apply_pipeline(fn, plan, devices)
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
     programs = run.compile(*args)
     xla: dict[str, float] = {}
@@ -402,7 +412,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         for key, nbytes in comm_bytes(collectives, prog.mesh).items():
             key = _on_stage(key, prog.stage)
             xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
-    model = cpu_model(pipe.graph, plan, cluster)
+    model = _held_against(pipe.graph, plan, cluster, target)
     pc = estimate_pipeline(model, plan)
     predicted = _pipeline_predicted(pc)
     stages = range(len(plan.stages))
@@ -415,7 +425,7 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         # activation sent on until its receiver has it, a per-step value a later
         # program reads.
         parts["held between programs"] = memory[largest][1] - sum(parts.values())
-    match, mismatches = compare_collectives(as_on_cpu(predicted), xla)
+    match, mismatches = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
     notes = [
         f"pipeline plan ({len(plan.stages)} stages, {plan.microbatches} microbatches, "
         f"{plan.schedule}): each stage's programs are compiled on its sub-mesh and their "
@@ -453,9 +463,10 @@ def _verify_pipeline(fn: Callable, plan: Plan, args: tuple, cluster: Any = None)
         xla_flops=flops[busiest][2],
         stage_memory_bytes=memory,
         stage_flops=flops,
+        target=target,
     )
     leaves = jax.tree_util.tree_leaves(args)
-    if leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+    if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         ok, err = _numerics(fn, run(*_fresh(args)), args, plan.devices)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
