@@ -102,6 +102,21 @@ def test_zero3_gathers_each_parameter_again_for_the_backward_and_keeps_no_copy()
     assert z3.temp_size_in_bytes < z2.temp_size_in_bytes
 
 
+def test_zero3_under_remat_gathers_again_what_the_recompute_reads():
+    # Remat re-runs a layer's forward inside its backward behind a barrier: XLA merges none
+    # of the recompute's gathers with the forward's, so the parameters the recomputed ops
+    # read are gathered once more (not a layer's last projection, whose output its
+    # backward does not read again), and the cost model charges them. (Float32: a bf16
+    # step casts its weights before the layers, and the recompute reads the casts.)
+    spec, args, g, _ = gpt("float32")
+    plan = dataclasses.replace(zero_plan(3, "float32"), remat=True)
+    report = verify(spec.step_fn, plan, *args)
+    assert report.collectives_match, report.summary()
+    assert report.numerics_ok, report.summary()
+    gathered = report.xla_comm_bytes["all-gather@data"] / g.role_bytes(Role.PARAM)
+    assert 1.3 < gathered < 1.9
+
+
 def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
     # Where reduce-scatter exists: gradients reduce-scattered, parameters gathered; the
     # two together take the time of data parallel's all-reduce (float32 gradients and

@@ -355,8 +355,8 @@ class CostModel:
             # ZeRO's pinned gradients and update ops run on the device's data shard.
             compute -= (1 - 1 / D) * float(T.zero_coef @ (inv * ~P[:, d]))
         zero_bytes, zero_count = 0.0, 0
-        # ZeRO-3 without remat (which re-runs the layers' forward with their own gathers)
-        # gathers again in the backward the parameters it reads (`_run/_apply.py`).
+        # ZeRO-3 without remat gathers again in the backward the parameters it reads
+        # (`_run/_apply.py`); with it, the recompute gathers again those its ops read.
         regather = zero_stage >= 3 and not st.remat
         if zero_mask:
             # Parameters not already split on data, by layout, are gathered once: after
@@ -371,6 +371,9 @@ class CostModel:
                 # leaf, each waiting for the gradient of its own layer.
                 zero_bytes += float(self.regather.param_coef @ (inv * free))
                 zero_count += int(self.regather.param_leaves @ free)
+            elif zero_stage >= 3:  # remat: once more each where its layer is recomputed
+                zero_bytes += float(self.regather.remat_coef @ (inv * free))
+                zero_count += int(self.regather.remat_leaves @ free)
         sums = st.sums + self._remat_sums(st) if st.remat else st.sums
         tot_time, tot_bytes, tot_count, kk, aa = K.totals(
             sums,
@@ -494,6 +497,10 @@ class RegatherCoefs:
     param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
     param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
+    # Under remat: the parameters the recomputed ops read, which the recompute gathers
+    # again (XLA merges no gather behind the recompute's barrier with the forward's).
+    remat_coef: np.ndarray  # [n_sets] their bytes
+    remat_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
 
 
 def reduction_copy(zero_size: float, cluster: Cluster, param_bytes: float) -> tuple[float, float]:
@@ -564,11 +571,17 @@ def regather_coefs(graph: Graph, groups: Groups, T, res) -> RegatherCoefs:
     for t in rg.params:
         coef[set_of(t)] += graph.tensors[t].nbytes
         leaves[set_of(t)] += graph.tensors[t].ndim > 0
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    again = {t for i in res.recomputed for t in graph.ops[i].inputs if t in params}
+    remat_coef, remat_leaves = np.zeros(n), np.zeros(n)
+    for t in again:
+        remat_coef[set_of(t)] += graph.tensors[t].nbytes
+        remat_leaves[set_of(t)] += graph.tensors[t].ndim > 0
     # Saved values made from parameters alone (their casts: the same groups, so the same
     # set as theirs, and split on data exactly where the parameter is).
     for t in set(res.saved) & rg.tensors:
         acts[set_of(t)] += graph.tensors[t].nbytes
-    return RegatherCoefs(coef, leaves, acts)
+    return RegatherCoefs(coef, leaves, acts, remat_coef, remat_leaves)
 
 
 def _take(R: RowTable, idx: np.ndarray) -> RowTable:

@@ -345,7 +345,8 @@ def stage_costs(
     op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
-        _add_zero(graph, part, oc, time, nbytes, count)
+        again = set(model.residuals.recomputed) if oc.remat else set()
+        _add_zero(graph, part, oc, time, nbytes, count, again)
 
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)
@@ -536,14 +537,18 @@ def zero_leaves(graph, lay: Layouts):
             yield t, graph.tensors[t].nbytes * lay.inv[t], int(graph.tensors[t].ndim > 0)
 
 
-def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
+def _add_zero(
+    graph, part: Partition, oc: OpCosts, time, nbytes, count, recomputed: set[int]
+) -> None:
     """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
     parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
     the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
     parameter stays sharded and every PRE, F and B program that reads it gathers it for
     use. A program gathers its parameters in one combined collective (XLA's all-gather
     combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
-    a layer cut mid-way) is updated on only one of them."""
+    a layer cut mid-way) is updated on only one of them. Under remat a B program
+    gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
+    no gather behind the recompute's barrier with the backward's own)."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
     phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
@@ -556,6 +561,9 @@ def _add_zero(graph, part: Partition, oc: OpCosts, time, nbytes, count) -> None:
             if ph in phases and c:
                 moved[(s, ph)] = moved.get((s, ph), 0.0) + b
                 programs.setdefault((s, ph), set()).add(prog)
+        if oc.zero_stage >= 3 and c:
+            for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
+                moved[(s, BWD)] = moved.get((s, BWD), 0.0) + b
     for (s, ph), b in moved.items():
         n = len(programs[(s, ph)])
         time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
