@@ -124,14 +124,18 @@ def test_memory_decreases_with_sharding_and_zero():
     # ZeRO as the plan pins it (it used to gather the moments for a whole update): the
     # gradients' all-reduce becomes a reduce-scatter of the same bytes, and the
     # parameters are gathered once after the sharded update, or (ZeRO-3) for use in the
-    # forward and again for the backward's reads (`tests/test_zero.py`).
+    # forward and again for the backward's reads (`tests/test_zero.py`): the bf16 casts
+    # those read, half the float32 parameters' bytes (`tests/test_verify_gpu.py`).
     params = zero[0].memory_breakdown["params"]
-    again = sum(g.tensors[t].nbytes for t in regather_plan(g, groups).params)
+    regathered = regather_plan(g, groups).params
+    again = sum(g.tensors[t].nbytes for t in regathered)
+    casts = sum(model.tables.gathered.values()) + sum(model.tables.gathered[t] for t in regathered)
+    assert casts == pytest.approx((params + again) / 2, rel=0.05)
     grads = by_key(zero[0])[("all-reduce", "data")].bytes
     for stage in (1, 2, 3):
         k = by_key(zero[stage])
         assert k[("reduce-scatter", "data")].bytes == pytest.approx(grads, rel=0.01)
-        gathered = params + (again if stage == 3 else 0)
+        gathered = casts if stage == 3 else params
         assert k[("all-gather", "data")].bytes == pytest.approx(gathered)
     # Data parallel peaks at the gradients' reduction (the activations are gone by then);
     # unsplit, nothing is reduced and the peak is the activations'.

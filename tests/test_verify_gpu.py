@@ -14,6 +14,7 @@ from automap import ApplyError
 from automap._capture import capture
 from automap._cli import app
 from automap._cost import CostModel
+from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment
 from automap._verify import gpu_devices, target_config, verify
 from automap._zoo import get_model
@@ -129,6 +130,26 @@ def test_a_mixed_precision_step_keeps_what_the_gpu_keeps():
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_zero3_gathers_a_mixed_precision_steps_bf16_weights(pp):
+    # A bf16 step casts its float32 weights before use; ZeRO-3 leaves them sharded, and
+    # XLA gathers the casts (where an op needs them whole, after the elementwise ops that
+    # keep the sharding): half the float32 parameters' bytes, in the forward and again in
+    # the backward (a pipeline: once, in the program that casts them). The backward makes
+    # its copies again, so the forward's die with the forward. (The CPU gathers them in
+    # float32: `Cluster.collective_float_bytes`.)
+    step, args = _bf16_gpt()
+    a100 = am.Cluster.preset("a100", devices=8)
+    recipe = am.Recipe(pp=pp, dp=8 // pp, zero=3, microbatches=1 if pp == 1 else 4)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    gathered = sum(v for k, v in report.xla_comm_bytes.items() if k.startswith("all-gather"))
+    params = capture(step, *args).role_bytes(Role.PARAM)
+    assert gathered < (1.05 if pp == 1 else 0.55) * params
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
+
+
 def test_a_pipeline_stage_holds_its_reduce_programs_buffers():
     # With several microbatches a stage reduces its gradients' running sums once per step
     # in a program of its own; its arguments are not donated, so on the GPU it writes the
@@ -155,15 +176,19 @@ def test_compile_only_gpus_say_what_they_cannot_do():
     assert len(gpu_devices("h100", 16)) == 16
 
 
+def _bf16_gpt():
+    spec = get_model("gpt-1.3b", layers=4, hidden=128, heads=8, seq=128, batch=16, vocab=512,
+                     dtype="bfloat16", softmax="fused")  # fmt: skip
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+
+
 def test_a_pipeline_compiled_for_a_gpu_holds_what_its_stages_are_priced():
     # Megatron's recipe on a bfloat16 GPT, as the published table's rows run it: every
     # stage's programs compiled for A100s, stage by stage. Each stage sums its
     # microbatches' 16-bit weight gradients once per step in float32 (as Megatron
     # reduces bf16 gradients in fp32): its data all-reduce moves float32 bytes, twice the
     # gradients' own (the CPU, which runs 16-bit collectives in float32, cannot tell).
-    spec = get_model("gpt-1.3b", layers=4, hidden=128, heads=8, seq=128, batch=16, vocab=512,
-                     dtype="bfloat16", softmax="fused")  # fmt: skip
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    step, args = _bf16_gpt()
     a100 = am.Cluster.preset("a100", devices=8)
     recipe = am.Recipe(pp=4, dp=2, microbatches=8, remat="full")
     plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)

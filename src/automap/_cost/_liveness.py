@@ -27,7 +27,7 @@ apart (`gathered`), as only that stage gathers them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +48,10 @@ class Moments:
     # [k, n_sets] the parameters ZeRO-3 gathers in use then (whole over the data axis)
     gathered: np.ndarray
     at: np.ndarray  # [k] the moments (op index in program order), for reading
+    # [k, n_sets] of `live`, the forward's values made from parameters alone (a weight's
+    # cast) held past the forward for the backward: ZeRO-3 without remat makes them again
+    # from the shards there instead (`_groups.regather_plan`), so they are not held then.
+    regathered: np.ndarray | None = None
 
 
 NO_BLOCKS = np.zeros((0, 3), dtype=np.int64)
@@ -68,22 +72,33 @@ class Buffers:
 
 
 def gathered_parameters(
-    graph: Graph, consumers, boundary: int, update: set[int], remat: bool
+    graph: Graph,
+    consumers,
+    boundary: int,
+    update: set[int],
+    remat: bool,
+    gathered: Mapping[int, float] | None = None,
 ) -> Buffers:
     """The whole copies of the parameters ZeRO-3 gathers (`_run/_apply.py`): each from its
     first reader to its last in the forward, and gathered again for the backward's
     (`_groups.regather_plan`); under rematerialization XLA keeps the forward's copy for the
     backward (one gather, CSE'd with the recompute's: read on compile-only A100s). The
-    `update` ops read the device's shard."""
-    rows = []
+    `update` ops read the device's shard. Without remat a copy is as wide as what is
+    gathered (`gathered`, bytes per parameter: a bf16 cast, say); under it the parameter."""
+    rows, widths = [], []
     for leaf in graph.leaves(Role.PARAM):
         reads = sorted(set(consumers[leaf.tensor]) - update)
         fwd, bwd = [r for r in reads if r <= boundary], [r for r in reads if r > boundary]
+        nbytes = graph.tensors[leaf.tensor].nbytes
+        width = gathered[leaf.tensor] / nbytes if gathered and not remat and nbytes else 1.0
         for part in [reads] if remat else [fwd, bwd]:
             if part:
                 rows.append((leaf.tensor, part[0], part[-1]))
+                widths.append(width)
     t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    return Buffers(tensor=t, birth=b, death=d, width=np.ones(len(t)), blocks=NO_BLOCKS)
+    return Buffers(
+        tensor=t, birth=b, death=d, width=np.array(widths, dtype=float), blocks=NO_BLOCKS
+    )
 
 
 def step_moments(
@@ -95,6 +110,7 @@ def step_moments(
     n_groups: int,
     gradients: Sequence[tuple[int, float]],
     n_ops: int,
+    regathered: Buffers | None = None,
 ) -> Moments:
     """The candidate moments of `buffers` and ZeRO-3's `gathered` parameters (`nbytes`,
     `tensor_set` per tensor; `set_groups` the groups of each set, padded with `n_groups`).
@@ -133,6 +149,27 @@ def step_moments(
         held=held_at(at, grads),
         gathered=_alive(gathered, at, nbytes, tensor_set, n_sets),
         at=at,
+        regathered=None
+        if regathered is None
+        else _alive(regathered, at, nbytes, tensor_set, n_sets),
+    )
+
+
+def past_forward(buffers: Buffers, tensors: Collection[int], consumers, boundary: int) -> Buffers:
+    """Of the `buffers` of `tensors`, what is left after their last forward reader (an op at
+    or before `boundary`)."""
+    rows, widths = [], []
+    for t, birth, death, width in zip(
+        buffers.tensor, buffers.birth, buffers.death, buffers.width, strict=True
+    ):
+        if int(t) in tensors:
+            last = max((c for c in consumers[int(t)] if c <= boundary), default=int(birth))
+            if max(int(birth), last + 1) <= death:
+                rows.append((int(t), max(int(birth), last + 1), int(death)))
+                widths.append(float(width))
+    t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return Buffers(
+        tensor=t, birth=b, death=d, width=np.array(widths, dtype=float), blocks=NO_BLOCKS
     )
 
 

@@ -69,7 +69,7 @@ import numpy as np
 from .._axes import DATA
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, build_groups, regather_plan, rule
+from .._groups import Groups, Regather, build_groups, regather_plan, rule
 from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
@@ -97,9 +97,10 @@ class CostModel:
         self.unknown_primitives = tuple(unknown)
         # What the step keeps for its backward, with and without rematerialization.
         self.residuals = remat_residuals(graph, self.groups)
-        self.tables = build_tables(graph, self.groups, cluster, self.residuals)
+        rg = regather_plan(graph, self.groups)
+        self.tables = build_tables(graph, self.groups, cluster, self.residuals, rg.tensors)
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
-        self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals)
+        self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals, rg)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
@@ -362,7 +363,12 @@ class CostModel:
             # Parameters not already split on data, by layout, are gathered once: after
             # the sharded update (ZeRO-1/2), or for use in the forward (ZeRO-3).
             free = ~P[:, d]
-            zero_bytes = float(T.param_coef @ (inv * free))
+            # ZeRO-3 gathers what the forward reads (a cast, say: `Tables.gathered`); under
+            # remat, whose recompute reads the parameters through its barrier, XLA gathers
+            # each parameter once for both (read on compile-only A100s); ZeRO-1/2 the new
+            # parameters.
+            gather = T.gather_coef if zero_stage >= 3 and not st.remat else T.param_coef
+            zero_bytes = float(gather @ (inv * free))
             # One collective: XLA's all-gather combiner joins them as its all-reduce
             # combiner joins the gradients' reductions.
             zero_count = int(T.param_leaves @ free > 0)
@@ -541,6 +547,8 @@ def busiest_moment(
         at = at + copies / microbatches
     if gathered is not None:
         at = at + moments.gathered @ gathered
+        if moments.regathered is not None:  # the backward gathers its own copies
+            at = at - moments.regathered @ gathered / microbatches
     end = reduced + copy
     k = int(np.argmax(at)) if len(at) else -1
     if k < 0 or end >= at[k]:
@@ -556,26 +564,25 @@ def reduced_gradients(sums: np.ndarray, ac: C.AxisCosts) -> float:
     return float(sums[3, : len(C.KINDS) * ac.masks].sum())
 
 
-def regather_coefs(graph: Graph, groups: Groups, T, res) -> RegatherCoefs:
-    """The per-set coefficients of ZeRO-3's second gather (sets keyed as `build_tables`
-    keys them: a tensor's splittable groups, sorted)."""
+def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
+    """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
+    `build_tables` keys them: a tensor's splittable groups, sorted)."""
     ng = len(groups.groups)
     index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
 
     def set_of(t: int) -> int:
         return index[tuple(sorted({g for g in groups.tensor_groups[t] if T.splittable[g]}))]
 
-    rg = regather_plan(graph, groups)
     n = len(T.sets)
     coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
-    for t in rg.params:
-        coef[set_of(t)] += graph.tensors[t].nbytes
+    for t in rg.params:  # gathered as the forward gathers them (a cast, say)
+        coef[set_of(t)] += T.gathered[t]
         leaves[set_of(t)] += graph.tensors[t].ndim > 0
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
     again = {t for i in res.recomputed for t in graph.ops[i].inputs if t in params}
     remat_coef, remat_leaves = np.zeros(n), np.zeros(n)
     for t in again:
-        remat_coef[set_of(t)] += graph.tensors[t].nbytes
+        remat_coef[set_of(t)] += T.gathered[t]
         remat_leaves[set_of(t)] += graph.tensors[t].ndim > 0
     # Saved values made from parameters alone (their casts: the same groups, so the same
     # set as theirs, and split on data exactly where the parameter is).

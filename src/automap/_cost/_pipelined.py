@@ -182,11 +182,16 @@ def op_costs(
         # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
         # used (ZeRO-3; `stage_costs` charges every program that reads it).
         # One program gathers them all in one combined collective, shared by bytes.
-        readers, leaves = graph.consumers(), list(zero_leaves(graph, lay))
-        total = sum(b for _, b, _ in leaves)
+        gathered = model.tables.gathered if zero_stage >= 3 else None
+        readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
+        # Under remat the recompute gathers again, one by one, what its ops read (ZeRO-3:
+        # `_add_zero`, and the one-stage model).
+        recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
+        again = [(t, b) for t, b, c in leaves if c and any(i in recomputed for i in readers[t])]
+        total = sum(b for _, b, _ in leaves) + sum(b for _, b in again)
         if total and any(c for *_, c in leaves):
-            seconds = ac.time1(C.AG, zero_mask, total, 1)
-            for t, b, _ in leaves:
+            seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
+            for t, b in [(t, b) for t, b, _ in leaves] + again:
                 zero_comm[(readers[t] or (0,))[0]] += seconds * b / total
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
@@ -346,7 +351,7 @@ def stage_costs(
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
         again = set(model.residuals.recomputed) if oc.remat else set()
-        _add_zero(graph, part, oc, time, nbytes, count, again)
+        _add_zero(graph, part, oc, time, nbytes, count, again, model.tables.gathered)
 
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)
@@ -528,17 +533,26 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     )
 
 
-def zero_leaves(graph, lay: Layouts):
+def zero_leaves(graph, lay: Layouts, gathered: Mapping[int, float] | None = None):
     """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
-    layout is not already split on the data axis (as `_model.py`)."""
+    layout is not already split on the data axis (as `_model.py`). `gathered`: the bytes
+    a ZeRO-3 gather of each moves whole (`Tables.gathered`: a cast, say), else its own."""
     for leaf in graph.leaves(Role.PARAM):
         t = leaf.tensor
         if not lay.on_data[t]:
-            yield t, graph.tensors[t].nbytes * lay.inv[t], int(graph.tensors[t].ndim > 0)
+            whole = graph.tensors[t].nbytes if gathered is None else gathered[t]
+            yield t, whole * lay.inv[t], int(graph.tensors[t].ndim > 0)
 
 
 def _add_zero(
-    graph, part: Partition, oc: OpCosts, time, nbytes, count, recomputed: set[int]
+    graph,
+    part: Partition,
+    oc: OpCosts,
+    time,
+    nbytes,
+    count,
+    recomputed: set[int],
+    gathered: Mapping[int, float],
 ) -> None:
     """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
     parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
@@ -548,14 +562,16 @@ def _add_zero(
     combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
     a layer cut mid-way) is updated on only one of them. Under remat a B program
     gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
-    no gather behind the recompute's barrier with the backward's own)."""
+    no gather behind the recompute's barrier with the backward's own). `gathered`: what
+    a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
     phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
     phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
     programs: dict[tuple[int, int], set[int]] = {}
-    for t, b, c in zero_leaves(graph, oc.layouts):
+    whole = gathered if oc.zero_stage >= 3 else None  # ZeRO-1/2: the new float32 ones
+    for t, b, c in zero_leaves(graph, oc.layouts, whole):
         # Gathered once in each program that reads it.
         for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
             if ph in phases and c:

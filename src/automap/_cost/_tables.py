@@ -10,7 +10,7 @@ collective times are linear in both).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +29,7 @@ from .._groups import (
     rule,
     zero_region,
 )
-from ._liveness import Buffers, Moments, gathered_parameters, step_moments
+from ._liveness import Buffers, Moments, gathered_parameters, past_forward, step_moments
 
 
 class CandidateRow(NamedTuple):
@@ -144,6 +144,10 @@ class Tables:
     body_zero: np.ndarray  # [n_body] the same for a loop body's ops
     zero_coef: np.ndarray  # [n_sets] op_coef and body_coef of those ops, summed by set
     param_coef: np.ndarray  # [n_sets] bytes of parameter leaves
+    # Per parameter leaf (tensor id), the bytes ZeRO-3's gather of it moves
+    # (`gathered_bytes`), and those summed by set.
+    gathered: Mapping[int, float]
+    gather_coef: np.ndarray  # [n_sets]
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
@@ -170,7 +174,15 @@ class Tables:
     combine_trips: np.ndarray
 
 
-def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals) -> Tables:
+def build_tables(
+    graph: Graph,
+    groups: Groups,
+    cluster: Cluster,
+    res: Residuals,
+    regathered: Collection[int] = frozenset(),
+) -> Tables:
+    """The cost model's tables of `graph` (`Tables`). `regathered`: the forward's values
+    ZeRO-3's backward makes again (`_groups.Regather.tensors`)."""
     ng = len(groups.groups)
     split = np.array([g.splittable for g in groups.groups] + [False])
     set_ids: dict[tuple[int, ...], int] = {}
@@ -434,6 +446,9 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
     again_p = _rows([r for r in prow if r.op in recomputed], ng, empty)
     again_r = _rows(list(rrow_again.values()), ng, empty)
     param_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.PARAM))
+    gathered = gathered_bytes(graph, consumers, update, wide)
+    gather_coef = np.zeros(n_sets)
+    np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
     opt_coef = by_set(leaf.tensor for leaf in graph.leaves(Role.OPT_STATE))
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
@@ -449,10 +464,12 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
 
         def moments_of(remat: bool) -> tuple[Buffers, Moments]:
             buf = step_buffers(graph, res, consumers, remat, cluster.remakes_residuals)
-            gathered = gathered_parameters(graph, consumers, res.boundary, update, remat)
-            return buf, step_moments(
-                buf, gathered, nbytes, tensor_set, sets, ng, grads, len(graph.ops)
+            whole = gathered_parameters(graph, consumers, res.boundary, update, remat, gathered)
+            again = None if remat else past_forward(buf, regathered, consumers, res.boundary)
+            moments = step_moments(
+                buf, whole, nbytes, tensor_set, sets, ng, grads, len(graph.ops), again
             )
+            return buf, moments
 
         moments = moments_of(False)[1]
         again, moments_remat = moments_of(True)
@@ -482,6 +499,8 @@ def build_tables(graph: Graph, groups: Groups, cluster: Cluster, res: Residuals)
         remat_coef=np.bincount(op_set_a, np.array(remat, dtype=float), minlength=n_sets)
         + np.bincount(body_set_a, body_again, minlength=n_sets),
         param_coef=param_coef,
+        gathered=gathered,
+        gather_coef=gather_coef,
         opt_coef=opt_coef,
         other_coef=other_coef,
         act_coef=act_coef,
@@ -767,6 +786,31 @@ EXPENSIVE = frozenset(
     """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
     exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
 )
+
+
+def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) -> dict[int, float]:
+    """Per parameter leaf, the bytes ZeRO-3's gather of it moves (whole). XLA gathers a
+    sharded parameter where an op needs it whole, after the elementwise ops that keep its
+    sharding: where every reader outside the `update` casts it to a narrower float (a
+    mixed-precision step's weights), it gathers the cast. Read in the programs compiled
+    for A100s: a bf16 gather, half the float32 parameter's bytes (XLA's CPU widens a
+    16-bit collective to `wide` bytes an element: `Cluster.collective_float_bytes`)."""
+    out = {}
+    for leaf in graph.leaves(Role.PARAM):
+        x = graph.tensors[leaf.tensor]
+        readers = [graph.ops[c] for c in consumers[leaf.tensor] if c not in update]
+        casts = [
+            graph.tensors[op.outputs[0]]
+            for op in readers
+            if op.primitive == "convert_element_type"
+            and graph.tensors[op.outputs[0]].dtype.startswith(("float", "bfloat"))
+        ]
+        narrow = readers and len(casts) == len(readers)
+        per_element = (
+            min(x.itemsize, max(max(c.itemsize for c in casts), wide)) if narrow else x.itemsize
+        )
+        out[leaf.tensor] = float(x.size * per_element)
+    return out
 
 
 def summed_partials(
