@@ -185,9 +185,9 @@ def _bf16_gpt():
 def test_a_pipeline_compiled_for_a_gpu_holds_what_its_stages_are_priced():
     # Megatron's recipe on a bfloat16 GPT, as the published table's rows run it: every
     # stage's programs compiled for A100s, stage by stage. Each stage sums its
-    # microbatches' 16-bit weight gradients once per step in float32 (as Megatron
-    # reduces bf16 gradients in fp32): its data all-reduce moves float32 bytes, twice the
-    # gradients' own (the CPU, which runs 16-bit collectives in float32, cannot tell).
+    # microbatches' 16-bit weight gradients once per step in 16 bits, as Megatron-LM's
+    # runs do (`jnp.sum` would sum them in float32: twice the bytes; the CPU, which runs
+    # 16-bit collectives in float32, cannot tell).
     step, args = _bf16_gpt()
     a100 = am.Cluster.preset("a100", devices=8)
     recipe = am.Recipe(pp=4, dp=2, microbatches=8, remat="full")
@@ -196,7 +196,7 @@ def test_a_pipeline_compiled_for_a_gpu_holds_what_its_stages_are_priced():
     assert report.collectives_match, report.mismatches
     for s in range(4):
         grads = report.xla_comm_bytes[f"all-reduce@data (stage {s})"]
-        assert grads > 200_000  # float32 gradients, not a loss scalar
+        assert grads > 200_000  # the gradients, not a loss scalar
     assert report.xla_flops is None and report.numerics_ok is None  # compiled, never run
     assert "(8 compile-only a100 GPUs)" in report.summary()
     for predicted, xla in report.stage_memory_bytes:

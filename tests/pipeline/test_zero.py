@@ -230,9 +230,8 @@ def test_the_gradient_sums_are_whole_until_reduced():
 
 def test_sixteen_bit_gradients_are_reduce_scattered_too():
     # The plan leaves a bf16 gradient free (one program would sum it after its float32
-    # cast); a stage sums it apart from the update anyway (in float32, cast back), so its
-    # reduce program scatters it into the layout the update reads it in, and the model
-    # prices a reduce-scatter for it.
+    # cast); a stage sums it in bf16 anyway, so its reduce program scatters it into the
+    # layout the update reads it in, and the model prices a reduce-scatter for it.
     spec = get_model("gpt-1.3b", layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=128)
     args = spec.abstract_args()
     graph = capture(spec.step_fn, *args)

@@ -127,11 +127,6 @@ class OpCosts:
     # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
     # stage's reduce program scatters it all the same (`_rows_by_phase`).
     row_narrow: np.ndarray | None = None
-    # [rows] how many times its bytes a stage's reduce program moves for the row's tensor
-    # (or None): it sums a float of fewer than 32 bits in float32 (`_run/_pipelined.py`),
-    # 4 / the bytes per element the row moves already (2 for bf16 on a GPU, 1 on XLA's
-    # CPU, which widens 16-bit collectives itself).
-    row_widen: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -222,9 +217,7 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
-        # One check per op, not per row.
-        row_narrow=_narrow_ops(graph)[row_op],
-        row_widen=_widened_sums(graph, model.cluster.collective_float_bytes)[row_op],
+        row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -235,20 +228,6 @@ def _narrow_ops(graph) -> np.ndarray:
         [bool(op.outputs) and graph.tensors[op.outputs[0]].itemsize < 4 for op in graph.ops],
         dtype=bool,
     )
-
-
-def _widened_sums(graph, moved: int) -> np.ndarray:
-    """[n_ops] 4 / the bytes per element a collective of the op's (first) result moves
-    (its itemsize, or `moved` where the backend widens 16-bit floats to it:
-    `Cluster.collective_float_bytes`) where that result is a float of fewer than 32
-    bits, else 1: how much more a reduce program's float32 sum of it moves."""
-
-    def widen(op) -> float:
-        t = graph.tensors[op.outputs[0]] if op.outputs else None
-        narrow = t is not None and t.itemsize < 4 and t.dtype.startswith(("float", "bfloat"))
-        return 4 / max(t.itemsize, moved) if narrow else 1.0
-
-    return np.array([widen(op) for op in graph.ops], dtype=float)
 
 
 def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
@@ -276,7 +255,6 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
         row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < len(op) - len(r.op)]),
         row_narrow=np.concatenate([oc.row_narrow, np.zeros(len(op), dtype=bool)]),
-        row_widen=np.concatenate([oc.row_widen, np.ones(len(op))]),
     )
 
 
@@ -517,7 +495,6 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
     narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
     kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
-    widen = oc.row_widen if oc.row_widen is not None else np.ones(len(r))
     rows = np.concatenate([r, r[d]])
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
@@ -528,8 +505,7 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
         # One program reduces them all: XLA combines every one (the loss sum with the
         # gradients), as it combines the gradient reductions of one call.
         np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
-        # The reduce program sums a 16-bit tensor in float32 (`_run/_pipelined._total`).
-        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), (oc.row_bytes * widen)[d]]),
+        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
     )
 
 

@@ -209,10 +209,9 @@ def reduce_program(
     sums it reads (the `grads` term), read in XLA's buffer assignment of the programs
     compiled for A100s (`_run/_pipelined.py`, `verify(target=...)`). Its arguments are not
     donated, so its collective cannot work in place on them: it writes its result (each
-    tensor whole, or its ZeRO shard), the copy its combined collective reduces (float32
-    wide: a 16-bit sum is reduced in float32) and, of a 16-bit sum, the float32 result it
-    casts back (whole, or the shard). Counted where a data axis reduces partial sums over
-    several microbatches: every accumulated tensor of a per-microbatch program."""
+    tensor whole, or its ZeRO shard) and the copy its combined collective reduces. Counted
+    where a data axis reduces partial sums over several microbatches: every accumulated
+    tensor of a per-microbatch program."""
     out = [0.0] * part.n_stages
     D = lay.data_size
     if m <= 1 or D <= 1:
@@ -223,9 +222,7 @@ def reduce_program(
             continue
         whole = x.nbytes * lay.inv[t]
         kept = 1 / D if zero_stage >= 1 and x.ndim else 1.0  # ZeRO scatters the gradient
-        narrow = x.itemsize < 4 and x.dtype.startswith(("float", "bfloat"))
-        wide = 4 * whole / x.itemsize if narrow else 0.0  # its float32 sum
-        out[part.op_stage[p]] += whole * kept + (wide or whole) + wide * kept
+        out[part.op_stage[p]] += whole * kept + whole
     return out
 
 

@@ -333,7 +333,7 @@ class _Pipeline:
     def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
         """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
         float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
-        would sum it after its cast to float32): here it is summed apart from the update
+        would sum it after its cast to float32): here it is summed in its own dtype
         anyway (`_total`), so it is reduce-scattered too, with the data axis on its dim linked to
         one the update's ops that read it take it on."""
         data, graph = DATA, self.graph
@@ -890,10 +890,8 @@ def _micro_divisible(what: str, shape, spec, mesh) -> None:
 
 
 def _total(partials: Any) -> Any:
-    """Partial sums ([d, ...]) summed over their leading axis. A float of fewer than 32
-    bits is summed in float32 and cast back, as Megatron-LM reduces bf16 gradients in
-    fp32 (and as `jnp.sum` does unasked): its reduction moves float32 bytes, which
-    `_cost/_pipelined.py` prices."""
-    if jnp.issubdtype(partials.dtype, jnp.floating) and partials.dtype.itemsize < 4:
-        return partials.sum(axis=0, dtype=jnp.float32).astype(partials.dtype)
-    return partials.sum(axis=0)
+    """Partial sums ([d, ...]) summed over their leading axis in their own dtype, as
+    Megatron-LM's runs reduce 16-bit gradients in 16 bits (and DeepSpeed by default):
+    `jnp.sum` would sum a 16-bit float in float32, twice the bytes over the data axis,
+    which `_cost/_pipelined.py` does not price."""
+    return jax.lax.reduce(partials, jnp.zeros((), partials.dtype), jax.lax.add, (0,))
