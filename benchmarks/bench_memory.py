@@ -42,7 +42,11 @@ gpt 5 of 6, vgg19 5 of 5, flax_lm 6 of 7, eqx_mlp 7 of 7; ZeRO 10 of 10, remat 2
 activation all-reduces with the backward's and copies their operands into one buffer at
 the recompute: `_cost._tables.combined_copies`), at 3f530c9: `--plans 8` 38 of 39 (97%;
 remat 25 of 26), `--zero 0` 41 of 41, the default 54 of 57 (95%): the transformer remat
-plans that were 0.78-0.84x are 0.98-1.03x. Left: one replicated-batch bert under remat
+plans that were 0.78-0.84x are 0.98-1.03x. With pipelines compiled for the GPU too (a
+stage's reduce program writes its result and its combined all-reduce's copy beside the
+running sums it reads: `_cost._traffic.reduce_program`), at ef413c4: `--plans 8` 47 of 48
+(98%): pipelines 9 of 9 (0.93-1.04x; 0.75-0.81x on mlp and vgg19 before that program's
+buffers were priced), ZeRO 16 of 16, remat 30 of 31. Left: one replicated-batch bert under remat
 1.23x (XLA's backward holds less of the recomputed layer than the block priced), a bert
 ZeRO-2 remat plan 1.17x, and a vgg19 ZeRO-3 plan 0.72x (XLA gathers every kernel of the
 backward early and keeps each, copied to cuDNN's layout, to the end of the backward).
