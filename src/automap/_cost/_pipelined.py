@@ -328,8 +328,8 @@ def stage_costs(
     op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
-        again = set(model.residuals.recomputed) if oc.remat else set()
-        _add_zero(graph, part, oc, time, nbytes, count, again, model.tables.gathered)
+        recomputed = set(model.residuals.recomputed) if oc.remat else set()
+        _add_zero(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
 
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)

@@ -107,6 +107,8 @@ class _Scope:
     plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
     zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
     zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
+    # [n_c] what ZeRO-3's gather of those moves (`Tables.gathered`: a bf16 cast, say)
+    gather_bytes: np.ndarray
     zero_count: np.ndarray  # [n_c] parameter leaves not split on data
     # ZeRO-3's second gather, in the backward (`_cost/_model.RegatherCoefs`):
     regather_bytes: np.ndarray  # [n_c] bytes of the parameters gathered again
@@ -116,6 +118,8 @@ class _Scope:
     # moment (`_cost/_liveness.py`): what is alive, and ZeRO-3's gathered parameters.
     live: np.ndarray | None  # [n_c, moments]
     gathered: np.ndarray | None  # [n_c, moments]
+    # [n_c, moments] of `live`, the casts ZeRO-3's backward makes again (`Moments.regathered`)
+    regathered: np.ndarray | None
 
 
 class MeshTerms:
@@ -246,12 +250,16 @@ class MeshTerms:
             plain=inv_c @ T.memory_coef[:, own].T,
             zeroed=zinv @ T.memory_coef[:2, own].T,
             zero_bytes=(inv_c * free) @ T.param_coef[own],
+            gather_bytes=(inv_c * free) @ T.gather_coef[own],
             zero_count=free.astype(float) @ T.param_leaves[own],
             regather_bytes=(inv_c * free) @ self.rg.param_coef[own],
             regather_count=free.astype(float) @ self.rg.param_leaves[own],
             regather_acts=(inv_c * free) @ self.rg.act_coef[own],
             live=inv_c @ moments.live[:, own].T if moments else None,
             gathered=(inv_c * free) @ moments.gathered[:, own].T if moments else None,
+            regathered=(inv_c * free) @ moments.regathered[:, own].T
+            if moments and moments.regathered is not None
+            else None,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -320,7 +328,11 @@ class MeshTerms:
             if moments is not None:
                 # `_cost/_model.busiest_moment`, one point per moment and the reduction's
                 held = np.outer(sc.reduced, moments.held)
-                at = sc.live + held + (sc.gathered if zero and zero_stage >= 3 else 0.0)
+                at = sc.live + held
+                if zero and zero_stage >= 3:
+                    at = at + sc.gathered
+                    if sc.regathered is not None:  # the backward gathers its own copies
+                        at = at - sc.regathered
                 base = params + opt + pl[:, 4]
                 end = base + sc.reduced * (1.0 + share)
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
@@ -356,7 +368,7 @@ class MeshTerms:
                 (
                     sc,
                     (sc.zero_count > 0).astype(float),
-                    sc.zero_bytes + (sc.regather_bytes if again else 0.0),
+                    sc.gather_bytes + sc.regather_bytes if again else sc.zero_bytes,
                     sc.regather_count if again else 0.0,
                 )
                 for sc in self.scopes
