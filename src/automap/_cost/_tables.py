@@ -465,11 +465,10 @@ def build_tables(
         def moments_of(remat: bool) -> tuple[Buffers, Moments]:
             buf = step_buffers(graph, res, consumers, remat, cluster.remakes_residuals)
             whole = gathered_parameters(graph, consumers, res.boundary, update, remat, gathered)
-            again = None if remat else past_forward(buf, regathered, consumers, res.boundary)
-            moments = step_moments(
-                buf, whole, nbytes, tensor_set, sets, ng, grads, len(graph.ops), again
+            made = None if remat else past_forward(buf, regathered, consumers, res.boundary)
+            return buf, step_moments(
+                buf, whole, nbytes, tensor_set, sets, ng, grads, len(graph.ops), made
             )
-            return buf, moments
 
         moments = moments_of(False)[1]
         again, moments_remat = moments_of(True)

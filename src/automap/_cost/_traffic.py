@@ -133,17 +133,13 @@ def stage_memory(
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
 
+    sums = running_sums(graph, part, lay, phase) if m > 1 else []
     if m > 1:
         # The runtime holds the running sums it adds each microbatch's into, at their own
         # width (a mixed-precision step's 16-bit weight gradients, not the float32
         # parameters'): those, rather than the parameter leaves' bytes.
-        summed = [0.0] * S
-        for t in part.accumulated:
-            p = graph.tensors[t].producer
-            if p is not None and phase[p] in (FWD, BWD):
-                summed[int(stage[p])] += graph.tensors[t].nbytes * lay.inv[t]
         for s in range(S):
-            out[s]["grads"] = summed[s]
+            out[s]["grads"] = sum(b for q, _, b in sums if q == s)
 
     # Values made once per step before the microbatches are held through them by their
     # stage and by every stage that reads them later: a weight's cast or transpose,
@@ -197,32 +193,39 @@ def stage_memory(
         out[s]["activations"] = max(out[s]["activations"], b)
     # So does the once-per-step reduction of the gradients, between the two.
     if reduce_buffers:
-        for s, b in enumerate(reduce_program(graph, part, lay, m, zero_stage, phase)):
+        for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, zero_stage)):
             out[s]["activations"] = max(out[s]["activations"], b)
     return out, op_state, op_act
 
 
+def running_sums(
+    graph: Graph, part: Partition, lay: Layouts, phase: np.ndarray
+) -> list[tuple[int, int, float]]:
+    """(stage, tensor, bytes per device) of each running sum a stage keeps over several
+    microbatches: every accumulated tensor of a per-microbatch program, whole by its
+    layout (each device's partial sum)."""
+    return [
+        (int(part.op_stage[p]), t, graph.tensors[t].nbytes * lay.inv[t])
+        for t in part.accumulated
+        if (p := graph.tensors[t].producer) is not None and phase[p] in (FWD, BWD)
+    ]
+
+
 def reduce_program(
-    graph: Graph, part: Partition, lay: Layouts, m: int, zero_stage: int, phase: np.ndarray
+    graph: Graph, sums: Sequence[tuple[int, int, float]], n_stages: int, D: int, zero_stage: int
 ) -> list[float]:
-    """Per stage, the bytes per device a stage's reduce program writes besides the partial
-    sums it reads (the `grads` term), read in XLA's buffer assignment of the programs
-    compiled for A100s (`_run/_pipelined.py`, `verify(target=...)`). Its arguments are not
-    donated, so its collective cannot work in place on them: it writes its result (each
-    tensor whole, or its ZeRO shard) and the copy its combined collective reduces. Counted
-    where a data axis reduces partial sums over several microbatches: every accumulated
-    tensor of a per-microbatch program."""
-    out = [0.0] * part.n_stages
-    D = lay.data_size
-    if m <= 1 or D <= 1:
+    """Per stage, the bytes per device a stage's reduce program writes besides the
+    `running_sums` it reads (the `grads` term), read in XLA's buffer assignment of the
+    programs compiled for A100s (`_run/_pipelined.py`, `verify(target=...)`). Its arguments
+    are not donated, so its collective cannot work in place on them: it writes its result
+    (each tensor whole, or its ZeRO shard) and the copy its combined collective reduces.
+    Nothing where no data axis (of size `D`) reduces them."""
+    out = [0.0] * n_stages
+    if D <= 1:
         return out
-    for t in part.accumulated:
-        x, p = graph.tensors[t], graph.tensors[t].producer
-        if p is None or phase[p] not in (FWD, BWD):
-            continue
-        whole = x.nbytes * lay.inv[t]
-        kept = 1 / D if zero_stage >= 1 and x.ndim else 1.0  # ZeRO scatters the gradient
-        out[part.op_stage[p]] += whole * kept + whole
+    for s, t, whole in sums:
+        kept = 1 / D if zero_stage >= 1 and graph.tensors[t].ndim else 1.0  # ZeRO's shard
+        out[s] += whole * kept + whole
     return out
 
 

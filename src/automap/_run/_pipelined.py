@@ -334,8 +334,8 @@ class _Pipeline:
         """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
         float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
         would sum it after its cast to float32): here it is summed in its own dtype
-        anyway (`_total`), so it is reduce-scattered too, with the data axis on its dim linked to
-        one the update's ops that read it take it on."""
+        anyway (`_total`), so it is reduce-scattered too, with the data axis on its dim
+        linked to one the update's ops that read it take it on."""
         data, graph = DATA, self.graph
         if self.plan.zero_stage < 1 or mesh.shape.get(data, 1) == 1 or not graph.tensors[t].ndim:
             return spec
