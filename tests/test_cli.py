@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from automap._cli import app
+from automap._search import SEARCHERS
 
 runner = CliRunner()
 
@@ -137,6 +138,19 @@ def test_long_commands_take_quiet_and_json():
     for name in ("plan", "compare", "apply", "verify", "calibrate", "report", "bench", "capture"):
         flags = {opt for p in group.commands[name].params for opt in getattr(p, "opts", [])}
         assert {"--quiet", "-q", "--json"} <= flags, name
+
+
+@pytest.mark.parametrize("searcher", sorted(SEARCHERS))
+def test_plan_saves_with_every_searcher(tmp_path, searcher):
+    """`-o` with any searcher (the default `auto` once refused it: only the DQN keeps a
+    search state beside the plan)."""
+    path = tmp_path / "p.json"
+    args = ("plan", "--model", "mlp", "--set", "layers=2", "--cluster", "cpu", "--devices", "4")
+    result = run(*args, "--searcher", searcher, "--budget", "2", "-o", str(path), "-q")
+    assert result.exit_code == 0, result.output
+    saved = json.loads(path.read_text())
+    assert saved["mesh"] and saved["predicted"]["step_time_s"] > 0
+    assert (tmp_path / "p.search.msgpack").exists() == (searcher == "dqn")
 
 
 def _fn_module(tmp_path, monkeypatch, body: str) -> str:

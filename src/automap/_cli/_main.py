@@ -171,8 +171,9 @@ def _stop_code(signalled: dict[str, bool]) -> int:
 
 def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | None:
     """Where the DQN keeps its search state: next to the plan, like its curve. A search
-    without --resume starts afresh, so an older state there is removed first."""
-    if searcher not in ("dqn", "auto"):
+    without --resume starts afresh, so an older state there is removed first. Only the
+    DQN keeps one: `auto` is the ILP and the stage DP, which finish on their own."""
+    if searcher != "dqn":
         if resume:
             raise AutomapError(f"--resume is for the dqn searcher, not {searcher}")
         return None
