@@ -826,8 +826,25 @@ def summed_partials(
         return r._replace(op=0)
 
     root = dict(partial_row)  # tensor -> the row that reduces it (or the sum it feeds)
+    # A partial sum read only through transposes that undo each other reaches its add as
+    # itself: XLA's simplifier folds transpose(transpose(x)) before it reassociates (a tied
+    # embedding's output-projection gradient, transposed there and back, then added to its
+    # lookup's scatter-add: one all-reduce on an A100 compile, two on the CPU's).
+    moved: dict[int, tuple[int, tuple[int, ...]]] = {}  # tensor -> (its row, permutation)
     gone: set[int] = set()
     for op in graph.ops:
+        if op.primitive == "transpose":
+            source = op.inputs[0]
+            if len(consumers[source]) != 1 or (source not in root and source not in moved):
+                continue
+            permutation = tuple(int(p) for p in op.params["permutation"])
+            row, before = moved.get(source) or (root[source], tuple(range(len(permutation))))
+            composed = tuple(before[p] for p in permutation)
+            if composed == tuple(range(len(composed))):
+                root[op.outputs[0]] = row
+            else:
+                moved[op.outputs[0]] = (row, composed)
+            continue
         if op.primitive not in ("add", "add_any") or len(op.inputs) != 2:
             continue
         a, b = op.inputs
