@@ -25,7 +25,7 @@ inside, where the zoo's default keeps them in float32): every row moved up by 0.
 the one-stage rows to 0.83-0.92. The tensor-parallel backward then all-reduced the input
 gradient of the separate Q, K and V projections three times where XLA's GPU (compiled
 without a GPU, `tests/test_verify_gpu.py`) and Megatron's fused QKV add them first and
-all-reduce once (`Cluster.reassociates_all_reduce`): every row moved up by 0.00-0.07,
+all-reduce once (`Lowering.reassociates_all_reduce`): every row moved up by 0.00-0.07,
 to 0.86-0.97, the 7.5B row from 0.83 into the 15% band. What still differs from Megatron: XLA runs that softmax
 as three kernels (row max; exp and its row sum; normalize) with float32 exponentials
 written between them, where Megatron's kernel reads the scores once and writes the

@@ -33,7 +33,7 @@ compiler reports no FLOPs.
     python benchmarks/bench_memory.py --plans 8 --zero 0 --target a100   # 41 plans, 3 min
 
 Against the GPU, one-stage memory is priced as the busiest moment of the scheduled step
-(`Cluster.frees_at_last_use`, `automap._cost._liveness`, docs/DESIGN.md): at 5aa2397
+(`Lowering.frees_at_last_use`, `automap._cost._liveness`, docs/DESIGN.md): at 5aa2397
 (seed 0; 2.5-4 min each), `--plans 8` 36 of 39 within 15% (92%: mlp 6 of 6, bert 7 of 8,
 gpt 5 of 6, vgg19 5 of 5, flax_lm 6 of 7, eqx_mlp 7 of 7; ZeRO 10 of 10, remat 23 of 26),
 `--plans 8 --zero 0` 35 of 41 (85%), the default 12 a model 50 of 57 (88%). Before it
@@ -68,7 +68,7 @@ Per model (`--zero 0`, the draw of the earlier figures): mlp 8, bert 6, gpt 5, v
 flax_lm 3, eqx_mlp 8 of 8; with ZeRO drawn (`--plans 8`): 8, 3, 3, 4, 3, 8. At 645f9af
 the `--zero 0` draw gave 28 of 48 (mlp 7, vgg19 0, eqx_mlp 7): e191666 added the CPU's
 second one-stage peak, the gradients' all-reduce writing a copy of its own beside them
-(`Cluster.all_reduce_in_place`), which is all of XLA's temporaries on data-parallel
+(`Lowering.all_reduce_in_place`), which is all of XLA's temporaries on data-parallel
 MLPs (mlp's data 2 x model 4 plan 0.81 -> 1.00x, eqx_mlp's ZeRO-3 0.67 -> 1.00x, vgg19's
 data=8 plans 0.82 -> 0.95x). The pipelines' stage memory is priced as the runtime holds
 it (one gradient buffer, the backward's and the update's own buffers by liveness, and on
@@ -104,7 +104,7 @@ over-predicted (1.23-1.26x). The pipelines' first stage was 0.79-0.84x before
 its own and adds the running sums at its end (0.64 MiB of stage 0's 1.91 MiB
 temporaries, hidden 128), and the stage model now holds them there
 (`_cost._traffic.held_gradients`; a GPU's GEMM rewriter folds that add into the matmul,
-`Cluster.matmul_accumulates`). What stage 0 still misses there: five score-sized float32
+`Lowering.matmul_accumulates`). What stage 0 still misses there: five score-sized float32
 buffers of the attention's backward at once (the softmax backward's products, and a
 causal-mask broadcast the CPU materializes in the recompute and holds), 1.25 MiB, where
 the model's liveness finds two or three.

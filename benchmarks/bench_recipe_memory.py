@@ -23,7 +23,7 @@ With `--target a100` the one-stage recipes compile for an A100 without one
 skipped (their programs compile on the CPU). Measured at 5158eeb (2026-12-02, 1 min): 6
 of 12 within 15%: bf16 0.83-1.06x (tp 4 with recomputation under, 0.83-0.85x), float32
 1.05-1.25x (over on hidden 64 and without recomputation). With the scheduled step's
-busiest moment priced (`Cluster.frees_at_last_use`, at 5aa2397): float32 6 of 6
+busiest moment priced (`Lowering.frees_at_last_use`, at 5aa2397): float32 6 of 6
 (0.90-1.06x), bfloat16 2 of 6 (0.65-0.93x, under). With the mixed-precision program's
 buffers priced (GELU's tanh kept in float32, the softmax's backward reading the scores:
 docs/DESIGN.md), at 3f530c9: bfloat16 3 of 6 (0.93-1.05x without recomputation, 0.87x tp

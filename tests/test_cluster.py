@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -56,3 +57,60 @@ def test_bad_cluster_files(tmp_path):
         am.Cluster.from_file(bad)
     with pytest.raises(am.ClusterError, match="no cluster file"):
         am.Cluster.from_file(tmp_path / "none.yaml")
+
+
+def test_a_cluster_carries_its_compilers_lowering():
+    # Every GPU and TPU preset compiles as XLA's GPU pipeline does, the cpu preset as its
+    # CPU pipeline: one object, each switch off on the CPU.
+    for name in ("v100", "a100", "h100", "h200", "tpu-v4"):
+        assert am.Cluster.preset(name).lowering == am.Lowering.gpu()
+    cpu = am.Cluster.preset("cpu").lowering
+    assert cpu == am.Lowering.preset("cpu") != am.Lowering.gpu()
+    assert cpu.collective_float_bytes == 4
+    numbers = {"collective_float_bytes", "all_reduce_combine_bytes"}
+    assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
+    assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
+    assert all(getattr(am.Lowering.gpu(), flag) for flag in am.Lowering.switches())
+    what_if = am.Cluster.preset("a100").with_lowering(reduce_scatter=False)
+    assert what_if.lowering == dataclasses.replace(am.Lowering.gpu(), reduce_scatter=False)
+    with pytest.raises(am.ClusterError, match=r"unknown lowering field\(s\) \['fuses'\]"):
+        am.Cluster.preset("a100").with_lowering(fuses=True)
+
+
+def test_cluster_files_name_the_lowering_or_give_its_fields(tmp_path):
+    def load(text: str) -> am.Cluster:
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        return am.Cluster.from_file(path)
+
+    gpu, cpu = am.Lowering.gpu(), am.Lowering.cpu()
+    assert load("preset: a100\nlowering: cpu\n").lowering == cpu
+    assert load("preset: cpu\nlowering: GPU\n").lowering == gpu
+    # A mapping sets fields on the preset's lowering.
+    mapped = load("preset: cpu\nlowering: {reduce_scatter: true}\n").lowering
+    assert mapped == dataclasses.replace(cpu, reduce_scatter=True)
+    # Files written before `lowering` give its fields at the top level (numbers as
+    # strings too): they are set on the lowering, after a named one.
+    flat = load("preset: a100\nfrees_at_last_use: false\nall_reduce_combine_bytes: 4096\n")
+    assert flat.lowering == dataclasses.replace(
+        gpu, frees_at_last_use=False, all_reduce_combine_bytes=4096
+    )
+    both = load("preset: a100\nlowering: cpu\nreduce_scatter: true\n").lowering
+    assert both == dataclasses.replace(cpu, reduce_scatter=True)
+    numeric = load("preset: a100\nlowering: {all_reduce_combine_bytes: '1e6'}\n")
+    assert numeric.lowering.all_reduce_combine_bytes == 1e6
+    # A whole cluster as `automap calibrate` wrote it on a CPU before `lowering`: every
+    # field at the top level, no preset.
+    old = {k: v for k, v in am.Cluster.preset("cpu").to_dict().items() if k != "lowering"}
+    old |= dataclasses.asdict(cpu)
+    json_file = tmp_path / "old.json"
+    json_file.write_text(json.dumps(old))
+    assert am.Cluster.from_file(json_file) == am.Cluster.preset("cpu")
+    # And as it writes one now: the lowering a mapping of its own, read back as it was.
+    custom = am.Cluster.preset("cpu").with_lowering(remakes_residuals=True)
+    json_file.write_text(json.dumps(custom.to_dict()))
+    assert am.Cluster.from_file(json_file) == custom
+    with pytest.raises(am.ClusterError, match="lowering must be one of gpu, cpu"):
+        load("preset: a100\nlowering: 3\n")
+    with pytest.raises(am.ClusterError, match=r"collective_float_bytes must be an integer"):
+        load("preset: a100\nlowering: {collective_float_bytes: 2.5}\n")

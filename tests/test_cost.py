@@ -153,7 +153,7 @@ def test_a_reduction_without_reduce_scatter_writes_a_whole_copy():
     # slices) a whole copy, as data parallel's all-reduce does.
     _, _, g, groups = gpt()
     dp = {groups.batch_groups[0]: "data"}
-    no_scatter = dataclasses.replace(A100, reduce_scatter=False)
+    no_scatter = A100.with_lowering(reduce_scatter=False)
     cost = CostModel(g, no_scatter, groups).evaluate(dp, {"data": 8}, zero_stage=2)
     reduced = by_key(cost)[("all-reduce", "data")].bytes
     assert cost.memory_breakdown["activations"] == 0.0  # the reduction is the peak

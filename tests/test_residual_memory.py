@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from automap import Lowering
 from automap._capture import capture, find_residuals
 from automap._cost import stored_residuals
 from automap._zoo import fused_softmax
@@ -42,7 +43,7 @@ def measured(width: int):
     temp = jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
     graph = capture(step, *args)
     saved = find_residuals(graph).saved
-    stored = stored_residuals(graph, saved)
+    stored = stored_residuals(graph, saved, Lowering.cpu())  # compiled here, on the CPU
     nbytes = lambda ts: sum(graph.tensors[t].nbytes for t in ts)  # noqa: E731
     return graph, temp, nbytes(saved), nbytes(stored), stored
 
@@ -67,7 +68,7 @@ def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_fr
     # (excess precision) and makes the float32 softmax again from the scores inside the
     # backward's kernel (a Triton row fusion, reductions and exp included): it keeps the
     # scores, and the 16-bit probabilities the value matmul reads. Without the GPU's rules
-    # (`gpu_fusions=False`) only the probabilities are kept.
+    # (`Lowering.cpu()`) only the probabilities are kept.
     b16 = jnp.bfloat16
     s = 16
 
@@ -81,8 +82,8 @@ def test_a_gpu_softmax_backward_reads_the_scores_it_remakes_its_probabilities_fr
     saved = find_residuals(graph).saved
     made = lambda ts: {graph.ops[graph.tensors[t].producer].primitive for t in ts}  # noqa: E731
     square = lambda ts: [t for t in ts if graph.tensors[t].shape == (4, s, s)]  # noqa: E731
-    gpu = square(stored_residuals(graph, saved, gpu_fusions=True))
-    jaxpr = square(stored_residuals(graph, saved))
+    gpu = square(stored_residuals(graph, saved, Lowering.gpu()))
+    jaxpr = square(stored_residuals(graph, saved, Lowering.cpu()))
     assert made(jaxpr) == {"convert_element_type"}  # the 16-bit probabilities
     assert made(gpu) == {"convert_element_type", "dot_general"}  # and the scores
     assert all(graph.tensors[t].dtype == "bfloat16" for t in gpu)

@@ -192,7 +192,7 @@ def test_pipeline_memory_holds_the_microbatch_gradients_the_cpu_holds():
     parts = report.xla_memory_breakdown
     assert sum(parts.values()) >= report.stage_memory_bytes[largest][1] * (1 - 1e-9)
     assert f"stage predicted largest ({largest})" in report.summary()
-    held = dataclasses.replace(a100, matmul_accumulates=False)
+    held = a100.with_lowering(matmul_accumulates=False)
     on_cpu = am.estimate(spec.step_fn, *args, plan=plan, cluster=held).memory_bytes
     assert on_cpu > plan.predicted.memory_bytes
 
@@ -220,7 +220,7 @@ def test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes(expe
     if expert == "data_parallel":
         # XLA's combiner joins at most a bucket (30 MiB by default): at scale the copy is a
         # bucket, not the gradients.
-        bucket = dataclasses.replace(a100, all_reduce_combine_bytes=4096.0)
+        bucket = a100.with_lowering(all_reduce_combine_bytes=4096.0)
         cost = am.estimate(step, *args, plan=plan, cluster=bucket)
         assert cost.memory_breakdown["grads"] == pytest.approx(grads + 4096.0)
 

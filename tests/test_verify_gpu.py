@@ -32,7 +32,7 @@ def _gpt():
 def test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices(recipe):
     # XLA's GPU fusion makes a cheap residual (GELU's chain, LayerNorm's centred input)
     # again in each backward reader and keeps its producer's operands: the a100 model
-    # prices those (`Cluster.remakes_residuals`), within 15% of the GPU buffer assignment,
+    # prices those (`Lowering.remakes_residuals`), within 15% of the GPU buffer assignment,
     # where the jaxpr's residuals (what the CPU keeps) are 1.3x it and more at the turn of
     # the step (under remat the peak is the gradients' reduction, at the end).
     step, args = _gpt()
@@ -43,16 +43,16 @@ def test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices(recipe):
     assert report.xla_flops is None and report.numerics_ok is None  # compiled, never run
     graph = capture(step, *args)
     if recipe.remat == "none":
-        jaxpr_set = dataclasses.replace(a100, remakes_residuals=False)
+        jaxpr_set = a100.with_lowering(remakes_residuals=False)
         kept_all = CostModel(graph, jaxpr_set).estimate(plan).memory_bytes
         assert kept_all > 1.3 * report.xla_memory_bytes
     if recipe.dp == 1:
         # Tensor parallel alone: the model axis's all-reduces are the GPU's to the byte. The
         # input gradient of the separate Q, K and V projections is three partial sums,
-        # which XLA's GPU adds before one all-reduce (`Cluster.reassociates_all_reduce`);
+        # which XLA's GPU adds before one all-reduce (`Lowering.reassociates_all_reduce`);
         # all-reducing each (as the CPU does) is 40% more.
         assert report.collectives_match, report.mismatches
-        each = dataclasses.replace(a100, reassociates_all_reduce=False)
+        each = a100.with_lowering(reassociates_all_reduce=False)
         cost = CostModel(graph, each).estimate(plan)
         model_bytes = sum(c.bytes for c in cost.collectives if c.axis == "model")
         assert model_bytes > 1.3 * report.xla_comm_bytes["all-reduce@model"]
@@ -90,7 +90,7 @@ def test_a_gpu_step_peaks_at_one_moment(model, recipe):
     plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)
     report = verify(step, plan, *args, target="a100")
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
-    summed = dataclasses.replace(a100, frees_at_last_use=False)
+    summed = a100.with_lowering(frees_at_last_use=False)
     graph = capture(step, *args)
     if recipe.zero < 3:
         off = CostModel(graph, summed).estimate(plan).memory_bytes / report.xla_memory_bytes
@@ -137,7 +137,7 @@ def test_zero3_gathers_a_mixed_precision_steps_bf16_weights(pp):
     # keep the sharding): half the float32 parameters' bytes, in the forward and again in
     # the backward (a pipeline: once, in the program that casts them). The backward makes
     # its copies again, so the forward's die with the forward. (The CPU gathers them in
-    # float32: `Cluster.collective_float_bytes`.)
+    # float32: `Lowering.collective_float_bytes`.)
     step, args = _bf16_gpt()
     a100 = am.Cluster.preset("a100", devices=8)
     recipe = am.Recipe(pp=pp, dp=8 // pp, zero=3, microbatches=1 if pp == 1 else 4)
@@ -162,7 +162,7 @@ def test_a_pipeline_stage_holds_its_reduce_programs_buffers():
     report = verify(step, plan, *args, target="a100")
     for predicted, xla in report.stage_memory_bytes:
         assert predicted == pytest.approx(xla, rel=0.1)
-    lean = dataclasses.replace(a100, frees_at_last_use=False)
+    lean = a100.with_lowering(frees_at_last_use=False)
     without = am.estimate(step, *args, plan=plan, cluster=lean)
     assert without.memory_bytes < 0.85 * report.xla_memory_bytes
 

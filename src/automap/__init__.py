@@ -17,6 +17,7 @@ from ._errors import PlanError as PlanError
 from ._errors import PriceWarning as PriceWarning
 from ._graph import Graph as Graph
 from ._graph import Role as Role
+from ._lowering import Lowering as Lowering
 from ._plan import Collective as Collective
 from ._plan import Cost as Cost
 from ._plan import Plan as Plan

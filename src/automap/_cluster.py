@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ClusterError
+from ._lowering import Lowering
 
 GB = 1e9
 
@@ -59,58 +60,11 @@ class Cluster:
     """Fraction of link bandwidth that collectives reach (bus bandwidth / link bandwidth)."""
     memory_reserve: float = 0.1
     """Fraction of HBM kept free for the runtime, workspace and fragmentation."""
-    collective_float_bytes: int = 0
-    """Least bytes per element a floating-point collective moves: XLA's CPU backend runs
-    bf16/f16 collectives in f32 (4); GPUs and TPUs move bf16 as is (0: the tensor's own)."""
-    reduce_scatter: bool = True
-    """Whether XLA turns an all-reduce whose result is then split into a reduce-scatter
-    (its GPU and TPU pipelines do; the CPU one all-reduces the whole buffer and slices)."""
-    multi_output_fusion: bool = True
-    """Whether XLA reduces a tensor inside the kernel that writes it (its GPU pipeline's
-    producer-consumer multi-output fusion and Triton softmax fusion; the CPU one, False, runs
-    each reduction as its own loop that reads the tensor back: `_cost._tables._fused_bytes`)."""
-    matmul_accumulates: bool = True
-    """Whether XLA adds a running sum inside the matmul that makes its addend (its GPU
-    pipeline's GEMM rewriter takes a matrix added to a matmul's result as the GEMM's C
-    operand); the CPU one, False, writes a pipeline microbatch's weight gradients that a
-    matmul makes to buffers of their own, held to the end of its B program, where the
-    running sums are added (`_cost._traffic.held_gradients`)."""
-    all_reduce_in_place: bool = True
-    """Whether the step's combined gradient all-reduce writes its result over its input,
-    where memory is priced as every activation and gradient alive together
-    (`frees_at_last_use` False). XLA's CPU, False, runs it synchronously into a buffer of
-    its own, so at the end of the backward the local gradients and their reduced copy are
-    both alive (with ZeRO too: the CPU all-reduces and slices). A scheduled step prices
-    the reduction's copy itself (`_cost/_model.busiest_moment`)."""
-    reassociates_all_reduce: bool = True
-    """Whether XLA adds partial sums before it all-reduces them: two partial sums that
-    would be all-reduced alike and are then added become one all-reduce of their sum
-    (`_cost._tables.summed_partials`: the input gradient of separate Q, K, V projections
-    under tensor parallelism). XLA's GPU pipeline does (its all-reduce reassociation, read
-    on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, all-reduces each."""
-    remakes_residuals: bool = True
-    """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
-    the backward reads that an elementwise or layout op makes, and only fusible ops read,
-    is fused into each reader and made again from its producer's operands, which are kept
-    instead (`_cost.stored_residuals`); so is a softmax (a Triton row fusion), and a 16-bit
-    residual read back in float32 is read as its float32 source (excess precision). XLA's
-    GPU pipeline does (held against its buffer assignment on compile-only GPUs,
-    `_verify/_gpu.py`); the CPU one, False, keeps about every residual of the jaxpr, its
-    library fusions taking their operands from memory."""
-    frees_at_last_use: bool = True
-    """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
-    moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
-    collective holds consumed by its update as soon as it is made, the reduced ones held to
-    the step's combined reduction, which copies them once more (as a recomputed layer's
-    combined all-reduces copy its partial sums at its recompute). XLA's GPU pipeline
-    schedules so (its buffer assignment on compile-only GPUs, `_verify/_gpu.py`); the
-    CPU's, False, is priced as every activation and every gradient alive together, which
-    its buffer assignment agrees with better (its library kernels' own copies)."""
-    all_reduce_combine_bytes: float = 30 * 2**20
-    """The most bytes XLA's GPU combiner joins into one gradient all-reduce (its default
-    `--xla_gpu_all_reduce_combine_threshold_bytes`, 30 MiB): a combined all-reduce copies
-    its operands into one buffer (their concatenation) and reduces that, so a scheduled
-    step's reduction holds the gradients and at most this much more."""
+    lowering: Lowering = dataclasses.field(default_factory=Lowering.gpu)
+    """How XLA compiles for these devices (`Lowering`): the GPU pipeline's on every GPU and
+    TPU preset, the CPU's on `cpu`. A cluster file names it (`lowering: cpu`), gives its
+    fields (`lowering: {reduce_scatter: false}`), or, as files before it did, gives those
+    fields at the top level."""
 
     # ---- construction -----------------------------------------------------------------
 
@@ -127,7 +81,9 @@ class Cluster:
                 "or load a cluster file with Cluster.from_file."
             )
         fields = dict(_PRESETS[key])
+        base = fields.pop("lowering", Lowering.gpu())
         fields.update(overrides)
+        fields["lowering"] = _lowering_from(fields, base, f"cluster preset {key}")
         per_node = _field_value("devices_per_node", fields.pop("devices_per_node", 8))
         devices = _field_value("devices", devices)
         return cls(
@@ -140,13 +96,18 @@ class Cluster:
         base = d.pop("preset", None)
         try:
             if base is not None:
+                preset_lowering = _PRESETS.get(str(base).lower(), {}).get("lowering")
+                d["lowering"] = _lowering_from(d, preset_lowering or Lowering.gpu(), source)
                 return cls.preset(str(base), **d)
             names = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(d) - names
+            # A lowering's fields at the top level: files from before `lowering` give them so.
+            unknown = set(d) - names - set(Lowering.field_names())
             if unknown:
                 raise ClusterError(
-                    f"{source}: unknown field(s) {sorted(unknown)}; known: {sorted(names)}."
+                    f"{source}: unknown field(s) {sorted(unknown)}; known: {sorted(names)} "
+                    f"and the lowering's {sorted(Lowering.field_names())}."
                 )
+            d["lowering"] = _lowering_from(d, Lowering.gpu(), source)
             return cls(**d)._checked()
         except TypeError as e:
             raise ClusterError(f"{source} is not a valid cluster description: {e}.") from None
@@ -157,7 +118,9 @@ class Cluster:
         from). Numbers are plain numbers in the field's unit (bytes, FLOP/s, seconds); a
         string that reads as one is taken as that number, since PyYAML reads `312e12`
         (no dot) as a string; anything else, or a value out of range, is a ClusterError
-        naming the field, the type and the range."""
+        naming the field, the type and the range. The compiler's behaviour is `lowering:`, a
+        name (gpu, cpu) or a mapping of `Lowering` fields; those fields at the top level (as
+        files were written before `lowering`) are set on it."""
         path = Path(path)
         if not path.exists():
             raise ClusterError(f"no cluster file at {path}: check the path.")
@@ -183,24 +146,27 @@ class Cluster:
             self, devices=devices, devices_per_node=min(self.devices_per_node, devices)
         )._checked()
 
+    def with_lowering(self, **changes: Any) -> Cluster:
+        """This cluster with some of its lowering's fields changed: a what-if, the price of
+        one compiler rule (`with_lowering(reduce_scatter=False)`)."""
+        unknown = set(changes) - set(Lowering.field_names())
+        if unknown:
+            raise ClusterError(
+                f"unknown lowering field(s) {sorted(unknown)}; known: "
+                f"{sorted(Lowering.field_names())}."
+            )
+        return dataclasses.replace(
+            self, lowering=dataclasses.replace(self.lowering, **changes)
+        )._checked()
+
     def _checked(self) -> Cluster:
         checked = {r.name: _field_value(r.name, getattr(self, r.name)) for r in _FIELD_RULES}
-        if any(checked[k] is not getattr(self, k) for k in checked):
-            # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
-            return dataclasses.replace(self, **checked)._checked()
-        for flag in (
-            "reduce_scatter",
-            "multi_output_fusion",
-            "matmul_accumulates",
-            "all_reduce_in_place",
-            "reassociates_all_reduce",
-            "remakes_residuals",
-            "frees_at_last_use",
+        lowering = _checked_lowering(self.lowering)
+        if lowering is not self.lowering or any(
+            checked[k] is not getattr(self, k) for k in checked
         ):
-            if not isinstance(getattr(self, flag), bool):
-                raise ClusterError(
-                    f"cluster field {flag} must be true or false, got {getattr(self, flag)!r}."
-                )
+            # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
+            return dataclasses.replace(self, lowering=lowering, **checked)._checked()
         if not isinstance(self.name, str) or not self.name:
             raise ClusterError(f"cluster field name must be a non-empty string, got {self.name!r}.")
         if self.devices < 1:
@@ -285,16 +251,68 @@ _FIELD_RULES = (
         for name in ("matmul_efficiency", "memory_efficiency", "comm_efficiency")
     ),
     _Rule("memory_reserve", float, 0.0, high=0.99),
+)
+# The lowering's numbers (its other fields are true or false).
+_LOWERING_RULES = (
     _Rule("collective_float_bytes", int, 0, high=8),
     _Rule("all_reduce_combine_bytes", float, 0.0, unit="bytes"),
 )
+
+
+def _lowering_from(fields: dict[str, Any], base: Lowering, source: str) -> Lowering:
+    """The lowering `fields` describe, its entries taken out of `fields`: `lowering` a
+    `Lowering`, a preset name (`cpu`) or a mapping of fields set on `base` (the cluster
+    preset's), then any lowering field given at the top level (as files before `lowering`
+    were written) set on that."""
+    value = fields.pop("lowering", base)
+    flat = {k: fields.pop(k) for k in Lowering.field_names() if k in fields}
+    if isinstance(value, str):
+        try:
+            lowering = Lowering.preset(value)
+        except ClusterError as e:
+            raise ClusterError(f"{source}: {e}") from None
+    elif isinstance(value, Lowering):
+        lowering = value
+    elif isinstance(value, Mapping):
+        unknown = set(value) - set(Lowering.field_names())
+        if unknown:
+            raise ClusterError(
+                f"{source}: unknown lowering field(s) {sorted(unknown)}; known: "
+                f"{sorted(Lowering.field_names())}."
+            )
+        lowering = dataclasses.replace(base, **value)
+    else:
+        raise ClusterError(
+            f"{source}: lowering must be one of {', '.join(Lowering.presets())} or a mapping "
+            f"of its fields, got {value!r}; e.g. lowering: cpu."
+        )
+    return dataclasses.replace(lowering, **flat) if flat else lowering
+
+
+def _checked_lowering(lowering: Any) -> Lowering:
+    """`lowering` with each field checked: its switches true or false, its numbers as
+    `_field_value` takes them (a new Lowering where a string became a number)."""
+    if not isinstance(lowering, Lowering):
+        raise ClusterError(
+            f"cluster field lowering must be a Lowering (Lowering.gpu(), Lowering.cpu()), "
+            f"got {lowering!r}."
+        )
+    for flag in Lowering.switches():
+        if not isinstance(getattr(lowering, flag), bool):
+            raise ClusterError(
+                f"cluster field {flag} must be true or false, got {getattr(lowering, flag)!r}."
+            )
+    numbers = {r.name: _field_value(r.name, getattr(lowering, r.name)) for r in _LOWERING_RULES}
+    if any(numbers[k] is not getattr(lowering, k) for k in numbers):
+        return dataclasses.replace(lowering, **numbers)
+    return lowering
 
 
 def _field_value(name: str, value: Any) -> Any:
     """`value` checked against its field's rule; a numeric string (PyYAML reads `312e12`
     as one) becomes its number, anything else that is not a finite number in range is a
     ClusterError naming the field, the type and the allowed range."""
-    rule = next(r for r in _FIELD_RULES if r.name == name)
+    rule = next(r for r in (*_FIELD_RULES, *_LOWERING_RULES) if r.name == name)
     number = value
     if isinstance(value, str):
         try:
@@ -330,7 +348,8 @@ def _example(name: str) -> Any:
     """A plausible value for a field, for the error message: the a100 preset's."""
     if name in _PRESETS["a100"]:
         return f"{_PRESETS['a100'][name]:g}"
-    default = next(f.default for f in dataclasses.fields(Cluster) if f.name == name)
+    fields = (*dataclasses.fields(Cluster), *dataclasses.fields(Lowering))
+    default = next(f.default for f in fields if f.name == name)
     return 8 if default is dataclasses.MISSING else default
 
 
@@ -366,7 +385,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         inter_bandwidth=8 * 400e9 / 8 / 8,
     ),
     # TPU v4: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s; ICI links inside a slice are
-    # treated as one "node" (a 3D torus has no slow tier inside a slice).
+    # treated as one "node" (a 3D torus has no slow tier inside a slice). Compiled as a
+    # GPU is (the default `Lowering.gpu()`) until a TPU lowering is measured.
     "tpu-v4": dict(
         peak_flops=275e12,
         hbm_bytes=32 * 2**30,
@@ -386,13 +406,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
         comm_efficiency=0.5,
-        collective_float_bytes=4,
-        reduce_scatter=False,
-        multi_output_fusion=False,
-        matmul_accumulates=False,
-        all_reduce_in_place=False,
-        reassociates_all_reduce=False,
-        remakes_residuals=False,
-        frees_at_last_use=False,
+        lowering=Lowering.cpu(),
     ),
 }

@@ -50,8 +50,8 @@ class Cost:
     memory_limit_bytes: float = math.inf
     # Peak memory split: "params", "grads", "opt_state", "activations", "other". Where
     # the peak is the gradients' reduction on a backend that does not reduce in place
-    # (`Cluster.all_reduce_in_place`), "grads" holds both copies and "activations" none.
-    # Where one-stage steps are scheduled (`Cluster.frees_at_last_use`), "activations" is
+    # (`Lowering.all_reduce_in_place`), "grads" holds both copies and "activations" none.
+    # Where one-stage steps are scheduled (`Lowering.frees_at_last_use`), "activations" is
     # every buffer alive at the busiest moment (gradients in flight included) and "grads"
     # the reduced gradients held then; at the reduction, the gradients and their copy.
     memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)

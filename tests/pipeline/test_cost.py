@@ -155,7 +155,7 @@ def test_a_single_stage_is_one_program_or_gradient_accumulation():
     # (The reduce program's buffers, which outgrow a microbatch's activations on a model
     # this small where a step's peak is its busiest moment, are left out here:
     # `test_verify_gpu.py` holds them against XLA.)
-    cm = model("gpt2-xl", dataclasses.replace(A100, frees_at_last_use=False))
+    cm = model("gpt2-xl", A100.with_lowering(frees_at_last_use=False))
     accum = cm.estimate(stage_plan("gpt2-xl", 1, 2))
     assert accum.bubble_s == pytest.approx(0.0, abs=1e-12)
     assert accum.compute_s == pytest.approx(before.compute_s, rel=0.02)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .._lowering import Lowering
 from . import _collectives as C
 from ._tables import RowTable
 
@@ -68,7 +69,7 @@ def per_slot(R: RowTable, values: np.ndarray) -> np.ndarray:
     return np.tile(values, partial_slots(R))
 
 
-def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
+def partial_rows(R: RowTable, A, P, S, bit, inv, m, lowering: Lowering):
     """Virtual rows (`partial_slots`) of partial-sum rows.
 
     A row's reduced groups split on axes R: the output is a partial sum over R. Its bytes:
@@ -78,10 +79,10 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     - the SPMD partitioner reduces one axis at a time: with K empty, a chain of one
       all-reduce of `base` per axis of R; otherwise one all-reduce of `whole` per axis of K,
       a slice, and one all-reduce of `base` over the rest of R's axes jointly (a dot's
-      lowering). XLA's CPU backend runs exactly that (`reduce_scatter` False): a column's
-      slot holds its axis' all-reduce, the last slot the joint one.
-    - the GPU/TPU pipelines (`reduce_scatter` True) fold an all-reduce feeding another into
-      one over their joint axes (AllReduceFolder), and an all-reduce then sliced into a
+      lowering). XLA's CPU backend runs exactly that (`lowering.reduce_scatter` False): a
+      column's slot holds its axis' all-reduce, the last slot the joint one.
+    - the GPU/TPU pipelines (`lowering.reduce_scatter`) fold an all-reduce feeding another
+      into one over their joint axes (AllReduceFolder), and an all-reduce then sliced into a
       reduce-scatter (ReduceScatterCreator): one all-reduce of `base` over the rest (the
       first column's slot), one reduce-scatter of `whole` over K (the last slot).
     """
@@ -91,7 +92,7 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, reduce_scatter: bool):
     rest = np.bitwise_or.reduce(np.where(act & ~kept, bit[a], 0), axis=1)
     base = R.nbytes * inv[R.tset]
     whole = base * np.prod(np.where(kept, S[a], 1.0), axis=1)
-    if reduce_scatter:
+    if lowering.reduce_scatter:
         chain = np.zeros_like(a)
         if a.shape[1]:
             chain[:, 0] = rest
@@ -134,11 +135,11 @@ def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
 
 
 def collective_rows(
-    partial: RowTable, reshard: RowTable, A, P, inv, ac: C.AxisCosts, m, reduce_scatter
+    partial: RowTable, reshard: RowTable, A, P, inv, ac: C.AxisCosts, m, lowering: Lowering
 ):
     """key, bytes, count, grad flag and time of every virtual row."""
     S, bit = ac.sizes, ac.bit
-    pk, pm, pb, pc = partial_rows(partial, A, P, S, bit, inv, m, reduce_scatter)
+    pk, pm, pb, pc = partial_rows(partial, A, P, S, bit, inv, m, lowering)
     rk, rm, rb, rc = reshard_rows(reshard, A, P, S, bit, inv, m)
     kind = np.concatenate([pk, rk])
     mask = np.concatenate([pm, rm])
@@ -193,7 +194,7 @@ def totals(
     zero_mask: int,
     zero_bytes: float,
     zero_count: int,
-    reduce_scatter: bool = True,
+    lowering: Lowering,
     trips: np.ndarray | None = None,
 ):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
@@ -206,7 +207,7 @@ def totals(
     layout: a body's are reduced inside the loop, per trip."""
     n = len(ac.keys)
     s = s.copy()
-    if zero_mask and reduce_scatter:
+    if zero_mask and lowering.reduce_scatter:
         ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0

@@ -11,15 +11,15 @@ numpy operations over those tables:
   (elementwise, layout, reductions) only pays for the tensors entering or leaving its
   fusion (`_tables._fused_bytes`: broadcasts such as a causal mask are regenerated in
   each fusion, never written; on GPUs a reduction runs in the kernel that writes its
-  operand, `Cluster.multi_output_fusion`); ops sharing an iteration set are summed ahead
+  operand, `Lowering.multi_output_fusion`); ops sharing an iteration set are summed ahead
   of time, so compute is one dot product;
 - partial sums: a reduced group split on axis a, when a is not dropped inside the op,
   leaves the outputs partial: an all-reduce on a, or a reduce-scatter when the output is
   itself split on a (XLA's GPU/TPU pipelines; its CPU one all-reduces the whole buffer,
-  `Cluster.reduce_scatter`). Several reduced groups on several axes: one collective
+  `Lowering.reduce_scatter`). Several reduced groups on several axes: one collective
   over their joint axes ("data+model") on GPUs and TPUs, a chain of one all-reduce per
   axis on the CPU (`_kernel.partial_rows`). Bytes follow DESIGN.md; 16-bit floats are
-  widened where the backend widens them (`Cluster.collective_float_bytes`: the CPU);
+  widened where the backend widens them (`Lowering.collective_float_bytes`: the CPU);
 - resharding: an input dim split on a that the op needs whole (untied, or the axis is
   dropped by the op's own layout): an all-gather on a, or an all-to-all when the op wants
   a on another dim of that input. A dim the op wants split but that arrives whole is a
@@ -70,6 +70,7 @@ from .._axes import DATA
 from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, Regather, build_groups, regather_plan, rule
+from .._lowering import Lowering
 from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
@@ -115,7 +116,7 @@ class CostModel:
         once (a 1T GPT's Megatron expert prices some 40 partitions of 128 layers)."""
         consumers = self.graph.consumers()
         return tuple(
-            stored_residuals(self.graph, ts, consumers, gpu_fusions=self.cluster.remakes_residuals)
+            stored_residuals(self.graph, ts, self.cluster.lowering, consumers)
             for ts in self.residuals.layer_saved
         )
 
@@ -250,7 +251,7 @@ class CostModel:
         P, inv = base.P.copy(), base.inv.copy()
         P[sets], inv[sets] = K.set_axes(A, sub_sets, ac.sizes)
         key, nbytes, count, grad, time = K.collective_rows(
-            sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.reduce_scatter
+            sub_p, sub_r, A, P, inv, ac, base.microbatches, self.cluster.lowering
         )
         slot = K.combine_slots(sub_p, sub_r)
         # One signed pass: the touched rows' new contributions minus their old ones.
@@ -315,7 +316,7 @@ class CostModel:
         m = max(1, int(microbatches))
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
         key, nbytes, count, grad, time = K.collective_rows(
-            partial, reshard, A, P, inv, ac, m, self.cluster.reduce_scatter
+            partial, reshard, A, P, inv, ac, m, self.cluster.lowering
         )
         slot = K.combine_slots(partial, reshard)
         sums = K.sums(
@@ -334,7 +335,7 @@ class CostModel:
             st.inv,
             ac,
             st.microbatches,
-            self.cluster.reduce_scatter,
+            self.cluster.lowering,
         )
         slot = K.combine_slots(*self._remat_rows)
         n = len(C.KINDS) * ac.masks
@@ -387,7 +388,7 @@ class CostModel:
             zero_mask,
             zero_bytes,
             zero_count,
-            self.cluster.reduce_scatter,
+            self.cluster.lowering,
             T.combine_trips,
         )
         comm = float(tot_time.sum())
@@ -418,7 +419,9 @@ class CostModel:
         if moments is not None:
             reduced = reduced_gradients(st.sums, ac)
             gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
-            share, const = reduction_copy(D if zero_mask else 0, self.cluster, self._param_bytes)
+            share, const = reduction_copy(
+                D if zero_mask else 0, self.cluster.lowering, self._param_bytes
+            )
             copy = share * reduced + const
             # A recomputed layer's partial sums, copied at its recompute (per moment).
             copied = None
@@ -432,7 +435,7 @@ class CostModel:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
             # second copy of what it reduces, alive beside the local gradients at the end
             # of the backward, when the activations are gone: a second peak.
-            in_place = self.cluster.all_reduce_in_place
+            in_place = self.cluster.lowering.all_reduce_in_place
             reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
             if reduced > acts:
                 grads, acts = grads + reduced, 0.0
@@ -509,21 +512,21 @@ class RegatherCoefs:
     remat_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
 
 
-def reduction_copy(zero_size: float, cluster: Cluster, param_bytes: float) -> tuple[float, float]:
+def reduction_copy(zero_size: float, lowering: Lowering, param_bytes: float) -> tuple[float, float]:
     """(share, constant): the bytes the step's gradient reduction writes beside the
     `reduced` gradients are share x reduced + constant. ZeRO's
     reduce-scatter over `zero_size` devices (a tuple of the local gradients, combined)
     the device's shards of them (where the backend has one: XLA's CPU all-reduces and
     slices); the all-reduce a copy of one combined bucket (XLA's GPU combiner concatenates
     its operands and reduces the concatenation; the CPU's writes its own): all of them where
-    no plan reduces more than `Cluster.all_reduce_combine_bytes` (every gradient, reduced
+    no plan reduces more than `Lowering.all_reduce_combine_bytes` (every gradient, reduced
     over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
     but for a plan that reduces less than a bucket of a model that has more, at most a
     bucket over; and linear, as the shard ILP's memory points must be (`param_bytes`: the
     model's unsplit parameter bytes)."""
-    if zero_size and cluster.reduce_scatter:
+    if zero_size and lowering.reduce_scatter:
         return 1.0 / zero_size, 0.0
-    bucket = cluster.all_reduce_combine_bytes
+    bucket = lowering.all_reduce_combine_bytes
     return (1.0, 0.0) if 2 * param_bytes <= bucket else (0.0, bucket)
 
 

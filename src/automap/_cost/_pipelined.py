@@ -168,7 +168,7 @@ def op_costs(
         # The update and the gradients the data axis does not already split run on
         # ZeRO's shards, as for one stage (`CostModel._finish`).
         compute = op_compute(T, st.inv, zero=(st.P, d, lay.data_size))
-        if model.cluster.reduce_scatter:
+        if model.cluster.lowering.reduce_scatter:
             # The gradients meet the ZeRO layout: their all-reduce over data becomes a
             # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
             ar = row_grad & (key == C.AR * ac.masks + zero_mask)
@@ -236,7 +236,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
     T, ac = model.tables, oc.axis_costs
     p, r = T.remat_partial, T.remat_reshard
     key, nbytes, count, grad, time = collective_rows(
-        p, r, st.codes, st.P, st.inv, ac, 1, model.cluster.reduce_scatter
+        p, r, st.codes, st.P, st.inv, ac, 1, model.cluster.lowering
     )
     op = np.concatenate([per_slot(p, p.op), r.op])
     tset = np.concatenate([per_slot(p, p.tset), r.tset])
@@ -358,9 +358,8 @@ def stage_costs(
         schedule=schedule,
         zero_stage=oc.zero_stage,
         remat=oc.remat,
-        matmul_accumulates=cluster.matmul_accumulates,
+        lowering=cluster.lowering,
         layer_stored=model.layer_stored if oc.remat else (),
-        reduce_buffers=cluster.frees_at_last_use,
     )
     totals = [sum(d.values()) for d in memory]
     worst = int(np.argmax(totals))

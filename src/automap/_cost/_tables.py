@@ -29,6 +29,7 @@ from .._groups import (
     rule,
     zero_region,
 )
+from .._lowering import Lowering
 from ._liveness import Buffers, Moments, gathered_parameters, past_forward, step_moments
 
 
@@ -154,7 +155,7 @@ class Tables:
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
     # The step's candidate peak moments, without and with rematerialization, where the
-    # backend frees each buffer at its last reader (`Cluster.frees_at_last_use`), else None.
+    # backend frees each buffer at its last reader (`Lowering.frees_at_last_use`), else None.
     moments: Moments | None
     moments_remat: Moments | None
     # The recomputed layers' activation all-reduces, copied once more at their recompute
@@ -197,11 +198,12 @@ def build_tables(
     flop_rate = cluster.peak_flops * cluster.matmul_efficiency
     byte_rate = cluster.hbm_bandwidth * cluster.memory_efficiency
     recomputed = set(res.recomputed)
-    wide = cluster.collective_float_bytes
+    lowering = cluster.lowering
+    wide = lowering.collective_float_bytes
 
     def comm_bytes(g: Graph, t: int) -> float:
         """Bytes a collective moves for tensor t of g (16-bit floats widened where the
-        backend widens them, see Cluster.collective_float_bytes)."""
+        backend widens them, see Lowering.collective_float_bytes)."""
         x = g.tensors[t]
         if wide and x.dtype in ("bfloat16", "float16") and x.itemsize < wide:
             return x.size * wide
@@ -215,7 +217,7 @@ def build_tables(
             live_ops.add(op.index)
             live.update(op.inputs)
 
-    fused_bytes = _fused_bytes(graph, res.saved, live_ops, cluster.multi_output_fusion)
+    fused_bytes = _fused_bytes(graph, res.saved, live_ops, lowering)
     # Under rematerialization a recomputed layer's first forward keeps none of what its
     # backward reads (the recompute makes it again): its kernels write less.
     made_again = {t for ts in res.layer_saved for t in ts}
@@ -223,7 +225,7 @@ def build_tables(
         graph,
         [t for t in res.saved if t not in made_again],
         {i for i in live_ops if i <= res.boundary},
-        cluster.multi_output_fusion,
+        lowering,
     )
 
     empty = sid(())
@@ -371,7 +373,7 @@ def build_tables(
             if not body.priced:
                 continue
             bg, times = body.graph, scale * body.trips
-            fused = _fused_bytes(bg, (), None, cluster.multi_output_fusion)
+            fused = _fused_bytes(bg, (), None, lowering)
             zeroed = {b for o, b, _ in body.binds if o in pinned_set} if g is graph else set()
             for bop in bg.ops:
                 if bop.primitive in LOOPS and bg.bodies.get(bop.index):
@@ -438,7 +440,7 @@ def build_tables(
     body_coef_a = np.array(body_coef, dtype=float)
     body_again = np.isin(body_op_a, list(recomputed)) * body_coef_a
     consumers = graph.consumers()
-    if cluster.reassociates_all_reduce:
+    if lowering.reassociates_all_reduce:
         gone = summed_partials(graph, prow, partial_row, consumers)
         prow = [r for i, r in enumerate(prow) if i not in gone]
     partial_full = _rows(prow, ng, empty)
@@ -453,17 +455,17 @@ def build_tables(
     other_coef = by_set(
         leaf.tensor for leaf in graph.inputs if leaf.role in (Role.BATCH, Role.OTHER)
     )
-    saved, saved_remat = kept_residuals(graph, res, cluster.remakes_residuals, consumers)
+    saved, saved_remat = kept_residuals(graph, res, lowering, consumers)
     act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
     moments = moments_remat = copies = None
-    if cluster.frees_at_last_use:
+    if lowering.frees_at_last_use:
         last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
         grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in prow if r.grad]
         tensor_set = np.array(tset, dtype=np.int64)
         nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
 
         def moments_of(remat: bool) -> tuple[Buffers, Moments]:
-            buf = step_buffers(graph, res, consumers, remat, cluster.remakes_residuals)
+            buf = step_buffers(graph, res, consumers, remat, lowering)
             whole = gathered_parameters(graph, consumers, res.boundary, update, remat, gathered)
             made = None if remat else past_forward(buf, regathered, consumers, res.boundary)
             return buf, step_moments(
@@ -583,7 +585,7 @@ FUSIBLE = (
 
 
 def _fused_bytes(
-    graph: Graph, saved: Iterable[int], ops: set[int] | None = None, multi_output: bool = True
+    graph: Graph, saved: Iterable[int], ops: set[int] | None, lowering: Lowering
 ) -> np.ndarray:
     """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours.
 
@@ -599,13 +601,13 @@ def _fused_bytes(
     - a broadcast (or iota, or elementwise work on those alone) is never written out, even
       when the backward reads it (a causal mask): every fusion that reads it regenerates it
       from its small operand (`_regenerated`; checked on XLA's CPU HLO in tests/test_fusion.py);
-    - with `multi_output` (XLA's GPU pipeline: producer-consumer multi-output fusion, and the
-      Triton normalization-diamond fusion on Ampere and later), a reduction of a tensor that
-      its elementwise producer writes anyway (kept for backward, read by another kernel)
-      runs in the producer's kernel: it does not read that tensor back (softmax's
-      exp(x - max) is written once and summed in the same pass).
+    - with `lowering.multi_output_fusion` (XLA's GPU pipeline: producer-consumer
+      multi-output fusion, and the Triton normalization-diamond fusion on Ampere and
+      later), a reduction of a tensor that its elementwise producer writes anyway (kept for
+      backward, read by another kernel) runs in the producer's kernel: it does not read
+      that tensor back (softmax's exp(x - max) is written once and summed in the same pass).
 
-    Only `ops` run, all by default (XLA removes dead code; a first forward under
+    Only `ops` run, all where None (XLA removes dead code; a first forward under
     rematerialization runs without the backward, whose reads the recompute serves)."""
     ops = set(range(len(graph.ops))) if ops is None else ops
     fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
@@ -617,7 +619,7 @@ def _fused_bytes(
         if not fusible[op.index] or not written:
             continue  # not a kernel's root: its work is charged to the roots it feeds
         read = _cone_reads(graph, op, in_memory, fusible)
-        if multi_output and op.primitive in REDUCE_SUM_LIKE:
+        if lowering.multi_output_fusion and op.primitive in REDUCE_SUM_LIKE:
             read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
         out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
     return out
@@ -793,7 +795,7 @@ def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) 
     sharding: where every reader outside the `update` casts it to a narrower float (a
     mixed-precision step's weights), it gathers the cast. Read in the programs compiled
     for A100s: a bf16 gather, half the float32 parameter's bytes (XLA's CPU widens a
-    16-bit collective to `wide` bytes an element: `Cluster.collective_float_bytes`)."""
+    16-bit collective to `wide` bytes an element: `Lowering.collective_float_bytes`)."""
     out = {}
     for leaf in graph.leaves(Role.PARAM):
         x = graph.tensors[leaf.tensor]
@@ -860,30 +862,30 @@ def summed_partials(
 
 
 def kept_residuals(
-    graph: Graph, res: Residuals, remade: bool, consumers
+    graph: Graph, res: Residuals, lowering: Lowering, consumers
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """What one program keeps for its backward, without and with rematerialization.
 
-    With `remade` (`Cluster.remakes_residuals`: XLA's GPU pipeline) the residuals XLA
+    With `lowering.remakes_residuals` (XLA's GPU pipeline) the residuals XLA
     stores (`stored_residuals`) of the jaxpr's: of every residual without remat; with it,
     of those no layer recomputes and the layer inputs, and of the largest layer's (made
     again by its recompute, alive in its backward). Without, the jaxpr's sets."""
-    if not remade:
+    if not lowering.remakes_residuals:
         return res.saved, res.saved_remat
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]
-    remat = set(stored_residuals(graph, once, consumers, gpu_fusions=True))
-    remat |= set(stored_residuals(graph, again, consumers, gpu_fusions=True))
-    return stored_residuals(graph, res.saved, consumers, gpu_fusions=True), tuple(sorted(remat))
+    remat = set(stored_residuals(graph, once, lowering, consumers))
+    remat |= set(stored_residuals(graph, again, lowering, consumers))
+    return stored_residuals(graph, res.saved, lowering, consumers), tuple(sorted(remat))
 
 
 def step_buffers(
-    graph: Graph, res: Residuals, consumers, remat: bool, remade: bool = True
+    graph: Graph, res: Residuals, consumers, remat: bool, lowering: Lowering
 ) -> Buffers:
     """The buffers of a one-stage step as XLA's GPU pipeline keeps them (`_liveness.py`):
-    what it writes to memory, each from its maker to its last reader; with `remade`
-    (`Cluster.remakes_residuals`) a stored residual until the last reader of those it
+    what it writes to memory, each from its maker to its last reader; with
+    `lowering.remakes_residuals` a stored residual until the last reader of those it
     stands in for (`stored_residuals`), else the jaxpr's residuals. Under `remat`
     a layer's residuals live twice: in the first forward until its last forward reader,
     and again from the backward's first read of any of them (JAX emits a layer's
@@ -895,7 +897,8 @@ def step_buffers(
     # the backward's first read of each tensor or of one it stands in for
     first = np.array([min((x for x in c if x > res.boundary), default=-1) for c in consumers])
 
-    stored = stand_in_map(graph, consumers) if remade else lambda r: (r,)
+    remade = lowering.remakes_residuals
+    stored = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
 
     def stand_ins(saved: Iterable[int]) -> set[int]:
         out: set[int] = set()
@@ -999,7 +1002,7 @@ def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
 CONV = "conv_general_dilated"
 
 
-def stand_in_map(graph: Graph, consumers):
+def stand_in_map(graph: Graph, consumers, lowering: Lowering):
     """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
     in its place (r itself, or the operands it is made again from; and its wider source's
     where a reader converts it back, `_widened_source`)."""
@@ -1012,7 +1015,7 @@ def stand_in_map(graph: Graph, consumers):
             if t in memo:
                 todo.pop()
                 continue
-            further = _remade_from(graph, consumers, t, True)
+            further = _remade_from(graph, consumers, t, lowering)
             if further is None:
                 memo[t] = frozenset((t,))
             elif all(i in memo for i in further):
@@ -1033,7 +1036,7 @@ def stand_in_map(graph: Graph, consumers):
 _CHEAP = ELEMENTWISE | FREE
 
 
-def _remade_from(graph: Graph, consumers, t: int, gpu_fusions: bool) -> list[int] | None:
+def _remade_from(graph: Graph, consumers, t: int, lowering: Lowering) -> list[int] | None:
     """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
     p = graph.tensors[t].producer
     if p is None:
@@ -1041,7 +1044,9 @@ def _remade_from(graph: Graph, consumers, t: int, gpu_fusions: bool) -> list[int
     op = graph.ops[p]
     remade = (
         op.primitive in _CHEAP
-        and (op.primitive not in EXPENSIVE or (gpu_fusions and _normalizes(graph, t)))
+        and (
+            op.primitive not in EXPENSIVE or (lowering.remakes_residuals and _normalizes(graph, t))
+        )
         and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
     )
     return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
@@ -1113,7 +1118,7 @@ def _held_wide(graph: Graph, consumers, t: int) -> float:
 
 
 def stored_residuals(
-    graph: Graph, saved: Iterable[int], consumers=None, gpu_fusions: bool = False
+    graph: Graph, saved: Iterable[int], lowering: Lowering, consumers=None
 ) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
@@ -1122,14 +1127,12 @@ def stored_residuals(
     forward's and the backward's, and makes it again there from the producer's operands,
     which are stored in its place (recursively: GELU's polynomial chain is made again from
     the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
-    expensive results and reductions stay stored. With `gpu_fusions` (XLA's GPU pipeline,
-    `Cluster.remakes_residuals`), a row normalization's expensive results are made again too
+    expensive results and reductions stay stored. With `lowering.remakes_residuals` (XLA's
+    GPU pipeline), a row normalization's expensive results are made again too
     (`_normalizes`), and a residual converted back to the type it was narrowed from is read
     as its wider source (`_widened_source`), which is stored or made again in turn."""
     consumers = graph.consumers() if consumers is None else consumers
     start = list(saved)
-    if gpu_fusions:
+    if lowering.remakes_residuals:
         start += [u for t in start if (u := _widened_source(graph, consumers, t)) is not None]
-    return tuple(
-        sorted(_walk_back(start, lambda t: _remade_from(graph, consumers, t, gpu_fusions)))
-    )
+    return tuple(sorted(_walk_back(start, lambda t: _remade_from(graph, consumers, t, lowering))))

@@ -31,6 +31,7 @@ import numpy as np
 from .._capture import Residuals
 from .._cluster import Cluster, Link
 from .._graph import Graph, Role
+from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
 from ._tables import FUSIBLE
 
@@ -83,17 +84,18 @@ def stage_memory(
     schedule: str,
     zero_stage: int,
     remat: bool,
-    matmul_accumulates: bool = True,
+    lowering: Lowering,
     layer_stored: Sequence[tuple[int, ...]] = (),
-    reduce_buffers: bool = False,
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
     "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
     leaves it reads first and the residual bytes it makes per microbatch (what a stage
     DP sums over a layer segment). `layer_stored` (under remat): per recomputed layer,
     `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once).
-    `reduce_buffers`: a stage's peak may be its reduce program (`reduce_program`), where
-    the step's peak is priced as its busiest moment (`Cluster.frees_at_last_use`)."""
+    `lowering`: what the backend holds: the gradients a matmul makes, where it adds the
+    running sums outside it (`held_gradients`); and a stage's peak may be its reduce
+    program (`reduce_program`) where the step's peak is priced as its busiest moment
+    (`Lowering.frees_at_last_use`)."""
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
@@ -182,7 +184,7 @@ def stage_memory(
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
     program = op_programs(graph, part)
-    held = () if matmul_accumulates else held_gradients(graph, part, lay, m, phase)
+    held = () if lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
     remade = _remade(graph, part, lay, res, layer_stored, m, phase) if remat else ()
     bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
     for s, b in enumerate(bwd):
@@ -192,7 +194,7 @@ def stage_memory(
     for s, b in enumerate(temporaries(graph, part, lay.inv, m, POST, program)):
         out[s]["activations"] = max(out[s]["activations"], b)
     # So does the once-per-step reduction of the gradients, between the two.
-    if reduce_buffers:
+    if lowering.frees_at_last_use:
         for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, zero_stage)):
             out[s]["activations"] = max(out[s]["activations"], b)
     return out, op_state, op_act
@@ -301,7 +303,7 @@ def held_gradients(
     graph: Graph, part: Partition, lay: Layouts, m: int, phase: np.ndarray
 ) -> set[int]:
     """A microbatch's gradients that a backend adding the running sums outside the matmuls
-    (`Cluster.matmul_accumulates` False: XLA's CPU) holds to the end of a stage's B
+    (`Lowering.matmul_accumulates` False: XLA's CPU) holds to the end of a stage's B
     program, where it adds them: those a matmul makes, seen through layout ops. A matmul
     whose contraction is one element per device is not one: XLA rewrites it as a
     multiply and fuses it into the add (a microbatch of one example per device). With

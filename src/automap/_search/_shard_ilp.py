@@ -62,6 +62,7 @@ from .._cost import (
     reduction_copy,
     set_axes,
 )
+from .._lowering import Lowering
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, leanest_problem, solve_ilp
 from .._space import OPTIONS, ShardSpace
 from ._classic import SAFETY
@@ -114,7 +115,7 @@ class _Scope:
     regather_bytes: np.ndarray  # [n_c] bytes of the parameters gathered again
     regather_count: np.ndarray  # [n_c] their leaves: one all-gather each
     regather_acts: np.ndarray  # [n_c] the forward's gathered values no longer saved
-    # Where the step's buffers are scheduled (`Cluster.frees_at_last_use`), per candidate
+    # Where the step's buffers are scheduled (`Lowering.frees_at_last_use`), per candidate
     # moment (`_cost/_liveness.py`): what is alive, and ZeRO-3's gathered parameters.
     live: np.ndarray | None  # [n_c, moments]
     gathered: np.ndarray | None  # [n_c, moments]
@@ -215,7 +216,7 @@ class MeshTerms:
         Rp = tiled(p, prows, ("small", "tset"))
         Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
         key, nbytes, count, grad, rtime = collective_rows(
-            Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.reduce_scatter
+            Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.lowering
         )
         cfg = np.concatenate(
             [np.repeat(np.arange(n_c), len(prows))] * partial_slots(Rp)
@@ -273,10 +274,10 @@ class MeshTerms:
         # place, also its end, local gradients and their reduced copy (`_cost/_model.py`).
         # Where the buffers are scheduled, each candidate moment and the reduction.
         moments = self.T.moments
-        points = memory_points(self.space.cluster, self.T)
+        points = memory_points(self.space.cluster.lowering, self.T)
         # What the reduction writes beside the gradients: share x reduced + a constant.
         share, const = reduction_copy(
-            self.D if zero else 0, self.space.cluster, float(self.T.param_coef.sum())
+            self.D if zero else 0, self.space.cluster.lowering, float(self.T.param_coef.sum())
         )
         tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
         n_options = [len(OPTIONS)] * n
@@ -351,7 +352,7 @@ class MeshTerms:
             slot, rest = divmod(int(key), len(KINDS) * ac.masks)
             kind, mask = divmod(rest, ac.masks)
             if zero and not slot and kind == AR and mask == ac.bit[self.d]:
-                kind = RS if self.space.cluster.reduce_scatter else kind
+                kind = RS if self.space.cluster.lowering.reduce_scatter else kind
             by_kind.setdefault((slot, kind, mask), []).extend(
                 (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key], 0.0)
                 for sc in self.scopes
@@ -409,13 +410,13 @@ class MeshTerms:
         )
 
 
-def memory_points(cluster, T) -> int:
+def memory_points(lowering: Lowering, T) -> int:
     """How many memory points (peaks the limit bounds) a problem has: one per candidate
     moment and the gradients' reduction where the buffers are scheduled; else the
     backward's peak, and the reduction's where its result is a copy (XLA's CPU)."""
     if T.moments is not None:
         return len(T.moments.at) + 1
-    return 1 if cluster.all_reduce_in_place else 2
+    return 1 if lowering.all_reduce_in_place else 2
 
 
 def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:

@@ -35,6 +35,7 @@ from .._capture import capture, rebuild
 from .._cluster import Cluster
 from .._cost import CostModel, estimate_pipeline
 from .._errors import ApplyError, AutomapError
+from .._lowering import Lowering
 from .._plan import Plan
 from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
@@ -257,8 +258,8 @@ def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
     reduce-scatter it all-reduces the whole buffer and slices its shard. Both count the
     whole buffer (docs/DESIGN.md), so a predicted reduce-scatter is compared as an
     all-reduce of the same bytes on the same axis. (`as_compiled_on_cpu` already asks the
-    cost model for the CPU's lowering; this fold keeps the comparison right for a cluster
-    or cost model that does not know that switch.)
+    cost model for the CPU's lowering; this fold keeps the comparison right for
+    collectives predicted with another.)
     """
     out: dict[str, float] = {}
     for key, nbytes in predicted.items():
@@ -267,27 +268,18 @@ def as_on_cpu(predicted: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def as_compiled_on_cpu(cluster: Any) -> Any:
-    """`cluster` with the collective lowering of XLA's CPU backend, where verify compiles.
+def as_compiled_on_cpu(cluster: Cluster) -> Cluster:
+    """`cluster` with the lowering of XLA's CPU backend (`Lowering.cpu()`), where verify
+    compiles.
 
     Seen with jax 0.10: the CPU backend runs bf16/f16 collectives in f32, never emits
     reduce-scatter, adds a pipeline's running gradient sums outside the matmuls, and
     writes the gradients' all-reduce to a buffer of its own, all-reduces each partial sum
     before adding them, keeps about every residual of the jaxpr and is priced as holding
-    every activation and gradient together. Bytes, not times, are compared, so only these
-    seven fields matter; the user's cluster (a100, ...) keeps its own values elsewhere.
+    every activation and gradient together. The user's cluster (a100, ...) keeps its
+    device figures: bytes, not times, are compared.
     """
-    fields = {f.name for f in dataclasses.fields(cluster)}
-    cpu = {
-        "collective_float_bytes": 4,
-        "reduce_scatter": False,
-        "matmul_accumulates": False,
-        "all_reduce_in_place": False,
-        "reassociates_all_reduce": False,
-        "remakes_residuals": False,
-        "frees_at_last_use": False,
-    }
-    return dataclasses.replace(cluster, **{k: v for k, v in cpu.items() if k in fields})
+    return dataclasses.replace(cluster, lowering=Lowering.cpu())
 
 
 def _cpu_devices(n: int) -> list[Any]:

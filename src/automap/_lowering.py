@@ -1,0 +1,158 @@
+"""Lowering: how XLA compiles a training step for one backend, as one object.
+
+The same program costs different bytes on different backends because XLA's pipelines
+rewrite it differently: the GPU pipeline turns an all-reduce then sliced into a
+reduce-scatter, fuses reductions into their producers' kernels, remakes cheap residuals in
+the backward and schedules buffers to die at their last reader; the CPU pipeline does none
+of that. Each field below is one such rewrite, found by reading compiled programs (the CPU
+HLO, or the buffer assignment of programs compiled for an A100 without one,
+`_verify/_gpu.py`): the commit that found it and the test that holds it are named.
+
+The fields move together, one backend at a time: a `Cluster` carries one `Lowering`
+(`Lowering.gpu()` on every GPU and TPU preset, `Lowering.cpu()` on the `cpu` preset), and
+verify, which compiles on a CPU mesh, prices a GPU cluster's plan with `Lowering.cpu()`.
+Setting one field alone is a what-if (a test that asks what a rule is worth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._errors import ClusterError
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What XLA's compiler does to a step on one backend, as the cost model prices it.
+
+    The defaults are XLA's GPU pipeline (`Lowering.gpu()`); `Lowering.cpu()` is its CPU
+    one. XLA's TPU pipeline shares the GPU's collective rewrites (reduce-scatter creation,
+    all-reduce folding) and is priced as a GPU until a `Lowering.tpu()` is measured.
+    """
+
+    collective_float_bytes: int = 0
+    """Least bytes per element a floating-point collective moves: XLA's CPU backend runs
+    bf16/f16 collectives in f32 (4); GPUs and TPUs move bf16 as is (0: the tensor's own).
+    Found in 6ede0f8 (CPU HLO of bert and the MLP in bf16); held by
+    tests/test_verify.py::test_zoo_step_in_16_bit_compared_as_the_cpu_moves_it."""
+    reduce_scatter: bool = True
+    """Whether XLA turns an all-reduce whose result is then split into a reduce-scatter
+    (its GPU and TPU pipelines do: ReduceScatterCreator, and AllReduceFolder joins a chain
+    of all-reduces into one; the CPU one all-reduces the whole buffer and slices,
+    `_cost._kernel.partial_rows`). Found in de1901a; held by tests/test_rules.py
+    (test_reduce_scatter_when_the_output_is_split_on_the_reduced_axis) and
+    tests/test_cost.py::test_a_reduction_without_reduce_scatter_writes_a_whole_copy."""
+    multi_output_fusion: bool = True
+    """Whether XLA reduces a tensor inside the kernel that writes it (its GPU pipeline's
+    producer-consumer multi-output fusion and Triton softmax fusion; the CPU one, False, runs
+    each reduction as its own loop that reads the tensor back: `_cost._tables._fused_bytes`).
+    Time only, never bytes moved or held. Found in 57fb133 (the CPU HLO shows the read);
+    held by tests/test_fusion.py
+    (test_a_reduction_reads_back_what_its_producer_wrote_only_where_xla_does)."""
+    matmul_accumulates: bool = True
+    """Whether XLA adds a running sum inside the matmul that makes its addend (its GPU
+    pipeline's GEMM rewriter takes a matrix added to a matmul's result as the GEMM's C
+    operand); the CPU one, False, writes a pipeline microbatch's weight gradients that a
+    matmul makes to buffers of their own, held to the end of its B program, where the
+    running sums are added (`_cost._traffic.held_gradients`). Found in 476e55a; held by
+    tests/test_verify.py::test_pipeline_memory_holds_the_microbatch_gradients_the_cpu_holds."""
+    all_reduce_in_place: bool = True
+    """Whether the step's combined gradient all-reduce writes its result over its input
+    (XLA's GPU pipeline makes it asynchronous and aliases an all-reduce-start's output with
+    its operand), where memory is priced as every activation and gradient alive together
+    (`frees_at_last_use` False). XLA's CPU, False, runs it synchronously into a buffer of
+    its own, so at the end of the backward the local gradients and their reduced copy are
+    both alive (with ZeRO too: the CPU all-reduces and slices). A scheduled step prices
+    the reduction's copy itself (`_cost/_model.busiest_moment`). Found in e191666; held by
+    test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes
+    (tests/test_verify.py)."""
+    reassociates_all_reduce: bool = True
+    """Whether XLA adds partial sums before it all-reduces them: two partial sums that
+    would be all-reduced alike and are then added become one all-reduce of their sum
+    (`_cost._tables.summed_partials`: the input gradient of separate Q, K, V projections
+    under tensor parallelism). XLA's GPU pipeline does (its all-reduce reassociation, read
+    on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, all-reduces each. Found
+    in e38d629 (a 2-layer GPT at tp 8 moved 29-40% fewer model-axis bytes than priced);
+    held by test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices
+    (tests/test_verify_gpu.py)."""
+    remakes_residuals: bool = True
+    """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
+    the backward reads that an elementwise or layout op makes, and only fusible ops read,
+    is fused into each reader and made again from its producer's operands, which are kept
+    instead (`_cost.stored_residuals`); so is a softmax (a Triton row fusion), and a 16-bit
+    residual read back in float32 is read as its float32 source (excess precision). XLA's
+    GPU pipeline does (held against its buffer assignment on compile-only GPUs,
+    `_verify/_gpu.py`); the CPU one, False, keeps about every residual of the jaxpr, its
+    library fusions taking their operands from memory. Found in 8a671e2 (transformers were
+    over-predicted 1.4-2.4x on an A100); held by
+    test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices (tests/test_verify_gpu.py)
+    and tests/test_residual_memory.py."""
+    frees_at_last_use: bool = True
+    """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
+    moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
+    collective holds consumed by its update as soon as it is made, the reduced ones held to
+    the step's combined reduction, which copies them once more (as a recomputed layer's
+    combined all-reduces copy its partial sums at its recompute). XLA's GPU pipeline
+    schedules so (its buffer assignment on compile-only GPUs, `_verify/_gpu.py`); the
+    CPU's, False, is priced as every activation and every gradient alive together, which
+    its buffer assignment agrees with better (its library kernels' own copies). A pipeline
+    stage's peak may then be its reduce program (`_cost._traffic.reduce_program`). Found in
+    9cade9e; held by tests/test_verify_gpu.py::test_a_gpu_step_peaks_at_one_moment and
+    test_a_pipeline_stage_holds_its_reduce_programs_buffers."""
+    all_reduce_combine_bytes: float = 30 * 2**20
+    """The most bytes XLA's GPU combiner joins into one gradient all-reduce (its default
+    `--xla_gpu_all_reduce_combine_threshold_bytes`, 30 MiB): a combined all-reduce copies
+    its operands into one buffer (their concatenation) and reduces that, so a scheduled
+    step's reduction holds the gradients and at most this much more
+    (`_cost/_model.reduction_copy`; read only where `frees_at_last_use`). Found in 3aaff1f;
+    held by test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes
+    (tests/test_verify.py)."""
+
+    # ---- presets ----------------------------------------------------------------------
+
+    @classmethod
+    def gpu(cls) -> Lowering:
+        """XLA's GPU pipeline (every GPU preset; TPUs until measured)."""
+        return cls()
+
+    @classmethod
+    def cpu(cls) -> Lowering:
+        """XLA's CPU pipeline: the `cpu` preset, and verify's pricing of what it compiles
+        on a CPU mesh."""
+        return cls(
+            collective_float_bytes=4,
+            reduce_scatter=False,
+            multi_output_fusion=False,
+            matmul_accumulates=False,
+            all_reduce_in_place=False,
+            reassociates_all_reduce=False,
+            remakes_residuals=False,
+            frees_at_last_use=False,
+        )
+
+    @staticmethod
+    def presets() -> tuple[str, ...]:
+        return tuple(_NAMED)
+
+    @classmethod
+    def preset(cls, name: str) -> Lowering:
+        """The lowering named `name` ("gpu", "cpu"), as a cluster file's `lowering:` names it."""
+        key = str(name).lower()
+        if key not in _NAMED:
+            raise ClusterError(
+                f"unknown lowering {name!r}; choose one of {', '.join(_NAMED)}, or give a "
+                "mapping of its fields (lowering: {reduce_scatter: false, ...})."
+            )
+        return _NAMED[key]()
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(Lowering))
+
+    @staticmethod
+    def switches() -> tuple[str, ...]:
+        """The fields that are true or false (the rest are numbers)."""
+        return tuple(f.name for f in dataclasses.fields(Lowering) if f.type == "bool")
+
+
+_NAMED = {"gpu": Lowering.gpu, "cpu": Lowering.cpu}
