@@ -91,7 +91,7 @@ def stage_params(stage: int) -> float:
         graph.tensors[leaf.tensor].nbytes
         for leaf in graph.leaves(Role.PARAM)
         if any(
-            part.op_stage[c] == stage and part.op_phase[c].value == "post"
+            part.op_stage[c] == stage and part.op_phase[c] is Phase.POST
             for c in consumers[leaf.tensor]
         )
     )
