@@ -147,8 +147,8 @@ def test_pipeline_remat_hands_b_the_layer_inputs_and_b_recomputes():
     rc = recompute_plan(graph, groups)
     pipe = run.prepare(*args)
     for s in range(2):
-        f_plain, f_remat = programs[False][(s, "F")], programs[True][(s, "F")]
-        b_plain, b_remat = programs[False][(s, "B")], programs[True][(s, "B")]
+        f_plain, f_remat = programs[False][(s, Phase.FWD)], programs[True][(s, Phase.FWD)]
+        b_plain, b_remat = programs[False][(s, Phase.BWD)], programs[True][(s, Phase.BWD)]
         # What a microbatch in flight holds between its F and its B: F's outputs.
         held = f_remat.memory_analysis().output_size_in_bytes
         assert held < 0.2 * f_plain.memory_analysis().output_size_in_bytes
@@ -184,9 +184,13 @@ def test_cost_model_charges_every_recomputed_op_and_keeps_what_the_runtime_keeps
         *spec.abstract_args()
     )
     made = {
-        t for seg in pipe.micro if seg.kind == "F" for i in seg.ops for t in graph.ops[i].outputs
+        t
+        for seg in pipe.micro
+        if seg.kind is Phase.FWD
+        for i in seg.ops
+        for t in graph.ops[i].outputs
     }
-    handed = {t for seg in pipe.micro if seg.kind == "B" for t in seg.inputs if t in made}
+    handed = {t for seg in pipe.micro if seg.kind is Phase.BWD for t in seg.inputs if t in made}
     res = residuals(graph, groups)
     layered = {t for ts in res.layer_saved for t in ts}
     assert handed == {t for t in res.saved_remat if t in made and t not in layered}

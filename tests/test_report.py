@@ -15,6 +15,7 @@ from PIL import Image, ImageStat
 
 import automap as am
 from automap._errors import AutomapError
+from automap._pipeline import Phase
 from automap._plan import Provenance
 from automap._report import (
     memory_bars,
@@ -194,10 +195,11 @@ def test_simulated_schedules_respect_dependencies_and_bubble(schedule):
     assert len(ops) == 2 * s * m
     end = {(st, k, mb): e for st, k, mb, _, e in ops}
     for st, kind, mb, start, _ in ops:
-        if kind == "F" and st > 0:
-            assert start >= end[(st - 1, "F", mb)]
-        if kind == "B":
-            assert start >= end[(st + 1, "B", mb)] if st < s - 1 else start >= end[(st, "F", mb)]
+        if kind is Phase.FWD and st > 0:
+            assert start >= end[(st - 1, Phase.FWD, mb)]
+        if kind is Phase.BWD:
+            last = start >= end[(st, Phase.FWD, mb)]
+            assert start >= end[(st + 1, Phase.BWD, mb)] if st < s - 1 else last
     for st in range(s):  # a stage never runs two things at once
         spans = sorted((a, e) for x, _, _, a, e in ops if x == st)
         assert all(e <= a2 for (_, e), (a2, _) in itertools.pairwise(spans))

@@ -124,7 +124,7 @@ class Plan:
     constraints: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # tensor id -> spec
     stages: tuple[Stage, ...] = ()  # empty: one program; see `pipelined`
     microbatches: int = 1
-    schedule: str = "1f1b"  # "gpipe" or "1f1b"
+    schedule: str = "1f1b"  # a registered schedule's name (`_pipeline.pipeline_schedule`)
     zero_stage: int = 0
     remat: bool = False
     name: str = ""  # e.g. "megatron_dp", or the searcher's name

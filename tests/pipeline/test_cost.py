@@ -22,7 +22,7 @@ from automap._cost import (
     zero_leaves,
 )
 from automap._groups import build_groups, plan_from_assignment
-from automap._pipeline import Phase, forward_ops, partition, stage_orders
+from automap._pipeline import Phase, forward_ops, partition, pipeline_schedule
 from automap._plan import Plan, Stage
 from automap._report import stage_times
 from automap._run import apply_pipeline
@@ -95,9 +95,10 @@ def test_equal_stages_bubble_is_the_textbook_fraction(schedule, m):
             compute[list(ops)] = ms * m / len(ops)
     zero = np.zeros_like(compute)
     oc = dataclasses.replace(oc, compute=compute, remat_compute=zero, row_count=oc.row_count * 0.0)
-    pc = stage_costs(cm, part, oc, m, schedule)
+    pc = stage_costs(cm, part, oc, m, pipeline_schedule(schedule))
     assert np.array(pc.stage_times) == pytest.approx(np.array([(1e-3, 2e-3)] * S))
     assert pc.cost.bubble_s / pc.cost.step_time_s == pytest.approx((S - 1) / (m + S - 1))
+    assert pc.cost.bubble_s / pc.cost.step_time_s == pytest.approx(pc.schedule.bubble(S, m))
     # The exact stage DP's formula agrees on equal stages.
     assert pc.cost.step_time_s == pytest.approx(pipeline_step_time([3e-3] * S, m))
 
@@ -182,7 +183,7 @@ def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
     # Cut in stages at one microbatch, every op still runs once: compute is conserved.
     plan = stage_plan("gpt2-xl", 4, 1, dtype=dtype)
     part = partition(graph, groups, bounds_of(plan), 1)
-    pc = stage_costs(cm, part, oc, 1)
+    pc = stage_costs(cm, part, oc, 1, pipeline_schedule("1f1b"))
     assert sum(c for _, c, _ in pc.cost.per_op) == pytest.approx(oc.compute.sum())
     assert pc.op_run_s.sum() >= (oc.compute + oc.comm).sum()
 
@@ -191,10 +192,10 @@ def test_simulated_order_is_each_stages_schedule():
     cm = model("gpt2-xl")
     for schedule in ("gpipe", "1f1b"):
         pc = estimate_pipeline(cm, stage_plan("gpt2-xl", 4, 6, schedule))
-        orders = stage_orders(4, 6, schedule)
+        tasks = pipeline_schedule(schedule).stage_tasks(4, 6)
         for s in range(4):
             mine = sorted((start, k, m) for st, k, m, start, _ in pc.ops if st == s)
-            assert [(k, m) for _, k, m in mine] == orders[s]
+            assert [(k, m) for _, k, m in mine] == [(t.phase, t.microbatch) for t in tasks[s]]
 
 
 def test_public_estimate_and_report_decisions():

@@ -15,7 +15,7 @@ import pytest
 import automap as am
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
-from automap._pipeline import global_order, stage_orders
+from automap._pipeline import Phase, pipeline_schedule
 from automap._verify import axis_of, parse_collectives, verify
 
 from ._models import assert_same, flax_args, flax_graph, flax_step
@@ -45,11 +45,11 @@ def test_one_gradient_reduction_per_stage_per_step(dp_plan):
     per_stage = {0: 0, 1: 0}
     for prog in programs:
         found = _data_reductions(prog)
-        if prog.kind in ("F", "B"):
+        if prog.kind in (Phase.FWD, Phase.BWD):
             assert not found, f"stage {prog.stage}'s {prog.kind} program reduces over data"
         per_stage[prog.stage] += len(found) * prog.runs
     assert per_stage == {0: 1, 1: 1}
-    reducers = [p for p in programs if p.kind == "reduce"]
+    reducers = [p for p in programs if p.kind is Phase.REDUCE]
     assert sorted(p.stage for p in reducers) == [0, 1] and all(p.runs == 1 for p in reducers)
     # All of a stage's parameters move once: its gradients, plus the loss sum on the last.
     moved = sum(c.bytes for p in reducers for c in _data_reductions(p))
@@ -61,7 +61,7 @@ def test_numerics_equal_the_unsharded_step_and_the_schedule_order_holds(dp_plan)
     args = flax_args()
     run = am.apply(flax_step, dp_plan)
     assert_same(run(*args), jax.jit(flax_step)(*args), 1e-2)
-    assert list(run.trace) == global_order(2, M, dp_plan.schedule)
+    assert list(run.trace) == pipeline_schedule(dp_plan.schedule).global_order(2, M)
 
 
 def test_the_model_predicts_what_xla_compiles(dp_plan):
@@ -80,15 +80,15 @@ def test_the_reduction_runs_after_each_stages_last_backward(dp_plan):
     graph, _ = flax_graph()
     model = CostModel(graph, Cluster.preset("a100", devices=4))
     pc = estimate_pipeline(model, dp_plan)
-    orders = stage_orders(2, M, dp_plan.schedule)
+    tasks = pipeline_schedule(dp_plan.schedule).stage_tasks(2, M)
     assert [s for s, *_ in pc.reduce_ops] == [0, 1]
     for s, kind, mb, start, end in pc.reduce_ops:
-        assert (kind, mb) == ("R", -1) and end > start
+        assert (kind, mb) == (Phase.REDUCE, -1) and end > start
         last = max(e for st, _, _, _, e in pc.ops if st == s)
         assert start == pytest.approx(last)
         # The F and B units keep the stage's own schedule.
         mine = sorted((st_, k, m) for st, k, m, st_, _ in pc.ops if st == s)
-        assert [(k, m) for _, k, m in mine] == orders[s]
+        assert [(k, m) for _, k, m in mine] == [(t.phase, t.microbatch) for t in tasks[s]]
     assert pc.cost.step_time_s >= max(end for *_, end in pc.reduce_ops)
     # Once per step: its bytes do not grow with the microbatches.
     few = estimate_pipeline(model, dataclasses.replace(dp_plan, microbatches=2))
@@ -100,8 +100,8 @@ def test_one_microbatch_keeps_the_reduction_in_its_only_backward():
     graph, groups = flax_graph()
     plan = _plan(graph, groups, 2, {"data": 2}, 1, "1f1b")
     programs = am.apply(flax_step, plan).compile(*flax_args())
-    assert not [p for p in programs if p.kind == "reduce"]
-    assert all(len(_data_reductions(p)) >= 1 for p in programs if p.kind == "B")
+    assert not [p for p in programs if p.kind is Phase.REDUCE]
+    assert all(len(_data_reductions(p)) >= 1 for p in programs if p.kind is Phase.BWD)
     pc = estimate_pipeline(CostModel(graph, Cluster.preset("cpu", devices=8)), plan)
     assert pc.reduce_ops == ()
 
@@ -114,7 +114,7 @@ def test_later_microbatches_add_into_the_donated_running_sums(dp_plan):
     adding = [
         p
         for p in programs
-        if p.kind in ("F", "B") and p.compiled.memory_analysis().alias_size_in_bytes
+        if p.kind in (Phase.FWD, Phase.BWD) and p.compiled.memory_analysis().alias_size_in_bytes
     ]
     assert sorted(p.runs for p in adding) == [M - 1] * len(adding)
     # Per device, each partial sum is the reduced tensor's size: every parameter's

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import automap as am
 from automap import ApplyError, PlanError
-from automap._pipeline import global_order, pipeline_plan, uniform_cuts
+from automap._pipeline import pipeline_plan, pipeline_schedule, uniform_cuts
 from automap._run import send, send_program
 from automap._space import batch_groups, block_groups
 from automap._verify import as_on_cpu, compare_collectives, parse_collectives, verify
@@ -54,7 +54,7 @@ def test_zoo_pipelines_compute_the_step(model, stages, mesh, m, schedule):
     run = am.apply(spec.step_fn, plan)
     got = run(*args)
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
-    assert list(run.trace) == global_order(stages, m, schedule)
+    assert list(run.trace) == pipeline_schedule(schedule).global_order(stages, m)
     # Each stage's new parameters stay on that stage's devices.
     assert {d.id for d in run.meshes[0].devices.flat} == set(plan.stages[0].devices)
 
@@ -68,7 +68,7 @@ def test_flax_model_pipelines_compute_the_step(stages, mesh, m, schedule):
     args = flax_args()
     run = am.apply(flax_step, plan)
     assert_same(run(*args), jax.jit(flax_step)(*args), 1e-2)
-    assert list(run.trace) == global_order(stages, m, schedule)
+    assert list(run.trace) == pipeline_schedule(schedule).global_order(stages, m)
     run(*args)  # a second step reuses the compiled segments
     assert len(run.trace) == 2 * stages * m
 

@@ -10,7 +10,7 @@ import pytest
 import automap as am
 from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
-from automap._pipeline import cut_candidates, partition, pipeline_plan
+from automap._pipeline import cut_candidates, partition, pipeline_plan, pipeline_schedule
 from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
 from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan
 from automap._zoo import get_model
@@ -49,7 +49,7 @@ def test_dp_cuts_are_the_best_of_every_cut_set(gpt):
     mesh, assignment = {"data": 4}, {groups.batch_groups[0]: "data"}
     oc = op_costs(model, assignment, mesh)
     point = Point(stages=2, stage_mesh=mesh, microbatches=4, intra="test")
-    cuts = optimal_cuts(model, fine, cands, oc, point, "1f1b")
+    cuts = optimal_cuts(model, fine, cands, oc, point, pipeline_schedule("1f1b"))
 
     def priced(cut_set):
         plan = pipeline_plan(graph, groups, cut_set, mesh, assignment, 4, "1f1b")

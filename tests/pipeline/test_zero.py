@@ -23,7 +23,7 @@ from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
 from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment
-from automap._pipeline import partition, pipeline_plan, uniform_cuts
+from automap._pipeline import Phase, partition, pipeline_plan, uniform_cuts
 from automap._space import block_groups
 from automap._verify import axis_of, comm_bytes, parse_collectives, verify
 from automap._zoo import get_model
@@ -91,7 +91,7 @@ def stage_params(stage: int) -> float:
         graph.tensors[leaf.tensor].nbytes
         for leaf in graph.leaves(Role.PARAM)
         if any(
-            part.op_stage[c] == stage and part.op_phase[c].value == "post"
+            part.op_stage[c] == stage and part.op_phase[c] is Phase.POST
             for c in consumers[leaf.tensor]
         )
     )
@@ -111,17 +111,17 @@ def test_stages_reduce_scatter_update_on_shards_and_gather_once(stage):
     programs, _ = compiled(stage)
     for s in (0, 1):
         mine = [p for p in programs if p.stage == s]
-        per_mb = [p for p in mine if p.kind in ("F", "B")]
+        per_mb = [p for p in mine if p.kind in (Phase.FWD, Phase.BWD)]
         # The microbatches move nothing over data but ZeRO-3's parameter gathers.
         assert not data_bytes(per_mb, "all-reduce")
-        (reduce,) = [p for p in mine if p.kind == "reduce"]
+        (reduce,) = [p for p in mine if p.kind is Phase.REDUCE]
         assert reduce.runs == 1
         # One reduction of the stage's gradients (the loss sum with them on the last
         # stage), sliced into the ZeRO layout: the CPU's lowering of a reduce-scatter.
         assert data_bytes([reduce], "all-reduce") == stage_sums(s)
         assert "dynamic-slice" in reduce.compiled.as_text()
         assert any("data" in str(o.sharding.spec) for o in reduce.compiled.out_info)
-        post = [p for p in mine if p.kind == "post"]
+        post = [p for p in mine if p.kind is Phase.POST]
         texts = "\n".join(p.compiled.as_text() for p in post)
         # Adam runs on shards: a [64, 256] kernel's moments are read as [16, 256].
         if s == 0:
@@ -132,8 +132,8 @@ def test_stages_reduce_scatter_update_on_shards_and_gather_once(stage):
             assert not data_bytes(per_mb, "all-gather")
         else:  # kept sharded, gathered where F and B read them (not in the update)
             assert not data_bytes(post, "all-gather")
-            assert data_bytes([p for p in per_mb if p.kind == "F"], "all-gather") > 0
-            assert data_bytes([p for p in per_mb if p.kind == "B"], "all-gather") > 0
+            assert data_bytes([p for p in per_mb if p.kind is Phase.FWD], "all-gather") > 0
+            assert data_bytes([p for p in per_mb if p.kind is Phase.BWD], "all-gather") > 0
 
 
 @pytest.mark.parametrize(
@@ -207,9 +207,9 @@ def test_one_microbatch_reduce_scatters_in_the_backward():
     spec, _, _ = gpt()
     plan = zero_plan(1, 1)
     programs = am.apply(spec.step_fn, plan).compile(*spec.abstract_args())
-    assert not [p for p in programs if p.kind == "reduce"]
+    assert not [p for p in programs if p.kind is Phase.REDUCE]
     for prog in programs:
-        if prog.kind == "B":
+        if prog.kind is Phase.BWD:
             found = parse_collectives(prog.compiled.as_text())
             assert any(axis_of(c.kind, c.groups, prog.mesh) == "data" for c in found)
             assert "dynamic-slice" in prog.compiled.as_text()
@@ -222,7 +222,7 @@ def test_the_gradient_sums_are_whole_until_reduced():
     # B calls: a ZeRO layout there would be reduce-scattered once per microbatch.
     programs, _ = compiled(2)
     for prog in programs:
-        if prog.kind == "B":
+        if prog.kind is Phase.BWD:
             shapes = [o.sharding.shard_shape(o.shape) for o in prog.compiled.out_info]
             assert (1, 64, 256) in shapes
     jax.clear_caches()
@@ -240,7 +240,7 @@ def test_sixteen_bit_gradients_are_reduce_scattered_too():
     cuts = uniform_cuts(graph, groups, 2)
     plan = pipeline_plan(graph, groups, cuts, MESH, batch, M, zero_stage=1)
     for prog in am.apply(spec.step_fn, plan).compile(*args):
-        if prog.kind == "reduce":
+        if prog.kind is Phase.REDUCE:
             sums = [o for o in prog.compiled.out_info if o.shape]
             assert sums and all("data" in str(o.sharding.spec) for o in sums)
     model = CostModel(graph, Cluster.preset("a100", devices=8), groups)

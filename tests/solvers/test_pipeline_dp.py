@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
+from automap._pipeline import pipeline_schedule
 from automap._solvers import (
     Factor,
     FactorProblem,
-    activation_copies,
     optimal_partition,
     optimal_pipeline,
     optimal_two_level,
@@ -16,9 +16,12 @@ from automap._solvers import (
     solve_exhaustive,
 )
 
+ONE_F_ONE_B = pipeline_schedule("1f1b")
 
-def _brute_force(t, m, a, c, *, S, M, schedule, limit, bandwidth, latency):
-    """Every placement of S - 1 cuts among L - 1 gaps, costed straight from the formulas."""
+
+def _brute_force(t, m, a, c, *, S, M, in_flight, limit, bandwidth, latency):
+    """Every placement of S - 1 cuts among L - 1 gaps, costed straight from the formulas
+    (`in_flight`: the schedule's microbatches held per stage)."""
     L = len(t)
     best = (np.inf, None)
     for cuts in itertools.combinations(range(1, L), S - 1):
@@ -29,8 +32,7 @@ def _brute_force(t, m, a, c, *, S, M, schedule, limit, bandwidth, latency):
             tau = sum(t[lo:hi])
             if s < S - 1:
                 tau += 2 * (latency + c[hi - 1] / bandwidth)
-            copies = M if schedule == "gpipe" else min(M, S - s)
-            ok = ok and sum(m[lo:hi]) + copies * sum(a[lo:hi]) <= limit
+            ok = ok and sum(m[lo:hi]) + in_flight[s] * sum(a[lo:hi]) <= limit
             times.append(tau)
         value = sum(times) + (M - 1) * max(times)
         if ok and value < best[0]:
@@ -46,10 +48,12 @@ def _random_instance(rng):
     m = rng.integers(0, 10, size=L) * 1e8
     a = rng.integers(0, 5, size=L) * 1e7
     c = rng.integers(0, 10, size=max(L - 1, 0)) * 1e6
+    M = int(rng.integers(1, 9))
+    schedule = pipeline_schedule(str(rng.choice(["gpipe", "1f1b"])))
     kwargs = dict(
         S=S,
-        M=int(rng.integers(1, 9)),
-        schedule=str(rng.choice(["gpipe", "1f1b"])),
+        M=M,
+        in_flight=schedule.in_flight(S, M),
         bandwidth=float(rng.choice([np.inf, 1e9, 1e10])),
         latency=float(rng.choice([0.0, 1e-5])),
     )
@@ -72,7 +76,7 @@ def test_dp_matches_brute_force(seed):
         c,
         n_stages=kw["S"],
         n_microbatches=kw["M"],
-        schedule=kw["schedule"],
+        in_flight=kw["in_flight"],
         memory_limit=kw["limit"],
         p2p_bandwidth=kw["bandwidth"],
         p2p_latency=kw["latency"],
@@ -117,26 +121,39 @@ def test_generic_tables_match_brute_force():
 def test_schedules_differ_in_memory_only():
     t, m, a, c = [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 3
     kwargs = dict(n_stages=2, n_microbatches=8)
-    gpipe = optimal_pipeline(t, m, a, c, schedule="gpipe", **kwargs)
-    one_f = optimal_pipeline(t, m, a, c, schedule="1f1b", **kwargs)
+    gpipe = optimal_pipeline(
+        t, m, a, c, in_flight=pipeline_schedule("gpipe").in_flight(2, 8), **kwargs
+    )
+    one_f = optimal_pipeline(t, m, a, c, in_flight=ONE_F_ONE_B.in_flight(2, 8), **kwargs)
     assert gpipe.time == one_f.time == 2 * 2.0 + 7 * 2.0
     assert gpipe.stage_memory == (2.0 + 8 * 2.0, 2.0 + 8 * 2.0)
     assert one_f.stage_memory == (2.0 + 2 * 2.0, 2.0 + 1 * 2.0)
-    assert activation_copies(4, 2, "1f1b").tolist() == [2, 2, 2, 1]
-    with pytest.raises(ValueError, match="schedule"):
-        activation_copies(2, 2, "zero-bubble")
+    with pytest.raises(ValueError, match="in_flight must hold one count"):
+        optimal_pipeline(t, m, a, c, in_flight=(8,), **kwargs)
 
 
 def test_more_stages_than_layers_is_infeasible():
     solution = optimal_pipeline(
-        [1.0, 1.0], [0.0] * 2, [0.0] * 2, [0.0], n_stages=3, n_microbatches=2
+        [1.0, 1.0],
+        [0.0] * 2,
+        [0.0] * 2,
+        [0.0],
+        n_stages=3,
+        n_microbatches=2,
+        in_flight=ONE_F_ONE_B.in_flight(3, 2),
     )
     assert not solution.feasible
 
 
 def test_balanced_layers_split_evenly():
     solution = optimal_pipeline(
-        [1.0] * 8, [0.0] * 8, [0.0] * 8, [0.0] * 7, n_stages=4, n_microbatches=16
+        [1.0] * 8,
+        [0.0] * 8,
+        [0.0] * 8,
+        [0.0] * 7,
+        n_stages=4,
+        n_microbatches=16,
+        in_flight=ONE_F_ONE_B.in_flight(4, 16),
     )
     assert solution.stages == ((0, 2), (2, 4), (4, 6), (6, 8))
     assert solution.time == 4 * 2.0 + 15 * 2.0
@@ -152,6 +169,7 @@ def test_dp_scales_to_a_hundred_layers():
         rng.uniform(1, 2, size=L - 1) * 1e6,
         n_stages=8,
         n_microbatches=32,
+        in_flight=ONE_F_ONE_B.in_flight(8, 32),
         memory_limit=4e9,
         p2p_bandwidth=1e10,
     )

@@ -31,4 +31,3 @@ from ._pipelined import zero_leaves as zero_leaves
 from ._tables import RowTable as RowTable
 from ._tables import stored_residuals as stored_residuals
 from ._tables import zero_shares as zero_shares
-from ._traffic import in_flight as in_flight

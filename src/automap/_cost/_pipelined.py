@@ -18,15 +18,15 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   reduces it once per step, after the stage's last backward, in a "reduce" program of
   its own (`_run/_pipelined.py`): the reduction over the batch's axes of its op moves to a
   fifth phase, REDUCE, run once, full size, combined per stage and axis (one program: as
-  XLA's combiner does), and timed after the stage's last unit in `_schedule.simulate`.
-  What is left of that reduction (axes that are not the batch's) stays in its call.
+  XLA's combiner does), and timed after the stage's last unit in the schedule's
+  `simulate`. What is left of that reduction (axes that are not the batch's) stays in its call.
   With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
   layout (where the backend has one), the POST update runs on shards and gathers each
   new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
   F and B program that reads one gathers it (`_add_zero`). Rematerialized forward ops
   run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
-  overlapped with compute: they delay the receiver (a lag in `_schedule.simulate`) but do
+  overlapped with compute: they delay the receiver (a lag in `simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
@@ -34,8 +34,9 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
 
 With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
-for both schedules, as in the exact stage DP (`_solvers/_pipeline_dp.py`). The DP charges
-sends to the sending stage's time instead; the two agree when sends are free.
+for both schedules (`PipelineSchedule.bubble`), as in the exact stage DP
+(`_solvers/_pipeline_dp.py`). The DP charges sends to the sending stage's time instead;
+the two agree when sends are free.
 """
 
 from __future__ import annotations
@@ -50,19 +51,22 @@ import numpy as np
 from .._axes import DATA, PIPE
 from .._errors import PlanError
 from .._graph import Role
-from .._pipeline import Partition, op_programs, partition, simulate
+from .._pipeline import (
+    Partition,
+    Phase,
+    PipelineSchedule,
+    Timed,
+    op_programs,
+    partition,
+    pipeline_schedule,
+)
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._kernel import collective_rows, per_slot
 from ._tables import op_compute
 from ._traffic import (
-    BWD,
-    FWD,
-    POST,
-    PRE,
     Layouts,
     Sends,
-    in_flight,
     phase_codes,
     pipe_link,
     sends,
@@ -87,9 +91,10 @@ class StageModel(Protocol):
     def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
 
 
-#: A fifth phase after POST's code: a stage's once-per-step reduction of its accumulated
-#: tensors' partial sums, run after its last backward (the runtime's "reduce" program).
-REDUCE, N_PHASES = 4, 5
+#: Per-(stage, phase) arrays have a column per phase: PRE, FWD, BWD, POST and REDUCE, a
+#: stage's once-per-step reduction of its accumulated tensors' partial sums, run after its
+#: last backward (the runtime's reduce program).
+N_PHASES = len(Phase)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -262,7 +267,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
 class PipelineCost:
     """A pipeline plan's predicted schedule, per stage and per op."""
 
-    schedule: str
+    schedule: PipelineSchedule
     microbatches: int
     stage_times: tuple[tuple[float, float], ...]  # per stage (fwd, bwd) s per microbatch
     send_s: tuple[float, ...]  # per cut, the lag of a microbatch crossing it (s)
@@ -275,10 +280,10 @@ class PipelineCost:
     stage_memory: tuple[Mapping[str, float], ...]  # per stage, breakdown per device
     stage_memory_bytes: tuple[float, ...]
     in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
-    ops: tuple[tuple[int, str, int, float, float], ...]  # simulate: (stage, F/B, mb, start, end)
-    # simulate's once-per-step units: (stage, "R", -1, start, end), a stage's gradient
+    ops: tuple[Timed, ...]  # `PipelineSchedule.simulate`'s forward and backward units
+    # its once-per-step units: (stage, Phase.REDUCE, -1, start, end), a stage's gradient
     # reduction after its last backward (none with one microbatch)
-    reduce_ops: tuple[tuple[int, str, int, float, float], ...]
+    reduce_ops: tuple[Timed, ...]
     # [n_ops] s per run: per microbatch (fwd/bwd ops), per step (pre/post); an op's share of
     # its stage's once-per-step REDUCE counts 1/m of it per microbatch
     op_run_s: np.ndarray
@@ -296,17 +301,17 @@ def stage_costs(
     part: Partition,
     oc: OpCosts,
     microbatches: int,
-    schedule: str = "1f1b",
+    schedule: PipelineSchedule,
 ) -> PipelineCost:
     """Time and memory of a pipeline: `part` (any partition) with `oc`'s intra-stage plan
-    on every stage, `microbatches` microbatches run in `schedule` ("gpipe" | "1f1b")."""
+    on every stage, `microbatches` microbatches run in `schedule`."""
     graph, ac, cluster = model.graph, oc.axis_costs, model.cluster
     S, m, nk = part.n_stages, max(1, int(microbatches)), len(ac.keys)
     stage, phase = np.array(part.op_stage), phase_codes(part)
-    per_mb = (phase == FWD) | (phase == BWD)
-    runs = np.array([1, m, m, 1, 1])  # PRE, FWD, BWD, POST, REDUCE per step
+    per_mb = (phase == Phase.FWD) | (phase == Phase.BWD)
+    runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
-    op_remat = np.where(phase == FWD, oc.remat_compute / m, 0.0)
+    op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
 
     # Collectives per run of each (stage, phase): one bucket per key; gradients combined.
     r, r_phase, r_key, r_count, grad, r_bytes = _rows_by_phase(graph, part, oc, per_mb, m)
@@ -324,7 +329,7 @@ def stage_costs(
     time, nbytes, count = (a.reshape(S, N_PHASES, nk) for a in (time, nbytes, count))
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
-    once = r_phase == REDUCE
+    once = r_phase == Phase.REDUCE
     op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
@@ -333,18 +338,23 @@ def stage_costs(
 
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)
-    compute[:, BWD] += np.bincount(stage, op_remat, minlength=S)
+    compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
     busy = compute + time.sum(axis=2)  # [S, N_PHASES] seconds per run
     link = pipe_link(cluster, oc.mesh, S)
     traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
-    times = [(float(busy[s, FWD]), float(busy[s, BWD])) for s in range(S)]
-    units = simulate(S, m, schedule, times, send_s, busy[:, REDUCE])
-    stage_pre = busy[:, PRE] + np.array(traffic.pre_s)
-    stage_post = busy[:, POST] + np.array(traffic.post_s)
+    times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
+    units = schedule.simulate(S, m, times, send_s, busy[:, Phase.REDUCE])
+    stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
+    stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
     pre, post = float(stage_pre.max()), float(stage_post.max())
     step = pre + max(end for *_, end in units) + post
-    own = stage_pre + m * (busy[:, FWD] + busy[:, BWD]) + busy[:, REDUCE] + stage_post
+    own = (
+        stage_pre
+        + m * (busy[:, Phase.FWD] + busy[:, Phase.BWD])
+        + busy[:, Phase.REDUCE]
+        + stage_post
+    )
     b = int(np.argmax(own))
     compute_s = float(compute[b] @ runs)
 
@@ -417,9 +427,9 @@ def stage_costs(
         stage_work_s=tuple(float(x) for x in own),
         stage_memory=tuple(memory),
         stage_memory_bytes=tuple(float(x) for x in totals),
-        in_flight=in_flight(S, m, schedule),
-        ops=tuple(u for u in units if u[1] != "R"),
-        reduce_ops=tuple(u for u in units if u[1] == "R"),
+        in_flight=schedule.in_flight(S, m),
+        ops=tuple(u for u in units if u.phase is not Phase.REDUCE),
+        reduce_ops=tuple(u for u in units if u.phase is Phase.REDUCE),
         # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
         op_run_s=op_compute + op_comm + op_reduce / runs[phase],
         op_remat_s=op_remat,
@@ -445,7 +455,8 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
             )
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
-    return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, plan.schedule)
+    schedule = pipeline_schedule(plan.schedule)
+    return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, schedule)
 
 
 def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
@@ -481,7 +492,7 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
     phase = phase_codes(part)
     # A recomputed op's collectives run again in the backward that recomputes it.
-    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, BWD, phase[r])
+    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
     accumulated = np.zeros(len(phase), dtype=bool)
     if m > 1:
         accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
@@ -498,7 +509,7 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (
         rows,
-        np.concatenate([row_phase, np.full(len(d), REDUCE)]),
+        np.concatenate([row_phase, np.full(len(d), Phase.REDUCE)]),
         np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
         np.concatenate([np.where(left > 0, count, 0), count[d]]),
         # One program reduces them all: XLA combines every one (the loss sum with the
@@ -541,7 +552,7 @@ def _add_zero(
     a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
-    phases = (PRE, FWD, BWD) if oc.zero_stage >= 3 else (POST,)
+    phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
     phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
     programs: dict[tuple[int, int], set[int]] = {}
@@ -554,7 +565,7 @@ def _add_zero(
                 programs.setdefault((s, ph), set()).add(prog)
         if oc.zero_stage >= 3 and c:
             for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
-                moved[(s, BWD)] = moved.get((s, BWD), 0.0) + b
+                moved[(s, Phase.BWD)] = moved.get((s, Phase.BWD), 0.0) + b
     for (s, ph), b in moved.items():
         n = len(programs[(s, ph)])
         time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)

@@ -7,9 +7,10 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   gradients, optimizer state, the batch), by their layouts and the ZeRO stage, plus the
   activations kept for backward: the residuals of `_capture.find_residuals` that its
   forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
-  for a tensor carrying the batch), times the microbatches in flight (GPipe: m; 1F1B:
-  min(m, S - s), the schedule's warm-up depth). With rematerialization (`_remat`) those
-  copies are of the layers' inputs and the residuals made outside layers; the stage adds
+  for a tensor carrying the batch), times the microbatches in flight
+  (`PipelineSchedule.in_flight`; GPipe: m; 1F1B: min(m, S - s), its warm-up depth).
+  With rematerialization (`_remat`) those copies are of the layers' inputs and the
+  residuals made outside layers; the stage adds
   one microbatch's residuals of its largest layer, which its backward makes again. A
   tied parameter (read on two stages) lives on both.
 - sends: every tensor made on one stage and read on another, once per receiving stage,
@@ -32,12 +33,9 @@ from .._capture import Residuals
 from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
-from .._pipeline import Partition, Phase, op_programs
+from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
 from ._tables import FUSIBLE
 
-#: Phase codes used as array indices; FWD and BWD run once per microbatch.
-PHASES = (Phase.PRE, Phase.FWD, Phase.BWD, Phase.POST)
-PRE, FWD, BWD, POST = range(4)
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 
 
@@ -67,13 +65,6 @@ def stage_layouts(
     return Layouts(inv, on_data, int(sizes[d]) if d else 1)
 
 
-def in_flight(stages: int, microbatches: int, schedule: str) -> tuple[int, ...]:
-    """Microbatches whose activations stage s holds at its peak."""
-    if schedule == "gpipe":
-        return (microbatches,) * stages
-    return tuple(min(microbatches, stages - s) for s in range(stages))
-
-
 def stage_memory(
     graph: Graph,
     part: Partition,
@@ -81,7 +72,7 @@ def stage_memory(
     res: Residuals,
     *,
     microbatches: int,
-    schedule: str,
+    schedule: PipelineSchedule,
     zero_stage: int,
     remat: bool,
     lowering: Lowering,
@@ -117,7 +108,7 @@ def stage_memory(
             # ZeRO-3 keeps a parameter sharded between programs, but each F and B program
             # gathers the ones it reads at its start (`_run/_pipelined.py`: nothing makes
             # XLA gather layer by layer), so at a stage's peak they are whole.
-            per_mb = any(phase[c] in (FWD, BWD) for c in readers)
+            per_mb = any(phase[c] in (Phase.FWD, Phase.BWD) for c in readers)
             part_bytes = {
                 "params": zeroed(t, zero_stage >= 3 and not per_mb),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
@@ -148,19 +139,19 @@ def stage_memory(
     # ZeRO-3's gathered parameters (by the update's layout where only the update reads
     # one: the partition runs an op whose results only the update reads with it).
     for op in graph.ops:
-        if phase[op.index] != PRE:
+        if phase[op.index] != Phase.PRE:
             continue
         for t in op.outputs:
-            late = [c for c in consumers[t] if phase[c] != PRE]
+            late = [c for c in consumers[t] if phase[c] != Phase.PRE]
             if late:
                 # Read by the update alone: ZeRO pins it to the update's sharded layout.
-                update = all(phase[c] == POST for c in late)
+                update = all(phase[c] == Phase.POST for c in late)
                 b = zeroed(t, zero_stage >= 1 and update)
                 for s in {int(stage[op.index])} | {int(stage[c]) for c in late}:
                     out[s]["params"] += b
                 op_state[late[0]] += b
 
-    copies = in_flight(S, m, schedule)
+    copies = schedule.in_flight(S, m)
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()
     recomputed = set(res.recomputed) if remat else set()
     # Every residual as the jaxpr has it: a stage's F program hands its B program all it
@@ -171,27 +162,27 @@ def stage_memory(
             continue  # made again in its layer's backward: `_remade`
         p = graph.tensors[t].producer
         b = graph.tensors[t].nbytes * lay.inv[t]
-        per_mb = phase[p] == FWD
+        per_mb = phase[p] == Phase.FWD
         if per_mb and t in part.batched:
             b /= m
         # Held by the stages that read it in a backward, or in a layer the backward
         # recomputes (its input); the stage that made it and only sends it on frees it
         # once sent (`_run/_pipelined.py`).
-        holders = {int(stage[c]) for c in consumers[t] if phase[c] == BWD or c in recomputed} or {
-            int(stage[p])
-        }
+        holders = {
+            int(stage[c]) for c in consumers[t] if phase[c] == Phase.BWD or c in recomputed
+        } or {int(stage[p])}
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
     program = op_programs(graph, part)
     held = () if lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
     remade = _remade(graph, part, lay, res, layer_stored, m, phase) if remat else ()
-    bwd = temporaries(graph, part, lay.inv, m, BWD, program, held, remade)
+    bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
     # The update runs after the last microbatch, when no activation is alive: a stage's
     # peak is the larger of its backward's and its update's.
-    for s, b in enumerate(temporaries(graph, part, lay.inv, m, POST, program)):
+    for s, b in enumerate(temporaries(graph, part, lay.inv, m, Phase.POST, program)):
         out[s]["activations"] = max(out[s]["activations"], b)
     # So does the once-per-step reduction of the gradients, between the two.
     if lowering.frees_at_last_use:
@@ -209,7 +200,7 @@ def running_sums(
     return [
         (int(part.op_stage[p]), t, graph.tensors[t].nbytes * lay.inv[t])
         for t in part.accumulated
-        if (p := graph.tensors[t].producer) is not None and phase[p] in (FWD, BWD)
+        if (p := graph.tensors[t].producer) is not None and phase[p] in (Phase.FWD, Phase.BWD)
     ]
 
 
@@ -236,7 +227,7 @@ def temporaries(
     part: Partition,
     inv: np.ndarray,
     m: int,
-    which: int,
+    which: Phase,
     program=None,
     held: Collection[int] = (),
     remade: Sequence[Remade] = (),
@@ -255,7 +246,7 @@ def temporaries(
     layers' stored residuals, alive while their layer's backward runs. `program`:
     `op_programs(graph, part)`, when the caller has it."""
     stage, phase = part.op_stage, phase_codes(part)
-    skip = {leaf.tensor for leaf in graph.outputs} if which == POST else set()
+    skip = {leaf.tensor for leaf in graph.outputs} if which == Phase.POST else set()
     if m == 1:
         skip |= set(part.accumulated)
     program = op_programs(graph, part) if program is None else program
@@ -265,7 +256,7 @@ def temporaries(
     for i in ops:
         for t in graph.ops[i].inputs:
             last[t] = i
-    if held and which == BWD:
+    if held and which == Phase.BWD:
         end = {int(stage[i]): i for i in ops}  # each stage's last backward op
         for t in held:
             last[t] = end[int(stage[graph.tensors[t].producer])]
@@ -288,7 +279,7 @@ def temporaries(
             )
             if written and t not in skip:
                 b = graph.tensors[t].nbytes * inv[t]
-                live[s][t] = b / m if t in part.batched and which == BWD else b
+                live[s][t] = b / m if t in part.batched and which == Phase.BWD else b
                 held_now[s] += live[s][t]
         peak[s] = max(peak[s], held_now[s])
         for t in (*op.inputs, *op.outputs):
@@ -314,7 +305,7 @@ def held_gradients(
     out = set()
     for t in part.accumulated:
         p = graph.tensors[t].producer
-        if p is None or phase[p] != BWD:
+        if p is None or phase[p] != Phase.BWD:
             continue
         op = graph.ops[p]
         while op.primitive in _LAYOUT and graph.tensors[op.inputs[0]].producer is not None:
@@ -364,7 +355,7 @@ def _remade(
     consumers = graph.consumers()
     again = set(res.recomputed)
     for ts, stored in zip(res.layer_saved, layer_stored, strict=True):
-        reads = [c for t in ts for c in consumers[t] if phase[c] == BWD]
+        reads = [c for t in ts for c in consumers[t] if phase[c] == Phase.BWD]
         if not reads:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
@@ -442,19 +433,20 @@ def sends(
         p, ps = t.producer, int(stage[t.producer])
         for q in sorted({int(stage[c]) for c in readers} - {ps}):
             q_phases = {int(phase[c]) for c in readers if stage[c] == q}
-            if phase[p] in (FWD, BWD) and q_phases & {FWD, BWD}:
+            if phase[p] in (Phase.FWD, Phase.BWD) and q_phases & {Phase.FWD, Phase.BWD}:
                 mb = b / m if t.id in part.batched else b
                 if q > ps:  # arrives for the forward of stage q, across the cut before it
                     fwd[q - 1] += send(mb, ps, m)
                 else:  # arrives for the backward of stage q, across the cut after it
                     bwd[q] += send(mb, ps, m)
             else:
-                late = phase[p] in (FWD, BWD, POST) and POST in q_phases
+                late = phase[p] in (Phase.FWD, Phase.BWD, Phase.POST) and Phase.POST in q_phases
                 (post if late else pre)[q] += send(b, ps)
     floats = (tuple(float(x) for x in a) for a in (fwd, bwd, pre, post, sent))
     return Sends(*floats, tuple(int(c) for c in count), tuple(float(x) for x in busy))
 
 
 def phase_codes(part: Partition) -> np.ndarray:
-    code = {p: i for i, p in enumerate(PHASES)}
-    return np.array([code[p] for p in part.op_phase], dtype=np.int64)
+    """[n_ops] each op's `Phase`, as integers an array compares and indexes by (`Phase` is
+    an IntEnum: `phase == Phase.FWD`)."""
+    return np.array(part.op_phase, dtype=np.int64)

@@ -1,7 +1,9 @@
 """What a staged plan means: which stage and phase each op of a step belongs to
 (`partition`), layers no stage can cut between
 (`scanned_layers`), where stages may start (`cut_candidates`), the Plan for a set of cuts, and
-the GPipe and 1F1B schedules that the runtime, the cost model and the report all read.
+the pipeline schedules (GPipe, 1F1B: `PipelineSchedule` objects found by name with
+`pipeline_schedule`) that the runtime, the cost model, the stage DP and the report all read,
+and the `Phase` of a step's work that they all name it by.
 
 Input: a Graph, its Groups and the stage cuts. Output: a `Partition`, a pipeline Plan, the
 schedule's order and timing. DESIGN.md, "Pipeline".
@@ -9,17 +11,21 @@ schedule's order and timing. DESIGN.md, "Pipeline".
 
 from ._partition import SUMS as SUMS
 from ._partition import Partition as Partition
-from ._partition import Phase as Phase
 from ._partition import ScannedStack as ScannedStack
 from ._partition import forward_ops as forward_ops
 from ._partition import once_programs as once_programs
 from ._partition import op_programs as op_programs
 from ._partition import partition as partition
 from ._partition import scanned_layers as scanned_layers
+from ._phase import Phase as Phase
 from ._plans import crossing_bytes as crossing_bytes
 from ._plans import cut_candidates as cut_candidates
 from ._plans import pipeline_plan as pipeline_plan
 from ._plans import uniform_cuts as uniform_cuts
+from ._registry import pipeline_schedule as pipeline_schedule
+from ._registry import register_schedule as register_schedule
+from ._registry import schedule_names as schedule_names
+from ._registry import unregister_schedule as unregister_schedule
 from ._remat import Recompute as Recompute
 from ._remat import layer_ops as layer_ops
 from ._remat import layer_residuals as layer_residuals
@@ -27,7 +33,7 @@ from ._remat import made_after as made_after
 from ._remat import made_in_forward as made_in_forward
 from ._remat import recompute_plan as recompute_plan
 from ._remat import remat_residuals as remat_residuals
-from ._schedule import SCHEDULES as SCHEDULES
-from ._schedule import global_order as global_order
-from ._schedule import simulate as simulate
-from ._schedule import stage_orders as stage_orders
+from ._schedule import PipelineSchedule as PipelineSchedule
+from ._schedule import Task as Task
+from ._schedule import Timed as Timed
+from ._schedule import Unit as Unit

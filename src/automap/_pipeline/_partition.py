@@ -33,7 +33,6 @@ cannot split it, instead of silently offering fewer stages.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from collections.abc import Sequence
 
@@ -41,14 +40,7 @@ from .._capture import find_residuals, loss_boundary
 from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups
-
-
-class Phase(enum.StrEnum):
-    PRE = "pre"  # once per step, before the microbatches (reads only inputs)
-    FWD = "fwd"  # once per microbatch, forward
-    BWD = "bwd"  # once per microbatch, backward
-    POST = "post"  # once per step, after the microbatches (reads accumulated sums)
-
+from ._phase import Phase
 
 #: Primitives whose batch-free output is a sum over the examples they read.
 SUMS = frozenset(

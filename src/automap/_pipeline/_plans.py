@@ -24,7 +24,7 @@ from .._graph import Graph
 from .._groups import Groups, plan_from_assignment
 from .._plan import Plan, Stage
 from ._partition import forward_ops
-from ._schedule import SCHEDULES
+from ._registry import pipeline_schedule
 
 #: Cuts crossing at most this factor of the typical cheap crossing form one run, which
 #: gives one candidate (a layer norm's statistics add a few percent; a block's body 2x+).
@@ -136,8 +136,7 @@ def pipeline_plan(
     """The Plan with stages starting at `cuts` (forward op indices, ascending, 0 left out),
     each on its own copy of `stage_mesh` (contiguous device blocks, in stage order), the
     group -> axis `assignment` inside every stage, and the microbatch schedule."""
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}.")
+    pipeline_schedule(schedule)  # a known name, or one line listing them
     if PIPE in stage_mesh:
         raise PlanError('the stage mesh cannot have a "pipe" axis: that one is the stages.')
     starts = [0, *cuts]

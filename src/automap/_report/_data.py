@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .._cluster import Cluster
 from .._errors import ClusterError
-from .._pipeline import simulate
+from .._pipeline import Timed, pipeline_schedule
 from .._plan import Cost, Plan, Spec
 from ._format import human_bytes, human_time
 
@@ -75,10 +75,11 @@ def _ranges(xs: list[int]) -> str:
 
 def pipeline_ops(
     stages: int, microbatches: int, schedule: str, times: Sequence[tuple[float, float]]
-) -> list[tuple[int, str, int, float, float]]:
-    """The schedule simulated in time, (stage, "F"/"B", microbatch, start, end) per unit:
-    the same simulation the cost model and the runtime use (point-to-point not drawn)."""
-    return simulate(stages, microbatches, schedule, times)
+) -> list[Timed]:
+    """The schedule named `schedule` simulated in time, (stage, phase, microbatch, start,
+    end) per unit: the same simulation the cost model and the runtime use (point-to-point
+    not drawn)."""
+    return pipeline_schedule(schedule).simulate(stages, microbatches, times)
 
 
 def stage_times(plan: Plan) -> tuple[list[tuple[float, float]], str]:

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._pipeline import Phase, Timed
+
 AXIS_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3")
 NONE_COLOR = "#E8E8E8"
 NODE_COLORS = (  # pastel, so the device numbers stay readable; 8 before they repeat
@@ -240,7 +242,7 @@ def draw_sharding(
 
 def draw_schedule(
     fig: Any,
-    ops: Sequence[tuple[int, str, int, float, float]],
+    ops: Sequence[Timed],
     n_stages: int,
     title: str,
     unit: str,
@@ -257,7 +259,7 @@ def draw_schedule(
         )
     for stage, kind, mb, start, stop in ops:
         width = (stop - start) * scale
-        color = "#4C72B0" if kind == "F" else "#DD8452"
+        color = "#4C72B0" if kind is Phase.FWD else "#DD8452"
         ax.broken_barh(
             [(start * scale, width)], (stage - 0.4, 0.8), facecolor=color, edgecolor="white", lw=0.6
         )

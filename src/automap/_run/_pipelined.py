@@ -1,10 +1,11 @@
 """Run a pipeline plan: per-stage jitted programs on sub-meshes, fed microbatch by microbatch.
 
-One controller (this process) dispatches the work in `_schedule.global_order`: the pre
-segments, then every (stage, "F"/"B", microbatch) unit, then the post segments. JAX
-dispatch is asynchronous, so units on different stages' devices overlap as the schedule
-intends; a value crossing stages is a `jax.device_put` onto the receiving stage's mesh
-(the point-to-point send), keeping the sender's layout when the receiver's mesh has it.
+One controller (this process) dispatches the work in the plan's schedule's `global_order`
+(`_pipeline.pipeline_schedule`): the pre segments, then every (stage, phase, microbatch)
+unit, then the post segments. JAX dispatch is asynchronous, so units on different stages'
+devices overlap as the schedule intends; a value crossing stages is a `jax.device_put`
+onto the receiving stage's mesh (the point-to-point send), keeping the sender's layout
+when the receiver's mesh has it.
 Under `jax.distributed` every process runs this same order over global arrays (`_Hosts`):
 a stage's programs run on the processes that hold its devices, the batch shares are
 gathered first, and a value crossing processes is sent by `_distributed.send`, one
@@ -61,7 +62,14 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
-from .._pipeline import SCHEDULES, SUMS, Phase, global_order, partition, recompute_plan
+from .._pipeline import (
+    SUMS,
+    Phase,
+    Unit,
+    partition,
+    pipeline_schedule,
+    recompute_plan,
+)
 from .._plan import Plan
 from ._distributed import Feed, check_stages, gather, move
 from ._interpret import eval_ops
@@ -91,8 +99,8 @@ from ._shared import (
 def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = None) -> Callable:
     """A callable running `fn` under the pipeline plan `plan`; same convention as `apply`.
 
-    The result's `trace` attribute is the (stage, "F"/"B", microbatch) sequence the last
-    call executed: `global_order(stages, microbatches, schedule)`.
+    The result's `trace` attribute is the (stage, phase, microbatch) sequence the last
+    call executed: the plan's schedule's `global_order(stages, microbatches)`.
     """
     validate_plan(plan)
     meshes = stage_meshes(plan, devices)
@@ -118,10 +126,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
 def stage_meshes(plan: Plan, devices: Sequence[Any] | None = None) -> list[Mesh]:
     """Each stage's sub-mesh over its devices, row-major like `_apply.make_mesh`."""
     devices = list(jax.devices() if devices is None else devices)
-    if plan.schedule not in SCHEDULES:
-        raise PlanError(
-            f"unknown pipeline schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}."
-        )
+    pipeline_schedule(plan.schedule)  # a registered name, or one line listing them
     if plan.microbatches < 1:
         raise PlanError(f"a plan needs at least one microbatch, not {plan.microbatches}.")
     if plan.devices > len(devices):
@@ -199,7 +204,7 @@ class _Pipeline:
             for seg in self.micro
             for i in seg.ops
             for t in full.ops[i].outputs
-            if part.op_phase[i] in (Phase.FWD, Phase.BWD)
+            if part.op_phase[i].per_microbatch
         }
         self.spec = {leaf.tensor: plan.specs[leaf.path] for leaf in full.inputs}
         # Per-step outputs and the layout they leave in (the plan's output specs).
@@ -213,7 +218,7 @@ class _Pipeline:
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
         consts = micro_consts(full, micro)
         bodies = {
-            id(seg): self._compile(seg, micro if seg.kind in "FB" else full, consts)
+            id(seg): self._compile(seg, micro if seg.kind.per_microbatch else full, consts)
             for seg in (*self.pre, *self.micro, *self.post)
             if seg.ops
         }
@@ -400,13 +405,13 @@ class _Pipeline:
                         axes = self.partial[self.deferred[t]]
                         spec = (_entry(axes), *_without(spec, axes))
                     shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
-        use = consts if seg.kind in "FB" else None
+        use = consts if seg.kind.per_microbatch else None
         bind = (
             {
                 **self._lookups(graph, (*seg.ops, *sorted(again)), mesh),
                 **{i: self._partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial},
             }
-            if seg.kind in "FB"
+            if seg.kind.per_microbatch
             else None
         )
 
@@ -603,8 +608,8 @@ class _Pipeline:
 
         trace = []
         by_unit = {(seg.stage, seg.kind): seg for seg in self.micro}
-        order = global_order(len(self.meshes), m, self.plan.schedule)
-        last = {s: k for k, (s, _, _) in enumerate(order)}  # each stage's last unit
+        order = pipeline_schedule(self.plan.schedule).global_order(len(self.meshes), m)
+        last = {u.stage: k for k, u in enumerate(order)}  # each stage's last unit
         for k, (s, kind, i) in enumerate(order):
             seg = by_unit[(s, kind)]
             values = [mb_value(t, i, s) for t in seg.inputs]
@@ -631,7 +636,7 @@ class _Pipeline:
                 # a sent activation.
                 if all(left[i][(t, q)] == 0 or (t, q) in copies[i] for q in self.read_on[t]):
                     made[i].pop(t, None)
-            trace.append((s, kind, i))
+            trace.append(Unit(s, kind, i))
             if last[s] == k and s in self.reducers:  # once per step: partial sums reduced
                 tensors, reducer = self.reducers[s]
                 sums = ops.reduce(s, reducer, [acc[t] for t in tensors])
@@ -677,9 +682,9 @@ class SegmentProgram:
     """One XLA program of a pipeline step, as `run.compile` found it."""
 
     stage: int
-    # "pre", "F", "B", "post"; "reduce": a stage's once-per-step reduction of its partial
-    # sums; "concat": the runtime joining microbatches' outputs
-    kind: str
+    # A segment's phase (PRE, FWD, BWD, POST); REDUCE: a stage's once-per-step reduction
+    # of its partial sums; None: the runtime joining microbatches' outputs (a concat)
+    kind: Phase | None
     runs: int  # times one step runs it (m for F and B, 1 for pre, reduce and post)
     # The stage mesh it is compiled on: its device ids are this mesh's devices in
     # row-major order, which is how `_hlo.axis_of` reads replica groups.
@@ -771,7 +776,9 @@ class _Dry(_Live):
             for key, (stage, kind, compiled) in self._found.items()
         }
 
-    def _compile(self, key: Any, stage: int, kind: str, jitted: Callable, values) -> list[Any]:
+    def _compile(
+        self, key: Any, stage: int, kind: Phase | None, jitted: Callable, values
+    ) -> list[Any]:
         key = (key, tuple((v.shape, v.dtype, v.sharding) for v in values))
         if key not in self._found:
             self._found[key] = (stage, kind, jitted.lower(*values).compile())
@@ -786,7 +793,7 @@ class _Dry(_Live):
         return self._compile((id(seg), adding), seg.stage, seg.kind, jitted, values)
 
     def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
-        return self._compile(("reduce", stage), stage, "reduce", jitted, values)
+        return self._compile(("reduce", stage), stage, Phase.REDUCE, jitted, values)
 
     def put(self, value: Any, sharding: NamedSharding) -> Any:
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
@@ -804,7 +811,7 @@ class _Dry(_Live):
 
     def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
         join = jax.jit(lambda *xs: jnp.concatenate(xs, axis=dim))
-        return self._compile(("concat", dim), stage, "concat", join, xs)[0]
+        return self._compile(("concat", dim), stage, None, join, xs)[0]
 
 
 def _adding(body: Callable, outputs: Sequence[int], sums: Sequence[int]) -> Callable:

@@ -34,7 +34,7 @@ class Segment:
     """Ops that run as one jitted program on one stage, and what crosses its border."""
 
     stage: int
-    kind: str  # "pre", "F", "B" or "post"
+    kind: Phase  # PRE, FWD, BWD or POST
     ops: tuple[int, ...]  # op indices, program order
     inputs: tuple[int, ...]  # tensor ids read from outside (no constants), first use order
     outputs: tuple[int, ...]  # tensor ids produced here that others read (or step outputs)
@@ -120,7 +120,7 @@ def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment
     consumers = graph.consumers()
     step_outputs = {leaf.tensor for leaf in graph.outputs}
 
-    def make(stage: int, kind: str, ops: list[int]) -> Segment:
+    def make(stage: int, kind: Phase, ops: list[int]) -> Segment:
         inside = set(ops)
         produced = [t for i in ops for t in graph.ops[i].outputs]
         reads = dict.fromkeys(
@@ -135,15 +135,15 @@ def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment
         ]
         return Segment(stage, kind, tuple(ops), tuple(reads), tuple(needed))
 
-    def runs(phase: Phase, kind: str) -> list[Segment]:
-        return [make(s, kind, list(ops)) for s, ops in once_programs(graph, part, phase)]
+    def runs(phase: Phase) -> list[Segment]:
+        return [make(s, phase, list(ops)) for s, ops in once_programs(graph, part, phase)]
 
     micro = [
-        make(s, kind, list(part.ops(s, phase)))
+        make(s, phase, list(part.ops(s, phase)))
         for s in range(part.n_stages)
-        for kind, phase in (("F", Phase.FWD), ("B", Phase.BWD))
+        for phase in (Phase.FWD, Phase.BWD)
     ]
-    return runs(Phase.PRE, "pre"), micro, runs(Phase.POST, "post")
+    return runs(Phase.PRE), micro, runs(Phase.POST)
 
 
 def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segment]:
@@ -155,7 +155,7 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
     by_unit = {(seg.stage, seg.kind): seg for seg in micro}
     out = []
     for seg in micro:
-        f, b = by_unit[(seg.stage, "F")], by_unit[(seg.stage, "B")]
+        f, b = by_unit[(seg.stage, Phase.FWD)], by_unit[(seg.stage, Phase.BWD)]
         own = rc.restricted(f.ops)
         if not own.layers:
             out.append(seg)
@@ -167,10 +167,10 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
                 + [t for ins in own.inputs for t in ins if graph.tensors[t].producer not in in_b]
             )
         )
-        if seg.kind == "B":
+        if seg.kind is Phase.BWD:
             out.append(dataclasses.replace(seg, inputs=b_inputs, recompute=own))
             continue
-        if seg.kind == "F":
+        if seg.kind is Phase.FWD:
             pair = set(f.ops) | set(b.ops)
             kept = [
                 t

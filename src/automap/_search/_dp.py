@@ -31,7 +31,6 @@ import numpy as np
 from .._axes import DATA, MODEL, PIPE
 from .._cost import (
     estimate_pipeline,
-    in_flight,
     op_costs,
     pipeline_decisions,
     plan_op_costs,
@@ -39,7 +38,14 @@ from .._cost import (
 )
 from .._errors import PlanError
 from .._graph import Graph
-from .._pipeline import Phase, cut_candidates, partition, pipeline_plan, scanned_layers
+from .._pipeline import (
+    PipelineSchedule,
+    cut_candidates,
+    partition,
+    pipeline_plan,
+    pipeline_schedule,
+    scanned_layers,
+)
 from .._plan import Plan
 from .._solvers import optimal_partition, solve_ilp
 from .._space import (
@@ -107,6 +113,7 @@ def search_dp(
     on any machine; the search stops after the outer point that spends it (the stats say
     `complete` False), or at the wall-clock safety stop."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
+    the_schedule = pipeline_schedule(schedule)
     start = _time.perf_counter()
     work = Work(budget_s)
     cands = cut_candidates(graph, groups)
@@ -132,7 +139,7 @@ def search_dp(
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, fine, cands, point, assignment, schedule, work=work)
+            plan = _solve_point(model, fine, cands, point, assignment, the_schedule, work=work)
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -218,7 +225,13 @@ def _intra_plans(
 
 
 def _solve_point(
-    model, fine, cands, point: Point, assignment, schedule, work: Work | None = None
+    model,
+    fine,
+    cands,
+    point: Point,
+    assignment,
+    schedule: PipelineSchedule,
+    work: Work | None = None,
 ) -> Plan | None:
     """Cuts for one outer point by the exact DP, priced by the pipeline model; memory
     savers (ZeRO, remat) only when the plain point has no partition that fits."""
@@ -239,7 +252,7 @@ def _solve_point(
             point.stage_mesh,
             assignment,
             point.microbatches,
-            schedule,
+            schedule.name,
             name=f"dp ({point.intra}, {point.stages} stages)",
             zero_stage=zero,
         )
@@ -258,13 +271,15 @@ def _solve_point(
     return found
 
 
-def optimal_cuts(model, fine, cands, oc, point: Point, schedule) -> tuple[int, ...] | None:
+def optimal_cuts(
+    model, fine, cands, oc, point: Point, schedule: PipelineSchedule
+) -> tuple[int, ...] | None:
     """Segment tables of the finest partition (every candidate a boundary) summed into
     (stage, first segment, last segment) tables, then the exact stage DP."""
     m, S = point.microbatches, point.stages
     pc = stage_costs(model, fine, oc, m, schedule)
     seg = np.asarray(fine.op_stage)
-    per_mb = np.array([p in (Phase.FWD, Phase.BWD) for p in fine.op_phase])
+    per_mb = np.array([p.per_microbatch for p in fine.op_phase])
     L = fine.n_stages
     t = np.bincount(seg, np.where(per_mb, pc.op_run_s + pc.op_remat_s, 0.0), minlength=L)
     state = np.bincount(seg, pc.op_state_bytes, minlength=L)
@@ -277,7 +292,7 @@ def optimal_cuts(model, fine, cands, oc, point: Point, schedule) -> tuple[int, .
 
     last = np.arange(S) == S - 1
     time = range_sums(t)[None] + np.where(last[:, None, None], 0.0, send[None, None, :])
-    copies = np.asarray(in_flight(S, m, schedule), dtype=float)
+    copies = np.asarray(schedule.in_flight(S, m), dtype=float)
     memory = range_sums(state)[None] + copies[:, None, None] * range_sums(act)[None]
     sol = optimal_partition(time, m, stage_memory=memory, memory_limit=model.cluster.memory_limit)
     if not sol.feasible:
@@ -292,7 +307,7 @@ def polish_cuts(
     whole pipeline model says the step gets faster (the intra-stage plan fixed), until
     `deadline` (a `time.perf_counter()` value) passes or `work` is spent."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
-    oc = plan_op_costs(model, plan)
+    oc, schedule = plan_op_costs(model, plan), pipeline_schedule(plan.schedule)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
@@ -316,7 +331,7 @@ def polish_cuts(
                 if work is not None:  # a partition and its stage costs
                     work.add(2 * len(model.graph.ops))
                 part = partition(model.graph, model.groups, bounds, plan.microbatches)
-                pc = stage_costs(model, part, oc, plan.microbatches, plan.schedule)
+                pc = stage_costs(model, part, oc, plan.microbatches, schedule)
                 if pc.cost.feasible and pc.cost.step_time_s < best_time * (1 - 1e-9):
                     cuts, best_time, best_pc, improved = trial, pc.cost.step_time_s, pc, True
     if best_pc is None:

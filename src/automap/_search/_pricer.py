@@ -27,13 +27,18 @@ import numpy as np
 from .._cost import (
     PipelineCost,
     estimate_pipeline,
-    in_flight,
     op_costs,
     pipeline_decisions,
     stage_costs,
 )
 from .._errors import AutomapError, PlanError
-from .._pipeline import Partition, Phase, cut_candidates, partition, pipeline_plan
+from .._pipeline import (
+    Partition,
+    cut_candidates,
+    partition,
+    pipeline_plan,
+    pipeline_schedule,
+)
 from .._plan import Plan
 from .._space import Point
 from ._dp import optimal_cuts
@@ -86,7 +91,7 @@ class PipelinePricer:
 
     def __init__(self, model, schedule: str = "1f1b"):
         graph, groups = model.graph, model.groups
-        self.model, self.schedule = model, schedule
+        self.model, self.schedule = model, pipeline_schedule(schedule)
         self.cands = cut_candidates(graph, groups) if groups.batch_size is not None else ()
         if not self.cands:
             raise AutomapError(
@@ -102,8 +107,7 @@ class PipelinePricer:
             self.microbatching = False
         self.batch = groups.batch_size
         self._seg = np.asarray(self.fine.op_stage)
-        per_mb = [p in (Phase.FWD, Phase.BWD) for p in self.fine.op_phase]
-        self._per_mb = np.array(per_mb)
+        self._per_mb = np.array([p.per_microbatch for p in self.fine.op_phase])
         self._oc: dict[Intra, object] = {}
         self._tables: dict[tuple[Intra, int], PipelineTables] = {}
         self._priced: dict[tuple[Intra, int, tuple[int, ...]], PipelineCost] = {}
@@ -192,7 +196,7 @@ class PipelinePricer:
     ) -> float:
         """Bytes per device of the current stage if it ends at candidate `cut`."""
         first = cuts[-1] + 1 if cuts else 0
-        copies = in_flight(stages, microbatches, self.schedule)[len(cuts)]
+        copies = self.schedule.in_flight(stages, microbatches)[len(cuts)]
         return tables.span(tables.state, first, cut) + copies * tables.span(tables.act, first, cut)
 
     def optimal(self, intra: Intra, stages: int, microbatches: int) -> tuple[int, ...] | None:
@@ -216,7 +220,7 @@ class PipelinePricer:
             intra.stage_mesh,
             intra.assign,
             microbatches,
-            self.schedule,
+            self.schedule.name,
             name=name,
             zero_stage=intra.zero_stage,
         )

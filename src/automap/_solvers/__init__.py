@@ -18,7 +18,6 @@ from ._factor import random_problem as random_problem
 from ._factor import space_size as space_size
 from ._ilp import solve_ilp as solve_ilp
 from ._pipeline_dp import PipelineSolution as PipelineSolution
-from ._pipeline_dp import activation_copies as activation_copies
 from ._pipeline_dp import optimal_partition as optimal_partition
 from ._pipeline_dp import optimal_pipeline as optimal_pipeline
 from ._pipeline_dp import optimal_two_level as optimal_two_level

@@ -14,12 +14,14 @@ where tau_s is the time stage s spends on one microbatch, forward plus backward:
 p[k] is the point-to-point traffic on the cut after layer k: activations sent forward and
 their gradients sent back, both c[k] bytes, charged to the sending stage (not overlapped).
 The first microbatch crosses every stage (the sum); the other M - 1 follow at the pace of
-the slowest stage (the max).
+the slowest stage (the max). With equal stages that is (M + S - 1) tau: S - 1 idle slots per
+stage, the bubble `_pipeline.PipelineSchedule.idle_slots` gives for both schedules.
 
 Memory of stage s (0-based) is its layers' parameter/optimizer bytes plus the activations
-it keeps for backward: sum m[i] + k_s * sum a[i], where k_s = M for GPipe (all forwards
-before any backward) and k_s = min(M, S - s) for 1F1B (stage s holds at most S - s
-microbatches in flight). A stage over the memory limit is infeasible.
+it keeps for backward: sum m[i] + k_s * sum a[i], where k_s is the microbatches stage s
+holds in flight under the schedule, which the caller gives (`in_flight`, from
+`_pipeline.PipelineSchedule.in_flight`: M for GPipe, all forwards before any backward;
+min(M, S - s) for 1F1B). A stage over the memory limit is infeasible.
 
 The max term makes a plain DP inexact; the standard exact trick (Alpa's stage DP) is to
 fix the bottleneck: for every candidate value B of a stage time, a DP finds the least
@@ -45,8 +47,6 @@ import numpy as np
 
 from ._factor import FactorProblem, Solution
 from ._ilp import solve_ilp
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +83,6 @@ def pipeline_step_time(stage_times, n_microbatches: int) -> float:
     return float(stage_times.sum() + (n_microbatches - 1) * stage_times.max())
 
 
-def activation_copies(n_stages: int, n_microbatches: int, schedule: str) -> np.ndarray:
-    """Microbatches of activations each stage keeps: M (GPipe) or min(M, S - s) (1F1B)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "gpipe":
-        return np.full(n_stages, n_microbatches, dtype=np.int64)
-    return np.minimum(n_microbatches, n_stages - np.arange(n_stages))
-
-
 def stage_tables(
     layer_time,
     layer_memory,
@@ -99,15 +90,15 @@ def stage_tables(
     cut_bytes,
     *,
     n_stages: int,
-    n_microbatches: int,
-    schedule: str = "1f1b",
+    in_flight,
     p2p_bandwidth: float = np.inf,
     p2p_latency: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Stage time and memory of every (stage s, first layer i, last layer j), (S, L, L) each.
 
     Entries with j < i are inf. `cut_bytes[k]` is the activation size crossing the cut
-    after layer k, k < L - 1.
+    after layer k, k < L - 1. `in_flight[s]`: the microbatches of activations stage s
+    holds at once under the schedule.
     """
     t = np.asarray(layer_time, dtype=np.float64)  # (L,)
     L = t.size
@@ -124,11 +115,21 @@ def stage_tables(
     compute = range_sums(t)
     is_last = np.arange(n_stages) == n_stages - 1  # (S,)
     time = compute[None] + np.where(is_last[:, None, None], 0.0, p2p[None, None, :])
-    copies = activation_copies(n_stages, n_microbatches, schedule)  # (S,)
+    copies = _copies(in_flight, n_stages)  # (S,)
     memory = range_sums(m)[None] + copies[:, None, None] * range_sums(a)[None]
     time = np.where(valid[None], time, np.inf)
     memory = np.where(valid[None], memory, np.inf)
     return time, memory
+
+
+def _copies(in_flight, n_stages: int) -> np.ndarray:
+    """`in_flight` as (S,) counts, checked: one positive whole count per stage."""
+    copies = np.asarray(in_flight, dtype=np.int64).reshape(-1)
+    if copies.shape != (n_stages,) or (copies < 1).any():
+        raise ValueError(
+            f"in_flight must hold one count >= 1 per stage ({n_stages}), got {in_flight!r}"
+        )
+    return copies
 
 
 def _dp(cost: np.ndarray, bounds: np.ndarray, trace: bool = False):
@@ -254,7 +255,7 @@ def optimal_pipeline(
     *,
     n_stages: int,
     n_microbatches: int,
-    schedule: str = "1f1b",
+    in_flight,
     memory_limit: float = np.inf,
     p2p_bandwidth: float = np.inf,
     p2p_latency: float = 0.0,
@@ -266,7 +267,9 @@ def optimal_pipeline(
         layer_memory: (L,) parameter, gradient and optimizer bytes of each layer.
         layer_activation: (L,) activation bytes each layer keeps per microbatch.
         cut_bytes: (L - 1,) activation bytes crossing the cut after layer k.
-        n_stages, n_microbatches, schedule: S, M, "gpipe" or "1f1b" (memory only).
+        n_stages, n_microbatches: S, M.
+        in_flight: (S,) microbatches of activations each stage holds at once under the
+            schedule (`PipelineSchedule.in_flight`).
         memory_limit: bytes per device of every stage.
         p2p_bandwidth, p2p_latency: bytes/s and seconds of a stage-to-stage send.
 
@@ -278,8 +281,7 @@ def optimal_pipeline(
         layer_activation,
         cut_bytes,
         n_stages=n_stages,
-        n_microbatches=n_microbatches,
-        schedule=schedule,
+        in_flight=in_flight,
         p2p_bandwidth=p2p_bandwidth,
         p2p_latency=p2p_latency,
     )

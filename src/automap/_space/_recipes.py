@@ -24,10 +24,10 @@ from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups, plan_from_assignment
 from .._pipeline import (
-    SCHEDULES,
     cut_candidates,
     forward_ops,
     pipeline_plan,
+    pipeline_schedule,
     scanned_layers,
 )
 from .._plan import Plan
@@ -52,7 +52,8 @@ class Recipe:
     """Microbatches per step; None: from `microbatch_size`, else one. With one stage,
     gradient accumulation over them."""
     schedule: str = "1f1b"
-    """Pipeline schedule: "1f1b" (Megatron's) or "gpipe"."""
+    """Pipeline schedule, by its registered name (`_pipeline.schedule_names`): "1f1b"
+    (Megatron's) or "gpipe"."""
     remat: str = "none"
     """Activation recomputation: "none", or "full" (keep each layer's input, recompute
     its forward inside the backward)."""
@@ -125,8 +126,7 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
             f"tp={recipe.tp} does not fit a node of {cluster.devices_per_node} devices: "
             "tensor parallelism stays inside a node; use a tp that divides it."
         )
-    if recipe.schedule not in SCHEDULES:
-        raise PlanError(f"schedule {recipe.schedule!r}: use one of {', '.join(SCHEDULES)}.")
+    pipeline_schedule(recipe.schedule)  # a registered name, or one line listing them
     if recipe.remat not in REMAT:
         raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
     if recipe.zero not in (0, 1, 2, 3):

@@ -31,9 +31,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from .._pipeline import Phase
 from ._flops import compiled_flops
-
-PER_MICROBATCH = ("F", "B")
 
 
 def stage_memory_parts(
@@ -46,14 +45,15 @@ def stage_memory_parts(
     stats = [(p.kind, p.compiled.memory_analysis()) for p in programs if p.stage == stage]
     if not stats or any(s is None for _, s in stats):
         return {}
-    reduced = [s.argument_size_in_bytes for kind, s in stats if kind == "reduce"]
+    reduced = [s.argument_size_in_bytes for kind, s in stats if kind is Phase.REDUCE]
     grads = (
         sum(reduced)
         if reduced
-        else max((s.output_size_in_bytes for kind, s in stats if kind == "B"), default=0)
+        else max((s.output_size_in_bytes for kind, s in stats if kind is Phase.BWD), default=0)
     )
-    fwd = max((s.output_size_in_bytes for kind, s in stats if kind == "F"), default=0)
-    temp = max((s.temp_size_in_bytes for kind, s in stats if kind in PER_MICROBATCH), default=0)
+    fwd = max((s.output_size_in_bytes for kind, s in stats if kind is Phase.FWD), default=0)
+    per_mb = (Phase.FWD, Phase.BWD)
+    temp = max((s.temp_size_in_bytes for kind, s in stats if kind in per_mb), default=0)
     return {
         "held inputs": float(held_inputs(pipe, stage)),
         "gradients": float(grads),

@@ -116,11 +116,10 @@ class StagedProcess(abc.ABC):
         )
 
     def _micro_features(self, mesh, stages: int, choices) -> np.ndarray:
-        """Per microbatch action: the textbook bubble share, and log m."""
+        """Per microbatch action: the schedule's bubble share on equal stages, and log m."""
         m = np.array(choices, float)
-        return self._features(
-            MICRO, mesh, stages, None, (stages - 1) / (m + stages - 1), np.log2(m) / 11
-        )
+        bubble = self.pricer.schedule.bubble(stages, m)
+        return self._features(MICRO, mesh, stages, None, bubble, np.log2(m) / 11)
 
     def _stage_action(self, action: int) -> int:
         # Every action is valid (a checker replays a sampled action after a reset): past the

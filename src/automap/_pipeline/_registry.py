@@ -1,0 +1,56 @@
+"""The pipeline schedules by name: the one place a schedule's name is read.
+
+A Plan stores its schedule's name (`Plan.schedule`, plain JSON), the CLI and recipes take
+one; everything else looks the object up here (`pipeline_schedule`) and reads it
+(`_schedule.PipelineSchedule`), never comparing names.
+
+Adding a schedule is one new module and one entry: a `PipelineSchedule` subclass in its
+own module of this folder (`_gpipe.py` is the smallest example: a name, its tasks per
+stage, its in-flight microbatches per stage, its idle slots), and an instance of it in
+`_BUILT_IN` below. tests/pipeline/test_schedules.py then checks that its task lists are a
+valid dependency order and that its in-flight counts are the most microbatches live in
+them; tests/pipeline/test_runtime.py shows the runtime's trace following a schedule
+registered in a test alone (`register_schedule`).
+"""
+
+from __future__ import annotations
+
+from .._errors import PlanError
+from ._gpipe import GPipe
+from ._one_f_one_b import OneFOneB
+from ._schedule import PipelineSchedule
+
+_BUILT_IN: tuple[PipelineSchedule, ...] = (GPipe(), OneFOneB())
+_SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in _BUILT_IN}
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The registered schedules' names, built-in ones first."""
+    return tuple(_SCHEDULES)
+
+
+def pipeline_schedule(name: str) -> PipelineSchedule:
+    """The schedule registered as `name`; a PlanError listing the names otherwise."""
+    try:
+        return _SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise PlanError(
+            f"unknown pipeline schedule {name!r}; use one of {', '.join(_SCHEDULES)}."
+        ) from None
+
+
+def register_schedule(schedule: PipelineSchedule) -> PipelineSchedule:
+    """Add a schedule under its name (refusing a name already taken) and return it."""
+    if not isinstance(schedule, PipelineSchedule):
+        raise TypeError(f"{schedule!r} is not a PipelineSchedule.")
+    if schedule.name in _SCHEDULES:
+        raise PlanError(f"a pipeline schedule named {schedule.name!r} is already registered.")
+    _SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove a schedule added by `register_schedule` (the built-in ones stay)."""
+    if any(s.name == name for s in _BUILT_IN):
+        raise PlanError(f"pipeline schedule {name!r} is built in and cannot be removed.")
+    _SCHEDULES.pop(name, None)
