@@ -107,6 +107,28 @@ def _unwritable(tmp: Path) -> str:
     return _before_search(*MLP_PLAN, "-o", "TMP/locked/plan.json")(tmp)
 
 
+def _no_file_left(check: Callable[[Path], str], path: str) -> Callable[[Path], str]:
+    """`check`'s text, after making sure the writability probe left no file at `path`."""
+
+    def run(tmp: Path) -> str:
+        text = check(tmp)
+        assert not Path(path.replace("TMP", str(tmp))).exists()
+        return text
+
+    return run
+
+
+def _before_calibrating(*args: str) -> Callable[[Path], str]:
+    """calibrate's error about its output, found before it measures anything."""
+
+    def run(tmp: Path) -> str:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("automap._bench.measure", lambda **_: pytest.fail("measured"))
+            return _cli_error("calibrate", *(a.replace("TMP", str(tmp)) for a in args))
+
+    return run
+
+
 def _a_plan_file(tmp: Path) -> Path:
     path = tmp / "plan.json"
     step_fn, args = _mlp()
@@ -300,7 +322,10 @@ CASES = [
     Case("plan_o_missing_dir", _before_search(*MLP_PLAN, "-o", "TMP/nowhere/plan.json"), r"the directory .*nowhere does not exist; create it first"),
     Case("plan_o_under_a_file", lambda tmp: (tmp / "f").write_text("x") and _before_search(*MLP_PLAN, "-o", "TMP/f/plan.json")(tmp), r"/f is a file, not a directory"),
     Case("plan_o_directory", _before_search(*MLP_PLAN, "-o", "TMP"), r"-o .* is a directory: give a file name"),
-    Case("plan_o_unwritable", _unwritable, r"cannot be written \(permission denied"),
+    Case("plan_o_unwritable", _unwritable, r"cannot be written \(Permission denied"),
+    Case("plan_o_proc", _no_file_left(_before_search(*MLP_PLAN, "-o", "/proc/automap-plan.json"), "/proc/automap-plan.json"), r"-o /proc/automap-plan\.json cannot be written \(.*\); choose a writable place"),
+    Case("plan_o_probe_removed", _no_file_left(_before_search(*MLP_PLAN, "-o", "TMP/p.json", "--set", "layers=0"), "TMP/p.json"), r"layers"),
+    Case("calibrate_o_checked", _before_calibrating("-o", "TMP/nowhere/c.yaml"), r"-o .*nowhere/c\.yaml: the directory .* does not exist"),
     Case("plan_save_agent_dir", _before_search(*MLP_PLAN, "--save-agent", "TMP"), r"--save-agent .* is a directory"),
     Case("compare_json_out_missing", _before_search("compare", "--model", "mlp", "--json-out", "TMP/no/rows.json"), r"--json-out .* does not exist"),
     Case("report_o_missing_dir", _report_to("TMP/nowhere/r.html"), r"the directory .*nowhere does not exist"),

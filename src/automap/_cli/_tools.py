@@ -37,6 +37,7 @@ from ._app import (
     load_step,
     print_json,
     run_devices,
+    write_or_keep,
 )
 
 
@@ -235,6 +236,7 @@ def calibrate_cmd(
     Example: automap calibrate --devices 8 --quick -o cluster.yaml
     """
     check_devices(devices)
+    check_output(output, "-o")
     cpu_devices(devices)
     import jax
 
@@ -246,18 +248,23 @@ def calibrate_cmd(
     if jax.devices()[0].platform == "cpu":
         # Virtual CPU devices share the machine's memory.
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cal.devices
-    path = write_cluster(to_cluster(cal, memory_bytes=memory), output)
+    cluster = to_cluster(cal, memory_bytes=memory)
+    # The measurements are printed before the file is written: a full disk must not lose them.
     if as_json:
-        print_json({"calibration": dataclasses.asdict(cal), "file": str(path)})
-        return
-    if quiet:
-        return
-    console.print(
-        f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
-        f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
-        f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+        print_json({"calibration": dataclasses.asdict(cal), "file": str(output)})
+    elif not quiet:
+        console.print(
+            f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
+            f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
+            f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+        )
+    where = write_or_keep(
+        lambda path: write_cluster(cluster, path), output, "cluster", Path("cluster.yaml")
     )
-    console.print(f"cluster written to [bold]{path}[/bold] (use --cluster {path})")
+    if where != output:
+        raise typer.Exit(1)
+    if not (quiet or as_json):
+        console.print(f"cluster written to [bold]{output}[/bold] (use --cluster {output})")
 
 
 @app.command("bench", cls=LegacyCommand)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from .._axes import DATA, MODEL
-from .._errors import AutomapError, InfeasibleError
+from .._errors import AutomapError, InfeasibleError, SaveWarning
 from .._plan import Plan
 from .._space import (
     ShardSpace,
@@ -316,9 +317,10 @@ def _run_dqn(
         resume=resume,
     )
     if files.resume is not None and result.checkpoint is not None:
-        dataclasses.replace(result.checkpoint, key=key).save(files.resume)
+        checkpoint = dataclasses.replace(result.checkpoint, key=key)
+        _save_aside("search state", files.resume, checkpoint.save)
     if files.agent_out is not None and result.agent is not None:
-        result.agent.save(files.agent_out)
+        _save_aside("agent", files.agent_out, result.agent.save)
     stats = {
         "evaluated": result.episodes,
         "episodes": result.episodes,
@@ -333,6 +335,20 @@ def _run_dqn(
     if not result.best_feasible:
         return None, stats
     return result.best_decisions, stats
+
+
+def _save_aside(what: str, path: Path, save) -> None:
+    """`save(path)`, a file besides the plan: a failure (a full disk) is a SaveWarning, not
+    an error that would throw away the search and its plan."""
+    try:
+        save(path)
+    except OSError as e:
+        warnings.warn(
+            f"the {what} could not be written to {path} ({e.strerror or e}); the plan "
+            f"stands, but not the {what}",
+            SaveWarning,
+            stacklevel=2,
+        )
 
 
 class SearchProgress:
