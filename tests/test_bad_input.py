@@ -2,6 +2,7 @@
 fix, or (where the input is fine after all) the right result. Issue 14, section 5."""
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -134,6 +135,20 @@ def _a_plan_file(tmp: Path) -> Path:
     step_fn, args = _mlp()
     am.plan(step_fn, *args, cluster=CPU8, searcher="expert").save(path)
     return path
+
+
+def _edited_plan(command: str, edit: Callable[[dict], None]) -> Callable[[Path], str]:
+    """`automap apply --check` or `report` on a saved plan edited by hand (issue 28)."""
+
+    def run(tmp: Path) -> str:
+        path = _a_plan_file(tmp)
+        raw = json.loads(path.read_text())
+        edit(raw)
+        path.write_text(json.dumps(raw))
+        args = ("apply", str(path), "--check") if command == "apply" else ("report", str(path))
+        return _cli_error(*args)
+
+    return run
 
 
 def _report_to(target: str) -> Callable[[Path], str]:
@@ -318,6 +333,13 @@ CASES = [
     Case("role_key_unknown", _plan_with(roles={"nonexistent": "param"}), r"roles key 'nonexistent' matches no argument .*argument names: 'params'"),
     Case("role_index_unknown", _plan_with(roles={7: "param"}), r"roles key 7 matches no argument"),
     Case("no_argument_step", _no_argument_step, r"takes no array arguments"),
+    # 9. Plans edited by hand (issue 28): apply and report refuse them in one line.
+    Case("apply_mesh_0", _edited_plan("apply", lambda p: p.update(mesh={"data": 0})), r"plan\.json: mesh\['data'\] must be a whole number of devices >= 1, got 0"),
+    Case("report_mesh_negative", _edited_plan("report", lambda p: p.update(mesh={"data": -8})), r"mesh\['data'\] must be a whole number of devices >= 1, got -8"),
+    Case("report_microbatches_0", _edited_plan("report", lambda p: p.update(microbatches=0)), r"microbatches must be a whole number >= 1, got 0"),
+    Case("apply_remat_string", _edited_plan("apply", lambda p: p.update(remat="false")), r"remat must be true or false \(a JSON boolean\), got 'false'"),
+    Case("apply_zero_7", _edited_plan("apply", lambda p: p.update(zero_stage=7)), r"zero_stage must be 0, 1, 2 or 3, got 7"),
+    Case("apply_another_model", _edited_plan("apply", lambda p: p["provenance"].update(model="bert-large", overrides={})), r"the plan's inputs are not those of bert-large, the step its provenance names .* set provenance\.model and provenance\.overrides to the model the plan was made for"),
     # 2. Output paths, refused before the search.
     Case("plan_o_missing_dir", _before_search(*MLP_PLAN, "-o", "TMP/nowhere/plan.json"), r"the directory .*nowhere does not exist; create it first"),
     Case("plan_o_under_a_file", lambda tmp: (tmp / "f").write_text("x") and _before_search(*MLP_PLAN, "-o", "TMP/f/plan.json")(tmp), r"/f is a file, not a directory"),
