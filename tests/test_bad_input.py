@@ -333,6 +333,11 @@ CASES = [
     Case("role_key_unknown", _plan_with(roles={"nonexistent": "param"}), r"roles key 'nonexistent' matches no argument .*argument names: 'params'"),
     Case("role_index_unknown", _plan_with(roles={7: "param"}), r"roles key 7 matches no argument"),
     Case("no_argument_step", _no_argument_step, r"takes no array arguments"),
+    Case("seed_negative_mcmc", _plan_with(searcher="mcmc", seed=-1, budget_s=0.5), r"seed must be a whole number >= 0 .* got -1 \(e\.g\. seed=0\)"),
+    Case("seed_negative_dqn", _plan_with(searcher="dqn", seed=-1, budget_s=0.5), r"seed must be a whole number >= 0"),
+    Case("seed_not_whole", _plan_with(searcher="random", seed=1.5, budget_s=0.5), r"seed must be a whole number >= 0 .* got 1\.5"),
+    Case("cli_seed_negative", _before_search(*MLP_PLAN, "--searcher", "dqn", "--seed", "-1"), r"--seed must be a whole number >= 0 .* got -1 \(e\.g\. --seed 0\)"),
+    Case("compare_seed_negative", _before_search("compare", "--model", "mlp", "--searchers", "mcmc", "--seed", "-1"), r"--seed must be a whole number >= 0"),
     # 9. Plans edited by hand (issue 28): apply and report refuse them in one line.
     Case("apply_mesh_0", _edited_plan("apply", lambda p: p.update(mesh={"data": 0})), r"plan\.json: mesh\['data'\] must be a whole number of devices >= 1, got 0"),
     Case("report_mesh_negative", _edited_plan("report", lambda p: p.update(mesh={"data": -8})), r"mesh\['data'\] must be a whole number of devices >= 1, got -8"),

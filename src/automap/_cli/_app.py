@@ -185,6 +185,13 @@ def check_budget(budget: float | None, searchers: Sequence[str] | None = None) -
         rule(budget, searchers, "--budget")
 
 
+def check_seed(seed: int) -> None:
+    """`--seed` by the API's rule (`_search.check_seed`), before any capture or search."""
+    from .._search import check_seed as rule
+
+    rule(seed, "--seed")
+
+
 def check_output(path: Path | None, option: str) -> None:
     """Refuse, before any work, an output file that cannot be written: a long search must
     not end in a traceback that loses its result."""

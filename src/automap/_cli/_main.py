@@ -32,6 +32,7 @@ from ._app import (
     busy,
     check_budget,
     check_output,
+    check_seed,
     console,
     friendly,
     held_save_warnings,
@@ -117,6 +118,7 @@ def plan_cmd(
     from .._report import answer_line, plan_dict, print_plan
 
     check_budget(budget, (searcher,))
+    check_seed(seed)
     check_output(output, "-o")
     check_output(save_agent, "--save-agent")
     state = _search_state(output, searcher, resume)
@@ -272,6 +274,7 @@ def compare_cmd(
         )
     check_output(json_out, "--json-out")
     check_budget(budget, names)
+    check_seed(seed)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far

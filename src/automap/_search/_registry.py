@@ -292,6 +292,7 @@ def run_searcher(
     DQN's files (see `am.plan`)."""
     name = check_searcher(name)
     budget_s = check_budget(budget_s, (name,))
+    seed = check_seed(seed)
     task = check_tasks("auto", name) if task is None else task
     files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
     if files and name != "dqn":
@@ -314,6 +315,21 @@ def run_searcher(
         notes=pipeline_notes(problem.graph) if task in ("pipeline", "hybrid") else (),
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
+
+
+def check_seed(seed: object, option: str = "seed") -> int:
+    """The one rule for a seed, shared by `am.plan`, `compare` and the CLI's `--seed`: a
+    whole number >= 0. NumPy's generators refuse negative seeds, so -1 would otherwise
+    fail deep inside the searchers that draw from one (dqn, random, mcmc) and pass the
+    others."""
+    example = "--seed 0" if option.startswith("-") else f"{option}=0"
+    whole = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+    if not whole or seed < 0:
+        raise AutomapError(
+            f"{option} must be a whole number >= 0 (the same seed gives the same plan), got "
+            f"{seed!r} (e.g. {example})."
+        )
+    return int(seed)
 
 
 def check_budget(
