@@ -276,14 +276,21 @@ def _compare_off_a_terminal(tmp: Path) -> str:
     return "\n".join(rows)
 
 
-def _progress_off_a_terminal(tmp: Path) -> str:
-    from automap._search import SearchProgress
+def _progress_off_a_terminal(searcher: str = "random") -> Callable[[Path], str]:
+    """The progress lines `automap plan` writes on stderr off a terminal (one per step:
+    LOG_EVERY_S is 0 here): every searcher writes them, auto and dp included (issue 28)."""
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SearchProgress, "LOG_EVERY_S", 0.0)
-        result = runner.invoke(app, [*MLP_PLAN, "--searcher", "random", "--budget", "0.1"])
-    assert result.exit_code == 0 and "step time" in result.stdout, result.output
-    return result.stderr
+    def run(tmp: Path) -> str:
+        from automap._search import SearchProgress
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SearchProgress, "LOG_EVERY_S", 0.0)
+            args = [*MLP_PLAN, "--set", "layers=2", "--searcher", searcher, "--budget"]
+            result = runner.invoke(app, [*args, "0.1" if searcher == "random" else "2"])
+        assert result.exit_code == 0 and "step time" in result.stdout, result.output
+        return result.stderr
+
+    return run
 
 
 def _devices_chosen(tmp: Path) -> str:
@@ -367,7 +374,10 @@ CASES = [
     Case("replicated_plan", _replicated_plan, r"^nothing: mesh replicated on 8 devices \(nothing split; mesh data=8\), .* \| replicated \(data 8: nothing split\)$", error=False),
     Case("donate_argnums_kept", _donation_kept, r"^copied then aliased$", error=False),
     Case("compare_table_full_width", _compare_off_a_terminal, r"│ expert +│ gpipe_uniform +│ pipe 2 × data 4, 8 mb 1f1b +│", error=False),
-    Case("progress_lines_off_a_terminal", _progress_off_a_terminal, r"(?m)^random: \d+/20 evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_off_a_terminal", _progress_off_a_terminal(), r"(?m)^random: \d+/20 evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_ilp", _progress_off_a_terminal("ilp"), r"(?m)^ilp: \d+/\d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_dp", _progress_off_a_terminal("dp"), r"(?ms)^dp: one stage \(ilp\): \d+/\d+ evaluated, best \d+\.\d+ ms, \d+ s$.*^dp: pipelines: \d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_auto", _progress_off_a_terminal("auto"), r"(?ms)^auto: one stage \(ilp\): \d+/\d+ evaluated, .*^auto: pipelines: \d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
     # 8. apply uses the accelerators when there are enough of them, else virtual CPUs.
     Case("devices_chosen", _devices_chosen, r"^gpu×8  \| cpu×8 the plan needs 8 devices and this machine has 1 GPU\(s\): running it on 8 virtual CPU devices instead\. \| cpu×8 $", error=False),
     Case("apply_says_where_it_ran", _apply_says_where_it_ran, r'"platform": "cpu"', error=False),

@@ -237,7 +237,11 @@ def test_ctrl_c_in_plan_saves_the_best_plan_so_far(tmp_path, monkeypatch, search
     path = tmp_path / "best.json"
     result = run(*MLP_PLAN, "--searcher", searcher, "--budget", "60", "-o", str(path))
     assert result.exit_code == 130, result.output
-    assert result.stderr.strip() == f"search interrupted: the best plan so far is saved to {path}"
+    # The last line: a loaded machine may log a progress line first (10 s in).
+    assert (
+        result.stderr.splitlines()[-1]
+        == f"search interrupted: the best plan so far is saved to {path}"
+    )
     assert result.stdout == ""
     plan = am.Plan.load(path)
     assert plan.decisions["interrupted"] is True and plan.predicted.feasible
@@ -356,9 +360,9 @@ def test_a_dqn_state_that_cannot_be_written_keeps_the_plan(tmp_path):
     result = run("plan", *MLP, "--searcher", "dqn", "--budget", "0.5", "-o", str(out))
     assert result.exit_code == 1, result.output
     assert "step time" in result.stdout and "Traceback" not in result.output
-    line = result.stderr.strip()
-    assert line.startswith(f"error: the search state could not be written to {out.parent}")
-    assert len(line.splitlines()) == 1, line
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr  # besides progress lines, on a loaded machine
+    assert errors[0].startswith(f"error: the search state could not be written to {out.parent}")
     assert am.Plan.load(out).predicted.feasible and (tmp_path / "p.curve.csv").exists()
     assert not (tmp_path / "p.search.msgpack").exists()
 
@@ -392,3 +396,29 @@ def test_calibrate_to_a_full_disk_prints_and_keeps_the_cluster(tmp_path, monkeyp
     assert "GFLOP/s" in result.stdout
     assert result.stderr.strip().endswith("it is saved to cluster.yaml instead.")
     assert am.Cluster.from_file(tmp_path / "cluster.yaml").devices == 8
+
+
+@pytest.mark.parametrize("searcher", ["dp", "auto"])
+def test_ctrl_c_before_dp_finds_a_plan_keeps_the_best_expert(tmp_path, monkeypatch, searcher):
+    """Ctrl-C (or SIGTERM) in auto or dp before its ILP or stage DP found a plan: the best
+    feasible expert plan is the best so far, saved as Ctrl-C saves any (issue 28), not
+    "nothing saved", so an interrupted run is never worse than an expert either."""
+    from automap._zoo import get_model
+
+    _interrupt_at(monkeypatch, 1)  # the ILP's first pricing
+    path = tmp_path / "best.json"
+    result = run("plan", *MLP, "--searcher", searcher, "--budget", "5", "-o", str(path))
+    assert result.exit_code == 130, result.output
+    # The last line: a loaded machine may log a progress line first (10 s in).
+    assert (
+        result.stderr.splitlines()[-1]
+        == f"search interrupted: the best plan so far is saved to {path}"
+    )
+    plan = am.Plan.load(path)
+    assert plan.decisions["interrupted"] is True and plan.predicted.feasible
+    assert plan.provenance.searcher == searcher
+    spec = get_model("mlp", layers=2, dtype="float32")
+    cpu = am.Cluster.preset("cpu", devices=8)
+    experts = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=cpu).values()
+    fastest = min(p.predicted.step_time_s for p in experts if p.predicted.feasible)
+    assert plan.predicted.step_time_s == pytest.approx(fastest)

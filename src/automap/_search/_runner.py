@@ -63,12 +63,14 @@ def run_space_searcher(
     progress: bool = False,
     task: str = "shard",
     files: DQNFiles = DQNFiles(),
+    label: str = "",
 ) -> tuple[Plan, dict[str, Any]]:
     """(best plan, search stats) for searcher `name` over the problem's space for `task`.
 
     Ctrl-C during the search stops it and hands back the best plan so far, with
     `stats["interrupted"] = True`; before any feasible plan is found it propagates.
-    `files` (agents and search states) are for the DQN only.
+    `files` (agents and search states) are for the DQN only. `label` names the search in
+    its progress (default: `name`), for a searcher run as part of another.
     """
     if files and name != "dqn":
         raise AutomapError(
@@ -84,7 +86,7 @@ def run_space_searcher(
             return _dqn_pipeline(space, task, budget_s, seed, bar, files)
     if name not in POINT_SEARCHES:
         raise AutomapError(f"no space searcher called {name!r}")
-    with SearchProgress(progress, name) as bar:
+    with SearchProgress(progress, label or name) as bar:
         point, stats = POINT_SEARCHES[name](space, budget_s, seed, bar, files)
     if point is None:
         if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
@@ -384,9 +386,10 @@ class SearchProgress:
         return self
 
     def start(self, total: int) -> None:
+        """`total` steps to come; 0 when not known ahead (the stage DP's points)."""
         self._total = total
         if self._bar is not None:
-            self._task = self._bar.add_task(self.name, total=total, best="—")
+            self._task = self._bar.add_task(self.name, total=total or None, best="—")
 
     def advance_to(self, completed: int) -> None:
         self._done = completed
