@@ -151,6 +151,12 @@ def _edited_plan(command: str, edit: Callable[[dict], None]) -> Callable[[Path],
     return run
 
 
+def _report_to_a_full_disk(tmp: Path) -> str:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full to stand in for a full disk")
+    return _cli_error("report", str(_a_plan_file(tmp)), "-o", "/dev/full")
+
+
 def _report_to(target: str) -> Callable[[Path], str]:
     def run(tmp: Path) -> str:
         plan = _a_plan_file(tmp)
@@ -364,6 +370,7 @@ CASES = [
     Case("compare_json_out_missing", _before_search("compare", "--model", "mlp", "--json-out", "TMP/no/rows.json"), r"--json-out .* does not exist"),
     Case("report_o_missing_dir", _report_to("TMP/nowhere/r.html"), r"the directory .*nowhere does not exist"),
     Case("report_o_directory", _report_to("TMP"), r"is a directory: give a file name"),
+    Case("report_o_full_disk", _report_to_a_full_disk, r"^error: the report could not be written to /dev/full \(No space left on device\); free some space"),
     # 3. --quiet without -o or --json prints the answer, in one line.
     Case("quiet_prints_the_answer", _quiet_answer, r"^\S+: mesh .*, step .* per device, feasible\n$", error=False),
     # 6. A raw PRNG key is not the batch; a batch the devices do not divide keeps its rows.

@@ -169,3 +169,10 @@ def test_a_valid_pipeline_plan_loads_as_saved():
     plan = am.Plan.from_dict(_piped())
     assert plan.mesh == {"pipe": 2, "data": 2} and plan.stages[1].devices == (2, 3)
     assert plan.remat is False and am.Plan.from_dict(_edited("remat", True)).remat is True
+
+
+@pytest.mark.parametrize(("field", "value"), [("mesh", {"data": 0}), ("microbatches", 0)])
+def test_a_plan_built_in_code_is_held_to_the_same_sizes(field, value):
+    """am.apply on such a plan failed with ZeroDivisionError or an empty NamedSharding."""
+    with pytest.raises(am.PlanError, match=rf"^the plan: {field}.* must be a whole number"):
+        dataclasses.replace(_plan(), **{field: value})

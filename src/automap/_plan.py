@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,9 @@ class Plan:
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # A plan built in code is held to the sizes a plan file is (`_check_fields`):
+        # a zero or negative size would fail deep inside apply, or draw nothing.
+        _check_sizes(self.mesh, self.microbatches, "the plan")
         # Plans built in code the old way, with the assignment among the decisions.
         if "assignment" in self.decisions:
             decisions = dict(self.decisions)
@@ -284,15 +288,11 @@ _RECREATE = "or re-create the plan with `automap plan`"
 
 
 def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_fields(d: Mapping[str, Any], source: str) -> None:
-    """The fields a hand edit can break without breaking the JSON: mesh sizes, microbatches,
-    ZeRO stage and remat. A wrong one would fail deep inside apply or the report (a
-    division by zero, a collapsed picture) or be read as something else ("false" is a
-    true string)."""
-    mesh = d.get("mesh")
+def _check_sizes(mesh: Any, microbatches: Any, source: str) -> None:
+    """Mesh sizes and microbatches: whole numbers >= 1."""
     if isinstance(mesh, Mapping):
         for axis, size in mesh.items():
             if not _whole(size) or size < 1:
@@ -301,12 +301,19 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
                     f"{size!r}; give each axis its size (their product is the device count), "
                     f"{_RECREATE}."
                 )
-    microbatches = d.get("microbatches", 1)
     if not _whole(microbatches) or microbatches < 1:
         raise PlanError(
             f"{source}: microbatches must be a whole number >= 1, got {microbatches!r}; "
             f"set it to 1 (no microbatching) or more, {_RECREATE}."
         )
+
+
+def _check_fields(d: Mapping[str, Any], source: str) -> None:
+    """The fields a hand edit can break without breaking the JSON: mesh sizes, microbatches,
+    ZeRO stage and remat. A wrong one would fail deep inside apply or the report (a
+    division by zero, a collapsed picture) or be read as something else ("false" is a
+    true string)."""
+    _check_sizes(d.get("mesh"), d.get("microbatches", 1), source)
     zero = d.get("zero_stage", 0)
     if not _whole(zero) or zero not in range(4):
         raise PlanError(

@@ -7,7 +7,9 @@ The conventions every long-running command keeps:
 - `--quiet/-q` prints only what was asked for (errors still show, on stderr);
 - `--json` prints machine-readable JSON on stdout and nothing else there, progress off;
 - an error the user can cause is one line naming the fix, exit code 2, never a traceback;
-- Ctrl-C exits with code 130 after keeping whatever was already found.
+- Ctrl-C exits with code 130 after keeping whatever was already found;
+- the answer is printed before any file is written, and a write that fails (a full disk)
+  keeps the file where Ctrl-C keeps one and says so in one line, exit code 1.
 """
 
 from __future__ import annotations

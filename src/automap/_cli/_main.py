@@ -122,7 +122,7 @@ def plan_cmd(
     check_output(output, "-o")
     check_output(save_agent, "--save-agent")
     state = _search_state(output, searcher, resume)
-    with sigterm_as_interrupt() as signalled, held_save_warnings() as unsaved:
+    with sigterm_as_interrupt() as signalled, held_save_warnings() as held:
         try:
             step_fn, args, origin = load_step(model, fn, override)
             the_cluster = load_cluster(cluster, devices)
@@ -153,14 +153,15 @@ def plan_cmd(
     if interrupted and output is None:
         # The user asked for no file, but an interrupted search printed nothing: keep it.
         output = unused_path(Path("plan.json"))
-    for line in unsaved:  # the search's own files (DQN state, agent): after the answer
+    for line in held:  # the search's own files (DQN state, agent): after the answer
         note(line)
+    unsaved: list[str] = []
     saved = _save(result, output, unsaved) if output is not None else {}
     if not (quiet or as_json or interrupted):
         for what, path in saved.items():
             if what not in unsaved:  # the others were said on stderr
                 console.print(f"{what} saved to [bold]{path}[/bold]")
-        if state is not None and state.exists() and not unsaved:
+        if state is not None and state.exists() and not held:
             console.print(f"search state saved to [bold]{state}[/bold] (go on with --resume)")
     if interrupted:
         how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
@@ -172,7 +173,7 @@ def plan_cmd(
             f"the budget ({budget:g} s) cut the {result.provenance.searcher} search short: "
             "this is the best plan found, not a proven optimum (raise --budget)."
         )
-    if unsaved:
+    if held or unsaved:
         raise typer.Exit(1)
 
 
