@@ -2,6 +2,7 @@
 fix, or (where the input is fine after all) the right result. Issue 14, section 5."""
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -107,11 +108,53 @@ def _unwritable(tmp: Path) -> str:
     return _before_search(*MLP_PLAN, "-o", "TMP/locked/plan.json")(tmp)
 
 
+def _no_file_left(check: Callable[[Path], str], path: str) -> Callable[[Path], str]:
+    """`check`'s text, after making sure the writability probe left no file at `path`."""
+
+    def run(tmp: Path) -> str:
+        text = check(tmp)
+        assert not Path(path.replace("TMP", str(tmp))).exists()
+        return text
+
+    return run
+
+
+def _before_calibrating(*args: str) -> Callable[[Path], str]:
+    """calibrate's error about its output, found before it measures anything."""
+
+    def run(tmp: Path) -> str:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("automap._bench.measure", lambda **_: pytest.fail("measured"))
+            return _cli_error("calibrate", *(a.replace("TMP", str(tmp)) for a in args))
+
+    return run
+
+
 def _a_plan_file(tmp: Path) -> Path:
     path = tmp / "plan.json"
     step_fn, args = _mlp()
     am.plan(step_fn, *args, cluster=CPU8, searcher="expert").save(path)
     return path
+
+
+def _edited_plan(command: str, edit: Callable[[dict], None]) -> Callable[[Path], str]:
+    """`automap apply --check` or `report` on a saved plan edited by hand (issue 28)."""
+
+    def run(tmp: Path) -> str:
+        path = _a_plan_file(tmp)
+        raw = json.loads(path.read_text())
+        edit(raw)
+        path.write_text(json.dumps(raw))
+        args = ("apply", str(path), "--check") if command == "apply" else ("report", str(path))
+        return _cli_error(*args)
+
+    return run
+
+
+def _report_to_a_full_disk(tmp: Path) -> str:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full to stand in for a full disk")
+    return _cli_error("report", str(_a_plan_file(tmp)), "-o", "/dev/full")
 
 
 def _report_to(target: str) -> Callable[[Path], str]:
@@ -239,14 +282,21 @@ def _compare_off_a_terminal(tmp: Path) -> str:
     return "\n".join(rows)
 
 
-def _progress_off_a_terminal(tmp: Path) -> str:
-    from automap._search import SearchProgress
+def _progress_off_a_terminal(searcher: str = "random") -> Callable[[Path], str]:
+    """The progress lines `automap plan` writes on stderr off a terminal (one per step:
+    LOG_EVERY_S is 0 here): every searcher writes them, auto and dp included (issue 28)."""
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SearchProgress, "LOG_EVERY_S", 0.0)
-        result = runner.invoke(app, [*MLP_PLAN, "--searcher", "random", "--budget", "0.1"])
-    assert result.exit_code == 0 and "step time" in result.stdout, result.output
-    return result.stderr
+    def run(tmp: Path) -> str:
+        from automap._search import SearchProgress
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(SearchProgress, "LOG_EVERY_S", 0.0)
+            args = [*MLP_PLAN, "--set", "layers=2", "--searcher", searcher, "--budget"]
+            result = runner.invoke(app, [*args, "0.1" if searcher == "random" else "2"])
+        assert result.exit_code == 0 and "step time" in result.stdout, result.output
+        return result.stderr
+
+    return run
 
 
 def _devices_chosen(tmp: Path) -> str:
@@ -299,15 +349,31 @@ CASES = [
     Case("role_key_unknown", _plan_with(roles={"nonexistent": "param"}), r"roles key 'nonexistent' matches no argument .*argument names: 'params'"),
     Case("role_index_unknown", _plan_with(roles={7: "param"}), r"roles key 7 matches no argument"),
     Case("no_argument_step", _no_argument_step, r"takes no array arguments"),
+    Case("seed_negative_mcmc", _plan_with(searcher="mcmc", seed=-1, budget_s=0.5), r"seed must be a whole number >= 0 .* got -1 \(e\.g\. seed=0\)"),
+    Case("seed_negative_dqn", _plan_with(searcher="dqn", seed=-1, budget_s=0.5), r"seed must be a whole number >= 0"),
+    Case("seed_not_whole", _plan_with(searcher="random", seed=1.5, budget_s=0.5), r"seed must be a whole number >= 0 .* got 1\.5"),
+    Case("cli_seed_negative", _before_search(*MLP_PLAN, "--searcher", "dqn", "--seed", "-1"), r"--seed must be a whole number >= 0 .* got -1 \(e\.g\. --seed 0\)"),
+    Case("compare_seed_negative", _before_search("compare", "--model", "mlp", "--searchers", "mcmc", "--seed", "-1"), r"--seed must be a whole number >= 0"),
+    # 9. Plans edited by hand (issue 28): apply and report refuse them in one line.
+    Case("apply_mesh_0", _edited_plan("apply", lambda p: p.update(mesh={"data": 0})), r"plan\.json: mesh\['data'\] must be a whole number of devices >= 1, got 0"),
+    Case("report_mesh_negative", _edited_plan("report", lambda p: p.update(mesh={"data": -8})), r"mesh\['data'\] must be a whole number of devices >= 1, got -8"),
+    Case("report_microbatches_0", _edited_plan("report", lambda p: p.update(microbatches=0)), r"microbatches must be a whole number >= 1, got 0"),
+    Case("apply_remat_string", _edited_plan("apply", lambda p: p.update(remat="false")), r"remat must be true or false \(a JSON boolean\), got 'false'"),
+    Case("apply_zero_7", _edited_plan("apply", lambda p: p.update(zero_stage=7)), r"zero_stage must be 0, 1, 2 or 3, got 7"),
+    Case("apply_another_model", _edited_plan("apply", lambda p: p["provenance"].update(model="bert-large", overrides={})), r"the plan's inputs are not those of bert-large, the step its provenance names .* set provenance\.model and provenance\.overrides to the model the plan was made for"),
     # 2. Output paths, refused before the search.
     Case("plan_o_missing_dir", _before_search(*MLP_PLAN, "-o", "TMP/nowhere/plan.json"), r"the directory .*nowhere does not exist; create it first"),
     Case("plan_o_under_a_file", lambda tmp: (tmp / "f").write_text("x") and _before_search(*MLP_PLAN, "-o", "TMP/f/plan.json")(tmp), r"/f is a file, not a directory"),
     Case("plan_o_directory", _before_search(*MLP_PLAN, "-o", "TMP"), r"-o .* is a directory: give a file name"),
-    Case("plan_o_unwritable", _unwritable, r"cannot be written \(permission denied"),
+    Case("plan_o_unwritable", _unwritable, r"cannot be written \(Permission denied"),
+    Case("plan_o_proc", _no_file_left(_before_search(*MLP_PLAN, "-o", "/proc/automap-plan.json"), "/proc/automap-plan.json"), r"-o /proc/automap-plan\.json cannot be written \(.*\); choose a writable place"),
+    Case("plan_o_probe_removed", _no_file_left(_before_search(*MLP_PLAN, "-o", "TMP/p.json", "--set", "layers=0"), "TMP/p.json"), r"layers"),
+    Case("calibrate_o_checked", _before_calibrating("-o", "TMP/nowhere/c.yaml"), r"-o .*nowhere/c\.yaml: the directory .* does not exist"),
     Case("plan_save_agent_dir", _before_search(*MLP_PLAN, "--save-agent", "TMP"), r"--save-agent .* is a directory"),
     Case("compare_json_out_missing", _before_search("compare", "--model", "mlp", "--json-out", "TMP/no/rows.json"), r"--json-out .* does not exist"),
     Case("report_o_missing_dir", _report_to("TMP/nowhere/r.html"), r"the directory .*nowhere does not exist"),
     Case("report_o_directory", _report_to("TMP"), r"is a directory: give a file name"),
+    Case("report_o_full_disk", _report_to_a_full_disk, r"^error: the report could not be written to /dev/full \(No space left on device\); free some space"),
     # 3. --quiet without -o or --json prints the answer, in one line.
     Case("quiet_prints_the_answer", _quiet_answer, r"^\S+: mesh .*, step .* per device, feasible\n$", error=False),
     # 6. A raw PRNG key is not the batch; a batch the devices do not divide keeps its rows.
@@ -318,7 +384,10 @@ CASES = [
     Case("replicated_plan", _replicated_plan, r"^nothing: mesh replicated on 8 devices \(nothing split; mesh data=8\), .* \| replicated \(data 8: nothing split\)$", error=False),
     Case("donate_argnums_kept", _donation_kept, r"^copied then aliased$", error=False),
     Case("compare_table_full_width", _compare_off_a_terminal, r"│ expert +│ gpipe_uniform +│ pipe 2 × data 4, 8 mb 1f1b +│", error=False),
-    Case("progress_lines_off_a_terminal", _progress_off_a_terminal, r"(?m)^random: \d+/20 evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_off_a_terminal", _progress_off_a_terminal(), r"(?m)^random: \d+/20 evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_ilp", _progress_off_a_terminal("ilp"), r"(?m)^ilp: \d+/\d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_dp", _progress_off_a_terminal("dp"), r"(?ms)^dp: one stage \(ilp\): \d+/\d+ evaluated, best \d+\.\d+ ms, \d+ s$.*^dp: pipelines: \d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
+    Case("progress_lines_auto", _progress_off_a_terminal("auto"), r"(?ms)^auto: one stage \(ilp\): \d+/\d+ evaluated, .*^auto: pipelines: \d+ evaluated, best \d+\.\d+ ms, \d+ s$", error=False),
     # 8. apply uses the accelerators when there are enough of them, else virtual CPUs.
     Case("devices_chosen", _devices_chosen, r"^gpu×8  \| cpu×8 the plan needs 8 devices and this machine has 1 GPU\(s\): running it on 8 virtual CPU devices instead\. \| cpu×8 $", error=False),
     Case("apply_says_where_it_ran", _apply_says_where_it_ran, r'"platform": "cpu"', error=False),

@@ -192,3 +192,30 @@ def test_megatron_rows_and_flop_count():
     )
     bad = CliRunner().invoke(app, ["bench", "--megatron-plan-s", "-1"])
     assert bad.exit_code == 2 and "--megatron-plan-s" in bad.output
+
+
+def test_bench_results_survive_a_full_disk(tmp_path, monkeypatch):
+    """Minutes of benchmarks end in a write: --out on a full disk (/dev/full stands in)
+    keeps the tables in a new BENCHMARKS.md here and says so in one line, exit 1; a path
+    that cannot be written is refused before anything runs (issue 28)."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    monkeypatch.setattr(
+        "automap._bench.run_bench", lambda *a, **k: ran.append(1) or _fake_result("not run")
+    )
+    runner = CliRunner()
+    missing = runner.invoke(app, ["bench", "--models", "mlp", "--out", "nowhere/B.md"])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr and not ran
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full to stand in for a full disk")
+    (tmp_path / "BENCHMARKS.md").write_text("an older run")
+    full = runner.invoke(app, ["bench", "--models", "mlp", "--out", "/dev/full"])
+    assert full.exit_code == 1 and ran, full.output
+    assert full.stderr.strip() == (
+        "error: benchmarks could not be written to /dev/full (No space left on device); "
+        "it is saved to BENCHMARKS-1.md instead."
+    )
+    assert (tmp_path / "BENCHMARKS.md").read_text() == "an older run"
+    assert "automap bench" in (tmp_path / "BENCHMARKS-1.md").read_text()

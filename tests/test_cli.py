@@ -1,10 +1,12 @@
 """The `automap` command line, driven in-process."""
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
 
+import automap as am
 from automap._cli import app
 from automap._search import SEARCHERS
 
@@ -101,7 +103,6 @@ def test_calibrate_writes_a_cluster_the_planner_reads(tmp_path):
     cal = json.loads(result.output)["calibration"]
     assert cal["devices"] == 8 and cal["matmul_flops"] > 1e8
     assert cal["link_bandwidth"] > 0 and cal["link_latency"] > 0
-    import automap as am
 
     cluster = am.Cluster.from_file(out)
     assert cluster.peak_flops == cal["matmul_flops"] and cluster.devices == 8
@@ -245,13 +246,16 @@ def _interrupt_at(monkeypatch, n: int) -> None:
 
 @pytest.mark.parametrize("searcher", ["random", "dqn"])
 def test_ctrl_c_in_plan_saves_the_best_plan_so_far(tmp_path, monkeypatch, searcher):
-    import automap as am
 
     _interrupt_at(monkeypatch, 12)
     path = tmp_path / "best.json"
     result = run(*MLP_PLAN, "--searcher", searcher, "--budget", "60", "-o", str(path))
     assert result.exit_code == 130, result.output
-    assert result.stderr.strip() == f"search interrupted: the best plan so far is saved to {path}"
+    # The last line: a loaded machine may log a progress line first (10 s in).
+    assert (
+        result.stderr.splitlines()[-1]
+        == f"search interrupted: the best plan so far is saved to {path}"
+    )
     assert result.stdout == ""
     plan = am.Plan.load(path)
     assert plan.decisions["interrupted"] is True and plan.predicted.feasible
@@ -325,3 +329,110 @@ def test_plan_saves_an_agent_that_warm_starts_another_plan(tmp_path):
     warm = run(*MLP_DQN, "--budget", "0.5", "--agent", str(agent), "--json")
     assert warm.exit_code == 0, warm.output
     assert json.loads(warm.output)["predicted"]["feasible"]
+
+
+# Writes that fail after the work (issue 28): the answer is printed first, the file goes
+# where Ctrl-C keeps one, one line on stderr says so, and the exit code is 1.
+# /dev/full stands in for a full disk: it opens, and every write fails with ENOSPC.
+FULL = "/dev/full"
+needs_dev_full = pytest.mark.skipif(
+    not os.path.exists(FULL), reason="no /dev/full to stand in for a full disk"
+)
+MLP = ("--model", "mlp", "--set", "layers=2", "--set", "dtype=float32", "--cluster", "cpu")
+
+
+@needs_dev_full
+def test_a_plan_written_to_a_full_disk_is_printed_and_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("plan", *MLP, "--searcher", "expert", "-o", FULL)
+    assert result.exit_code == 1, result.output
+    assert "step time" in result.stdout and "Traceback" not in result.output
+    assert result.stderr.strip() == (
+        f"error: plan could not be written to {FULL} (No space left on device); "
+        "it is saved to plan.json instead."
+    )
+    assert am.Plan.load(tmp_path / "plan.json").predicted.feasible
+
+
+@needs_dev_full
+def test_plan_json_on_a_full_disk_prints_the_json_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text("the user's own")
+    result = run("plan", *MLP, "--searcher", "expert", "--json", "-o", FULL)
+    assert result.exit_code == 1, result.output
+    printed = json.loads(result.stdout)
+    assert "saved to plan-1.json instead" in result.stderr  # never over the user's file
+    assert (tmp_path / "plan.json").read_text() == "the user's own"
+    assert am.Plan.load(tmp_path / "plan-1.json").mesh == printed["mesh"]
+
+
+def test_a_dqn_state_that_cannot_be_written_keeps_the_plan(tmp_path):
+    """The DQN writes its search state inside the search: a failure there is one line
+    after the answer, the plan and curve are saved, nothing half-written is left."""
+    (tmp_path / "p.search.msgpack.tmp").mkdir()  # the state's write fails on it
+    out = tmp_path / "p.json"
+    result = run("plan", *MLP, "--searcher", "dqn", "--budget", "0.5", "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert "step time" in result.stdout and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr  # besides progress lines, on a loaded machine
+    assert errors[0].startswith(f"error: the search state could not be written to {out.parent}")
+    assert am.Plan.load(out).predicted.feasible and (tmp_path / "p.curve.csv").exists()
+    assert not (tmp_path / "p.search.msgpack").exists()
+
+
+def test_the_default_searcher_plans_to_a_file(tmp_path):
+    """`automap plan -o FILE` with the default searcher (auto) took the DQN's search-state
+    file as its own and refused to run."""
+    out = tmp_path / "p.json"
+    result = run("plan", *MLP, "--budget", "5", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert am.Plan.load(out).provenance.searcher == "auto"
+    assert not (tmp_path / "p.search.msgpack").exists()
+
+
+@needs_dev_full
+def test_compare_prints_its_rows_before_a_full_disk_loses_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("compare", *MLP, "--searchers", "expert", "--budget", "1", "--json-out", FULL)
+    assert result.exit_code == 1, result.output
+    assert "data_parallel" in result.stdout and "Traceback" not in result.output
+    assert result.stderr.strip().endswith("it is saved to rows.json instead.")
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert any(r["plan_name"] == "data_parallel" for r in rows["rows"])
+
+
+@needs_dev_full
+def test_calibrate_to_a_full_disk_prints_and_keeps_the_cluster(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("calibrate", "--devices", "8", "--quick", "-o", FULL)
+    assert result.exit_code == 1, result.output
+    assert "GFLOP/s" in result.stdout
+    assert result.stderr.strip().endswith("it is saved to cluster.yaml instead.")
+    assert am.Cluster.from_file(tmp_path / "cluster.yaml").devices == 8
+
+
+@pytest.mark.parametrize("searcher", ["dp", "auto"])
+def test_ctrl_c_before_dp_finds_a_plan_keeps_the_best_expert(tmp_path, monkeypatch, searcher):
+    """Ctrl-C (or SIGTERM) in auto or dp before its ILP or stage DP found a plan: the best
+    feasible expert plan is the best so far, saved as Ctrl-C saves any (issue 28), not
+    "nothing saved", so an interrupted run is never worse than an expert either."""
+    from automap._zoo import get_model
+
+    _interrupt_at(monkeypatch, 1)  # the ILP's first pricing
+    path = tmp_path / "best.json"
+    result = run("plan", *MLP, "--searcher", searcher, "--budget", "5", "-o", str(path))
+    assert result.exit_code == 130, result.output
+    # The last line: a loaded machine may log a progress line first (10 s in).
+    assert (
+        result.stderr.splitlines()[-1]
+        == f"search interrupted: the best plan so far is saved to {path}"
+    )
+    plan = am.Plan.load(path)
+    assert plan.decisions["interrupted"] is True and plan.predicted.feasible
+    assert plan.provenance.searcher == searcher
+    spec = get_model("mlp", layers=2, dtype="float32")
+    cpu = am.Cluster.preset("cpu", devices=8)
+    experts = am.expert_plans(spec.step_fn, *spec.abstract_args(), cluster=cpu).values()
+    fastest = min(p.predicted.step_time_s for p in experts if p.predicted.feasible)
+    assert plan.predicted.step_time_s == pytest.approx(fastest)

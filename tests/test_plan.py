@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import pytest
 from jax.sharding import PartitionSpec
@@ -114,3 +115,64 @@ def test_pipelined_means_the_staged_runtime():
         stages=(Stage(0, 5, (0, 1, 2, 3), {"data": 4}), Stage(5, 10, (4, 5, 6, 7), {"data": 4})),
     )
     assert two.pipelined
+
+
+def _piped() -> dict:
+    """A two-stage plan's file, as `automap estimate --pp 2 --dp 2` writes one."""
+    stages = (Stage(0, 5, (0, 1), {"data": 2}), Stage(5, 10, (2, 3), {"data": 2}))
+    plan = dataclasses.replace(_plan(), mesh={"pipe": 2, "data": 2}, stages=stages)
+    return plan.to_dict()
+
+
+def _edited(path: str, value) -> dict:
+    raw = json.loads(json.dumps(_piped()))
+    *above, key = path.split(".")
+    node = raw
+    for part in above:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[int(key) if key.isdigit() else key] = value
+    return raw
+
+
+# Hand edits that keep the JSON valid but break the plan (issue 28): each one line,
+# naming the field and the fix, where they once failed deep in apply or the report, or
+# ran as if valid.
+HAND_EDITS = [
+    ("mesh", {"data": 0}, r"mesh\['data'\] must be a whole number of devices >= 1, got 0; give each axis its size"),
+    ("mesh", {"data": -2, "model": -4}, r"mesh\['data'\] must be .* got -2"),
+    ("mesh", {"data": 2.5}, r"mesh\['data'\] must be a whole number .* got 2\.5"),
+    ("mesh", {"data": True}, r"mesh\['data'\] must be a whole number .* got True"),
+    ("microbatches", 0, r"microbatches must be a whole number >= 1, got 0; set it to 1"),
+    ("remat", "false", r"""remat must be true or false \(a JSON boolean\), got 'false'; write "remat": true or "remat": false"""),
+    ("remat", 1, r"remat must be true or false .* got 1"),
+    ("zero_stage", 7, r"zero_stage must be 0, 1, 2 or 3, got 7"),
+    ("stages.1.devices", [0, 1], r"stages 0 and 1 both run on device 0; each stage needs its own devices"),
+    ("mesh", {"pipe": 3, "data": 2}, r"mesh\['pipe'\] is 3 but the plan lists 2 stages; make them agree"),
+    ("stages.1.devices", [2, 9], r"stage 1 names device 9, outside the mesh's 4 devices"),
+    ("stages.0.devices", [0], r"stage 0 has devices \[0\] but its mesh \{'data': 2\} needs 2 distinct ones"),
+    ("stages.0.op_stop", 0, r"stage 0 runs ops 0 to 0, an empty range"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value", "message"), HAND_EDITS)
+def test_hand_edited_plans_are_refused_in_one_line(tmp_path, field, value, message):
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(_edited(field, value)))
+    with pytest.raises(am.PlanError) as info:
+        am.Plan.load(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and len(text.splitlines()) == 1, text
+    assert re.search(message, text), text
+
+
+def test_a_valid_pipeline_plan_loads_as_saved():
+    plan = am.Plan.from_dict(_piped())
+    assert plan.mesh == {"pipe": 2, "data": 2} and plan.stages[1].devices == (2, 3)
+    assert plan.remat is False and am.Plan.from_dict(_edited("remat", True)).remat is True
+
+
+@pytest.mark.parametrize(("field", "value"), [("mesh", {"data": 0}), ("microbatches", 0)])
+def test_a_plan_built_in_code_is_held_to_the_same_sizes(field, value):
+    """am.apply on such a plan failed with ZeroDivisionError or an empty NamedSharding."""
+    with pytest.raises(am.PlanError, match=rf"^the plan: {field}.* must be a whole number"):
+        dataclasses.replace(_plan(), **{field: value})

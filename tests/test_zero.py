@@ -203,6 +203,10 @@ def test_a_plan_whose_zero_stage_was_edited_is_refused_where_it_is_priced_or_run
     assert "those of zero_stage=1 or 2" in zero_mismatch(
         g, groups, dataclasses.replace(zero_plan(2), zero_stage=3)
     )
+    # A stage that does not exist gets a stage that does, not am.Recipe(..., zero=7).
+    seven = zero_mismatch(g, groups, dataclasses.replace(zero_plan(2), zero_stage=7))
+    assert "which is no ZeRO stage (0, 1, 2 or 3)" in seven and "back to 1." in seven
+    assert "zero=7" not in seven
 
 
 def test_estimate_warns_of_zero_over_a_data_axis_the_batch_is_not_on():

@@ -15,6 +15,7 @@ from ._errors import InfeasibleError as InfeasibleError
 from ._errors import ModelError as ModelError
 from ._errors import PlanError as PlanError
 from ._errors import PriceWarning as PriceWarning
+from ._errors import SaveWarning as SaveWarning
 from ._graph import Graph as Graph
 from ._graph import Role as Role
 from ._lowering import Lowering as Lowering

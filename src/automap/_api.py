@@ -27,6 +27,7 @@ from ._search import (
     arg_roles,
     check_budget,
     check_searcher,
+    check_seed,
     check_tasks,
     priced_experts,
     run_searcher,
@@ -86,6 +87,7 @@ def plan(
     """
     name = check_searcher(searcher)
     budget_s = check_budget(budget_s, (name,))
+    seed = check_seed(seed)
     task = check_tasks(tasks, name)
     start = time.perf_counter()
     problem = Problem.build(step_fn, args, cluster, roles)

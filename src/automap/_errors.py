@@ -42,3 +42,8 @@ class ModelError(AutomapError):
 class PriceWarning(UserWarning):
     """A plan the cost model prices but does not price as XLA compiles it (the figures may
     be off; the warning says how and what to change)."""
+
+
+class SaveWarning(UserWarning):
+    """A file a search writes on the side (the DQN's search state or trained agent) could
+    not be written, a full disk say: the search and its plan stand, that file does not."""

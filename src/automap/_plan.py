@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from ._axes import PIPE
 from ._errors import PlanError
 from ._version import PLAN_SCHEMA_VERSION, __version__
 
@@ -140,6 +142,9 @@ class Plan:
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # A plan built in code is held to the sizes a plan file is (`_check_fields`):
+        # a zero or negative size would fail deep inside apply, or draw nothing.
+        _check_sizes(self.mesh, self.microbatches, "the plan")
         # Plans built in code the old way, with the assignment among the decisions.
         if "assignment" in self.decisions:
             decisions = dict(self.decisions)
@@ -216,8 +221,9 @@ class Plan:
                 f"{source} has plan schema version {version!r}; this automap ({__version__}) "
                 f"reads version {PLAN_SCHEMA_VERSION}. Re-create the plan with `automap plan`."
             )
+        _check_fields(d, source)
         try:
-            return cls(
+            plan = cls(
                 mesh={str(k): int(v) for k, v in d["mesh"].items()},
                 specs={k: _spec_from_json(v) for k, v in d["specs"].items()},
                 out_specs={k: _spec_from_json(v) for k, v in d.get("out_specs", {}).items()},
@@ -236,7 +242,7 @@ class Plan:
                 microbatches=int(d.get("microbatches", 1)),
                 schedule=str(d.get("schedule", "1f1b")),
                 zero_stage=int(d.get("zero_stage", 0)),
-                remat=bool(d.get("remat", False)),
+                remat=d.get("remat", False),
                 name=str(d.get("name", "")),
                 predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
                 provenance=Provenance(**d.get("provenance", {})),
@@ -246,6 +252,8 @@ class Plan:
             raise PlanError(
                 f"{source} is corrupt ({type(e).__name__}: {e}). Re-create it with `automap plan`."
             ) from None
+        _check_stages(plan, source)
+        return plan
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -272,6 +280,94 @@ class Plan:
                 "Re-create it with `automap plan`."
             ) from None
         return cls.from_dict(raw, source=str(path))
+
+
+# ---- a hand-edited plan file: each field checked, one line naming it and the fix -----
+
+_RECREATE = "or re-create the plan with `automap plan`"
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_sizes(mesh: Any, microbatches: Any, source: str) -> None:
+    """Mesh sizes and microbatches: whole numbers >= 1."""
+    if isinstance(mesh, Mapping):
+        for axis, size in mesh.items():
+            if not _whole(size) or size < 1:
+                raise PlanError(
+                    f"{source}: mesh[{axis!r}] must be a whole number of devices >= 1, got "
+                    f"{size!r}; give each axis its size (their product is the device count), "
+                    f"{_RECREATE}."
+                )
+    if not _whole(microbatches) or microbatches < 1:
+        raise PlanError(
+            f"{source}: microbatches must be a whole number >= 1, got {microbatches!r}; "
+            f"set it to 1 (no microbatching) or more, {_RECREATE}."
+        )
+
+
+def _check_fields(d: Mapping[str, Any], source: str) -> None:
+    """The fields a hand edit can break without breaking the JSON: mesh sizes, microbatches,
+    ZeRO stage and remat. A wrong one would fail deep inside apply or the report (a
+    division by zero, a collapsed picture) or be read as something else ("false" is a
+    true string)."""
+    _check_sizes(d.get("mesh"), d.get("microbatches", 1), source)
+    zero = d.get("zero_stage", 0)
+    if not _whole(zero) or zero not in range(4):
+        raise PlanError(
+            f"{source}: zero_stage must be 0, 1, 2 or 3, got {zero!r}; set one of them, "
+            f"{_RECREATE}."
+        )
+    remat = d.get("remat", False)
+    if not isinstance(remat, bool):
+        raise PlanError(
+            f"{source}: remat must be true or false (a JSON boolean), got {remat!r}; "
+            'write "remat": true or "remat": false, without quotes around the value.'
+        )
+
+
+def _check_stages(plan: Plan, source: str) -> None:
+    """A pipeline's stages: each on its own devices of the mesh, as many as its mesh says,
+    and as many stages as the mesh's pipe axis."""
+    pipe = plan.mesh.get(PIPE)
+    if pipe is not None and plan.stages and pipe != len(plan.stages):
+        raise PlanError(
+            f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists {len(plan.stages)} "
+            f"stages; make them agree (one stage per step of the {PIPE} axis), {_RECREATE}."
+        )
+    if pipe is not None and pipe > 1 and not plan.stages:
+        raise PlanError(
+            f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists no stages; give its "
+            f"stages, or drop the {PIPE} axis, {_RECREATE}."
+        )
+    owner: dict[int, int] = {}
+    for s, stage in enumerate(plan.stages):
+        need = math.prod(stage.mesh.values()) if stage.mesh else 1
+        bad = [n for n in stage.mesh.values() if n < 1]
+        if bad or len(stage.devices) != need or len(set(stage.devices)) != need:
+            raise PlanError(
+                f"{source}: stage {s} has devices {list(stage.devices)} but its mesh "
+                f"{dict(stage.mesh)} needs {need} distinct ones; make them agree, {_RECREATE}."
+            )
+        if not 0 <= stage.op_start < stage.op_stop:
+            raise PlanError(
+                f"{source}: stage {s} runs ops {stage.op_start} to {stage.op_stop}, an empty "
+                f"range; give op_start < op_stop, {_RECREATE}."
+            )
+        for device in stage.devices:
+            if not 0 <= device < plan.devices:
+                raise PlanError(
+                    f"{source}: stage {s} names device {device}, outside the mesh's "
+                    f"{plan.devices} devices (0 to {plan.devices - 1}); {_RECREATE[3:]}."
+                )
+            if device in owner:
+                raise PlanError(
+                    f"{source}: stages {owner[device]} and {s} both run on device {device}; "
+                    f"each stage needs its own devices, {_RECREATE}."
+                )
+            owner[device] = s
 
 
 def _with_assignment(

@@ -147,3 +147,14 @@ def test_bad_agent_files_are_one_line_errors(tmp_path):
         _plan(agent_in=tmp_path / "toy.msgpack")
     with pytest.raises(AutomapError, match="dqn searcher"):
         _plan(searcher="random", agent_in=tmp_path / "toy.msgpack")
+
+
+def test_a_failed_save_leaves_no_half_state(tmp_path):
+    """A write that fails (a full disk; here the target is a directory, so the rename
+    fails after the bytes are written) raises and leaves no .tmp file behind."""
+    result = search(AssignmentProcess(seed=2), budget_s=60, seed=5, config=_with_episodes(4))
+    target = tmp_path / "state"
+    (target / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        result.checkpoint.save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]

@@ -18,7 +18,7 @@ from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Plan
 from .._report import human_bytes, human_time
-from .._search import Problem, check_budget, priced_experts, run_searcher
+from .._search import Problem, check_budget, check_seed, priced_experts, run_searcher
 
 DEFAULT_SEARCHERS = ("expert", "exhaustive", "random", "mcmc")
 
@@ -99,6 +99,7 @@ def compare(
 ) -> list[Row]:
     """Plan `step_fn(*args)` with each searcher under the same budget and cost model."""
     check_budget(budget_s, searchers)
+    check_seed(seed)
     problem = Problem.build(step_fn, args, cluster, None)
     rows: list[Row] = []
 

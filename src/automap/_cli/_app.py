@@ -7,7 +7,9 @@ The conventions every long-running command keeps:
 - `--quiet/-q` prints only what was asked for (errors still show, on stderr);
 - `--json` prints machine-readable JSON on stdout and nothing else there, progress off;
 - an error the user can cause is one line naming the fix, exit code 2, never a traceback;
-- Ctrl-C exits with code 130 after keeping whatever was already found.
+- Ctrl-C exits with code 130 after keeping whatever was already found;
+- the answer is printed before any file is written, and a write that fails (a full disk)
+  keeps the file where Ctrl-C keeps one and says so in one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -106,6 +109,13 @@ def friendly(command: Callable[..., Any]) -> Callable[..., Any]:
                 f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True
             )
             raise typer.Exit(2) from None
+        except OSError as e:
+            # A file the user named could not be read or written (a full disk, no
+            # permission): one line, not a traceback. The commands that write a result
+            # handle it themselves (`write_or_keep`); this is the net under the rest.
+            where = f": {e.filename}" if e.filename else ""
+            note(f"error: {e.strerror or e}{where}")
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -177,6 +187,13 @@ def check_budget(budget: float | None, searchers: Sequence[str] | None = None) -
         rule(budget, searchers, "--budget")
 
 
+def check_seed(seed: int) -> None:
+    """`--seed` by the API's rule (`_search.check_seed`), before any capture or search."""
+    from .._search import check_seed as rule
+
+    rule(seed, "--seed")
+
+
 def check_output(path: Path | None, option: str) -> None:
     """Refuse, before any work, an output file that cannot be written: a long search must
     not end in a traceback that loses its result."""
@@ -200,12 +217,67 @@ def check_output(path: Path | None, option: str) -> None:
             f"{option} {path}: the directory {parent} does not exist; create it first "
             f"(mkdir -p {parent})."
         )
-    target = path if path.exists() else parent
-    if not os.access(target, os.W_OK):
+    _try_open(path, option)
+
+
+def _try_open(path: Path, option: str) -> None:
+    """Open `path` for appending, as the write will, and remove it again if this made it.
+    `os.access` is no test: for root it is true of /proc and of a read-only mount.
+    Non-blocking, so that a FIFO without a reader is refused rather than waited on."""
+    existed = path.exists()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError as e:
         raise AutomapError(
-            f"{option} {path} cannot be written (permission denied on {target}); choose a "
-            "writable place."
-        )
+            f"{option} {path} cannot be written ({e.strerror or e}); choose a writable place."
+        ) from None
+    os.close(fd)
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def unused_path(path: Path) -> Path:
+    """`path`, or plan-1.json, plan-2.json...: never overwrite a file the user did not name."""
+    n = 0
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def write_or_keep(
+    write: Callable[[Path], Any], path: Path, what: str, keep_as: Path
+) -> Path | None:
+    """`write(path)`; when that fails (a full disk, /dev/full) the answer is not lost: it
+    goes where Ctrl-C keeps one (`keep_as`, or keep_as-1... when that exists), and a line
+    on stderr says so. Where it was written, or None when nowhere could take it (the
+    answer printed above is then all there is; the line says that too)."""
+    existed = path.exists()
+    try:
+        write(path)
+        return path
+    except OSError as e:
+        failed = f"{what} could not be written to {path} ({e.strerror or e})"
+        if not existed:
+            _remove_partial(path)
+    keep = unused_path(keep_as)
+    try:
+        write(keep)
+    except OSError as e:
+        _remove_partial(keep)  # unused_path: this call made it
+        note(f"error: {failed}, nor to {keep} ({e.strerror or e}); it is printed above only.")
+        return None
+    note(f"error: {failed}; it is saved to {keep} instead.")
+    return keep
+
+
+def _remove_partial(path: Path) -> None:
+    """Remove the file a failed write made: half a JSON file is no use, and must not be
+    read later as a plan. A device (/dev/full) or FIFO is left alone."""
+    with contextlib.suppress(OSError):
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
 
 
 #: The exit code of a command stopped by SIGTERM (128 + 15), as shells report it.
@@ -240,6 +312,26 @@ def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         STOP.clear()
+
+
+@contextlib.contextmanager
+def held_save_warnings() -> Iterator[list[str]]:
+    """Hold back what a search could not write on the side (`SaveWarning`: the DQN's
+    search state or agent on a full disk), to be said after the answer is printed; the
+    yielded list gets one line each when the block ends. Other warnings show as usual."""
+    from .._errors import SaveWarning
+
+    held: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SaveWarning)
+        try:
+            yield held
+        finally:
+            for w in caught:
+                if issubclass(w.category, SaveWarning):
+                    held.append(f"error: {w.message}")
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def check_plan_file(path: Path) -> Path:

@@ -8,6 +8,7 @@ common options, progress/quiet/JSON conventions, friendly errors) in `_app.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,14 +32,18 @@ from ._app import (
     busy,
     check_budget,
     check_output,
+    check_seed,
     console,
     friendly,
+    held_save_warnings,
     json_flags,
     load_cluster,
     load_step,
     note,
     print_json,
     sigterm_as_interrupt,
+    unused_path,
+    write_or_keep,
 )
 
 __all__ = ["app", "main"]
@@ -113,10 +118,11 @@ def plan_cmd(
     from .._report import answer_line, plan_dict, print_plan
 
     check_budget(budget, (searcher,))
+    check_seed(seed)
     check_output(output, "-o")
     check_output(save_agent, "--save-agent")
     state = _search_state(output, searcher, resume)
-    with sigterm_as_interrupt() as signalled:
+    with sigterm_as_interrupt() as signalled, held_save_warnings() as held:
         try:
             step_fn, args, origin = load_step(model, fn, override)
             the_cluster = load_cluster(cluster, devices)
@@ -137,31 +143,38 @@ def plan_cmd(
             note("interrupted before any feasible plan was found; nothing saved.")
             raise typer.Exit(_stop_code(signalled)) from None
     interrupted = bool(result.decisions.get("interrupted"))
-    if interrupted and output is None:
-        # The user asked for no file, but an interrupted search printed nothing: keep it.
-        output = _unused_path(Path("plan.json"))
-    curve_path = _save(result, output) if output is not None else None
+    # The answer is printed before any file is written: a failed write must not lose it.
     if as_json:
         print_json(plan_dict(result))
     elif quiet and output is None:
         console.print(answer_line(result), highlight=False, soft_wrap=True, markup=False)
     elif not (quiet or interrupted):
         print_plan(console, result, the_cluster)
-        if output is not None:
-            console.print(f"plan saved to [bold]{output}[/bold]")
-        if curve_path is not None:
-            console.print(f"learning curve saved to [bold]{curve_path}[/bold]")
-        if state is not None and state.exists():
+    if interrupted and output is None:
+        # The user asked for no file, but an interrupted search printed nothing: keep it.
+        output = unused_path(Path("plan.json"))
+    for line in held:  # the search's own files (DQN state, agent): after the answer
+        note(line)
+    unsaved: list[str] = []
+    saved = _save(result, output, unsaved) if output is not None else {}
+    if not (quiet or as_json or interrupted):
+        for what, path in saved.items():
+            if what not in unsaved:  # the others were said on stderr
+                console.print(f"{what} saved to [bold]{path}[/bold]")
+        if state is not None and state.exists() and not held:
             console.print(f"search state saved to [bold]{state}[/bold] (go on with --resume)")
     if interrupted:
         how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
-        note(f"search {how}: the best plan so far is saved to {output}")
+        kept = f"is saved to {saved['plan']}" if "plan" in saved else "could not be saved"
+        note(f"search {how}: the best plan so far {kept}")
         raise typer.Exit(_stop_code(signalled))
     if result.decisions.get("cut_short") or result.decisions.get("complete") is False:
         note(
             f"the budget ({budget:g} s) cut the {result.provenance.searcher} search short: "
             "this is the best plan found, not a proven optimum (raise --budget)."
         )
+    if held or unsaved:
+        raise typer.Exit(1)
 
 
 def _stop_code(signalled: dict[str, bool]) -> int:
@@ -194,27 +207,30 @@ def _search_state(output: Path | None, searcher: str, resume: bool) -> Path | No
     return state
 
 
-def _save(result: Any, output: Path) -> Path | None:
+def _save(result: Any, output: Path, unsaved: list[str]) -> dict[str, Path]:
     """Write the plan, and the DQN's learning curve next to it (where `automap report`
-    looks for it); the curve's path, if there is one."""
-    result.save(output)
-    if not result.decisions.get("curve"):
-        return None
+    looks for it): {what: where} of what was written. A write that fails is kept where
+    Ctrl-C keeps a plan, or said in one line (`write_or_keep`), and named in `unsaved`."""
     from ..rl import write_curve
 
-    curve_path = output.with_name(output.stem + ".curve.csv")
-    write_curve(result.decisions["curve"], curve_path)
-    return curve_path
-
-
-def _unused_path(path: Path) -> Path:
-    """`path`, or plan-1.json, plan-2.json...: never overwrite a plan the user did not name."""
-    n = 0
-    candidate = path
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-    return candidate
+    saved = {}
+    where = write_or_keep(result.save, output, "plan", Path("plan.json"))
+    if where is not None:
+        saved["plan"] = where
+    if where != output:
+        unsaved.append("plan")
+    curve = result.decisions.get("curve")
+    if curve:
+        base = where or output
+        path = base.with_name(base.stem + ".curve.csv")
+        curve_at = write_or_keep(
+            functools.partial(write_curve, curve), path, "learning curve", Path(path.name)
+        )
+        if curve_at is not None:
+            saved["learning curve"] = curve_at
+        if curve_at != path:
+            unsaved.append("learning curve")
+    return saved
 
 
 class _Stop(Exception):
@@ -260,6 +276,7 @@ def compare_cmd(
         )
     check_output(json_out, "--json-out")
     check_budget(budget, names)
+    check_seed(seed)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far
@@ -292,8 +309,6 @@ def compare_cmd(
             interrupted = True
     what = origin.get("model") or origin.get("fn")
     data = to_json(what, the_cluster, rows) | ({"interrupted": True} if interrupted else {})
-    if json_out is not None:
-        json_out.write_text(json.dumps(data, indent=2, default=str) + "\n")
     if as_json:
         print_json(data)
     elif not quiet:
@@ -305,12 +320,21 @@ def compare_cmd(
         else:
             wide = console.options.update_width(1000)
             Console(width=console.measure(table, options=wide).maximum).print(table)
-        if json_out is not None:
+    # The rows are printed before the file is written: a full disk must not lose them.
+    written = None
+    if json_out is not None:
+        text = json.dumps(data, indent=2, default=str) + "\n"
+        written = write_or_keep(
+            lambda path: path.write_text(text), json_out, "the rows", Path("rows.json")
+        )
+        if written == json_out and not (quiet or as_json):
             console.print(f"rows written to [bold]{json_out}[/bold]")
     if interrupted:
         how = "terminated (SIGTERM)" if signalled["terminated"] else "interrupted"
         note(f"comparison {how}: {len(rows)} row(s) so far, the rest skipped.")
         raise typer.Exit(_stop_code(signalled))
+    if json_out is not None and written != json_out:
+        raise typer.Exit(1)
 
 
 @app.command("estimate")
@@ -351,6 +375,7 @@ def estimate_cmd(
     from .._report import print_plan
     from .._space import Recipe
 
+    check_output(output, "-o")
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
     recipe = Recipe(
@@ -359,8 +384,6 @@ def estimate_cmd(
     )  # fmt: skip
     with busy("pricing", not (quiet or as_json)):
         result = plan_recipe(step_fn, *args, recipe=recipe, cluster=the_cluster, origin=origin)
-    if output is not None:
-        result.save(output)
     if as_json:
         cost = result.predicted.to_dict()
         print_json({**cost, "microbatches": result.microbatches, "plan": result.to_dict()})
@@ -372,7 +395,12 @@ def estimate_cmd(
         )
     else:
         print_plan(console, result, the_cluster)
-        if output is not None:
+    # Written after the answer is printed: a full disk must not lose it.
+    if output is not None:
+        where = write_or_keep(result.save, output, "plan", Path("plan.json"))
+        if where != output:
+            raise typer.Exit(1)
+        if not (quiet or as_json):
             console.print(f"plan saved to [bold]{output}[/bold]")
 
 

@@ -37,6 +37,7 @@ from ._app import (
     load_step,
     print_json,
     run_devices,
+    write_or_keep,
 )
 
 
@@ -208,7 +209,15 @@ def report_cmd(
     check_output(output, "-o")
     check_output(png, "--png")
     with busy("drawing the report...", not (quiet or as_json)):
-        path = write_report(plan_file, output, png=png, curve=curve)
+        try:
+            path = write_report(plan_file, output, png=png, curve=curve)
+        except OSError as e:
+            # A full disk: nothing is lost (the plan is drawn again from its file).
+            where = e.filename or f"{output}" + (f" or {png}" if png else "")
+            raise AutomapError(
+                f"the report could not be written to {where} ({e.strerror or e}); free "
+                "some space or choose another place with -o."
+            ) from None
     if as_json:
         print_json({"html": str(path), "png": None if png is None else str(png)})
     elif not quiet:
@@ -235,6 +244,7 @@ def calibrate_cmd(
     Example: automap calibrate --devices 8 --quick -o cluster.yaml
     """
     check_devices(devices)
+    check_output(output, "-o")
     cpu_devices(devices)
     import jax
 
@@ -246,18 +256,23 @@ def calibrate_cmd(
     if jax.devices()[0].platform == "cpu":
         # Virtual CPU devices share the machine's memory.
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cal.devices
-    path = write_cluster(to_cluster(cal, memory_bytes=memory), output)
+    cluster = to_cluster(cal, memory_bytes=memory)
+    # The measurements are printed before the file is written: a full disk must not lose them.
     if as_json:
-        print_json({"calibration": dataclasses.asdict(cal), "file": str(path)})
-        return
-    if quiet:
-        return
-    console.print(
-        f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
-        f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
-        f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+        print_json({"calibration": dataclasses.asdict(cal), "file": str(output)})
+    elif not quiet:
+        console.print(
+            f"{cal.devices} {cal.platform} devices: matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s, "
+            f"memory {cal.memory_bandwidth / 1e9:.1f} GB/s, all-reduce link "
+            f"{cal.link_bandwidth / 1e9:.2f} GB/s, latency {cal.link_latency * 1e6:.1f} us"
+        )
+    where = write_or_keep(
+        lambda path: write_cluster(cluster, path), output, "cluster", Path("cluster.yaml")
     )
-    console.print(f"cluster written to [bold]{path}[/bold] (use --cluster {path})")
+    if where != output:
+        raise typer.Exit(1)
+    if not (quiet or as_json):
+        console.print(f"cluster written to [bold]{output}[/bold] (use --cluster {output})")
 
 
 @app.command("bench", cls=LegacyCommand)
@@ -310,6 +325,8 @@ def bench_cmd(
     from .._bench import FULL, QUICK, full_settings, quick_settings, run_bench, select, write
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
+    check_output(out, "--out")
+    check_output(json_out, "--json-out")
     check_budget(budget)
     if seeds < 1:
         raise AutomapError(f"--seeds must be at least 1, got {seeds} (e.g. --seeds 3).")
@@ -336,8 +353,18 @@ def bench_cmd(
         settings = dataclasses.replace(settings, megatron_plan_s=megatron_plan_s)
     cases = select(QUICK if quick else FULL, names)
     result = run_bench(cases, settings, progress=not (quiet or as_json))
-    write(result, out, json_out)
     if as_json:
         print(json.dumps(result, indent=1, default=str))
-    elif not quiet:
+    # A full disk after minutes of benchmarks: each file is kept where Ctrl-C keeps one.
+    files = (
+        ("benchmarks", out, "BENCHMARKS.md", lambda path: write(result, path, None)),
+        ("the rows", json_out, "bench.json", lambda path: write(result, None, path)),
+    )
+    failed = False
+    for what, path, keep_as, write_to in files:
+        if path is not None and write_or_keep(write_to, path, what, Path(keep_as)) != path:
+            failed = True
+    if failed:
+        raise typer.Exit(1)
+    if not (quiet or as_json) and out is not None:
         console.print(f"benchmarks written to [bold]{out}[/bold] in {result['wall_s']:.0f} s")

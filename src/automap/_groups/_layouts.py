@@ -173,6 +173,12 @@ def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
     if not made_at:
         return ""  # edited otherwise (specs by hand): nothing to say about ZeRO
     stages = " or ".join(map(str, made_at))  # ZeRO-1 and ZeRO-2 shard alike
+    if plan.zero_stage not in range(4):  # no recipe makes it: name the stages that exist
+        return (
+            f"the plan says zero_stage={plan.zero_stage}, which is no ZeRO stage (0, 1, 2 "
+            f"or 3), and its shardings are those of zero_stage={stages}: set zero_stage "
+            f"back to {made_at[0]}."
+        )
     return (
         f"the plan says zero_stage={plan.zero_stage} but its shardings are those of "
         f"zero_stage={stages} (was it edited with dataclasses.replace?), so it would be "

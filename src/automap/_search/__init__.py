@@ -38,6 +38,7 @@ from ._registry import Request as Request
 from ._registry import Searcher as Searcher
 from ._registry import check_budget as check_budget
 from ._registry import check_searcher as check_searcher
+from ._registry import check_seed as check_seed
 from ._registry import check_tasks as check_tasks
 from ._registry import run_searcher as run_searcher
 from ._runner import EPISODES_PER_SECOND as EPISODES_PER_SECOND

@@ -23,7 +23,13 @@ from .._version import __version__
 from ._classic import SAFETY
 from ._dp import pipeline_notes, search_dp
 from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts, priced_experts
-from ._runner import DQNFiles, leanest_point, run_space_searcher, with_stats
+from ._runner import (
+    DQNFiles,
+    SearchProgress,
+    leanest_point,
+    run_space_searcher,
+    with_stats,
+)
 
 #: The exploration tasks a user can ask for (`tasks=`); "hybrid" is shard and pipeline.
 TASKS = ("shard", "replicate", "pipeline")
@@ -139,9 +145,10 @@ def _expert(problem: Problem, request: Request) -> Plan:
     return best_expert(problem, request.task)
 
 
-def _dp(problem: Problem, request: Request) -> Plan:
+def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
     """Pipelines by the exact stage DP, and unless the task is pipelines only the one-stage
-    optimum (the ILP) too; the faster feasible one wins."""
+    optimum (the ILP) too; the faster feasible one wins. `label` names the searcher in
+    the progress lines (dp, or auto that runs it)."""
     candidates = []
     stats: dict[str, Any] = {}
     budget_s = request.budget_s
@@ -149,7 +156,10 @@ def _dp(problem: Problem, request: Request) -> Plan:
     try:
         if request.task != "pipeline":
             try:
-                found, one = run_space_searcher(problem, "ilp", budget_s / 2, 0, False, "shard")
+                found, one = run_space_searcher(
+                    problem, "ilp", budget_s / 2, 0, request.progress, "shard",
+                    label=f"{label}: one stage (ilp)",
+                )  # fmt: skip
             except InfeasibleError as e:
                 found, one = None, {}  # nothing fits on one stage: pipelines may
                 one_stage_proved = e.proved
@@ -160,15 +170,23 @@ def _dp(problem: Problem, request: Request) -> Plan:
         # Half the budget each when the ILP ran: counted work, not the wall time left, so
         # that the same budget gives the same plan on any machine.
         dp_budget = budget_s if request.task == "pipeline" else budget_s / 2
-        piped, stats = search_dp(problem, dp_budget)
+        with SearchProgress(request.progress, f"{label}: pipelines") as bar:
+            bar.start(0)  # the DP's points are not counted ahead
+            piped, stats = search_dp(
+                problem, dp_budget, on_point=lambda plan, best: bar.advance(best_time=best)
+            )
         if piped is not None:
             candidates.append(piped)
     except KeyboardInterrupt:
-        # Ctrl-C keeps the best plan so far (checked against the experts below); before
-        # any, it propagates.
-        if not candidates:
-            raise
+        # Ctrl-C keeps the best plan so far (checked against the experts below). Before
+        # the ILP or the DP found any, the best feasible expert plan is the best so far:
+        # an interrupted run is never worse than an expert either. None fits: nothing.
         stats = {**stats, "interrupted": True}
+        if not candidates:
+            try:
+                candidates.append(best_expert(problem, request.task))
+            except InfeasibleError:
+                raise KeyboardInterrupt from None
     if not candidates:
         if one_stage_proved and stats.get("complete", False):
             raise InfeasibleError(
@@ -198,7 +216,7 @@ def _auto(problem: Problem, request: Request) -> Plan:
     found: list[Plan] = []
     failure: InfeasibleError | None = None
     try:
-        found.append(_dp(problem, request))
+        found.append(_dp(problem, request, "auto"))
     except InfeasibleError as e:
         failure = e
     with contextlib.suppress(InfeasibleError):  # no expert fits: dp's answer stands
@@ -206,7 +224,12 @@ def _auto(problem: Problem, request: Request) -> Plan:
     if not found:
         assert failure is not None
         raise _with_leanest(problem, failure)
-    return min(found, key=lambda p: p.predicted.step_time_s)
+    best = min(found, key=lambda p: p.predicted.step_time_s)
+    if failure is None and found[0].decisions.get("interrupted"):
+        # An expert that beats an interrupted search is still the answer of a search that
+        # was stopped: the caller must hear it (the CLI saves it and exits with 130).
+        best = with_stats(best, {"interrupted": True}, {})
+    return best
 
 
 def _with_leanest(problem: Problem, failure: InfeasibleError) -> InfeasibleError:
@@ -292,6 +315,7 @@ def run_searcher(
     DQN's files (see `am.plan`)."""
     name = check_searcher(name)
     budget_s = check_budget(budget_s, (name,))
+    seed = check_seed(seed)
     task = check_tasks("auto", name) if task is None else task
     files = DQNFiles(*(None if f is None else Path(f) for f in (agent_in, agent_out, resume)))
     if files and name != "dqn":
@@ -314,6 +338,21 @@ def run_searcher(
         notes=pipeline_notes(problem.graph) if task in ("pipeline", "hybrid") else (),
     )
     return dataclasses.replace(best, provenance=provenance, in_tree=problem.graph.in_tree)
+
+
+def check_seed(seed: object, option: str = "seed") -> int:
+    """The one rule for a seed, shared by `am.plan`, `compare` and the CLI's `--seed`: a
+    whole number >= 0. NumPy's generators refuse negative seeds, so -1 would otherwise
+    fail deep inside the searchers that draw from one (dqn, random, mcmc) and pass the
+    others."""
+    example = "--seed 0" if option.startswith("-") else f"{option}=0"
+    whole = isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+    if not whole or seed < 0:
+        raise AutomapError(
+            f"{option} must be a whole number >= 0 (the same seed gives the same plan), got "
+            f"{seed!r} (e.g. {example})."
+        )
+    return int(seed)
 
 
 def check_budget(

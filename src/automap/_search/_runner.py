@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from .._axes import DATA, MODEL
-from .._errors import AutomapError, InfeasibleError
+from .._errors import AutomapError, InfeasibleError, SaveWarning
 from .._plan import Plan
 from .._space import (
     ShardSpace,
@@ -62,12 +63,14 @@ def run_space_searcher(
     progress: bool = False,
     task: str = "shard",
     files: DQNFiles = DQNFiles(),
+    label: str = "",
 ) -> tuple[Plan, dict[str, Any]]:
     """(best plan, search stats) for searcher `name` over the problem's space for `task`.
 
     Ctrl-C during the search stops it and hands back the best plan so far, with
     `stats["interrupted"] = True`; before any feasible plan is found it propagates.
-    `files` (agents and search states) are for the DQN only.
+    `files` (agents and search states) are for the DQN only. `label` names the search in
+    its progress (default: `name`), for a searcher run as part of another.
     """
     if files and name != "dqn":
         raise AutomapError(
@@ -83,7 +86,7 @@ def run_space_searcher(
             return _dqn_pipeline(space, task, budget_s, seed, bar, files)
     if name not in POINT_SEARCHES:
         raise AutomapError(f"no space searcher called {name!r}")
-    with SearchProgress(progress, name) as bar:
+    with SearchProgress(progress, label or name) as bar:
         point, stats = POINT_SEARCHES[name](space, budget_s, seed, bar, files)
     if point is None:
         if (name == "exhaustive" and stats["complete"]) or (name == "ilp" and stats.get("optimal")):
@@ -316,9 +319,10 @@ def _run_dqn(
         resume=resume,
     )
     if files.resume is not None and result.checkpoint is not None:
-        dataclasses.replace(result.checkpoint, key=key).save(files.resume)
+        checkpoint = dataclasses.replace(result.checkpoint, key=key)
+        _save_aside("search state", files.resume, checkpoint.save)
     if files.agent_out is not None and result.agent is not None:
-        result.agent.save(files.agent_out)
+        _save_aside("agent", files.agent_out, result.agent.save)
     stats = {
         "evaluated": result.episodes,
         "episodes": result.episodes,
@@ -333,6 +337,20 @@ def _run_dqn(
     if not result.best_feasible:
         return None, stats
     return result.best_decisions, stats
+
+
+def _save_aside(what: str, path: Path, save) -> None:
+    """`save(path)`, a file besides the plan: a failure (a full disk) is a SaveWarning, not
+    an error that would throw away the search and its plan."""
+    try:
+        save(path)
+    except OSError as e:
+        warnings.warn(
+            f"the {what} could not be written to {path} ({e.strerror or e}); the plan "
+            f"stands, but not the {what}",
+            SaveWarning,
+            stacklevel=2,
+        )
 
 
 class SearchProgress:
@@ -368,9 +386,10 @@ class SearchProgress:
         return self
 
     def start(self, total: int) -> None:
+        """`total` steps to come; 0 when not known ahead (the stage DP's points)."""
         self._total = total
         if self._bar is not None:
-            self._task = self._bar.add_task(self.name, total=total, best="—")
+            self._task = self._bar.add_task(self.name, total=total or None, best="—")
 
     def advance_to(self, completed: int) -> None:
         self._done = completed

@@ -289,7 +289,8 @@ def _cpu_devices(n: int) -> list[Any]:
             f"verify compiles the plan on {n} CPU devices but this process has {len(devices)}. "
             f"Run it in a process started with jax.config.update('jax_num_cpu_devices', {n}) "
             f"(or XLA_FLAGS=--xla_force_host_platform_device_count={n}) before JAX starts, "
-            "or call automap._verify.verify_in_subprocess(plan), which does that for you."
+            "or save the plan and run `automap verify plan.json` (for a zoo model or an --fn "
+            "step), which starts such a process for you."
         )
     return devices
 

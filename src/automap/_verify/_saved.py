@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._capture import rebuild
+from .._errors import PlanError
 from .._plan import Plan, Spec
 from .._run import apply
 from .._zoo import get_model
@@ -48,6 +49,7 @@ def check_saved_plan(
     devices = list(jax.devices() if devices is None else devices)
     local = len(devices)
     step_fn, args, origin = rebuild(plan.provenance, abstract=True)
+    _check_made_for(plan, args, origin)
     reduced_reason = _reduce_reason(plan, args, local)
     overrides: dict[str, Any] = {}
     if reduced_reason:
@@ -81,6 +83,28 @@ def check_saved_plan(
     equal, err, worst = compare_outputs(sharded, reference, noise=noise, before=args)
     result.update(equal=equal, max_abs_err=err, worst_output=worst)
     return result
+
+
+def _check_made_for(plan: Plan, args: tuple, origin: Mapping[str, Any]) -> None:
+    """Refuse a plan whose inputs are not the step's its provenance rebuilds (a hand-edited
+    provenance naming another model, say). A reduced check carries a plan over by path
+    pattern, so it would otherwise run a replicated variant of that other model and call
+    the plan DIFFERENT, or equal, having checked none of it."""
+    import jax
+
+    paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]}
+    if set(plan.specs) == paths:
+        return
+    made = origin.get("model") or origin.get("fn")
+    overrides = dict(origin.get("overrides") or {})
+    lacking = sorted(set(plan.specs) - paths) or sorted(paths - set(plan.specs))
+    raise PlanError(
+        f"the plan's inputs are not those of {made}{f' {overrides}' if overrides else ''}, "
+        f"the step its provenance names ({len(plan.specs)} input paths in the plan, "
+        f"{len(paths)} in the step; {lacking[0]} is in one only), so nothing here can check "
+        "it: set provenance.model and provenance.overrides to the model the plan was made "
+        "for, or re-create the plan with `automap plan`."
+    )
 
 
 def _reduce_reason(plan: Plan, args: tuple, local: int) -> str:

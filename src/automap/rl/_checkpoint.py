@@ -72,8 +72,12 @@ class SearchCheckpoint:
         }
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(flax.serialization.msgpack_serialize(data))
-        os.replace(tmp, path)
+        try:
+            tmp.write_bytes(flax.serialization.msgpack_serialize(data))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk must not leave half a state behind
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> SearchCheckpoint:
