@@ -381,16 +381,6 @@ def test_a_dqn_state_that_cannot_be_written_keeps_the_plan(tmp_path):
     assert not (tmp_path / "p.search.msgpack").exists()
 
 
-def test_the_default_searcher_plans_to_a_file(tmp_path):
-    """`automap plan -o FILE` with the default searcher (auto) took the DQN's search-state
-    file as its own and refused to run."""
-    out = tmp_path / "p.json"
-    result = run("plan", *MLP, "--budget", "5", "-o", str(out))
-    assert result.exit_code == 0, result.output
-    assert am.Plan.load(out).provenance.searcher == "auto"
-    assert not (tmp_path / "p.search.msgpack").exists()
-
-
 @needs_dev_full
 def test_compare_prints_its_rows_before_a_full_disk_loses_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
