@@ -67,8 +67,13 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
     PlanError naming what does not divide or fit and what to change."""
     _check_sizes(cluster, recipe)
     batch = groups.batch_size
-    if batch is None:
-        raise PlanError("this step has no batch dimension to split: use dp=1 and pp=1.")
+    if batch is None:  # a batch of one (or no `batch` argument): nothing to split
+        if recipe.dp > 1 or recipe.pp > 1:
+            raise PlanError(
+                "this step has no batch dimension to split (a batch of one, or no argument "
+                "named `batch`): use dp=1 and pp=1."
+            )
+        batch = 1
     if batch % recipe.dp:
         raise PlanError(
             f"the batch of {batch} does not divide by dp={recipe.dp}: choose a data size "
