@@ -491,7 +491,17 @@ def _fresh(tree: Any) -> Any:
     """Host copies of concrete arguments: every run gets buffers of its own, so that a
     step that donates its inputs (a training loop's) leaves the caller's arguments, which
     the next run and the comparison read, as they were."""
-    return jax.tree_util.tree_map(np.array, tree)
+    return jax.tree_util.tree_map(_host_copy, tree)
+
+
+def _host_copy(leaf: Any) -> Any:
+    """A copy of one argument leaf; a typed PRNG key (`jax.random.key`) has no NumPy form:
+    its key data is copied and wrapped again in the same generator."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = np.array(jax.random.key_data(leaf))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+    return np.array(leaf)
 
 
 def _numerics(fn: Callable, got: Any, args: tuple, devices: int) -> tuple[bool, float]:
