@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
 
 import automap as am
 from automap._groups import build_groups
@@ -14,6 +16,34 @@ from automap._zoo import get_model
 
 CPU2 = am.Cluster.preset("cpu", devices=2)
 W, X = {"w": jnp.ones((16, 8))}, jnp.ones((8, 16))
+
+
+def _pmapped(params, batch):
+    y = jax.pmap(lambda x: x * 2)(batch.reshape(1, *batch.shape))[0]
+    return jnp.sum(y @ params["w"])
+
+
+def _shard_mapped(params, batch):
+    mesh = jax.make_mesh((1,), ("d",))
+    y = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P(), out_specs=P())(batch)
+    return jnp.sum(y @ params["w"])
+
+
+@pytest.mark.parametrize("step", [_pmapped, _shard_mapped])
+def test_a_per_device_program_is_refused_at_capture(step):
+    with pytest.raises(am.CaptureError, match=r"shard_map .*without jax.pmap / jax.shard_map") as e:
+        am.capture(step, W, X)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("step", "what"),
+    [(lambda params, batch: None, "returns nothing"), (lambda params, batch: params, "computes")],
+)
+def test_a_step_without_work_is_one_line(step, what):
+    with pytest.raises(am.CaptureError, match=what) as e:
+        am.plan(step, W, X, cluster=CPU2, searcher="ilp")
+    assert "\n" not in str(e.value)
 
 
 def _noisy(params, batch, key):
