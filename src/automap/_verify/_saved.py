@@ -48,7 +48,7 @@ def check_saved_plan(
     devices = list(jax.devices() if devices is None else devices)
     local = len(devices)
     step_fn, args, origin = rebuild(plan.provenance, abstract=True)
-    reduced_reason = _reduce_reason(plan, args, local)
+    reduced_reason = reduce_reason(plan, args, local)
     overrides: dict[str, Any] = {}
     if reduced_reason:
         if not plan.provenance.model:
@@ -83,7 +83,8 @@ def check_saved_plan(
     return result
 
 
-def _reduce_reason(plan: Plan, args: tuple, local: int) -> str:
+def reduce_reason(plan: Plan, args: tuple, local: int) -> str:
+    """Why `plan` is checked on a reduced variant here (too big, too many devices), or ""."""
     import jax
 
     leaves = jax.tree_util.tree_leaves(args)
