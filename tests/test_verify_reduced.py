@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 import automap as am
-from automap._verify import _saved, subprocess_main, verify_in_subprocess
+from automap._verify import subprocess_main, verify_in_subprocess
 from automap._zoo import get_model
 
 SMALL = dict(layers=4, hidden=64, heads=4, batch=8, seq=16, vocab=128, dtype="float32")
@@ -28,7 +28,8 @@ def plan_file(tmp_path_factory):
 
 
 def test_numerics_of_a_big_model_run_on_a_reduced_variant(plan_file, monkeypatch, capsys):
-    monkeypatch.setattr(_saved, "MAX_CHECK_PARAMS", 1000)  # this model counts as big
+    # This model counts as big: over the reduced check's limit.
+    monkeypatch.setattr("automap._verify._saved.MAX_CHECK_PARAMS", 1000)
     subprocess_main([str(plan_file), "--concrete"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     report = am.VerifyReport.from_dict(json.loads(line.split(" ", 1)[1]))
