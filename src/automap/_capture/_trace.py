@@ -85,6 +85,13 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
             "hint: pass arrays or jax.ShapeDtypeStruct pytrees; static arguments (ints, "
             "strings, modules) should be closed over with functools.partial"
         ) from err
+    _refuse_per_device(closed.jaxpr)
+    if not closed.jaxpr.outvars or not closed.jaxpr.eqns:
+        what = "returns nothing" if not closed.jaxpr.outvars else "computes nothing"
+        raise CaptureError(
+            f"{getattr(fn, '__name__', fn)!r} {what}, so there is no work to plan: return "
+            "what the step computes (the loss, the new parameters and optimizer state)."
+        )
     paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
     paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
     out_paths = [
@@ -129,6 +136,27 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
         const_values=b.const_values,
         bodies=b.bodies,
     )
+
+
+#: Primitives of a program written per device: its shardings are the user's, not a plan's.
+_PER_DEVICE = frozenset({"shard_map", "xla_pmap", "pmap"})
+
+
+def _refuse_per_device(jaxpr: Any) -> None:
+    """A step that maps itself over devices (pmap, shard_map) already fixes how its work is
+    split, and one mesh cannot hold both its mapping and a plan's: refuse it here, before a
+    plan is made that `apply` cannot run."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _PER_DEVICE:
+            where = str(eqn.source_info.name_stack) or "the top level"
+            raise CaptureError(
+                f"the step calls {eqn.primitive.name} ({where}): automap plans how a step "
+                "written for one device is split, and cannot re-split a per-device program. "
+                "Pass the step without jax.pmap / jax.shard_map (automap shards it), or run "
+                "it as it is, without a plan."
+            )
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            _refuse_per_device(sub)
 
 
 class _Builder:

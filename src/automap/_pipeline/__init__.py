@@ -20,6 +20,7 @@ from ._partition import scanned_layers as scanned_layers
 from ._phase import Phase as Phase
 from ._plans import crossing_bytes as crossing_bytes
 from ._plans import cut_candidates as cut_candidates
+from ._plans import cut_runs as cut_runs
 from ._plans import pipeline_plan as pipeline_plan
 from ._plans import uniform_cuts as uniform_cuts
 from ._registry import pipeline_schedule as pipeline_schedule

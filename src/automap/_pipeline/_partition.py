@@ -191,7 +191,8 @@ def _common_path(paths: Sequence[str]) -> str:
 def forward_ops(graph: Graph, groups: Groups) -> tuple[int, ...]:
     """Indices of the per-microbatch forward ops: the ops a plan's stage ranges cut."""
     end = _forward_end(graph)
-    batched = _batched(graph, groups)
+    # A batch of one has no pipeline, but its layers still recompute (remat).
+    batched = _batched(graph, groups) if groups.batch_groups else _made_from_batch(graph, end)
     return tuple(op.index for op in graph.ops[: end + 1] if any(t in batched for t in _touched(op)))
 
 
@@ -355,6 +356,17 @@ def _batched(graph: Graph, groups: Groups) -> set[int]:
             "`batch`? pass roles= to capture). Make a plan without pipeline stages."
         )
     return {t.id for t in graph.tensors if batch.intersection(groups.tensor_groups[t.id])}
+
+
+def _made_from_batch(graph: Graph, end: int) -> set[int]:
+    """The forward's tensors computed from the batch inputs. A batch of one has no batch
+    dimension to follow (a size-1 dim ties to nothing), yet its forward still has layers to
+    recompute: the ops that read the data are its per-example work."""
+    made = {leaf.tensor for leaf in graph.leaves(Role.BATCH)}
+    for op in graph.ops[: end + 1]:
+        if any(t in made for t in op.inputs):
+            made.update(op.outputs)
+    return made
 
 
 def _check_bounds(bounds: Sequence[tuple[int, int]], last_forward: int) -> None:

@@ -12,6 +12,7 @@ boundaries among a few dozen candidates instead of thousands of ops.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,23 @@ def cut_candidates(graph: Graph, groups: Groups) -> tuple[int, ...]:
     between repeated layers. Every maximal run of cuts within BAND of it gives one candidate, its cheapest
     (first) cut. The band lets a run go through a layer norm
     (the residual plus its per-token statistics) but not through a block's body."""
+    return tuple(run.candidate for run in cut_runs(graph, groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class CutRun:
+    """One run of cheap cuts (`cut_candidates`): every cut in it, with its crossing bytes."""
+
+    cuts: tuple[int, ...]  # forward op indices a stage may start at, ascending
+    crossing: tuple[float, ...]  # bytes per microbatch crossing each
+    candidate: int  # the cheapest (first) of them: the run's cut candidate
+
+
+def cut_runs(graph: Graph, groups: Groups) -> tuple[CutRun, ...]:
+    """The runs of cheap cuts behind `cut_candidates`, one per candidate. A run may go
+    through a layer norm: where a post-LN layer (BERT's) ends with its norm, the run's
+    cheapest cut (the residual add, before the norm) lies inside the layer, and a later
+    cut of the same run (after the norm) is the layer's end."""
     fwd, cross = crossing_bytes(graph, groups)
     if len(fwd) < 2:
         return ()
@@ -73,7 +91,9 @@ def cut_candidates(graph: Graph, groups: Groups) -> tuple[int, ...]:
     counts = collections.Counter(level)
     typical = min(counts, key=lambda b: (-counts[b], b))
     low = inner <= BAND * typical
-    out, k = [], 0
+    out: list[int] = []  # the best position of each run
+    runs: list[list[int]] = []  # the positions of each run
+    k = 0
     while k < len(inner):
         if not low[k]:
             k += 1
@@ -87,10 +107,15 @@ def cut_candidates(graph: Graph, groups: Groups) -> tuple[int, ...]:
             # No layer between the two runs (a layer norm's own bump): one candidate.
             if inner[best] < inner[out[-1]]:
                 out[-1] = best
+            runs[-1].extend(range(k, j + 1))
         else:
             out.append(best)
+            runs.append(list(range(k, j + 1)))
         k = j + 1
-    return tuple(fwd[k + 1] for k in out)
+    return tuple(
+        CutRun(tuple(fwd[q + 1] for q in run), tuple(float(inner[q]) for q in run), fwd[b + 1])
+        for b, run in zip(out, runs, strict=True)
+    )
 
 
 def uniform_cuts(graph: Graph, groups: Groups, n_stages: int) -> tuple[int, ...]:

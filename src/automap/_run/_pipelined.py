@@ -860,7 +860,7 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
 def _device_bytes(value: Any) -> int:
     """Bytes of one device's shard of a value with a sharding."""
     shape = value.sharding.shard_shape(value.shape)
-    return math.prod(shape) * np.dtype(value.dtype).itemsize
+    return math.prod(shape) * value.dtype.itemsize  # a typed PRNG key has no np.dtype
 
 
 def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:

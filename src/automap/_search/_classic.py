@@ -27,6 +27,9 @@ ShardPoint = tuple[int, tuple[int, ...], int]  # (mesh index, option per unit, Z
 # only a safety stop at SAFETY x the budget.
 EVALS_PER_SECOND = 200
 SAFETY = 5.0
+#: A space with at most this many option sequences per mesh is counted exactly, so that a
+#: sampling search stops once it has seen every point (more samples can find nothing).
+COUNTED = 10_000
 
 #: Set by a signal handler (the CLI's SIGTERM) to stop a search as Ctrl-C does. Polled, so
 #: that the stop still happens when the KeyboardInterrupt the handler raises lands where
@@ -52,9 +55,26 @@ class Tracker:
     interrupted: bool = False
     # False when an exhaustive enumeration ran out of budget before the end: no proof.
     complete: bool = True
+    # Set by `cover`: the space's exact size, and the distinct points of it seen so far.
+    space_size: int | None = None
+    seen: set[ShardPoint] = dataclasses.field(default_factory=set)
+    contains: Callable[[ShardPoint], bool] | None = None
+
+    def cover(self, space: ShardSpace) -> None:
+        """Count the points of a small space, so that the search ends when it has seen every
+        one (`exhausted`): a sampling search would otherwise draw them again until its
+        budget, hundreds of thousands of times on a space of one point."""
+        self.space_size = space.exact_size(cap=COUNTED)
+        self.contains = space.contains
+
+    @property
+    def exhausted(self) -> bool:
+        return self.space_size is not None and len(self.seen) >= self.space_size
 
     def offer(self, point: ShardPoint, cost: Cost) -> None:
         self.evaluated += 1
+        if self.space_size is not None and self.contains is not None and self.contains(point):
+            self.seen.add(point)
         if cost.feasible and cost.step_time_s < self.best_time:
             self.best, self.best_time = point, cost.step_time_s
             self.time_to_best_s = self.elapsed
@@ -74,6 +94,8 @@ class Tracker:
 
     def out_of_time(self) -> bool:
         if self.stop_requested():
+            return True
+        if self.exhausted:
             return True
         return self.evaluated >= self.max_evals or self.elapsed >= SAFETY * self.budget_s
 
@@ -178,23 +200,52 @@ def search_mcmc(
     cooling: float = 0.999,
 ) -> Tracker:
     """Simulated annealing (FlexFlow-style): change one decision, accept by Metropolis on
-    the step time relative to the current one; restarts from the best on a new mesh."""
+    the step time relative to the current one; restarts from the best on a new mesh.
+
+    On a counted space (`Tracker.cover`) a chain that proposes only points it has seen, as
+    many times in a row as the space has points, restarts at the first point it has not
+    seen: a cold chain keeps to its neighbourhood, and would otherwise never see the whole
+    space, so never stop before its budget."""
     rng = np.random.default_rng(seed)
     with tracker.interruptible():
         current = start or random_point(space, rng)
         current_cost = evaluate(space, current)
         tracker.offer(current, current_cost)
-        temp = temperature
+        temp, stalled, unseen = temperature, 0, _points(space)
         while not tracker.out_of_time():
             proposal = _neighbour(space, current, rng)
+            restart = False
+            if tracker.space_size is not None:
+                stalled = stalled + 1 if proposal in tracker.seen else 0
+                if stalled >= tracker.space_size:
+                    proposal = next(p for p in unseen if p not in tracker.seen)
+                    restart, stalled = True, 0
             cost = evaluate(space, proposal)
             tracker.offer(proposal, cost)
             old = _energy(current_cost)
             new = _energy(cost)
-            if new <= old or rng.random() < math.exp(-(new - old) / max(temp * old, 1e-12)):
+            if (
+                restart
+                or new <= old
+                or rng.random() < math.exp(-(new - old) / max(temp * old, 1e-12))
+            ):
                 current, current_cost = proposal, cost
             temp *= cooling
     return tracker
+
+
+def _points(space: ShardSpace) -> Iterator[ShardPoint]:
+    """Every point of the space, in the exhaustive search's order."""
+    for mesh_index, mesh in enumerate(space.meshes):
+        stack: list[tuple[int, ...]] = [()]
+        while stack:
+            chosen = stack.pop()
+            if len(chosen) == len(space.units):
+                for zero in space.zero_options(mesh, chosen):
+                    yield mesh_index, chosen, int(zero)
+                continue
+            mask = space.allowed(mesh, len(chosen), chosen)
+            stack.extend((*chosen, int(k)) for k in np.flatnonzero(mask)[::-1])
 
 
 def _energy(cost: Cost) -> float:

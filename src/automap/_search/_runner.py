@@ -27,7 +27,7 @@ from .._space import (
 )
 from ..rl import CheckpointError, DQNAgent, DQNConfig, SearchCheckpoint, load_agent_state
 from ..rl import search as dqn_search
-from ._classic import SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
+from ._classic import COUNTED, SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
 from ._problem import Problem
 from ._shard_ilp import Leanest, search_ilp, search_leanest
@@ -136,6 +136,8 @@ CLASSIC: dict[str, Any] = {
 
 def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: SearchProgress):
     tracker = Tracker(budget_s=budget_s)
+    if name != "exhaustive":
+        tracker.cover(space)
     bar.start(tracker.max_evals if name != "exhaustive" else space.size())
     tracker.on_offer = bar.advance
     CLASSIC[name](space, tracker, seed)
@@ -150,6 +152,8 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: Sear
     }
     if tracker.interrupted:
         stats["interrupted"] = True
+    if tracker.exhausted:  # every point seen: the best of them is the space's optimum
+        stats["exhausted"] = True
     if name == "exhaustive":
         stats["complete"] = tracker.complete and not tracker.interrupted
         stats["space_points"] = space.size()
@@ -195,7 +199,22 @@ def search_dqn(
 ):
     process = ShardProcess(space, baseline_time(space))
     seeds = expert_seeds(process)
-    point, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files)
+    seen: set[tuple[int, tuple[int, ...], int]] = set()
+    size = space.exact_size(cap=COUNTED)
+
+    def exhausted(decisions: tuple[int, ...]) -> bool:
+        # Episodes are counted work: the same seed stops at the same episode anywhere.
+        point = process.to_point(decisions)
+        if space.contains(point):
+            seen.add(point)
+        return len(seen) >= size
+
+    point, stats = _run_dqn(
+        process, space, seeds, budget_s, seed, bar, EPISODES_PER_SECOND, files,
+        exhausted=None if size is None else exhausted,
+    )  # fmt: skip
+    if size is not None and len(seen) >= size:
+        stats["exhausted"] = True
     return (None if point is None else process.to_point(point)), stats
 
 
@@ -272,6 +291,7 @@ def _run_dqn(
     bar: SearchProgress,
     rate: float,
     files: DQNFiles = DQNFiles(),
+    exhausted=None,
 ):
     """(the best feasible decisions or None, stats) of a DQN search over `process`, a
     decision process over `space` (or over pipelines of it)."""
@@ -317,6 +337,7 @@ def _run_dqn(
         seed_episodes=seeds,
         on_episode=on_episode,
         resume=resume,
+        exhausted=exhausted,
     )
     if files.resume is not None and result.checkpoint is not None:
         checkpoint = dataclasses.replace(result.checkpoint, key=key)

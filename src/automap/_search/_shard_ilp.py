@@ -655,7 +655,9 @@ class _Run:
         else:
             self.optimal &= solution.optimal
             self.gaps.append(solution.gap)
-            self.errors.append(abs(solution.time - cost.step_time_s) / cost.step_time_s)
+            # A plan priced at no time (a step of free ops) has no relative error to speak of.
+            scale = cost.step_time_s or 1.0
+            self.errors.append(abs(solution.time - cost.step_time_s) / scale)
             if cost.feasible and cost.step_time_s < self.best_time:
                 self.best, self.best_time = point, cost.step_time_s
                 self.time_to_best = _time.perf_counter() - self.start

@@ -104,8 +104,9 @@ def expert_assignments(
     n = cluster.devices
     data = axis_assignment(batch_groups(groups), DATA, n)
     out: dict[str, tuple[dict[str, int], Assignment, int]] = {}
-    if data:
+    if data or n == 1:  # one device: the step as written is the data-parallel plan
         out["data_parallel"] = ({DATA: n}, data, 0)
+    if data:
         for stage in (1, 2, 3):
             out[f"zero{stage}"] = ({DATA: n}, data, stage)
     conv_batch, fc = owt_groups(graph, groups)

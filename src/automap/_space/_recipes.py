@@ -24,7 +24,7 @@ from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups, plan_from_assignment
 from .._pipeline import (
-    cut_candidates,
+    cut_runs,
     forward_ops,
     pipeline_plan,
     pipeline_schedule,
@@ -68,8 +68,13 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
     PlanError naming what does not divide or fit and what to change."""
     _check_sizes(cluster, recipe)
     batch = groups.batch_size
-    if batch is None:
-        raise PlanError("this step has no batch dimension to split: use dp=1 and pp=1.")
+    if batch is None:  # a batch of one (or no `batch` argument): nothing to split
+        if recipe.dp > 1 or recipe.pp > 1:
+            raise PlanError(
+                "this step has no batch dimension to split (a batch of one, or no argument "
+                "named `batch`): use dp=1 and pp=1."
+            )
+        batch = 1
     if batch % recipe.dp:
         raise PlanError(
             f"the batch of {batch} does not divide by dp={recipe.dp}: choose a data size "
@@ -195,14 +200,26 @@ _CASTS = frozenset({"convert_element_type", "copy", "reshape"})
 
 
 def layer_boundaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
-    """The cut candidates that no repeated layer straddles: each starts a layer, as a
-    Megatron stage boundary does (the candidates between a block's attention and its MLP
-    are left out). Without repeated layers, every candidate."""
+    """Per run of cheap cuts (`cut_runs`), its cheapest cut that no repeated layer
+    straddles: each starts a layer, as a Megatron stage boundary does (the runs between a
+    block's attention and its MLP are left out). Without repeated layers, every candidate.
+
+    The run's own candidate (its first cheapest cut) serves when it is a layer's start (a
+    pre-LN layer starts with its norm). A post-LN layer (BERT's) ends with its norm, which
+    the run goes through: the candidate, before the norm, is inside the layer, and the cut
+    after the norm, as cheap within `BAND`, is the boundary."""
     pos, reads = _layer_reads(graph, groups)
     spans = [(min(v), max(v)) for v in reads.values()]
-    return tuple(
-        c for c in cut_candidates(graph, groups) if not any(lo < pos[c] <= hi for lo, hi in spans)
-    )
+    out = []
+    for run in cut_runs(graph, groups):
+        free = [
+            (bytes_, c)
+            for c, bytes_ in zip(run.cuts, run.crossing, strict=True)
+            if not any(lo < pos[c] <= hi for lo, hi in spans)
+        ]
+        if free:
+            out.append(min(free, key=lambda bc: (bc[0], bc[1]))[1])
+    return tuple(out)
 
 
 def layer_cuts(graph: Graph, groups: Groups, stages: int) -> tuple[int, ...]:

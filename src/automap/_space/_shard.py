@@ -242,6 +242,28 @@ class ShardSpace:
         spaces, an upper bound past ~1e6 per mesh)."""
         return sum(self._count(mesh, [], cap=10**6) for mesh in self.meshes)
 
+    def exact_size(self, cap: int) -> int | None:
+        """The number of points when every mesh has at most `cap` option sequences to count
+        (a small space), else None. A search that has seen this many distinct points
+        (`contains`) has seen them all."""
+        total = 0
+        for mesh in self.meshes:
+            per_unit = [int(self.allowed(mesh, u, []).sum()) for u in range(len(self.units))]
+            if math.prod(per_unit) > cap or not self.pruning.masks:
+                return None
+            total += self._count(mesh, [], cap)
+        return total
+
+    def contains(self, point: tuple[int, Sequence[int], int]) -> bool:
+        """Whether (mesh index, options, ZeRO stage) is one of the points `size` counts."""
+        mesh_index, options, zero = point
+        mesh = self.meshes[mesh_index]
+        return (
+            len(options) == len(self.units)
+            and all(self.allowed(mesh, u, list(options[:u]))[k] for u, k in enumerate(options))
+            and zero in self.zero_options(mesh, options)
+        )
+
     def _count(self, mesh: dict[str, int], taken: list[int | None], cap: int) -> int:
         """Points of the mesh: option sequences times the ZeRO stages each may take."""
         per_unit = [int(self.allowed(mesh, u, []).sum()) for u in range(len(self.units))]

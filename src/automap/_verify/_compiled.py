@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, rati
 from ._gpu import gpu_devices
 from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
+from ._saved import check_saved_plan, reduce_reason
 from ._stages import stage_flops, stage_memory_parts
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
@@ -484,7 +486,17 @@ def _fresh(tree: Any) -> Any:
     """Host copies of concrete arguments: every run gets buffers of its own, so that a
     step that donates its inputs (a training loop's) leaves the caller's arguments, which
     the next run and the comparison read, as they were."""
-    return jax.tree_util.tree_map(np.array, tree)
+    return jax.tree_util.tree_map(_host_copy, tree)
+
+
+def _host_copy(leaf: Any) -> Any:
+    """A copy of one argument leaf; a typed PRNG key (`jax.random.key`) has no NumPy form:
+    its key data is copied and wrapped again in the same generator."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = np.array(jax.random.key_data(leaf))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+    return np.array(leaf)
 
 
 def _numerics(fn: Callable, got: Any, args: tuple, devices: int) -> tuple[bool, float]:
@@ -541,12 +553,35 @@ def verify_in_subprocess(
             if "error" in result:
                 raise getattr(_errors, result["type"], AutomapError)(result["error"])
             return VerifyReport.from_dict(result)
+    if proc.returncode < 0:  # killed by a signal: its stderr is empty or cut off
+        name = signal.Signals(-proc.returncode).name
+        why = " (out of memory?)" if name == "SIGKILL" else ""
+        raise AutomapError(
+            f"verify in a subprocess was killed by {name}{why}: verify the plan without "
+            "--numerics, or on a machine with more memory."
+        )
     raise AutomapError(
         f"verify in a subprocess failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     )
 
 
 _MARK = "AUTOMAP-VERIFY-REPORT "
+
+
+def _with_reduced_numerics(report: VerifyReport, plan: Plan) -> VerifyReport:
+    """`report` with the numbers of `plan`'s pattern on a reduced variant of its model."""
+    check = check_saved_plan(plan)
+    if not check.get("checked", True):
+        return dataclasses.replace(report, notes=(*report.notes, check["reason"]))
+    note = f"numerics on a reduced variant ({check['reason']}): " + ", ".join(
+        f"{k}={v}" for k, v in check["overrides"].items()
+    )
+    return dataclasses.replace(
+        report,
+        numerics_ok=bool(check["equal"]),
+        max_abs_err=float(check["max_abs_err"]),
+        notes=(*report.notes, note),
+    )
 
 
 def subprocess_main(argv: list[str]) -> None:
@@ -558,8 +593,16 @@ def subprocess_main(argv: list[str]) -> None:
             Cluster.from_file(argv[argv.index("--cluster") + 1]) if "--cluster" in argv else None
         )
         target = argv[argv.index("--target") + 1] if "--target" in argv else None
-        fn, args, _ = rebuild(plan.provenance, abstract="--concrete" not in argv)
-        result = verify(fn, plan, *args, cluster=cluster, target=target).to_dict()
+        concrete = "--concrete" in argv
+        fn, args, _ = rebuild(plan.provenance, abstract=True)
+        if concrete and reduce_reason(plan, args, plan.devices):
+            # Too big to run here: XLA's collectives on the full-size program, the numbers
+            # on a reduced variant, as `apply --check` does.
+            report = verify(fn, plan, *args, cluster=cluster, target=target)
+            result = _with_reduced_numerics(report, plan).to_dict()
+        else:
+            fn, args, _ = rebuild(plan.provenance, abstract=not concrete)
+            result = verify(fn, plan, *args, cluster=cluster, target=target).to_dict()
     except AutomapError as e:
         result = {"error": str(e), "type": type(e).__name__}
     print(_MARK + json.dumps(result))

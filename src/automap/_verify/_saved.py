@@ -50,7 +50,7 @@ def check_saved_plan(
     local = len(devices)
     step_fn, args, origin = rebuild(plan.provenance, abstract=True)
     _check_made_for(plan, args, origin)
-    reduced_reason = _reduce_reason(plan, args, local)
+    reduced_reason = reduce_reason(plan, args, local)
     overrides: dict[str, Any] = {}
     if reduced_reason:
         if not plan.provenance.model:
@@ -107,7 +107,8 @@ def _check_made_for(plan: Plan, args: tuple, origin: Mapping[str, Any]) -> None:
     )
 
 
-def _reduce_reason(plan: Plan, args: tuple, local: int) -> str:
+def reduce_reason(plan: Plan, args: tuple, local: int) -> str:
+    """Why `plan` is checked on a reduced variant here (too big, too many devices), or ""."""
     import jax
 
     leaves = jax.tree_util.tree_leaves(args)

@@ -76,6 +76,7 @@ def search(
     on_episode: OnEpisode | None = None,
     stop_at: float | None = None,
     resume: SearchCheckpoint | None = None,
+    exhausted: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> SearchResult:
     """Search the plans of `process` with a DQN agent for `budget_s` seconds.
 
@@ -87,6 +88,9 @@ def search(
 
     `resume` goes on from a stopped search's `checkpoint` (same process and seed): its
     episodes count toward `config.max_episodes`, which is the total over every run.
+
+    `exhausted`, given each episode's decisions, says when the process has no plan left
+    that the search has not played (a small space, counted): the search ends there.
     """
     if agent is not None and config is not None and config != agent.config:
         raise ValueError("pass either an agent or a config: the agent brings its own config")
@@ -194,6 +198,8 @@ def search(
             if on_episode is not None:
                 on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
             if stop_at is not None and best[1] and best[0] <= stop_at:
+                break
+            if exhausted is not None and exhausted(info["decisions"]):
                 break
     except KeyboardInterrupt:
         # Ctrl-C keeps the best plan so far rather than throwing the search away; before
