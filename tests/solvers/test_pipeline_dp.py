@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from _cases import seeds
 from automap._solvers import (
     Factor,
     FactorProblem,
@@ -60,7 +61,7 @@ def _random_instance(rng):
     return t, m, a, c, kwargs
 
 
-@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("seed", seeds(full=150, quick=20))
 def test_dp_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
     t, m, a, c, kw = _random_instance(rng)
@@ -194,7 +195,7 @@ def _layered_stage_problems(rng, L, S):
     return stage_problem
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(full=4, quick=2))
 def test_two_level_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
     L, S, M = int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 6))
