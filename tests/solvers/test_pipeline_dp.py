@@ -157,7 +157,10 @@ def test_dp_scales_to_a_hundred_layers():
         p2p_bandwidth=1e10,
     )
     assert solution.feasible and len(solution.stages) == 8
-    assert solution.solve_time_s < 5.0
+    # It scales by pruning: of the 37,248 distinct stage times (S x L(L+1)/2), each a
+    # bottleneck bound the DP (S x L^2 a run) could be run for, it runs a handful (4).
+    # Counted, not timed: a wall-clock bound depends on the machine and its load.
+    assert solution.explored < L
 
 
 def _layered_stage_problems(rng, L, S):
