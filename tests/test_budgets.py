@@ -210,6 +210,7 @@ def _within_budget(searcher: str, problem: Problem, decisions: dict) -> None:
         assert decisions["work"] <= 1.1 * BUDGET / 2 * OPS_PER_SECOND
 
 
+@pytest.mark.slow  # 12 searches on 2 s budgets
 @pytest.mark.parametrize("program", [_accumulation_step, _flax_scan_step])
 @pytest.mark.parametrize("searcher", ["ilp", "dp", "dqn", "random", "mcmc", "exhaustive"])
 def test_every_searcher_stops_within_its_budget_on_scan_programs(program, searcher):
@@ -239,6 +240,7 @@ def test_a_cut_short_ilp_falls_back_and_a_full_one_proves():
 # ---- dp counts work: the same budget gives the same plan on a fast or slow machine ----
 
 
+@pytest.mark.slow  # three stage-DP searches of bert-large (24 s loaded)
 def test_dp_gives_the_same_plan_for_the_same_budget_on_a_slowed_machine(monkeypatch):
     spec = get_model("bert-large", layers=4)
     problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 16))
@@ -283,6 +285,7 @@ def _limited(limit: float) -> am.Cluster:
     return dataclasses.replace(A100X8, hbm_bytes=limit / (1.0 - A100X8.memory_reserve))
 
 
+@pytest.mark.slow  # searches on 2 s budgets
 @pytest.mark.parametrize(
     ("searcher", "scale"),
     [("random", 0.99), ("dqn", 0.99), ("random", 1.001)],

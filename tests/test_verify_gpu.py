@@ -20,6 +20,10 @@ from automap._verify import gpu_devices, target_config, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
 
+# Every test here loads JAX's CUDA plugin (make puts it in .venv/gpu-compile): `-m gpu_compile`
+# selects them, `-m "not gpu_compile"` leaves them out where the plugin is not installed.
+pytestmark = pytest.mark.gpu_compile
+
 
 def _gpt():
     spec = get_model(
