@@ -27,6 +27,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests
 
 # Every test at the full count of generated cases (tests/_cases.py): what CI runs.
+# One process: pytest-xdist's -n 2 ran a heavy subset 21% slower than one process on the
+# shared two-core machine, under a load of 9-13 (not measured on an idle one).
 test: $(STAMP) lint
 	AUTOMAP_TEST_CASES=full $(BIN)/python -m pytest -q
 
