@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint clean
 
 # JAX's CUDA plugin (pyproject's gpu-compile pins) goes apart from the venv's packages, in
 # .venv/gpu-compile: JAX loads every plugin on its path at start-up, and this one logs
@@ -26,8 +26,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
+# Every test at the full count of generated cases (tests/_cases.py): what CI runs.
+# One process: pytest-xdist's -n 2 ran a heavy subset 21% slower than one process on the
+# shared two-core machine, under a load of 9-13 (not measured on an idle one).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	AUTOMAP_TEST_CASES=full $(BIN)/python -m pytest -q
+
+# The development tier, a few minutes: no `slow` test (pyproject's markers), a few of each
+# test's generated cases. `make test` still runs everything.
+test-fast: $(STAMP) lint
+	AUTOMAP_TEST_CASES=quick $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

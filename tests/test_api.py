@@ -35,6 +35,7 @@ def test_expert_plans_cover_the_contract(mlp):
     assert plans["zero3"].zero_stage == 3
 
 
+@pytest.mark.slow  # expert plans compiled and run
 @pytest.mark.parametrize("name", ["data_parallel", "megatron", "megatron_dp", "zero3"])
 def test_expert_plans_compute_what_the_unsharded_step_computes(mlp, name):
     step_fn, args = mlp
@@ -83,6 +84,7 @@ def test_unknown_and_unavailable_searchers_say_so(mlp):
         am.plan(step_fn, *args, cluster=CPU8, searcher="expert", tasks=("shard", "fly"))
 
 
+@pytest.mark.slow  # captures gpt-6.7b (27 s loaded)
 def test_a_model_that_cannot_fit_is_refused_with_the_figures():
     # 6.7B parameters with fp32 Adam state are 107 GB: over two 32 GB devices, whatever
     # the split (ZeRO-3, stages and recomputation included).

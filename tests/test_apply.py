@@ -10,6 +10,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 
+from _cases import examples
 from automap import ApplyError, Plan, PlanError
 from automap._plan import Provenance, Stage
 from automap._run import apply
@@ -253,7 +254,7 @@ def program_and_plan(draw):
     return args, Plan(mesh=mesh, specs=specs)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(full=8, quick=3), deadline=None)
 @given(program_and_plan())
 def test_random_programs_random_plans(case):
     args, plan = case

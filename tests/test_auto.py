@@ -47,6 +47,7 @@ def test_auto_is_the_default_and_no_worse_than_any_expert(gpt):
     assert plan.predicted.step_time_s <= best * (1 + 1e-9)
 
 
+@pytest.mark.slow  # a 30 s-budget auto search and a DQN search
 def test_auto_finds_pipelines_where_no_one_stage_plan_fits(gpt):
     spec, _ = gpt
     tight = _tight(spec)
@@ -61,6 +62,7 @@ def test_auto_finds_pipelines_where_no_one_stage_plan_fits(gpt):
     assert "--searcher auto" in str(e.value)
 
 
+@pytest.mark.slow  # the widest search, to its proof
 def test_nothing_fits_says_what_was_proved_and_the_leanest_need(gpt):
     spec, experts = gpt
     # Under a tenth of the leanest plan of all: no split, stage count or recomputation fits.

@@ -399,7 +399,19 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+#: Rows that compile or run a model (5-16 s each on the loaded two-core machine): `slow`.
+SLOW = {
+    "replicated_plan",
+    "donate_argnums_kept",
+    "apply_says_where_it_ran",
+    "plan_of_another_model",
+}
+assert not SLOW - {c.name for c in CASES}, SLOW - {c.name for c in CASES}  # no typo
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] * (c.name in SLOW)) for c in CASES]
+)
 def test_bad_input(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = case.run(tmp_path)
@@ -408,6 +420,7 @@ def test_bad_input(case, tmp_path, monkeypatch):
         assert len(text.strip().splitlines()) == 1, text
 
 
+@pytest.mark.slow  # a planner in a subprocess, stopped 6 s into its search
 def test_sigterm_keeps_the_best_plan_as_ctrl_c_does(tmp_path):
     """A scheduler's time limit (SIGTERM) mid-search saves the best plan so far, exit 143."""
     marker = tmp_path / "loaded"

@@ -37,6 +37,7 @@ def result():
     return run_bench([case], settings, progress=False)
 
 
+@pytest.mark.slow  # a tiny bench run (24 s loaded)
 def test_markdown_has_header_and_tables(result, tmp_path):
     out, js = tmp_path / "B.md", tmp_path / "b.json"
     write(result, out, js)
@@ -59,6 +60,7 @@ def test_markdown_has_header_and_tables(result, tmp_path):
     assert {r["searcher"] for r in case["rows"]} >= {"expert", "ilp", "exhaustive", "dqn", "dp"}
 
 
+@pytest.mark.slow  # the same bench run
 def test_hybrid_column_is_the_dp_searchers_answer(result):
     case = result["cases"][0]
     hybrid, optimum = case["hybrid"], case["optimum"]

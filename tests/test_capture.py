@@ -255,6 +255,7 @@ def test_failing_function_raises_capture_error_with_hint():
     assert g.ops
 
 
+@pytest.mark.slow  # bert-large captured
 def test_bert_large_flops_match_the_analytic_count():
     spec = get_model("bert-large")
     g = capture(spec.step_fn, *spec.abstract_args())
@@ -280,6 +281,7 @@ def _max_abs_diff(a, b):
     )
 
 
+@pytest.mark.slow  # an Equinox step captured and replayed
 def test_equinox_step_roles_and_replay():
     eqx = pytest.importorskip("equinox")
     from automap._run import run_graph
@@ -305,6 +307,7 @@ def test_equinox_step_roles_and_replay():
     assert _max_abs_diff(replay, jax.jit(step)(*args)) <= 1e-6
 
 
+@pytest.mark.slow  # a Keras step captured and replayed
 def test_keras_stateless_step_roles_and_replay():
     import os
 

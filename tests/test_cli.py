@@ -32,6 +32,7 @@ def test_capture_summarizes_a_model():
     assert out["groups"]["stats"]
 
 
+@pytest.mark.slow  # plans searched and checked
 def test_plan_save_and_check(tmp_path):
     path = tmp_path / "plan.json"
     result = run(
@@ -69,6 +70,7 @@ def test_user_errors_are_one_line_with_exit_code_2(tmp_path):
     assert result.exit_code == 2 and "exactly one of" in result.output
 
 
+@pytest.mark.slow  # a plan searched and drawn
 def test_report_draws_a_saved_plan(tmp_path):
     path = tmp_path / "plan.json"
     made = run(

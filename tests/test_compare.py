@@ -53,12 +53,14 @@ def test_vgg_optimum_is_the_one_weird_trick():
     assert len(dense) == 3 and all("data" in s for s in dense.values())
 
 
+@pytest.mark.slow  # resnet50 searched
 def test_resnet_data_parallel_is_the_optimum_with_its_update_on_zero_shards():
     found = rows("resnet50", "v100", 8, "expert,ilp")
     assert found["zero2"].step_time_s == pytest.approx(found["ilp"].step_time_s, rel=1e-9)
     assert found["data_parallel"].step_time_s <= 1.07 * found["ilp"].step_time_s
 
 
+@pytest.mark.slow  # gpt-6.7b captured and searched
 def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():
     found = rows("gpt-6.7b", "a100", 16, "expert,ilp,dp")
     assert not found["data_parallel"].feasible

@@ -234,6 +234,7 @@ def test_alpha_beta_per_axis():
     assert ac.time1(AR, 0, 1e9) == 0.0
 
 
+@pytest.mark.slow  # GPT plans compiled
 @pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_gpt_plan_matches_xla_collectives(zero_stage):
     spec, args, g, groups = gpt()

@@ -150,6 +150,7 @@ def test_two_processes_compute_what_one_process_computes(tmp_path):
     assert held[0]["['loss']"] == 0 < held[1]["['loss']"] and any(held[0].values())
 
 
+@pytest.mark.slow  # plans compiled and run
 def test_sharded_results_differ_from_a_wrong_step():
     """The comparison the test relies on sees a step that went wrong (one step too many)."""
     model = get_model("mlp", **MODEL)

@@ -14,6 +14,7 @@ def _same(a, b):
     assert ok, f"outputs differ: max abs error {err:.2e} at {worst}"
 
 
+@pytest.mark.slow  # the examples planned, compiled and run
 @pytest.mark.parametrize("module", ["examples.flax_mlp", "examples.keras_mlp"])
 def test_third_party_steps_plan_and_apply(module):
     import importlib

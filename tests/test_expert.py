@@ -55,6 +55,7 @@ def test_no_expert_when_nothing_divides():
     assert "data_parallel" not in plans and "megatron" not in plans
 
 
+@pytest.mark.slow  # a CNN compiled and run
 def test_one_weird_trick_splits_the_convs_batch_and_the_dense_weights_and_runs():
     spec = get_model(
         "vgg19", depth=11, hidden=8, ff=64, image=32, classes=16, batch=16, dtype="float32"

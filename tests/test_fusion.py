@@ -57,6 +57,7 @@ def charged(graph, cluster: Cluster) -> np.ndarray:
     return CostModel(graph, cluster).tables.op_coef * rate
 
 
+@pytest.mark.slow  # a GPT compiled
 def test_a_causal_mask_is_regenerated_in_each_fusion_never_written():
     graph, hlo = step()
     # XLA's CPU pipeline (its fusion rules for broadcasts are those of the GPU one) keeps

@@ -48,6 +48,7 @@ def _assert_same(got, want, atol=0.0):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
 
 
+@pytest.mark.slow  # compiled twice and run
 def test_jitted_interpreter_equals_jitted_step_on_flax_adam():
     step, args = _flax_adam_problem()
     graph = capture(step, *args)
@@ -134,6 +135,7 @@ def test_bad_arguments_are_refused():
         eval_graph(graph, jax.tree.leaves(args)[:-1])
 
 
+@pytest.mark.slow  # zoo steps interpreted and run
 def test_zoo_step_reduced_variant_runs_through_the_interpreter():
     spec = get_model("bert-large", layers=1, hidden=32, heads=2, batch=2, seq=8)
     args = spec.concrete_args()

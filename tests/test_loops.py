@@ -200,6 +200,7 @@ CASES = [
 
 
 # The nested program's while loop has no static trip count: capture says so, as it should.
+@pytest.mark.slow  # loop programs compiled (7-23 s each loaded)
 @pytest.mark.filterwarnings("ignore:automap. a while loop")
 @pytest.mark.parametrize(("program", "expert"), CASES)
 def test_loop_plans_predict_xla_collectives(program, expert):

@@ -45,6 +45,7 @@ def _moved(outputs, amount):
     return loss, jax.tree_util.tree_unflatten(tree, leaves), opt_state
 
 
+@pytest.mark.slow  # the gpt32 fixture: a GPT compiled and run
 def test_the_unsharded_step_with_its_batch_reversed_passes(gpt32):
     fn, args, want, noise = gpt32
     assert noise is not None
@@ -52,6 +53,7 @@ def test_the_unsharded_step_with_its_batch_reversed_passes(gpt32):
     assert ok, f"{err:.2e} at {worst}"
 
 
+@pytest.mark.slow  # the gpt32 fixture
 def test_an_expert_plan_of_a_small_gpt_is_equal(gpt32):
     # The false alarm of the fixed tolerance: data parallelism's key biases (true gradient
     # 0, Adam's update +-lr of rounding) differed by 2e-5 and failed.
@@ -65,6 +67,7 @@ def test_an_expert_plan_of_a_small_gpt_is_equal(gpt32):
     assert report.numerics_ok is True, report.summary()
 
 
+@pytest.mark.slow  # the gpt32 fixture
 def test_a_parameter_moved_by_a_real_amount_fails(gpt32):
     # lr is 1e-4: ten updates' worth on one entry is a real difference.
     _, args, want, noise = gpt32
@@ -72,6 +75,7 @@ def test_a_parameter_moved_by_a_real_amount_fails(gpt32):
     assert not ok and "kernel" in worst and err == pytest.approx(1e-3, rel=1e-3)
 
 
+@pytest.mark.slow  # the gpt16 fixture: a bf16 GPT compiled and run
 @pytest.mark.parametrize("plan_name", ["data_parallel", "megatron"])
 def test_bf16_compute_passes_and_still_catches_a_moved_parameter(gpt16, plan_name):
     fn, args, want, noise = gpt16
@@ -107,6 +111,7 @@ def _mlp_step(optimizer, grad_scale=1.0):
     return step, (params, optimizer.init(params), batch)
 
 
+@pytest.mark.slow  # steps compiled and run
 @pytest.mark.parametrize(
     ("optimizer", "shows_in"),
     [(optax.adam(1e-3), ".mu["), (optax.sgd(1e-2), "[1][")],

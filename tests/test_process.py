@@ -61,6 +61,7 @@ def test_expert_plans_replay_as_decision_sequences(bert):
     assert replayed >= 4
 
 
+@pytest.mark.slow  # three DQN searches
 def test_dqn_plans_are_real_reach_the_optimum_and_beat_the_experts(bert):
     spec, _ = bert
     problem = Problem.build(spec.step_fn, spec.abstract_args(), A100x16, None)

@@ -63,6 +63,7 @@ def test_a_recipe_that_does_not_divide_is_one_line(gpt, fields, message):
         )
 
 
+@pytest.mark.slow  # recipes compiled and run
 def test_recipe_plan_is_priced_and_runs_the_step(gpt):
     spec = gpt[0]
     recipe = am.Recipe(tp=2, pp=2, dp=2, microbatch_size=2)
@@ -79,6 +80,7 @@ def test_recipe_plan_is_priced_and_runs_the_step(gpt):
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
 
 
+@pytest.mark.slow  # large models planned
 def test_megatron_3d_skips_data_sizes_that_do_not_divide_the_batch():
     # Batch 6 on 8 devices: no data size but 1 and 2 divides it; never an IndexError.
     spec = get_model("gpt-1.3b", **{**SMALL, "batch": 6})
@@ -91,6 +93,7 @@ def test_megatron_3d_skips_data_sizes_that_do_not_divide_the_batch():
     assert 6 % mega.mesh.get("data", 1) == 0
 
 
+@pytest.mark.slow  # large models planned
 def test_megatron_3d_prices_no_stage_count_whose_stored_state_cannot_fit():
     # The recipe's busiest stage holds at least its share of the parameters, their
     # gradients and the Adam moments, split tp ways over pp stages. With a limit under
@@ -153,6 +156,7 @@ def test_estimate_command_prints_the_price_as_json():
     assert bad.exit_code == 2 and "tp × pp × dp" in bad.output and "Traceback" not in bad.output
 
 
+@pytest.mark.slow  # compiled and run
 def test_one_stage_with_microbatches_accumulates_gradients(gpt):
     # Megatron's PP=1 rows: one stage fed one sequence at a time, gradients summed.
     spec = gpt[0]
@@ -174,6 +178,7 @@ def test_one_stage_with_microbatches_accumulates_gradients(gpt):
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
 
 
+@pytest.mark.slow  # compiled and run
 def test_megatrons_fused_softmax_runs_as_the_float32_one_and_moves_fewer_bytes():
     # The Megatron table's GPT (softmax="fused": 16-bit in, out and saved, float32 inside)
     # under tensor parallelism with full recomputation: the same numbers as the float32

@@ -56,6 +56,7 @@ def _dots(compiled) -> int:
     return len(re.findall(r"= \S+ dot\(", compiled.as_text()))
 
 
+@pytest.mark.slow  # remat plans compiled
 def test_one_stage_remat_recomputes_the_layers_and_frees_their_activations():
     spec, graph, groups = gpt()
     rc = recompute_plan(graph, groups)
@@ -75,6 +76,7 @@ def test_one_stage_remat_recomputes_the_layers_and_frees_their_activations():
     assert kept < 0.5 * saved, (kept, saved)
 
 
+@pytest.mark.slow  # remat plans compiled and run
 def test_one_stage_remat_computes_the_step_data_parallel():
     spec, graph, groups = gpt()
     mesh = {"data": 2}
@@ -84,6 +86,7 @@ def test_one_stage_remat_computes_the_step_data_parallel():
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
 
 
+@pytest.mark.slow  # remat plans compiled
 def test_recomputed_collectives_are_priced_as_xla_compiles_them():
     """Megatron's split: a recomputed op with a partial sum on "model" all-reduces again."""
     spec, graph, groups = gpt()
@@ -107,6 +110,7 @@ def test_recomputed_collectives_are_priced_as_xla_compiles_them():
         assert priced == pytest.approx(grown), key
 
 
+@pytest.mark.slow  # remat pipelines compiled
 def test_pipeline_recomputed_collectives_are_priced_in_the_stage_that_runs_them():
     spec, graph, groups = gpt()
     mesh = {"data": 2, "model": 2}
@@ -132,6 +136,7 @@ def test_pipeline_recomputed_collectives_are_priced_in_the_stage_that_runs_them(
         assert priced == pytest.approx(grown[s]), s
 
 
+@pytest.mark.slow  # remat pipelines compiled and run
 def test_pipeline_remat_hands_b_the_layer_inputs_and_b_recomputes():
     spec, graph, groups = gpt()
     mesh, m = {"data": 2}, 2

@@ -297,6 +297,7 @@ def dp_plan():
     return plan
 
 
+@pytest.mark.slow  # the dp_plan fixture: a stage-DP search
 def test_dp_pipeline_plan_report_has_the_pipeline_sections(dp_plan, tmp_path):
     n = len(dp_plan.stages)
     page = write_report(dp_plan, tmp_path / "dp.html").read_text()
@@ -317,6 +318,7 @@ def test_dp_pipeline_plan_report_has_the_pipeline_sections(dp_plan, tmp_path):
     assert [name for name, _ in memory_bars(dp_plan)] == [f"stage {s}" for s in range(n)]
 
 
+@pytest.mark.slow  # the dp_plan fixture
 def test_dp_pipeline_plan_prints_its_stages(dp_plan):
     from rich.console import Console
 
@@ -331,6 +333,7 @@ def test_dp_pipeline_plan_prints_its_stages(dp_plan):
         assert f"[{st.op_start}, {st.op_stop})" in text
 
 
+@pytest.mark.slow  # the dp_plan fixture
 @pytest.mark.skipif(_chromium() is None, reason="Chromium is not installed: browser check skipped")
 def test_dp_pipeline_report_renders_in_headless_chromium(dp_plan, tmp_path):
     page = write_report(dp_plan, tmp_path / "dp.html")

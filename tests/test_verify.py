@@ -64,6 +64,7 @@ def test_report_round_trip_and_summary():
     assert "mesh data=2 × model=4 (8 CPU devices)" in text and "note: a caveat" in text
 
 
+@pytest.mark.slow  # plans compiled and run
 def test_verify_mlp_concrete():
     args = mlp_args()
     plan = Plan(mesh={"data": 2, "model": 4}, specs=specs_for(args, megatron_rule("data", "model")))
@@ -160,6 +161,7 @@ def test_zoo_step_in_16_bit_compared_as_the_cpu_moves_it():
     assert report.collectives_match, report.summary()
 
 
+@pytest.mark.slow  # plans compiled
 def test_verify_reports_memory_next_to_xlas_buffer_assignment():
     # A Megatron plan of a small GPT: parameters, Adam state and activations split on the
     # model axis; the cost model's peak and XLA's buffer assignment agree within 15%.
@@ -232,6 +234,7 @@ def _replicated(path, x):
     return (None,) * x.ndim
 
 
+@pytest.mark.slow  # plans compiled
 def test_verify_reports_flops_next_to_xlas_cost_analysis():
     # FLOPs per device: the cost model's (every op / the divisor of its iteration space)
     # against XLA's cost analysis of the partitioned program, on two plans whose counts

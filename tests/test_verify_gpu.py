@@ -20,6 +20,10 @@ from automap._verify import gpu_devices, target_config, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
 
+# Every test here loads JAX's CUDA plugin (make puts it in .venv/gpu-compile): `-m gpu_compile`
+# selects them, `-m "not gpu_compile"` leaves them out where the plugin is not installed.
+pytestmark = pytest.mark.gpu_compile
+
 
 def _gpt():
     spec = get_model(
@@ -28,6 +32,7 @@ def _gpt():
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
+@pytest.mark.slow  # compiled for 8 A100s (each of these is tens of seconds loaded)
 @pytest.mark.parametrize("recipe", [am.Recipe(tp=8), am.Recipe(tp=2, dp=4, remat="full")])
 def test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices(recipe):
     # XLA's GPU fusion makes a cheap residual (GELU's chain, LayerNorm's centred input)
@@ -68,6 +73,7 @@ def _mlp():
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
+@pytest.mark.slow  # compiled for 8 A100s
 @pytest.mark.parametrize(
     "model, recipe",
     [
@@ -97,6 +103,7 @@ def test_a_gpu_step_peaks_at_one_moment(model, recipe):
         assert abs(off - 1) > 0.15
 
 
+@pytest.mark.slow  # compiled for 8 A100s
 def test_a_recomputed_layer_holds_its_combined_all_reduces_copy():
     # The hidden dim split under remat: every projection of it is a partial sum. A
     # recomputed layer's all-reduces depend on its input alone, and XLA's combiner joins
@@ -115,6 +122,7 @@ def test_a_recomputed_layer_holds_its_combined_all_reduces_copy():
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
 
 
+@pytest.mark.slow  # compiled for 8 A100s
 def test_a_mixed_precision_step_keeps_what_the_gpu_keeps():
     # A bfloat16 GPT (float32 parameters, Megatron's fused softmax): XLA's GPU computes
     # GELU's tanh in float32 and keeps it so for the backward, and, allowed excess
@@ -130,6 +138,7 @@ def test_a_mixed_precision_step_keeps_what_the_gpu_keeps():
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
 
 
+@pytest.mark.slow  # compiled for 8 A100s
 @pytest.mark.parametrize("pp", [1, 2])
 def test_zero3_gathers_a_mixed_precision_steps_bf16_weights(pp):
     # A bf16 step casts its float32 weights before use; ZeRO-3 leaves them sharded, and
@@ -150,6 +159,7 @@ def test_zero3_gathers_a_mixed_precision_steps_bf16_weights(pp):
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
 
 
+@pytest.mark.slow  # a pipeline compiled for 8 A100s
 def test_a_pipeline_stage_holds_its_reduce_programs_buffers():
     # With several microbatches a stage reduces its gradients' running sums once per step
     # in a program of its own; its arguments are not donated, so on the GPU it writes the
@@ -201,6 +211,7 @@ def _bf16_gpt():
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
+@pytest.mark.slow  # a pipeline compiled for 8 A100s
 def test_a_pipeline_compiled_for_a_gpu_holds_what_its_stages_are_priced():
     # Megatron's recipe on a bfloat16 GPT, as the published table's rows run it: every
     # stage's programs compiled for A100s, stage by stage. Each stage sums its

@@ -71,6 +71,7 @@ def test_zero_compiles_reduce_scatter_and_a_sharded_update(stage):
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
 
 
+@pytest.mark.slow  # ZeRO plans compiled and run
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_plans_compute_what_the_plain_step_does(stage):
     spec, args, _, _ = gpt("float32")  # bf16 sums differ with their order, ZeRO or not
@@ -147,6 +148,7 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
         )
 
 
+@pytest.mark.slow  # a Flax model compiled and run
 def test_zero3_on_a_flax_model():
     # A third-party model (Flax modules, optax's Adam): the paths of its new parameters and
     # moments are matched to its inputs', and the pattern holds.

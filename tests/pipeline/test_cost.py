@@ -209,6 +209,7 @@ def test_public_estimate_and_report_decisions():
     assert unit == "ms" and np.array(times) == pytest.approx(np.array(pc.stage_times))
 
 
+@pytest.mark.slow  # pipelines compiled and run
 def test_the_runtime_runs_the_order_the_model_times():
     spec, _, _, _ = zoo("gpt2-xl")
     plan = stage_plan("gpt2-xl", 2, 4, "1f1b")  # 2 stages x 4 devices: the 8 CPU devices

@@ -106,6 +106,7 @@ def test_one_microbatch_keeps_the_reduction_in_its_only_backward():
     assert pc.reduce_ops == ()
 
 
+@pytest.mark.slow  # a donated pipeline compiled and its memory read
 def test_later_microbatches_add_into_the_donated_running_sums(dp_plan):
     # The first microbatch's program makes each stage's running sums; every later one
     # takes them donated and writes its own into the same buffers: XLA aliases them.

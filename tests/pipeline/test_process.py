@@ -107,6 +107,7 @@ def test_hybrid_one_stage_is_the_shard_task(gpt):
             assert cost.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
+@pytest.mark.slow  # two DQN searches over pipelines
 def test_dqn_pipeline_end_to_end_and_reproducible(gpt):
     spec, problem, _, _ = gpt
     args = dict(cluster=problem.cluster, searcher="dqn", tasks=("pipeline",), budget_s=1.0)

@@ -46,6 +46,7 @@ ZOO_CASES = [
 ]
 
 
+@pytest.mark.slow  # zoo pipelines compiled and run (5-9 s each loaded)
 @pytest.mark.parametrize(("model", "stages", "mesh", "m", "schedule"), ZOO_CASES)
 def test_zoo_pipelines_compute_the_step(model, stages, mesh, m, schedule):
     spec, graph, groups = zoo(model)

@@ -126,6 +126,7 @@ def test_one_stage_searchers_refuse_the_pipeline_task(gpt):
         )
 
 
+@pytest.mark.slow  # a searched pipeline compiled and run
 def test_a_dp_plan_runs_and_computes_the_same_numbers():
     """Plans that really run: the dp searcher's pipeline on the 8 CPU devices."""
     spec = get_model("gpt2-xl", layers=2, hidden=32, heads=4, batch=8, seq=8, dtype="float32")
@@ -193,6 +194,7 @@ def test_ctrl_c_during_the_ilp_keeps_its_best_point(monkeypatch):
     assert point is not None and stats["interrupted"] and not stats["optimal"]
 
 
+@pytest.mark.slow  # expert pipelines compiled and run
 def test_the_pipeline_experts_apply_with_the_same_numbers():
     """Every expert plan applies through am.apply and passes the numerics check:
     gpipe_uniform too, now that pipelines run."""

@@ -136,6 +136,7 @@ def test_stages_reduce_scatter_update_on_shards_and_gather_once(stage):
             assert data_bytes([p for p in per_mb if p.kind is Phase.BWD], "all-gather") > 0
 
 
+@pytest.mark.slow  # pipelines compiled and run (8-12 s each loaded)
 @pytest.mark.parametrize(
     ("stage", "microbatches", "remat"), [(2, 4, False), (3, 2, False), (3, 2, True)]
 )
@@ -201,6 +202,7 @@ def test_zero_moves_data_parallels_bytes_per_stage_on_a_gpu_cluster():
         assert seconds(z[0]) == pytest.approx(seconds(dp[0]), rel=0.05)
 
 
+@pytest.mark.slow  # a pipeline compiled and verified
 def test_one_microbatch_reduce_scatters_in_the_backward():
     # No reduce program: the B call reduce-scatters the gradients itself, the update runs
     # on shards and gathers the parameters once, as predicted.
@@ -228,6 +230,7 @@ def test_the_gradient_sums_are_whole_until_reduced():
     jax.clear_caches()
 
 
+@pytest.mark.slow  # a bf16 pipeline compiled, run and verified
 def test_sixteen_bit_gradients_are_reduce_scattered_too():
     # The plan leaves a bf16 gradient free (one program would sum it after its float32
     # cast); a stage sums it in bf16 anyway, so its reduce program scatters it into the
@@ -259,6 +262,7 @@ def gpt2():
     return _captured("gpt2-xl", seq=16, vocab=512)
 
 
+@pytest.mark.slow  # three pipelines compiled and run (4-23 s each loaded)
 @pytest.mark.parametrize(("stages", "zero"), [(2, 3), (1, 3), (1, 1)])
 def test_an_embedding_lookup_under_zero_and_tensor_parallelism_moves_what_is_priced(stages, zero):
     # Data × model with the vocab split over model: ZeRO adds data on the table's hidden

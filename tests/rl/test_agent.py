@@ -120,6 +120,7 @@ def _params_equal(a: TrainState, b: TrainState) -> bool:
     )
 
 
+@pytest.mark.slow  # two agents trained
 def test_same_seed_same_actions_and_same_learning():
     config = dataclasses.replace(SMALL, max_episodes=12)  # noisy: the noise is seeded too
     runs, agents = [], []
@@ -135,6 +136,7 @@ def test_same_seed_same_actions_and_same_learning():
     assert [r["current_time"] for r in other.curve] != [r["current_time"] for r in runs[0].curve]
 
 
+@pytest.mark.slow  # agents trained and resumed
 def test_state_dict_round_trip_resumes_identically(tmp_path):
     config = dataclasses.replace(PLAIN, max_episodes=8)
     process = AssignmentProcess(seed=1)

@@ -49,6 +49,7 @@ def _interrupt_at(monkeypatch, n: int) -> None:
     monkeypatch.setattr(ShardSpace, "evaluate", evaluate)
 
 
+@pytest.mark.slow  # a DQN search through am.plan
 def test_plan_with_the_dqn_returns_the_best_so_far(monkeypatch):
     spec = get_model("mlp", layers=2, hidden=64, features=32, classes=8, batch=16)
     cluster = am.Cluster.preset("a100", 8)

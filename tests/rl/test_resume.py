@@ -103,6 +103,7 @@ def _curve(plan):
     return [(r["best_time"], r["current_time"], r["loss"]) for r in plan.decisions["curve"]]
 
 
+@pytest.mark.slow  # three DQN searches
 def test_plan_resumed_with_a_larger_budget_equals_one_search(tmp_path):
     state = tmp_path / "plan.search.msgpack"
     whole = _plan(budget_s=3.0)

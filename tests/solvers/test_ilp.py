@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from _cases import seeds
 from automap._solvers import (
     Factor,
     FactorProblem,
@@ -20,7 +21,7 @@ from automap._solvers import (
 _TIGHTNESS = [None, 0.1, 0.4, 0.8]
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", seeds(full=40, quick=8))
 def test_ilp_matches_exhaustive(seed):
     rng = np.random.default_rng(seed)
     problem = random_problem(
@@ -141,7 +142,7 @@ def test_time_limit_returns_unproven_plan():
 
 
 @pytest.mark.parametrize("points", [1, 3])
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", seeds(full=20, quick=4))
 def test_the_leanest_problem_finds_the_least_memory_of_the_space(seed, points):
     # With several points the leanest minimizes their peak, which is not a sum.
     rng = np.random.default_rng(seed)

@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from _cases import seeds
 from automap._pipeline import pipeline_schedule
 from automap._solvers import (
     Factor,
@@ -64,7 +65,7 @@ def _random_instance(rng):
     return t, m, a, c, kwargs
 
 
-@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("seed", seeds(full=150, quick=20))
 def test_dp_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
     t, m, a, c, kw = _random_instance(rng)
@@ -174,7 +175,10 @@ def test_dp_scales_to_a_hundred_layers():
         p2p_bandwidth=1e10,
     )
     assert solution.feasible and len(solution.stages) == 8
-    assert solution.solve_time_s < 5.0
+    # It scales by pruning: of the 37,248 distinct stage times (S x L(L+1)/2), each a
+    # bottleneck bound the DP (S x L^2 a run) could be run for, it runs a handful (4).
+    # Counted, not timed: a wall-clock bound depends on the machine and its load.
+    assert solution.explored < L
 
 
 def _layered_stage_problems(rng, L, S):
@@ -212,7 +216,7 @@ def _layered_stage_problems(rng, L, S):
     return stage_problem
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", seeds(full=4, quick=2))
 def test_two_level_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
     L, S, M = int(rng.integers(2, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 6))

@@ -115,6 +115,7 @@ def test_step_argument_names_are_the_role_contract():
     assert list(inspect.signature(spec.step_fn).parameters) == ["params", "opt_state", "batch"]
 
 
+@pytest.mark.slow  # small zoo models trained
 @pytest.mark.parametrize(
     "name, overrides",
     [

@@ -6,6 +6,7 @@ plan found, priced, with its provenance and search stats. The DQN's decision pro
 are in `_mdp/`. DESIGN.md, "Searchers".
 """
 
+from ._classic import EVALS_PER_SECOND as EVALS_PER_SECOND
 from ._classic import SAFETY as SAFETY
 from ._classic import STOP as STOP
 from ._classic import Tracker as Tracker
@@ -52,6 +53,8 @@ from ._runner import search_dqn as search_dqn
 from ._runner import space_of as space_of
 from ._runner import with_stats as with_stats
 from ._shard_ilp import COLUMNS_PER_SECOND as COLUMNS_PER_SECOND
+from ._shard_ilp import MIN_COLUMNS as MIN_COLUMNS
+from ._shard_ilp import SOLVES_PER_MESH as SOLVES_PER_MESH
 from ._shard_ilp import Leanest as Leanest
 from ._shard_ilp import MeshTerms as MeshTerms
 from ._shard_ilp import fine_space as fine_space
