@@ -73,6 +73,9 @@ from .._graph import Graph, Role
 ROUNDING_ULPS = 4.0
 #: The family floor (`Rounding.floor`): RESULT_ULPS machine epsilons of the dtype the
 #: step's sums produce, plus SUM_ULPS of its accumulators' times sqrt(terms per sum).
+#: Measured over the 48 expert plans of mlp and small bert-base and gpt2-xl at float32
+#: and bf16 (AVX2 kernels, no reordered run): reordering used at most 0.09 of the floor
+#: in float32 and 0.21 in bf16; the mistakes in tests/test_numerics.py all fail.
 RESULT_ULPS = 16.0
 SUM_ULPS = 4.0
 #: How much noisier the plan's order may be than the reordered run's (measured up to 3x in
