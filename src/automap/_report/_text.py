@@ -218,6 +218,11 @@ def print_check(console: Console, result: Mapping[str, Any]) -> None:
         console.print(f"ran on mesh {result['mesh']}{where}.")
         return
     verdict = "[green]equal[/green]" if result["equal"] else "[red]DIFFERENT[/red]"
+    # A difference names its leaf (the first out of tolerance, with its own error).
+    leaf = (
+        "" if result["equal"] or not result.get("worst_output") else f" in {result['worst_output']}"
+    )
     console.print(
-        f"sharded{where} vs unsharded step: {verdict} (max abs error {result['max_abs_err']:.2e})"
+        f"sharded{where} vs unsharded step: {verdict} "
+        f"(max abs error {result['max_abs_err']:.2e}{leaf})"
     )

@@ -325,8 +325,8 @@ def verify(
 
     `args` may be arrays or ShapeDtypeStructs; when every leaf is a concrete array, the
     plan is also run and its outputs compared with `jax.jit(fn)`'s
-    (`_numerics.compare_outputs`: within the noise of the same step summed in another
-    order, measured, with Adam's flipped updates allowed on parameters).
+    (`_numerics.compare_outputs`: tolerances from the step's structure, its compute
+    dtypes and input roles, with Adam's flipped updates allowed on parameters).
 
     `target` ("a100", "h100"): compile for that GPU without one (`_gpu.py`) and hold the
     program(s) against the cost model of `cluster` (default: the GPU's preset) as it
@@ -365,7 +365,7 @@ def verify(
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         got = compiled(*jax.device_put(_fresh(leaves), prepared.in_shardings))
-        ok, err = _numerics(fn, got, args, plan.devices)
+        ok, err = _numerics(fn, got, args, plan.devices, graph)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
 
@@ -462,7 +462,7 @@ def _verify_pipeline(
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        ok, err = _numerics(fn, run(*_fresh(args)), args, plan.devices)
+        ok, err = _numerics(fn, run(*_fresh(args)), args, plan.devices, pipe.graph)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
 
@@ -499,14 +499,15 @@ def _host_copy(leaf: Any) -> Any:
     return np.array(leaf)
 
 
-def _numerics(fn: Callable, got: Any, args: tuple, devices: int) -> tuple[bool, float]:
-    """`got` against the unsharded step, within the noise of summing in another order
-    (the step once more on the plan's devices, inputs split: `_numerics.reordered`)."""
+def _numerics(fn: Callable, got: Any, args: tuple, devices: int, graph: Any) -> tuple[bool, float]:
+    """`got` against the unsharded step (`_numerics.compare_outputs`, with the captured
+    step's roles and compute dtypes), no tighter than the noise of summing in another
+    order (the step once more on the plan's devices, inputs split: `reordered`)."""
     cpus = jax.devices("cpu")
     want = jax.jit(fn)(*jax.device_put(_fresh(args), cpus[0]))  # one device, unsharded
     noise = reordered(fn, _fresh(args), cpus[: max(devices, 2)])
-    ok, err, _ = compare_outputs(got, want, noise=noise, before=args)
-    return ok, err
+    verdict = compare_outputs(got, want, graph=graph, before=args, noise=noise)
+    return verdict.equal, verdict.max_abs_err
 
 
 def verify_in_subprocess(

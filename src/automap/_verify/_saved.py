@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._capture import rebuild
+from .._capture import capture, rebuild
 from .._errors import PlanError
 from .._plan import Plan, Spec
 from .._run import apply
@@ -80,8 +80,9 @@ def check_saved_plan(
         return result
     reference = jax.jit(step_fn)(*args)
     noise = reordered(step_fn, args, jax.devices()[: max(run_plan.devices, 2)])
-    equal, err, worst = compare_outputs(sharded, reference, noise=noise, before=args)
-    result.update(equal=equal, max_abs_err=err, worst_output=worst)
+    graph = capture(step_fn, *args)  # the roles and compute dtypes the comparison reads
+    verdict = compare_outputs(sharded, reference, graph=graph, before=args, noise=noise)
+    result.update(equal=verdict.equal, max_abs_err=verdict.max_abs_err, worst_output=verdict.leaf)
     return result
 
 
