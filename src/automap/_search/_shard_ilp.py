@@ -58,6 +58,7 @@ from .._cost import (
     RowTable,
     collective_rows,
     combine_slots,
+    held_by_kind,
     partial_slots,
     reduction_copy,
     set_axes,
@@ -120,6 +121,13 @@ class _Scope:
     gathered: np.ndarray | None  # [n_c, moments]
     # [n_c, moments] of `live`, the casts ZeRO-3's backward makes again (`Moments.regathered`)
     regathered: np.ndarray | None
+    # The outputs held apart from the arguments (`_cost/_outputs.py`), by kind: [3, n_c]
+    # as split, [2, n_c] new parameters and optimizer state also divided by data; and per
+    # moment where the buffers are scheduled ([3 or 2, n_c, moments], `Moments.outputs`).
+    outputs: np.ndarray
+    outputs_zeroed: np.ndarray
+    made: np.ndarray | None
+    made_zeroed: np.ndarray | None
 
 
 class MeshTerms:
@@ -239,6 +247,7 @@ class MeshTerms:
         zinv = inv_c / np.where(on_data, 1.0, self.D)
         free = ~on_data
         moments = T.moments
+        made = _made(moments, own)
         return _Scope(
             units=tuple(scope),
             configs=configs,
@@ -260,6 +269,10 @@ class MeshTerms:
             regathered=(inv_c * free) @ moments.regathered[:, own].T
             if moments and moments.regathered is not None
             else None,
+            outputs=T.output_coef[:, own] @ inv_c.T,
+            outputs_zeroed=T.output_coef[:2, own] @ zinv.T,
+            made=made @ inv_c.T if made is not None else None,
+            made_zeroed=made[:2] @ zinv.T if made is not None else None,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -329,6 +342,9 @@ class MeshTerms:
                 # `_cost/_model.busiest_moment`, one point per moment and the reduction's
                 held = np.outer(sc.reduced, moments.held)
                 at = sc.live + held
+                if sc.made is not None:  # the outputs held apart, made by then
+                    made_zeroed = sc.made_zeroed if zero else None
+                    at = at + held_by_kind(sc.made, made_zeroed, zero_stage).T
                 if zero and zero_stage >= 3:
                     at = at + sc.gathered
                     if sc.regathered is not None:  # the backward gathers its own copies
@@ -338,7 +354,15 @@ class MeshTerms:
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
-            add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
+            # `_cost/_model.update_peak`: the backward's, the reduction's where its result
+            # is a copy, the update's where the step holds outputs apart.
+            peaks = [state + acts]
+            if not self.space.cluster.all_reduce_in_place:
+                peaks.append(state + sc.reduced)
+            if self.T.output_coef.any():
+                held = held_by_kind(sc.outputs, sc.outputs_zeroed if zero else None, zero_stage)
+                peaks.append(state - grads + held)
+            add(sc.units, sc.configs, time, tuple(peaks))
         if moments is not None and const:
             ends = np.zeros(points)
             ends[-1] = const
@@ -409,13 +433,21 @@ class MeshTerms:
         )
 
 
+def _made(moments, own: np.ndarray) -> np.ndarray | None:
+    """[3, moments, own sets] the held outputs made by each moment, None where none is."""
+    if moments is None or moments.outputs is None:
+        return None
+    return moments.outputs[:, :, own]
+
+
 def memory_points(cluster, T) -> int:
     """How many memory points (peaks the limit bounds) a problem has: one per candidate
     moment and the gradients' reduction where the buffers are scheduled; else the
-    backward's peak, and the reduction's where its result is a copy (XLA's CPU)."""
+    backward's peak, the reduction's where its result is a copy (XLA's CPU), and the
+    update's where the step holds outputs apart from its arguments."""
     if T.moments is not None:
         return len(T.moments.at) + 1
-    return 1 if cluster.all_reduce_in_place else 2
+    return 1 + (not cluster.all_reduce_in_place) + bool(T.output_coef.any())
 
 
 def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:
