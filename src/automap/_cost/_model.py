@@ -431,11 +431,12 @@ class CostModel:
             if st.remat and T.copies is not None:
                 ops = K.partial_results(T.copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
                 copied = np.bincount(T.copies.moment, ops, minlength=len(moments.at))
-            made = None
+            made, early = None, 0.0
             if moments.outputs is not None:
                 made = held_bytes(moments.outputs, inv, zinv, zero_stage)
+                early = float(held_bytes(T.early_output_coef, inv, zinv, zero_stage))
             grads, acts, outputs = busiest_moment(
-                moments, inv, reduced, copy, gathered, st.microbatches, copied, made
+                moments, inv, reduced, copy, gathered, st.microbatches, copied, made, early
             )
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
@@ -546,13 +547,15 @@ def busiest_moment(
     microbatches: int = 1,
     copies: np.ndarray | None = None,
     outputs: np.ndarray | None = None,
+    early: float = 0.0,
 ) -> tuple[float, float, float]:
     """(gradients, the rest, outputs) of what a scheduled step holds besides its arguments
     at its peak (`_liveness.py`): the busiest candidate moment, with the `reduced`
     gradients' share made by then held for their reduction (and `copies`, per moment, of a
     recomputed layer's partial sums: `_tables.combined_copies`; `outputs`, per moment, the
     outputs held apart from the arguments made by then: `_outputs.py`); or the reduction
-    itself, the gradients and the `copy` it writes (`reduction_copy`)."""
+    itself, the gradients and the `copy` it writes (`reduction_copy`), beside the `early`
+    outputs (those no update op makes, a loss)."""
     made = moments.held * reduced
     at = moments.live @ inv / microbatches + made
     if copies is not None:
@@ -565,8 +568,8 @@ def busiest_moment(
             at = at - moments.regathered @ gathered / microbatches
     end = reduced + copy
     k = int(np.argmax(at)) if len(at) else -1
-    if k < 0 or end >= at[k]:
-        return float(end), 0.0, 0.0
+    if k < 0 or end + early >= at[k]:
+        return float(end), 0.0, float(early)
     return float(made[k]), float(at[k] - made[k] - out[k]), float(out[k])
 
 

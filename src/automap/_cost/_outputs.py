@@ -81,11 +81,18 @@ def held_outputs(graph: Graph) -> tuple[Buffers, Buffers, Buffers]:
     )
 
 
-def output_coef(held: tuple[Buffers, ...], nbytes: np.ndarray, tensor_set, n_sets: int):
-    """[3, n_sets] bytes of the held outputs by group set, a row per `held` kind."""
-    return np.stack(
-        [np.bincount(tensor_set[b.tensor], nbytes[b.tensor], minlength=n_sets) for b in held]
-    )
+def output_coef(
+    held: tuple[Buffers, ...], nbytes: np.ndarray, tensor_set, n_sets: int, before=None
+):
+    """[3, n_sets] bytes of the held outputs by group set, a row per `held` kind; with
+    `before` (op indices: the update's), only those made by an op not in it (a loss, a
+    BatchNorm's statistics), alive already when the gradients are reduced."""
+    rows = []
+    for b in held:
+        keep = np.ones(len(b.tensor), bool) if before is None else ~np.isin(b.birth, before)
+        t = b.tensor[keep]
+        rows.append(np.bincount(tensor_set[t], nbytes[t], minlength=n_sets))
+    return np.stack(rows)
 
 
 def held_bytes(coef: np.ndarray, inv: np.ndarray, zinv: np.ndarray | None, zero_stage: int):

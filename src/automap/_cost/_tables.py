@@ -157,6 +157,8 @@ class Tables:
     # [3, n_sets] the outputs held apart from the arguments (a step that donates nothing):
     # new parameters, new optimizer state, the rest (`_outputs.held_outputs`).
     output_coef: np.ndarray
+    # [3, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
+    early_output_coef: np.ndarray
     # The step's candidate peak moments, without and with rematerialization, where the
     # backend frees each buffer at its last reader (`Cluster.frees_at_last_use`), else None.
     moments: Moments | None
@@ -511,6 +513,7 @@ def build_tables(
         act_remat_coef=act_remat_coef,
         memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
         output_coef=output_coef(held, nbytes, tensor_set, n_sets),
+        early_output_coef=output_coef(held, nbytes, tensor_set, n_sets, sorted(update)),
         moments=moments,
         moments_remat=moments_remat,
         copies=copies,

@@ -128,6 +128,8 @@ class _Scope:
     outputs_zeroed: np.ndarray
     made: np.ndarray | None
     made_zeroed: np.ndarray | None
+    early: np.ndarray  # [3, n_c] of `outputs`, those no update op makes (a loss)
+    early_zeroed: np.ndarray  # [2, n_c]
 
 
 class MeshTerms:
@@ -273,6 +275,8 @@ class MeshTerms:
             outputs_zeroed=T.output_coef[:2, own] @ zinv.T,
             made=made @ inv_c.T if made is not None else None,
             made_zeroed=made[:2] @ zinv.T if made is not None else None,
+            early=T.early_output_coef[:, own] @ inv_c.T,
+            early_zeroed=T.early_output_coef[:2, own] @ zinv.T,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -351,6 +355,10 @@ class MeshTerms:
                         at = at - sc.regathered
                 base = params + opt + pl[:, 4]
                 end = base + sc.reduced * (1.0 + share)
+                if sc.made is not None:  # beside the outputs no update op makes
+                    end = end + held_by_kind(
+                        sc.early, sc.early_zeroed if zero else None, zero_stage
+                    )
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
