@@ -381,3 +381,21 @@ def test_gpt_6_7b_captures_abstractly_in_little_memory():
     assert out.returncode == 0, out.stderr[-2000:]
     peak_gib = int(out.stdout.split()[-1]) / 2**20
     assert peak_gib < 1.0, f"peak RSS {peak_gib:.2f} GiB"
+
+
+def test_capture_records_which_leaves_a_jitted_step_donates():
+    # A step jitted with donate_argnums (or argnames) hands XLA those leaves to write its
+    # outputs over; the graph says which, and the program (its fingerprint) is the same.
+    def step(params, opt, batch):
+        g = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+        return {"w": params["w"] - 0.1 * g["w"]}, opt + 1.0, jnp.sum(batch)
+
+    args = ({"w": jnp.ones((4, 4))}, jnp.zeros((4, 4)), jnp.ones((2, 4)))
+    plain = capture(step, *args)
+    assert [leaf.donated for leaf in plain.inputs] == [False, False, False]
+    assert not any(leaf.donated for leaf in capture(jax.jit(step), *args).inputs)
+    both = capture(jax.jit(step, donate_argnums=(0, 1)), *args)
+    assert [leaf.donated for leaf in both.inputs] == [True, True, False]
+    named = capture(jax.jit(step, donate_argnames=("params",)), *args)
+    assert [leaf.donated for leaf in named.inputs] == [True, False, False]
+    assert plain.fingerprint == both.fingerprint == named.fingerprint

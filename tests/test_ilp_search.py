@@ -139,12 +139,15 @@ def test_factor_sums_are_the_cost_models_figures(case):
                 assert time[best] == pytest.approx(cost.step_time_s, rel=1e-9)
                 assert memory[best] == pytest.approx(cost.memory_bytes, rel=1e-9)
                 assert feasible[best] == cost.feasible
-                # GPUs: a point per candidate moment of the scheduled step, and the
-                # gradients' reduction; the CPU: the backward's peak and the reduction's
+                # GPUs: a point per candidate moment of the scheduled step (its last op
+                # among them: the step donates nothing), and the gradients' reduction;
+                # the CPU: the backward's peak, the reduction's and the update's
                 moments = space.cost_model.tables.moments
                 assert len(problem.memory_factors) == (
-                    len(moments.at) + 1 if moments is not None else 2
+                    len(moments.at) + 1 if moments is not None else 3
                 )
+                if moments is not None:
+                    assert moments.at[-1] == len(space.graph.ops) - 1
                 assert (moments is None) == (space.cluster.name == "cpu")
                 second_peaks += cost.memory_breakdown["activations"] == 0.0
     if case == "mlp_cpu":  # its gradients outweigh its activations: often the second point

@@ -97,6 +97,9 @@ class InputLeaf:
     arg_index: int  # which positional argument of the step it belongs to
     tensor: int  # tensor id
     role: Role
+    # The step donates it (jitted with donate_argnums): XLA may write an output over it
+    # (`_capture.donated_leaves`; what the cost model does with it: `_cost/_outputs.py`).
+    donated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,12 +50,14 @@ class Cost:
     feasible: bool = True
     reason: str = ""  # why not feasible, in words
     memory_limit_bytes: float = math.inf
-    # Peak memory split: "params", "grads", "opt_state", "activations", "other". Where
-    # the peak is the gradients' reduction on a backend that does not reduce in place
-    # (`Lowering.all_reduce_in_place`), "grads" holds both copies and "activations" none.
+    # Peak memory split: "params", "grads", "opt_state", "activations", "other", "outputs".
+    # Where the peak is the gradients' reduction on a backend that does not reduce in
+    # place (`Lowering.all_reduce_in_place`), "grads" holds both copies, "activations" none.
     # Where one-stage steps are scheduled (`Lowering.frees_at_last_use`), "activations" is
     # every buffer alive at the busiest moment (gradients in flight included) and "grads"
     # the reduced gradients held then; at the reduction, the gradients and their copy.
+    # "outputs": the step's outputs held apart from its arguments at the peak (a step that
+    # donates nothing writes its new state beside the old: `_cost/_outputs.py`).
     memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
     # Per-op (op index, compute seconds, communication seconds); not saved in plan files.

@@ -6,6 +6,8 @@ alone: the tensors kept for the backward pass (`find_residuals`), and where a st
 from (a zoo model or a `module:function`, `rebuild`). DESIGN.md, "Identifiers" and "Roles".
 """
 
+from ._donation import donated_leaves as donated_leaves
+from ._donation import donates as donates
 from ._flops import ELEMENTWISE as ELEMENTWISE
 from ._flops import RULES as RULES
 from ._flops import is_known as is_known

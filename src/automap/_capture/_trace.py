@@ -24,6 +24,7 @@ import jax.extend.core as jcore
 from .._errors import CaptureError
 from .._graph import Graph, InputLeaf, LoopBody, Op, OutputLeaf, Role, Tensor, TensorKind
 from . import _flops
+from ._donation import donated_leaves
 from ._flops import LOOPS, loop_cost, sub_program
 
 
@@ -74,6 +75,9 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
     6. If no leaf is a PARAM by now, the first argument with floating-point leaves is the
        parameters (its float leaves). Everything left is OTHER.
 
+    A step jitted with `donate_argnums`/`donate_argnames` has its donated leaves marked
+    (`InputLeaf.donated`): XLA may write its outputs over them.
+
     An unknown primitive is kept as one op, costed at 10 FLOPs per output element plus all
     its bytes, marked `known=False`, and warned about once per primitive name per capture.
     """
@@ -117,8 +121,9 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
     )
     arg_index = [int(re.match(r"\[(\d+)\]", p).group(1)) for p in paths]
     leaf_roles = _infer_roles(fn, args, paths, arg_index, closed.jaxpr.invars, roles)
+    donated = set(donated_leaves(fn, args, len(paths)))
     inputs = tuple(
-        InputLeaf(path, arg_index[i], env[closed.jaxpr.invars[i]], leaf_roles[i])
+        InputLeaf(path, arg_index[i], env[closed.jaxpr.invars[i]], leaf_roles[i], i in donated)
         for i, path in enumerate(paths)
     )
     tensors = tuple(b.tensors)

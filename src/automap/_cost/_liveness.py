@@ -14,7 +14,8 @@ in place of one it remakes lives until the remade one's last reader, a recompute
 residuals live in the first forward and again from the layer's backward on, and two
 copies a convolutional net's GPU program makes are buffers too. Parameters, optimizer
 state and inputs are the program's arguments (counted apart); the updated state aliases
-them.
+them where the step donates them, else it is a buffer of its own from the update to the
+end of the program (`_outputs.py`; the program's last op is then a candidate moment).
 
 Which moments peak depends on the plan (how it splits each tensor): the candidates are the
 highest moments under a fixed set of probe splittings (seeded, so the same graph always
@@ -52,6 +53,9 @@ class Moments:
     # cast) held past the forward for the backward: ZeRO-3 without remat makes them again
     # from the shards there instead (`_groups.regather_plan`), so they are not held then.
     regathered: np.ndarray | None = None
+    # [3, k, n_sets] the step's outputs held apart from its arguments made by then (a step
+    # that donates nothing: `_outputs.held_outputs`, a row per kind), None where none is.
+    outputs: np.ndarray | None = None
 
 
 NO_BLOCKS = np.zeros((0, 3), dtype=np.int64)
@@ -111,10 +115,13 @@ def step_moments(
     gradients: Sequence[tuple[int, float]],
     n_ops: int,
     regathered: Buffers | None = None,
+    outputs: Sequence[Buffers] = (),
 ) -> Moments:
     """The candidate moments of `buffers` and ZeRO-3's `gathered` parameters (`nbytes`,
     `tensor_set` per tensor; `set_groups` the groups of each set, padded with `n_groups`).
-    `gradients`: (last reader, bytes) of each gradient a collective may reduce."""
+    `gradients`: (last reader, bytes) of each gradient a collective may reduce. `outputs`:
+    the outputs held apart from the arguments (`_outputs.held_outputs`), alive from their
+    op to the end: the program's last op, where all are made, is a candidate too."""
     n_sets = len(set_groups)
     grads = np.array(gradients, dtype=float).reshape(-1, 2)
 
@@ -143,6 +150,9 @@ def step_moments(
             picked.update(_highest_peaks(curve(per_set, zero), PER_PROBE))
     # and each recomputed layer's recompute, where its combined all-reduces copy
     picked.update(int(b) for b in buffers.blocks[:, 2])
+    held = any(len(b.tensor) for b in outputs)
+    if held:
+        picked.add(n_ops - 1)
     at = np.array(sorted(picked), dtype=np.int64)
     return Moments(
         live=_alive(buffers, at, nbytes, tensor_set, n_sets),
@@ -152,6 +162,9 @@ def step_moments(
         regathered=None
         if regathered is None
         else _alive(regathered, at, nbytes, tensor_set, n_sets),
+        outputs=np.stack([_alive(b, at, nbytes, tensor_set, n_sets) for b in outputs])
+        if held
+        else None,
     )
 
 

@@ -44,7 +44,8 @@ numpy operations over those tables:
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
-  made outside them, and one layer's residuals (its backward's).
+  made outside them, and one layer's residuals (its backward's). A step that does not
+  donate its state holds the new beside the old from the update on (`_outputs.py`).
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
 conservative prediction). The data-parallel gradient all-reduce is not overlapped with the
@@ -76,6 +77,7 @@ from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
 from ._liveness import Moments
+from ._outputs import held_bytes
 from ._pipelined import estimate_pipeline
 from ._tables import RowTable, build_tables, op_compute, stored_residuals
 
@@ -404,7 +406,8 @@ class CostModel:
         )
         # [params, opt, acts, remat acts, other] bytes, sharded; with ZeRO also over data.
         plain = T.memory_coef @ inv
-        zeroed = T.memory_coef[:2] @ (inv / np.where(P[:, d], 1.0, D)) if zero_mask else plain
+        zinv = inv / np.where(P[:, d], 1.0, D) if zero_mask else None
+        zeroed = T.memory_coef[:2] @ zinv if zero_mask else plain
         params = float(zeroed[0] if zero_stage >= 3 else plain[0])
         # The local gradients are made whole before they are reduce-scattered (XLA combines
         # the reductions into one at the end of the backward): no stage shards them.
@@ -415,6 +418,9 @@ class CostModel:
             # The forward's gathered copies die in the forward: the backward makes its own.
             acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
         other = float(plain[4])
+        # The outputs no donated input becomes (`_outputs.py`): made at the update, alive to
+        # the end of the step; priced where the update is the busiest moment.
+        outputs = float(held_bytes(T.output_coef, inv, zinv, zero_stage))
         moments = T.moments_remat if st.remat else T.moments
         if moments is not None:
             reduced = reduced_gradients(st.sums, ac)
@@ -428,8 +434,12 @@ class CostModel:
             if st.remat and T.copies is not None:
                 ops = K.partial_results(T.copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
                 copied = np.bincount(T.copies.moment, ops, minlength=len(moments.at))
-            grads, acts = busiest_moment(
-                moments, inv, reduced, copy, gathered, st.microbatches, copied
+            made, early = None, 0.0
+            if moments.outputs is not None:
+                made = held_bytes(moments.outputs, inv, zinv, zero_stage)
+                early = float(held_bytes(T.early_output_coef, inv, zinv, zero_stage))
+            grads, acts, outputs = busiest_moment(
+                moments, inv, reduced, copy, gathered, st.microbatches, copied, made, early
             )
         else:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
@@ -437,16 +447,16 @@ class CostModel:
             # of the backward, when the activations are gone: a second peak.
             in_place = self.cluster.lowering.all_reduce_in_place
             reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
-            if reduced > acts:
-                grads, acts = grads + reduced, 0.0
-        memory = params + grads + opt + acts + other
+            grads, acts, outputs = update_peak(grads, acts, reduced, outputs)
+        memory = params + grads + opt + acts + other + outputs
         limit = self.cluster.memory_limit
         reason = ""
         if memory > limit:
             reason = (
                 f"needs {memory / 1e9:.2f} GB per device (parameters {params / 1e9:.2f}, "
                 f"gradients {grads / 1e9:.2f}, optimizer state {opt / 1e9:.2f}, activations "
-                f"{acts / 1e9:.2f}, inputs {other / 1e9:.2f}) but {self.cluster.name} has "
+                f"{acts / 1e9:.2f}, inputs {other / 1e9:.2f}, outputs held apart "
+                f"{outputs / 1e9:.2f}) but {self.cluster.name} has "
                 f"{limit / 1e9:.2f} GB usable"
             )
         per_op: tuple = ()
@@ -469,6 +479,7 @@ class CostModel:
                 "opt_state": opt,
                 "activations": acts,
                 "other": other,
+                "outputs": outputs,
             },
             collectives=collectives,
             per_op=per_op,
@@ -538,25 +549,45 @@ def busiest_moment(
     gathered: np.ndarray | None = None,
     microbatches: int = 1,
     copies: np.ndarray | None = None,
-) -> tuple[float, float]:
-    """(gradients, the rest) of what a scheduled step holds besides its arguments at its
-    peak (`_liveness.py`): the busiest candidate moment, with the `reduced` gradients' share
-    made by then held for their reduction (and `copies`, per moment, of a recomputed
-    layer's partial sums: `_tables.combined_copies`); or the reduction itself, the
-    gradients and the `copy` it writes (`reduction_copy`)."""
+    outputs: np.ndarray | None = None,
+    early: float = 0.0,
+) -> tuple[float, float, float]:
+    """(gradients, the rest, outputs) of what a scheduled step holds besides its arguments
+    at its peak (`_liveness.py`): the busiest candidate moment, with the `reduced`
+    gradients' share made by then held for their reduction (and `copies`, per moment, of a
+    recomputed layer's partial sums: `_tables.combined_copies`; `outputs`, per moment, the
+    outputs held apart from the arguments made by then: `_outputs.py`); or the reduction
+    itself, the gradients and the `copy` it writes (`reduction_copy`), beside the `early`
+    outputs (those no update op makes, a loss)."""
     made = moments.held * reduced
     at = moments.live @ inv / microbatches + made
     if copies is not None:
         at = at + copies / microbatches
+    out = np.zeros(len(at)) if outputs is None else outputs
+    at = at + out
     if gathered is not None:
         at = at + moments.gathered @ gathered
         if moments.regathered is not None:  # the backward gathers its own copies
             at = at - moments.regathered @ gathered / microbatches
     end = reduced + copy
     k = int(np.argmax(at)) if len(at) else -1
-    if k < 0 or end >= at[k]:
-        return float(end), 0.0
-    return float(made[k]), float(at[k] - made[k])
+    if k < 0 or end + early >= at[k]:
+        return float(end), 0.0, float(early)
+    return float(made[k]), float(at[k] - made[k] - out[k]), float(out[k])
+
+
+def update_peak(
+    grads: float, acts: float, reduced: float, outputs: float
+) -> tuple[float, float, float]:
+    """(gradients, activations, outputs) at the peak of a step whose buffers are not
+    scheduled (XLA's CPU), of three: the backward's (the gradients and every activation),
+    the reduction's (the gradients and their `reduced` copy) and the update's, the outputs
+    held apart from the arguments (`_outputs.py`) alone: each gradient the update reads
+    dies in the elementwise kernel that makes a new value of its shape, and XLA writes
+    that output over it (read in the CPU's buffer assignment: a data-parallel MLP that
+    donates nothing holds its new state and 0.1x of it besides)."""
+    peaks = [(grads, acts, 0.0), (grads + reduced, 0.0, 0.0), (0.0, 0.0, outputs)]
+    return max(peaks, key=sum)
 
 
 def reduced_gradients(sums: np.ndarray, ac: C.AxisCosts) -> float:

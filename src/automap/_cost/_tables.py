@@ -31,6 +31,7 @@ from .._groups import (
 )
 from .._lowering import Lowering
 from ._liveness import Buffers, Moments, gathered_parameters, past_forward, step_moments
+from ._outputs import held_outputs, output_coef
 
 
 class CandidateRow(NamedTuple):
@@ -154,6 +155,11 @@ class Tables:
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
+    # [3, n_sets] the outputs held apart from the arguments (a step that donates nothing):
+    # new parameters, new optimizer state, the rest (`_outputs.held_outputs`).
+    output_coef: np.ndarray
+    # [3, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
+    early_output_coef: np.ndarray
     # The step's candidate peak moments, without and with rematerialization, where the
     # backend frees each buffer at its last reader (`Lowering.frees_at_last_use`), else None.
     moments: Moments | None
@@ -457,19 +463,20 @@ def build_tables(
     )
     saved, saved_remat = kept_residuals(graph, res, lowering, consumers)
     act_coef, act_remat_coef = by_set(saved), by_set(saved_remat)
+    tensor_set = np.array(tset, dtype=np.int64)
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    held = held_outputs(graph)
     moments = moments_remat = copies = None
     if lowering.frees_at_last_use:
         last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
         grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in prow if r.grad]
-        tensor_set = np.array(tset, dtype=np.int64)
-        nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
 
         def moments_of(remat: bool) -> tuple[Buffers, Moments]:
             buf = step_buffers(graph, res, consumers, remat, lowering)
             whole = gathered_parameters(graph, consumers, res.boundary, update, remat, gathered)
             made = None if remat else past_forward(buf, regathered, consumers, res.boundary)
             return buf, step_moments(
-                buf, whole, nbytes, tensor_set, sets, ng, grads, len(graph.ops), made
+                buf, whole, nbytes, tensor_set, sets, ng, grads, len(graph.ops), made, held
             )
 
         moments = moments_of(False)[1]
@@ -507,6 +514,8 @@ def build_tables(
         act_coef=act_coef,
         act_remat_coef=act_remat_coef,
         memory_coef=np.stack([param_coef, opt_coef, act_coef, act_remat_coef, other_coef]),
+        output_coef=output_coef(held, nbytes, tensor_set, n_sets),
+        early_output_coef=output_coef(held, nbytes, tensor_set, n_sets, sorted(update)),
         moments=moments,
         moments_remat=moments_remat,
         copies=copies,

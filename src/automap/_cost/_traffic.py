@@ -12,7 +12,8 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   With rematerialization (`_remat`) those copies are of the layers' inputs and the
   residuals made outside layers; the stage adds
   one microbatch's residuals of its largest layer, which its backward makes again. A
-  tied parameter (read on two stages) lives on both.
+  tied parameter (read on two stages) lives on both. A step that donates nothing holds
+  the new state its update makes beside the old until the step returns ("outputs").
 - sends: every tensor made on one stage and read on another, once per receiving stage,
   by the sender's layout (each device sends its shard to its counterpart). Between two
   per-microbatch ops (activations forward, their gradients and crossing residuals
@@ -34,6 +35,7 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
+from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 from ._tables import FUSIBLE
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
@@ -79,7 +81,7 @@ def stage_memory(
     layer_stored: Sequence[tuple[int, ...]] = (),
 ) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
     """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
-    "activations", "other"}); and per op, the parameter-gradient-optimizer bytes of the
+    "activations", "other", "outputs"}); and per op, the parameter-gradient-optimizer bytes of the
     leaves it reads first and the residual bytes it makes per microbatch (what a stage
     DP sums over a layer segment). `layer_stored` (under remat): per recomputed layer,
     `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once).
@@ -90,7 +92,8 @@ def stage_memory(
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
-    out = [dict.fromkeys(("params", "grads", "opt_state", "activations", "other"), 0.0)]
+    parts = ("params", "grads", "opt_state", "activations", "other", "outputs")
+    out = [dict.fromkeys(parts, 0.0)]
     out = [dict(out[0]) for _ in range(S)]
     op_state = np.zeros(len(graph.ops))
     op_act = np.zeros(len(graph.ops))
@@ -181,14 +184,36 @@ def stage_memory(
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
     # The update runs after the last microbatch, when no activation is alive: a stage's
-    # peak is the larger of its backward's and its update's.
-    for s, b in enumerate(temporaries(graph, part, lay.inv, m, Phase.POST, program)):
-        out[s]["activations"] = max(out[s]["activations"], b)
+    # peak is the larger of its backward's and its update's, with the outputs the step
+    # holds apart from its arguments (it donates nothing) made then and kept to its end.
+    kept = post_outputs(graph, phase, zeroed, zero_stage)
+    makers = [graph.tensors[t].producer for t in kept]
+    made = np.bincount(stage[makers], list(kept.values()), minlength=S) if kept else [0.0] * S
+    for s, b in enumerate(temporaries(graph, part, lay.inv, m, Phase.POST, program, kept=kept)):
+        if b > out[s]["activations"]:
+            out[s]["activations"], out[s]["outputs"] = b - made[s], float(made[s])
     # So does the once-per-step reduction of the gradients, between the two.
     if lowering.frees_at_last_use:
         for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, zero_stage)):
-            out[s]["activations"] = max(out[s]["activations"], b)
+            if b > out[s]["activations"] + out[s]["outputs"]:
+                out[s]["activations"], out[s]["outputs"] = b, 0.0
     return out, op_state, op_act
+
+
+def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> dict[int, float]:
+    """Bytes per device of each output the update makes and the step holds apart from its
+    arguments (`_outputs.held_outputs`: no donated input becomes it), by its layout and
+    as ZeRO shards the state it is the new value of (`zeroed(t, on)`). The runtime's post
+    programs donate only what the step donates (`_run/_pipelined.py`): the rest of the
+    new state is written beside the old and kept until the step returns."""
+    kinds = held_outputs(graph)
+    on = {NEW_PARAMS: zero_stage >= 3, NEW_OPT_STATE: zero_stage >= 1, OTHER_OUTPUTS: False}
+    return {
+        int(t): zeroed(int(t), on[k])
+        for k, b in enumerate(kinds)
+        for t in b.tensor
+        if phase[graph.tensors[int(t)].producer] == Phase.POST
+    }
 
 
 def running_sums(
@@ -231,6 +256,7 @@ def temporaries(
     program=None,
     held: Collection[int] = (),
     remade: Sequence[Remade] = (),
+    kept: Mapping[int, float] | None = None,
 ) -> list[float]:
     """Per stage, the most bytes per device the ops of phase `which` (BWD: one
     microbatch's backward; POST: the update) hold at once of what they make themselves
@@ -239,12 +265,14 @@ def temporaries(
     buffer is written when a kernel XLA cannot fuse into its reader makes it or reads it
     (a matmul, a reduction), or when it crosses from one program to the next
     (`once_programs`). Not counted: a new parameter or optimizer state, written over the
-    old one (the step donates it), and with one microbatch a gradient, which is the
+    old one where the step donates it (else `kept`), and with one microbatch a gradient, which is the
     gradient buffer itself; with several, a microbatch's gradient is a buffer of its own
     until it is added into the running sum: at once, or, for those in `held`
     (`held_gradients`), at the end of its stage's backward. `remade`: the recomputed
-    layers' stored residuals, alive while their layer's backward runs. `program`:
-    `op_programs(graph, part)`, when the caller has it."""
+    layers' stored residuals, alive while their layer's backward runs. `kept`: bytes per
+    device of outputs the step holds apart from its arguments (`post_outputs`), each alive
+    from its op to the end of the phase. `program`: `op_programs(graph, part)`, when the
+    caller has it."""
     stage, phase = part.op_stage, phase_codes(part)
     skip = {leaf.tensor for leaf in graph.outputs} if which == Phase.POST else set()
     if m == 1:
@@ -281,6 +309,8 @@ def temporaries(
                 b = graph.tensors[t].nbytes * inv[t]
                 live[s][t] = b / m if t in part.batched and which == Phase.BWD else b
                 held_now[s] += live[s][t]
+            elif kept and t in kept:  # an output held apart: never freed in the phase
+                held_now[s] += kept[t]
         peak[s] = max(peak[s], held_now[s])
         for t in (*op.inputs, *op.outputs):
             if last.get(t, -1) <= i and t in live[s]:

@@ -33,6 +33,7 @@ MEMORY_COLORS = {
     "opt_state": "#8172B3",
     "activations": "#DD8452",
     "other": "#A0A0A0",
+    "outputs": "#C44E52",  # the new state a step that donates nothing holds apart
 }
 COMM_COLORS = ("#55A868", "#8172B3", "#C44E52", "#937860", "#DA8BC3", "#8C8C8C")
 MS = 1e3

@@ -16,6 +16,5 @@ from ._interpret import eval_graph as eval_graph
 from ._interpret import run_graph as run_graph
 from ._pipelined import apply_pipeline as apply_pipeline
 from ._recompute import eval_recomputing as eval_recomputing
-from ._shared import donates as donates
 from ._shared import other_program as other_program
 from ._shared import validate_plan as validate_plan

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
-from .._capture import capture
+from .._capture import capture, donated_leaves
 from .._errors import ApplyError, PlanError
 from .._graph import Role
 from .._groups import (
@@ -37,7 +37,6 @@ from ._recompute import eval_recomputing, eval_regathering
 from ._shared import (
     check_divisible,
     check_paths,
-    donated_leaves,
     leaf_dtype,
     leaf_shape,
     other_program,

@@ -87,7 +87,6 @@ from ._segments import (
 from ._shared import (
     check_divisible,
     check_paths,
-    donated_leaves,
     leaf_dtype,
     leaf_shape,
     other_program,
@@ -222,7 +221,7 @@ class _Pipeline:
             for seg in (*self.pre, *self.micro, *self.post)
             if seg.ops
         }
-        self.donate = self._post_donations(fn, args)
+        self.donate = self._post_donations()
         self.jitted = {
             k: jax.jit(body, donate_argnums=self.donate.get(k, ())) for k, body in bodies.items()
         }
@@ -250,14 +249,15 @@ class _Pipeline:
         self.trace: list[tuple[int, str, int]] = []
         self.dry_runs: dict[tuple, _Dry] = {}
 
-    def _post_donations(self, fn: Callable, args: tuple) -> dict[int, tuple[int, ...]]:
-        """Per post segment, the positions of the inputs it donates: the step inputs `fn`
-        donates (the old parameters and optimizer state), each in the last post segment
-        of its stage that reads it. The update then runs in place, as the cost model
-        prices it and as `apply` runs a donating step; without donation the old state
-        lives beside the new one until the step returns."""
+    def _post_donations(self) -> dict[int, tuple[int, ...]]:
+        """Per post segment, the positions of the inputs it donates: the step inputs the
+        step donates (the old parameters and optimizer state, `InputLeaf.donated`), each
+        in the last post segment of its stage that reads it. The update then runs in
+        place, as `apply` runs a donating step; without donation the old state lives
+        beside the new one until the step returns. The cost model prices either
+        (`_cost/_outputs.py`)."""
         graph = self.graph
-        donated = {graph.inputs[k].tensor for k in donated_leaves(fn, args, len(graph.inputs))}
+        donated = {leaf.tensor for leaf in graph.inputs if leaf.donated}
         donated -= {leaf.tensor for leaf in graph.outputs}
         out: dict[int, tuple[int, ...]] = {}
         claimed: set[tuple[int, int]] = set()

@@ -128,21 +128,3 @@ def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:
         return cache[key]
 
     return prepare
-
-
-def donates(fn: Any) -> bool:
-    """Whether `fn` is a `jax.jit` function with donate_argnums/donate_argnames."""
-    info = getattr(fn, "_jit_info", None)
-    return bool(getattr(info, "donate_argnums", ()) or getattr(info, "donate_argnames", ()))
-
-
-def donated_leaves(fn: Any, args: tuple, n: int) -> tuple[int, ...]:
-    """Flat indices of the argument leaves `fn` donates (when `fn` is a jitted function
-    with donation), read from its own trace so that argnums and argnames both count."""
-    if not donates(fn):
-        return ()
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
-    )
-    flags = [a.donated for a in jax.tree_util.tree_leaves(fn.trace(*abstract).args_info)]
-    return tuple(i for i, d in enumerate(flags) if d) if len(flags) == n else ()

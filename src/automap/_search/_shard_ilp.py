@@ -58,6 +58,7 @@ from .._cost import (
     RowTable,
     collective_rows,
     combine_slots,
+    held_by_kind,
     partial_slots,
     reduction_copy,
     set_axes,
@@ -121,6 +122,15 @@ class _Scope:
     gathered: np.ndarray | None  # [n_c, moments]
     # [n_c, moments] of `live`, the casts ZeRO-3's backward makes again (`Moments.regathered`)
     regathered: np.ndarray | None
+    # The outputs held apart from the arguments (`_cost/_outputs.py`), by kind: [3, n_c]
+    # as split, [2, n_c] new parameters and optimizer state also divided by data; and per
+    # moment where the buffers are scheduled ([3 or 2, n_c, moments], `Moments.outputs`).
+    outputs: np.ndarray
+    outputs_zeroed: np.ndarray
+    made: np.ndarray | None
+    made_zeroed: np.ndarray | None
+    early: np.ndarray  # [3, n_c] of `outputs`, those no update op makes (a loss)
+    early_zeroed: np.ndarray  # [2, n_c]
 
 
 class MeshTerms:
@@ -240,6 +250,7 @@ class MeshTerms:
         zinv = inv_c / np.where(on_data, 1.0, self.D)
         free = ~on_data
         moments = T.moments
+        made = _made(moments, own)
         return _Scope(
             units=tuple(scope),
             configs=configs,
@@ -261,6 +272,12 @@ class MeshTerms:
             regathered=(inv_c * free) @ moments.regathered[:, own].T
             if moments and moments.regathered is not None
             else None,
+            outputs=T.output_coef[:, own] @ inv_c.T,
+            outputs_zeroed=T.output_coef[:2, own] @ zinv.T,
+            made=made @ inv_c.T if made is not None else None,
+            made_zeroed=made[:2] @ zinv.T if made is not None else None,
+            early=T.early_output_coef[:, own] @ inv_c.T,
+            early_zeroed=T.early_output_coef[:2, own] @ zinv.T,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -330,16 +347,31 @@ class MeshTerms:
                 # `_cost/_model.busiest_moment`, one point per moment and the reduction's
                 held = np.outer(sc.reduced, moments.held)
                 at = sc.live + held
+                if sc.made is not None:  # the outputs held apart, made by then
+                    made_zeroed = sc.made_zeroed if zero else None
+                    at = at + held_by_kind(sc.made, made_zeroed, zero_stage).T
                 if zero and zero_stage >= 3:
                     at = at + sc.gathered
                     if sc.regathered is not None:  # the backward gathers its own copies
                         at = at - sc.regathered
                 base = params + opt + pl[:, 4]
                 end = base + sc.reduced * (1.0 + share)
+                if sc.made is not None:  # beside the outputs no update op makes
+                    end = end + held_by_kind(
+                        sc.early, sc.early_zeroed if zero else None, zero_stage
+                    )
                 add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
                 continue
             state = params + grads + opt + pl[:, 4]
-            add(sc.units, sc.configs, time, (state + acts, state + sc.reduced)[:points])
+            # `_cost/_model.update_peak`: the backward's, the reduction's where its result
+            # is a copy, the update's where the step holds outputs apart.
+            peaks = [state + acts]
+            if not self.space.cluster.lowering.all_reduce_in_place:
+                peaks.append(state + sc.reduced)
+            if self.T.output_coef.any():
+                held = held_by_kind(sc.outputs, sc.outputs_zeroed if zero else None, zero_stage)
+                peaks.append(state - grads + held)
+            add(sc.units, sc.configs, time, tuple(peaks))
         if moments is not None and const:
             ends = np.zeros(points)
             ends[-1] = const
@@ -410,13 +442,21 @@ class MeshTerms:
         )
 
 
+def _made(moments, own: np.ndarray) -> np.ndarray | None:
+    """[3, moments, own sets] the held outputs made by each moment, None where none is."""
+    if moments is None or moments.outputs is None:
+        return None
+    return moments.outputs[:, :, own]
+
+
 def memory_points(lowering: Lowering, T) -> int:
     """How many memory points (peaks the limit bounds) a problem has: one per candidate
     moment and the gradients' reduction where the buffers are scheduled; else the
-    backward's peak, and the reduction's where its result is a copy (XLA's CPU)."""
+    backward's peak, the reduction's where its result is a copy (XLA's CPU), and the
+    update's where the step holds outputs apart from its arguments."""
     if T.moments is not None:
         return len(T.moments.at) + 1
-    return 1 if lowering.all_reduce_in_place else 2
+    return 1 + (not lowering.all_reduce_in_place) + bool(T.output_coef.any())
 
 
 def _absorb(tables: dict[tuple, list]) -> dict[tuple, list]:

@@ -227,15 +227,16 @@ def compiled_memory(compiled: Any) -> float | None:
 
 
 def _donation_note(compiled: Any) -> str:
-    """Why XLA's buffer assignment holds the step's outputs apart, when it does."""
+    """Why XLA's buffer assignment holds the step's outputs apart, when it does: the cost
+    model prices them so too (`_cost/_outputs.py`); the note says what donation saves."""
     parts = memory_parts(compiled)
     if not parts or parts["aliased"] or parts["outputs"] < 0.25 * parts["arguments"]:
         return ""
     return (
         f"the step donates no input: XLA holds its outputs ({_fmt(parts['outputs'])}: the "
-        "new parameters and optimizer state) apart from its arguments, where the cost "
-        "model prices an update in place; jit the step with donate_argnums (am.apply "
-        "keeps it) to compare like with like"
+        "new parameters and optimizer state) apart from its arguments, from the update to "
+        "the end of the step, and the cost model prices them so; a step jitted with "
+        "donate_argnums (am.apply keeps it) writes them over the old state instead"
     )
 
 
