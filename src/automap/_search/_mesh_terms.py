@@ -115,6 +115,34 @@ class _Scope:
     regathered: np.ndarray | None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Copies:
+    """One copy of a scope's groups and sets per joint option, for one pass of the kernel:
+    the copy of option c has group ids offset by `g_off[c]`, set ids by `s_off[c]`."""
+
+    local: np.ndarray  # [groups] the scope's local id of each group (the pad if outside)
+    sl: np.ndarray  # the sets the scope's rows read, sorted: a set's local id is its index
+    g_off: np.ndarray  # [n_c] first group id of each copy
+    s_off: np.ndarray  # [n_c] first set id of each copy
+
+    def rows(self, R: RowTable, idx: np.ndarray, used: tuple[str, ...]) -> RowTable:
+        """Rows `idx` of R once per copy; set columns not in `used` (their sets are not
+        among `sl`) point at the copy's first set."""
+        out = {}
+        for f in dataclasses.fields(R):
+            x = getattr(R, f.name)[idx]
+            if f.name == "group":
+                x = (self.local[x][None] + self.g_off[:, None, None]).reshape(-1, x.shape[1])
+            elif f.name in ("small", "tset", "tsmall", "other", "peer"):
+                pos = np.searchsorted(self.sl, x) if f.name in used else np.zeros_like(x)
+                off = self.s_off.reshape((-1,) + (1,) * x.ndim)
+                x = (pos[None] + off).reshape((-1, *x.shape[1:]))
+            else:
+                x = np.tile(x, len(self.g_off))
+            out[f.name] = x
+        return RowTable(**out)
+
+
 class MeshTerms:
     """The cost model's terms on one mesh of a space, by scope; built once per mesh and
     assembled into one `FactorProblem` per ZeRO stage."""
@@ -185,28 +213,11 @@ class MeshTerms:
         used = [own, p.small[prows].ravel(), p.tset[prows], r.small[rrows, 0], r.tset[rrows]]
         sl = np.unique(np.concatenate([*used, r.tsmall[rrows], r.other[rrows], r.peer[rrows]]))
         n_sl = len(sl)
-        g_off = np.arange(n_c) * (n_gl + 1)
-        s_off = np.arange(n_c) * n_sl
-        sets = (local[T.sets[sl]][None] + g_off[:, None, None]).reshape(n_c * n_sl, -1)
+        copies = _Copies(local, sl, np.arange(n_c) * (n_gl + 1), np.arange(n_c) * n_sl)
+        sets = (local[T.sets[sl]][None] + copies.g_off[:, None, None]).reshape(n_c * n_sl, -1)
         P, inv = set_axes(A.ravel(), sets, ac.sizes)
-
-        def tiled(R: RowTable, idx: np.ndarray, used: tuple[str, ...]) -> RowTable:
-            out = {}
-            for f in dataclasses.fields(R):
-                x = getattr(R, f.name)[idx]
-                if f.name == "group":
-                    x = (local[x][None] + g_off[:, None, None]).reshape(-1, x.shape[1])
-                elif f.name in ("small", "tset", "tsmall", "other", "peer"):
-                    pos = np.searchsorted(sl, x) if f.name in used else np.zeros_like(x)
-                    off = s_off.reshape((-1,) + (1,) * x.ndim)
-                    x = (pos[None] + off).reshape((-1, *x.shape[1:]))
-                else:
-                    x = np.tile(x, n_c)
-                out[f.name] = x
-            return RowTable(**out)
-
-        Rp = tiled(p, prows, ("small", "tset"))
-        Rr = tiled(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
+        Rp = copies.rows(p, prows, ("small", "tset"))
+        Rr = copies.rows(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
         key, nbytes, count, grad, rtime = collective_rows(
             Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.lowering
         )
