@@ -20,6 +20,8 @@ from ._dp import OPS_PER_SECOND as OPS_PER_SECOND
 from ._dp import optimal_cuts as optimal_cuts
 from ._dp import polish_cuts as polish_cuts
 from ._dp import search_dp as search_dp
+from ._leanest import Leanest as Leanest
+from ._leanest import search_leanest as search_leanest
 from ._mdp import HybridProcess as HybridProcess
 from ._mdp import PipelineProcess as PipelineProcess
 from ._mdp import ShardProcess as ShardProcess
@@ -27,6 +29,9 @@ from ._mdp import baseline_time as baseline_time
 from ._mdp import make_pipeline_process as make_pipeline_process
 from ._mdp import make_process as make_process
 from ._mdp import planning_env as planning_env
+from ._mesh_terms import COLUMNS_PER_SECOND as COLUMNS_PER_SECOND
+from ._mesh_terms import MIN_COLUMNS as MIN_COLUMNS
+from ._mesh_terms import MeshTerms as MeshTerms
 from ._pricer import PipelinePricer as PipelinePricer
 from ._problem import Problem as Problem
 from ._problem import arg_roles as arg_roles
@@ -52,11 +57,6 @@ from ._runner import run_space_searcher as run_space_searcher
 from ._runner import search_dqn as search_dqn
 from ._runner import space_of as space_of
 from ._runner import with_stats as with_stats
-from ._shard_ilp import COLUMNS_PER_SECOND as COLUMNS_PER_SECOND
-from ._shard_ilp import MIN_COLUMNS as MIN_COLUMNS
 from ._shard_ilp import SOLVES_PER_MESH as SOLVES_PER_MESH
-from ._shard_ilp import Leanest as Leanest
-from ._shard_ilp import MeshTerms as MeshTerms
 from ._shard_ilp import fine_space as fine_space
 from ._shard_ilp import search_ilp as search_ilp
-from ._shard_ilp import search_leanest as search_leanest

@@ -59,7 +59,7 @@ from .._space import (
     stage_counts,
 )
 from ._classic import SAFETY
-from ._shard_ilp import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
+from ._mesh_terms import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3
@@ -196,7 +196,7 @@ def _intra_plans(
 ) -> dict[str, dict]:
     """Intra-stage assignments worth a pipeline: the stage mesh's time optimum and the
     Megatron x data expert (kept apart when they differ). A stage mesh whose MILP is
-    larger than the budget affords (`_shard_ilp.COLUMNS_PER_SECOND`) keeps the expert only."""
+    larger than the budget affords (`_mesh_terms.COLUMNS_PER_SECOND`) keeps the expert only."""
     groups = space.groups
     out: dict[str, dict] = {}
     budget = np.inf if work is None else work.budget_s

@@ -98,7 +98,7 @@ def _space_searcher(name: str) -> Callable[[Problem, Request], Plan]:
 
 #: The check that explains a sampling searcher's failure gets this share of the budget,
 #: in counted work: with the search's own, the call ends within budget x (1 + PROOF_SHARE)
-#: plus one mesh of the check (`_shard_ilp.search_leanest`).
+#: plus one mesh of the check (`_leanest.search_leanest`).
 PROOF_SHARE = 0.1
 
 

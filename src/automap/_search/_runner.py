@@ -28,9 +28,10 @@ from .._space import (
 from ..rl import CheckpointError, DQNAgent, DQNConfig, SearchCheckpoint, load_agent_state
 from ..rl import search as dqn_search
 from ._classic import COUNTED, SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
+from ._leanest import Leanest, search_leanest
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
 from ._problem import Problem
-from ._shard_ilp import Leanest, search_ilp, search_leanest
+from ._shard_ilp import search_ilp
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
@@ -113,7 +114,7 @@ def space_of(problem: Problem, task: str) -> ShardSpace:
 
 def leanest_point(problem: Problem, task: str, budget_s: float, wall_s: float) -> Leanest:
     """Whether some plan of the one-stage space of `task` fits in memory, within `budget_s`
-    of counted work (`_shard_ilp.search_leanest`); `wall_s` is a safety stop only."""
+    of counted work (`_leanest.search_leanest`); `wall_s` is a safety stop only."""
     return search_leanest(space_of(problem, task), budget_s, wall_s)
 
 
