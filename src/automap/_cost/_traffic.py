@@ -34,7 +34,7 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
-from ._tables import FUSIBLE
+from ._fusion import FUSIBLE
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 
