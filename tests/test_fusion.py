@@ -1,4 +1,4 @@
-"""What a fused kernel reads and writes, as the cost model charges it (`_cost/_tables.py`,
+"""What a fused kernel reads and writes, as the cost model charges it (`_cost/_fusion.py`,
 `_fused_bytes`), held against XLA's compiled HLO where the CPU backend shows the rule.
 
 A causal transformer's attention softmax is the case that matters: its [B, h, S, S] tensors

@@ -1,4 +1,4 @@
-"""Which residuals XLA stores for the backward (`_cost/_tables.py`, `stored_residuals`), held
+"""Which residuals XLA stores for the backward (`_cost/_residuals.py`, `stored_residuals`), held
 against the compiled program's buffer assignment (`memory_analysis()`).
 
 A GELU MLP is the case that matters: the jaxpr's linearization keeps six [N, F] tensors of

@@ -137,7 +137,7 @@ def test_a_recomputed_layer_holds_its_combined_all_reduces_copy():
     # The hidden dim split under remat: every projection of it is a partial sum. A
     # recomputed layer's all-reduces depend on its input alone, and XLA's combiner joins
     # them with the backward's, copying their operands into one buffer at the recompute:
-    # the step's peak (`_cost/_tables.combined_copies`), 0.78x the GPU's without it.
+    # the step's peak (`_cost/_buffers.combined_copies`), 0.78x the GPU's without it.
     spec = get_model("gpt2-xl", layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512,
                      dtype="float32")  # fmt: skip
     step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()

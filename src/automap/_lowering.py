@@ -45,7 +45,7 @@ class Lowering:
     multi_output_fusion: bool = True
     """Whether XLA reduces a tensor inside the kernel that writes it (its GPU pipeline's
     producer-consumer multi-output fusion and Triton softmax fusion; the CPU one, False, runs
-    each reduction as its own loop that reads the tensor back: `_cost._tables._fused_bytes`).
+    each reduction as its own loop that reads the tensor back: `_cost._fusion.fused_bytes`).
     Time only, never bytes moved or held. Found in 57fb133 (the CPU HLO shows the read);
     held by tests/test_fusion.py
     (test_a_reduction_reads_back_what_its_producer_wrote_only_where_xla_does)."""
@@ -69,7 +69,7 @@ class Lowering:
     reassociates_all_reduce: bool = True
     """Whether XLA adds partial sums before it all-reduces them: two partial sums that
     would be all-reduced alike and are then added become one all-reduce of their sum
-    (`_cost._tables.summed_partials`: the input gradient of separate Q, K, V projections
+    (`_cost._rows.summed_partials`: the input gradient of separate Q, K, V projections
     under tensor parallelism). XLA's GPU pipeline does (its all-reduce reassociation, read
     on compile-only GPUs, `_verify/_gpu.py`); the CPU one, False, all-reduces each. Found
     in e38d629 (a 2-layer GPT at tp 8 moved 29-40% fewer model-axis bytes than priced);

@@ -29,6 +29,6 @@ from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
 from ._pipelined import zero_leaves as zero_leaves
-from ._tables import RowTable as RowTable
-from ._tables import stored_residuals as stored_residuals
-from ._tables import zero_shares as zero_shares
+from ._residuals import stored_residuals as stored_residuals
+from ._rows import RowTable as RowTable
+from ._zero_terms import zero_shares as zero_shares

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._lowering import Lowering
 from . import _collectives as C
-from ._tables import RowTable
+from ._rows import RowTable
 
 
 @dataclasses.dataclass

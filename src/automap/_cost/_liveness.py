@@ -7,9 +7,9 @@ activation and every gradient (read on compile-only A100s, where that sum was 1.
 buffers on ReLU MLPs whose gradients are not reduced, and 1.3-1.6x on transformers under
 rematerialization, whose loss' residuals are gone before any layer is recomputed).
 
-A buffer here is a tensor XLA writes to memory (`_tables.in_memory_tensors`), alive from
+A buffer here is a tensor XLA writes to memory (`_fusion.in_memory_tensors`), alive from
 the op that makes it to its last reader in program order (the jaxpr's: forward, then the
-backward in reverse layer order); `_tables.step_buffers` lists them: a residual XLA keeps
+backward in reverse layer order); `_buffers.step_buffers` lists them: a residual XLA keeps
 in place of one it remakes lives until the remade one's last reader, a recomputed layer's
 residuals live in the first forward and again from the layer's backward on, and two
 copies a convolutional net's GPU program makes are buffers too. Parameters, optimizer

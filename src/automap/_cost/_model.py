@@ -9,7 +9,7 @@ numpy operations over those tables:
 - compute: per op, flops / divisor / (peak x matmul efficiency) for dot/conv, bytes /
   divisor / (HBM bandwidth x memory efficiency) for the rest, where an op that XLA fuses
   (elementwise, layout, reductions) only pays for the tensors entering or leaving its
-  fusion (`_tables._fused_bytes`: broadcasts such as a causal mask are regenerated in
+  fusion (`_fusion.fused_bytes`: broadcasts such as a causal mask are regenerated in
   each fusion, never written; on GPUs a reduction runs in the kernel that writes its
   operand, `Lowering.multi_output_fusion`); ops sharing an iteration set are summed ahead
   of time, so compute is one dot product;
@@ -35,7 +35,7 @@ numpy operations over those tables:
   (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
   reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
   The ops ZeRO pins (the update, and a gradient whose iteration space the data axis does
-  not already split) compute on the device's data shard (`_tables.zero_shares`).
+  not already split) compute on the device's data shard (`_zero_terms.zero_shares`).
   Checked against XLA's HLO and `cost_analysis()`;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
   the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
@@ -76,10 +76,13 @@ from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from . import _kernel as K
+from ._compute import op_compute
 from ._liveness import Moments
 from ._outputs import held_bytes
 from ._pipelined import estimate_pipeline
-from ._tables import RowTable, build_tables, op_compute, stored_residuals
+from ._residuals import stored_residuals
+from ._rows import RowTable
+from ._tables import build_tables
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -555,7 +558,7 @@ def busiest_moment(
     """(gradients, the rest, outputs) of what a scheduled step holds besides its arguments
     at its peak (`_liveness.py`): the busiest candidate moment, with the `reduced`
     gradients' share made by then held for their reduction (and `copies`, per moment, of a
-    recomputed layer's partial sums: `_tables.combined_copies`; `outputs`, per moment, the
+    recomputed layer's partial sums: `_buffers.combined_copies`; `outputs`, per moment, the
     outputs held apart from the arguments made by then: `_outputs.py`); or the reduction
     itself, the gradients and the `copy` it writes (`reduction_copy`), beside the `early`
     outputs (those no update op makes, a loss)."""

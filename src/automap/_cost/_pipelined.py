@@ -62,8 +62,8 @@ from .._pipeline import (
 )
 from .._plan import Collective, Cost, Plan
 from . import _collectives as C
+from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
-from ._tables import op_compute
 from ._traffic import (
     Layouts,
     Sends,

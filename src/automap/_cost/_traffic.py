@@ -35,8 +35,8 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
+from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
-from ._tables import FUSIBLE
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 

@@ -1,0 +1,163 @@
+"""The buffers of a one-stage step, as XLA's GPU pipeline holds them, for its peak memory.
+
+`_liveness.py` finds the moments a step's buffers peak at; this module says which buffers
+there are: each tensor XLA writes to memory (`_fusion.in_memory_tensors`), from its maker
+to its last reader, the residuals it stores standing in for those it makes again
+(`_residuals.stand_in_map`), a recomputed layer's residuals twice, and the copies XLA
+makes that no tensor of the jaxpr shows (a convolution's relaid input, a combined
+all-reduce's operands). Each was read in the buffer assignment of compile-only A100s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from .._capture import Residuals
+from .._graph import Graph
+from .._lowering import Lowering
+from ._fusion import EXPENSIVE, FUSIBLE, in_memory_tensors
+from ._liveness import Buffers
+from ._residuals import stand_in_map
+from ._rows import CandidateRow, RowTable, row_table
+
+
+def step_buffers(
+    graph: Graph, res: Residuals, consumers, remat: bool, lowering: Lowering
+) -> Buffers:
+    """The buffers of a one-stage step as XLA's GPU pipeline keeps them (`_liveness.py`):
+    what it writes to memory, each from its maker to its last reader; with
+    `lowering.remakes_residuals` a stored residual until the last reader of those it
+    stands in for (`stored_residuals`), else the jaxpr's residuals. Under `remat`
+    a layer's residuals live twice: in the first forward until its last forward reader,
+    and again from the backward's first read of any of them (JAX emits a layer's
+    recompute as one block before its backward; each layer's first and last forward op and
+    that moment are its `blocks`). With the copies of a convolutional net
+    (`convolution_copies`)."""
+    last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
+    birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
+    # the backward's first read of each tensor or of one it stands in for
+    first = np.array([min((x for x in c if x > res.boundary), default=-1) for c in consumers])
+
+    remade = lowering.remakes_residuals
+    stored = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
+
+    def stand_ins(saved: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for r in saved:
+            for t in stored(r):
+                out.add(t)
+                last[t] = max(last[t], last[r])
+                if first[r] >= 0:
+                    first[t] = first[r] if first[t] < 0 else min(first[t], first[r])
+        return out
+
+    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
+    kept = stand_ins(t for t in (res.saved_remat if remat else res.saved) if t not in layered)
+    recomputed: list[int] = []
+    blocks = []
+    for ts in res.layer_saved if remat else ():
+        again = sorted(stand_ins(ts) - kept)
+        reads = first[again][first[again] >= 0]
+        if len(reads):
+            birth[again] = reads.min()
+            made = [graph.tensors[t].producer for t in ts]
+            blocks.append((min(made), max(made), reads.min()))
+        recomputed += again
+    in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
+    outputs = {leaf.tensor for leaf in graph.outputs}
+    ids = [
+        t.id
+        for t in graph.tensors
+        if t.producer is not None
+        and in_memory[t.id]
+        and t.id not in outputs
+        and t.nbytes
+        and last[t.id] >= 0
+    ]
+    rows = [(t, birth[t], max(last[t], birth[t])) for t in ids]
+    if recomputed:
+        # the first forward makes them too, each dead after its last forward reader
+        written = in_memory_tensors(graph, sorted(kept))
+        for t in recomputed:
+            reads = [c for c in consumers[t] if c <= res.boundary]
+            if reads and written[t]:
+                rows.append((t, graph.tensors[t].producer, max(reads)))
+    rows += convolution_copies(graph, consumers)
+    tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    width = np.array([_held_wide(graph, consumers, t) for t in tensor], dtype=float)
+    block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+    return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class CombinedCopies:
+    """The partial sums a recomputed layer all-reduces, each at its layer's recompute
+    moment (`combined_copies`)."""
+
+    rows: RowTable  # partial-sum rows of recomputed ops (not gradients), one per op
+    moment: np.ndarray  # [rows] index into `Moments.at` of the row's layer's recompute
+
+
+def combined_copies(
+    rows: list[CandidateRow], blocks: np.ndarray, at: np.ndarray, pad_group: int, empty_set: int
+) -> CombinedCopies | None:
+    """A recomputed layer's activation all-reduces (a row-parallel matmul's partial sums)
+    depend on the layer's input alone, not on the backward's, and XLA's all-reduce combiner
+    joins them with the backward's own: a combined all-reduce first copies its operands into
+    one buffer (its result then reuses that buffer, as a lone all-reduce reuses its
+    operand's). So at the layer's recompute the step holds its partial sums twice (read in
+    the buffer assignment on compile-only A100s: transformer plans under remat with split
+    matmuls peaked at that copy, 0.78-0.84x priced without it). `blocks`: per layer, first
+    and last forward op and its recompute moment (`Buffers.blocks`), one of `at`."""
+    keep, moment = [], []
+    for r in rows:
+        hit = np.flatnonzero((blocks[:, 0] <= r.op) & (r.op <= blocks[:, 1]))
+        if len(hit):
+            keep.append(r)
+            moment.append(int(np.searchsorted(at, blocks[hit[0], 2])))
+    if not keep:
+        return None
+    return CombinedCopies(
+        rows=row_table(keep, pad_group, empty_set), moment=np.array(moment, dtype=np.int64)
+    )
+
+
+def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
+    """(tensor, birth, death) of two copies XLA's GPU pipeline makes in a convolutional
+    net (read on compile-only A100s, VGG): each step input a convolution reads (a kernel,
+    the images) copied once to the layout cuDNN takes and kept for every convolution
+    reading it, the backward's too; and the pooled tensor of a max pool, whose backward
+    scatters in place into a copy that XLA's copy insertion makes where the tensor is."""
+    rows = []
+    for leaf in graph.inputs:
+        conv = [c for c in consumers[leaf.tensor] if graph.ops[c].primitive == CONV]
+        if conv and graph.tensors[leaf.tensor].ndim == 4:
+            rows.append((leaf.tensor, min(conv), max(conv)))
+    for op in graph.ops:
+        pooled = graph.tensors[op.inputs[1]] if op.primitive == "select_and_scatter_add" else None
+        if pooled is not None and pooled.producer is not None:
+            rows.append((pooled.id, pooled.producer, op.index))
+    return rows
+
+
+CONV = "conv_general_dilated"
+
+
+def _held_wide(graph: Graph, consumers, t: int) -> float:
+    """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
+    transcendental function (`EXPENSIVE`) of 16-bit floats in float32, and where only
+    fusible ops read the result, it keeps that float32 value for them (excess precision:
+    GELU's tanh is stored for the backward in float32, read on compile-only A100s)."""
+    x = graph.tensors[t]
+    p = x.producer
+    if (
+        p is None
+        or graph.ops[p].primitive not in EXPENSIVE
+        or x.dtype not in ("bfloat16", "float16")
+        or not all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+    ):
+        return 1.0
+    return 4.0 / x.itemsize

@@ -1,0 +1,216 @@
+"""XLA's fusion, as the cost model charges it: which tensors a fused step writes to memory
+and what each kernel reads and writes.
+
+XLA fuses elementwise chains, layout changes and reductions into kernels, so only tensors
+entering or leaving a kernel touch HBM: a memory-bound op's time is its kernel's traffic,
+not its own operands' (`fused_bytes`), and the buffers a step holds are the tensors its
+kernels write (`in_memory_tensors`, which `_buffers.py` and `_residuals.py` build on). The
+rules are XLA's fusion passes', read in its HLO (tests/test_fusion.py holds them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .._graph import Graph
+from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
+from .._lowering import Lowering
+
+# Ops XLA fuses into loops over their operands (elementwise chains, layout changes,
+# reductions as fusion roots): only tensors entering or leaving a fusion touch HBM.
+FUSIBLE = (
+    ELEMENTWISE
+    | FREE
+    | REDUCE_SUM_LIKE
+    | {
+        "transpose",
+        "concatenate",
+        "pad",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "rev",
+        "split",
+        "argmax",
+        "argmin",
+    }
+)
+
+
+# Elementwise ops XLA's fusion pass will not duplicate into a second consumer
+# (`InstructionFusion::IsExpensive`: transcendental functions and float division): their
+# result is written once and read back by every kernel that needs it.
+EXPENSIVE = frozenset(
+    """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
+    exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
+)
+
+
+def fused_bytes(
+    graph: Graph, saved: Iterable[int], ops: set[int] | None, lowering: Lowering
+) -> np.ndarray:
+    """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours.
+
+    A tensor is written to memory when it must be: read by an op that cannot fuse, a step
+    output, kept for the backward (`saved`), or a reduction's result. Each such write ends
+    a kernel, whose root op is charged the kernel's traffic: what it writes, and the
+    in-memory tensors its fused producers read (its cone, up to tensors in memory). A
+    producer that two kernels need is fused into both, as XLA does, so what it reads is
+    read twice (softmax's backward reads its incoming gradient before and after the
+    row sum); ops inside a cone are charged nothing of their own.
+
+    Two rules of XLA's fusion passes refine "must be written":
+    - a broadcast (or iota, or elementwise work on those alone) is never written out, even
+      when the backward reads it (a causal mask): every fusion that reads it regenerates it
+      from its small operand (`_regenerated`; checked on XLA's CPU HLO in tests/test_fusion.py);
+    - with `lowering.multi_output_fusion` (XLA's GPU pipeline: producer-consumer
+      multi-output fusion, and the Triton normalization-diamond fusion on Ampere and
+      later), a reduction of a tensor that its elementwise producer writes anyway (kept for
+      backward, read by another kernel) runs in the producer's kernel: it does not read
+      that tensor back (softmax's exp(x - max) is written once and summed in the same pass).
+
+    Only `ops` run, all where None (XLA removes dead code; a first forward under
+    rematerialization runs without the backward, whose reads the recompute serves)."""
+    ops = set(range(len(graph.ops))) if ops is None else ops
+    fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
+    in_memory = in_memory_tensors(graph, saved, ops)
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    out = np.zeros(len(graph.ops))
+    for op in graph.ops:
+        written = [t for t in op.outputs if in_memory[t]]
+        if not fusible[op.index] or not written:
+            continue  # not a kernel's root: its work is charged to the roots it feeds
+        read = _cone_reads(graph, op, in_memory, fusible)
+        if lowering.multi_output_fusion and op.primitive in REDUCE_SUM_LIKE:
+            read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
+        out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
+    return out
+
+
+def in_memory_tensors(
+    graph: Graph, saved: Iterable[int], ops: set[int] | None = None
+) -> np.ndarray:
+    """Which tensors XLA writes to memory once it has fused the fusible ops (`fused_bytes`
+    gives the rules): per tensor, True where a kernel writes it (or it is a step input)."""
+    ops = set(range(len(graph.ops))) if ops is None else ops
+    fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
+    regen = _regenerated(graph, fusible)
+    in_memory = np.zeros(len(graph.tensors), dtype=bool)
+    for t in graph.tensors:
+        p = t.producer
+        in_memory[t.id] = p is None or not fusible[p] or graph.ops[p].primitive in REDUCE_SUM_LIKE
+    for op in graph.ops:
+        if not fusible[op.index] and op.index in ops:
+            in_memory[list(op.inputs)] = True
+    in_memory[[leaf.tensor for leaf in graph.outputs]] = True
+    in_memory[[t for t in saved if not regen[t]]] = True
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    return _materialize_shared(graph, in_memory, fusible, regen, nbytes)
+
+
+def _materialize_shared(
+    graph: Graph, in_memory: np.ndarray, fusible: list[bool], regen: np.ndarray, nbytes: np.ndarray
+) -> np.ndarray:
+    """Where a fused producer feeds k kernels, XLA either fuses it into all of them (each
+    reads what it reads, L bytes) or writes its result (X bytes) once for all to read: it
+    picks the cheaper, as its priority fusion weighs the two, so the result is written when
+    (k - 1) L > (k + 1) X (a residual stream read by a layer norm's kernels and the next
+    residual add is written; a convert feeding a softmax gradient's two kernels is not).
+    Iterated to a fixed point: each write makes new kernel roots upstream."""
+    in_memory = in_memory.copy()
+    for _ in range(4):
+        kernels = _kernels_reading(graph, in_memory, fusible)
+        changed = False
+        for op in graph.ops:
+            if not fusible[op.index]:
+                continue
+            pending = [t for t in op.outputs if not in_memory[t] and not regen[t]]
+            k = max((len(kernels[t]) for t in pending), default=0)
+            if k < 2:
+                continue
+            reads = nbytes[sorted(_cone_reads(graph, op, in_memory, fusible))].sum()
+            for t in pending:
+                k = len(kernels[t])
+                if (k - 1) * reads > (k + 1) * nbytes[t]:
+                    in_memory[t] = changed = True
+        if not changed:
+            break
+    return in_memory
+
+
+def _kernels_reading(graph: Graph, in_memory: np.ndarray, fusible: list[bool]) -> list:
+    """Per tensor not in memory, the kernel roots (ops writing a tensor to memory) whose
+    fused cone computes it."""
+    roots: list = [frozenset()] * len(graph.tensors)
+    for op in reversed(graph.ops):
+        if not fusible[op.index]:
+            continue
+        mine = {op.index} if any(in_memory[t] for t in op.outputs) else set()
+        for o in op.outputs:
+            if not in_memory[o]:
+                mine |= roots[o]
+        for t in op.inputs:
+            if not in_memory[t]:
+                roots[t] = roots[t] | mine
+    return roots
+
+
+def _cone_reads(graph: Graph, root, in_memory: np.ndarray, fusible: list[bool]) -> set[int]:
+    """The in-memory tensors a kernel rooted at `root` reads: walking its operands back
+    through fused producers (tensors not in memory) to tensors that are."""
+
+    def through(t: int) -> Iterable[int] | None:
+        p = graph.tensors[t].producer
+        return None if in_memory[t] or p is None or not fusible[p] else graph.ops[p].inputs
+
+    return walk_back(root.inputs, through)
+
+
+def walk_back(start: Iterable[int], through) -> set[int]:
+    """The tensors where a walk back from `start` stops: `through(t)` gives the tensors to
+    walk on to in t's place (its producer's operands; empty: drop t), or None to stop at
+    t and keep it."""
+    out, seen, todo = set(), set(), list(start)
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        further = through(t)
+        if further is None:
+            out.add(t)
+        else:
+            todo.extend(further)
+    return out
+
+
+# Ops whose result XLA recomputes inside every fusion that reads it, from operands no
+# larger than the result's own regenerated inputs.
+_GENERATORS = frozenset({"broadcast_in_dim", "iota"})
+
+
+def _regenerated(graph: Graph, fusible: list[bool]) -> np.ndarray:
+    """Tensors made by broadcasts/iotas and elementwise ops on those (and on scalars) alone:
+    XLA fuses them into each consumer rather than materializing them."""
+    regen = np.zeros(len(graph.tensors), dtype=bool)
+    for op in graph.ops:
+        if not fusible[op.index]:
+            continue
+        if op.primitive in _GENERATORS:
+            ok = True
+        elif op.primitive in ELEMENTWISE:
+            ok = all(regen[t] or graph.tensors[t].ndim == 0 for t in op.inputs)
+        else:
+            ok = False
+        if ok:
+            regen[list(op.outputs)] = True
+    return regen
+
+
+def _written_alongside(graph: Graph, t: int) -> bool:
+    """Whether a reduction of t can run inside the kernel that writes t: t comes from an
+    elementwise op (a loop fusion, the root of a multi-output fusion with the reduction)."""
+    p = graph.tensors[t].producer
+    return p is not None and graph.ops[p].primitive in ELEMENTWISE

@@ -1,0 +1,157 @@
+"""Which of the backward's residuals XLA stores, and which it makes again.
+
+The jaxpr says what the backward reads from the forward (`Residuals`); XLA stores less: a
+residual its fusion can make again cheaply in each reader (an elementwise chain's result)
+is never written, and the operands it is made from are stored in its place
+(`stored_residuals`). The activations a plan keeps, and the buffers it holds
+(`_buffers.step_buffers`), are those stored ones (`kept_residuals`), read on compile-only
+A100s; tests/test_residual_memory.py holds the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .._capture import Residuals
+from .._graph import Graph
+from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
+from .._lowering import Lowering
+from ._fusion import EXPENSIVE, FUSIBLE, walk_back
+
+
+def stored_residuals(
+    graph: Graph, saved: Iterable[int], lowering: Lowering, consumers=None
+) -> tuple[int, ...]:
+    """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
+
+    A residual made by a cheap elementwise or layout op (not `EXPENSIVE`) that only fusible
+    ops read is never written: XLA fuses its producer into each of its readers, the
+    forward's and the backward's, and makes it again there from the producer's operands,
+    which are stored in its place (recursively: GELU's polynomial chain is made again from
+    the matmul output and the tanh). Residuals an unfusible op reads (a matmul's operand),
+    expensive results and reductions stay stored. With `lowering.remakes_residuals` (XLA's
+    GPU pipeline), a row normalization's expensive results are made again too
+    (`_normalizes`), and a residual converted back to the type it was narrowed from is read
+    as its wider source (`_widened_source`), which is stored or made again in turn."""
+    consumers = graph.consumers() if consumers is None else consumers
+    start = list(saved)
+    if lowering.remakes_residuals:
+        start += [u for t in start if (u := _widened_source(graph, consumers, t)) is not None]
+    return tuple(sorted(walk_back(start, lambda t: _remade_from(graph, consumers, t, lowering))))
+
+
+def kept_residuals(
+    graph: Graph, res: Residuals, lowering: Lowering, consumers
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What one program keeps for its backward, without and with rematerialization.
+
+    With `lowering.remakes_residuals` (XLA's GPU pipeline) the residuals XLA
+    stores (`stored_residuals`) of the jaxpr's: of every residual without remat; with it,
+    of those no layer recomputes and the layer inputs, and of the largest layer's (made
+    again by its recompute, alive in its backward). Without, the jaxpr's sets."""
+    if not lowering.remakes_residuals:
+        return res.saved, res.saved_remat
+    layered = {t for ts in res.layer_saved for t in ts}
+    once = [t for t in res.saved_remat if t not in layered]
+    again = [t for t in res.saved_remat if t in layered]
+    remat = set(stored_residuals(graph, once, lowering, consumers))
+    remat |= set(stored_residuals(graph, again, lowering, consumers))
+    return stored_residuals(graph, res.saved, lowering, consumers), tuple(sorted(remat))
+
+
+def stand_in_map(graph: Graph, consumers, lowering: Lowering):
+    """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
+    in its place (r itself, or the operands it is made again from; and its wider source's
+    where a reader converts it back, `_widened_source`)."""
+    memo: dict[int, frozenset[int]] = {}
+
+    def stored(r: int) -> frozenset[int]:
+        todo = [r]
+        while todo:
+            t = todo[-1]
+            if t in memo:
+                todo.pop()
+                continue
+            further = _remade_from(graph, consumers, t, lowering)
+            if further is None:
+                memo[t] = frozenset((t,))
+            elif all(i in memo for i in further):
+                memo[t] = frozenset().union(*(memo[i] for i in further))
+            else:
+                todo.extend(i for i in further if i not in memo)
+                continue
+            todo.pop()
+        return memo[r]
+
+    def stored_or_widened(r: int) -> frozenset[int]:
+        u = _widened_source(graph, consumers, r)
+        return stored(r) if u is None else stored(r) | stored(u)
+
+    return stored_or_widened
+
+
+_CHEAP = ELEMENTWISE | FREE
+
+
+def _remade_from(graph: Graph, consumers, t: int, lowering: Lowering) -> list[int] | None:
+    """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
+    p = graph.tensors[t].producer
+    if p is None:
+        return []  # a step input: stored as such, not an activation
+    op = graph.ops[p]
+    remade = (
+        op.primitive in _CHEAP
+        and (
+            op.primitive not in EXPENSIVE or (lowering.remakes_residuals and _normalizes(graph, t))
+        )
+        and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+    )
+    return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
+
+
+def _normalizes(graph: Graph, t: int, depth: int = 8) -> bool:
+    """Whether t is part of a row normalization (a softmax's exp or division): made by
+    elementwise and layout ops from a reduction over a tensor's last axis, within `depth`
+    ops. XLA's GPU pipeline fuses such a chain, its reductions included, into one Triton
+    kernel that it also fuses into each reader, so an expensive op there is made again from
+    the chain's input like a cheap one (read on compile-only A100s: the backward of a
+    softmax reads the scores, not the probabilities it made in the forward)."""
+    todo, seen = [(t, 0)], set()
+    while todo:
+        x, d = todo.pop()
+        p = graph.tensors[x].producer
+        if p is None or x in seen or d > depth:
+            continue
+        seen.add(x)
+        op = graph.ops[p]
+        if op.primitive in REDUCE_SUM_LIKE:
+            operand = graph.tensors[op.inputs[0]]
+            if tuple(op.params.get("axes", ())) == (operand.ndim - 1,):
+                return True
+        elif op.primitive in _CHEAP:
+            todo.extend((i, d + 1) for i in op.inputs if graph.tensors[i].ndim)
+    return False
+
+
+def _widened_source(graph: Graph, consumers, t: int) -> int | None:
+    """u, where t narrows float u (a convert to 16 bits) and a reader of t converts it back
+    to u's type: XLA, allowed excess precision (its default), drops the round trip, so that
+    reader reads u itself (a mixed-precision softmax's backward reads its float32 result,
+    not the 16-bit probabilities, read on compile-only A100s). Else None."""
+    p = graph.tensors[t].producer
+    if p is None or graph.ops[p].primitive != "convert_element_type":
+        return None
+    u = graph.ops[p].inputs[0]
+    wide, narrow = graph.tensors[u], graph.tensors[t]
+    if not (_is_float(wide.dtype) and _is_float(narrow.dtype)) or narrow.itemsize >= wide.itemsize:
+        return None
+    back = any(
+        graph.ops[c].primitive == "convert_element_type"
+        and graph.tensors[graph.ops[c].outputs[0]].dtype == wide.dtype
+        for c in consumers[t]
+    )
+    return u if back else None
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith("float") or dtype == "bfloat16"

@@ -1,0 +1,356 @@
+"""The tables' candidate collectives: one row per op output whose reduced groups may be
+split (a partial sum to all-reduce) and per input dim an op may need laid out otherwise
+than its tensor is (a reshard), each happening when a plan puts an axis there.
+
+Rows are found op by op, loop bodies included (`candidate_rows`), then merged where their
+structure is identical (`RowTable.merged`: summing bytes and occurrences, as collective
+times are linear in both). `_kernel.py` prices them under a plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+
+import numpy as np
+
+from .._graph import Graph
+from .._groups import ARG_REDUCE, LOOPS, body_tensor_groups, rule
+from ._sets import SetIndex
+
+
+class CandidateRow(NamedTuple):
+    """One candidate collective as the tables are built (see `RowTable` for each field);
+    `_rows` turns a list of them into the table's arrays."""
+
+    group: list[int]
+    small: list[int]
+    tset: int
+    tsmall: int
+    other: int
+    untied: bool
+    nbytes: float
+    grad: bool
+    op: int
+    peer: int
+    count: float = 1.0  # occurrences per step (a loop body's: its trips)
+    combine: int = 0  # a loop body's gradient row: its body's slot (`Tables.combine_trips`)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTable:
+    """Candidate collectives, one row each: they happen when `group`'s axis calls for it.
+
+    Partial-sum rows (one per op output) hold the op's reduced groups in `group` as a
+    padded [rows, KR] matrix with `small` alongside: the axes of the groups that are split
+    end up in the collectives the backend compiles (`_kernel.partial_rows`: one joint
+    all-reduce on GPUs, one per axis chained on the CPU). Reshard rows (one per input dim)
+    have a single column."""
+
+    group: np.ndarray  # [rows, KR] the group(s) whose split triggers the row
+    small: np.ndarray  # [rows, KR] set of the op's groups with a smaller id (they win an axis)
+    tset: np.ndarray  # set of the tensor moved (bytes are divided by its sharding)
+    tsmall: np.ndarray  # reshard: set of the tensor's groups with a smaller id
+    other: np.ndarray  # reshard: the tensor's other groups the op keeps (all-to-all test)
+    untied: np.ndarray  # reshard: the op needs this dim whole
+    # reshard: a seam's other side (`Seam`): the row is idle when that set holds the axis,
+    # since the flatten then keeps the split; the empty set for every other row.
+    peer: np.ndarray
+    nbytes: np.ndarray  # unsharded bytes of the tensor, summed over merged rows
+    count: np.ndarray  # occurrences merged into the row
+    grad: np.ndarray  # the result has a parameter's layout: a gradient collective
+    op: np.ndarray  # op index (the first one, for merged rows)
+    # A loop body's gradient partial sum (a result with a parameter's layout): its body's
+    # slot, whose rows of one (kind, axes) XLA combines into one collective per trip; 0
+    # for every other row (top-level gradients combine once per step through `grad`).
+    combine: np.ndarray
+
+    def merged(self) -> RowTable:
+        if len(self.tset) == 0:
+            return self
+        kr = self.group.shape[1]
+        # Bytes per occurrence are part of the key: each occurrence picks the cheaper of ring
+        # and tree for its own size, and rows of one size merged keep that choice exact
+        # (merging sizes would price their sum, which is never cheaper).
+        per_occurrence = np.rint(self.nbytes / np.maximum(self.count, 1)).astype(np.int64)
+        cols = [
+            self.tset,
+            self.tsmall,
+            self.other,
+            self.untied,
+            self.grad,
+            self.peer,
+            self.combine,
+            per_occurrence,
+        ]
+        keys = np.concatenate(
+            [self.group, self.small, np.stack([c.astype(np.int64) for c in cols], axis=1)], axis=1
+        )
+        uniq, first, inv = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        n = len(uniq)
+        rest = uniq[:, 2 * kr :]
+        return RowTable(
+            group=uniq[:, :kr],
+            small=uniq[:, kr : 2 * kr],
+            tset=rest[:, 0],
+            tsmall=rest[:, 1],
+            other=rest[:, 2],
+            untied=rest[:, 3].astype(bool),
+            grad=rest[:, 4].astype(bool),
+            peer=rest[:, 5],
+            combine=rest[:, 6],
+            nbytes=np.bincount(inv, self.nbytes, minlength=n),
+            count=np.bincount(inv, self.count, minlength=n),
+            op=self.op[first],
+        )
+
+
+def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
+    """Rows as arrays; the group and small lists padded to one width (pad: never split)."""
+    kr = max([1] + [len(r.group) for r in rows])
+    group = np.full((len(rows), kr), pad_group, dtype=np.int64)
+    small = np.full((len(rows), kr), empty_set, dtype=np.int64)
+    for i, r in enumerate(rows):
+        group[i, : len(r.group)] = r.group
+        small[i, : len(r.small)] = r.small
+
+    def column(field: str, dtype: type) -> np.ndarray:
+        return np.array([getattr(r, field) for r in rows], dtype=dtype)
+
+    return RowTable(
+        group=group,
+        small=small,
+        tset=column("tset", np.int64),
+        tsmall=column("tsmall", np.int64),
+        other=column("other", np.int64),
+        untied=column("untied", bool),
+        nbytes=column("nbytes", float),
+        count=column("count", float),
+        grad=column("grad", bool),
+        op=column("op", np.int64),
+        peer=column("peer", np.int64),
+        combine=column("combine", np.int64),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBuilder:
+    """The candidate collectives of one step as `candidate_rows` finds them, and what it
+    needs to find them."""
+
+    sets: SetIndex
+    ng: int  # number of groups (a body's groups are numbered past them, `body_tensor_groups`)
+    wide: int  # `Lowering.collective_float_bytes`
+    recomputed: Collection[int]  # top-level ops rematerialization recomputes
+    # A seam's input batch dim is untied from its output's, but moves only when the two
+    # sides' axes differ: the other side is the row's peer (and, being the same logical
+    # dim, never takes the axis from it as another of the op's groups would).
+    after: Mapping[tuple[int, int], int]  # (op, group before the seam) -> group after it
+    empty: int  # the empty set's id
+    partial: list[CandidateRow] = dataclasses.field(default_factory=list)
+    # a top-level op's output -> its partial-sum row
+    partial_row: dict[int, int] = dataclasses.field(default_factory=dict)
+    reshard: dict[tuple, CandidateRow] = dataclasses.field(default_factory=dict)
+    # the recomputed ops' own reshards (XLA cannot reuse them)
+    reshard_again: dict[tuple, CandidateRow] = dataclasses.field(default_factory=dict)
+    # Combined collective slots: the step's gradients (0), then each loop body with
+    # gradient rows, with its trips per step.
+    slots: dict[tuple, tuple[int, float]] = dataclasses.field(
+        default_factory=lambda: {(): (0, 1.0)}
+    )
+
+
+class At(NamedTuple):
+    """Where an op's collectives happen: `scale` times per step; `scope` tells a loop
+    body's tensors apart (() at the top level); `row_op` the top-level op they belong to.
+    `hoist[t]`: (outer tensor, its scope, its scale) of a body tensor that is the same on
+    every trip, whose reshard XLA hoists out of the loop (and shares, as CSE). `params`:
+    the sets of the graph's tensors with a parameter's layout (in a body: those bound to
+    such a tensor outside)."""
+
+    scale: float
+    scope: tuple
+    row_op: int
+    hoist: Mapping
+    params: Collection[int]
+
+
+def comm_bytes(g: Graph, t: int, wide: int) -> float:
+    """Bytes a collective moves for tensor t of g (16-bit floats widened to `wide` bytes
+    where the backend widens them, see Lowering.collective_float_bytes)."""
+    x = g.tensors[t]
+    if wide and x.dtype in ("bfloat16", "float16") and x.itemsize < wide:
+        return x.size * wide
+    return x.nbytes
+
+
+def candidate_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, at: At) -> None:
+    """Adds to `rb` the candidate collectives of op (of graph g, its dims' groups `tgs`,
+    its tensors' sets `tsets`), happening as `at` says, and its loop bodies' ops'."""
+    split = rb.sets.split
+    r = rule(op, g)
+    outs = {x for o in op.outputs for x in tgs[o] if split[x]}
+    red = {x for t, d in r.reduced if split[x := tgs[t][d]]} - outs
+    it = outs | red
+    looped = op.primitive in LOOPS and g.bodies.get(op.index)
+    if red:
+        _partial_rows(rb, op, g, tsets, sorted(red), it, at)
+    _reshard_rows(rb, op, g, tgs, tsets, it, looped, at)
+    if looped:
+        _body_rows(rb, op, g, tgs, tsets, looped, at)
+
+
+def _partial_rows(rb: RowBuilder, op, g: Graph, tsets, gs: list[int], it: set[int], at: At):
+    """One partial-sum row per output of op, whose reduced groups `gs` (of its iteration
+    space `it`) may be split."""
+    small = [rb.sets.of(x for x in it if x < h) for h in gs]
+    for o in op.outputs:
+        nb = comm_bytes(g, o, rb.wide) * at.scale
+        grad = tsets[o] in at.params
+        # A body's gradient partial sums are combined per trip, not per step
+        # (checked on XLA's CPU HLO in tests/test_loops.py).
+        slot = (
+            rb.slots.setdefault(at.scope, (len(rb.slots), at.scale))[0] if grad and at.scope else 0
+        )
+        if not at.scope:
+            rb.partial_row[o] = len(rb.partial)
+        rb.partial.append(
+            CandidateRow(
+                gs,
+                small,
+                tsets[o],
+                0,
+                0,
+                False,
+                nb,
+                grad and not at.scope,
+                at.row_op,
+                rb.empty,
+                at.scale,
+                slot,
+            )
+        )
+
+
+def _reshard_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, it: set[int], looped, at: At):
+    """One reshard row per input dim of op the op may need laid out otherwise than its
+    tensor is (`it`: the op's iteration space; `looped`: its bodies, for a loop)."""
+    split, sid = rb.sets.split, rb.sets.of
+    # A loop's operands cross into its bodies, which say what they need (below): only
+    # dims no body sees (a scan's stacked dim) are the loop's own to keep whole.
+    bound: set[tuple[int, int]] = set()
+    for body in looped or ():
+        for u, inner, off in body.binds:
+            bound.update((u, d + off) for d in range(body.graph.tensors[inner].ndim))
+    for u in dict.fromkeys(op.inputs):
+        ugs = {x for x in tgs[u] if split[x]}
+        for d, h in enumerate(tgs[u]):
+            if not split[h] or (u, d) in bound:
+                continue
+            # A dim no body sees is a scan's stacked dim, sliced per trip: XLA gathers
+            # it whole for the loop even when a result (the stacked gradient) keeps it.
+            untied = h not in it or bool(looped)
+            seam = rb.after.get((op.index, h)) if not at.scope else None
+            # A loop's "iteration space" is every group it carries (dozens: one set of
+            # them is an ILP scope of 3^dozens options); its stacked dim is gathered
+            # whatever the others hold, so only the operand's own groups compete.
+            rivals = it & ugs if looped else it
+            op_small = {x for x in rivals if x < h and x != seam}
+            if not untied and op_small <= ugs:
+                continue  # the op drops the axis exactly where the tensor does
+            peer = rb.empty if seam is None else sid((seam,))
+            # XLA gathers a loop's operand for that loop (checked: a stacked weight split
+            # on its layer dim is gathered once per scan reading it, not shared).
+            where, ukey, times = (*at.scope, op.index) if looped else at.scope, u, at.scale
+            if u in at.hoist and not looped:
+                ukey, where, times = at.hoist[u]
+            key = (where, ukey, d, untied, sid(op_small), sid((ugs & it) - {h}), peer)
+            if key not in rb.reshard:
+                small_u = sid(x for x in ugs if x < h)
+                nb = comm_bytes(g, u, rb.wide)
+                if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
+                    nb += g.tensors[u].size * 4
+                rb.reshard[key] = CandidateRow(
+                    group=[h],
+                    small=[key[4]],
+                    tset=tsets[u],
+                    tsmall=small_u,
+                    other=key[5],
+                    untied=untied,
+                    nbytes=nb * times,
+                    grad=False,
+                    op=at.row_op,
+                    peer=peer,
+                    count=times,
+                )
+            if at.row_op in rb.recomputed:
+                rb.reshard_again.setdefault(key, rb.reshard[key])
+
+
+def _body_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, looped, at: At) -> None:
+    """The candidate collectives of loop op's bodies (`looped`), each op `body.trips` times
+    per trip of op."""
+    for k, (body, btg) in enumerate(
+        zip(looped, body_tensor_groups(op, g, tgs, rb.ng), strict=True)
+    ):
+        if not body.priced:
+            continue
+        bsets = [rb.sets.of(x) for x in btg]
+        inner_hoist = {
+            inner: at.hoist.get(outer, (outer, at.scope, at.scale))
+            for outer, inner, _ in body.binds[: body.invariant]
+        }
+        where = (*at.scope, op.index, k)
+        inner_params = {bsets[i] for u, i, _ in body.binds if tsets[u] in at.params}
+        inner = At(at.scale * body.trips, where, at.row_op, inner_hoist, inner_params)
+        for bop in body.graph.ops:
+            candidate_rows(rb, bop, body.graph, btg, bsets, inner)
+
+
+def summed_partials(
+    graph: Graph, rows: list[CandidateRow], partial_row: dict[int, int], consumers
+) -> set[int]:
+    """The partial-sum rows XLA's all-reduce reassociation removes: where two partial sums
+    that would be all-reduced alike (the same row but for its op) are added and read by
+    nothing else, XLA adds them first and all-reduces the sum once (the input gradient of
+    separate Q, K and V projections: three partial sums, one all-reduce, as Megatron-LM's
+    fused QKV). Following the adds, a sum of k partials keeps one row; the others go.
+    `consumers`: `graph.consumers()`."""
+
+    def alike(r: CandidateRow) -> tuple:
+        return r._replace(op=0)
+
+    root = dict(partial_row)  # tensor -> the row that reduces it (or the sum it feeds)
+    # A partial sum read only through transposes that undo each other reaches its add as
+    # itself: XLA's simplifier folds transpose(transpose(x)) before it reassociates (a tied
+    # embedding's output-projection gradient, transposed there and back, then added to its
+    # lookup's scatter-add: one all-reduce on an A100 compile, two on the CPU's).
+    moved: dict[int, tuple[int, tuple[int, ...]]] = {}  # tensor -> (its row, permutation)
+    gone: set[int] = set()
+    for op in graph.ops:
+        if op.primitive == "transpose":
+            source = op.inputs[0]
+            if len(consumers[source]) != 1 or (source not in root and source not in moved):
+                continue
+            permutation = tuple(int(p) for p in op.params["permutation"])
+            row, before = moved.get(source) or (root[source], tuple(range(len(permutation))))
+            composed = tuple(before[p] for p in permutation)
+            if composed == tuple(range(len(composed))):
+                root[op.outputs[0]] = row
+            else:
+                moved[op.outputs[0]] = (row, composed)
+            continue
+        if op.primitive not in ("add", "add_any") or len(op.inputs) != 2:
+            continue
+        a, b = op.inputs
+        if a == b or a not in root or b not in root:
+            continue
+        if alike(rows[root[a]]) != alike(rows[root[b]]):
+            continue
+        if len(consumers[a]) != 1 or len(consumers[b]) != 1:
+            continue
+        gone.add(root[b])
+        root[op.outputs[0]] = root[a]
+    return gone
