@@ -20,8 +20,8 @@ from ._kernel import combined_times as combined_times
 from ._kernel import partial_slots as partial_slots
 from ._kernel import set_axes as set_axes
 from ._model import CostModel as CostModel
-from ._model import reduction_copy as reduction_copy
 from ._outputs import held_by_kind as held_by_kind
+from ._peaks import reduction_copy as reduction_copy
 from ._pipelined import PipelineCost as PipelineCost
 from ._pipelined import estimate_pipeline as estimate_pipeline
 from ._pipelined import op_costs as op_costs

@@ -1,0 +1,90 @@
+"""What a step holds at its peak: the moment, of the few its memory may peak at, whose
+buffers add up to most, and what the gradients' reduction writes beside them.
+
+The cost model (`_model.py`) reads these for one-stage plans and the shard ILP's memory
+points (`_search/_mesh_terms.py`) state the same peaks as linear terms: kept in one
+module so that the two read one statement of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._lowering import Lowering
+from . import _collectives as C
+from ._liveness import Moments
+
+
+def reduction_copy(zero_size: float, lowering: Lowering, param_bytes: float) -> tuple[float, float]:
+    """(share, constant): the bytes the step's gradient reduction writes beside the
+    `reduced` gradients are share x reduced + constant. ZeRO's
+    reduce-scatter over `zero_size` devices (a tuple of the local gradients, combined)
+    the device's shards of them (where the backend has one: XLA's CPU all-reduces and
+    slices); the all-reduce a copy of one combined bucket (XLA's GPU combiner concatenates
+    its operands and reduces the concatenation; the CPU's writes its own): all of them where
+    no plan reduces more than `Lowering.all_reduce_combine_bytes` (every gradient, reduced
+    over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
+    but for a plan that reduces less than a bucket of a model that has more, at most a
+    bucket over; and linear, as the shard ILP's memory points must be (`param_bytes`: the
+    model's unsplit parameter bytes)."""
+    if zero_size and lowering.reduce_scatter:
+        return 1.0 / zero_size, 0.0
+    bucket = lowering.all_reduce_combine_bytes
+    return (1.0, 0.0) if 2 * param_bytes <= bucket else (0.0, bucket)
+
+
+def busiest_moment(
+    moments: Moments,
+    inv: np.ndarray,
+    reduced: float,
+    copy: float,
+    gathered: np.ndarray | None = None,
+    microbatches: int = 1,
+    copies: np.ndarray | None = None,
+    outputs: np.ndarray | None = None,
+    early: float = 0.0,
+) -> tuple[float, float, float]:
+    """(gradients, the rest, outputs) of what a scheduled step holds besides its arguments
+    at its peak (`_liveness.py`): the busiest candidate moment, with the `reduced`
+    gradients' share made by then held for their reduction (and `copies`, per moment, of a
+    recomputed layer's partial sums: `_buffers.combined_copies`; `outputs`, per moment, the
+    outputs held apart from the arguments made by then: `_outputs.py`); or the reduction
+    itself, the gradients and the `copy` it writes (`reduction_copy`), beside the `early`
+    outputs (those no update op makes, a loss)."""
+    made = moments.held * reduced
+    at = moments.live @ inv / microbatches + made
+    if copies is not None:
+        at = at + copies / microbatches
+    out = np.zeros(len(at)) if outputs is None else outputs
+    at = at + out
+    if gathered is not None:
+        at = at + moments.gathered @ gathered
+        if moments.regathered is not None:  # the backward gathers its own copies
+            at = at - moments.regathered @ gathered / microbatches
+    end = reduced + copy
+    k = int(np.argmax(at)) if len(at) else -1
+    if k < 0 or end + early >= at[k]:
+        return float(end), 0.0, float(early)
+    return float(made[k]), float(at[k] - made[k] - out[k]), float(out[k])
+
+
+def update_peak(
+    grads: float, acts: float, reduced: float, outputs: float
+) -> tuple[float, float, float]:
+    """(gradients, activations, outputs) at the peak of a step whose buffers are not
+    scheduled (XLA's CPU), of three: the backward's (the gradients and every activation),
+    the reduction's (the gradients and their `reduced` copy) and the update's, the outputs
+    held apart from the arguments (`_outputs.py`) alone: each gradient the update reads
+    dies in the elementwise kernel that makes a new value of its shape, and XLA writes
+    that output over it (read in the CPU's buffer assignment: a data-parallel MLP that
+    donates nothing holds its new state and 0.1x of it besides)."""
+    peaks = [(grads, acts, 0.0), (grads + reduced, 0.0, 0.0), (0.0, 0.0, outputs)]
+    return max(peaks, key=sum)
+
+
+def reduced_gradients(sums: np.ndarray, ac: C.AxisCosts) -> float:
+    """Bytes per device of the step's gradient reductions' results (slot 0 of
+    `K.sums`, every kind and axis): one buffer each where the all-reduce is not in place.
+    A gradient reduced over two axes one after the other counts once per all-reduce, an
+    upper bound: its local copy may be dead by the second."""
+    return float(sums[3, : len(C.KINDS) * ac.masks].sum())
