@@ -162,11 +162,14 @@ class CostModel:
             return dict(plan.assignment)
         return self.assignment_from_specs(plan)
 
-    def op_state(self, assignment, mesh: Mapping[str, int]) -> tuple[K.State, C.AxisCosts]:
+    def op_state(
+        self, assignment, mesh: Mapping[str, int], staged: bool = False
+    ) -> tuple[K.State, C.AxisCosts]:
         """An assignment evaluated with one collective row per op (the full tables) for the
         whole batch at once, and its mesh's axis costs: the base of per-op and per-stage
-        costs (`_pipelined.py`)."""
-        st = self._state(self.codes(assignment, mesh), dict(mesh), 1, False, True)
+        costs (`_pipelined.py`); `staged`: for two stages or more, which reduce apart what
+        one program adds first (`Tables.staged_partial_full`)."""
+        st = self._state(self.codes(assignment, mesh), dict(mesh), 1, False, True, staged)
         return st, self._costs_for(mesh)
 
     def codes(self, assignment, mesh: Mapping[str, int]) -> np.ndarray:
@@ -313,12 +316,14 @@ class CostModel:
                 self._touch_cache[key] = hit
         return hit
 
-    def _state(self, A, mesh, microbatches, remat, detail) -> K.State:
+    def _state(self, A, mesh, microbatches, remat, detail, staged=False) -> K.State:
         T = self.tables
         ac = self._costs_for(mesh)
         P, inv = K.set_axes(A, T.sets, ac.sizes)
         m = max(1, int(microbatches))
         partial, reshard = (T.partial_full, T.reshard_full) if detail else (T.partial, T.reshard)
+        if staged:
+            partial = T.staged_partial_full
         key, nbytes, count, grad, time = K.collective_rows(
             partial, reshard, A, P, inv, ac, m, self.cluster.lowering
         )

@@ -86,7 +86,9 @@ class StageModel(Protocol):
     groups: Any
     tables: Any
 
-    def op_state(self, assignment: Any, mesh: Mapping[str, int]) -> tuple[Any, Any]: ...
+    def op_state(
+        self, assignment: Any, mesh: Mapping[str, int], staged: bool = False
+    ) -> tuple[Any, Any]: ...
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
 
@@ -147,16 +149,19 @@ def op_costs(
     zero_stage: int = 0,
     remat: bool = False,
     data_axis: str | None = None,
+    staged: bool = True,
 ) -> OpCosts:
-    """Price every op once under `assignment` on `stage_mesh` (see `OpCosts`)."""
+    """Price every op once under `assignment` on `stage_mesh` (see `OpCosts`). `staged`:
+    for a pipeline of two stages or more, whose programs cannot add partial sums made on
+    two stages before reducing them (a tied embedding's); False for one stage."""
     graph, T = model.graph, model.tables
-    st, ac = model.op_state(assignment, stage_mesh)
+    st, ac = model.op_state(assignment, stage_mesh, staged)
     n = len(graph.ops)
     compute = op_compute(T, st.inv)
     # Rematerialization runs every op of the recomputed layers again, matmuls included:
     # `op_coef` prices the recompute, `remat_op_coef` the lighter first forward.
     remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
-    pf, rf = T.partial_full, T.reshard_full
+    pf, rf = (T.staged_partial_full if staged else T.partial_full), T.reshard_full
     row_op = np.concatenate([per_slot(pf, pf.op), rf.op])
     row_grad = np.concatenate([per_slot(pf, pf.grad), rf.grad])
     tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
@@ -468,6 +473,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         {k: v for k, v in plan.mesh.items() if k != PIPE},
         zero_stage=plan.zero_stage,
         remat=plan.remat,
+        staged=len(plan.stages) > 1,
     )
 
 

@@ -310,14 +310,19 @@ def _body_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, looped, at: At) -> None
 
 
 def summed_partials(
-    graph: Graph, rows: list[CandidateRow], partial_row: dict[int, int], consumers
+    graph: Graph,
+    rows: list[CandidateRow],
+    partial_row: dict[int, int],
+    consumers,
+    through_transposes: bool = True,
 ) -> set[int]:
     """The partial-sum rows XLA's all-reduce reassociation removes: where two partial sums
     that would be all-reduced alike (the same row but for its op) are added and read by
     nothing else, XLA adds them first and all-reduces the sum once (the input gradient of
     separate Q, K and V projections: three partial sums, one all-reduce, as Megatron-LM's
     fused QKV). Following the adds, a sum of k partials keeps one row; the others go.
-    `consumers`: `graph.consumers()`."""
+    `consumers`: `graph.consumers()`. `through_transposes` False: only partial sums added
+    as they are (a pipeline's stages: see `Tables.staged_partial_full`)."""
 
     def alike(r: CandidateRow) -> tuple:
         return r._replace(op=0)
@@ -330,7 +335,7 @@ def summed_partials(
     moved: dict[int, tuple[int, tuple[int, ...]]] = {}  # tensor -> (its row, permutation)
     gone: set[int] = set()
     for op in graph.ops:
-        if op.primitive == "transpose":
+        if op.primitive == "transpose" and through_transposes:
             source = op.inputs[0]
             if len(consumers[source]) != 1 or (source not in root and source not in moved):
                 continue

@@ -88,6 +88,10 @@ class Tables:
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
     partial_full: RowTable  # one row per op, for the per-op breakdown
+    # The same for pipeline stages, which are compiled apart: the partial sums a tied
+    # parameter's readers make on the first and the last layers (reached through
+    # transposes, `summed_partials`) lie on two stages, each reducing its own.
+    staged_partial_full: RowTable
     reshard_full: RowTable
     # The collectives of the recomputed ops, which run again in the backward (one row per
     # op, like the full tables).
@@ -147,10 +151,12 @@ def build_tables(
             at = At(scale=1.0, scope=(), row_op=op.index, hoist={}, params=params)
             candidate_rows(rows, op, graph, groups.tensor_groups, tset, at)
     inp = TableInputs(graph, res, lowering, graph.consumers(), tset, ng, update, regathered)
-    partial = rows.partial
+    partial = staged = rows.partial
     if lowering.reassociates_all_reduce:
         gone = summed_partials(graph, partial, rows.partial_row, inp.consumers)
-        partial = [r for i, r in enumerate(partial) if i not in gone]
+        apart = summed_partials(graph, partial, rows.partial_row, inp.consumers, False)
+        partial = [r for i, r in enumerate(rows.partial) if i not in gone]
+        staged = [r for i, r in enumerate(rows.partial) if i not in apart]
     n_sets = len(sets.ids)
     gathered = gathered_bytes(graph, inp.consumers, update, lowering.collective_float_bytes)
     gather_coef = np.zeros(n_sets)
@@ -166,6 +172,7 @@ def build_tables(
         gather_coef=gather_coef,
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
         **_row_columns(partial, rows, compute.recomputed),
+        staged_partial_full=row_table(staged, ng, rows.empty),
     )
 
 
