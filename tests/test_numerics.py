@@ -251,21 +251,21 @@ def test_swapped_shards_of_a_parameter_fail(mlp):
 
 
 def _pipeline_with(monkeypatch, name, fault):
-    """Patch the pipeline runtime's `name` with `fault(original)`."""
-    import automap._run._pipelined as runtime
+    """Patch the pipeline's gradient accumulation's `name` with `fault(original)`."""
+    import automap._run._accumulate as accumulation
 
-    monkeypatch.setattr(runtime, name, fault(getattr(runtime, name)))
+    monkeypatch.setattr(accumulation, name, fault(getattr(accumulation, name)))
 
 
 FAULTS = {
     # Injected: a stage's once-per-step reduction of its partial sums ([d, ...] over the
     # data axis) keeps device 0's share, or sums twice (x the data-axis size).
-    "dropped all-reduce": ("_total", lambda total: lambda partials: partials[0]),
-    "reduced twice": ("_total", lambda total: lambda p: total(p) * p.shape[0]),
+    "dropped all-reduce": ("total", lambda total: lambda partials: partials[0]),
+    "reduced twice": ("total", lambda total: lambda p: total(p) * p.shape[0]),
     # Injected: the running sums of a stage's accumulated gradients are not added, so the
     # earlier of the two microbatches is lost.
     "lost microbatch": (
-        "_adding",
+        "adding",
         lambda adding: lambda body, outputs, sums: lambda *v: tuple(body(*v[: len(v) - len(sums)])),
     ),
 }

@@ -16,7 +16,7 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
 - an accumulated tensor (a weight's gradient, the loss sum) leaves its F or B call as
   per-device partial sums when there is more than one microbatch, and the runtime
   reduces it once per step, after the stage's last backward, in a "reduce" program of
-  its own (`_run/_pipelined.py`): the reduction over the batch's axes of its op moves to a
+  its own (`_run/_accumulate.py`): the reduction over the batch's axes of its op moves to a
   fifth phase, REDUCE, run once, full size, combined per stage and axis (one program: as
   XLA's combiner does), and timed after the stage's last unit in the schedule's
   `simulate`. What is left of that reduction (axes that are not the batch's) stays in its call.

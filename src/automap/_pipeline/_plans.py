@@ -169,7 +169,7 @@ def pipeline_plan(
         raise PlanError(f"pipeline cuts {list(cuts)} must be ascending and after op 0.")
     # With ZeRO, as for one stage: the gradients and the update pinned to the ZeRO layout.
     # A stage sums its gradients whole over the microbatches and its "reduce" program
-    # reduce-scatters them into that layout once per step (`_run/_pipelined.py`).
+    # reduce-scatters them into that layout once per step (`_run/_accumulate.py`).
     inner = plan_from_assignment(
         graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage
     )

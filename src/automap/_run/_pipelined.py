@@ -6,30 +6,18 @@ unit, then the post segments. JAX dispatch is asynchronous, so units on differen
 devices overlap as the schedule intends; a value crossing stages is a `jax.device_put`
 onto the receiving stage's mesh (the point-to-point send), keeping the sender's layout
 when the receiver's mesh has it.
-Under `jax.distributed` every process runs this same order over global arrays (`_Hosts`):
-a stage's programs run on the processes that hold its devices, the batch shares are
-gathered first, and a value crossing processes is sent by `_distributed.send`, one
-collective-permute from each sending device to its partner (`device_put` cannot cross
+Under `jax.distributed` every process runs this same order over global arrays (`Hosts`,
+`_executors.py`): a stage's programs run on the processes that hold its devices, the batch
+shares are gathered first, and a value crossing processes is sent by `_distributed.send`,
+one collective-permute from each sending device to its partner (`device_put` cannot cross
 processes off TPU).
 
 Where the work goes, for the cost model:
 - Inside a stage, each segment is an SPMD program over that stage's mesh. Its collectives
   are those XLA inserts for the plan's specs, per microbatch, with one exception: the
-  data-parallel reduction of an accumulated tensor (a weight's gradient, the loss sum).
-  With more than one microbatch, the op that sums such a tensor over the batch (a
-  contraction or reduce_sum over it) runs under `jax.shard_map` with the batch's mesh
-  axes manual (the others stay XLA's), so the segment returns each device's partial sum
-  on a leading axis split over those axes: [d, *shape], no collective.
-- Accumulated tensors are added up on their stage in the schedule's order (GPipe adds the
-  last microbatch first), in place: the first "B" (or "F") unit makes the running sums,
-  every later one takes them as donated inputs and returns them with its own added, so
-  XLA writes into the same buffers (Megatron-LM's main_grad). One buffer per tensor (per
-  device: its own partial sum, the size of the reduced tensor), never a second copy.
-  After the stage's last unit, one "reduce" program per stage sums the leading axis: one
-  all-reduce over the data axes per step (XLA combines the stage's tensors), as
-  Megatron-LM reduces gradients once per step, not once per microbatch. With ZeRO the
-  plan pins the gradients to the ZeRO layout: the sums stay whole per device in F and
-  B, and the reduce program reduce-scatters them into that layout (DeepSpeed's ZeRO).
+  data-parallel reduction of an accumulated tensor (a weight's gradient, the loss sum),
+  summed in place microbatch by microbatch and reduced once per step per stage
+  (`_accumulate.py`).
 - A step output the plan pins inside the step to another layout (ZeRO's new parameters,
   updated on shards) leaves the program that makes it in its output spec: ZeRO-1/2's
   one all-gather of the parameters per step, after the update.
@@ -39,15 +27,14 @@ Where the work goes, for the cost model:
   after that stage's last segment that reads them, so a stage holds those of the
   microbatches in flight, and a stage's output dies on it once the next stage has it.
 
-`run.compile(*args)` walks the same step on abstract values instead (`_Dry`): every
-segment is compiled for the shardings the live step would hand it, nothing runs. That is
-what `am.verify` reads the collectives of.
+`run.compile(*args)` walks the same step on abstract values instead (`Dry`,
+`_executors.py`): every segment is compiled for the shardings the live step would hand it,
+nothing runs. That is what `am.verify` reads the collectives of.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,16 +49,11 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
-from .._pipeline import (
-    SUMS,
-    Phase,
-    Unit,
-    partition,
-    pipeline_schedule,
-    recompute_plan,
-)
+from .._pipeline import Unit, partition, pipeline_schedule, recompute_plan
 from .._plan import Plan
-from ._distributed import Feed, check_stages, gather, move
+from ._accumulate import Accumulation, axes_entry, without_axes
+from ._distributed import Feed, check_stages, gather
+from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram
 from ._interpret import eval_ops
 from ._recompute import eval_recomputing
 from ._segments import (
@@ -156,16 +138,16 @@ def stage_meshes(plan: Plan, devices: Sequence[Any] | None = None) -> list[Mesh]
     return meshes
 
 
-class _Pipeline:
+class _Pipeline(Accumulation):
     """The segments of one argument structure, jitted once, and how to run a step."""
 
     def __init__(self, fn: Callable, plan: Plan, meshes: list[Mesh], args: tuple) -> None:
 
         self.plan, self.meshes, m = plan, meshes, plan.microbatches
-        self.feed, self.ops = None, _LIVE
+        self.feed, self.ops = None, LIVE
         if jax.process_count() > 1:  # each process feeds its share of the batch
             check_stages(meshes)
-            self.feed, self.ops = Feed(fn, meshes, args), _Hosts(meshes)
+            self.feed, self.ops = Feed(fn, meshes, args), Hosts(meshes)
             args = self.feed.global_args  # the segments run at the global batch's shapes
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)), args
@@ -213,7 +195,7 @@ class _Pipeline:
             if leaf.path in plan.out_specs and leaf.tensor not in part.batched
         }
         self._check_inputs(micro)
-        self.partial = self._partial_ops() if m > 1 else {}
+        self.partial = self.partial_ops() if m > 1 else {}
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
         consts = micro_consts(full, micro)
         bodies = {
@@ -225,29 +207,9 @@ class _Pipeline:
         self.jitted = {
             k: jax.jit(body, donate_argnums=self.donate.get(k, ())) for k, body in bodies.items()
         }
-        # A segment that makes accumulated tensors runs every microbatch after the first
-        # as `adding`: it takes the running sums, donated, and returns them with its own
-        # added, so a stage holds one copy of its gradients (Megatron's main_grad).
-        self.sums = {
-            id(seg): ts
-            for seg in self.micro
-            if seg.ops and m > 1 and (ts := tuple(t for t in seg.outputs if t in part.accumulated))
-        }
-        self.adding = {
-            id(seg): jax.jit(
-                _adding(bodies[id(seg)], seg.outputs, self.sums[id(seg)]),
-                donate_argnums=tuple(range(len(seg.inputs), len(seg.inputs) + len(ts))),
-            )
-            for seg in self.micro
-            if (ts := self.sums.get(id(seg)))
-        }
-        self.reducers = {
-            s: (ts, self._reducer(ts, s))
-            for s in range(len(meshes))
-            if (ts := tuple(t for t in sorted(self.deferred) if self._stage_of(t) == s))
-        }
+        self.sums, self.adding, self.reducers = self.running_sums(bodies)
         self.trace: list[tuple[int, str, int]] = []
-        self.dry_runs: dict[tuple, _Dry] = {}
+        self.dry_runs: dict[tuple, Dry] = {}
 
     def _post_donations(self) -> dict[int, tuple[int, ...]]:
         """Per post segment, the positions of the inputs it donates: the step inputs the
@@ -267,108 +229,6 @@ class _Pipeline:
             if positions := tuple(k for k, t in mine if t in donated):
                 out[id(seg)] = positions
         return out
-
-    def _stage_of(self, t: int) -> int:
-        return self.part.op_stage[self.graph.tensors[t].producer]
-
-    def _batch_axes(self) -> dict[int, tuple[str, ...]]:
-        """The mesh axes each batch group is split on, read from the plan's specs of the
-        batched inputs and its constraints on batched tensors."""
-        found: dict[int, tuple[str, ...]] = {}
-        sources = [(leaf.tensor, self.spec[leaf.tensor]) for leaf in self.graph.inputs]
-        sources += list(self.plan.constraints.items())
-        for t, spec in sources:
-            if t not in self.part.batched or t >= len(self.graph.tensors):
-                continue
-            d = batch_dim(self.groups, t)
-            entry = spec[d] if d is not None and d < len(spec) else None
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            if axes:
-                found.setdefault(self.groups.tensor_groups[t][d], axes)
-        return found
-
-    def _partial_ops(self) -> dict[int, tuple[str, ...]]:
-        """Per-microbatch ops that sum an accumulated tensor over a split batch: op index
-        -> the mesh axes of that split (what their "reduce" program reduces over). An op
-        whose batched inputs are split on different axes, or whose result the plan splits
-        on them, is left to XLA."""
-        graph, part = self.graph, self.part
-        axes_of = self._batch_axes()
-        accumulated = set(part.accumulated)
-        out: dict[int, tuple[str, ...]] = {}
-        for op in graph.ops:
-            if part.op_phase[op.index] not in (Phase.FWD, Phase.BWD):
-                continue
-            if op.primitive not in SUMS or not accumulated.intersection(op.outputs):
-                continue
-            mesh = self.meshes[part.op_stage[op.index]].shape
-            found = {
-                axes_of.get(self.groups.tensor_groups[u][batch_dim(self.groups, u)], ())
-                for u in op.inputs
-                if u in part.batched
-            }
-            if len(found) != 1 or not (axes := found.pop()) or any(a not in mesh for a in axes):
-                continue
-            # A result the plan splits over those very axes (ZeRO's gradients) is summed
-            # whole per device here and reduce-scattered into that layout by the stage's
-            # "reduce" program, once per step.
-            out[op.index] = axes
-        return out
-
-    def _reducer(self, tensors: tuple[int, ...], s: int) -> Callable:
-        """Stage s's once-per-step program: each deferred tensor's partial sums ([d, ...],
-        the leading axis split over the batch's axes) summed into the tensor, with the
-        layout the plan asks of it where it asks one."""
-        mesh = self.meshes[s]
-        wanted = self._wanted()
-        specs = [self._scattered(t, wanted.get(t), mesh) for t in tensors]
-        shardings = [
-            None if spec is None else NamedSharding(mesh, PartitionSpec(*spec)) for spec in specs
-        ]
-
-        def reduce(*partials: Any) -> tuple[Any, ...]:
-            sums = [_total(p) for p in partials]
-            return tuple(
-                x if sh is None else jax.lax.with_sharding_constraint(x, sh)
-                for x, sh in zip(sums, shardings, strict=True)
-            )
-
-        return jax.jit(reduce)
-
-    def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
-        """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
-        float32 gradients to the ZeRO layout but leaves a 16-bit one free (one program
-        would sum it after its cast to float32): here it is summed in its own dtype
-        anyway (`_total`), so it is reduce-scattered too, with the data axis on its dim
-        linked to one the update's ops that read it take it on."""
-        data, graph = DATA, self.graph
-        if self.plan.zero_stage < 1 or mesh.shape.get(data, 1) == 1 or not graph.tensors[t].ndim:
-            return spec
-        spec = tuple(spec) if spec is not None else (None,) * graph.tensors[t].ndim
-        if any(data in _axes_of(e) for e in spec):
-            return spec
-        wanted = self._wanted()
-        linked = {
-            g
-            for c in graph.consumers()[t]
-            for u in graph.ops[c].outputs
-            for e, g in zip(wanted.get(u, ()), self.groups.tensor_groups[u], strict=False)
-            if data in _axes_of(e)
-        }
-        for d, (e, g) in enumerate(zip(spec, self.groups.tensor_groups[t], strict=True)):
-            size = mesh.shape[data] * math.prod(mesh.shape[a] for a in _axes_of(e))
-            if g in linked and graph.tensors[t].shape[d] % size == 0:
-                return (*spec[:d], _entry((*_axes_of(e), data)), *spec[d + 1 :])
-        return spec
-
-    def _wanted(self) -> dict[int, tuple]:
-        """Specs the plan fixes inside the step: its constraints, and an output spec acts
-        as a constraint where the output is made."""
-        wanted = dict(self.plan.constraints)
-        for leaf in self.graph.outputs:
-            if leaf.path in self.plan.out_specs and leaf.tensor not in self.part.batched:
-                wanted.setdefault(leaf.tensor, self.plan.out_specs[leaf.path])
-        return wanted
 
     def _check_inputs(self, micro) -> None:
         """Every spec must divide its tensor on each stage mesh, at the microbatch's shapes
@@ -392,7 +252,7 @@ class _Pipeline:
 
     def _compile(self, seg: Segment, graph, consts) -> Callable:
         mesh, stage_mesh = self.meshes[seg.stage], dict(self.plan.stages[seg.stage].mesh)
-        wanted = self._wanted()
+        wanted = self.wanted()
         shardings = {}
         again = seg.recompute.ops if seg.recompute is not None else ()
         for i in (*seg.ops, *sorted(again)):
@@ -403,13 +263,13 @@ class _Pipeline:
                     spec = wanted[t]
                     if t in self.deferred:  # its partial sums: a leading per-device axis
                         axes = self.partial[self.deferred[t]]
-                        spec = (_entry(axes), *_without(spec, axes))
+                        spec = (axes_entry(axes), *without_axes(spec, axes))
                     shardings[t] = NamedSharding(mesh, PartitionSpec(*spec))
         use = consts if seg.kind.per_microbatch else None
         bind = (
             {
                 **self._lookups(graph, (*seg.ops, *sorted(again)), mesh),
-                **{i: self._partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial},
+                **{i: self.partial_sum(graph, i, mesh) for i in seg.ops if i in self.partial},
             }
             if seg.kind.per_microbatch
             else None
@@ -454,37 +314,6 @@ class _Pipeline:
                 out[i] = gathered_lookup(graph.eqns[i], NamedSharding(mesh, PartitionSpec(*whole)))
         return out
 
-    def _partial_sum(self, graph, i: int, mesh: Mesh) -> Callable:
-        """Op i (a sum over the batch) computed by every device on its own examples: its
-        result is [d, *shape], device k's partial sum at index k of the leading axis (split
-        over the batch's axes), with no collective over them. The other axes stay XLA's."""
-        eqn, op, axes = graph.eqns[i], graph.ops[i], self.partial[i]
-        in_specs = []
-        for u in op.inputs:
-            d = batch_dim(self.groups, u) if u in self.part.batched else None
-            spec = [None] * graph.tensors[u].ndim
-            if d is not None:
-                spec[d] = _entry(axes)
-            in_specs.append(PartitionSpec(*spec))
-        # A scatter-add adds its updates into its operand, batch-free as its result is (the
-        # zeros of an embedding's gradient, in general any value): counted once, not d times.
-        into_operand = op.primitive in ("scatter-add", "scatter_add")
-
-        def local(*xs: Any) -> Any:
-            if into_operand:
-                first = jnp.all(jnp.array([jax.lax.axis_index(a) == 0 for a in axes]))
-                xs = (jnp.where(first, xs[0], jnp.zeros_like(xs[0])), *xs[1:])
-            return eqn.primitive.bind(*xs, **eqn.params)[None]
-
-        return jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=tuple(in_specs),
-            out_specs=PartitionSpec(_entry(axes)),
-            axis_names=set(axes),
-            check_vma=False,
-        )
-
     # ---- one step ------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
@@ -513,21 +342,21 @@ class _Pipeline:
         parameters and optimizer state the program does not read); the largest."""
         return tuple(self._dry(args).peak)
 
-    def _dry(self, args: tuple) -> _Dry:
+    def _dry(self, args: tuple) -> Dry:
         """The step walked on abstract values: once per argument structure (its programs
         and peaks are those of any arguments of these shapes)."""
         leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
         abstract = tuple(jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves)
         key = tuple((x.shape, x.dtype) for x in abstract)
         if key not in self.dry_runs:
-            dry = _Dry(self.meshes)
+            dry = Dry(self.meshes)
             self._step(abstract, dry)
             self.dry_runs[key] = dry
         return self.dry_runs[key]
 
-    def _step(self, args: tuple, ops: _Live) -> tuple[dict[int, Any], list]:
+    def _step(self, args: tuple, ops: Live) -> tuple[dict[int, Any], list]:
         """One step in the schedule's order: (every tensor of the step by id, the trace).
-        `ops` moves and combines the values: real arrays (`_LIVE`) or abstract (`_Dry`)."""
+        `ops` moves and combines the values: real arrays (`LIVE`) or abstract (`Dry`)."""
         graph, part, m = self.graph, self.part, self.plan.microbatches
         leaves = jax.tree_util.tree_leaves(args)
         step: dict[int, Any] = {
@@ -641,16 +470,24 @@ class _Pipeline:
                 tensors, reducer = self.reducers[s]
                 sums = ops.reduce(s, reducer, [acc[t] for t in tensors])
                 acc.update(zip(tensors, sums, strict=True))
+        self._finish_microbatches(step, placed, acc, pieces, ops)
+        run_steps(self.post, free=True)
+        return step, trace
+
+    def _finish_microbatches(
+        self, step: dict, placed: dict, acc: dict[int, Any], pieces: dict, ops: Live
+    ) -> None:
+        """After the last microbatch: the accumulated sums become step values on their
+        stage, and each batched output's microbatch pieces are joined on its stage."""
+        graph, part = self.graph, self.part
         for t, v in acc.items():
             step[t], placed[(t, part.op_stage[graph.tensors[t].producer])] = v, v
         for t, vs in pieces.items():
             s = part.op_stage[graph.tensors[t].producer]
             d = batch_dim(self.groups, t)
             step[t] = ops.concat([self._send(v, s, ops) for v in vs], d, s)
-        run_steps(self.post, free=True)
-        return step, trace
 
-    def _run(self, seg: Segment, values: list[Any], ops: _Live, adding: bool = False) -> list[Any]:
+    def _run(self, seg: Segment, values: list[Any], ops: Live, adding: bool = False) -> list[Any]:
         """Run a segment (`adding`: its variant that takes the running sums after `values`)."""
         if not seg.ops:
             return []
@@ -658,13 +495,13 @@ class _Pipeline:
         outs = ops.call(seg, jitted, values, adding)
         return [self._send(v, seg.stage, ops) for v in outs]
 
-    def _place(self, t: int, value: Any, s: int, ops: _Live) -> Any:
+    def _place(self, t: int, value: Any, s: int, ops: Live) -> Any:
         """An input leaf goes to a stage with its spec; any other value is sent."""
         if t in self.spec:
             return ops.put(value, NamedSharding(self.meshes[s], PartitionSpec(*self.spec[t])))
         return self._send(value, s, ops)
 
-    def _send(self, value: Any, s: int, ops: _Live) -> Any:
+    def _send(self, value: Any, s: int, ops: Live) -> Any:
         """`value` on stage s's mesh: as it is when already there, else copied there with
         the sender's layout (replicated when the receiver's mesh cannot hold it)."""
         mesh = self.meshes[s]
@@ -675,159 +512,6 @@ class _Pipeline:
         if isinstance(sharding, NamedSharding) and _fits(sharding.spec, value.shape, mesh):
             spec = sharding.spec
         return ops.put(value, NamedSharding(mesh, spec))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class SegmentProgram:
-    """One XLA program of a pipeline step, as `run.compile` found it."""
-
-    stage: int
-    # A segment's phase (PRE, FWD, BWD, POST); REDUCE: a stage's once-per-step reduction
-    # of its partial sums; None: the runtime joining microbatches' outputs (a concat)
-    kind: Phase | None
-    runs: int  # times one step runs it (m for F and B, 1 for pre, reduce and post)
-    # The stage mesh it is compiled on: its device ids are this mesh's devices in
-    # row-major order, which is how `_hlo.axis_of` reads replica groups.
-    mesh: dict[str, int]
-    compiled: Any  # jax.stages.Compiled: `.as_text()` is the partitioned HLO
-
-
-class _Live:
-    """What a step does with its values: run, move and combine real arrays."""
-
-    def call(
-        self, seg: Segment, jitted: Callable, values: list[Any], adding: bool = False
-    ) -> list[Any]:
-        """Run a segment's program (`adding`: its variant adding into running sums)."""
-        return list(jitted(*values))
-
-    def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
-        return list(jitted(*values))
-
-    def watch(self, held: Callable[[], list[Any]]) -> None:
-        """`held()` lists the values the step holds at any moment (read by `_Dry`)."""
-
-    def put(self, value: Any, sharding: NamedSharding) -> Any:
-        return jax.device_put(value, sharding)
-
-    def slice(self, x: Any, dim: int, i: int, m: int) -> Any:
-        return _slice(x, dim, i, m)
-
-    def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
-        return jnp.concatenate(xs, axis=dim)
-
-
-_LIVE = _Live()
-
-
-class _Hosts(_Live):
-    """The live step under jax.distributed: every process makes the same moves, on global
-    arrays, each doing the part its devices hold (`_distributed.move`)."""
-
-    def __init__(self, meshes: list[Mesh]) -> None:
-        self._meshes = meshes
-
-    def put(self, value: Any, sharding: NamedSharding) -> Any:
-        return move(value, sharding, self._meshes)
-
-
-class _Dry(_Live):
-    """The same moves on ShapeDtypeStructs carrying shardings: each program is compiled
-    for the shardings the live step would give its inputs (a jitted segment is compiled
-    once per input signature, as jit's cache does), counted per run, and not run."""
-
-    def __init__(self, meshes: list[Mesh]) -> None:
-        self._meshes = meshes
-        self._found: dict[Any, tuple[int, str, Any]] = {}
-        self._runs: dict[Any, int] = {}
-        self._held: Callable[[], list[Any]] = list
-        self.peak = [0.0] * len(meshes)  # per stage, bytes per device (`memory`)
-
-    def watch(self, held: Callable[[], list[Any]]) -> None:
-        self._held = held
-
-    def _note_peak(self, stage: int, compiled: Any, values: list[Any]) -> None:
-        """The stage's bytes per device while `compiled` runs on `values`."""
-        stats = compiled.memory_analysis()
-        if stats is None:
-            return
-        devices = set(self._meshes[stage].devices.flat)
-        args = {id(v) for v in values}
-        others = {id(v): v for v in self._held() if id(v) not in args}
-        kept = sum(
-            _device_bytes(v)
-            for v in others.values()
-            if getattr(v, "sharding", None) is not None and v.sharding.device_set <= devices
-        )
-        own = (
-            stats.argument_size_in_bytes
-            + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes
-            - stats.alias_size_in_bytes
-        )
-        self.peak[stage] = max(self.peak[stage], float(kept + own))
-
-    @property
-    def programs(self) -> dict[Any, SegmentProgram]:
-        return {
-            key: SegmentProgram(
-                stage, kind, self._runs[key], dict(self._meshes[stage].shape), compiled
-            )
-            for key, (stage, kind, compiled) in self._found.items()
-        }
-
-    def _compile(
-        self, key: Any, stage: int, kind: Phase | None, jitted: Callable, values
-    ) -> list[Any]:
-        key = (key, tuple((v.shape, v.dtype, v.sharding) for v in values))
-        if key not in self._found:
-            self._found[key] = (stage, kind, jitted.lower(*values).compile())
-        self._runs[key] = self._runs.get(key, 0) + 1
-        self._note_peak(stage, self._found[key][2], values)
-        outs = self._found[key][2].out_info
-        return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
-
-    def call(
-        self, seg: Segment, jitted: Callable, values: list[Any], adding: bool = False
-    ) -> list[Any]:
-        return self._compile((id(seg), adding), seg.stage, seg.kind, jitted, values)
-
-    def reduce(self, stage: int, jitted: Callable, values: list[Any]) -> list[Any]:
-        return self._compile(("reduce", stage), stage, Phase.REDUCE, jitted, values)
-
-    def put(self, value: Any, sharding: NamedSharding) -> Any:
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-
-    def slice(self, x: Any, dim: int, i: int, m: int) -> Any:
-        shape = list(x.shape)
-        shape[dim] //= m
-        if getattr(x, "sharding", None) is None:  # the caller's leaf: placed right after
-            return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
-        # A per-step value made on a stage: the slice's layout is XLA's choice. (Batched
-        # values are made per microbatch, so no step reaches this today.)
-        compiled = jax.jit(_slice, static_argnums=(1, 2, 3)).lower(x, dim, i, m).compile()
-        out = compiled.out_info
-        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
-
-    def concat(self, xs: list[Any], dim: int, stage: int) -> Any:
-        join = jax.jit(lambda *xs: jnp.concatenate(xs, axis=dim))
-        return self._compile(("concat", dim), stage, None, join, xs)[0]
-
-
-def _adding(body: Callable, outputs: Sequence[int], sums: Sequence[int]) -> Callable:
-    """`body` that also takes the running sums of its outputs `sums` (after its own
-    inputs) and returns each with its own result added: XLA writes the sum into the
-    donated running buffer."""
-    at = [list(outputs).index(t) for t in sums]
-
-    def run(*values: Any) -> tuple[Any, ...]:
-        n = len(values) - len(at)
-        outs = list(body(*values[:n]))
-        for k, running in zip(at, values[n:], strict=True):
-            outs[k] = running + outs[k]
-        return tuple(outs)
-
-    return run
 
 
 def _fits(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> bool:
@@ -852,40 +536,6 @@ def gathered_lookup(eqn: Any, whole: NamedSharding) -> Callable:
     return lookup
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _device_bytes(value: Any) -> int:
-    """Bytes of one device's shard of a value with a sharding."""
-    shape = value.sharding.shard_shape(value.shape)
-    return math.prod(shape) * value.dtype.itemsize  # a typed PRNG key has no np.dtype
-
-
-def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...]:
-    """A PartitionSpec entry for a dimension split over `axes`."""
-    return axes[0] if len(axes) == 1 else axes
-
-
-def _without(spec: tuple, axes: tuple[str, ...]) -> tuple:
-    """`spec` with `axes` taken off every dimension (they split the partial sums' leading
-    axis instead: a ZeRO gradient is whole per device until its reduce-scatter)."""
-    out = []
-    for e in spec:
-        kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in axes)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return tuple(out)
-
-
-def _slice(x: Any, dim: int, i: int, m: int) -> Any:
-    """Microbatch i of m: a contiguous block of the batch dimension."""
-    n = x.shape[dim] // m
-    index = [slice(None)] * len(x.shape)
-    index[dim] = slice(i * n, (i + 1) * n)
-    return x[tuple(index)]
-
-
 def _micro_divisible(what: str, shape, spec, mesh) -> None:
     try:
         check_divisible(what, tuple(shape), spec, mesh)
@@ -894,11 +544,3 @@ def _micro_divisible(what: str, shape, spec, mesh) -> None:
             f"{e} (On a pipeline stage a per-microbatch tensor has the microbatch's batch "
             "size: fewer microbatches or a smaller data axis may fit.)"
         ) from None
-
-
-def _total(partials: Any) -> Any:
-    """Partial sums ([d, ...]) summed over their leading axis in their own dtype, as
-    Megatron-LM's runs reduce 16-bit gradients in 16 bits (and DeepSpeed by default):
-    `jnp.sum` would sum a 16-bit float in float32, twice the bytes over the data axis,
-    which `_cost/_pipelined.py` does not price."""
-    return jax.lax.reduce(partials, jnp.zeros((), partials.dtype), jax.lax.add, (0,))

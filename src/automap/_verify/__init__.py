@@ -7,16 +7,13 @@ and FLOPs per device next to XLA's buffer assignment and cost analysis (`_flops.
 target, the same one-stage plan compiled for that GPU without one (`_gpu.py`). DESIGN.md, "Collectives: the bytes convention".
 """
 
-from ._compiled import VerifyReport as VerifyReport
-from ._compiled import as_on_cpu as as_on_cpu
-from ._compiled import compare_collectives as compare_collectives
+from ._compare import as_on_cpu as as_on_cpu
+from ._compare import compare_collectives as compare_collectives
+from ._compare import compiled_memory as compiled_memory
+from ._compare import predicted_bytes as predicted_bytes
+from ._compare import predicted_memory as predicted_memory
 from ._compiled import compile_plan as compile_plan
-from ._compiled import compiled_memory as compiled_memory
-from ._compiled import predicted_bytes as predicted_bytes
-from ._compiled import predicted_memory as predicted_memory
-from ._compiled import subprocess_main as subprocess_main
 from ._compiled import verify as verify
-from ._compiled import verify_in_subprocess as verify_in_subprocess
 from ._flops import compiled_flops as compiled_flops
 from ._flops import predicted_flops as predicted_flops
 from ._flops import predicted_stage_flops as predicted_stage_flops
@@ -30,4 +27,7 @@ from ._hlo import parse_replica_groups as parse_replica_groups
 from ._hlo import shape_bytes as shape_bytes
 from ._numerics import compare_outputs as compare_outputs
 from ._numerics import reordered as reordered
+from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan
+from ._subprocess import subprocess_main as subprocess_main
+from ._subprocess import verify_in_subprocess as verify_in_subprocess
