@@ -47,16 +47,13 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 LONG_FUNCTION_LINES = 80
 MAX_LONG_FUNCTIONS = 8
-#: The size tests wait for the splits under way (issue 25): _cost/_tables.py,
-#: _run/_pipelined.py and _verify/_compiled.py, and _cost/_model.py's edit; functions over
-#: 120 lines also remain in rl/_search.py, _solvers/_ilp.py, _cost/_pipelined.py and
-#: _cost/_traffic.py. The lead turns this on once they are done; the limits themselves have
-#: no list of exceptions.
-SIZE_LIMITS_ENFORCED = False
-size_limit = pytest.mark.skipif(
-    not SIZE_LIMITS_ENFORCED,
-    reason="issue 25: waits for the splits of _cost/_tables.py, _run/_pipelined.py, "
-    "_verify/_compiled.py and _cost/_model.py (and the long functions they leave)",
+#: Functions still over the limits (issue 25): rl/_search.py search, _cost/_pipelined.py
+#: stage_costs, _cost/_model.py CostModel._finish, _cost/_traffic.py stage_memory and
+#: _solvers/_ilp.py _build over 120 lines; 15 over 80. The two function tests are expected
+#: to fail until they are broken up, and strict: the day they pass, they say so. No list
+#: of exceptions: the limits are the limits.
+functions_not_yet_split = pytest.mark.xfail(
+    strict=True, reason="issue 25: five functions over 120 lines, 15 over 80 (see above)"
 )
 
 
@@ -256,7 +253,6 @@ def test_function_lengths_run_from_def_to_last_line():
     ]
 
 
-@size_limit
 def test_no_module_over_the_limit():
     bad = [
         f"{path.relative_to(SRC)} ({n} lines)"
@@ -266,13 +262,13 @@ def test_no_module_over_the_limit():
     assert not bad, f"modules over {MAX_MODULE_LINES} lines (split by concept):\n" + "\n".join(bad)
 
 
-@size_limit
+@functions_not_yet_split
 def test_no_function_over_the_limit():
     bad = "\n".join(_long_functions(MAX_FUNCTION_LINES))
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (break into named parts):\n{bad}"
 
 
-@size_limit
+@functions_not_yet_split
 def test_few_long_functions():
     long = _long_functions(LONG_FUNCTION_LINES)
     assert len(long) <= MAX_LONG_FUNCTIONS, (
