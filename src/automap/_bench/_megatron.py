@@ -102,6 +102,15 @@ def spec_of(row: MegatronRow) -> ModelSpec:
     )
 
 
+def train_step(spec: ModelSpec) -> Callable:
+    """The row's step as Megatron-LM runs it: its update in place, so jitted with the
+    parameters and optimizer state donated (a step that donates nothing holds its new
+    state beside the old at the update, and is priced so: `_cost/_outputs.py`)."""
+    import jax
+
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1))
+
+
 def cluster_of(row: MegatronRow) -> Cluster:
     return Cluster.preset(CLUSTER, devices=row.gpus)
 
@@ -110,7 +119,9 @@ def price_row(row: MegatronRow) -> Plan:
     """Megatron's configuration of the row, priced by the cost model."""
     spec = spec_of(row)
     recipe = Recipe(tp=row.tp, pp=row.pp, dp=row.dp, microbatch_size=1, remat="full")
-    return plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=cluster_of(row))
+    return plan_recipe(
+        train_step(spec), *spec.abstract_args(), recipe=recipe, cluster=cluster_of(row)
+    )
 
 
 def plan_shape(found: Plan) -> str:
@@ -128,7 +139,7 @@ def plan_row(row: MegatronRow, budget_s: float, searcher: str = "auto") -> dict[
     spec = spec_of(row)
     start = time.perf_counter()
     found = plan(
-        spec.step_fn,
+        train_step(spec),
         *spec.abstract_args(),
         cluster=cluster_of(row),
         searcher=searcher,
