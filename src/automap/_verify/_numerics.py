@@ -389,7 +389,9 @@ def _entries(path: tuple) -> tuple[str, ...]:
 
 
 def _leaf(path: str, g: Any, w: Any, n: Any, prior: Any, family: str) -> _Leaf:
-    """One output leaf as float64 (complex128) copies, its dtype's epsilon kept."""
+    """One output leaf as float64 (complex128) copies, its dtype's epsilon kept; a typed
+    PRNG key as its key data (compared exactly)."""
+    g, w, n = (_key_data(x) for x in (g, w, n))
     dtype = _dtype(w)
     kind = np.complex128 if "complex" in dtype else np.float64
     noise = None if n is None or np.shape(n) != np.shape(w) else np.asarray(n, kind)
@@ -397,12 +399,22 @@ def _leaf(path: str, g: Any, w: Any, n: Any, prior: Any, family: str) -> _Leaf:
     return _Leaf(path, np.asarray(g, kind), np.asarray(w, kind), noise, prior, family, eps)
 
 
+def _key_data(x: Any) -> Any:
+    """A typed PRNG key array's integers (numpy cannot hold the key dtype); else `x`."""
+    import jax
+
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
 def _finite(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(x), x, 0)
 
 
 def _dtype(x: Any) -> str:
-    return str(getattr(x, "dtype", np.asarray(x).dtype))
+    return str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
 
 
 def _is_float_name(name: str) -> bool:
