@@ -34,12 +34,12 @@ from ._compare import (
     collective_bytes,
     compare_collectives,
     compiled_memory,
+    fmt_bytes,
     held_against,
     memory_parts,
     on_stage,
     pipeline_predicted,
 )
-from ._compare import fmt_bytes as _fmt  # the name `_donation_note` reads
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._gpu import gpu_devices
 from ._hlo import comm_bytes, parse_collectives
@@ -55,7 +55,7 @@ def _donation_note(compiled: Any) -> str:
     if not parts or parts["aliased"] or parts["outputs"] < 0.25 * parts["arguments"]:
         return ""
     return (
-        f"the step donates no input: XLA holds its outputs ({_fmt(parts['outputs'])}: the "
+        f"the step donates no input: XLA holds its outputs ({fmt_bytes(parts['outputs'])}: the "
         "new parameters and optimizer state) apart from its arguments, from the update to "
         "the end of the step, and the cost model prices them so; a step jitted with "
         "donate_argnums (am.apply keeps it) writes them over the old state instead"
