@@ -26,8 +26,8 @@ from automap._capture import capture  # noqa: E402
 from automap._cluster import Cluster  # noqa: E402
 from automap._cost import CostModel  # noqa: E402
 from automap._groups import build_groups  # noqa: E402
-from automap._pipeline import recompute_plan  # noqa: E402
 from automap._plan import Plan  # noqa: E402
+from automap._remat import recompute_plan  # noqa: E402
 from automap._zoo import get_model  # noqa: E402
 
 CONFIG = dict(layers=4, hidden=64, heads=2, batch=8, seq=64, vocab=128, dtype="float32")

@@ -26,6 +26,7 @@ LAYERS = (
     ("_capture",),
     ("_groups",),
     ("_pipeline",),
+    ("_remat",),
     ("_cost",),
     ("_space",),
     ("_search",),

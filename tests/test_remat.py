@@ -16,9 +16,10 @@ from automap._capture import capture
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
 from automap._groups import build_groups, plan_from_assignment
-from automap._pipeline import Phase, pipeline_plan, recompute_plan, uniform_cuts
-from automap._pipeline import remat_residuals as residuals
+from automap._pipeline import Phase, pipeline_plan, uniform_cuts
 from automap._plan import Plan
+from automap._remat import recompute_plan
+from automap._remat import remat_residuals as residuals
 from automap._space import batch_groups, block_groups
 from automap._verify import comm_bytes, parse_collectives
 from automap._zoo import get_model

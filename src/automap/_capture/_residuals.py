@@ -9,7 +9,7 @@ activation memory at the turn of the step, which is where a training step peaks.
 When no scalar loss is found, the boundary is the op where the unsharded live bytes of
 intermediates peak (a liveness sweep over the op list).
 
-Rematerialization needs the layers (`_pipeline/_remat.py` `remat_residuals`, Megatron's full recomputation:
+Rematerialization needs the layers (`_remat/_recompute.py` `remat_residuals`, Megatron's full recomputation:
 each layer's input is kept, its forward runs again in the backward). Without them
 `saved_remat` is all of `saved` and nothing is recomputed.
 """

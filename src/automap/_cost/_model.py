@@ -42,7 +42,7 @@ numpy operations over those tables:
   longer kept for the backward; the local gradients are whole until their reduce-scatter,
   in every stage, as XLA compiles them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
-  With rematerialization (`_pipeline/_remat.py`, what `am.apply` runs): each recomputed layer's ops
+  With rematerialization (`_remat/_recompute.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
   made outside them, and one layer's residuals (its backward's). A step that does not
   donate its state holds the new beside the old from the update on (`_outputs.py`).
@@ -71,8 +71,8 @@ from .._axes import DATA
 from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, Regather, build_groups, regather_plan, rule
-from .._pipeline import remat_residuals
 from .._plan import Collective, Cost, Plan
+from .._remat import remat_residuals
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute

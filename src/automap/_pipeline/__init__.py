@@ -27,13 +27,6 @@ from ._registry import pipeline_schedule as pipeline_schedule
 from ._registry import register_schedule as register_schedule
 from ._registry import schedule_names as schedule_names
 from ._registry import unregister_schedule as unregister_schedule
-from ._remat import Recompute as Recompute
-from ._remat import layer_ops as layer_ops
-from ._remat import layer_residuals as layer_residuals
-from ._remat import made_after as made_after
-from ._remat import made_in_forward as made_in_forward
-from ._remat import recompute_plan as recompute_plan
-from ._remat import remat_residuals as remat_residuals
 from ._schedule import PipelineSchedule as PipelineSchedule
 from ._schedule import Task as Task
 from ._schedule import Timed as Timed

@@ -28,8 +28,8 @@ from .._groups import (
     unzero_spec,
     zero_mismatch,
 )
-from .._pipeline import recompute_plan
 from .._plan import Plan, Spec
+from .._remat import recompute_plan
 from ._distributed import Feed
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
@@ -257,7 +257,7 @@ def _recomputing(
     graph: Any, groups: Groups, constrain: Callable, bind: dict[int, Callable]
 ) -> Callable:
     """The captured program re-run with each layer's forward recomputed in the backward
-    (`_pipeline/_remat.py`: Megatron's full recomputation), fixing the plan's internal
+    (`_remat/_recompute.py`: Megatron's full recomputation), fixing the plan's internal
     tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups)."""
     rc = recompute_plan(graph, groups)
     wanted = [leaf.tensor for leaf in graph.outputs]

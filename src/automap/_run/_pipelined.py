@@ -49,8 +49,9 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
-from .._pipeline import Unit, partition, pipeline_schedule, recompute_plan
+from .._pipeline import Unit, partition, pipeline_schedule
 from .._plan import Plan
+from .._remat import recompute_plan
 from ._accumulate import Accumulation, axes_entry, without_axes
 from ._distributed import Feed, check_stages, gather
 from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram

@@ -1,6 +1,6 @@
 """Run a captured program with Megatron's full recomputation: a backward op reading a
 tensor of a recomputed layer reads its value made again from the layer's inputs
-(`_pipeline/_remat.py` says which layers, and why XLA keeps the recompute).
+(`_remat/_recompute.py` says which layers, and why XLA keeps the recompute).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._graph import Graph, TensorKind
 from .._groups import Regather
-from .._pipeline import Recompute, made_after, made_in_forward
+from .._remat import Recompute, made_after, made_in_forward
 from ._interpret import Constrain, run_op
 
 

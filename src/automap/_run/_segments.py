@@ -39,7 +39,7 @@ class Segment:
     inputs: tuple[int, ...]  # tensor ids read from outside (no constants), first use order
     outputs: tuple[int, ...]  # tensor ids produced here that others read (or step outputs)
     # A "B" segment under rematerialization: the stage's layers it recomputes from their
-    # inputs before their backward (`_pipeline.Recompute`, restricted to the stage).
+    # inputs before their backward (`_remat.Recompute`, restricted to the stage).
     recompute: Any = None
 
 

@@ -16,7 +16,7 @@ triggering backward op's backward-made inputs (so the scheduler cannot hoist the
 back next to the forward: it depends on the gradient arriving at that layer).
 
 A layer is the run of per-microbatch forward ops between two consecutive pipeline cut
-candidates (`_plans.cut_candidates`: where the crossing activation is the
+candidates (`_pipeline.cut_candidates`: where the crossing activation is the
 residual stream). The embedding before the first candidate and the head after the last one
 are not recomputed, as in Megatron (for a zoo transformer the candidates also fall inside
 the embedding and before the loss, so those layers carry the embedding and the head). The same `Recompute` drives the one-stage runtime
@@ -35,8 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from .._capture import Residuals, find_residuals, loss_boundary
 from .._graph import Graph, TensorKind
 from .._groups import Groups
-from ._partition import forward_ops
-from ._plans import cut_candidates
+from .._pipeline import cut_candidates, forward_ops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,17 @@
+"""What a plan recomputes in its backward (Megatron's full recomputation): the layers, found
+from the program as the pipeline's cut candidates find them, what each reads and makes
+again (`Recompute`), and what that leaves in memory (`remat_residuals`). One-stage plans
+(`_run/_apply.py`, `_cost/_model.py`) and pipelines (`_run/_segments.py`,
+`_cost/_pipelined.py`) read the same objects.
+
+Input: a Graph and its Groups. Output: a `Recompute`, the `Residuals` under it.
+DESIGN.md, "Rematerialization".
+"""
+
+from ._recompute import Recompute as Recompute
+from ._recompute import layer_ops as layer_ops
+from ._recompute import layer_residuals as layer_residuals
+from ._recompute import made_after as made_after
+from ._recompute import made_in_forward as made_in_forward
+from ._recompute import recompute_plan as recompute_plan
+from ._recompute import remat_residuals as remat_residuals
