@@ -130,7 +130,13 @@ class Plan:
     microbatches: int = 1
     schedule: str = "1f1b"  # a registered schedule's name (`_pipeline.pipeline_schedule`)
     zero_stage: int = 0
-    remat: bool = False
+    remat: bool = False  # recompute in the backward; what, by the two fields below
+    # "full": each layer's forward (Megatron's full recomputation); "selective": only the
+    # attention core of each layer (Korthikanti et al.). Read only when `remat` is set.
+    remat_policy: str = "full"
+    # Full recomputation of the first k layers of each stage (the rest keep their
+    # activations), Megatron's "block" method; None: every layer.
+    remat_layers: int | None = None
     name: str = ""  # e.g. "megatron_dp", or the searcher's name
     # Linkage group id -> mesh axis, for every group the plan splits: what the cost model
     # prices. None for a plan written by hand (the cost model reads it back from the specs).
@@ -147,6 +153,7 @@ class Plan:
         # A plan built in code is held to the sizes a plan file is (`_check_fields`):
         # a zero or negative size would fail deep inside apply, or draw nothing.
         _check_sizes(self.mesh, self.microbatches, "the plan")
+        _check_remat(self.remat_policy, self.remat_layers, "the plan")
         # Plans built in code the old way, with the assignment among the decisions.
         if "assignment" in self.decisions:
             decisions = dict(self.decisions)
@@ -160,6 +167,16 @@ class Plan:
         """The plan runs through the staged runtime: more than one stage, or one stage
         fed microbatch by microbatch (gradient accumulation, as Megatron-LM runs PP=1)."""
         return len(self.stages) > 1 or (len(self.stages) == 1 and self.microbatches > 1)
+
+    @property
+    def remat_label(self) -> str:
+        """What the plan recomputes, in words: none, selective, full, or full over k
+        layers per stage."""
+        if not self.remat:
+            return "none"
+        if self.remat_layers is not None:
+            return f"full, {self.remat_layers} layers per stage"
+        return self.remat_policy
 
     @property
     def devices(self) -> int:
@@ -208,6 +225,8 @@ class Plan:
             "schedule": self.schedule,
             "zero_stage": self.zero_stage,
             "remat": self.remat,
+            "remat_policy": self.remat_policy,
+            "remat_layers": self.remat_layers,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
             "decisions": _with_assignment(self.decisions, self.assignment),
@@ -245,6 +264,9 @@ class Plan:
                 schedule=str(d.get("schedule", "1f1b")),
                 zero_stage=int(d.get("zero_stage", 0)),
                 remat=d.get("remat", False),
+                # Plans saved before the policies recomputed every layer in full.
+                remat_policy=str(d.get("remat_policy", "full")),
+                remat_layers=d.get("remat_layers"),
                 name=str(d.get("name", "")),
                 predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
                 provenance=Provenance(**d.get("provenance", {})),
@@ -327,6 +349,31 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
         raise PlanError(
             f"{source}: remat must be true or false (a JSON boolean), got {remat!r}; "
             'write "remat": true or "remat": false, without quotes around the value.'
+        )
+    _check_remat(d.get("remat_policy", "full"), d.get("remat_layers"), source)
+
+
+#: What a remat plan may recompute (`_remat.plan_recompute` reads them).
+REMAT_POLICIES = ("selective", "full")
+
+
+def _check_remat(policy: Any, layers: Any, source: str) -> None:
+    if policy not in REMAT_POLICIES:
+        raise PlanError(
+            f"{source}: remat_policy must be one of {', '.join(REMAT_POLICIES)}, got "
+            f"{policy!r}; set one of them, {_RECREATE}."
+        )
+    if layers is None:
+        return
+    if not _whole(layers) or layers < 1:
+        raise PlanError(
+            f"{source}: remat_layers must be a whole number >= 1 (layers recomputed per "
+            f"stage) or null (all of them), got {layers!r}; set one, {_RECREATE}."
+        )
+    if policy != "full":
+        raise PlanError(
+            f"{source}: remat_layers counts layers recomputed in full, but remat_policy is "
+            f"{policy!r}; set remat_policy to full or remat_layers to null."
         )
 
 

@@ -72,7 +72,7 @@ from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, Regather, build_groups, regather_plan, rule
 from .._plan import Collective, Cost, Plan
-from .._remat import remat_residuals
+from .._remat import Recompute, full_remat, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
@@ -90,7 +90,13 @@ _warned: set[str] = set()
 class CostModel:
     """Predicts a plan's cost on a cluster. Build once per graph; evaluate many plans."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, groups: Groups | None = None):
+    def __init__(
+        self,
+        graph: Graph,
+        cluster: Cluster,
+        groups: Groups | None = None,
+        recompute: Recompute | None = None,
+    ):
         self.graph = graph
         self.cluster = cluster
         self.groups = groups if groups is not None else build_groups(graph)
@@ -101,7 +107,9 @@ class CostModel:
                 _log.warning("no sharding rule for %r: kept replicated, costed as memory-bound", p)
         self.unknown_primitives = tuple(unknown)
         # What the step keeps for its backward, with and without rematerialization.
-        self.residuals = remat_residuals(graph, self.groups)
+        # `recompute`: what remat recomputes, default every layer in full (`for_plan`).
+        self.residuals = remat_residuals(graph, self.groups, recompute)
+        self._variants: dict[tuple, CostModel] = {}
         rg = regather_plan(graph, self.groups)
         self.tables = build_tables(graph, self.groups, cluster, self.residuals, rg.tensors)
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
@@ -143,6 +151,8 @@ class CostModel:
     def estimate(self, plan: Plan) -> Cost:
         """Cost of a plan: its recorded assignment, else one read back from its specs. A
         plan with pipeline stages is timed by its schedule (`_pipelined.py`)."""
+        if remat_key(plan) is not None:
+            return self.for_plan(plan).estimate(full_remat(plan))
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
         return self.evaluate(
@@ -155,6 +165,17 @@ class CostModel:
             remat=plan.remat,
             detail=True,
         )
+
+    def for_plan(self, plan: Plan) -> CostModel:
+        """The model whose `remat=True` prices what `plan` recomputes: this one for every
+        layer in full, else one built (once per policy) on that plan's `Recompute`."""
+        key = remat_key(plan)
+        if key is None:
+            return self
+        if key not in self._variants:
+            rc = plan_recompute(self.graph, self.groups, plan)
+            self._variants[key] = CostModel(self.graph, self.cluster, self.groups, rc)
+        return self._variants[key]
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]:
         """A plan's assignment {group: axis}: as recorded, else read back from its specs."""

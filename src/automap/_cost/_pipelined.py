@@ -61,6 +61,7 @@ from .._pipeline import (
     pipeline_schedule,
 )
 from .._plan import Collective, Cost, Plan
+from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
@@ -91,6 +92,8 @@ class StageModel(Protocol):
     ) -> tuple[Any, Any]: ...
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
+
+    def for_plan(self, plan: Plan) -> Any: ...
 
 
 #: Per-(stage, phase) arrays have a column per phase: PRE, FWD, BWD, POST and REDUCE, a
@@ -450,6 +453,8 @@ def stage_costs(
 def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
     """The pipeline cost of a plan with stages: `plan.mesh` is {"pipe": S, **stage mesh},
     its specs are on the stage mesh, `plan.stages` cut the forward ops."""
+    # A plan recomputing less than every layer in full: priced on its own `Recompute`.
+    model, plan = model.for_plan(plan), full_remat(plan)
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     for s, st in enumerate(plan.stages):
         if st.mesh and dict(st.mesh) != stage_mesh:

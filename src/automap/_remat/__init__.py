@@ -8,10 +8,15 @@ Input: a Graph and its Groups. Output: a `Recompute`, the `Residuals` under it.
 DESIGN.md, "Rematerialization".
 """
 
+from ._policy import full_remat as full_remat
+from ._policy import plan_recompute as plan_recompute
+from ._policy import remat_key as remat_key
 from ._recompute import Recompute as Recompute
 from ._recompute import layer_ops as layer_ops
 from ._recompute import layer_residuals as layer_residuals
 from ._recompute import made_after as made_after
 from ._recompute import made_in_forward as made_in_forward
 from ._recompute import recompute_plan as recompute_plan
+from ._recompute import recompute_units as recompute_units
 from ._recompute import remat_residuals as remat_residuals
+from ._selective import attention_cores as attention_cores

@@ -63,6 +63,16 @@ class Recompute:
             owner,
         )
 
+    def only(self, ks: Iterable[int]) -> Recompute:
+        """The layers numbered `ks` (in order), the others left to keep their activations."""
+        ks = sorted(set(ks))
+        return Recompute(
+            self.boundary,
+            tuple(self.layers[k] for k in ks),
+            tuple(self.inputs[k] for k in ks),
+            {t: ks.index(k) for t, k in self.owner.items() if k in ks},
+        )
+
 
 def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
     """Per-microbatch forward ops between consecutive cut candidates, one tuple a layer.
@@ -81,8 +91,13 @@ def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
 def recompute_plan(graph: Graph, groups: Groups) -> Recompute:
     """The layers (each cut to the ops its backward's reads need: XLA drops the others,
     e.g. the projection whose output only feeds the residual add) and their inputs."""
+    return recompute_units(graph, layer_ops(graph, groups))
+
+
+def recompute_units(graph: Graph, whole: Sequence[Sequence[int]]) -> Recompute:
+    """`recompute_plan` for any runs of forward ops recomputed as units (whole layers, or
+    the attention cores of selective recomputation)."""
     boundary = find_residuals(graph).boundary
-    whole = layer_ops(graph, groups)
     borders = {t for layer in whole for t in _reads(graph, layer)}
     read_after = {t for op in graph.ops[boundary + 1 :] for t in op.inputs}
     layers = tuple(_needed(graph, layer, read_after - borders) for layer in whole)
@@ -108,13 +123,14 @@ def _needed(graph: Graph, layer: Sequence[int], wanted: set[int]) -> tuple[int, 
     return tuple(reversed(keep))
 
 
-def remat_residuals(graph: Graph, groups: Groups) -> Residuals:
-    """`find_residuals` with the rematerialized figures of the runtime's recomputation:
-    `saved_remat` is what stays alive at the turn of the step (every saved tensor no layer
-    recomputes, every layer's inputs, and the largest layer's recomputed residuals, alive
-    while its backward runs); `recomputed` the ops that run a second time."""
+def remat_residuals(graph: Graph, groups: Groups, rc: Recompute | None = None) -> Residuals:
+    """`find_residuals` with the rematerialized figures of the runtime's recomputation
+    (`rc`, default every layer in full): `saved_remat` is what stays alive at the turn of
+    the step (every saved tensor no layer recomputes, every layer's inputs, and the largest
+    layer's recomputed residuals, alive while its backward runs); `recomputed` the ops that
+    run a second time."""
     res = find_residuals(graph)
-    rc = recompute_plan(graph, groups)
+    rc = recompute_plan(graph, groups) if rc is None else rc
     saved = set(res.saved)
     per_layer = layer_residuals(graph, rc, saved)
     kept = {t for t in saved if t not in rc.owner}

@@ -130,7 +130,7 @@ def _header(plan: Plan, cluster: Cluster | None) -> str:
             "pipeline",
             f"{max(1, len(plan.stages))} stage(s), {plan.microbatches} microbatch(es), {plan.schedule}",
         ),
-        ("ZeRO stage / remat", f"{plan.zero_stage} / {'yes' if plan.remat else 'no'}"),
+        ("ZeRO stage / remat", f"{plan.zero_stage} / {plan.remat_label}"),
         ("searcher, seed", f"{prov.searcher or 'unknown'}, {prov.seed}"),
         ("search time", f"{prov.search_time_s:.1f} s"),
         ("made by automap", prov.version),

@@ -147,7 +147,7 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
     mesh = mesh_text(plan)
     console.print(
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
-        + ("   remat: yes" if plan.remat else "")
+        + (f"   remat: {plan.remat_label}" if plan.remat else "")
     )
     for text in prov.notes:  # what the search could not do here, and why
         console.print(f"[yellow]note:[/yellow] {escape(text)}")

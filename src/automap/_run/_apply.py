@@ -29,7 +29,7 @@ from .._groups import (
     zero_mismatch,
 )
 from .._plan import Plan, Spec
-from .._remat import recompute_plan
+from .._remat import Recompute, plan_recompute
 from ._distributed import Feed
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
@@ -168,7 +168,8 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     if plan.remat:
-        return _recomputing(graph, groups, constrain, _lookups(graph, plan, mesh))
+        rc = plan_recompute(graph, groups, plan)
+        return _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh))
     if _regathers(plan):
         return _regathering(graph, groups, plan, mesh, constrain)
     return run
@@ -254,12 +255,11 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
 
 
 def _recomputing(
-    graph: Any, groups: Groups, constrain: Callable, bind: dict[int, Callable]
+    graph: Any, rc: Recompute, constrain: Callable, bind: dict[int, Callable]
 ) -> Callable:
-    """The captured program re-run with each layer's forward recomputed in the backward
-    (`_remat/_recompute.py`: Megatron's full recomputation), fixing the plan's internal
+    """The captured program re-run with the plan's recompute units (`rc`: layers, or their
+    attention cores; `_remat/`) made again in the backward, fixing the plan's internal
     tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups)."""
-    rc = recompute_plan(graph, groups)
     wanted = [leaf.tensor for leaf in graph.outputs]
 
     def run(*args: Any) -> Any:

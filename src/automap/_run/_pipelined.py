@@ -51,7 +51,7 @@ from .._graph import TensorKind
 from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
 from .._pipeline import Unit, partition, pipeline_schedule
 from .._plan import Plan
-from .._remat import recompute_plan
+from .._remat import plan_recompute
 from ._accumulate import Accumulation, axes_entry, without_axes
 from ._distributed import Feed, check_stages, gather
 from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram
@@ -169,7 +169,7 @@ class _Pipeline(Accumulation):
         self.graph, self.part, self.groups = full, part, groups
         self.pre, self.micro, self.post = segments(full, part)
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
-            self.micro = recompute_segments(full, self.micro, recompute_plan(full, groups))
+            self.micro = recompute_segments(full, self.micro, plan_recompute(full, groups, plan))
         self.readers = readers(self.micro)
         self.read_on: dict[int, list[int]] = {}  # tensor -> stages whose segments read it
         for t, s in self.readers:

@@ -39,22 +39,31 @@ def eval_recomputing(
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
         run_op(graph, i, read, into, constrain, bind)
 
-    def recompute(k: int, anchors: list[Any]) -> None:
+    def attempt(k: int, anchors: list[Any], permute: bool) -> tuple[dict[int, Any], bool]:
         live = rc.inputs[k]
         fenced, _ = jax.lax.optimization_barrier(([values[t] for t in live], anchors))
         local = {**values, **dict(zip(live, fenced, strict=True))}
         tied = False
         for t in live:
             if made_in_forward(graph, t, rc.boundary):
-                local[t], hit = _after(local[t], anchors)
+                local[t], hit = _after(local[t], anchors, permute)
                 tied |= hit
         for i in rc.layers[k]:
             run(i, local.__getitem__, local)
             # No input could be tied (an integer mask, say): tie the first value made that
             # can; only the ops before it may then merge with the forward's.
             for t in () if tied else graph.ops[i].outputs:
-                local[t], hit = _after(local[t], anchors)
+                local[t], hit = _after(local[t], anchors, permute)
                 tied |= hit
+        return local, tied
+
+    def recompute(k: int, anchors: list[Any]) -> None:
+        local, tied = attempt(k, anchors, permute=False)
+        if not tied:
+            # No backward value of any shape the unit holds (an attention core reads Q as
+            # [b, s, h, d] while its trigger reads dO as [b, h, d, s]): tie on one whose
+            # axes are a permutation of them. The untied attempt is dead code XLA drops.
+            local, _ = attempt(k, anchors, permute=True)
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
         done.add(k)
 
@@ -78,7 +87,7 @@ def eval_recomputing(
     ]
 
 
-def _after(x: Any, anchors: list[Any]) -> tuple[Any, bool]:
+def _after(x: Any, anchors: list[Any], permute: bool = False) -> tuple[Any, bool]:
     """`x`, made to depend on a backward value of its shape (or a scalar one): the same
     bits, but a value XLA can neither merge with the forward's `x` nor compute before
     that backward value; and whether such a value was there.
@@ -91,7 +100,20 @@ def _after(x: Any, anchors: list[Any]) -> tuple[Any, bool]:
     for a in anchors:
         if (a.shape == x.shape or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
             return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
+    for a in anchors if permute else ():
+        order = _permutation(a.shape, x.shape)
+        if order is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = jnp.transpose(a, order)
+            return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
     return x, False
+
+
+def _permutation(have: tuple[int, ...], want: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axes order taking shape `have` to `want` when the sizes are distinct (so the
+    order, and with it how each axis is split, is unambiguous); else None."""
+    if len(set(have)) != len(have) or sorted(have) != sorted(want) or have == want:
+        return None
+    return tuple(have.index(n) for n in want)
 
 
 def eval_regathering(

@@ -112,7 +112,7 @@ def op_runs(model: CostModel, plan: Plan) -> np.ndarray:
     a remat plan recomputes in the backward (matmuls included); 0 for dead ops."""
     runs = live_ops(model.graph).astype(float)
     if plan.remat:
-        again = list(model.residuals.recomputed)
+        again = list(model.for_plan(plan).residuals.recomputed)
         runs[again] += runs[again]
     return runs
 

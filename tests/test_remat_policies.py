@@ -1,0 +1,172 @@
+"""Recomputation policies run as they are priced: selective (each layer's attention core,
+found from the program's structure), full, and full over the first k layers of each stage.
+XLA's compiled programs show the recompute (FLOPs) and what it frees (buffer assignment),
+the cost model charges exactly the ops each policy recomputes, and sharded and pipelined
+steps compute what the unsharded step computes."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import pytest
+
+import automap as am
+from automap._capture import capture
+from automap._cluster import Cluster
+from automap._cost import CostModel
+from automap._errors import PlanError
+from automap._groups import build_groups, plan_from_assignment
+from automap._pipeline import pipeline_plan, uniform_cuts
+from automap._plan import Plan
+from automap._remat import attention_cores, layer_ops, plan_recompute
+from automap._space import batch_groups, block_groups
+from automap._zoo import get_model
+from pipeline._models import assert_same
+
+CONFIG = dict(layers=4, hidden=64, heads=2, batch=8, seq=64, vocab=128, dtype="float32")
+
+
+@functools.cache
+def gpt():
+    spec = get_model("gpt2-xl", **CONFIG)
+    graph = capture(spec.step_fn, *spec.abstract_args())
+    return spec, graph, build_groups(graph)
+
+
+def _one_device(spec, **remat) -> Plan:
+    flat = jax.tree_util.tree_flatten_with_path(spec.abstract_args())[0]
+    return Plan(mesh={}, specs={jax.tree_util.keystr(p): () for p, _ in flat}, **remat)
+
+
+def _compiled(spec, plan):
+    run = am.apply(spec.step_fn, plan, devices=jax.devices()[:1])
+    args = spec.abstract_args()
+    prepared = run.prepare(*args)
+    return prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+
+
+def _flops(compiled) -> float:
+    ca = compiled.cost_analysis()
+    return float((ca[0] if isinstance(ca, list) else ca)["flops"])
+
+
+POLICIES = {
+    "none": {},
+    "selective": dict(remat=True, remat_policy="selective"),
+    "first 2": dict(remat=True, remat_layers=2),
+    "full": dict(remat=True),
+}
+
+
+def test_selective_finds_each_attention_core_by_structure_not_names():
+    spec, graph, groups = gpt()
+    units = layer_ops(graph, groups)
+    cores = attention_cores(graph, units)
+    found = [c for c in cores if c]
+    assert len(found) == CONFIG["layers"]  # the attention halves; the MLP halves have none
+    for core in found:
+        prims = [graph.ops[i].primitive for i in core]
+        # QKᵀ and the attention over V, and the softmax between them.
+        assert prims.count("dot_general") == 2 and prims[0] == prims[-1] == "dot_general"
+        assert {"exp", "reduce_max", "reduce_sum"} <= set(prims)
+    # Names play no part: the same program with its name stacks wiped finds the same.
+    nameless = dataclasses.replace(
+        graph, ops=tuple(dataclasses.replace(op, name_stack="") for op in graph.ops)
+    )
+    assert attention_cores(nameless, units) == cores
+    # A program without attention has no core: selective recomputes nothing there.
+    spec = get_model("mlp")
+    mlp = capture(spec.step_fn, *spec.abstract_args())
+    assert layer_ops(mlp, build_groups(mlp))
+    assert not any(attention_cores(mlp, layer_ops(mlp, build_groups(mlp))))
+
+
+def test_the_first_k_layers_of_each_stage_are_recomputed():
+    spec, graph, groups = gpt()
+    full = plan_recompute(graph, groups, _one_device(spec, remat=True))
+    two = plan_recompute(graph, groups, _one_device(spec, remat=True, remat_layers=2))
+    assert two.layers == full.layers[:2]
+    mesh, assignment = {"data": 2}, {g.id: "data" for g in batch_groups(groups)}
+    staged = pipeline_plan(graph, groups, uniform_cuts(graph, groups, 2), mesh, assignment, 2)
+    one = plan_recompute(graph, groups, dataclasses.replace(staged, remat=True, remat_layers=1))
+    bounds = [(s.op_start, s.op_stop) for s in staged.stages]
+    # One layer in each stage, the first of it.
+    assert len(one.layers) == 2
+    assert [bounds[s][0] <= layer[0] for s, layer in enumerate(one.layers)] == [True, True]
+    assert one.layers[0] == full.layers[0]
+
+
+@pytest.mark.slow  # four policies compiled
+def test_each_policy_compiles_the_recompute_it_is_priced_for():
+    spec, graph, groups = gpt()
+    model = CostModel(graph, Cluster.preset("cpu", devices=1), groups)
+    flops, temp, acts = {}, {}, {}
+    for name, remat in POLICIES.items():
+        plan = _one_device(spec, **remat)
+        compiled = _compiled(spec, plan)
+        flops[name], temp[name] = _flops(compiled), compiled.memory_analysis().temp_size_in_bytes
+        cost = model.estimate(plan)
+        acts[name] = cost.memory_breakdown["activations"]
+        if not remat:
+            plain = cost
+            continue
+        rc = plan_recompute(graph, groups, plan)
+        again = sum(graph.ops[i].flops for i in rc.ops)
+        # XLA's program runs every recomputed op once more (selective: plus the select
+        # that ties the core's inputs to the backward, elementwise on Q and K).
+        assert flops[name] - flops["none"] == pytest.approx(again, rel=0.1), name
+        # The cost model charges exactly those ops (`remat_op_coef`), nothing else.
+        first = model.for_plan(plan).tables.remat_op_coef
+        charged = sum(first[i] for i in rc.ops)
+        assert cost.compute_s - plain.compute_s == pytest.approx(charged), name
+        assert charged > 0, name
+    assert flops["none"] < flops["selective"] < flops["first 2"] < flops["full"]
+    # What each keeps: full the least, selective less than nothing recomputed, in XLA's
+    # buffer assignment and in the cost model alike.
+    for order in (temp, acts):
+        assert order["full"] < order["first 2"] < order["none"], order
+        assert order["selective"] < order["none"], order
+
+
+@pytest.mark.slow  # policies compiled and run on 8 devices
+@pytest.mark.parametrize("remat", ["selective", "first 1"])
+def test_policies_compute_the_step_on_8_devices(remat):
+    spec, graph, groups = gpt()
+    fields = dict(remat=True, remat_policy="selective") if remat == "selective" else {}
+    fields = fields or dict(remat=True, remat_layers=1)
+    assignment = {g.id: "data" for g in batch_groups(groups)}
+    assignment.update({g.id: "model" for g in block_groups(groups)})
+    args = spec.concrete_args(0)
+    want = jax.jit(spec.step_fn)(*args)
+    one = plan_from_assignment(graph, groups, {"data": 4, "model": 2}, assignment)
+    staged = pipeline_plan(
+        graph, groups, uniform_cuts(graph, groups, 2), {"data": 2, "model": 2}, assignment, 2
+    )
+    for plan in (one, staged):
+        got = am.apply(spec.step_fn, dataclasses.replace(plan, **fields))(*args)
+        assert_same(got, want, spec.config["learning_rate"])
+
+
+def test_plan_files_keep_the_policy_and_old_ones_load_as_full(tmp_path):
+    spec, _, _ = gpt()
+    plan = _one_device(spec, remat=True, remat_policy="selective")
+    path = plan.save(tmp_path / "p.json")
+    assert Plan.load(path).remat_policy == "selective"
+    old = json.loads(path.read_text())
+    del old["remat_policy"], old["remat_layers"]
+    path.write_text(json.dumps(old))
+    loaded = Plan.load(path)
+    assert (loaded.remat, loaded.remat_policy, loaded.remat_layers) == (True, "full", None)
+    assert loaded.remat_label == "full"
+    for field, value, says in [
+        ("remat_policy", "attention", "remat_policy must be one of selective, full"),
+        ("remat_layers", 0, "remat_layers must be a whole number >= 1"),
+        ("remat_layers", "2", "remat_layers must be a whole number >= 1"),
+    ]:
+        path.write_text(json.dumps({**old, field: value}))
+        with pytest.raises(PlanError, match=says) as e:
+            Plan.load(path)
+        assert "\n" not in str(e.value)
+    with pytest.raises(PlanError, match="set remat_policy to full"):
+        _one_device(spec, remat=True, remat_policy="selective", remat_layers=2)
