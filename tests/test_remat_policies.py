@@ -10,9 +10,11 @@ import json
 
 import jax
 import pytest
+from typer.testing import CliRunner
 
 import automap as am
 from automap._capture import capture
+from automap._cli import app
 from automap._cluster import Cluster
 from automap._cost import CostModel
 from automap._errors import PlanError
@@ -170,3 +172,27 @@ def test_plan_files_keep_the_policy_and_old_ones_load_as_full(tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(PlanError, match="set remat_policy to full"):
         _one_device(spec, remat=True, remat_policy="selective", remat_layers=2)
+
+
+def test_estimate_prices_each_policy_and_refuses_a_bad_one_in_one_line():
+    sets = [a for k, v in CONFIG.items() for a in ("--set", f"{k}={v}")]
+    common = ["estimate", "--model", "gpt2-xl", *sets, "--devices", "8", "--tp", "2"]
+    common += ["--pp", "2", "--dp", "2", "--microbatch-size", "1", "--json"]
+    priced = {}
+    for remat in ("none", "selective", "full"):
+        result = CliRunner().invoke(app, [*common, "--remat", remat])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.output)
+        assert data["plan"]["remat"] is (remat != "none")
+        priced[remat] = data
+    assert priced["selective"]["plan"]["remat_policy"] == "selective"
+    # Selective recomputes less than full and keeps more than it; none recomputes nothing.
+    compute = {k: d["compute_s"] for k, d in priced.items()}
+    memory = {k: d["memory_bytes"] for k, d in priced.items()}
+    assert compute["none"] < compute["selective"] < compute["full"]
+    assert memory["full"] < memory["selective"] < memory["none"]
+    bad = CliRunner().invoke(app, [*common, "--remat", "attention"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "remat 'attention': use one of none, selective, full" in bad.output
+    recipe = am.Recipe(tp=2, pp=2, dp=2, microbatch_size=1, remat="selective")
+    assert (recipe.remat, am.Recipe().remat) == ("selective", "none")

@@ -358,7 +358,9 @@ def estimate_cmd(
         int | None, typer.Option("--microbatches", help="Microbatches per step (pipelines).")
     ] = None,
     schedule: Annotated[str, typer.Option(help="Pipeline schedule: 1f1b or gpipe.")] = "1f1b",
-    remat: Annotated[str, typer.Option(help="Recomputation: none or full.")] = "none",
+    remat: Annotated[
+        str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
+    ] = "none",
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 0, 1, 2 or 3.")] = 0,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write the priced plan as JSON here.")

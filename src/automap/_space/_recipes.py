@@ -33,7 +33,7 @@ from .._pipeline import (
 from .._plan import Plan
 from ._experts import axis_assignment, batch_groups, block_groups
 
-REMAT = ("none", "full")
+REMAT = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,8 @@ class Recipe:
     """Pipeline schedule, by its registered name (`_pipeline.schedule_names`): "1f1b"
     (Megatron's) or "gpipe"."""
     remat: str = "none"
-    """Activation recomputation: "none", or "full" (keep each layer's input, recompute
+    """Activation recomputation: "none", "selective" (recompute only each layer's
+    attention core, Korthikanti et al.), or "full" (keep each layer's input, recompute
     its forward inside the backward)."""
     zero: int = 0
     """ZeRO stage over the data axis: 0 (none), 1, 2 or 3."""
@@ -100,19 +101,19 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
             )
         assignment.update(split)
     mesh = {k: v for k, v in ((DATA, recipe.dp), (MODEL, recipe.tp)) if v > 1} or {DATA: 1}
-    remat = recipe.remat == "full"
+    remat = {} if recipe.remat == "none" else dict(remat=True, remat_policy=recipe.remat)
     if recipe.pp == 1 and m == 1:
         plan = plan_from_assignment(
             graph, groups, mesh, assignment, name=recipe.name, zero_stage=recipe.zero
         )
-        return dataclasses.replace(plan, remat=remat)
+        return dataclasses.replace(plan, **remat)
     # One stage with microbatches is gradient accumulation: the staged runtime with no cut.
     cuts = layer_cuts(graph, groups, recipe.pp) if recipe.pp > 1 else ()
     plan = pipeline_plan(
         graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
         zero_stage=recipe.zero,
     )  # fmt: skip
-    return dataclasses.replace(plan, remat=remat)
+    return dataclasses.replace(plan, **remat)
 
 
 def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
