@@ -11,6 +11,7 @@ top-level constants, then each op's literal operands and outputs in program orde
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import re
@@ -81,6 +82,46 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
     An unknown primitive is kept as one op, costed at 10 FLOPs per output element plus all
     its bytes, marked `known=False`, and warned about once per primitive name per capture.
     """
+    closed, out_shape = _trace(fn, args)
+    leaves = _Leaves.of(args, out_shape, closed.jaxpr)
+    b = _Builder()
+    env: dict[Any, int] = {}
+    for var in closed.jaxpr.invars:
+        env[var] = b.tensor(var.aval, TensorKind.INPUT)
+    for var, value in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        env[var] = b.const(var.aval, value)
+    b.emit(closed.jaxpr, env, "")
+    outputs = tuple(
+        OutputLeaf(path, b.atom(env, v))
+        for path, v in zip(leaves.out_paths, closed.jaxpr.outvars, strict=True)
+    )
+    invars, paths, arg_index = closed.jaxpr.invars, leaves.paths, leaves.arg_index
+    leaf_roles = _infer_roles(fn, args, paths, arg_index, invars, roles)
+    donated = set(donated_leaves(fn, args, len(paths)))
+    inputs = tuple(
+        InputLeaf(path, arg_index[i], env[invars[i]], leaf_roles[i], i in donated)
+        for i, path in enumerate(paths)
+    )
+    tensors = tuple(b.tensors)
+    ops = tuple(b.ops)
+    return Graph(
+        tensors=tensors,
+        ops=ops,
+        inputs=inputs,
+        outputs=outputs,
+        fingerprint=_fingerprint(tensors, ops, inputs, outputs),
+        jaxpr=closed,
+        in_tree=leaves.in_tree,
+        out_tree=leaves.out_tree,
+        eqns=tuple(b.eqns),
+        const_values=b.const_values,
+        bodies=b.bodies,
+    )
+
+
+def _trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(closed jaxpr, output shapes) of `fn(*args)`, or a CaptureError that says what to
+    pass instead: a step that fails to trace, maps itself over devices, or does nothing."""
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as err:  # any tracing failure is the user's to fix: say how
@@ -96,51 +137,38 @@ def capture(fn: Callable[..., Any], *args: Any, roles: Mapping[Any, Any] | None 
             f"{getattr(fn, '__name__', fn)!r} {what}, so there is no work to plan: return "
             "what the step computes (the loss, the new parameters and optimizer state)."
         )
-    paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
-    paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
-    out_paths = [
-        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]
-    ]
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    if len(paths) != len(closed.jaxpr.invars):  # e.g. a leaf make_jaxpr splits or drops
-        raise CaptureError(
-            f"{len(paths)} argument leaves but {len(closed.jaxpr.invars)} traced inputs; "
-            "pass arrays or jax.ShapeDtypeStruct leaves only"
-        )
+    return closed, out_shape
 
-    b = _Builder()
-    env: dict[Any, int] = {}
-    for var in closed.jaxpr.invars:
-        env[var] = b.tensor(var.aval, TensorKind.INPUT)
-    for var, value in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-        env[var] = b.const(var.aval, value)
-    b.emit(closed.jaxpr, env, "")
-    outputs = tuple(
-        OutputLeaf(path, b.atom(env, v))
-        for path, v in zip(out_paths, closed.jaxpr.outvars, strict=True)
-    )
-    arg_index = [int(re.match(r"\[(\d+)\]", p).group(1)) for p in paths]
-    leaf_roles = _infer_roles(fn, args, paths, arg_index, closed.jaxpr.invars, roles)
-    donated = set(donated_leaves(fn, args, len(paths)))
-    inputs = tuple(
-        InputLeaf(path, arg_index[i], env[closed.jaxpr.invars[i]], leaf_roles[i], i in donated)
-        for i, path in enumerate(paths)
-    )
-    tensors = tuple(b.tensors)
-    ops = tuple(b.ops)
-    return Graph(
-        tensors=tensors,
-        ops=ops,
-        inputs=inputs,
-        outputs=outputs,
-        fingerprint=_fingerprint(tensors, ops, inputs, outputs),
-        jaxpr=closed,
-        in_tree=in_tree,
-        out_tree=out_tree,
-        eqns=tuple(b.eqns),
-        const_values=b.const_values,
-        bodies=b.bodies,
-    )
+
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+    """The step's argument and output leaves, by path, matched to the traced program."""
+
+    paths: list[str]
+    """Each input leaf's path (`jax.tree_util.keystr`), in flat order."""
+    arg_index: list[int]
+    """Each input leaf's argument number."""
+    in_tree: Any
+    out_paths: list[str]
+    out_tree: Any
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], out_shape: Any, jaxpr: Any) -> _Leaves:
+        paths_leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
+        paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
+        if len(paths) != len(jaxpr.invars):  # e.g. a leaf make_jaxpr splits or drops
+            raise CaptureError(
+                f"{len(paths)} argument leaves but {len(jaxpr.invars)} traced inputs; "
+                "pass arrays or jax.ShapeDtypeStruct leaves only"
+            )
+        out_leaves = jax.tree_util.tree_flatten_with_path(out_shape)[0]
+        return cls(
+            paths=paths,
+            arg_index=[int(re.match(r"\[(\d+)\]", p).group(1)) for p in paths],
+            in_tree=in_tree,
+            out_paths=[jax.tree_util.keystr(p) for p, _ in out_leaves],
+            out_tree=jax.tree_util.tree_structure(out_shape),
+        )
 
 
 #: Primitives of a program written per device: its shardings are the user's, not a plan's.

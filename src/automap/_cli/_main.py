@@ -237,6 +237,80 @@ class _Stop(Exception):
     """Raised from compare's row callback to end the comparison after an interrupted row."""
 
 
+def _searcher_names(searchers: str) -> list[str]:
+    """compare's --searchers as a list of known names, or one error listing them."""
+    from .._api import SEARCHERS
+
+    names = [s.strip() for s in searchers.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SEARCHERS]
+    if unknown or not names:
+        raise AutomapError(
+            f"unknown searcher(s) {', '.join(unknown) or '(none given)'}; --searchers takes "
+            f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
+        )
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class _CompareRun:
+    """One comparison, as the command line asked for it (checked)."""
+
+    step_fn: Any
+    args: Any
+    origin: dict[str, Any]
+    cluster: Any
+    names: list[str]
+    budget: float
+    seed: int
+
+    def rows(self, show_progress: bool) -> tuple[list[Any], bool, dict[str, bool]]:
+        """(the rows, whether Ctrl-C or SIGTERM ended the comparison early, which signal)."""
+        from .._bench import compare
+
+        rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far
+        interrupted = False
+        with (
+            busy("planning...", show_progress) as status,
+            sigterm_as_interrupt() as signalled,
+        ):
+
+            def on_row(row: Any) -> None:
+                if row.plan is not None and row.plan.decisions.get("interrupted"):
+                    rows.append(dataclasses.replace(row, note="interrupted: best plan so far"))
+                    raise _Stop
+                rows.append(row)
+                if status is not None:
+                    status.update(f"planning... {row.searcher} done ({row.search_time_s:.1f} s)")
+
+            try:
+                compare(
+                    self.step_fn,
+                    *self.args,
+                    cluster=self.cluster,
+                    searchers=self.names,
+                    budget_s=self.budget,
+                    seed=self.seed,
+                    origin=self.origin,
+                    on_row=on_row,
+                )
+            except (_Stop, KeyboardInterrupt):
+                interrupted = True
+        return rows, interrupted, signalled
+
+
+def _print_compare_table(what: str, cluster: Any, rows: list[Any]) -> None:
+    from .._bench import compare_table
+
+    table = compare_table(what, cluster, rows)
+    # Off a terminal Rich assumes 80 columns and wraps every cell: give the table the
+    # width it needs instead, so that a log or a file keeps one row per line.
+    if console.is_terminal:
+        console.print(table)
+    else:
+        wide = console.options.update_width(1000)
+        Console(width=console.measure(table, options=wide).maximum).print(table)
+
+
 @app.command("compare", cls=LegacyCommand)
 @friendly
 def compare_cmd(
@@ -263,63 +337,23 @@ def compare_cmd(
 
     Example: automap compare --model mlp --devices 8 --searchers expert,ilp,dqn --json-out rows.json
     """
-    from .._api import SEARCHERS
-    from .._bench import compare, compare_table, to_json
+    from .._bench import to_json
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
-    names = [s.strip() for s in searchers.split(",") if s.strip()]
-    unknown = [n for n in names if n not in SEARCHERS]
-    if unknown or not names:
-        raise AutomapError(
-            f"unknown searcher(s) {', '.join(unknown) or '(none given)'}; --searchers takes "
-            f"a comma-separated list of {', '.join(SEARCHERS)} (e.g. --searchers expert,random)."
-        )
+    names = _searcher_names(searchers)
     check_output(json_out, "--json-out")
     check_budget(budget, names)
     check_seed(seed)
     step_fn, args, origin = load_step(model, fn, override)
     the_cluster = load_cluster(cluster, devices)
-    rows: list[Any] = []  # kept here too, so that Ctrl-C still has the rows so far
-    interrupted = False
-    with (
-        busy("planning...", not (quiet or as_json)) as status,
-        sigterm_as_interrupt() as signalled,
-    ):
-
-        def on_row(row: Any) -> None:
-            if row.plan is not None and row.plan.decisions.get("interrupted"):
-                rows.append(dataclasses.replace(row, note="interrupted: best plan so far"))
-                raise _Stop
-            rows.append(row)
-            if status is not None:
-                status.update(f"planning... {row.searcher} done ({row.search_time_s:.1f} s)")
-
-        try:
-            compare(
-                step_fn,
-                *args,
-                cluster=the_cluster,
-                searchers=names,
-                budget_s=budget,
-                seed=seed,
-                origin=origin,
-                on_row=on_row,
-            )
-        except (_Stop, KeyboardInterrupt):
-            interrupted = True
+    run = _CompareRun(step_fn, args, origin, the_cluster, names, budget, seed)
+    rows, interrupted, signalled = run.rows(show_progress=not (quiet or as_json))
     what = origin.get("model") or origin.get("fn")
     data = to_json(what, the_cluster, rows) | ({"interrupted": True} if interrupted else {})
     if as_json:
         print_json(data)
     elif not quiet:
-        table = compare_table(what, the_cluster, rows)
-        # Off a terminal Rich assumes 80 columns and wraps every cell: give the table the
-        # width it needs instead, so that a log or a file keeps one row per line.
-        if console.is_terminal:
-            console.print(table)
-        else:
-            wide = console.options.update_width(1000)
-            Console(width=console.measure(table, options=wide).maximum).print(table)
+        _print_compare_table(what, the_cluster, rows)
     # The rows are printed before the file is written: a full disk must not lose them.
     written = None
     if json_out is not None:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -39,6 +39,9 @@ from ._app import (
     run_devices,
     write_or_keep,
 )
+
+if TYPE_CHECKING:  # the CLI imports the stages lazily, for its start-up time
+    from .._bench import Settings
 
 
 @app.command()
@@ -322,37 +325,16 @@ def bench_cmd(
 
     Example: automap bench --quick --out BENCHMARKS.md --json-out bench.json
     """
-    from .._bench import FULL, QUICK, full_settings, quick_settings, run_bench, select, write
+    from .._bench import FULL, QUICK, run_bench, select, write
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
     check_output(out, "--out")
     check_output(json_out, "--json-out")
-    check_budget(budget)
-    if seeds < 1:
-        raise AutomapError(f"--seeds must be at least 1, got {seeds} (e.g. --seeds 3).")
-    if megatron_plan_s is not None and not megatron_plan_s >= 0:
-        raise AutomapError(
-            "--megatron-plan-s must be 0 (price Megatron's configurations only) or the "
-            f"planner's budget per row in seconds (e.g. 30), got {megatron_plan_s:g}."
-        )
-    if megatron_plan_s is not None and no_megatron:
-        raise AutomapError("--megatron-plan-s and --no-megatron contradict each other; give one.")
     names = [m.strip() for m in models.split(",") if m.strip()] if models else None
-    # The command as it reproduces this run, every default spelled out.
-    command = "automap bench" + (" --quick" if quick else "")
-    command += f" --budget {budget:g}" if budget is not None else ""
-    command += f" --seeds {seeds}" + (f" --models {','.join(names)}" if names else "")
-    command += f" --megatron-plan-s {megatron_plan_s:g}" if megatron_plan_s is not None else ""
-    command += " --no-megatron" if no_megatron else ""
-    command += f" --out {out}" if out is not None else ""
-    settings = (quick_settings if quick else full_settings)(command, seeds=seeds)
-    if budget is not None:
-        settings = dataclasses.replace(settings, budget_s=budget)
-    if megatron_plan_s is not None or no_megatron or names:
-        # A run of a few models is about them: the table only when asked for.
-        settings = dataclasses.replace(settings, megatron_plan_s=megatron_plan_s)
+    request = _BenchRequest(quick, budget, seeds, names, megatron_plan_s, no_megatron, out)
+    request.check()
     cases = select(QUICK if quick else FULL, names)
-    result = run_bench(cases, settings, progress=not (quiet or as_json))
+    result = run_bench(cases, request.settings(), progress=not (quiet or as_json))
     if as_json:
         print(json.dumps(result, indent=1, default=str))
     # A full disk after minutes of benchmarks: each file is kept where Ctrl-C keeps one.
@@ -368,3 +350,59 @@ def bench_cmd(
         raise typer.Exit(1)
     if not (quiet or as_json) and out is not None:
         console.print(f"benchmarks written to [bold]{out}[/bold] in {result['wall_s']:.0f} s")
+
+
+@dataclasses.dataclass(frozen=True)
+class _BenchRequest:
+    """What `automap bench` was asked for: the options that shape the run's settings."""
+
+    quick: bool
+    budget: float | None
+    seeds: int
+    names: list[str] | None
+    """The --models given, or None for every model of the suite."""
+    megatron_plan_s: float | None
+    no_megatron: bool
+    out: Path | None
+
+    def check(self) -> None:
+        """One error naming the fix for each option out of its range."""
+        check_budget(self.budget)
+        if self.seeds < 1:
+            raise AutomapError(f"--seeds must be at least 1, got {self.seeds} (e.g. --seeds 3).")
+        megatron_s = self.megatron_plan_s
+        if megatron_s is not None and not megatron_s >= 0:
+            raise AutomapError(
+                "--megatron-plan-s must be 0 (price Megatron's configurations only) or the "
+                f"planner's budget per row in seconds (e.g. 30), got {megatron_s:g}."
+            )
+        if megatron_s is not None and self.no_megatron:
+            raise AutomapError(
+                "--megatron-plan-s and --no-megatron contradict each other; give one."
+            )
+
+    def command(self) -> str:
+        """The command as it reproduces this run, every default spelled out."""
+        command = "automap bench" + (" --quick" if self.quick else "")
+        command += f" --budget {self.budget:g}" if self.budget is not None else ""
+        names = self.names
+        command += f" --seeds {self.seeds}" + (f" --models {','.join(names)}" if names else "")
+        megatron_s = self.megatron_plan_s
+        command += f" --megatron-plan-s {megatron_s:g}" if megatron_s is not None else ""
+        command += " --no-megatron" if self.no_megatron else ""
+        command += f" --out {self.out}" if self.out is not None else ""
+        return command
+
+    def settings(self) -> Settings:
+        """The benchmark's settings: the suite's defaults with the options given."""
+        from .._bench import full_settings, quick_settings
+
+        settings = (quick_settings if self.quick else full_settings)(
+            self.command(), seeds=self.seeds
+        )
+        if self.budget is not None:
+            settings = dataclasses.replace(settings, budget_s=self.budget)
+        if self.megatron_plan_s is not None or self.no_megatron or self.names:
+            # A run of a few models is about them: the table only when asked for.
+            settings = dataclasses.replace(settings, megatron_plan_s=self.megatron_plan_s)
+        return settings

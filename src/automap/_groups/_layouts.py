@@ -67,16 +67,41 @@ def plan_from_assignment(
     """The plan that realizes an assignment: input/output specs and internal constraints.
     With ZeRO, the gradients and the optimizer update are pinned to the ZeRO layout (one
     stage and pipeline stages alike)."""
-    # Only splits the group can take (as the cost model reads the assignment): an axis on
-    # an unsplittable group, or one whose size does not divide the group, is dropped.
-    assignment = {
+    assignment = _takeable(groups, mesh, assignment)
+    lay = layouts(graph, groups, assignment)
+    specs = _input_specs(graph, lay, mesh, zero_stage, data_axis)
+    constraints = _anchors(graph, groups, lay, mesh, assignment, zero_stage)
+    if zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
+        constraints.update(_zero_constraints(graph, groups, lay, mesh, data_axis))
+    return Plan(
+        mesh=dict(mesh),
+        specs=specs,
+        out_specs=_output_specs(graph, lay, specs),
+        constraints=constraints,
+        zero_stage=zero_stage,
+        name=name,
+        assignment={int(g): a for g, a in sorted(assignment.items())},
+    )
+
+
+def _takeable(
+    groups: Groups, mesh: Mapping[str, int], assignment: Mapping[int, str | None]
+) -> dict[int, str | None]:
+    """Only splits the group can take (as the cost model reads the assignment): an axis on
+    an unsplittable group, or one whose size does not divide the group, is dropped."""
+    return {
         int(g): a
         for g, a in assignment.items()
         if a in mesh
         and groups.groups[int(g)].splittable
         and groups.groups[int(g)].divisor % mesh[a] == 0
     }
-    lay = layouts(graph, groups, assignment)
+
+
+def _input_specs(
+    graph: Graph, lay: tuple[Spec, ...], mesh: Mapping[str, int], zero_stage: int, data_axis: str
+) -> dict[str, Spec]:
+    """Each input leaf's spec: its layout, sharded over data as ZeRO's stage asks."""
     specs: dict[str, Spec] = {}
     for leaf in graph.inputs:
         spec = lay[leaf.tensor]
@@ -87,6 +112,10 @@ def plan_from_assignment(
         if zero and data_axis in mesh and mesh[data_axis] > 1:
             spec = zero_spec(spec, shape, mesh, data_axis)
         specs[leaf.path] = spec
+    return specs
+
+
+def _output_specs(graph: Graph, lay: tuple[Spec, ...], specs: dict[str, Spec]) -> dict[str, Spec]:
     out_specs: dict[str, Spec] = {}
     state = state_inputs(graph)
     for leaf in graph.outputs:
@@ -99,56 +128,64 @@ def plan_from_assignment(
             out_specs[leaf.path] = specs[same.path]
         else:
             out_specs[leaf.path] = lay[leaf.tensor]
+    return out_specs
+
+
+def _anchors(
+    graph: Graph,
+    groups: Groups,
+    lay: tuple[Spec, ...],
+    mesh: Mapping[str, int],
+    assignment: Mapping[int, str | None],
+    zero_stage: int,
+) -> dict[int, Spec]:
+    """The layouts XLA must be told, {tensor id: spec}: the results of anchor ops, of ops
+    touching a tensor whose layout dropped a split, of seams, and ZeRO-3's gathers."""
     constraints: dict[int, Spec] = {}
+    if math.prod(mesh.values()) <= 1:
+        return constraints
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
     # A seam's result is pinned too: left free, XLA may keep the batch split through the
     # flatten (and all-reduce the dense layers' gradients) where the plan has it whole.
     seams = {s.op for s in groups.seams}
-    if math.prod(mesh.values()) > 1:
-        for op in graph.ops:
-            dropped = any(
-                _dropped(lay[t], groups.tensor_groups[t], assignment)
-                for t in (*op.inputs, *op.outputs)
-            )
-            if op.primitive in _ANCHORS or dropped or op.index in seams:
-                for t in op.outputs:
-                    if graph.tensors[t].ndim:
-                        constraints[t] = lay[t]
-            elif zero_stage >= 3 and params.intersection(op.inputs):
-                # ZeRO-3: a parameter is gathered where it is first used (its cast to the
-                # compute dtype); unconstrained, XLA would split the matmul over data.
-                for t in op.outputs:
-                    if graph.tensors[t].ndim:
-                        constraints[t] = lay[t]
-    if zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
-        # DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
-        # data-parallel partial sums meet a layout split over data), the optimizer update
-        # runs on each device's shard, and the new parameters leave in their own layout
-        # (gathered over data, but for ZeRO-3). A tensor there takes the data axis on the
-        # dim linked to the one the state it becomes takes it on: a transposed or
-        # reshaped gradient then needs no all-to-all.
-        pinned, update = zero_region(graph, groups)
-        wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
-        for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
-            spec = _on_groups(
-                lay[t],
-                graph.tensors[t].shape,
-                groups.tensor_groups[t],
-                wanted.get(t, ()),
-                mesh,
-                data_axis,
-            )
-            if spec is not None:
-                constraints[t] = spec
-    return Plan(
-        mesh=dict(mesh),
-        specs=specs,
-        out_specs=out_specs,
-        constraints=constraints,
-        zero_stage=zero_stage,
-        name=name,
-        assignment={int(g): a for g, a in sorted(assignment.items())},
-    )
+    for op in graph.ops:
+        dropped = any(
+            _dropped(lay[t], groups.tensor_groups[t], assignment) for t in (*op.inputs, *op.outputs)
+        )
+        # ZeRO-3: a parameter is gathered where it is first used (its cast to the compute
+        # dtype); unconstrained, XLA would split the matmul over data.
+        gathers = zero_stage >= 3 and params.intersection(op.inputs)
+        if op.primitive in _ANCHORS or dropped or op.index in seams or gathers:
+            for t in op.outputs:
+                if graph.tensors[t].ndim:
+                    constraints[t] = lay[t]
+    return constraints
+
+
+def _zero_constraints(
+    graph: Graph, groups: Groups, lay: tuple[Spec, ...], mesh: Mapping[str, int], data_axis: str
+) -> dict[int, Spec]:
+    """DeepSpeed's pattern: each gradient is reduce-scattered into the ZeRO layout (its
+    data-parallel partial sums meet a layout split over data), the optimizer update runs on
+    each device's shard, and the new parameters leave in their own layout (gathered over
+    data, but for ZeRO-3). A tensor there takes the data axis on the dim linked to the one
+    the state it becomes takes it on: a transposed or reshaped gradient then needs no
+    all-to-all."""
+    constraints: dict[int, Spec] = {}
+    pinned, update = zero_region(graph, groups)
+    wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
+    for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
+        spec = _on_groups(
+            lay[t],
+            graph.tensors[t].shape,
+            groups.tensor_groups[t],
+            wanted.get(t, ()),
+            mesh,
+            data_axis,
+        )
+        if spec is not None:
+            constraints[t] = spec
+    return constraints
 
 
 def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:

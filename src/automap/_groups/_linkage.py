@@ -129,42 +129,6 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     cuts = _cut_seams(graph, offsets, flat_ties, find, batch_dims) if seams else _Cuts()
-    find = cuts.find or find
-
-    reduced_flat: set[int] = set()
-    whole_flat: set[int] = set()
-    minor_flat: list[tuple[int, int]] = []
-    op_dims: list[list[int]] = []
-    for op, r in zip(graph.ops, rules, strict=True):
-        reduced_flat.update(int(offsets[t]) + d for t, d in r.reduced)
-        whole_flat.update(int(offsets[t]) + d for t, d in r.whole)
-        minor_flat += [
-            (int(offsets[a[0]]) + a[1], int(offsets[b[0]]) + b[1])
-            for a, b in minor_factors(op, graph)
-        ]
-        touched = [*op.inputs, *op.outputs]
-        op_dims.append([int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)])
-
-    roots = [find(x) for x in range(int(offsets[-1]))]
-    gid_of_root: dict[int, int] = {}
-    for r in roots:  # group ids in order of first (tensor, dim): deterministic
-        gid_of_root.setdefault(r, len(gid_of_root))
-    flat_gid = np.array([gid_of_root[r] for r in roots], dtype=np.int64)
-    n = len(gid_of_root)
-    members: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for t in graph.tensors:
-        for d in range(t.ndim):
-            members[flat_gid[offsets[t.id] + d]].append((t.id, d))
-
-    flops = np.zeros(n)
-    for op, dims in zip(graph.ops, op_dims, strict=True):
-        for g in set(flat_gid[dims].tolist()):
-            flops[g] += op.flops
-    reduced = np.zeros(n, dtype=bool)
-    reduced[flat_gid[sorted(reduced_flat)]] = True
-    whole = np.zeros(n, dtype=bool)
-    whole[flat_gid[sorted(whole_flat)]] = True
-    whole |= _pinned_minors(graph, members, flat_gid, minor_flat, whole)
     if cuts.batch_flat:  # every part of a cut batch group is a batch group
         batch_dims = {
             (t.id, d)
@@ -172,6 +136,99 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
             for d in range(t.ndim)
             if int(offsets[t.id]) + d in cuts.batch_flat
         }
+    flat_gid = _group_ids(cuts.find or find, int(offsets[-1]))
+    members = _members(graph, offsets, flat_gid)
+    groups = _group_fields(
+        graph, members, flat_gid, _RuleDims.of(graph, rules, offsets), batch_dims
+    )
+    classes = _layer_classes(graph, groups, layer_grouping)
+    tensor_groups = tuple(
+        tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
+    )
+    found = tuple(
+        Seam(op, int(flat_gid[a]), int(flat_gid[b]), int(flat_gid[a if cuts.conv[op] else b]))
+        for op, (a, b) in sorted(cuts.ties.items())
+        if flat_gid[a] != flat_gid[b]
+    )
+    return Groups(
+        tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
+        tensor_groups,
+        found,
+    )
+
+
+def _group_ids(find: Callable[[int], int], n_flat: int) -> np.ndarray:
+    """Each flat (tensor, dim)'s group id; ids in order of first (tensor, dim), so that they
+    are deterministic."""
+    roots = [find(x) for x in range(n_flat)]
+    gid_of_root: dict[int, int] = {}
+    for r in roots:
+        gid_of_root.setdefault(r, len(gid_of_root))
+    return np.array([gid_of_root[r] for r in roots], dtype=np.int64)
+
+
+def _members(
+    graph: Graph, offsets: np.ndarray, flat_gid: np.ndarray
+) -> list[list[tuple[int, int]]]:
+    """Each group's (tensor id, dim) members, sorted."""
+    members: list[list[tuple[int, int]]] = [[] for _ in range(int(flat_gid.max(initial=-1)) + 1)]
+    for t in graph.tensors:
+        for d in range(t.ndim):
+            members[flat_gid[offsets[t.id] + d]].append((t.id, d))
+    return members
+
+
+@dataclasses.dataclass(frozen=True)
+class _RuleDims:
+    """What the ops' rules say of the flat (tensor, dim)s, beyond their ties."""
+
+    reduced: set[int]
+    """Dims some op sums over."""
+    whole: set[int]
+    """Dims a rule keeps whole (conv spatial dims)."""
+    minor: list[tuple[int, int]]
+    """(major, minor) dim pairs a reshape merges into one (`minor_factors`)."""
+    op_dims: list[list[int]]
+    """Per op, every dim of the tensors it reads or writes."""
+
+    @classmethod
+    def of(cls, graph: Graph, rules: list, offsets: np.ndarray) -> _RuleDims:
+        reduced: set[int] = set()
+        whole: set[int] = set()
+        minor: list[tuple[int, int]] = []
+        op_dims: list[list[int]] = []
+        for op, r in zip(graph.ops, rules, strict=True):
+            reduced.update(int(offsets[t]) + d for t, d in r.reduced)
+            whole.update(int(offsets[t]) + d for t, d in r.whole)
+            minor += [
+                (int(offsets[a[0]]) + a[1], int(offsets[b[0]]) + b[1])
+                for a, b in minor_factors(op, graph)
+            ]
+            touched = [*op.inputs, *op.outputs]
+            op_dims.append(
+                [int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)]
+            )
+        return cls(reduced, whole, minor, op_dims)
+
+
+def _group_fields(
+    graph: Graph,
+    members: list[list[tuple[int, int]]],
+    flat_gid: np.ndarray,
+    dims: _RuleDims,
+    batch_dims: set[tuple[int, int]],
+) -> list[dict]:
+    """Every field of each `Group` but its layer class, as keyword arguments."""
+    n = len(members)
+    flops = np.zeros(n)
+    for op, op_dims in zip(graph.ops, dims.op_dims, strict=True):
+        for g in set(flat_gid[op_dims].tolist()):
+            flops[g] += op.flops
+    reduced = np.zeros(n, dtype=bool)
+    reduced[flat_gid[sorted(dims.reduced)]] = True
+    whole = np.zeros(n, dtype=bool)
+    whole[flat_gid[sorted(dims.whole)]] = True
+    whole |= _pinned_minors(graph, members, flat_gid, dims.minor, whole)
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
     # Divisor 1 (never split) for groups of dead tensors (never read, not a step output:
@@ -195,20 +252,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
                 reduced=bool(reduced[gid]),
             )
         )
-    classes = _layer_classes(graph, groups, layer_grouping)
-    tensor_groups = tuple(
-        tuple(int(g) for g in flat_gid[offsets[t.id] : offsets[t.id + 1]]) for t in graph.tensors
-    )
-    found = tuple(
-        Seam(op, int(flat_gid[a]), int(flat_gid[b]), int(flat_gid[a if cuts.conv[op] else b]))
-        for op, (a, b) in sorted(cuts.ties.items())
-        if flat_gid[a] != flat_gid[b]
-    )
-    return Groups(
-        tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
-        tensor_groups,
-        found,
-    )
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ so it is deliberately simple: no pruning whose correctness would itself need a p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time as _time
 
@@ -40,59 +41,21 @@ def solve_exhaustive(
             f"exhaustive search over {size:,} assignments exceeds max_size={max_size:,}; "
             "use solve_ilp (exact on the same factored costs) or raise max_size"
         )
-    options = [np.flatnonzero(mask) for mask in problem.allowed]  # allowed option ids per unit
-    counts = tuple(len(o) for o in options)
-    n_units = problem.n_units
-    # Fix units [0, split) per pass; the rest, units [split, n), form the dense tensor.
-    split = next(k for k in range(n_units + 1) if math.prod(counts[k:]) <= chunk)
-    suffix = counts[split:]
-
-    def restricted(factor):
-        factor = canonical(factor)
-        return factor.units, factor.table[np.ix_(*(options[u] for u in factor.units))]
-
-    time_factors = [restricted(f) for f in problem.time_factors]
-    memory_factors = [[restricted(f) for f in point] for point in problem.memory_factors]
-    limit = problem.memory_limit * (1.0 + MEMORY_RTOL)
-
-    def dense(units, table, prefix):
-        # Fixed units index to a single option (a view); the others broadcast in place.
-        view = table[tuple(prefix[u] if u < split else slice(None) for u in units)]
-        shape = [1] * len(suffix)
-        for u in units:
-            if u >= split:
-                shape[u - split] = counts[u]
-        return view.reshape(shape)
-
+    space = _DenseSpace.of(problem, chunk)
     best_time, best_index, best_peak = np.inf, None, np.inf
-    for prefix in np.ndindex(*counts[:split]) if size else ():
-        time = np.full(suffix, float(problem.constant_time))  # (counts[split:])
-        feasible = np.ones(suffix, dtype=bool)
-        peak = np.zeros(suffix)
-        for units, table in time_factors:
-            time += dense(units, table, prefix)
-        for point in memory_factors:
-            memory = np.zeros(suffix)
-            for units, table in point:
-                memory += dense(units, table, prefix)
-            # Infinite memory is a forbidden combination even when there is no limit.
-            feasible &= np.isfinite(memory) & (memory <= limit)
-            np.maximum(peak, memory, out=peak)
-        feasible &= np.isfinite(time)
-        if problem.minimize == "peak":
-            time = time + peak
-        scored = np.where(feasible, time, np.inf).ravel()
+    for prefix in np.ndindex(*space.counts[: space.split]) if size else ():
+        scored, peak = space.score(prefix)
         i = int(np.argmin(scored))  # argmin returns the first of equal minima
         # Strict < keeps the earlier prefix's plan on a tie: enumeration order decides.
         if scored[i] < best_time:
-            best_time, best_peak = float(scored[i]), float(peak.ravel()[i])
-            best_index = prefix + np.unravel_index(i, suffix)
+            best_time, best_peak = float(scored[i]), float(peak[i])
+            best_index = prefix + np.unravel_index(i, space.suffix)
 
     elapsed = _time.perf_counter() - start
     if best_index is None:
         return Solution.infeasible(elapsed, size)
     return Solution(
-        choices=tuple(int(options[u][d]) for u, d in enumerate(best_index)),
+        choices=tuple(int(space.options[u][d]) for u, d in enumerate(best_index)),
         time=best_time,
         memory=best_peak,
         feasible=True,
@@ -102,3 +65,83 @@ def solve_exhaustive(
         explored=size,
         status="optimal",
     )
+
+
+_Table = tuple[tuple[int, ...], np.ndarray]
+"""A factor cut down to the allowed options: (its units, its table over their options)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseSpace:
+    """The allowed assignments, as dense tensors: units [0, split) are fixed one prefix at a
+    time, units [split, n) vary over a tensor of shape `suffix` (about `chunk` entries)."""
+
+    options: list[np.ndarray]
+    """Allowed option ids per unit."""
+    counts: tuple[int, ...]
+    """Allowed options per unit."""
+    split: int
+    time_factors: list[_Table]
+    memory_factors: list[list[_Table]]
+    """Per memory point, its factors."""
+    constant_time: float
+    limit: float
+    """The memory limit with the solvers' shared tolerance."""
+    add_peak: bool
+    """Whether the score adds the peak memory (`minimize == "peak"`)."""
+
+    @property
+    def suffix(self) -> tuple[int, ...]:
+        return self.counts[self.split :]
+
+    @classmethod
+    def of(cls, problem: FactorProblem, chunk: int) -> _DenseSpace:
+        options = [np.flatnonzero(mask) for mask in problem.allowed]
+        counts = tuple(len(o) for o in options)
+        split = next(k for k in range(problem.n_units + 1) if math.prod(counts[k:]) <= chunk)
+
+        def restricted(factor) -> _Table:
+            factor = canonical(factor)
+            return factor.units, factor.table[np.ix_(*(options[u] for u in factor.units))]
+
+        return cls(
+            options=options,
+            counts=counts,
+            split=split,
+            time_factors=[restricted(f) for f in problem.time_factors],
+            memory_factors=[[restricted(f) for f in point] for point in problem.memory_factors],
+            constant_time=float(problem.constant_time),
+            limit=problem.memory_limit * (1.0 + MEMORY_RTOL),
+            add_peak=problem.minimize == "peak",
+        )
+
+    def dense(self, units: tuple[int, ...], table: np.ndarray, prefix: tuple[int, ...]):
+        """A factor's table over the suffix tensor, the prefix's units fixed."""
+        # Fixed units index to a single option (a view); the others broadcast in place.
+        view = table[tuple(prefix[u] if u < self.split else slice(None) for u in units)]
+        shape = [1] * len(self.suffix)
+        for u in units:
+            if u >= self.split:
+                shape[u - self.split] = self.counts[u]
+        return view.reshape(shape)
+
+    def score(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(score, peak memory) of every assignment under `prefix`, flattened in enumeration
+        order; infeasible assignments score inf."""
+        suffix = self.suffix
+        time = np.full(suffix, self.constant_time)
+        feasible = np.ones(suffix, dtype=bool)
+        peak = np.zeros(suffix)
+        for units, table in self.time_factors:
+            time += self.dense(units, table, prefix)
+        for point in self.memory_factors:
+            memory = np.zeros(suffix)
+            for units, table in point:
+                memory += self.dense(units, table, prefix)
+            # Infinite memory is a forbidden combination even when there is no limit.
+            feasible &= np.isfinite(memory) & (memory <= self.limit)
+            np.maximum(peak, memory, out=peak)
+        feasible &= np.isfinite(time)
+        if self.add_peak:
+            time = time + peak
+        return np.where(feasible, time, np.inf).ravel(), peak.ravel()

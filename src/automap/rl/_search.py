@@ -92,119 +92,44 @@ def search(
     `exhausted`, given each episode's decisions, says when the process has no plan left
     that the search has not played (a small space, counted): the search ends there.
     """
-    if agent is not None and config is not None and config != agent.config:
-        raise ValueError("pass either an agent or a config: the agent brings its own config")
-    if agent is not None and resume is not None:
-        raise ValueError("a resumed search brings its own agent: pass agent or resume, not both")
-    if agent is None:
-        agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
-        if resume is not None:
-            agent.from_state_dict(resume.agent)
+    agent = _search_agent(process, seed, config, agent, resume)
     config = agent.config
     env = PlanningEnv(
         process,
         shaping=config.shaped_rewards and isinstance(process, ShapedProcess),
         log_scale=config.log_rewards,
     )
-    start = time.perf_counter()
-    if resume is None:
-        best = (float("inf"), False, float("inf"))  # (time, feasible, over-ratio)
-        best_decisions: tuple[int, ...] = ()
-        time_to_best, before, episode = 0.0, 0.0, 0
-        curve: list[dict[str, Any]] = []
-        # Seeded by the agent's progress too, so that a search continuing a given agent
-        # does not replay the branch points of the one that trained it.
-        rng = np.random.default_rng([seed, agent.env_steps])
-    else:
-        best, best_decisions = resume.best, resume.best_decisions
-        time_to_best, before, episode = resume.time_to_best_s, resume.elapsed_s, resume.episode
-        curve = list(resume.curve)
-        rng = rng_from_state(resume.rng_state)
-
+    run = _Run.fresh(seed, agent) if resume is None else _Run.resumed(resume)
     interrupted = mid_episode = False
     ctrl_c = _CtrlC()
     try:
         while True:
-            elapsed = time.perf_counter() - start
             if ctrl_c.pressed:
-                if not best_decisions:
+                if not run.best_decisions:
                     raise KeyboardInterrupt
                 interrupted = True
                 break
-            # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
-            if episode >= len(seed_episodes) and (
-                elapsed >= budget_s
-                or (config.max_episodes is not None and episode >= config.max_episodes)
-            ):
+            if run.out_of_budget(budget_s, config.max_episodes, len(seed_episodes)):
                 break
-            forced = list(seed_episodes[episode]) if episode < len(seed_episodes) else None
-            # Go-Explore style: some episodes return to the best plan so far along its own
-            # decisions, leave it at one random step, and let the agent finish from there. The
-            # greedy policy alone revisits its own plan; this explores around the best one.
-            branch = -1
-            if forced is None and best_decisions and rng.random() < config.explore_from_best:
-                branch = int(rng.integers(len(best_decisions)))
-
-            # --- play one episode, learning at every step ---
+            forced = list(seed_episodes[run.episode]) if run.episode < len(seed_episodes) else None
+            branch = run.branch_point(forced, config.explore_from_best)
             mid_episode = True
-            obs, info = env.reset(seed=seed + episode)
-            mask = info["action_mask"]
-            losses: list[float] = []
-            t, done = 0, False
-            while not done:
-                if forced is not None:
-                    if t >= len(forced):
-                        raise ValueError(f"seed episode {episode} ends before the plan is complete")
-                    action = forced[t]
-                elif t < branch:
-                    action = best_decisions[t]
-                elif t == branch:
-                    others = np.flatnonzero(mask)
-                    others = others[others != best_decisions[t]]
-                    action = int(rng.choice(others)) if len(others) else best_decisions[t]
-                else:
-                    action = agent.act(obs, mask)
-                next_obs, reward, done, _, info = env.step(action)
-                next_mask = info["action_mask"]
-                agent.observe(obs, mask, action, reward, next_obs, next_mask, done)
-                loss = agent.update()
-                if loss is not None:
-                    losses.append(loss)
-                obs, mask, t = next_obs, next_mask, t + 1
-            if forced is not None and t != len(forced):
-                raise ValueError(
-                    f"seed episode {episode} has {len(forced)} decisions, the plan took {t}"
-                )
-
-            # --- keep the best plan ---
-            time_s, feasible, over = info["step_time_s"], info["feasible"], info["over_ratio"]
-            if _better(time_s, feasible, over, best):
-                best = (time_s, feasible, over)
-                best_decisions = info["decisions"]
-                time_to_best = before + time.perf_counter() - start
-            episode += 1
+            info, losses = _play_episode(env, agent, run, forced, branch, seed)
+            run.keep_best(info)
             mid_episode = False
-
-            row = {
-                "episode": episode,
-                "elapsed_s": before + time.perf_counter() - start,
-                "best_time": best[0],
-                "current_time": time_s,
-                "feasible": feasible,
-                "exploration": agent.exploration,
-                "loss": sum(losses) / len(losses) if losses else None,
-            }
-            curve.append(row)
+            row = run.log(info, losses, agent.exploration)
             if on_episode is not None:
-                on_episode(episode, best[0], time_s, row["exploration"], row["loss"])
-            if stop_at is not None and best[1] and best[0] <= stop_at:
+                on_episode(
+                    run.episode, run.best[0], row["current_time"], row["exploration"], row["loss"]
+                )
+            if stop_at is not None and run.best[1] and run.best[0] <= stop_at:
                 break
             if exhausted is not None and exhausted(info["decisions"]):
                 break
     except KeyboardInterrupt:
         # Ctrl-C keeps the best plan so far rather than throwing the search away; before
         # the first finished episode there is no plan, so the interrupt goes on.
-        if not best_decisions:
+        if not run.best_decisions:
             raise
         interrupted = True
         if mid_episode:
@@ -214,28 +139,170 @@ def search(
             agent.replay.discard_pending()
     finally:
         ctrl_c.restore()
+    return run.result(agent, interrupted)
 
-    checkpoint = SearchCheckpoint(
-        agent=agent.to_state_dict(),
-        episode=episode,
-        best=best,
-        best_decisions=best_decisions,
-        time_to_best_s=time_to_best,
-        elapsed_s=before + time.perf_counter() - start,
-        rng_state=rng.bit_generator.state,
-        curve=curve,
-    )
-    return SearchResult(
-        best_decisions=best_decisions,
-        best_time=best[0],
-        best_feasible=best[1],
-        episodes=episode,
-        time_to_best_s=time_to_best,
-        curve=curve,
-        interrupted=interrupted,
-        checkpoint=checkpoint,
-        agent=agent,
-    )
+
+def _search_agent(
+    process: DecisionProcess,
+    seed: int,
+    config: DQNConfig | None,
+    agent: DQNAgent | None,
+    resume: SearchCheckpoint | None,
+) -> DQNAgent:
+    """The agent that searches: the one given, or a fresh one (restored from `resume`)."""
+    if agent is not None and config is not None and config != agent.config:
+        raise ValueError("pass either an agent or a config: the agent brings its own config")
+    if agent is not None and resume is not None:
+        raise ValueError("a resumed search brings its own agent: pass agent or resume, not both")
+    if agent is None:
+        agent = DQNAgent(process.obs_dim, process.n_actions, config, seed=seed)
+        if resume is not None:
+            agent.from_state_dict(resume.agent)
+    return agent
+
+
+@dataclasses.dataclass
+class _Run:
+    """The search loop's own state between episodes: what a `SearchCheckpoint` saves, less
+    the agent. Mutable, since the loop updates it after every episode; `checkpoint` takes
+    its frozen snapshot."""
+
+    best: tuple[float, bool, float]
+    """(step time s, feasible, over-ratio) of the best plan so far."""
+    best_decisions: tuple[int, ...]
+    time_to_best: float
+    before: float
+    """Search seconds spent by earlier runs of this search (a resume goes on counting)."""
+    episode: int
+    curve: list[dict[str, Any]]
+    rng: np.random.Generator
+    """Draws the explore-from-best branch points."""
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @classmethod
+    def fresh(cls, seed: int, agent: DQNAgent) -> _Run:
+        # Seeded by the agent's progress too, so that a search continuing a given agent
+        # does not replay the branch points of the one that trained it.
+        rng = np.random.default_rng([seed, agent.env_steps])
+        return cls((float("inf"), False, float("inf")), (), 0.0, 0.0, 0, [], rng)
+
+    @classmethod
+    def resumed(cls, resume: SearchCheckpoint) -> _Run:
+        return cls(
+            best=resume.best,
+            best_decisions=resume.best_decisions,
+            time_to_best=resume.time_to_best_s,
+            before=resume.elapsed_s,
+            episode=resume.episode,
+            curve=list(resume.curve),
+            rng=rng_from_state(resume.rng_state),
+        )
+
+    def elapsed(self) -> float:
+        """Search seconds so far, over every run of this search."""
+        return self.before + time.perf_counter() - self.start
+
+    def out_of_budget(self, budget_s: float, max_episodes: int | None, n_seeds: int) -> bool:
+        # Seed episodes always run: an expert plan must be a candidate even on a tiny budget.
+        if self.episode < n_seeds:
+            return False
+        over_episodes = max_episodes is not None and self.episode >= max_episodes
+        return time.perf_counter() - self.start >= budget_s or over_episodes
+
+    def branch_point(self, forced: list[int] | None, explore_from_best: float) -> int:
+        """The step at which this episode leaves the best plan so far, or -1 for none.
+
+        Go-Explore style: some episodes return to the best plan so far along its own
+        decisions, leave it at one random step, and let the agent finish from there. The
+        greedy policy alone revisits its own plan; this explores around the best one."""
+        if forced is None and self.best_decisions and self.rng.random() < explore_from_best:
+            return int(self.rng.integers(len(self.best_decisions)))
+        return -1
+
+    def keep_best(self, info: dict[str, Any]) -> None:
+        """Count the finished episode, keeping its plan if it is the best so far."""
+        time_s, feasible, over = info["step_time_s"], info["feasible"], info["over_ratio"]
+        if _better(time_s, feasible, over, self.best):
+            self.best = (time_s, feasible, over)
+            self.best_decisions = info["decisions"]
+            self.time_to_best = self.elapsed()
+        self.episode += 1
+
+    def log(self, info: dict[str, Any], losses: list[float], exploration: float) -> dict[str, Any]:
+        """The finished episode's row of the learning curve (appended to it)."""
+        row = {
+            "episode": self.episode,
+            "elapsed_s": self.elapsed(),
+            "best_time": self.best[0],
+            "current_time": info["step_time_s"],
+            "feasible": info["feasible"],
+            "exploration": exploration,
+            "loss": sum(losses) / len(losses) if losses else None,
+        }
+        self.curve.append(row)
+        return row
+
+    def result(self, agent: DQNAgent, interrupted: bool) -> SearchResult:
+        checkpoint = SearchCheckpoint(
+            agent=agent.to_state_dict(),
+            episode=self.episode,
+            best=self.best,
+            best_decisions=self.best_decisions,
+            time_to_best_s=self.time_to_best,
+            elapsed_s=self.elapsed(),
+            rng_state=self.rng.bit_generator.state,
+            curve=self.curve,
+        )
+        return SearchResult(
+            best_decisions=self.best_decisions,
+            best_time=self.best[0],
+            best_feasible=self.best[1],
+            episodes=self.episode,
+            time_to_best_s=self.time_to_best,
+            curve=self.curve,
+            interrupted=interrupted,
+            checkpoint=checkpoint,
+            agent=agent,
+        )
+
+
+def _play_episode(
+    env: PlanningEnv,
+    agent: DQNAgent,
+    run: _Run,
+    forced: list[int] | None,
+    branch: int,
+    seed: int,
+) -> tuple[dict[str, Any], list[float]]:
+    """Play one episode, learning at every step: (the last step's info, the losses)."""
+    episode = run.episode
+    obs, info = env.reset(seed=seed + episode)
+    mask = info["action_mask"]
+    losses: list[float] = []
+    t, done = 0, False
+    while not done:
+        if forced is not None:
+            if t >= len(forced):
+                raise ValueError(f"seed episode {episode} ends before the plan is complete")
+            action = forced[t]
+        elif t < branch:
+            action = run.best_decisions[t]
+        elif t == branch:
+            others = np.flatnonzero(mask)
+            others = others[others != run.best_decisions[t]]
+            action = int(run.rng.choice(others)) if len(others) else run.best_decisions[t]
+        else:
+            action = agent.act(obs, mask)
+        next_obs, reward, done, _, info = env.step(action)
+        next_mask = info["action_mask"]
+        agent.observe(obs, mask, action, reward, next_obs, next_mask, done)
+        loss = agent.update()
+        if loss is not None:
+            losses.append(loss)
+        obs, mask, t = next_obs, next_mask, t + 1
+    if forced is not None and t != len(forced):
+        raise ValueError(f"seed episode {episode} has {len(forced)} decisions, the plan took {t}")
+    return info, losses
 
 
 class _CtrlC:
