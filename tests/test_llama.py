@@ -124,7 +124,11 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize(
+    "name",
+    # zero1_tp: ZeRO-1 beside tensor parallelism, slow tier (zero3 and tp run quick).
+    [pytest.param(n, marks=pytest.mark.slow) if n == "zero1_tp" else n for n in RECIPES],
+)
 def test_plans_run_with_the_unsharded_numbers(name):
     spec = small()[0]
     plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=RECIPES[name], cluster=A100x8)
@@ -133,6 +137,7 @@ def test_plans_run_with_the_unsharded_numbers(name):
     assert report.collectives_match is True, report.mismatches
 
 
+@pytest.mark.slow  # compiled and run; its capture and FLOPs are checked above, quick
 def test_dot_product_attention_plan_runs_with_the_unsharded_numbers():
     spec = small("dot_product")[0]
     recipe = am.Recipe(tp=2, dp=4)
@@ -144,8 +149,9 @@ def test_dot_product_attention_plan_runs_with_the_unsharded_numbers():
 @pytest.mark.slow  # compiled and run, to show what XLA adds
 @pytest.mark.xfail(
     strict=True,
-    reason="remat under tensor parallelism: XLA all-gathers the hidden-split activations "
-    "and norm scales the cost model does not price (t5-base too: not llama's)",
+    reason="a bf16 RMSNorm step (t5-base too; float32 or LayerNorm do not) under remat and "
+    "tensor parallelism: XLA all-gathers hidden-split float32 activation gradients and "
+    "norm-scale gradients the cost model does not price",
 )
 def test_remat_with_tensor_parallel_collectives_match():
     spec = small()[0]
