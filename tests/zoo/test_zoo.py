@@ -29,6 +29,10 @@ EXACT_PARAMS = {
     "vgg19": 143_667_240,
     "resnet50": 25_557_032,
     "moe-gpt": 1_864_955_904,
+    # Meta's published counts exactly (Hugging Face's config of each).
+    "llama": 8_030_261_248,
+    "llama2-7b": 6_738_415_616,
+    "llama3-70b": 70_553_706_496,
 }
 
 _LM = dict(layers=2, hidden=64, heads=4, seq=16, batch=2, vocab=128, dtype="float32")
@@ -44,6 +48,10 @@ SMALL = {
     "vgg19": dict(hidden=8, ff=32, image=32, batch=2, dtype="float32"),
     "resnet50": dict(hidden=8, image=32, batch=2, dtype="float32"),
     "moe-gpt": {**_LM, "experts": 4},
+    **{
+        name: {**_LM, "kv_heads": 2, "head_dim": 16, "ffn": 96}
+        for name in ("llama", "llama2-7b", "llama3-70b", "llama-32b", "llama-64b", "llama-128b")
+    },
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import ModelError
 from ._cnn import ResNetConfig, VggConfig, build_resnet, build_vgg
+from ._llama import LlamaConfig, build_llama
 from ._mlp import MlpConfig, build_mlp
 from ._moe import MoeGptConfig, build_moe_gpt
 from ._t5 import T5Config, build_t5
@@ -44,6 +45,14 @@ class _Entry:
 def _entry(name, description, nominal, cluster, config, build) -> tuple[str, _Entry]:
     return name, _Entry(ModelInfo(name, description, nominal, cluster), config, build)
 
+
+# Llama 2 7B (Touvron et al. 2023; 4M-token batches of 4,096) and MaxText's v5p base.
+_LLAMA2_7B = LlamaConfig(
+    kv_heads=None, ffn=11008, vocab=32000, seq=4096, batch=1024, rope_theta=10000.0
+)
+_MAXTEXT = dataclasses.replace(
+    _LLAMA2_7B, hidden=8192, heads=64, head_dim=128, ffn=28672, seq=2048, batch=384
+)
 
 _REGISTRY: Mapping[str, _Entry] = dict(
     [
@@ -142,6 +151,58 @@ _REGISTRY: Mapping[str, _Entry] = dict(
             "a100",
             MoeGptConfig(),
             build_moe_gpt,
+        ),
+        _entry(
+            "llama",
+            "Llama 3 8B: 32 layers, 4096 wide, 32 heads (8 key/value), SwiGLU 14336, seq 8192",
+            8_030_000_000,
+            "a100",
+            LlamaConfig(),
+            build_llama,
+        ),
+        _entry(
+            "llama2-7b",
+            "Llama 2 7B: 32 layers, 4096 wide, 32 heads, SwiGLU 11008, vocab 32000, seq 4096",
+            6_740_000_000,
+            "a100",
+            _LLAMA2_7B,
+            build_llama,
+        ),
+        _entry(
+            "llama3-70b",
+            "Llama 3 70B: 80 layers, 8192 wide, 64 heads (8 key/value), SwiGLU 28672, seq 8192",
+            70_600_000_000,
+            "a100",
+            LlamaConfig(layers=80, hidden=8192, heads=64, ffn=28672),
+            build_llama,
+        ),
+        # MaxText's v5p configurations (configs/v5p/32b.sh, 64b.sh, 128b.sh): multi-head
+        # attention, head width 128, seq 2048, vocab 32,000, global batch 384, 192 and 128.
+        # Their names are rounded: 31.7B, 62.8B and 125.1B parameters, more than 1% off,
+        # so no nominal size is claimed.
+        _entry(
+            "llama-32b",
+            "MaxText v5p 32B: 32 layers, 8192 wide, 64 heads of 128, SwiGLU 28672, seq 2048",
+            None,
+            "a100",
+            dataclasses.replace(_MAXTEXT, batch=384),
+            build_llama,
+        ),
+        _entry(
+            "llama-64b",
+            "MaxText v5p 64B: 64 layers, 8192 wide, 64 heads of 128, SwiGLU 28672, seq 2048",
+            None,
+            "a100",
+            dataclasses.replace(_MAXTEXT, layers=64, batch=192),
+            build_llama,
+        ),
+        _entry(
+            "llama-128b",
+            "MaxText v5p 128B: 64 layers, 8192 wide, 128 heads of 128, SwiGLU 57344, seq 2048",
+            None,
+            "a100",
+            dataclasses.replace(_MAXTEXT, layers=64, heads=128, ffn=57344, batch=128),
+            build_llama,
         ),
     ]
 )

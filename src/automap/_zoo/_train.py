@@ -87,7 +87,8 @@ def check_config(name: str, cfg: Any) -> None:
     if dtype not in DTYPES:
         raise ModelError(f"{name}: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     hidden, heads = getattr(cfg, "hidden", None), getattr(cfg, "heads", None)
-    if heads is not None and hidden % heads:
+    # A model with its own head width (llama's head_dim) need not split hidden into heads.
+    if heads is not None and getattr(cfg, "head_dim", None) is None and hidden % heads:
         raise ModelError(
             f"{name}: hidden={hidden} is not divisible by heads={heads}; "
             "override both (e.g. hidden=64, heads=4)"

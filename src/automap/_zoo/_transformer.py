@@ -43,16 +43,17 @@ def causal_mask(q_len: int, k_len: int) -> jax.Array:
     return rows >= cols
 
 
-def rotary(x: jax.Array) -> jax.Array:
+def rotary(x: jax.Array, theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding (GPT-NeoX layout: rotate the two halves of each head).
 
-    x: [B, S, heads, head_dim] -> same shape. Angles come from iota, not a constant table.
+    x: [B, S, heads, head_dim] -> same shape; `theta` is the base of the angles (10,000 in
+    GPT-NeoX and Llama 2, 500,000 in Llama 3). Angles come from iota, not a constant table.
     """
     seq, head_dim = x.shape[1], x.shape[3]
     half = head_dim // 2
     pos = lax.broadcasted_iota(_F32, (seq, half), 0)
     idx = lax.broadcasted_iota(_F32, (seq, half), 1)
-    angle = pos * jnp.exp(idx * (-2.0 * math.log(10000.0) / head_dim))  # [S, half]
+    angle = pos * jnp.exp(idx * (-2.0 * math.log(theta) / head_dim))  # [S, half]
     cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
     x1, x2 = x[..., :half].astype(_F32), x[..., half:].astype(_F32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
