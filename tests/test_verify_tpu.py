@@ -5,12 +5,14 @@ model as it prices that TPU."""
 import json
 
 import jax
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import automap as am
 from automap import ApplyError
 from automap._cli import app
+from automap._cost import axis_links
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
@@ -58,6 +60,18 @@ def test_compile_only_tpus_say_what_they_cannot_do():
     devices = tpu_devices("v5p:2x2x2", (2, 4))
     assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
     assert jax.devices()[0].platform == "cpu"  # this process's backend is unchanged
+
+
+def test_the_cost_model_lays_a_mesh_on_the_torus_as_jax_does():
+    # libtpu's chips of a v5p 4x4x4 slice, laid by create_device_mesh for a 16 x 4 mesh:
+    # the model axis on one whole dimension, the data axis on the other two, as the cost
+    # model lays them (`_cost/_torus.py`, with stand-in chips) and prices them.
+    grid = np.array([d.coords for d in tpu_devices("v5p:4x4x4", (16, 4))]).reshape(16, 4, 3)
+    model = [dim for dim in range(3) if len(set(grid[0, :, dim].tolist())) > 1]
+    data = [dim for dim in range(3) if len(set(grid[:, 0, dim].tolist())) > 1]
+    assert len(model) == 1 and len(data) == 2 and not set(model) & set(data)
+    links = axis_links(am.Cluster.preset("tpu-v5p", topology="4x4x4"), {"data": 16, "model": 4})
+    assert links["model"].bandwidth * 2 == links["data"].bandwidth
 
 
 def test_automap_verify_compiles_for_a_tpu(tmp_path, monkeypatch):
