@@ -1,9 +1,13 @@
 """Mesh axes on a TPU torus (`_cost/_torus.py`): each axis priced by the torus dimensions
 JAX lays it on, wraparound where a dimension is complete, DCN across slices."""
 
+import json
+
 import pytest
+from typer.testing import CliRunner
 
 import automap as am
+from automap._cli import app
 from automap._cost import AR, AxisCosts, axis_links, ring_allreduce_time, tree_allreduce_time
 
 GB = 1e9
@@ -61,3 +65,17 @@ def test_an_all_reduce_on_the_torus_costs_what_its_rings_carry():
     assert costs.time1(AR, costs.codes["data"], 1e9) == pytest.approx(expected, rel=1e-9)
     flat = AxisCosts(am.Cluster.preset("tpu-v5p", devices=48), {"data": 48})  # no slice
     assert flat.time1(AR, flat.codes["data"], 1e9) > 2 * expected
+
+
+def test_the_cli_prices_a_slice_and_slices_over_dcn():
+    # 128 v5p chips data-parallel: as one 4x4x8 slice the gradients' all-reduce runs on the
+    # torus; as two 4x4x4 slices (--slices 2) the data axis crosses the DCN, far slower.
+    def comm(*flags):
+        cmd = ["estimate", "--model", "mlp", "--set", "batch=256", "--cluster", "tpu-v5p"]
+        out = CliRunner().invoke(app, [*cmd, *flags, "--dp", "128", "--json"])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)["comm_s"]
+
+    assert comm("--slices", "2", "--devices", "128") > 3 * comm("--topology", "4x4x8")
+    out = CliRunner().invoke(app, ["estimate", "--model", "mlp", "--topology", "4x4x4"])
+    assert out.exit_code != 0 and "cluster preset a100 is no TPU" in out.output

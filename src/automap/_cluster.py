@@ -102,6 +102,11 @@ class Cluster:
         per_node = _field_value("devices_per_node", fields.pop("devices_per_node", 8))
         if gen := generation(key):
             devices, per_node, fields = _on_slices(gen, devices, per_node, fields)
+        elif fields.get("topology") or fields.get("slices", 1) != 1:
+            raise ClusterError(
+                f"cluster preset {key} is no TPU: a topology and slices are for "
+                f"{', '.join(p for p in _PRESETS if generation(p))}."
+            )
         devices = _field_value("devices", 8 if devices is None else devices)
         return cls(
             name=key, devices=devices, devices_per_node=min(per_node, devices), **fields
