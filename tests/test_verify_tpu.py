@@ -49,6 +49,27 @@ def test_a_plan_compiled_for_a_v5p_slice_holds_what_the_cost_model_prices():
     assert "(4 compile-only v5p:2x2x1 TPU devices)" in report.summary()
 
 
+@pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~55 s on two loaded cores
+def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
+    # A bfloat16 GPT in 2 stages x data 2 x model 2 on a v5p 2x2x2 slice, each stage's
+    # programs compiled on its half of the slice: its collectives, stage by stage, are
+    # the cost model's; each stage's memory and FLOPs within 15%.
+    spec = get_model("gpt-1.3b", layers=4, hidden=256, heads=2, seq=256, batch=16, vocab=1024,
+                     dtype="bfloat16", softmax="fused")  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(pp=2, dp=2, tp=2, microbatches=4, remat="full")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    for s in range(2):
+        assert report.xla_comm_bytes[f"all-reduce@data (stage {s})"] > 1e6  # the gradients
+    for predicted, xla in report.stage_memory_bytes:
+        assert predicted == pytest.approx(xla, rel=0.15)
+    for _, as_xla, xla in report.stage_flops:
+        assert as_xla == pytest.approx(xla, rel=0.05)
+
+
 def test_compile_only_tpus_say_what_they_cannot_do():
     with pytest.raises(ApplyError, match="not a TPU topology"):
         tpu_devices("v5x:4x4", (16,))

@@ -32,5 +32,7 @@ from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan
 from ._subprocess import subprocess_main as subprocess_main
 from ._subprocess import verify_in_subprocess as verify_in_subprocess
+from ._tpu import is_tpu_target as is_tpu_target
 from ._tpu import target_cluster as target_cluster
+from ._tpu import target_devices as target_devices
 from ._tpu import tpu_devices as tpu_devices
