@@ -58,7 +58,9 @@ bert`, 4 min): collectives matched on 4 of 12 plans, memory within 15% on 0 of 1
 (0.08-0.47x), FLOPs on 12 of 12. These models are 64 wide: XLA's TPU compiler pads every
 dimension to its (8, 128) tile (several MiB of temporaries on 1-5 MiB priced) and
 all-reduces whole each gradient whose shard is under a 128-lane tile where ZeRO
-reduce-scatters it (7 of the 8 mismatched plans); neither is priced yet. At 256 wide
+reduce-scatters it (the 5 ZeRO plans of the 8 that mismatch); neither is priced yet. The
+other 3 (two tensor-parallel mlp plans: small all-gathers on "model"; a gpt at data 2 x
+model 4: its data all-reduce 6% under the priced) are not yet examined. At 256 wide
 (tests/test_verify_tpu.py) tensor, data and ZeRO-1 plans and a pipeline match.
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two
