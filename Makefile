@@ -10,13 +10,16 @@ STAMP := $(VENV)/.installed
 # JAX's CUDA plugin (pyproject's gpu-compile pins) goes apart from the venv's packages, in
 # .venv/gpu-compile: JAX loads every plugin on its path at start-up, and this one logs
 # that no CUDA driver is found; automap._verify._gpu loads it from there to compile for a
-# GPU without one.
+# GPU without one. libtpu (the tpu-compile pins) goes apart alike, in .venv/tpu-compile:
+# automap._verify._tpu loads it from there to compile for a TPU topology without one.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/gpu-compile $$($(BIN)/python -c \
 		"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile'])")
+	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/tpu-compile $$($(BIN)/python -c \
+		"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['tpu-compile'])")
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -114,3 +114,25 @@ def test_cluster_files_name_the_lowering_or_give_its_fields(tmp_path):
         load("preset: a100\nlowering: 3\n")
     with pytest.raises(am.ClusterError, match=r"collective_float_bytes must be an integer"):
         load("preset: a100\nlowering: {collective_float_bytes: 2.5}\n")
+
+
+def test_tpu_presets_lay_their_chips_on_a_slice():
+    # Google's figures per chip (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16, 95 GiB
+    # at 2765 GB/s, 1200 GB/s of ICI each way over 6 links: 100 GB/s per link and direction.
+    v5p = am.Cluster.preset("tpu-v5p", topology="v5p-128")  # named by TensorCores: 64 chips
+    assert (v5p.devices, v5p.devices_per_node, v5p.topology) == (64, 64, (4, 4, 4))
+    assert v5p.peak_flops == 459e12 and v5p.ici_link_bandwidth * 2 * 6 == 1200e9
+    two = am.Cluster.preset("tpu-v5p", topology="4x4x4", slices=2)
+    assert (two.devices, two.nodes, two.slices) == (128, 2, 2)
+    assert am.Cluster.preset("tpu-v5e", devices=16).topology == (4, 4)  # Google's v5e-16
+    assert am.Cluster.preset("tpu-v6e", topology="v6e-32").topology == (4, 8)
+    assert am.Cluster.preset("tpu-v5p", devices=4).topology == (2, 2, 1)
+    assert am.Cluster.preset("tpu-v5p", devices=48).topology == ()  # no such slice: flat
+    assert v5p.with_devices(16).topology == (2, 2, 4)  # a pipeline stage's sub-slice
+    assert am.Cluster.from_dict(json.loads(json.dumps(two.to_dict()))) == two
+    with pytest.raises(am.ClusterError, match="are 64 chips, not 8: give --devices 64"):
+        am.Cluster.preset("tpu-v5p", devices=8, topology="4x4x4")
+    with pytest.raises(am.ClusterError, match="not a v5e slice topology"):
+        am.Cluster.preset("tpu-v5e", topology="4x4x4")
+    with pytest.raises(am.ClusterError, match="is a v5p slice, not a v6e one"):
+        am.Cluster.preset("tpu-v6e", topology="v5p-128")

@@ -95,6 +95,30 @@ def test_bytes_convention_per_kind():
     }
 
 
+def test_a_tpu_all_reduce_scatter_fusion_is_a_reduce_scatter():
+    # XLA's TPU compiler writes a reduce-scatter as a fusion of an all-reduce and the
+    # slice each device keeps (libtpu 0.0.42.1): counted as a reduce-scatter of the whole
+    # buffer, once; an all-reduce elsewhere stays one.
+    text = """HloModule m, num_partitions=4
+
+%all-reduce-scatter.3 (input: f32[256,256]) -> f32[256,64] {
+  %input = f32[256,256]{0,1:T(8,128)} parameter(0)
+  %all-reduce.7 = f32[256,256]{0,1:T(8,128)} all-reduce(%input), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %slice = f32[256,64]{0,1} dynamic-slice(%all-reduce.7, %z, %o), dynamic_slice_sizes={256,64}
+}
+
+ENTRY %main (p: f32[256,256]) -> f32[256,64] {
+  %p = f32[256,256]{1,0} parameter(0)
+  %fusion.1 = f32[256,64]{0,1} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.3, backend_config={"collective_algorithm_config":{"emitter":"SingleInputAllReduceScatterFusion"}}
+  ROOT %all-reduce.8 = f32[256,64]{1,0} all-reduce(%fusion.1), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+    assert comm_bytes(parse_collectives(text), {"data": 4}) == {
+        "reduce-scatter@data": 256 * 256 * 4,
+        "all-reduce@data": 256 * 64 * 4,
+    }
+
+
 def test_async_pairs_count_once_and_while_loops_multiply():
     text = "HloModule m, num_partitions=8\n\n" + "\n".join(
         [

@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 #: two stages on one row know nothing of each other.
 LAYERS = (
     ("_version", "_errors", "_axes"),
-    ("_lowering",),
+    ("_lowering", "_slices"),
     ("_graph", "_cluster"),
     ("_plan",),
     ("_solvers", "rl", "_zoo"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from ._errors import ClusterError
 from ._lowering import Lowering
+from ._slices import default_shape, generation, parse_topology, sub_slice
 
 GB = 1e9
 
@@ -60,6 +61,16 @@ class Cluster:
     """Fraction of link bandwidth that collectives reach (bus bandwidth / link bandwidth)."""
     memory_reserve: float = 0.1
     """Fraction of HBM kept free for the runtime, workspace and fragmentation."""
+    ici_link_bandwidth: float = 0.0
+    """TPUs: bytes/s one ICI link carries in one direction (0: no torus, axes priced flat)."""
+    ici_ports: int = 0
+    """TPUs: ICI links per chip (4 on a 2-D torus, 6 on a 3-D one)."""
+    topology: tuple[int, ...] = ()
+    """TPUs: chips per torus dimension of one slice ((4, 4, 4): v5p-128); () for none.
+    With it a slice is a node (`devices_per_node`), mesh axes are laid on the torus as
+    JAX lays them and priced by the dimensions they span (`_cost/_torus.py`)."""
+    slices: int = 1
+    """TPUs: slices joined by the data-centre network (`inter_bandwidth` per chip)."""
     lowering: Lowering = dataclasses.field(default_factory=Lowering.gpu)
     """How XLA compiles for these devices (`Lowering`): the GPU pipeline's on every GPU and
     TPU preset, the CPU's on `cpu`. A cluster file names it (`lowering: cpu`), gives its
@@ -73,7 +84,11 @@ class Cluster:
         return tuple(_PRESETS)
 
     @classmethod
-    def preset(cls, name: str, devices: int = 8, **overrides: Any) -> Cluster:
+    def preset(cls, name: str, devices: int | None = None, **overrides: Any) -> Cluster:
+        """The preset `name` for `devices` (default 8). A TPU preset takes `topology` (chips
+        per torus dimension, "4x4x4", or a slice name, "v5p-128") and `slices` (joined by
+        DCN); without a topology, a power-of-two count of chips per slice is laid as
+        Google's slice of that size (`_slices.default_shape`)."""
         key = name.lower()
         if key not in _PRESETS:
             raise ClusterError(
@@ -85,7 +100,14 @@ class Cluster:
         fields.update(overrides)
         fields["lowering"] = _lowering_from(fields, base, f"cluster preset {key}")
         per_node = _field_value("devices_per_node", fields.pop("devices_per_node", 8))
-        devices = _field_value("devices", devices)
+        if gen := generation(key):
+            devices, per_node, fields = _on_slices(gen, devices, per_node, fields)
+        elif fields.get("topology") or fields.get("slices", 1) != 1:
+            raise ClusterError(
+                f"cluster preset {key} is no TPU: a topology and slices are for "
+                f"{', '.join(p for p in _PRESETS if generation(p))}."
+            )
+        devices = _field_value("devices", 8 if devices is None else devices)
         return cls(
             name=key, devices=devices, devices_per_node=min(per_node, devices), **fields
         )._checked()
@@ -142,6 +164,19 @@ class Cluster:
         return dataclasses.asdict(self)
 
     def with_devices(self, devices: int) -> Cluster:
+        """This cluster cut to `devices` (a pipeline stage's share): on a TPU torus whole
+        slices, or a sub-slice of one (`_slices.sub_slice`)."""
+        if self.topology and devices != self.devices:
+            gen = generation(self.name) or ("v5p" if len(self.topology) == 3 else "v5e")
+            chips = self.devices_per_node
+            dims = self.topology if devices >= chips else sub_slice(self.topology, devices, gen)
+            return dataclasses.replace(
+                self,
+                devices=devices,
+                devices_per_node=math.prod(dims),
+                topology=dims,
+                slices=max(1, devices // chips),
+            )._checked()
         return dataclasses.replace(
             self, devices=devices, devices_per_node=min(self.devices_per_node, devices)
         )._checked()
@@ -167,6 +202,9 @@ class Cluster:
         ):
             # A number written as a string ("312e12": YAML reads 312e12 without a dot so).
             return dataclasses.replace(self, lowering=lowering, **checked)._checked()
+        topology = _checked_topology(self) if self.topology else ()
+        if topology != self.topology:  # a list (JSON) or "4x4x4" (YAML)
+            return dataclasses.replace(self, topology=topology)._checked()
         if not isinstance(self.name, str) or not self.name:
             raise ClusterError(f"cluster field name must be a non-empty string, got {self.name!r}.")
         if self.devices < 1:
@@ -251,6 +289,9 @@ _FIELD_RULES = (
         for name in ("matmul_efficiency", "memory_efficiency", "comm_efficiency")
     ),
     _Rule("memory_reserve", float, 0.0, high=0.99),
+    _Rule("ici_link_bandwidth", float, 0.0, unit="bytes/s"),
+    _Rule("ici_ports", int, 0),
+    _Rule("slices", int, 1),
 )
 # The lowering's numbers (its other fields are true or false).
 _LOWERING_RULES = (
@@ -287,6 +328,46 @@ def _lowering_from(fields: dict[str, Any], base: Lowering, source: str) -> Lower
             f"of its fields, got {value!r}; e.g. lowering: cpu."
         )
     return dataclasses.replace(lowering, **flat) if flat else lowering
+
+
+def _on_slices(
+    gen: str, devices: int | None, per_node: int, fields: dict[str, Any]
+) -> tuple[int | None, int, dict[str, Any]]:
+    """A TPU preset's devices, chips per slice and fields: the slice's torus from
+    `topology` (or, for a power-of-two count of chips per slice, Google's slice of that
+    size), `slices` of it."""
+    slices = _field_value("slices", fields.pop("slices", 1))
+    topology = fields.pop("topology", None)
+    if topology is None or topology == ():
+        count = 8 if devices is None else _field_value("devices", devices)
+        chips = count // slices
+        if count % slices or chips < 1 or chips & (chips - 1):
+            return devices, per_node, fields  # no standard slice: priced flat
+        dims = default_shape(chips, gen)
+    else:
+        dims = parse_topology(topology, gen)
+        want = slices * math.prod(dims)
+        if devices is not None and _field_value("devices", devices) != want:
+            raise ClusterError(
+                f"{slices} slice(s) of {'x'.join(map(str, dims))} are {want} chips, not "
+                f"{devices}: give --devices {want}, or leave it out."
+            )
+        devices = want
+    return devices, math.prod(dims), {**fields, "topology": dims, "slices": slices}
+
+
+def _checked_topology(cluster: Cluster) -> tuple[int, ...]:
+    """`cluster.topology` as a tuple of chips per dimension, filling its slices exactly."""
+    gen = generation(cluster.name) or {3: "v5p", 2: "v5e"}.get(len(cluster.topology), "v5p")
+    dims = parse_topology(cluster.topology, gen)
+    chips = math.prod(dims)
+    if cluster.devices_per_node != chips or cluster.devices != chips * cluster.slices:
+        raise ClusterError(
+            f"topology {'x'.join(map(str, dims))} is {chips} chips per slice: a cluster of "
+            f"{cluster.slices} slice(s) has devices_per_node {chips} and devices "
+            f"{chips * cluster.slices}, not {cluster.devices_per_node} and {cluster.devices}."
+        )
+    return dims
 
 
 def _checked_lowering(lowering: Any) -> Lowering:
@@ -384,16 +465,69 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=450 * GB,
         inter_bandwidth=8 * 400e9 / 8 / 8,
     ),
-    # TPU v4: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s; ICI links inside a slice are
-    # treated as one "node" (a 3D torus has no slow tier inside a slice). Compiled as a
-    # GPU is (the default `Lowering.gpu()`) until a TPU lowering is measured.
+    # TPUs: one slice is one "node" (its chips talk over ICI, a 2-D or 3-D torus; see
+    # `_cost/_torus.py` for how a mesh axis is priced on it); `inter_bandwidth` is the
+    # data-centre network (DCN) per chip between slices. Per-chip figures from Google
+    # Cloud's TPU system-architecture pages (cloud.google.com/tpu/docs/v4, /v5e, /v5p,
+    # /v6e): peak bf16, HBM size and bandwidth, ICI ports per chip and the chip's
+    # bidirectional ICI bandwidth, split evenly over its ports and two directions into
+    # `ici_link_bandwidth` (per link, per direction). `intra_bandwidth`, what a flat axis
+    # without a torus is priced at, is a ring over one torus dimension: both directions
+    # of one link. Compiled as a GPU is (`Lowering.gpu()`) until a TPU lowering is
+    # measured (`_verify/_tpu.py` compiles for these without a TPU).
+    #
+    # v4: 275 TFLOP/s, 32 GiB at 1200 GB/s, 3-D torus, 6 ports. Google's v4 page gives no
+    # ICI figure; 45 GB/s per link and direction is "How to Scale Your Model" (the JAX
+    # scaling book, jax-ml.github.io/scaling-book, part 2) and DCN 25 GB/s per chip the
+    # figure this preset always had. libtpu shows each chip's two TensorCores as two JAX
+    # devices unless they run as one (megacore): these figures are per chip.
     "tpu-v4": dict(
         peak_flops=275e12,
         hbm_bytes=32 * 2**30,
         hbm_bandwidth=1.2e12,
-        intra_bandwidth=135 * GB,
+        ici_link_bandwidth=45 * GB,
+        ici_ports=6,
+        intra_bandwidth=2 * 45 * GB,
         inter_bandwidth=25 * GB,
         devices_per_node=4096,
+    ),
+    # v5e: 197 TFLOP/s, 16 GB at 819 GB/s, 2-D torus, 4 ports, 400 GB/s bidirectional ICI
+    # per chip (50 GB/s per link and direction); DCN 6.4 Tbps per 256-chip pod, 2 x 100
+    # Gbps NICs per 8-chip host (25 GB/s / 8 = 3.125 GB/s per chip).
+    "tpu-v5e": dict(
+        peak_flops=197e12,
+        hbm_bytes=16 * GB,
+        hbm_bandwidth=819 * GB,
+        ici_link_bandwidth=50 * GB,
+        ici_ports=4,
+        intra_bandwidth=2 * 50 * GB,
+        inter_bandwidth=2 * 100e9 / 8 / 8,
+        devices_per_node=256,
+    ),
+    # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 3-D torus, 6 ports, 1200 GB/s bidirectional
+    # ICI per chip (100 GB/s per link and direction); DCN 50 Gbps per chip.
+    "tpu-v5p": dict(
+        peak_flops=459e12,
+        hbm_bytes=95 * 2**30,
+        hbm_bandwidth=2765 * GB,
+        ici_link_bandwidth=100 * GB,
+        ici_ports=6,
+        intra_bandwidth=2 * 100 * GB,
+        inter_bandwidth=50e9 / 8,
+        devices_per_node=8960,
+    ),
+    # v6e (Trillium): 918 TFLOP/s, 32 GB at 1638 GB/s, 2-D torus, 4 ports, 800 GB/s
+    # bidirectional ICI per chip (100 GB/s per link and direction); DCN: 8 chips per host,
+    # taken as v5e's 2 x 100 Gbps NICs per host (Google's page gives no v6e figure).
+    "tpu-v6e": dict(
+        peak_flops=918e12,
+        hbm_bytes=32 * GB,
+        hbm_bandwidth=1638 * GB,
+        ici_link_bandwidth=100 * GB,
+        ici_ports=4,
+        intra_bandwidth=2 * 100 * GB,
+        inter_bandwidth=2 * 100e9 / 8 / 8,
+        devices_per_node=256,
     ),
     # The local CPU (virtual devices): modest figures, recalibrate with `automap calibrate`.
     "cpu": dict(

@@ -69,7 +69,24 @@ ClusterOpt = Annotated[
     ),
 ]
 DevicesOpt = Annotated[
-    int, typer.Option("--devices", "-n", help="Number of devices in the cluster (1 or more).")
+    int | None,
+    typer.Option(
+        "--devices",
+        "-n",
+        help="Number of devices in the cluster (1 or more; default 8, or a TPU --topology's).",
+    ),
+]
+TopologyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--topology",
+        help="TPU presets: the slice, chips per torus dimension (4x4x4) or its name "
+        "(v5p-128); --devices follows from it.",
+    ),
+]
+SlicesOpt = Annotated[
+    int,
+    typer.Option("--slices", help="TPU presets: slices joined by the data-centre network."),
 ]
 JsonOpt = Annotated[
     bool,
@@ -382,18 +399,30 @@ def load_step(model: str | None, fn: str | None, override: list[str] | None):
         ) from None
 
 
-def load_cluster(cluster: str, devices: int):
+def load_cluster(cluster: str, devices: int | None, topology: str | None = None, slices: int = 1):
+    """The cluster of --cluster and --devices (default 8); for a TPU preset, its slice
+    (--topology, from which the devices follow) and --slices."""
     from .._cluster import Cluster
 
-    check_devices(devices)
+    if devices is not None:
+        check_devices(devices)
     path = Path(cluster)
     if path.is_dir():
         raise AutomapError(
             f"--cluster {cluster} is a directory: give a preset name or a YAML/JSON file."
         )
+    tpu = topology is not None or slices != 1
     if path.suffix in (".yaml", ".yml", ".json") or path.exists():
-        return Cluster.from_file(path).with_devices(devices)
-    return Cluster.preset(cluster, devices=devices)
+        if tpu:
+            raise AutomapError(
+                f"--topology and --slices take a TPU preset; the file {cluster} gives its "
+                "own: write topology: [4, 4, 4] and slices: 2 in it."
+            )
+        return Cluster.from_file(path).with_devices(8 if devices is None else devices)
+    extra: dict[str, Any] = {"topology": topology} if topology is not None else {}
+    if slices != 1:
+        extra["slices"] = slices
+    return Cluster.preset(cluster, devices=devices, **extra)
 
 
 def json_flags(

@@ -28,6 +28,8 @@ from ._app import (
     ModelOpt,
     OverrideOpt,
     QuietOpt,
+    SlicesOpt,
+    TopologyOpt,
     app,
     busy,
     check_budget,
@@ -65,7 +67,9 @@ def plan_cmd(
     fn: FnOpt = None,
     override: OverrideOpt = None,
     cluster: ClusterOpt = "a100",
-    devices: DevicesOpt = 8,
+    devices: DevicesOpt = None,
+    topology: TopologyOpt = None,
+    slices: SlicesOpt = 1,
     searcher: Annotated[
         str, typer.Option(help="dqn, ilp, dp, exhaustive, expert, random, mcmc, or auto.")
     ] = "auto",
@@ -125,7 +129,7 @@ def plan_cmd(
     with sigterm_as_interrupt() as signalled, held_save_warnings() as held:
         try:
             step_fn, args, origin = load_step(model, fn, override)
-            the_cluster = load_cluster(cluster, devices)
+            the_cluster = load_cluster(cluster, devices, topology, slices)
             result = plan(
                 step_fn,
                 *args,
@@ -318,7 +322,9 @@ def compare_cmd(
     fn: FnOpt = None,
     override: OverrideOpt = None,
     cluster: ClusterOpt = "a100",
-    devices: DevicesOpt = 8,
+    devices: DevicesOpt = None,
+    topology: TopologyOpt = None,
+    slices: SlicesOpt = 1,
     searchers: Annotated[
         str, typer.Option(help="Comma-separated searchers to run side by side.")
     ] = "expert,exhaustive,random,mcmc",
@@ -345,7 +351,7 @@ def compare_cmd(
     check_budget(budget, names)
     check_seed(seed)
     step_fn, args, origin = load_step(model, fn, override)
-    the_cluster = load_cluster(cluster, devices)
+    the_cluster = load_cluster(cluster, devices, topology, slices)
     run = _CompareRun(step_fn, args, origin, the_cluster, names, budget, seed)
     rows, interrupted, signalled = run.rows(show_progress=not (quiet or as_json))
     what = origin.get("model") or origin.get("fn")
@@ -378,7 +384,9 @@ def estimate_cmd(
     fn: FnOpt = None,
     override: OverrideOpt = None,
     cluster: ClusterOpt = "a100",
-    devices: DevicesOpt = 8,
+    devices: DevicesOpt = None,
+    topology: TopologyOpt = None,
+    slices: SlicesOpt = 1,
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size, inside a node.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline stages, equal in layers.")] = 1,
     dp: Annotated[
@@ -413,7 +421,7 @@ def estimate_cmd(
 
     check_output(output, "-o")
     step_fn, args, origin = load_step(model, fn, override)
-    the_cluster = load_cluster(cluster, devices)
+    the_cluster = load_cluster(cluster, devices, topology, slices)
     recipe = Recipe(
         tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
         schedule=schedule, remat=remat, zero=zero, name=f"tp{tp} pp{pp} dp{dp}",

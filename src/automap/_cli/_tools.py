@@ -154,9 +154,9 @@ def verify_cmd(
         str | None,
         typer.Option(
             "--target",
-            help="Compile for this GPU (a100, h100) without one, and hold its collectives and "
-            "memory against the cost model as it prices that GPU (a pipeline's programs "
-            "stage by stage).",
+            help="Compile for this GPU (a100, h100) or TPU topology (v5p:4x4x4, v5e:4x4) "
+            "without one, and hold its collectives and memory against the cost model as it "
+            "prices that device (a pipeline's programs stage by stage).",
         ),
     ] = None,
     as_json: JsonOpt = False,
@@ -174,7 +174,7 @@ def verify_cmd(
     check_plan_file(plan_file)
     if target and numerics:
         raise AutomapError("--numerics runs the plan, which --target only compiles: give one.")
-    where = f"for {target} GPUs" if target else "on a CPU mesh"
+    where = f"for {target}" if target else "on a CPU mesh"
     with busy(f"compiling with XLA {where}...", not (quiet or as_json)):
         report = verify_in_subprocess(plan_file, concrete=numerics, target=target)
     if as_json:

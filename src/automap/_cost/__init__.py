@@ -31,4 +31,5 @@ from ._pipelined import stage_costs as stage_costs
 from ._pipelined import zero_leaves as zero_leaves
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
+from ._torus import axis_links as axis_links
 from ._zero_terms import zero_shares as zero_shares

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._cluster import Cluster
+from ._torus import axis_links
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 AR, RS, AG, A2A, CP = range(len(KINDS))
@@ -33,7 +34,7 @@ class AxisCosts:
     index. Mask 0 is "no axis" (free). A multi-axis group runs at its slowest link."""
 
     def __init__(self, cluster: Cluster, mesh: Mapping[str, int]):
-        links = cluster.axis_links(mesh) if mesh else {}
+        links = axis_links(cluster, mesh) if mesh else {}  # on a TPU torus: `_torus`
         names = list(mesh)
         k = 1 << len(names)
         n = np.ones(k)

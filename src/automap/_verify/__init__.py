@@ -4,7 +4,8 @@ Input: a step function, a Plan and arguments (or a saved plan to rebuild). Outpu
 `VerifyReport`: the cost model's collectives next to the compiled HLO's, its peak memory
 and FLOPs per device next to XLA's buffer assignment and cost analysis (`_flops.py`,
 `_stages.py` for pipelines), and numerics against the unsharded step; with a GPU
-target, the same one-stage plan compiled for that GPU without one (`_gpu.py`). DESIGN.md, "Collectives: the bytes convention".
+target, the same plan compiled for that GPU (`_gpu.py`) or TPU topology (`_tpu.py`)
+without one. DESIGN.md, "Collectives: the bytes convention".
 """
 
 from ._compare import as_on_cpu as as_on_cpu
@@ -31,3 +32,7 @@ from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan
 from ._subprocess import subprocess_main as subprocess_main
 from ._subprocess import verify_in_subprocess as verify_in_subprocess
+from ._tpu import is_tpu_target as is_tpu_target
+from ._tpu import target_cluster as target_cluster
+from ._tpu import target_devices as target_devices
+from ._tpu import tpu_devices as tpu_devices

@@ -19,6 +19,7 @@ from .._cluster import Cluster
 from .._cost import CostModel
 from .._lowering import Lowering
 from .._plan import Plan
+from ._tpu import target_cluster
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
 # A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
@@ -152,7 +153,7 @@ def held_against(graph: Any, plan: Plan, cluster: Any, target: str | None) -> Co
     (default: the GPU's preset) as it prices that GPU, on the CPU mesh the CPU's
     lowering (`cpu_model`)."""
     if target:
-        return CostModel(graph, cluster or Cluster.preset(target, devices=plan.devices))
+        return CostModel(graph, cluster or target_cluster(target, plan.devices))
     return cpu_model(graph, plan, cluster)
 
 

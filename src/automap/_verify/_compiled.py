@@ -46,6 +46,7 @@ from ._hlo import comm_bytes, parse_collectives
 from ._numerics import compare_outputs, reordered
 from ._report import VerifyReport
 from ._stages import stage_flops, stage_memory_parts
+from ._tpu import is_tpu_target, tpu_devices
 
 
 def _donation_note(compiled: Any) -> str:
@@ -75,14 +76,23 @@ def _cpu_devices(n: int) -> list[Any]:
     return devices
 
 
+def _devices(plan: Plan, target: str | None) -> list[Any]:
+    """The devices verify compiles the plan for: CPUs, compile-only GPUs ("a100") or the
+    compile-only chips of a TPU topology ("v5p:4x4x4", laid as JAX lays a mesh on it)."""
+    if not target:
+        return _cpu_devices(plan.devices)
+    if is_tpu_target(target):
+        return tpu_devices(target, tuple(plan.mesh.values()) or (1,))
+    return gpu_devices(target, plan.devices)
+
+
 def compile_plan(
     fn: Callable, plan: Plan, args: tuple, graph: Any = None, target: str | None = None
 ) -> tuple[Prepared, Any]:
     """`fn` under `plan` compiled by XLA on a CPU mesh, or with `target` ("a100", "h100")
     on compile-only GPUs (`_gpu.py`); arguments stay abstract. The executable is kept so
     that a numerics check runs it without compiling twice."""
-    devices = gpu_devices(target, plan.devices) if target else _cpu_devices(plan.devices)
-    mesh = make_mesh(plan, devices)
+    mesh = make_mesh(plan, _devices(plan, target))
     prepared = Prepared(fn, plan, mesh, args, graph=graph)
     return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
 
@@ -163,8 +173,7 @@ def _verify_pipeline(
     and compared with the one-device step. With `target` the programs are compiled for
     that GPU (`_gpu.py`) and held against its cost model; nothing runs."""
 
-    devices = gpu_devices(target, plan.devices) if target else _cpu_devices(plan.devices)
-    run = apply_pipeline(fn, plan, devices)
+    run = apply_pipeline(fn, plan, _devices(plan, target))
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
     programs = run.compile(*args)
     xla: dict[str, float] = {}

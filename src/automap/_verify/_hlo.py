@@ -215,11 +215,17 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
         raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
     visit(entry, 1)
     out: list[HloCollective] = []
+    scattered = _reduce_scatter_fusions(comps)
     for comp, instrs in comps.items():
         by_name = {i[0]: i for i in instrs}
         for name, shape, opcode, rest, line in instrs:
             kind = opcode.removesuffix("-done")
             if kind not in KINDS or opcode.endswith("-start") or mult[comp] == 0:
+                continue
+            if kind == "all-reduce" and comp in scattered:
+                # XLA's TPU reduce-scatter: the whole buffer, as a reduce-scatter counts.
+                groups = parse_replica_groups(line, num_devices)
+                out.append(_collective(name, "reduce-scatter", shape, line, groups, mult[comp]))
                 continue
             src = line
             if opcode.endswith("-done"):  # groups live on the matching -start
@@ -242,6 +248,29 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                 )
             )
     return out
+
+
+def _reduce_scatter_fusions(comps: Mapping[str, list]) -> set[str]:
+    """Computations that are XLA TPU's reduce-scatter: it writes one as a fusion of an
+    all-reduce and the slice each device keeps (computation `%all-reduce-scatter`, emitter
+    `...AllReduceScatterFusion`), run as a reduce-scatter, not as the all-reduce inside
+    (seen with libtpu 0.0.42.1, `_tpu.py`)."""
+    out = {c for c in comps if re.fullmatch(r"all-reduce-scatter(\.\d+)?", c)}
+    for instrs in comps.values():
+        for _, _, opcode, _, line in instrs:
+            if opcode == "fusion" and "AllReduceScatter" in line:
+                out.update(c for role, c in _CALLEE.findall(line) if role == "calls")
+    return {c.lstrip("%") for c in out}
+
+
+def _collective(
+    name: str, kind: str, shape: str, line: str, groups: tuple, count: int
+) -> HloCollective:
+    """One collective counted by its own line's shape (the whole buffer)."""
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    return HloCollective(
+        name, kind, shape_bytes(shape), groups, count, shape, op_name.group(1) if op_name else ""
+    )
 
 
 def comm_bytes(collectives: list[HloCollective], mesh: Mapping[str, int]) -> dict[str, float]:

@@ -51,12 +51,14 @@ class VerifyReport:
     # as XLA counts, XLA) FLOPs per device per step.
     stage_memory_bytes: tuple[tuple[float | None, float | None], ...] = ()
     stage_flops: tuple[tuple[float, float, float | None], ...] = ()
-    # The GPU the plan was compiled for without one ("a100", "h100"); None: a CPU mesh.
+    # The GPU ("a100", "h100") or TPU topology ("v5p:4x4x4") the plan was compiled for
+    # without one; None: a CPU mesh.
     target: str | None = None
 
     def summary(self) -> str:
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"
-        where = f"compile-only {self.target} GPUs" if self.target else "CPU devices"
+        kind = "TPU devices" if ":" in str(self.target) else "GPUs"  # "v5p:4x4x4", "a100"
+        where = f"compile-only {self.target} {kind}" if self.target else "CPU devices"
         lines = [f"verify: mesh {mesh} ({int(np.prod(list(self.mesh.values())))} {where})"]
         verdict = {True: "match", False: "DO NOT MATCH", None: "not compared (no cost model)"}
         lines.append(

@@ -1,0 +1,126 @@
+"""verify(target="v5p:2x2x1"): plans compiled by XLA's TPU compiler on the compile-only
+chips of a TPU topology (no TPU here: libtpu describes the slice), held against the cost
+model as it prices that TPU."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import automap as am
+from automap import ApplyError
+from automap._cli import app
+from automap._cost import axis_links
+from automap._verify import tpu_devices, verify
+from automap._zoo import get_model
+from test_verify import tiny_fn_plan
+
+# Every test here loads libtpu (make puts it in .venv/tpu-compile): `-m tpu_compile`
+# selects them, `-m "not tpu_compile"` leaves them out where it is not installed.
+pytestmark = pytest.mark.tpu_compile
+
+
+@pytest.mark.slow  # compiled for 4 v5p chips: ~25 s on two loaded cores
+def test_a_plan_compiled_for_a_v5p_slice_holds_what_the_cost_model_prices():
+    # Tensor and data parallel with full recomputation on a v5p 2x2x1 slice, priced by the
+    # tpu-v5p preset on that torus: XLA's TPU compiler inserts the collectives the cost
+    # model predicts, kind by kind and axis by axis, counts the FLOPs it prices, and its
+    # buffer assignment holds what the model prices within 15%.
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=4, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    assert (v5p.devices, v5p.topology) == (4, (2, 2, 1))
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=2, dp=2, remat="full"), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    assert report.collectives_match, report.mismatches
+    assert report.xla_comm_bytes["all-reduce@model"] > 1e6  # the activations' partial sums
+    assert report.xla_comm_bytes["all-reduce@data"] > 1e6  # the gradients
+    # Unlike XLA's GPU compiler, its TPU compiler counts FLOPs: the matmuls dominate.
+    assert report.xla_flops == pytest.approx(report.predicted_flops_as_xla, rel=0.05)
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+    parts = report.predicted_memory_breakdown
+    state = parts["params"] + parts["opt_state"] + parts["other"]
+    assert report.xla_memory_breakdown["arguments"] == pytest.approx(state, rel=0.01)
+    assert report.numerics_ok is None  # compiled, never run
+    assert "(4 compile-only v5p:2x2x1 TPU devices)" in report.summary()
+
+
+@pytest.mark.slow  # compiled for 4 v5p chips: ~20 s on two loaded cores
+def test_zero1_gradients_are_reduce_scattered_on_a_tpu():
+    # ZeRO-1 reduce-scatters the gradients over the data axis: XLA's TPU compiler writes
+    # each as an all-reduce-scatter fusion (`_hlo`), held as the reduce-scatter priced.
+    # (It all-reduces whole the gradients of 128-wide biases and norms, whose quarter is
+    # under a 128-lane tile: here under 1% of the bytes, "trivial".)
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=1), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    assert report.collectives_match, report.mismatches
+    assert report.xla_comm_bytes["reduce-scatter@data"] > 1e6
+
+
+@pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~55 s on two loaded cores
+def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
+    # A bfloat16 GPT in 2 stages x data 2 x model 2 on a v5p 2x2x2 slice, each stage's
+    # programs compiled on its half of the slice: its collectives, stage by stage, are
+    # the cost model's; each stage's memory and FLOPs within 15%.
+    spec = get_model("gpt-1.3b", layers=4, hidden=256, heads=2, seq=256, batch=16, vocab=1024,
+                     dtype="bfloat16", softmax="fused")  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(pp=2, dp=2, tp=2, microbatches=4, remat="full")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    for s in range(2):
+        assert report.xla_comm_bytes[f"all-reduce@data (stage {s})"] > 1e6  # the gradients
+    for predicted, xla in report.stage_memory_bytes:
+        assert predicted == pytest.approx(xla, rel=0.15)
+    for _, as_xla, xla in report.stage_flops:
+        assert as_xla == pytest.approx(xla, rel=0.05)
+
+
+def test_compile_only_tpus_say_what_they_cannot_do():
+    with pytest.raises(ApplyError, match="not a TPU topology"):
+        tpu_devices("v5x:4x4", (16,))
+    with pytest.raises(ApplyError, match="3-D torus of chips"):
+        tpu_devices("v5p:4x4", (16,))
+    with pytest.raises(ApplyError, match="has 8: plan for 8 devices, or name a topology"):
+        tpu_devices("v5p:2x2x2", (4, 4))
+    # The mesh as JAX lays it on the torus: the fastest axis on physical neighbours.
+    devices = tpu_devices("v5p:2x2x2", (2, 4))
+    assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
+    assert jax.devices()[0].platform == "cpu"  # this process's backend is unchanged
+
+
+def test_the_cost_model_lays_a_mesh_on_the_torus_as_jax_does():
+    # libtpu's chips of a v5p 4x4x4 slice, laid by create_device_mesh for a 16 x 4 mesh:
+    # the model axis on one whole dimension, the data axis on the other two, as the cost
+    # model lays them (`_cost/_torus.py`, with stand-in chips) and prices them.
+    grid = np.array([d.coords for d in tpu_devices("v5p:4x4x4", (16, 4))]).reshape(16, 4, 3)
+    model = [dim for dim in range(3) if len(set(grid[0, :, dim].tolist())) > 1]
+    data = [dim for dim in range(3) if len(set(grid[:, 0, dim].tolist())) > 1]
+    assert len(model) == 1 and len(data) == 2 and not set(model) & set(data)
+    links = axis_links(am.Cluster.preset("tpu-v5p", topology="4x4x4"), {"data": 16, "model": 4})
+    assert links["model"].bandwidth * 2 == links["data"].bandwidth
+
+
+def test_automap_verify_compiles_for_a_tpu(tmp_path, monkeypatch):
+    # The weight gradient is a partial sum over the batch split, all-reduced on "data" on
+    # a v5e 4x4 slice as on the CPU; in a child process, as the CLI runs it.
+    plan = tiny_fn_plan(tmp_path, monkeypatch)
+    path = plan.save(tmp_path / "plan.json")
+    out = CliRunner().invoke(app, ["verify", str(path), "--target", "v5e:4x4", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["xla_comm_bytes"] == {"all-reduce@data": 32 * 4 * 4}
+    assert report["xla_memory_bytes"] > 0 and report["target"] == "v5e:4x4"
+    out = CliRunner().invoke(app, ["verify", str(path), "--target", "v5p:2x2x1", "--json"])
+    assert out.exit_code != 0 and "TPU topology v5p:2x2x1 has 4" in out.output
