@@ -131,6 +131,10 @@ class Plan:
     schedule: str = "1f1b"  # a registered schedule's name (`_pipeline.pipeline_schedule`)
     zero_stage: int = 0
     remat: bool = False
+    # The tensor-parallel axis the residual stream is also split on, by sequence (Korthikanti
+    # et al. 2022), or None. Its constraints are among `constraints`
+    # (`_groups.sequence_parallel`); the cost model prices it from this field.
+    sequence_parallel: str | None = None
     name: str = ""  # e.g. "megatron_dp", or the searcher's name
     # Linkage group id -> mesh axis, for every group the plan splits: what the cost model
     # prices. None for a plan written by hand (the cost model reads it back from the specs).
@@ -208,6 +212,7 @@ class Plan:
             "schedule": self.schedule,
             "zero_stage": self.zero_stage,
             "remat": self.remat,
+            "sequence_parallel": self.sequence_parallel,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
             "decisions": _with_assignment(self.decisions, self.assignment),
@@ -245,6 +250,7 @@ class Plan:
                 schedule=str(d.get("schedule", "1f1b")),
                 zero_stage=int(d.get("zero_stage", 0)),
                 remat=d.get("remat", False),
+                sequence_parallel=d.get("sequence_parallel"),
                 name=str(d.get("name", "")),
                 predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
                 provenance=Provenance(**d.get("provenance", {})),
@@ -327,6 +333,12 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
         raise PlanError(
             f"{source}: remat must be true or false (a JSON boolean), got {remat!r}; "
             'write "remat": true or "remat": false, without quotes around the value.'
+        )
+    axis = d.get("sequence_parallel")
+    if axis is not None and (not isinstance(axis, str) or axis not in (d.get("mesh") or {})):
+        raise PlanError(
+            f"{source}: sequence_parallel must be null or a mesh axis name, got {axis!r}; "
+            f'write the tensor-parallel axis (e.g. "model") or null, {_RECREATE}.'
         )
 
 
