@@ -81,6 +81,7 @@ from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_pe
 from ._pipelined import estimate_pipeline
 from ._residuals import stored_residuals
 from ._rows import RowTable
+from ._seqpar import seqpar_terms, with_sequence_parallel
 from ._tables import build_tables
 
 _log = logging.getLogger("automap")
@@ -145,7 +146,7 @@ class CostModel:
         plan with pipeline stages is timed by its schedule (`_pipelined.py`)."""
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
-        return self.evaluate(
+        cost = self.evaluate(
             self.plan_assignment(plan),
             plan.mesh,
             zero_stage=plan.zero_stage,
@@ -154,6 +155,17 @@ class CostModel:
             microbatches=1,
             remat=plan.remat,
             detail=True,
+        )
+        return self._sequence_parallel(plan, cost) if plan.sequence_parallel else cost
+
+    def _sequence_parallel(self, plan: Plan, cost: Cost) -> Cost:
+        """`cost` with the terms of the plan's sequence parallelism (`_seqpar.py`)."""
+        low = self.cluster.lowering
+        saved = self.residuals.saved_remat if plan.remat else self.residuals.saved
+        terms = seqpar_terms(self.graph, self.groups, plan, saved, low.collective_float_bytes)
+        axis = str(plan.sequence_parallel)
+        return with_sequence_parallel(
+            cost, terms, plan.mesh, axis, self._costs_for(plan.mesh), low.reduce_scatter
         )
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]:

@@ -33,7 +33,7 @@ from ._linkage import Group, Groups
 #: made and its gradient reads the cotangent whole, as Megatron's vocabulary-parallel
 #: embedding does. Split on the sequence there, XLA all-gathers the table, or reshuffles
 #: the indices and the cotangent with all-to-alls and permutes.
-_KEEP = frozenset({"gather", "scatter-add", "scatter_add"})
+KEPT_WHOLE = frozenset({"gather", "scatter-add", "scatter_add"})
 
 
 def residual_group(groups: Groups) -> Group | None:
@@ -53,7 +53,7 @@ def sequence_dims(graph: Graph, groups: Groups) -> dict[int, int]:
     if residual is None or not batch:
         return {}
     made_by_kept = {
-        t for op in graph.ops if op.primitive in _KEEP for t in (*op.inputs[1:], *op.outputs)
+        t for op in graph.ops if op.primitive in KEPT_WHOLE for t in (*op.inputs[1:], *op.outputs)
     }
     out: dict[int, int] = {}
     for t, tg in enumerate(groups.tensor_groups):
@@ -116,7 +116,7 @@ def _split_specs(
     lay = layouts(graph, groups, assignment)
     out: dict[int, Spec] = {}
     for op in graph.ops:
-        if op.primitive in _KEEP:
+        if op.primitive in KEPT_WHOLE:
             for t in (*op.inputs[1:], *op.outputs):
                 if graph.tensors[t].ndim and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
                     out[t] = lay[t]
