@@ -64,6 +64,7 @@ from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
+from ._seqpar import seqpar_op_costs, seqpar_terms
 from ._traffic import (
     Layouts,
     Sends,
@@ -467,7 +468,7 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
 def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
     """`op_costs` of a pipeline plan's intra-stage plan (its assignment, stage mesh, ZeRO
     stage and rematerialization)."""
-    return op_costs(
+    oc = op_costs(
         model,
         model.plan_assignment(plan),
         {k: v for k, v in plan.mesh.items() if k != PIPE},
@@ -475,6 +476,15 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         remat=plan.remat,
         staged=len(plan.stages) > 1,
     )
+    if not plan.sequence_parallel:
+        return oc
+    low = model.cluster.lowering
+    res = model.residuals
+    saved = res.saved_remat if plan.remat else res.saved
+    terms = seqpar_terms(
+        model.graph, model.groups, plan, saved, low.collective_float_bytes, res.boundary
+    )
+    return seqpar_op_costs(oc, terms, plan.sequence_parallel, low.reduce_scatter)
 
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:

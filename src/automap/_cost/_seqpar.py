@@ -15,7 +15,14 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
   and the residuals the backward keeps of them take 1/t of their bytes.
 
 The embedding lookup keeps its all-reduce (`_groups/_seqpar.py` says why). Held against
-XLA's GPU compiler in tests/test_seqpar.py.
+XLA's GPU compiler in tests/test_seqpar.py (one program: kinds, counts and bytes equal).
+
+Pipelines (`seqpar_op_costs`): the forward and backward run as programs apart, so a stream
+tensor read whole on both sides is gathered in each. Not yet what XLA compiles: a stage's
+backward program gathers the saved stream tensors once per matmul that reads them (the
+queries', keys' and values' weight gradients each), more than this counts (a tp=2 pp=2
+GPT: 112 and 128 KiB predicted per stage, XLA 160 and 208), and the stage memory does not
+yet shrink with the stream.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+
+import numpy as np
 
 from .._graph import Graph
 from .._groups import KEPT_WHOLE, Groups, layouts
@@ -41,14 +50,24 @@ class SeqparTerms:
     gathered: tuple[float, ...]  # per residual tensor a matmul reads: the gathered bytes
     compute_ops: frozenset[int]  # ops that now run on 1/t of the sequence
     kept_bytes: float  # bytes of the kept residuals the split makes 1/t of (before it)
+    reduce_ops: frozenset[int] = frozenset()  # ops whose partial sums are reduce-scattered
+    gathered_at: tuple[int, ...] = ()  # per entry of `gathered`: the op that reads it whole
+    split: frozenset[int] = frozenset()  # the residual tensors split on the sequence
 
 
 def seqpar_terms(
-    graph: Graph, groups: Groups, plan: Plan, saved: tuple[int, ...], float_bytes: int = 0
+    graph: Graph,
+    groups: Groups,
+    plan: Plan,
+    saved: tuple[int, ...],
+    float_bytes: int = 0,
+    boundary: int | None = None,
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
-    plain layout leaves whole."""
+    plain layout leaves whole. `boundary` (pipelines: the last forward op): the forward
+    and the backward run as programs apart, so a tensor both read whole is gathered in
+    each; one program gathers it once."""
     axis = plan.sequence_parallel
     assignment = plan.assignment or {}
     lay = layouts(graph, groups, assignment)
@@ -58,8 +77,8 @@ def seqpar_terms(
         if axis in _axes(spec) and axis not in _axes(lay[t])
     }
     consumers = graph.consumers()
-    rs, ag, ops = {}, [], set()
-    gathered: set[int] = set()
+    rs, ag, ops, at, reducing = {}, [], set(), [], set()
+    gathered: set[tuple[int, bool]] = set()
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
         if op.primitive == _MATMUL:
@@ -68,6 +87,7 @@ def seqpar_terms(
                 # queries', keys' and values' matmuls) are reduce-scattered once, summed.
                 end = _summed(graph, made[0], split, consumers)
                 rs[end] = _buffer(graph, end, lay[end], plan.mesh, float_bytes)
+                reducing |= {op.index, graph.tensors[end].producer}
             reads = [t for t in op.inputs if t in split]
         elif op.primitive in KEPT_WHOLE:
             # The embedding's gradient reads its cotangent whole: gathered where it is made.
@@ -76,12 +96,17 @@ def seqpar_terms(
             reads = []
             if made and len(made) == len(op.outputs):
                 ops.add(op.index)
+        side = boundary is not None and op.index > boundary
         for t in reads:
-            if t not in gathered:
-                gathered.add(t)
+            if (t, side) not in gathered:
+                gathered.add((t, side))
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
+                at.append(op.index)
     kept = sum(_buffer(graph, t, lay[t], plan.mesh, 0) for t in saved if t in split)
-    return SeqparTerms(tuple(rs.values()), tuple(ag), frozenset(ops), kept)
+    return SeqparTerms(
+        tuple(rs.values()), tuple(ag), frozenset(ops), kept, frozenset(reducing), tuple(at),
+        frozenset(split),
+    )  # fmt: skip
 
 
 def with_sequence_parallel(
@@ -176,3 +201,51 @@ def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_byt
     if float_bytes and "float" in tensor.dtype and tensor.itemsize < float_bytes:
         size = tensor.size * float_bytes
     return size / split
+
+
+def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
+    """A pipeline's per-op costs (`_pipelined.OpCosts`, on the stage mesh) with sequence
+    parallelism: the stream's partial-sum rows on `axis` reduce-scattered, an all-gather
+    row at each op that reads a stream tensor whole, the stream's ops and tensors (what a
+    stage keeps, and sends) 1/t."""
+    ac = oc.axis_costs
+    t = oc.mesh[axis]
+    mask = int(ac.bit[ac.codes[axis]])
+    key = oc.row_key.copy()
+    if reduce_scatter:
+        ar = oc.row_partial & (key == C.AR * ac.masks + mask)
+        ar &= np.isin(oc.row_op, list(terms.reduce_ops))
+        key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+    n = len(terms.gathered)
+    ag_key = np.full(n, C.AG * ac.masks + mask)
+    ag_bytes = np.asarray(terms.gathered, dtype=float)
+    ag_op = np.asarray(terms.gathered_at, dtype=np.int64)
+    comm = oc.comm.copy()
+    old = ac.by_key(oc.row_key, oc.row_bytes, oc.row_count)
+    new = ac.by_key(key, oc.row_bytes, oc.row_count)
+    live = (oc.row_count > 0) & ~oc.row_grad
+    np.add.at(comm, oc.row_op[live], (new - old)[live])
+    np.add.at(comm, ag_op, ac.by_key(ag_key, ag_bytes, np.ones(n)))
+    compute = oc.compute.copy()
+    ops = list(terms.compute_ops)
+    compute[ops] /= t
+    inv = oc.layouts.inv.copy()
+    inv[list(terms.split)] /= t
+    extra = {
+        "row_again": None if oc.row_again is None else np.concatenate([oc.row_again, np.zeros(n, bool)]),
+        "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, np.zeros(n, bool)]),
+    }  # fmt: skip
+    return dataclasses.replace(
+        oc,
+        compute=compute,
+        comm=comm,
+        layouts=dataclasses.replace(oc.layouts, inv=inv),
+        row_op=np.concatenate([oc.row_op, ag_op]),
+        row_key=np.concatenate([key, ag_key]),
+        row_bytes=np.concatenate([oc.row_bytes, ag_bytes]),
+        row_count=np.concatenate([oc.row_count, np.ones(n)]),
+        row_grad=np.concatenate([oc.row_grad, np.zeros(n, bool)]),
+        row_batched=np.concatenate([oc.row_batched, np.ones(n, bool)]),
+        row_partial=np.concatenate([oc.row_partial, np.zeros(n, bool)]),
+        **extra,
+    )
