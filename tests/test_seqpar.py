@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import automap as am
 from automap._cli import app
-from automap._cost import CostModel
+from automap._cost import CostModel, estimate_pipeline
 from automap._groups import build_groups, residual_group, sequence_dims, sequence_parallel
 from automap._verify import comm_bytes, compile_plan, compiled_memory, parse_collectives
 from automap._zoo import get_model
@@ -82,12 +82,13 @@ def test_the_plan_file_keeps_the_axis(gpt, tmp_path):
         am.Plan.from_dict(broken)
 
 
-@pytest.mark.slow  # two plans compiled and run on 8 CPU devices
+@pytest.mark.slow  # three plans compiled and run on 8 CPU devices
 def test_sequence_parallel_runs_with_the_unsharded_steps_numbers(gpt):
     spec = gpt[0]
     args = spec.concrete_args(0)
     want = jax.jit(spec.step_fn)(*args)
-    for fields in (dict(tp=4, dp=2), dict(tp=2, pp=2, dp=2, microbatch_size=2)):
+    pipeline = dict(tp=2, pp=2, dp=2, microbatch_size=2)
+    for fields in (dict(tp=4, dp=2), dict(tp=4, dp=2, remat="full"), pipeline):
         sp = _plans(gpt, **fields)[1]
         assert sp.sequence_parallel == "model"
         assert_same(am.apply(spec.step_fn, sp)(*args), want, spec.config["learning_rate"])
@@ -166,3 +167,22 @@ def test_estimate_prices_sequence_parallelism_from_the_command_line():
     assert sp_cost["memory_bytes"] < plain_cost["memory_bytes"]
     bad = runner.invoke(app, [*base[:-4], "--dp", "8", "--sequence-parallel"])
     assert bad.exit_code != 0 and "tp=1" in bad.output and "Traceback" not in bad.output
+
+
+def test_pipeline_stages_price_it_on_their_programs(gpt):
+    graph, groups = gpt[2], gpt[3]
+    plain, sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2)
+    model = CostModel(graph, A100, groups)
+    before, after = estimate_pipeline(model, plain), estimate_pipeline(model, sp)
+    kinds = {(c.kind, c.axis): c for c in after.cost.collectives}
+    old = {(c.kind, c.axis): c for c in before.cost.collectives}
+    # The stream's all-reduces on the tensor-parallel axis are reduce-scattered: what stays
+    # is the small reductions (the norms' parameter gradients' and the embedding's).
+    assert kinds["reduce-scatter", "model"].bytes > 0 and kinds["all-gather", "model"].bytes > 0
+    assert kinds["all-reduce", "model"].bytes < 0.1 * old["all-reduce", "model"].bytes
+    # The stage whose peak is its activations keeps 1/t of its stream.
+    acts = [
+        (b["activations"], a["activations"])
+        for b, a in zip(before.stage_memory, after.stage_memory, strict=True)
+    ]
+    assert any(a < b for b, a in acts) and all(a <= b for b, a in acts)

@@ -21,8 +21,8 @@ Pipelines (`seqpar_op_costs`): the forward and backward run as programs apart, s
 tensor read whole on both sides is gathered in each. Not yet what XLA compiles: a stage's
 backward program gathers the saved stream tensors once per matmul that reads them (the
 queries', keys' and values' weight gradients each), more than this counts (a tp=2 pp=2
-GPT: 112 and 128 KiB predicted per stage, XLA 160 and 208), and the stage memory does not
-yet shrink with the stream.
+GPT: 112 and 128 KiB predicted per stage, XLA 160 and 208). A stage's memory shrinks
+with its stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
 """
 
 from __future__ import annotations
