@@ -132,7 +132,7 @@ def test_on_a_gpu_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather(gpt
     assert cost.compute_s < priced.compute_s
 
 
-@pytest.mark.slow  # two plans compiled on 8 CPU devices
+@pytest.mark.slow  # three plans compiled on 8 CPU devices
 def test_the_residual_streams_memory_shrinks_as_priced(gpt):
     spec, args, graph, groups = gpt
     plain, sp = _plans(gpt, tp=4, dp=2)
@@ -143,6 +143,12 @@ def test_the_residual_streams_memory_shrinks_as_priced(gpt):
     predicted_saved = model.estimate(plain).memory_bytes - model.estimate(sp).memory_bytes
     assert xla_saved > 0 and predicted_saved > 0
     assert predicted_saved == pytest.approx(xla_saved, rel=0.3)
+    assert model.estimate(sp).memory_bytes == pytest.approx(compiled_memory(after), rel=0.15)
+    # Under full recomputation the layers' inputs are what the split saves at the peak.
+    recomputing = _plans(gpt, tp=4, dp=2, remat="full")[1]
+    _, compiled = compile_plan(spec.step_fn, recomputing, args)
+    held = compiled_memory(compiled)
+    assert model.estimate(recomputing).memory_bytes == pytest.approx(held, rel=0.15)
     # The CPU has no reduce-scatter: the all-reduces stay and the gathers are added.
     assert _kinds(after, 4)["all-gather"] == 10
     cost = model.estimate(sp)
@@ -164,7 +170,10 @@ def test_estimate_prices_sequence_parallelism_from_the_command_line():
     assert plain_cost["plan"]["sequence_parallel"] is None
     kinds = {c["kind"] for c in sp_cost["collectives"] if c["axis"] == "model"}
     assert "reduce-scatter" in kinds and "all-gather" in kinds
-    assert sp_cost["memory_bytes"] < plain_cost["memory_bytes"]
+    # This small GPT's peak on an A100 is its update, where no activation is alive: the
+    # split saves nothing there, and the norms and adds run on a quarter of the sequence.
+    assert sp_cost["memory_bytes"] <= plain_cost["memory_bytes"]
+    assert sp_cost["compute_s"] < plain_cost["compute_s"]
     bad = runner.invoke(app, [*base[:-4], "--dp", "8", "--sequence-parallel"])
     assert bad.exit_code != 0 and "tp=1" in bad.output and "Traceback" not in bad.output
 

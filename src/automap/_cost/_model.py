@@ -81,7 +81,7 @@ from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_pe
 from ._pipelined import estimate_pipeline
 from ._residuals import stored_residuals
 from ._rows import RowTable
-from ._seqpar import seqpar_terms, with_sequence_parallel
+from ._seqpar import kept_across, seqpar_terms, with_sequence_parallel
 from ._tables import build_tables
 
 _log = logging.getLogger("automap")
@@ -161,7 +161,7 @@ class CostModel:
     def _sequence_parallel(self, plan: Plan, cost: Cost) -> Cost:
         """`cost` with the terms of the plan's sequence parallelism (`_seqpar.py`)."""
         low = self.cluster.lowering
-        saved = self.residuals.saved_remat if plan.remat else self.residuals.saved
+        saved = kept_across(self.residuals, plan.remat)
         terms = seqpar_terms(self.graph, self.groups, plan, saved, low.collective_float_bytes)
         axis = str(plan.sequence_parallel)
         return with_sequence_parallel(

@@ -64,7 +64,7 @@ from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
-from ._seqpar import seqpar_op_costs, seqpar_terms
+from ._seqpar import kept_across, seqpar_op_costs, seqpar_terms
 from ._traffic import (
     Layouts,
     Sends,
@@ -480,7 +480,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         return oc
     low = model.cluster.lowering
     res = model.residuals
-    saved = res.saved_remat if plan.remat else res.saved
+    saved = kept_across(res, plan.remat)
     terms = seqpar_terms(
         model.graph, model.groups, plan, saved, low.collective_float_bytes, res.boundary
     )

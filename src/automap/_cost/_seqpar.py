@@ -109,6 +109,18 @@ def seqpar_terms(
     )  # fmt: skip
 
 
+def kept_across(residuals, remat: bool) -> tuple[int, ...]:
+    """The residuals held through the backward whose split the peak sees: all of them, or
+    under recomputation the layers' inputs and what no layer recomputes. A recomputed
+    layer's own residuals are made again inside its backward, where XLA holds the stream
+    gathered for the matmuls (the CPU's buffer assignment of a tp=4 GPT saves what the
+    inputs' split saves, not a quarter of the recomputed layer's)."""
+    if not remat:
+        return tuple(residuals.saved)
+    again = {t for ts in residuals.layer_saved for t in ts}
+    return tuple(t for t in residuals.saved_remat if t not in again)
+
+
 def with_sequence_parallel(
     cost: Cost, terms: SeqparTerms, mesh: Mapping[str, int], axis: str, costs: C.AxisCosts,
     reduce_scatter: bool,
@@ -127,10 +139,12 @@ def with_sequence_parallel(
     shrink = 1 - 1 / t
     saved_s = shrink * sum(s for i, s, _ in cost.per_op if i in terms.compute_ops)
     compute = cost.compute_s - saved_s
-    freed = shrink * terms.kept_bytes
     breakdown = dict(cost.memory_breakdown)
-    if "activations" in breakdown:
-        breakdown["activations"] = max(0.0, breakdown["activations"] - freed)
+    # Only what the peak holds of them: where the peak is the update (the state and its
+    # gradients, no activations alive), the stream's split frees nothing at it.
+    freed = min(shrink * terms.kept_bytes, breakdown.get("activations", 0.0))
+    if freed:
+        breakdown["activations"] -= freed
     memory = cost.memory_bytes - freed
     step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
     fits = memory <= cost.memory_limit_bytes  # memory is what makes a plan infeasible
