@@ -64,7 +64,7 @@ from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
-from ._seqpar import kept_across, seqpar_op_costs, seqpar_terms
+from ._seqpar import stage_sequence_parallel
 from ._traffic import (
     Layouts,
     Sends,
@@ -476,15 +476,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         remat=plan.remat,
         staged=len(plan.stages) > 1,
     )
-    if not plan.sequence_parallel:
-        return oc
-    low = model.cluster.lowering
-    res = model.residuals
-    saved = kept_across(res, plan.remat)
-    terms = seqpar_terms(
-        model.graph, model.groups, plan, saved, low.collective_float_bytes, res.boundary
-    )
-    return seqpar_op_costs(oc, terms, plan.sequence_parallel, low.reduce_scatter)
+    return stage_sequence_parallel(model, plan, oc) if plan.sequence_parallel else oc
 
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:

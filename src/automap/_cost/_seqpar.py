@@ -217,6 +217,15 @@ def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_byt
     return size / split
 
 
+def stage_sequence_parallel(model, plan: Plan, oc):
+    """`seqpar_op_costs` of a pipeline plan's per-op costs (`_pipelined.plan_op_costs`)."""
+    low, res = model.cluster.lowering, model.residuals
+    saved = kept_across(res, plan.remat)
+    float_bytes = low.collective_float_bytes
+    terms = seqpar_terms(model.graph, model.groups, plan, saved, float_bytes, res.boundary)
+    return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
+
+
 def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     """A pipeline's per-op costs (`_pipelined.OpCosts`, on the stage mesh) with sequence
     parallelism: the stream's partial-sum rows on `axis` reduce-scattered, an all-gather
