@@ -195,3 +195,16 @@ def test_pipeline_stages_price_it_on_their_programs(gpt):
         for b, a in zip(before.stage_memory, after.stage_memory, strict=True)
     ]
     assert any(a < b for b, a in acts) and all(a <= b for b, a in acts)
+
+
+@pytest.mark.slow  # a pipeline's programs compiled on 8 CPU devices
+def test_a_pipelines_programs_gather_what_is_priced(gpt):
+    spec, args = gpt[:2]
+    sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2)[1]
+    report = am.verify(spec.step_fn, sp, *args)
+    # Per stage and kind: the forward gathers each stream tensor once, the backward once
+    # per matmul that reads one, and the CPU keeps its all-reduces.
+    assert report.collectives_match, report.mismatches
+    for stage in (0, 1):
+        key = f"all-gather@model (stage {stage})"
+        assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key])

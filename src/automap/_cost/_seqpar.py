@@ -17,12 +17,12 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
 The embedding lookup keeps its all-reduce (`_groups/_seqpar.py` says why). Held against
 XLA's GPU compiler in tests/test_seqpar.py (one program: kinds, counts and bytes equal).
 
-Pipelines (`seqpar_op_costs`): the forward and backward run as programs apart, so a stream
-tensor read whole on both sides is gathered in each. Not yet what XLA compiles: a stage's
-backward program gathers the saved stream tensors once per matmul that reads them (the
-queries', keys' and values' weight gradients each), more than this counts (a tp=2 pp=2
-GPT: 112 and 128 KiB predicted per stage, XLA 160 and 208). A stage's memory shrinks
-with its stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
+Pipelines (`seqpar_op_costs`): the forward and backward run as programs apart. The
+forward gathers each stream tensor once; the backward program once per matmul that reads
+one (the queries', keys' and values' weight gradients each gather the norm's output,
+which the forward's gathered copy no longer serves): on a tp=2 pp=2 GPT, 10 and 13
+gathers per stage and microbatch, as XLA compiles them. A stage's memory shrinks with its
+stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ def seqpar_terms(
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
-    plain layout leaves whole. `boundary` (pipelines: the last forward op): the forward
-    and the backward run as programs apart, so a tensor both read whole is gathered in
-    each; one program gathers it once."""
+    plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
+    runs as a program of its own, which gathers per reading matmul."""
     axis = plan.sequence_parallel
     assignment = plan.assignment or {}
     lay = layouts(graph, groups, assignment)
@@ -78,7 +77,7 @@ def seqpar_terms(
     }
     consumers = graph.consumers()
     rs, ag, ops, at, reducing = {}, [], set(), [], set()
-    gathered: set[tuple[int, bool]] = set()
+    gathered: set[tuple[int, int]] = set()
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
         if op.primitive == _MATMUL:
@@ -96,10 +95,13 @@ def seqpar_terms(
             reads = []
             if made and len(made) == len(op.outputs):
                 ops.add(op.index)
-        side = boundary is not None and op.index > boundary
+        # A pipeline's backward program gathers per matmul that reads the tensor (read on
+        # compile-only A100s and the CPU: no gather there is shared); one program, and a
+        # pipeline's forward, once per tensor.
+        apart = boundary is not None and op.index > boundary
         for t in reads:
-            if (t, side) not in gathered:
-                gathered.add((t, side))
+            if (t, op.index if apart else -1) not in gathered:
+                gathered.add((t, op.index if apart else -1))
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
     kept = sum(_buffer(graph, t, lay[t], plan.mesh, 0) for t in saved if t in split)
