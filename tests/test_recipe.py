@@ -116,7 +116,14 @@ def test_megatron_3d_prices_no_stage_count_whose_stored_state_cannot_fit():
     every = {}
     for tp in (2, 4):
         for pp in (p for p in (1, 2, 4) if tp * p <= 8):
-            recipe = am.Recipe(tp=tp, pp=pp, dp=8 // (tp * pp), microbatch_size=1, remat="full")
+            recipe = am.Recipe(
+                tp=tp,
+                pp=pp,
+                dp=8 // (tp * pp),
+                microbatch_size=1,
+                remat="full",
+                sequence_parallel=True,
+            )
             every[tp, pp] = am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=cluster)
 
     def fewest(tp: int) -> am.Plan:

@@ -137,6 +137,10 @@ class Plan:
     # Full recomputation of the first k layers of each stage (the rest keep their
     # activations), Megatron's "block" method; None: every layer.
     remat_layers: int | None = None
+    # The tensor-parallel axis the residual stream is also split on, by sequence (Korthikanti
+    # et al. 2022), or None. Its constraints are among `constraints`
+    # (`_groups.sequence_parallel`); the cost model prices it from this field.
+    sequence_parallel: str | None = None
     name: str = ""  # e.g. "megatron_dp", or the searcher's name
     # Linkage group id -> mesh axis, for every group the plan splits: what the cost model
     # prices. None for a plan written by hand (the cost model reads it back from the specs).
@@ -227,6 +231,7 @@ class Plan:
             "remat": self.remat,
             "remat_policy": self.remat_policy,
             "remat_layers": self.remat_layers,
+            "sequence_parallel": self.sequence_parallel,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
             "decisions": _with_assignment(self.decisions, self.assignment),
@@ -267,6 +272,7 @@ class Plan:
                 # Plans saved before the policies recomputed every layer in full.
                 remat_policy=str(d.get("remat_policy", "full")),
                 remat_layers=d.get("remat_layers"),
+                sequence_parallel=d.get("sequence_parallel"),
                 name=str(d.get("name", "")),
                 predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
                 provenance=Provenance(**d.get("provenance", {})),
@@ -349,6 +355,12 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
         raise PlanError(
             f"{source}: remat must be true or false (a JSON boolean), got {remat!r}; "
             'write "remat": true or "remat": false, without quotes around the value.'
+        )
+    axis = d.get("sequence_parallel")
+    if axis is not None and (not isinstance(axis, str) or axis not in (d.get("mesh") or {})):
+        raise PlanError(
+            f"{source}: sequence_parallel must be null or a mesh axis name, got {axis!r}; "
+            f'write the tensor-parallel axis (e.g. "model") or null, {_RECREATE}.'
         )
     _check_remat(d.get("remat_policy", "full"), d.get("remat_layers"), source)
 

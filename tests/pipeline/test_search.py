@@ -110,6 +110,7 @@ def test_megatron_3d_puts_tensor_parallel_inside_the_node():
     # the node's 8 that divide the 4 heads, the faster), full recomputation, the fewest
     # stages that fit, microbatches of one sequence when staged.
     assert p.mesh["model"] in (2, 4) and p.remat and p.predicted.feasible
+    assert p.sequence_parallel == "model"  # Megatron's 2022 recipe
     for tp in (2, 4):
         other = _megatron_3d_with(pb, tp)
         assert other is None or p.predicted.step_time_s <= other.predicted.step_time_s
@@ -228,7 +229,9 @@ def _megatron_3d_with(pb, tp):
     """Megatron's recipe at one tensor parallel size: the fewest stages that fit."""
     for pp in (1, 2, 4, 8):
         dp = pb.cluster.devices // (tp * pp)
-        recipe = am.Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full")
+        recipe = am.Recipe(
+            tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", sequence_parallel=True
+        )
         try:
             plan = pb.priced(recipe_plan(pb.graph, pb.groups, pb.cluster, recipe))
         except am.PlanError:

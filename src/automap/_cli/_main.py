@@ -404,6 +404,13 @@ def estimate_cmd(
         str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
     ] = "none",
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 0, 1, 2 or 3.")] = 0,
+    sequence_parallel: Annotated[
+        bool,
+        typer.Option(
+            "--sequence-parallel",
+            help="Split the residual stream on the sequence over the tensor-parallel axis.",
+        ),
+    ] = False,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write the priced plan as JSON here.")
     ] = None,
@@ -424,7 +431,8 @@ def estimate_cmd(
     the_cluster = load_cluster(cluster, devices, topology, slices)
     recipe = Recipe(
         tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
-        schedule=schedule, remat=remat, zero=zero, name=f"tp{tp} pp{pp} dp{dp}",
+        schedule=schedule, remat=remat, zero=zero, sequence_parallel=sequence_parallel,
+        name=f"tp{tp} pp{pp} dp{dp}" + (" sp" if sequence_parallel else ""),
     )  # fmt: skip
     with busy("pricing", not (quiet or as_json)):
         result = plan_recipe(step_fn, *args, recipe=recipe, cluster=the_cluster, origin=origin)

@@ -81,6 +81,7 @@ from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_pe
 from ._pipelined import estimate_pipeline
 from ._residuals import stored_residuals
 from ._rows import RowTable
+from ._seqpar import kept_across, seqpar_terms, with_sequence_parallel
 from ._tables import build_tables
 
 _log = logging.getLogger("automap")
@@ -155,7 +156,7 @@ class CostModel:
             return self.for_plan(plan).estimate(full_remat(plan))
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
-        return self.evaluate(
+        cost = self.evaluate(
             self.plan_assignment(plan),
             plan.mesh,
             zero_stage=plan.zero_stage,
@@ -164,6 +165,17 @@ class CostModel:
             microbatches=1,
             remat=plan.remat,
             detail=True,
+        )
+        return self._sequence_parallel(plan, cost) if plan.sequence_parallel else cost
+
+    def _sequence_parallel(self, plan: Plan, cost: Cost) -> Cost:
+        """`cost` with the terms of the plan's sequence parallelism (`_seqpar.py`)."""
+        low = self.cluster.lowering
+        saved = kept_across(self.residuals, plan.remat)
+        terms = seqpar_terms(self.graph, self.groups, plan, saved, low.collective_float_bytes)
+        axis = str(plan.sequence_parallel)
+        return with_sequence_parallel(
+            cost, terms, plan.mesh, axis, self._costs_for(plan.mesh), low.reduce_scatter
         )
 
     def for_plan(self, plan: Plan) -> CostModel:

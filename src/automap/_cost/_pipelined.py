@@ -65,6 +65,7 @@ from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
+from ._seqpar import stage_sequence_parallel
 from ._traffic import (
     Layouts,
     Sends,
@@ -472,7 +473,7 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
 def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
     """`op_costs` of a pipeline plan's intra-stage plan (its assignment, stage mesh, ZeRO
     stage and rematerialization)."""
-    return op_costs(
+    oc = op_costs(
         model,
         model.plan_assignment(plan),
         {k: v for k, v in plan.mesh.items() if k != PIPE},
@@ -480,6 +481,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         remat=plan.remat,
         staged=len(plan.stages) > 1,
     )
+    return stage_sequence_parallel(model, plan, oc) if plan.sequence_parallel else oc
 
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:

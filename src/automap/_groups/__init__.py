@@ -31,3 +31,7 @@ from ._rules import dim_ties as dim_ties
 from ._rules import reduced_dims as reduced_dims
 from ._rules import reshape_ties as reshape_ties
 from ._rules import rule as rule
+from ._seqpar import KEPT_WHOLE as KEPT_WHOLE
+from ._seqpar import residual_group as residual_group
+from ._seqpar import sequence_dims as sequence_dims
+from ._seqpar import sequence_parallel as sequence_parallel

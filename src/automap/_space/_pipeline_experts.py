@@ -4,9 +4,10 @@
   parallel over its devices.
 - `megatron_3d`: Megatron-LM's recipe (`Recipe`, `_recipes.py`). Tensor parallel inside
   the node (column then row, as the `megatron` expert; the fastest of the sizes that
-  split the blocks, as Megatron-LM's runs choose per model), the fewest stages equal in
-  layers that fit with full recomputation (one stage included), microbatch size 1, data
-  parallel over the rest; data sizes that do not divide the batch are skipped.
+  split the blocks, as Megatron-LM's runs choose per model) with sequence parallelism
+  where the sequence divides, the fewest stages equal in layers that fit with full
+  recomputation (one stage included), microbatch size 1, data parallel over the rest;
+  data sizes that do not divide the batch are skipped.
 
 A practitioner picks the fewest stages that fit in memory: both choose the smallest stage
 count (a power of two) whose plan fits, by the cost model's estimate. GPipe takes the most
@@ -23,7 +24,7 @@ from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._errors import PlanError
 from .._graph import Graph, Role
-from .._groups import Groups
+from .._groups import Groups, sequence_dims
 from .._pipeline import cut_candidates, pipeline_plan, uniform_cuts
 from .._plan import Cost, Plan
 from ._experts import axis_assignment, batch_groups, block_groups
@@ -121,10 +122,19 @@ def _megatron_recipe(graph, groups, cluster, estimate, tp: int, pp: int, dp: int
     divisible by pp, a step that cannot microbatch)."""
     recipe = Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", name="megatron_3d")
     try:
-        plan = recipe_plan(graph, groups, cluster, recipe)
+        plan = recipe_plan(graph, groups, cluster, _with_sequence_parallel(graph, groups, recipe))
         return dataclasses.replace(plan, predicted=estimate(plan))
     except PlanError:
         return None
+
+
+def _with_sequence_parallel(graph: Graph, groups: Groups, recipe: Recipe) -> Recipe:
+    """Megatron's 2022 recipe splits the residual stream on the sequence over the tensor
+    parallel axis (Korthikanti et al.), where the program has one that tp divides."""
+    lengths = {graph.tensors[t].shape[d] for t, d in sequence_dims(graph, groups).items()}
+    if lengths and all(n % recipe.tp == 0 for n in lengths):
+        return dataclasses.replace(recipe, sequence_parallel=True)
+    return recipe
 
 
 def _node_tps(groups: Groups, cluster: Cluster) -> list[int]:

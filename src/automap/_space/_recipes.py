@@ -22,7 +22,7 @@ from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._errors import PlanError
 from .._graph import Graph, Role
-from .._groups import Groups, plan_from_assignment
+from .._groups import Groups, plan_from_assignment, sequence_parallel
 from .._pipeline import (
     cut_runs,
     forward_ops,
@@ -60,6 +60,10 @@ class Recipe:
     its forward inside the backward)."""
     zero: int = 0
     """ZeRO stage over the data axis: 0 (none), 1, 2 or 3."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022): the residual stream (norms, residual
+    adds, dropout) split on the sequence over the tensor-parallel axis; needs tp > 1 and a
+    sequence that tp divides."""
     name: str = "recipe"
     """The plan's name."""
 
@@ -106,14 +110,17 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
         plan = plan_from_assignment(
             graph, groups, mesh, assignment, name=recipe.name, zero_stage=recipe.zero
         )
-        return dataclasses.replace(plan, **remat)
-    # One stage with microbatches is gradient accumulation: the staged runtime with no cut.
-    cuts = layer_cuts(graph, groups, recipe.pp) if recipe.pp > 1 else ()
-    plan = pipeline_plan(
-        graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
-        zero_stage=recipe.zero,
-    )  # fmt: skip
-    return dataclasses.replace(plan, **remat)
+    else:
+        # One stage with microbatches is gradient accumulation: the staged runtime, no cut.
+        cuts = layer_cuts(graph, groups, recipe.pp) if recipe.pp > 1 else ()
+        plan = pipeline_plan(
+            graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
+            zero_stage=recipe.zero,
+        )  # fmt: skip
+    plan = dataclasses.replace(plan, **remat)
+    if recipe.sequence_parallel:
+        plan = sequence_parallel(graph, groups, plan, MODEL)
+    return plan
 
 
 def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
@@ -133,6 +140,11 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
             "tensor parallelism stays inside a node; use a tp that divides it."
         )
     pipeline_schedule(recipe.schedule)  # a registered name, or one line listing them
+    if recipe.sequence_parallel and recipe.tp == 1:
+        raise PlanError(
+            "sequence parallelism splits the residual stream over the tensor-parallel "
+            "axis, but tp=1: use tp > 1, or drop sequence_parallel."
+        )
     if recipe.remat not in REMAT:
         raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
     if recipe.zero not in (0, 1, 2, 3):

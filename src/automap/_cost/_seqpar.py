@@ -1,0 +1,276 @@
+"""The price of sequence parallelism (`Plan.sequence_parallel`), on top of the plan's
+tensor-parallel cost.
+
+The residual stream's tensors split on the sequence over the tensor-parallel axis t
+(`_groups.sequence_parallel`) change three things, as XLA compiles them:
+
+- each matmul whose partial sums over t make a residual tensor (a row-parallel matmul, and
+  in the backward a column-parallel one's input gradient) reduce-scatters them where it
+  all-reduced them: the same buffer, half the ring's bytes on the wire. XLA's CPU pipeline
+  has no reduce-scatter (`Lowering.reduce_scatter`): there the all-reduce stays and the
+  slice is local;
+- each residual tensor a matmul reads whole is all-gathered first, once per tensor (XLA
+  reuses the gathered copy for every matmul that reads it: queries, keys and values);
+- the ops that make residual tensors (norms, residual adds, dropout) work on 1/t of them,
+  and the residuals the backward keeps of them take 1/t of their bytes.
+
+The embedding lookup keeps its all-reduce (`_groups/_seqpar.py` says why). Held against
+XLA's GPU compiler in tests/test_seqpar.py (one program: kinds, counts and bytes equal).
+
+Pipelines (`seqpar_op_costs`): the forward and backward run as programs apart. The
+forward gathers each stream tensor once; the backward program once per matmul that reads
+one (the queries', keys' and values' weight gradients each gather the norm's output,
+which the forward's gathered copy no longer serves): on a tp=2 pp=2 GPT, 10 and 13
+gathers per stage and microbatch, as XLA compiles them. A stage's memory shrinks with its
+stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._graph import Graph
+from .._groups import KEPT_WHOLE, Groups, layouts
+from .._plan import Collective, Cost, Plan, Spec
+from . import _collectives as C
+
+_MATMUL = "dot_general"
+_ADDS = frozenset({"add", "add_any"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqparTerms:
+    """What sequence parallelism changes in one step, per device."""
+
+    reduce_scattered: tuple[float, ...]  # per partial-sum matmul: its buffer's bytes
+    gathered: tuple[float, ...]  # per residual tensor a matmul reads: the gathered bytes
+    compute_ops: frozenset[int]  # ops that now run on 1/t of the sequence
+    kept_bytes: float  # bytes of the kept residuals the split makes 1/t of (before it)
+    reduce_ops: frozenset[int] = frozenset()  # ops whose partial sums are reduce-scattered
+    gathered_at: tuple[int, ...] = ()  # per entry of `gathered`: the op that reads it whole
+    split: frozenset[int] = frozenset()  # the residual tensors split on the sequence
+
+
+def seqpar_terms(
+    graph: Graph,
+    groups: Groups,
+    plan: Plan,
+    saved: tuple[int, ...],
+    float_bytes: int = 0,
+    boundary: int | None = None,
+) -> SeqparTerms:
+    """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
+    tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
+    plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
+    runs as a program of its own, which gathers per reading matmul."""
+    axis = plan.sequence_parallel
+    assignment = plan.assignment or {}
+    lay = layouts(graph, groups, assignment)
+    split = {
+        t
+        for t, spec in plan.constraints.items()
+        if axis in _axes(spec) and axis not in _axes(lay[t])
+    }
+    consumers = graph.consumers()
+    rs, ag, ops, at, reducing = {}, [], set(), [], set()
+    gathered: set[tuple[int, int]] = set()
+    for op in graph.ops:
+        made = [t for t in op.outputs if t in split]
+        if op.primitive == _MATMUL:
+            if made and _contracts_on(op, groups, assignment, axis):
+                # Partial sums added before they are reduced (the input gradient of the
+                # queries', keys' and values' matmuls) are reduce-scattered once, summed.
+                end = _summed(graph, made[0], split, consumers)
+                rs[end] = _buffer(graph, end, lay[end], plan.mesh, float_bytes)
+                reducing |= {op.index, graph.tensors[end].producer}
+            reads = [t for t in op.inputs if t in split]
+        elif op.primitive in KEPT_WHOLE:
+            # The embedding's gradient reads its cotangent whole: gathered where it is made.
+            reads = [t for t in op.inputs if _made_from(graph, t, split)]
+        else:
+            reads = []
+            if made and len(made) == len(op.outputs):
+                ops.add(op.index)
+        # A pipeline's backward program gathers per matmul that reads the tensor (read on
+        # compile-only A100s and the CPU: no gather there is shared); one program, and a
+        # pipeline's forward, once per tensor.
+        apart = boundary is not None and op.index > boundary
+        for t in reads:
+            if (t, op.index if apart else -1) not in gathered:
+                gathered.add((t, op.index if apart else -1))
+                ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
+                at.append(op.index)
+    kept = sum(_buffer(graph, t, lay[t], plan.mesh, 0) for t in saved if t in split)
+    return SeqparTerms(
+        tuple(rs.values()), tuple(ag), frozenset(ops), kept, frozenset(reducing), tuple(at),
+        frozenset(split),
+    )  # fmt: skip
+
+
+def kept_across(residuals, remat: bool) -> tuple[int, ...]:
+    """The residuals held through the backward whose split the peak sees: all of them, or
+    under recomputation the layers' inputs and what no layer recomputes. A recomputed
+    layer's own residuals are made again inside its backward, where XLA holds the stream
+    gathered for the matmuls (the CPU's buffer assignment of a tp=4 GPT saves what the
+    inputs' split saves, not a quarter of the recomputed layer's)."""
+    if not remat:
+        return tuple(residuals.saved)
+    again = {t for ts in residuals.layer_saved for t in ts}
+    return tuple(t for t in residuals.saved_remat if t not in again)
+
+
+def with_sequence_parallel(
+    cost: Cost, terms: SeqparTerms, mesh: Mapping[str, int], axis: str, costs: C.AxisCosts,
+    reduce_scatter: bool,
+) -> Cost:  # fmt: skip
+    """`cost` (the plan priced without it) with sequence parallelism's terms."""
+    t = mesh[axis]
+    code = costs.codes[axis]
+    rs_bytes, ag_bytes = sum(terms.reduce_scattered), sum(terms.gathered)
+    n_rs, n_ag = len(terms.reduce_scattered), len(terms.gathered)
+    by_kind = {(c.kind, c.axis): c for c in cost.collectives}
+    if reduce_scatter and n_rs:
+        _move(by_kind, "all-reduce", axis, -rs_bytes, -n_rs, code, C.AR, costs)
+        _move(by_kind, "reduce-scatter", axis, rs_bytes, n_rs, code, C.RS, costs)
+    _move(by_kind, "all-gather", axis, ag_bytes, n_ag, code, C.AG, costs)
+    comm = sum(c.time_s for c in by_kind.values())
+    shrink = 1 - 1 / t
+    saved_s = shrink * sum(s for i, s, _ in cost.per_op if i in terms.compute_ops)
+    compute = cost.compute_s - saved_s
+    breakdown = dict(cost.memory_breakdown)
+    # Only what the peak holds of them: where the peak is the update (the state and its
+    # gradients, no activations alive), the stream's split frees nothing at it.
+    freed = min(shrink * terms.kept_bytes, breakdown.get("activations", 0.0))
+    if freed:
+        breakdown["activations"] -= freed
+    memory = cost.memory_bytes - freed
+    step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
+    fits = memory <= cost.memory_limit_bytes  # memory is what makes a plan infeasible
+    return dataclasses.replace(
+        cost,
+        step_time_s=step,
+        compute_s=compute,
+        comm_s=comm,
+        memory_bytes=memory,
+        mfu=cost.mfu * cost.step_time_s / step if step > 0 else cost.mfu,
+        feasible=fits,
+        reason="" if fits else cost.reason,
+        memory_breakdown=breakdown,
+        collectives=tuple(c for c in by_kind.values() if c.count > 0),
+    )
+
+
+def _move(by_kind, kind, axis, nbytes, count, code, k, costs: C.AxisCosts) -> None:
+    old = by_kind.get((kind, axis))
+    b = (old.bytes if old else 0.0) + nbytes
+    n = (old.count if old else 0) + count
+    by_kind[(kind, axis)] = Collective(kind, axis, max(b, 0.0), max(n, 0), 0.0)
+    by_kind[(kind, axis)] = dataclasses.replace(
+        by_kind[(kind, axis)], time_s=costs.time1(k, code, max(b, 0.0), max(n, 0))
+    )
+
+
+def _summed(graph: Graph, t: int, split: set[int], consumers) -> int:
+    """The tensor a partial sum ends in: followed through the adds that join it to others."""
+    while True:
+        users = consumers[t]
+        if len(users) != 1 or graph.ops[users[0]].primitive not in _ADDS:
+            return t
+        out = graph.ops[users[0]].outputs[0]
+        if out not in split:
+            return t
+        t = out
+
+
+def _made_from(graph: Graph, t: int, split: set[int]) -> bool:
+    """Tensor t is whole but made by an op from split residual tensors."""
+    producer = graph.tensors[t].producer
+    return (
+        t not in split
+        and producer is not None
+        and any(i in split for i in graph.ops[producer].inputs)
+    )
+
+
+def _axes(spec: Spec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        out.update([e] if isinstance(e, str) else (e or ()))
+    return out
+
+
+def _contracts_on(op, groups: Groups, assignment: Mapping[int, str], axis: str) -> bool:
+    """The matmul sums over a group split on `axis`: its output holds partial sums."""
+    (contract, _), _ = op.params["dimension_numbers"]
+    return any(assignment.get(groups.of(op.inputs[0], d)) == axis for d in contract)
+
+
+def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_bytes: int) -> float:
+    """Per-device bytes of tensor t laid out by `spec` (whole on the sequence)."""
+    tensor = graph.tensors[t]
+    split = math.prod(mesh.get(a, 1) for a in _axes(spec))
+    size = tensor.nbytes
+    if float_bytes and "float" in tensor.dtype and tensor.itemsize < float_bytes:
+        size = tensor.size * float_bytes
+    return size / split
+
+
+def stage_sequence_parallel(model, plan: Plan, oc):
+    """`seqpar_op_costs` of a pipeline plan's per-op costs (`_pipelined.plan_op_costs`)."""
+    low, res = model.cluster.lowering, model.residuals
+    saved = kept_across(res, plan.remat)
+    float_bytes = low.collective_float_bytes
+    terms = seqpar_terms(model.graph, model.groups, plan, saved, float_bytes, res.boundary)
+    return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
+
+
+def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
+    """A pipeline's per-op costs (`_pipelined.OpCosts`, on the stage mesh) with sequence
+    parallelism: the stream's partial-sum rows on `axis` reduce-scattered, an all-gather
+    row at each op that reads a stream tensor whole, the stream's ops and tensors (what a
+    stage keeps, and sends) 1/t."""
+    ac = oc.axis_costs
+    t = oc.mesh[axis]
+    mask = int(ac.bit[ac.codes[axis]])
+    key = oc.row_key.copy()
+    if reduce_scatter:
+        ar = oc.row_partial & (key == C.AR * ac.masks + mask)
+        ar &= np.isin(oc.row_op, list(terms.reduce_ops))
+        key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+    n = len(terms.gathered)
+    ag_key = np.full(n, C.AG * ac.masks + mask)
+    ag_bytes = np.asarray(terms.gathered, dtype=float)
+    ag_op = np.asarray(terms.gathered_at, dtype=np.int64)
+    comm = oc.comm.copy()
+    old = ac.by_key(oc.row_key, oc.row_bytes, oc.row_count)
+    new = ac.by_key(key, oc.row_bytes, oc.row_count)
+    live = (oc.row_count > 0) & ~oc.row_grad
+    np.add.at(comm, oc.row_op[live], (new - old)[live])
+    np.add.at(comm, ag_op, ac.by_key(ag_key, ag_bytes, np.ones(n)))
+    compute = oc.compute.copy()
+    ops = list(terms.compute_ops)
+    compute[ops] /= t
+    inv = oc.layouts.inv.copy()
+    inv[list(terms.split)] /= t
+    extra = {
+        "row_again": None if oc.row_again is None else np.concatenate([oc.row_again, np.zeros(n, bool)]),
+        "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, np.zeros(n, bool)]),
+    }  # fmt: skip
+    return dataclasses.replace(
+        oc,
+        compute=compute,
+        comm=comm,
+        layouts=dataclasses.replace(oc.layouts, inv=inv),
+        row_op=np.concatenate([oc.row_op, ag_op]),
+        row_key=np.concatenate([key, ag_key]),
+        row_bytes=np.concatenate([oc.row_bytes, ag_bytes]),
+        row_count=np.concatenate([oc.row_count, np.ones(n)]),
+        row_grad=np.concatenate([oc.row_grad, np.zeros(n, bool)]),
+        row_batched=np.concatenate([oc.row_batched, np.ones(n, bool)]),
+        row_partial=np.concatenate([oc.row_partial, np.zeros(n, bool)]),
+        **extra,
+    )

@@ -1,0 +1,210 @@
+"""Sequence parallelism (Korthikanti et al. 2022): the residual stream split on the sequence
+over the tensor-parallel axis. Found from the program, run with the unsharded step's
+numbers (one stage and pipeline stages), priced, and held against what XLA compiles."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import jax
+import pytest
+from typer.testing import CliRunner
+
+import automap as am
+from automap._cli import app
+from automap._cost import CostModel, estimate_pipeline
+from automap._groups import build_groups, residual_group, sequence_dims, sequence_parallel
+from automap._verify import comm_bytes, compile_plan, compiled_memory, parse_collectives
+from automap._zoo import get_model
+from pipeline._models import assert_same
+
+SMALL = dict(layers=2, hidden=64, heads=8, batch=8, seq=16, vocab=512, dtype="float32")
+A100 = am.Cluster.preset("a100", devices=8)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = get_model("gpt-1.3b", **SMALL)
+    args = spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    return spec, args, graph, build_groups(graph)
+
+
+def _plans(gpt, **fields):
+    spec, args = gpt[:2]
+    plain = am.plan_recipe(spec.step_fn, *args, recipe=am.Recipe(**fields), cluster=A100)
+    recipe = am.Recipe(**fields, sequence_parallel=True)
+    return plain, am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=A100)
+
+
+def test_the_residual_stream_is_found_and_its_sequence_group_cannot_be_assigned(gpt):
+    _, _, graph, groups = gpt
+    dims = sequence_dims(graph, groups)
+    residual = residual_group(groups)
+    assert dims and residual is not None
+    b, s, h = SMALL["batch"], SMALL["seq"], SMALL["hidden"]
+    for t, d in dims.items():
+        assert graph.tensors[t].shape == (b, s, h) and d == 1
+        assert groups.of(t, 2) == residual.id
+    # Why it is constraints and not a group decision: the attention scores hold the
+    # sequence twice (queries and keys), so its group is conflicted, never split.
+    seq = {groups.of(t, d) for t, d in dims.items()}
+    assert all(groups.groups[g].conflicted for g in seq)
+
+
+def test_a_plan_without_tensor_parallelism_or_a_sequence_tp_does_not_divide_is_one_line(gpt):
+    spec, args, graph, groups = gpt
+    with pytest.raises(am.PlanError, match=r"sequence parallelism .* but tp=1"):
+        am.plan_recipe(
+            spec.step_fn, *args, recipe=am.Recipe(dp=8, sequence_parallel=True), cluster=A100
+        )
+    data = am.plan_recipe(spec.step_fn, *args, recipe=am.Recipe(dp=8), cluster=A100)
+    with pytest.raises(am.PlanError, match="splits nothing on it"):
+        sequence_parallel(graph, groups, data, "model")
+    odd = get_model("gpt-1.3b", **{**SMALL, "seq": 12})
+    with pytest.raises(am.PlanError, match="sequence of 12 does not divide by the tensor-par"):
+        am.plan_recipe(
+            odd.step_fn,
+            *odd.abstract_args(),
+            recipe=am.Recipe(tp=8, sequence_parallel=True),
+            cluster=A100,
+        )
+
+
+def test_the_plan_file_keeps_the_axis(gpt, tmp_path):
+    _, sp = _plans(gpt, tp=4, dp=2)
+    assert sp.sequence_parallel == "model"
+    back = am.Plan.load(sp.save(tmp_path / "sp.json"))
+    assert back.sequence_parallel == "model" and back.constraints == sp.constraints
+    broken = {**sp.to_dict(), "sequence_parallel": "seq"}
+    with pytest.raises(am.PlanError, match="sequence_parallel must be null or a mesh axis"):
+        am.Plan.from_dict(broken)
+
+
+@pytest.mark.slow  # three plans compiled and run on 8 CPU devices
+def test_sequence_parallel_runs_with_the_unsharded_steps_numbers(gpt):
+    spec = gpt[0]
+    args = spec.concrete_args(0)
+    want = jax.jit(spec.step_fn)(*args)
+    pipeline = dict(tp=2, pp=2, dp=2, microbatch_size=2)
+    for fields in (dict(tp=4, dp=2), dict(tp=4, dp=2, remat="full"), pipeline):
+        sp = _plans(gpt, **fields)[1]
+        assert sp.sequence_parallel == "model"
+        assert_same(am.apply(spec.step_fn, sp)(*args), want, spec.config["learning_rate"])
+
+
+def _kinds(compiled, tp: int) -> collections.Counter:
+    return collections.Counter(
+        c.kind for c in parse_collectives(compiled.as_text(), 8) if len(c.groups[0]) == tp
+    )
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow  # compiled for 8 A100s without one
+def test_on_a_gpu_each_all_reduce_becomes_a_reduce_scatter_and_an_all_gather(gpt):
+    spec, args, graph, groups = gpt
+    plain, sp = _plans(gpt, tp=4, dp=2)
+    model = CostModel(graph, A100, groups)
+    _, before = compile_plan(spec.step_fn, plain, args, target="a100")
+    _, after = compile_plan(spec.step_fn, sp, args, target="a100")
+    b, s, h, dp = SMALL["batch"], SMALL["seq"], SMALL["hidden"], 2
+    stream = f"f32[{b // dp},{s},{h}]"
+    activation_ars = sum(
+        1 for c in parse_collectives(before.as_text(), 8) if c.shape.startswith(stream)
+    )
+    got = _kinds(after, 4)
+    # Two layers of two matmul pairs and the head, forward and backward: ten all-reduces
+    # of the stream. The embedding keeps its all-reduce (`_groups/_seqpar.py`); the nine
+    # others are reduce-scattered, and ten stream tensors are gathered for a matmul or the
+    # embedding's gradient.
+    assert activation_ars == 10 and got["reduce-scatter"] == 9 and got["all-gather"] == 10
+    cost = model.estimate(sp)
+    predicted = {(c.kind, c.axis): c for c in cost.collectives}
+    assert predicted["reduce-scatter", "model"].count == got["reduce-scatter"]
+    assert predicted["all-gather", "model"].count == got["all-gather"]
+    xla = comm_bytes(parse_collectives(after.as_text(), 8), sp.mesh)
+    for kind in ("reduce-scatter", "all-gather"):
+        assert predicted[kind, "model"].bytes == pytest.approx(xla[f"{kind}@model"], rel=0.05)
+    # The same wire time on the stream's bytes (a ring's reduce-scatter and all-gather move
+    # what its all-reduce moves), fewer FLOPs of the norms and adds per device.
+    priced = model.estimate(plain)
+    assert cost.compute_s < priced.compute_s
+
+
+@pytest.mark.slow  # three plans compiled on 8 CPU devices
+def test_the_residual_streams_memory_shrinks_as_priced(gpt):
+    spec, args, graph, groups = gpt
+    plain, sp = _plans(gpt, tp=4, dp=2)
+    model = CostModel(graph, am.Cluster.preset("cpu", devices=8), groups)
+    _, before = compile_plan(spec.step_fn, plain, args)
+    _, after = compile_plan(spec.step_fn, sp, args)
+    xla_saved = compiled_memory(before) - compiled_memory(after)
+    predicted_saved = model.estimate(plain).memory_bytes - model.estimate(sp).memory_bytes
+    assert xla_saved > 0 and predicted_saved > 0
+    assert predicted_saved == pytest.approx(xla_saved, rel=0.3)
+    assert model.estimate(sp).memory_bytes == pytest.approx(compiled_memory(after), rel=0.15)
+    # Under full recomputation the layers' inputs are what the split saves at the peak.
+    recomputing = _plans(gpt, tp=4, dp=2, remat="full")[1]
+    _, compiled = compile_plan(spec.step_fn, recomputing, args)
+    held = compiled_memory(compiled)
+    assert model.estimate(recomputing).memory_bytes == pytest.approx(held, rel=0.15)
+    # The CPU has no reduce-scatter: the all-reduces stay and the gathers are added.
+    assert _kinds(after, 4)["all-gather"] == 10
+    cost = model.estimate(sp)
+    assert {c.kind for c in cost.collectives if c.axis == "model"} == {
+        "all-reduce",
+        "all-gather",
+    }
+
+
+def test_estimate_prices_sequence_parallelism_from_the_command_line():
+    sets = [arg for k, v in SMALL.items() for arg in ("--set", f"{k}={v}")]
+    base = ["estimate", "--model", "gpt-1.3b", *sets, "--devices", "8", "--tp", "4", "--dp", "2"]
+    runner = CliRunner()
+    plain = runner.invoke(app, [*base, "--json"])
+    sp = runner.invoke(app, [*base, "--sequence-parallel", "--json"])
+    assert plain.exit_code == 0 and sp.exit_code == 0, sp.output
+    plain_cost, sp_cost = json.loads(plain.output), json.loads(sp.output)
+    assert sp_cost["plan"]["sequence_parallel"] == "model"
+    assert plain_cost["plan"]["sequence_parallel"] is None
+    kinds = {c["kind"] for c in sp_cost["collectives"] if c["axis"] == "model"}
+    assert "reduce-scatter" in kinds and "all-gather" in kinds
+    # This small GPT's peak on an A100 is its update, where no activation is alive: the
+    # split saves nothing there, and the norms and adds run on a quarter of the sequence.
+    assert sp_cost["memory_bytes"] <= plain_cost["memory_bytes"]
+    assert sp_cost["compute_s"] < plain_cost["compute_s"]
+    bad = runner.invoke(app, [*base[:-4], "--dp", "8", "--sequence-parallel"])
+    assert bad.exit_code != 0 and "tp=1" in bad.output and "Traceback" not in bad.output
+
+
+def test_pipeline_stages_price_it_on_their_programs(gpt):
+    graph, groups = gpt[2], gpt[3]
+    plain, sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2)
+    model = CostModel(graph, A100, groups)
+    before, after = estimate_pipeline(model, plain), estimate_pipeline(model, sp)
+    kinds = {(c.kind, c.axis): c for c in after.cost.collectives}
+    old = {(c.kind, c.axis): c for c in before.cost.collectives}
+    # The stream's all-reduces on the tensor-parallel axis are reduce-scattered: what stays
+    # is the small reductions (the norms' parameter gradients' and the embedding's).
+    assert kinds["reduce-scatter", "model"].bytes > 0 and kinds["all-gather", "model"].bytes > 0
+    assert kinds["all-reduce", "model"].bytes < 0.1 * old["all-reduce", "model"].bytes
+    # The stage whose peak is its activations keeps 1/t of its stream.
+    acts = [
+        (b["activations"], a["activations"])
+        for b, a in zip(before.stage_memory, after.stage_memory, strict=True)
+    ]
+    assert any(a < b for b, a in acts) and all(a <= b for b, a in acts)
+
+
+@pytest.mark.slow  # a pipeline's programs compiled on 8 CPU devices
+def test_a_pipelines_programs_gather_what_is_priced(gpt):
+    spec, args = gpt[:2]
+    sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2)[1]
+    report = am.verify(spec.step_fn, sp, *args)
+    # Per stage and kind: the forward gathers each stream tensor once, the backward once
+    # per matmul that reads one, and the CPU keeps its all-reduces.
+    assert report.collectives_match, report.mismatches
+    for stage in (0, 1):
+        key = f"all-gather@model (stage {stage})"
+        assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key])
