@@ -31,4 +31,11 @@ from ._pipelined import stage_costs as stage_costs
 from ._pipelined import zero_leaves as zero_leaves
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
-from ._zero_terms import zero_shares as zero_shares
+from ._terms import Layout as Layout
+from ._terms import SetCoefs as SetCoefs
+from ._terms import compute_time as compute_time
+from ._terms import early_outputs as early_outputs
+from ._terms import gathers as gathers
+from ._terms import memory as memory
+from ._terms import moments_held as moments_held
+from ._zero import zero_shares as zero_shares
