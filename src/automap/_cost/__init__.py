@@ -28,7 +28,6 @@ from ._pipelined import op_costs as op_costs
 from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
-from ._pipelined import zero_leaves as zero_leaves
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
 from ._terms import Layout as Layout
@@ -38,4 +37,5 @@ from ._terms import early_outputs as early_outputs
 from ._terms import gathers as gathers
 from ._terms import memory as memory
 from ._terms import moments_held as moments_held
+from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

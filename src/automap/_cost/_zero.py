@@ -12,13 +12,17 @@ estimate and the shard ILP read these through `_terms.py`, the one statement of 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._graph import Graph, Role
 from .._groups import Groups, Regather
+from .._lowering import Lowering
+from .._pipeline import Partition, Phase, op_programs
+from . import _collectives as C
+from ._traffic import Layouts, phase_codes
 
 if TYPE_CHECKING:
     from ._tables import Tables
@@ -150,3 +154,91 @@ def zero_gathers(
         nbytes = nbytes + rg.remat_coef @ free_inv
         calls = rg.remat_leaves @ free
     return Gathers(nbytes, param_leaves @ free, calls)
+
+
+# ---- per op and per program, for pipelines (`_pipelined.py`) ------------------------------
+
+
+def zero_gradient_keys(lowering: Lowering, ac, row_grad, key, zero_mask: int) -> np.ndarray:
+    """The gradients meet the ZeRO layout: their all-reduce over data becomes a
+    reduce-scatter of the same buffer where the backend has one (as `_kernel.totals`
+    for one stage)."""
+    if not lowering.reduce_scatter:
+        return key
+    ar = row_grad & (key == C.AR * ac.masks + zero_mask)
+    return np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+
+
+def zero_leaves(graph, lay: Layouts, gathered: Mapping[int, float] | None = None):
+    """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
+    layout is not already split on the data axis (as `_model.py`). `gathered`: the bytes
+    a ZeRO-3 gather of each moves whole (`Tables.gathered`: a cast, say), else its own."""
+    for leaf in graph.leaves(Role.PARAM):
+        t = leaf.tensor
+        if not lay.on_data[t]:
+            whole = graph.tensors[t].nbytes if gathered is None else gathered[t]
+            yield t, whole * lay.inv[t], int(graph.tensors[t].ndim > 0)
+
+
+def zero_op_gathers(model, lay, ac, zero_mask: int, zero_stage: int, remat: bool):
+    """[n_ops] seconds of ZeRO's all-gathers, on the first op reading each parameter. Each
+    parameter not already split on data is gathered once per step: after its sharded
+    update (ZeRO-1/2) or, whole batch in one program, where it is first used (ZeRO-3;
+    `stage_costs` charges every program that reads it). One program gathers them all in
+    one combined collective, shared by bytes. Under remat the recompute gathers again, one
+    by one, what its ops read (ZeRO-3: `add_zero_gathers`, and the one-stage model)."""
+    graph = model.graph
+    out = np.zeros(len(graph.ops))
+    gathered = model.tables.gathered if zero_stage >= 3 else None
+    readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
+    recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
+    again = [(t, b) for t, b, c in leaves if c and any(i in recomputed for i in readers[t])]
+    total = sum(b for _, b, _ in leaves) + sum(b for _, b in again)
+    if total and any(c for *_, c in leaves):
+        seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
+        for t, b in [(t, b) for t, b, _ in leaves] + again:
+            out[(readers[t] or (0,))[0]] += seconds * b / total
+    return out
+
+
+def add_zero_gathers(
+    graph,
+    part: Partition,
+    oc,
+    time,
+    nbytes,
+    count,
+    recomputed: set[int],
+    gathered: Mapping[int, float],
+) -> None:
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
+    the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
+    parameter stays sharded and every PRE, F and B program that reads it gathers it for
+    use. A program gathers its parameters in one combined collective (XLA's all-gather
+    combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
+    a layer cut mid-way) is updated on only one of them. Under remat a B program
+    gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
+    no gather behind the recompute's barrier with the backward's own). `gathered`: what
+    a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
+    ac, consumers = oc.axis_costs, graph.consumers()
+    key = C.AG * ac.masks + oc.zero_mask
+    phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
+    phase, program = phase_codes(part), op_programs(graph, part)
+    moved: dict[tuple[int, int], float] = {}
+    programs: dict[tuple[int, int], set[int]] = {}
+    whole = gathered if oc.zero_stage >= 3 else None  # ZeRO-1/2: the new float32 ones
+    for t, b, c in zero_leaves(graph, oc.layouts, whole):
+        # Gathered once in each program that reads it.
+        for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
+            if ph in phases and c:
+                moved[(s, ph)] = moved.get((s, ph), 0.0) + b
+                programs.setdefault((s, ph), set()).add(prog)
+        if oc.zero_stage >= 3 and c:
+            for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
+                moved[(s, Phase.BWD)] = moved.get((s, Phase.BWD), 0.0) + b
+    for (s, ph), b in moved.items():
+        n = len(programs[(s, ph)])
+        time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
+        nbytes[s, ph, key] += b
+        count[s, ph, key] += n
