@@ -82,6 +82,7 @@ from . import _kernel as K
 from ._compute import op_compute
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
+from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
 from ._rows import RowTable
 from ._tables import build_tables
@@ -350,23 +351,6 @@ class CostModel:
         )
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
-    def _remat_sums(self, st: K.State) -> np.ndarray:
-        """The recomputed ops' collectives (a row-parallel matmul's all-reduce, say), which
-        the backward's recompute runs a second time: per-key sums like `st.sums`."""
-        ac = self._costs_for(st.mesh)
-        key, nbytes, count, grad, time = K.collective_rows(
-            *self._remat_rows,
-            st.codes,
-            st.P,
-            st.inv,
-            ac,
-            st.microbatches,
-            self.cluster.lowering,
-        )
-        slot = K.combine_slots(*self._remat_rows)
-        n = len(C.KINDS) * ac.masks
-        return K.sums(key, nbytes, count, grad, time, n, slot, len(self.tables.combine_trips))
-
     def _layout(self, st: K.State, zero_stage: int, data_axis: str | None) -> tuple[Layout, int]:
         """The plan's layout per set (`_terms.Layout`) and the axis code ZeRO shards over:
         `data_axis` (default: the mesh's data axis; 0 where there is none)."""
@@ -423,7 +407,12 @@ class CostModel:
         zero_mask = int(ac.bit[d]) if L.zero else 0
         g = gathers(self.coefs, L)
         count = int(g.leaves > 0) + int(g.calls) if zero_mask else 0
-        sums = st.sums + self._remat_sums(st) if st.remat else st.sums
+        if st.remat:  # the recompute runs its ops' collectives again
+            slots = len(self.tables.combine_trips)
+            lowering = self.cluster.lowering
+            sums = st.sums + recomputed_collectives(self._remat_rows, st, ac, lowering, slots)
+        else:
+            sums = st.sums
         time, nbytes, calls, kk, aa = K.totals(
             sums,
             ac,
@@ -460,10 +449,7 @@ class CostModel:
         )
         copy = share * reduced + const
         # A recomputed layer's partial sums, copied at its recompute (per moment).
-        copied, T = None, self.tables
-        if st.remat and T.copies is not None:
-            ops = K.partial_results(T.copies.rows, st.codes, st.P, ac.sizes, ac.bit, st.inv)
-            copied = np.bincount(T.copies.moment, ops, minlength=len(T.moments_remat.at))
+        copied = recompute_copies(self.tables, st, ac) if st.remat else None
         made, at, out = moments_held(self.coefs, L, reduced, copied)
         moments = step_moments(self.coefs, L)
         early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0

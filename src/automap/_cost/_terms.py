@@ -14,9 +14,9 @@ of a few decision units at once. So:
   and the ZeRO terms they charge per program are ZeRO's (`_zero.py`).
 
 A feature adds its terms in its own module: ZeRO's in `_zero.py` (its compute shares,
-gathers and second gathers), and rematerialization's coefficients in the tables
-(`Tables.remat_coef`, `act_remat_coef`, `moments_remat`, `remat_partial`), picked here
-by `Layout.remat`. The collectives' per-row terms are the kernel's (`_kernel.py`), which
+gathers and second gathers), and rematerialization's in `_remat_terms.py` (the
+recompute's collectives and copies) and the tables' remat coefficients
+(`Tables.remat_coef`, `act_remat_coef`, `moments_remat`), picked here by `Layout.remat`. The collectives' per-row terms are the kernel's (`_kernel.py`), which
 both callers run; the busiest moment's per-moment bytes are `_peaks.moment_bytes`.
 """
 
