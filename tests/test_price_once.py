@@ -20,7 +20,7 @@ import pytest
 import automap as am
 from _cases import seeds
 from automap._capture import capture
-from automap._cost import CostModel, compute_time, memory, op_costs
+from automap._cost import CostModel, compute_time, memory_terms, op_costs
 from automap._groups import build_groups
 from automap._search import MeshTerms, options_of
 from automap._solvers import evaluate_batch
@@ -115,7 +115,7 @@ def test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, preset, seed
             for sc, row in zip(terms.scopes, _scope_rows(terms, options), strict=True):
                 layout = sc.layout(terms.D, zero)
                 compute += compute_time(sc.coefs, layout)[row]
-                parts = memory(sc.coefs, layout)
+                parts = memory_terms(sc.coefs, layout)
                 params, opt = params + parts.params[row], opt + parts.opt[row]
                 other += parts.other[row]
             breakdown = cost.memory_breakdown

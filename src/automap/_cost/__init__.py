@@ -35,7 +35,7 @@ from ._terms import SetCoefs as SetCoefs
 from ._terms import compute_time as compute_time
 from ._terms import early_outputs as early_outputs
 from ._terms import gathers as gathers
-from ._terms import memory as memory
+from ._terms import memory_terms as memory_terms
 from ._terms import moments_held as moments_held
 from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

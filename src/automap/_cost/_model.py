@@ -93,7 +93,7 @@ from ._terms import (
     compute_time,
     early_outputs,
     gathers,
-    memory,
+    memory_terms,
     moments_held,
     step_moments,
 )
@@ -368,7 +368,7 @@ class CostModel:
         L, d = self._layout(st, zero_stage, data_axis)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
-        mem = memory(self.coefs, L)
+        mem = memory_terms(self.coefs, L)
         grads, acts, outputs = self._peak(st, L, mem)
         parts = {
             "params": float(mem.params),

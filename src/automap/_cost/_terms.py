@@ -153,7 +153,7 @@ def compute_time(c: SetCoefs, L: Layout) -> float | np.ndarray:
     return t
 
 
-def memory(c: SetCoefs, L: Layout) -> Memory:
+def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     """The memory parts by their layouts: ZeRO shards the optimizer state (stage >= 1)
     and the stored parameters (stage 3); the local gradients are whole until their
     reduce-scatter, in every stage, as XLA compiles them (it combines the reductions into

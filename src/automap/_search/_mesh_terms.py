@@ -13,7 +13,7 @@ plan's price), so the factor sums are the cost model's terms by construction:
 - a non-gradient collective row: its own alpha-beta time (the cheaper of ring and tree for
   that row alone), a function of the units of the row's groups and sets (the kernel's,
   `_cost/_kernel.collective_rows`);
-- memory (`memory`, `moments_held`): per set, its parameter, optimizer, activation and
+- memory (`memory_terms`, `moments_held`): per set, its parameter, optimizer, activation and
   input bytes over its divisor (and over data under ZeRO), at each point the cost model
   checks (the turn of the step; where the step's buffers are scheduled, each candidate
   moment of `_cost/_liveness.py` and the gradients' reduction): one memory factor sum
@@ -65,7 +65,7 @@ from .._cost import (
     compute_time,
     early_outputs,
     gathers,
-    memory,
+    memory_terms,
     moments_held,
     partial_slots,
     reduction_copy,
@@ -290,7 +290,7 @@ class MeshTerms:
         for sc in self.scopes:
             L = sc.layout(self.D, zero_stage)
             time = sc.comm + compute_time(sc.coefs, L)
-            mem = memory(sc.coefs, L)
+            mem = memory_terms(sc.coefs, L)
             if scheduled:
                 # `_cost/_peaks.busiest_moment`: one point per moment, and the reduction's
                 _, at, _ = moments_held(sc.coefs, L, sc.reduced)
