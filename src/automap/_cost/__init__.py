@@ -28,8 +28,15 @@ from ._pipelined import op_costs as op_costs
 from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
-from ._pipelined import zero_leaves as zero_leaves
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
+from ._terms import Layout as Layout
+from ._terms import SetCoefs as SetCoefs
+from ._terms import compute_time as compute_time
+from ._terms import early_outputs as early_outputs
+from ._terms import gathers as gathers
+from ._terms import memory_terms as memory_terms
+from ._terms import moments_held as moments_held
 from ._torus import axis_links as axis_links
-from ._zero_terms import zero_shares as zero_shares
+from ._zero import zero_leaves as zero_leaves
+from ._zero import zero_shares as zero_shares

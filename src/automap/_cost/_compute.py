@@ -22,7 +22,7 @@ from .._groups import LOOPS, Groups, body_tensor_groups, rule
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, fused_bytes
 from ._sets import SetIndex
-from ._zero_terms import shares, zero_shares
+from ._zero import shares, zero_shares
 
 if TYPE_CHECKING:
     from ._tables import Tables

@@ -35,7 +35,7 @@ numpy operations over those tables:
   (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
   reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
   The ops ZeRO pins (the update, and a gradient whose iteration space the data axis does
-  not already split) compute on the device's data shard (`_zero_terms.zero_shares`).
+  not already split) compute on the device's data shard (`_zero.zero_shares`).
   Checked against XLA's HLO and `cost_analysis()`;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
   the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
@@ -46,6 +46,10 @@ numpy operations over those tables:
   are charged a second time, and the activations are the layers' inputs, the residuals
   made outside them, and one layer's residuals (its backward's). A step that does not
   donate its state holds the new beside the old from the update on (`_outputs.py`).
+
+Each of these terms is stated once, in `_terms.py` (ZeRO's in `_zero.py`), and read both
+here and by the shard ILP's factors (`_search/_mesh_terms.py`); this module evaluates the
+collectives, places the peak and assembles the `Cost`.
 
 Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
 conservative prediction). The data-parallel gradient all-reduce is not overlapped with the
@@ -70,19 +74,31 @@ import numpy as np
 from .._axes import DATA
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, Regather, build_groups, regather_plan, rule
+from .._groups import Groups, build_groups, regather_plan, rule
 from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
-from ._outputs import held_bytes
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
+from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
 from ._rows import RowTable
 from ._seqpar import kept_across, seqpar_terms, with_sequence_parallel
 from ._tables import build_tables
+from ._terms import (
+    Layout,
+    Memory,
+    SetCoefs,
+    compute_time,
+    early_outputs,
+    gathers,
+    memory_terms,
+    moments_held,
+    step_moments,
+)
+from ._zero import regather_coefs
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -115,6 +131,8 @@ class CostModel:
         self.tables = build_tables(graph, self.groups, cluster, self.residuals, rg.tensors)
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals, rg)
+        # Every term's coefficients per set: what a plan's layout multiplies (`_terms.py`).
+        self.coefs = SetCoefs.of(self.tables, self.regather)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
@@ -366,163 +384,119 @@ class CostModel:
         )
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
-    def _remat_sums(self, st: K.State) -> np.ndarray:
-        """The recomputed ops' collectives (a row-parallel matmul's all-reduce, say), which
-        the backward's recompute runs a second time: per-key sums like `st.sums`."""
-        ac = self._costs_for(st.mesh)
-        key, nbytes, count, grad, time = K.collective_rows(
-            *self._remat_rows,
-            st.codes,
-            st.P,
-            st.inv,
-            ac,
-            st.microbatches,
-            self.cluster.lowering,
-        )
-        slot = K.combine_slots(*self._remat_rows)
-        n = len(C.KINDS) * ac.masks
-        return K.sums(key, nbytes, count, grad, time, n, slot, len(self.tables.combine_trips))
-
-    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
-        T, mesh = self.tables, st.mesh
-        ac = self._costs_for(mesh)
-        inv, P = st.inv, st.P
-        compute = float(T.compute_coef @ inv)
-        if st.remat:
-            compute += float(T.remat_coef @ inv)
+    def _layout(self, st: K.State, zero_stage: int, data_axis: str | None) -> tuple[Layout, int]:
+        """The plan's layout per set (`_terms.Layout`) and the axis code ZeRO shards over:
+        `data_axis` (default: the mesh's data axis; 0 where there is none)."""
+        mesh = st.mesh
         if data_axis is None:
             data_axis = DATA if DATA in mesh else None
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
-        D = ac.sizes[d] if d else 1.0
-        zero_mask = int(ac.bit[d]) if zero_stage >= 1 and D > 1 else 0
-        if zero_mask:
-            # ZeRO's pinned gradients and update ops run on the device's data shard.
-            compute -= (1 - 1 / D) * float(T.zero_coef @ (inv * ~P[:, d]))
-        zero_bytes, zero_count = 0.0, 0
-        # ZeRO-3 without remat gathers again in the backward the parameters it reads
-        # (`_run/_apply.py`); with it, the recompute gathers again those its ops read.
-        regather = zero_stage >= 3 and not st.remat
-        if zero_mask:
-            # Parameters not already split on data, by layout, are gathered once: after
-            # the sharded update (ZeRO-1/2), or for use in the forward (ZeRO-3).
-            free = ~P[:, d]
-            # ZeRO-3 gathers what the forward reads (a cast, say: `Tables.gathered`); under
-            # remat, whose recompute reads the parameters through its barrier, XLA gathers
-            # each parameter once for both (read on compile-only A100s); ZeRO-1/2 the new
-            # parameters.
-            gather = T.gather_coef if zero_stage >= 3 and not st.remat else T.param_coef
-            zero_bytes = float(gather @ (inv * free))
-            # One collective: XLA's all-gather combiner joins them as its all-reduce
-            # combiner joins the gradients' reductions.
-            zero_count = int(T.param_leaves @ free > 0)
-            if regather:
-                # ... and once more each where the backward reads it: one gather per
-                # leaf, each waiting for the gradient of its own layer.
-                zero_bytes += float(self.regather.param_coef @ (inv * free))
-                zero_count += int(self.regather.param_leaves @ free)
-            elif zero_stage >= 3:  # remat: once more each where its layer is recomputed
-                zero_bytes += float(self.regather.remat_coef @ (inv * free))
-                zero_count += int(self.regather.remat_leaves @ free)
-        sums = st.sums + self._remat_sums(st) if st.remat else st.sums
-        tot_time, tot_bytes, tot_count, kk, aa = K.totals(
-            sums,
-            ac,
-            zero_mask,
-            zero_bytes,
-            zero_count,
-            self.cluster.lowering,
-            T.combine_trips,
-        )
-        comm = float(tot_time.sum())
-        collectives = tuple(
-            Collective(
-                C.KINDS[kk[i]],
-                ac.names[aa[i]],
-                float(tot_bytes[i]),
-                round(tot_count[i]),
-                float(tot_time[i]),
-            )
-            for i in np.nonzero((tot_count > 0) & (aa > 0))[0]
-        )
-        # [params, opt, acts, remat acts, other] bytes, sharded; with ZeRO also over data.
-        plain = T.memory_coef @ inv
-        zinv = inv / np.where(P[:, d], 1.0, D) if zero_mask else None
-        zeroed = T.memory_coef[:2] @ zinv if zero_mask else plain
-        params = float(zeroed[0] if zero_stage >= 3 else plain[0])
-        # The local gradients are made whole before they are reduce-scattered (XLA combines
-        # the reductions into one at the end of the backward): no stage shards them.
-        grads = float(plain[0])
-        opt = float(zeroed[1] if zero_stage >= 1 else plain[1])
-        acts = float(plain[3] if st.remat else plain[2]) / st.microbatches
-        if regather and zero_mask:
-            # The forward's gathered copies die in the forward: the backward makes its own.
-            acts -= float(self.regather.act_coef @ (inv * ~P[:, d])) / st.microbatches
-        other = float(plain[4])
-        # The outputs no donated input becomes (`_outputs.py`): made at the update, alive to
-        # the end of the step; priced where the update is the busiest moment.
-        outputs = float(held_bytes(T.output_coef, inv, zinv, zero_stage))
-        moments = T.moments_remat if st.remat else T.moments
-        if moments is not None:
-            reduced = reduced_gradients(st.sums, ac)
-            gathered = inv * ~P[:, d] if zero_stage >= 3 and zero_mask else None
-            share, const = reduction_copy(
-                D if zero_mask else 0, self.cluster.lowering, self._param_bytes
-            )
-            copy = share * reduced + const
-            # A recomputed layer's partial sums, copied at its recompute (per moment).
-            copied = None
-            if st.remat and T.copies is not None:
-                ops = K.partial_results(T.copies.rows, st.codes, P, ac.sizes, ac.bit, inv)
-                copied = np.bincount(T.copies.moment, ops, minlength=len(moments.at))
-            made, early = None, 0.0
-            if moments.outputs is not None:
-                made = held_bytes(moments.outputs, inv, zinv, zero_stage)
-                early = float(held_bytes(T.early_output_coef, inv, zinv, zero_stage))
-            grads, acts, outputs = busiest_moment(
-                moments, inv, reduced, copy, gathered, st.microbatches, copied, made, early
-            )
-        else:
-            # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
-            # second copy of what it reduces, alive beside the local gradients at the end
-            # of the backward, when the activations are gone: a second peak.
-            in_place = self.cluster.lowering.all_reduce_in_place
-            reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
-            grads, acts, outputs = update_peak(grads, acts, reduced, outputs)
-        memory = params + grads + opt + acts + other + outputs
+        D = self._costs_for(mesh).sizes[d] if d else 1.0
+        free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
+        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches), d
+
+    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
+        """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
+        combined collectives, and the memory at its busiest moment."""
+        L, d = self._layout(st, zero_stage, data_axis)
+        compute = float(compute_time(self.coefs, L))
+        comm, collectives = self._communication(st, L, d)
+        mem = memory_terms(self.coefs, L)
+        grads, acts, outputs = self._peak(st, L, mem)
+        parts = {
+            "params": float(mem.params),
+            "grads": grads,
+            "opt_state": float(mem.opt),
+            "activations": acts,
+            "other": float(mem.other),
+            "outputs": outputs,
+        }
+        total = sum(parts.values())
         limit = self.cluster.memory_limit
-        reason = ""
-        if memory > limit:
-            reason = (
-                f"needs {memory / 1e9:.2f} GB per device (parameters {params / 1e9:.2f}, "
-                f"gradients {grads / 1e9:.2f}, optimizer state {opt / 1e9:.2f}, activations "
-                f"{acts / 1e9:.2f}, inputs {other / 1e9:.2f}, outputs held apart "
-                f"{outputs / 1e9:.2f}) but {self.cluster.name} has "
-                f"{limit / 1e9:.2f} GB usable"
-            )
         per_op: tuple = ()
         if detail:
-            per_op = self._per_op(st, (P, d, D) if zero_mask else None)
+            per_op = self._per_op(st, (st.P, d, L.data_size) if L.zero else None)
         step = compute + comm
         return Cost(
             step_time_s=step,
             compute_s=compute,
             comm_s=comm,
             bubble_s=0.0,
-            memory_bytes=memory,
-            mfu=self._mfu(step, math.prod(mesh.values()) if mesh else 1),
-            feasible=memory <= limit,
-            reason=reason,
+            memory_bytes=total,
+            mfu=self._mfu(step, math.prod(st.mesh.values()) if st.mesh else 1),
+            feasible=total <= limit,
+            reason=self._too_big(parts, total) if total > limit else "",
             memory_limit_bytes=limit,
-            memory_breakdown={
-                "params": params,
-                "grads": grads,
-                "opt_state": opt,
-                "activations": acts,
-                "other": other,
-                "outputs": outputs,
-            },
+            memory_breakdown=parts,
             collectives=collectives,
             per_op=per_op,
+        )
+
+    def _communication(self, st: K.State, L: Layout, d: int) -> tuple[float, tuple]:
+        """Seconds of the step's collectives and the collectives per (kind, axes): the
+        rows' sums (a recomputed layer's again under remat), gradients combined, ZeRO's
+        gradient all-reduce a reduce-scatter and its gathers one more collective."""
+        ac = self._costs_for(st.mesh)
+        zero_mask = int(ac.bit[d]) if L.zero else 0
+        g = gathers(self.coefs, L)
+        count = int(g.leaves > 0) + int(g.calls) if zero_mask else 0
+        if st.remat:  # the recompute runs its ops' collectives again
+            slots = len(self.tables.combine_trips)
+            lowering = self.cluster.lowering
+            sums = st.sums + recomputed_collectives(self._remat_rows, st, ac, lowering, slots)
+        else:
+            sums = st.sums
+        time, nbytes, calls, kk, aa = K.totals(
+            sums,
+            ac,
+            zero_mask,
+            float(g.nbytes),
+            count,
+            self.cluster.lowering,
+            self.tables.combine_trips,
+        )
+        collectives = tuple(
+            Collective(
+                C.KINDS[kk[i]], ac.names[aa[i]], float(nbytes[i]), round(calls[i]), float(time[i])
+            )
+            for i in np.nonzero((calls > 0) & (aa > 0))[0]
+        )
+        return float(time.sum()), collectives
+
+    def _peak(self, st: K.State, L: Layout, mem: Memory) -> tuple[float, float, float]:
+        """(gradients, activations, outputs) at the step's peak: its busiest candidate
+        moment where the backend schedules its buffers (`_peaks.busiest_moment`), else
+        the larger of the backward's, the reduction's and the update's (`update_peak`)."""
+        ac = self._costs_for(st.mesh)
+        acts, outputs = float(mem.acts), float(mem.outputs)
+        if step_moments(self.coefs, L) is None:
+            # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
+            # second copy of what it reduces, alive beside the local gradients at the end
+            # of the backward, when the activations are gone: a second peak.
+            in_place = self.cluster.lowering.all_reduce_in_place
+            reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
+            return update_peak(float(mem.grads), acts, reduced, outputs)
+        reduced = reduced_gradients(st.sums, ac)
+        share, const = reduction_copy(
+            L.data_size if L.zero else 0, self.cluster.lowering, self._param_bytes
+        )
+        copy = share * reduced + const
+        # A recomputed layer's partial sums, copied at its recompute (per moment).
+        copied = recompute_copies(self.tables, st, ac) if st.remat else None
+        made, at, out = moments_held(self.coefs, L, reduced, copied)
+        moments = step_moments(self.coefs, L)
+        early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0
+        return busiest_moment(made, at, out, reduced + copy, early)
+
+    def _too_big(self, parts: Mapping[str, float], total: float) -> str:
+        """Why a plan does not fit: its memory parts against the cluster's limit."""
+        gb = {k: v / 1e9 for k, v in parts.items()}
+        return (
+            f"needs {total / 1e9:.2f} GB per device (parameters {gb['params']:.2f}, "
+            f"gradients {gb['grads']:.2f}, optimizer state {gb['opt_state']:.2f}, activations "
+            f"{gb['activations']:.2f}, inputs {gb['other']:.2f}, outputs held apart "
+            f"{gb['outputs']:.2f}) but {self.cluster.name} has "
+            f"{self.cluster.memory_limit / 1e9:.2f} GB usable"
         )
 
     def _mfu(self, step: float, devices: int) -> float:
@@ -548,46 +522,6 @@ class CostModel:
         own = np.where(grad, 0.0, st.time)
         comm = np.bincount(ops, own + np.nan_to_num(share), minlength=len(comp))
         return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
-
-
-@dataclasses.dataclass(frozen=True)
-class RegatherCoefs:
-    """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`)."""
-
-    param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
-    param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
-    act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
-    # Under remat: the parameters the recomputed ops read, which the recompute gathers
-    # again (XLA merges no gather behind the recompute's barrier with the forward's).
-    remat_coef: np.ndarray  # [n_sets] their bytes
-    remat_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
-
-
-def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
-    """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
-    `build_tables` keys them: a tensor's splittable groups, sorted)."""
-    ng = len(groups.groups)
-    index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
-
-    def set_of(t: int) -> int:
-        return index[tuple(sorted({g for g in groups.tensor_groups[t] if T.splittable[g]}))]
-
-    n = len(T.sets)
-    coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
-    for t in rg.params:  # gathered as the forward gathers them (a cast, say)
-        coef[set_of(t)] += T.gathered[t]
-        leaves[set_of(t)] += graph.tensors[t].ndim > 0
-    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
-    again = {t for i in res.recomputed for t in graph.ops[i].inputs if t in params}
-    remat_coef, remat_leaves = np.zeros(n), np.zeros(n)
-    for t in again:
-        remat_coef[set_of(t)] += T.gathered[t]
-        remat_leaves[set_of(t)] += graph.tensors[t].ndim > 0
-    # Saved values made from parameters alone (their casts: the same groups, so the same
-    # set as theirs, and split on data exactly where the parameter is).
-    for t in set(res.saved) & rg.tensors:
-        acts[set_of(t)] += graph.tensors[t].nbytes
-    return RegatherCoefs(coef, leaves, acts, remat_coef, remat_leaves)
 
 
 def _take(R: RowTable, idx: np.ndarray) -> RowTable:

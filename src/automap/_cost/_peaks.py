@@ -33,35 +33,39 @@ def reduction_copy(zero_size: float, lowering: Lowering, param_bytes: float) -> 
     return (1.0, 0.0) if 2 * param_bytes <= bucket else (0.0, bucket)
 
 
-def busiest_moment(
+def moment_bytes(
     moments: Moments,
     inv: np.ndarray,
-    reduced: float,
-    copy: float,
+    reduced,
     gathered: np.ndarray | None = None,
     microbatches: int = 1,
     copies: np.ndarray | None = None,
     outputs: np.ndarray | None = None,
-    early: float = 0.0,
-) -> tuple[float, float, float]:
-    """(gradients, the rest, outputs) of what a scheduled step holds besides its arguments
-    at its peak (`_liveness.py`): the busiest candidate moment, with the `reduced`
-    gradients' share made by then held for their reduction (and `copies`, per moment, of a
-    recomputed layer's partial sums: `_buffers.combined_copies`; `outputs`, per moment, the
-    outputs held apart from the arguments made by then: `_outputs.py`); or the reduction
-    itself, the gradients and the `copy` it writes (`reduction_copy`), beside the `early`
-    outputs (those no update op makes, a loss)."""
-    made = moments.held * reduced
+):
+    """(gradients, all, outputs) of what a scheduled step holds besides its arguments at
+    each candidate moment (`_liveness.py`), [moments, ...] (`inv`: [sets, ...]): what is
+    alive, with the `reduced` gradients' share made by then held for their reduction (and
+    `copies`, per moment, of a recomputed layer's partial sums: `_buffers.combined_copies`;
+    `outputs`, per moment, the outputs held apart from the arguments made by then:
+    `_outputs.py`; `gathered`, per set, ZeRO-3's gathered parameters' share)."""
+    made = np.multiply.outer(moments.held, reduced)
     at = moments.live @ inv / microbatches + made
     if copies is not None:
         at = at + copies / microbatches
-    out = np.zeros(len(at)) if outputs is None else outputs
+    out = np.zeros(at.shape) if outputs is None else outputs
     at = at + out
     if gathered is not None:
         at = at + moments.gathered @ gathered
         if moments.regathered is not None:  # the backward gathers its own copies
             at = at - moments.regathered @ gathered / microbatches
-    end = reduced + copy
+    return made, at, out
+
+
+def busiest_moment(made, at, out, end: float, early: float = 0.0) -> tuple[float, float, float]:
+    """(gradients, the rest, outputs) at the peak of a scheduled step: the busiest
+    candidate moment (`moment_bytes`), or the reduction itself, the gradients and the copy
+    it writes (`end`: `reduction_copy`), beside the `early` outputs (those no update op
+    makes, a loss)."""
     k = int(np.argmax(at)) if len(at) else -1
     if k < 0 or end + early >= at[k]:
         return float(end), 0.0, float(early)

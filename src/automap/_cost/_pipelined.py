@@ -23,7 +23,7 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
   layout (where the backend has one), the POST update runs on shards and gathers each
   new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
-  F and B program that reads one gathers it (`_add_zero`). Rematerialized forward ops
+  F and B program that reads one gathers it (`_zero.add_zero_gathers`). Rematerialized forward ops
   run again in B.
 - sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `simulate`) but do
@@ -44,19 +44,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from .._axes import DATA, PIPE
 from .._errors import PlanError
-from .._graph import Role
 from .._pipeline import (
     Partition,
     Phase,
     PipelineSchedule,
     Timed,
-    op_programs,
     partition,
     pipeline_schedule,
 )
@@ -69,12 +67,14 @@ from ._seqpar import stage_sequence_parallel
 from ._traffic import (
     Layouts,
     Sends,
+    StageMemoryInputs,
     phase_codes,
     pipe_link,
     sends,
     stage_layouts,
     stage_memory,
 )
+from ._zero import add_zero_gathers, zero_gradient_keys, zero_op_gathers
 
 
 class StageModel(Protocol):
@@ -108,7 +108,10 @@ class OpCosts:
     """Per-op seconds of an intra-stage plan, the whole batch run once, on the stage mesh.
 
     `compute + remat_compute + comm + grad_comm + zero_comm`, summed over ops, is what
-    `CostModel.evaluate` predicts for the same plan without stages (compute_s + comm_s).
+    `CostModel.evaluate` predicts for the same plan without stages (compute_s + comm_s),
+    at ZeRO 0-2 (tests/test_price_once.py). Not at ZeRO-3: `zero_comm` gathers each
+    parameter once, on its first reader, and `stage_costs` charges the other programs
+    that read it (`_zero.add_zero_gathers`), where one program gathers again per leaf.
     The row arrays keep each collective apart, so `stage_costs` can time them exactly on
     a microbatch's bytes and combine gradient reductions per stage.
     """
@@ -173,35 +176,15 @@ def op_costs(
     if data_axis is None:
         data_axis = DATA if DATA in stage_mesh else None
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
-    zero_mask = 0
-    zero_comm = np.zeros(n)
-    key = st.key
+    zero_mask, zero_comm, key = 0, np.zeros(n), st.key
     if zero_stage >= 1 and lay.data_size > 1:
         d = list(stage_mesh).index(data_axis) + 1
         zero_mask = int(ac.bit[d])
         # The update and the gradients the data axis does not already split run on
-        # ZeRO's shards, as for one stage (`CostModel._finish`).
+        # ZeRO's shards, as for one stage (`_terms.compute_time`).
         compute = op_compute(T, st.inv, zero=(st.P, d, lay.data_size))
-        if model.cluster.lowering.reduce_scatter:
-            # The gradients meet the ZeRO layout: their all-reduce over data becomes a
-            # reduce-scatter of the same buffer (as `_kernel.totals` for one stage).
-            ar = row_grad & (key == C.AR * ac.masks + zero_mask)
-            key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
-        # Each parameter not already split on data is gathered once per step: after its
-        # sharded update (ZeRO-1/2) or, whole batch in one program, where it is first
-        # used (ZeRO-3; `stage_costs` charges every program that reads it).
-        # One program gathers them all in one combined collective, shared by bytes.
-        gathered = model.tables.gathered if zero_stage >= 3 else None
-        readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
-        # Under remat the recompute gathers again, one by one, what its ops read (ZeRO-3:
-        # `_add_zero`, and the one-stage model).
-        recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
-        again = [(t, b) for t, b, c in leaves if c and any(i in recomputed for i in readers[t])]
-        total = sum(b for _, b, _ in leaves) + sum(b for _, b in again)
-        if total and any(c for *_, c in leaves):
-            seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
-            for t, b in [(t, b) for t, b, _ in leaves] + again:
-                zero_comm[(readers[t] or (0,))[0]] += seconds * b / total
+        key = zero_gradient_keys(model.cluster.lowering, ac, row_grad, key, zero_mask)
+        zero_comm = zero_op_gathers(model, lay, ac, zero_mask, zero_stage, remat)
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
@@ -314,15 +297,89 @@ def stage_costs(
 ) -> PipelineCost:
     """Time and memory of a pipeline: `part` (any partition) with `oc`'s intra-stage plan
     on every stage, `microbatches` microbatches run in `schedule`."""
-    graph, ac, cluster = model.graph, oc.axis_costs, model.cluster
-    S, m, nk = part.n_stages, max(1, int(microbatches)), len(ac.keys)
+    graph, cluster = model.graph, model.cluster
+    S, m = part.n_stages, max(1, int(microbatches))
     stage, phase = np.array(part.op_stage), phase_codes(part)
     per_mb = (phase == Phase.FWD) | (phase == Phase.BWD)
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
     op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
+    comm = _phase_collectives(model, part, oc, per_mb, m)
+    compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
+    compute = compute.reshape(S, N_PHASES)
+    compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
+    busy = compute + comm.time.sum(axis=2)  # [S, N_PHASES] seconds per run
+    link = pipe_link(cluster, oc.mesh, S)
+    traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
+    send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
+    times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
+    units = schedule.simulate(S, m, times, send_s, busy[:, Phase.REDUCE])
+    stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
+    stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
+    pre, post = float(stage_pre.max()), float(stage_post.max())
+    own = stage_pre + m * (busy[:, Phase.FWD] + busy[:, Phase.BWD]) + busy[:, Phase.REDUCE]
+    own = own + stage_post
+    memory, op_state, op_act = stage_memory(_memory_inputs(model, part, oc, m, schedule))
+    step = pre + max(end for *_, end in units) + post
+    b = int(np.argmax(own))
+    op_s = (op_compute * runs[phase]).tolist(), (comm.op * runs[phase] + comm.op_reduce).tolist()
+    per_op = tuple(zip(range(len(phase)), *op_s, strict=True))
+    cost = _pipeline_cost(
+        model,
+        oc,
+        step,
+        float(compute[b] @ runs),
+        float(own[b]),
+        memory,
+        per_op,
+        comm.per_step(oc.axis_costs, b, runs) + _sent(traffic, b),
+    )
+    return PipelineCost(
+        schedule=schedule,
+        microbatches=m,
+        stage_times=tuple(times),
+        send_s=send_s,
+        sends=traffic,
+        stage_pre_s=tuple(float(x) for x in stage_pre),
+        stage_post_s=tuple(float(x) for x in stage_post),
+        pre_s=pre,
+        post_s=post,
+        stage_work_s=tuple(float(x) for x in own),
+        stage_memory=tuple(memory),
+        stage_memory_bytes=tuple(float(sum(d.values())) for d in memory),
+        in_flight=schedule.in_flight(S, m),
+        ops=tuple(u for u in units if u.phase is not Phase.REDUCE),
+        reduce_ops=tuple(u for u in units if u.phase is Phase.REDUCE),
+        # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
+        op_run_s=op_compute + comm.op + comm.op_reduce / runs[phase],
+        op_remat_s=op_remat,
+        op_state_bytes=op_state,
+        op_act_bytes=op_act,
+        cost=cost,
+        stage_collectives=tuple(comm.per_step(oc.axis_costs, s, runs) for s in range(S)),
+    )
 
-    # Collectives per run of each (stage, phase): one bucket per key; gradients combined.
+
+class _PhaseComm(NamedTuple):
+    """A pipeline's collectives per (stage, phase, key) per run, and per op."""
+
+    time: np.ndarray  # [S, N_PHASES, keys] seconds
+    nbytes: np.ndarray  # [S, N_PHASES, keys]
+    count: np.ndarray  # [S, N_PHASES, keys]
+    op: np.ndarray  # [n_ops] seconds per run of each op's collectives, in its own call
+    op_reduce: np.ndarray  # [n_ops] its share of its stage's once-per-step REDUCE
+
+    def per_step(self, ac: C.AxisCosts, s: int, runs: np.ndarray) -> tuple[Collective, ...]:
+        """Stage `s`'s collectives per device per step (`runs`: runs per step of a phase)."""
+        return _collectives(ac, runs @ self.time[s], runs @ self.nbytes[s], runs @ self.count[s])
+
+
+def _phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m: int):
+    """Collectives per run of each (stage, phase): one bucket per key, the gradients of
+    one program combined (shared among their ops by bytes), ZeRO's gathers per program
+    (`_zero.add_zero_gathers`)."""
+    graph, ac = model.graph, oc.axis_costs
+    S, nk, stage = part.n_stages, len(ac.keys), np.array(part.op_stage)
     r, r_phase, r_key, r_count, grad, r_bytes = _rows_by_phase(graph, part, oc, per_mb, m)
     on = r_count > 0
     r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
@@ -343,43 +400,30 @@ def stage_costs(
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
         recomputed = set(model.residuals.recomputed) if oc.remat else set()
-        _add_zero(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
+        add_zero_gathers(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
+    return _PhaseComm(time, nbytes, count, op_comm, op_reduce)
 
-    compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
-    compute = compute.reshape(S, N_PHASES)
-    compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
-    busy = compute + time.sum(axis=2)  # [S, N_PHASES] seconds per run
-    link = pipe_link(cluster, oc.mesh, S)
-    traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
-    send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
-    times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
-    units = schedule.simulate(S, m, times, send_s, busy[:, Phase.REDUCE])
-    stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
-    stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
-    pre, post = float(stage_pre.max()), float(stage_post.max())
-    step = pre + max(end for *_, end in units) + post
-    own = (
-        stage_pre
-        + m * (busy[:, Phase.FWD] + busy[:, Phase.BWD])
-        + busy[:, Phase.REDUCE]
-        + stage_post
-    )
-    b = int(np.argmax(own))
-    compute_s = float(compute[b] @ runs)
 
-    res = model.residuals
-    memory, op_state, op_act = stage_memory(
-        graph,
+def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> StageMemoryInputs:
+    """What `stage_memory` reads of a pipeline priced with `oc`'s intra-stage plan."""
+    return StageMemoryInputs(
+        model.graph,
         part,
         oc.layouts,
-        res,
+        model.residuals,
         microbatches=m,
         schedule=schedule,
         zero_stage=oc.zero_stage,
         remat=oc.remat,
-        lowering=cluster.lowering,
+        lowering=model.cluster.lowering,
         layer_stored=model.layer_stored if oc.remat else (),
     )
+
+
+def _pipeline_cost(model, oc: OpCosts, step, compute_s, own_s, memory, per_op, collectives):
+    """The pipeline's `Cost`: the busiest stage's own compute and communication (`own_s`
+    its work per step), the rest of the step its bubble; memory the largest stage's."""
+    cluster, graph = model.cluster, model.graph
     totals = [sum(d.values()) for d in memory]
     worst = int(np.argmax(totals))
     limit = cluster.memory_limit
@@ -390,23 +434,12 @@ def stage_costs(
             f"pipeline stage {worst} needs {totals[worst] / 1e9:.2f} GB per device ({parts}) "
             f"but {cluster.name} has {limit / 1e9:.2f} GB usable"
         )
-    devices = S * (math.prod(oc.mesh.values()) if oc.mesh else 1)
-    collectives = _collectives(ac, runs @ time[b], runs @ nbytes[b], runs @ count[b])
-    if traffic.sent_count[b]:
-        collectives += (
-            Collective(
-                "collective-permute",
-                PIPE,
-                traffic.sent_bytes[b],
-                traffic.sent_count[b],
-                traffic.sent_s[b],
-            ),
-        )
-    cost = Cost(
+    devices = len(memory) * (math.prod(oc.mesh.values()) if oc.mesh else 1)
+    return Cost(
         step_time_s=step,
         compute_s=compute_s,
-        comm_s=float(own[b]) - compute_s,
-        bubble_s=step - float(own[b]),
+        comm_s=own_s - compute_s,
+        bubble_s=step - own_s,
         memory_bytes=float(totals[worst]),
         mfu=graph.total_flops / (step * cluster.peak_flops * devices) if step > 0 else 0.0,
         feasible=bool(totals[worst] <= limit),
@@ -414,39 +447,21 @@ def stage_costs(
         memory_limit_bytes=limit,
         memory_breakdown=dict(memory[worst]),
         collectives=collectives,
-        per_op=tuple(
-            (
-                i,
-                float(op_compute[i] * runs[phase[i]]),
-                float(op_comm[i] * runs[phase[i]] + op_reduce[i]),
-            )
-            for i in range(len(graph.ops))
-        ),
+        per_op=per_op,
     )
-    return PipelineCost(
-        schedule=schedule,
-        microbatches=m,
-        stage_times=tuple(times),
-        send_s=send_s,
-        sends=traffic,
-        stage_pre_s=tuple(float(x) for x in stage_pre),
-        stage_post_s=tuple(float(x) for x in stage_post),
-        pre_s=pre,
-        post_s=post,
-        stage_work_s=tuple(float(x) for x in own),
-        stage_memory=tuple(memory),
-        stage_memory_bytes=tuple(float(x) for x in totals),
-        in_flight=schedule.in_flight(S, m),
-        ops=tuple(u for u in units if u.phase is not Phase.REDUCE),
-        reduce_ops=tuple(u for u in units if u.phase is Phase.REDUCE),
-        # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
-        op_run_s=op_compute + op_comm + op_reduce / runs[phase],
-        op_remat_s=op_remat,
-        op_state_bytes=op_state,
-        op_act_bytes=op_act,
-        cost=cost,
-        stage_collectives=tuple(
-            _collectives(ac, runs @ time[s], runs @ nbytes[s], runs @ count[s]) for s in range(S)
+
+
+def _sent(traffic: Sends, b: int) -> tuple[Collective, ...]:
+    """Stage `b`'s point-to-point sends as a collective over the pipe axis (none if none)."""
+    if not traffic.sent_count[b]:
+        return ()
+    return (
+        Collective(
+            "collective-permute",
+            PIPE,
+            traffic.sent_bytes[b],
+            traffic.sent_count[b],
+            traffic.sent_s[b],
         ),
     )
 
@@ -530,60 +545,6 @@ def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: i
         np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
         np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
     )
-
-
-def zero_leaves(graph, lay: Layouts, gathered: Mapping[int, float] | None = None):
-    """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
-    layout is not already split on the data axis (as `_model.py`). `gathered`: the bytes
-    a ZeRO-3 gather of each moves whole (`Tables.gathered`: a cast, say), else its own."""
-    for leaf in graph.leaves(Role.PARAM):
-        t = leaf.tensor
-        if not lay.on_data[t]:
-            whole = graph.tensors[t].nbytes if gathered is None else gathered[t]
-            yield t, whole * lay.inv[t], int(graph.tensors[t].ndim > 0)
-
-
-def _add_zero(
-    graph,
-    part: Partition,
-    oc: OpCosts,
-    time,
-    nbytes,
-    count,
-    recomputed: set[int],
-    gathered: Mapping[int, float],
-) -> None:
-    """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
-    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
-    the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
-    parameter stays sharded and every PRE, F and B program that reads it gathers it for
-    use. A program gathers its parameters in one combined collective (XLA's all-gather
-    combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
-    a layer cut mid-way) is updated on only one of them. Under remat a B program
-    gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
-    no gather behind the recompute's barrier with the backward's own). `gathered`: what
-    a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
-    ac, consumers = oc.axis_costs, graph.consumers()
-    key = C.AG * ac.masks + oc.zero_mask
-    phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
-    phase, program = phase_codes(part), op_programs(graph, part)
-    moved: dict[tuple[int, int], float] = {}
-    programs: dict[tuple[int, int], set[int]] = {}
-    whole = gathered if oc.zero_stage >= 3 else None  # ZeRO-1/2: the new float32 ones
-    for t, b, c in zero_leaves(graph, oc.layouts, whole):
-        # Gathered once in each program that reads it.
-        for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
-            if ph in phases and c:
-                moved[(s, ph)] = moved.get((s, ph), 0.0) + b
-                programs.setdefault((s, ph), set()).add(prog)
-        if oc.zero_stage >= 3 and c:
-            for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
-                moved[(s, Phase.BWD)] = moved.get((s, Phase.BWD), 0.0) + b
-    for (s, ph), b in moved.items():
-        n = len(programs[(s, ph)])
-        time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
-        nbytes[s, ph, key] += b
-        count[s, ph, key] += n
 
 
 def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:

@@ -5,7 +5,7 @@ a function of which mesh axes a set holds. This module holds the tables and puts
 together from their parts, each in its own module: the compute terms (`_compute.py`, on
 XLA's fusion, `_fusion.py`), the candidate collectives (`_rows.py`), the bytes kept for
 the backward (`_residuals.py`), the buffers a step peaks with (`_buffers.py`,
-`_liveness.py`) and the ZeRO terms (`_zero_terms.py`).
+`_liveness.py`) and the ZeRO terms (`_zero.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ._rows import (
     summed_partials,
 )
 from ._sets import SetIndex
-from ._zero_terms import gathered_bytes, zero_ops
+from ._zero import gathered_bytes, zero_ops
 
 
 @dataclasses.dataclass(frozen=True)

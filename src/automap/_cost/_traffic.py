@@ -24,6 +24,7 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
@@ -67,43 +68,81 @@ def stage_layouts(
     return Layouts(inv, on_data, int(sizes[d]) if d else 1)
 
 
-def stage_memory(
-    graph: Graph,
-    part: Partition,
-    lay: Layouts,
-    res: Residuals,
-    *,
-    microbatches: int,
-    schedule: PipelineSchedule,
-    zero_stage: int,
-    remat: bool,
-    lowering: Lowering,
-    layer_stored: Sequence[tuple[int, ...]] = (),
-) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
-    """Per stage, the memory breakdown per device ({"params", "grads", "opt_state",
-    "activations", "other", "outputs"}); and per op, the parameter-gradient-optimizer bytes of the
-    leaves it reads first and the residual bytes it makes per microbatch (what a stage
-    DP sums over a layer segment). `layer_stored` (under remat): per recomputed layer,
-    `stored_residuals` of its `res.layer_saved` (`CostModel.layer_stored`, made once).
-    `lowering`: what the backend holds: the gradients a matmul makes, where it adds the
-    running sums outside it (`held_gradients`); and a stage's peak may be its reduce
-    program (`reduce_program`) where the step's peak is priced as its busiest moment
-    (`Lowering.frees_at_last_use`)."""
-    S, m = part.n_stages, max(1, microbatches)
-    stage, phase = np.array(part.op_stage), phase_codes(part)
-    consumers = graph.consumers()
-    parts = ("params", "grads", "opt_state", "activations", "other", "outputs")
-    out = [dict.fromkeys(parts, 0.0)]
-    out = [dict(out[0]) for _ in range(S)]
-    op_state = np.zeros(len(graph.ops))
-    op_act = np.zeros(len(graph.ops))
-    D = lay.data_size
+@dataclasses.dataclass(frozen=True)
+class StageMemoryInputs:
+    """What a pipeline's memory per stage is a function of (`stage_memory`)."""
 
-    def zeroed(t: int, on: bool) -> float:
-        b = graph.tensors[t].nbytes * lay.inv[t]
-        return b / D if on and D > 1 and not lay.on_data[t] else b
+    graph: Graph
+    part: Partition
+    lay: Layouts  # the intra-stage plan's layout of every tensor
+    res: Residuals
+    microbatches: int
+    schedule: PipelineSchedule  # its in-flight microbatches per stage
+    zero_stage: int
+    remat: bool
+    # What the backend holds: the gradients a matmul makes, where it adds the running
+    # sums outside it (`held_gradients`); and a stage's peak may be its reduce program
+    # (`reduce_program`) where the step's peak is priced as its busiest moment
+    # (`Lowering.frees_at_last_use`).
+    lowering: Lowering
+    # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`
+    # (`CostModel.layer_stored`, made once).
+    layer_stored: Sequence[tuple[int, ...]] = ()
 
-    for leaf in graph.inputs:
+    @functools.cached_property
+    def m(self) -> int:
+        return max(1, self.microbatches)
+
+    @functools.cached_property
+    def phase(self) -> np.ndarray:
+        return phase_codes(self.part)
+
+    @functools.cached_property
+    def stage(self) -> np.ndarray:
+        return np.array(self.part.op_stage)
+
+    @functools.cached_property
+    def consumers(self) -> list:
+        return self.graph.consumers()
+
+    def zeroed(self, t: int, on: bool) -> float:
+        """Bytes per device of tensor `t` by its layout, and over the data axis if `on`
+        (ZeRO's shard) where its layout does not already split it there."""
+        b = self.graph.tensors[t].nbytes * self.lay.inv[t]
+        D = self.lay.data_size
+        return b / D if on and D > 1 and not self.lay.on_data[t] else b
+
+
+#: The memory parts of a stage, in the order a breakdown lists them.
+MEMORY_PARTS = ("params", "grads", "opt_state", "activations", "other", "outputs")
+
+
+def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.ndarray, np.ndarray]:
+    """Per stage, the memory breakdown per device (`MEMORY_PARTS`); and per op, the
+    parameter-gradient-optimizer bytes of the leaves it reads first and the residual
+    bytes it makes per microbatch (what a stage DP sums over a layer segment)."""
+    out = [dict.fromkeys(MEMORY_PARTS, 0.0) for _ in range(inp.part.n_stages)]
+    op_state = np.zeros(len(inp.graph.ops))
+    op_act = np.zeros(len(inp.graph.ops))
+    _leaves(inp, out, op_state)
+    sums = running_sums(inp.graph, inp.part, inp.lay, inp.phase) if inp.m > 1 else []
+    if inp.m > 1:
+        # The runtime holds the running sums it adds each microbatch's into, at their own
+        # width (a mixed-precision step's 16-bit weight gradients, not the float32
+        # parameters'): those, rather than the parameter leaves' bytes.
+        for s in range(inp.part.n_stages):
+            out[s]["grads"] = sum(b for q, _, b in sums if q == s)
+    _once_made(inp, out, op_state)
+    _residuals(inp, out, op_act)
+    _temporaries(inp, out, sums)
+    return out, op_state, op_act
+
+
+def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.ndarray) -> None:
+    """The input leaves each stage's ops read (parameters, their gradients, optimizer
+    state, the batch), by their layouts and the ZeRO stage."""
+    phase, consumers, zeroed = inp.phase, inp.consumers, inp.zeroed
+    for leaf in inp.graph.inputs:
         t, readers = leaf.tensor, consumers[leaf.tensor]
         if not readers:
             continue
@@ -113,35 +152,30 @@ def stage_memory(
             # XLA gather layer by layer), so at a stage's peak they are whole.
             per_mb = any(phase[c] in (Phase.FWD, Phase.BWD) for c in readers)
             part_bytes = {
-                "params": zeroed(t, zero_stage >= 3 and not per_mb),
+                "params": zeroed(t, inp.zero_stage >= 3 and not per_mb),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
                 # local gradients whole and reduce-scatters them once per step. One copy:
                 # a B call adds its own into the donated running sums.
                 "grads": zeroed(t, False),
             }
         elif leaf.role == Role.OPT_STATE:
-            part_bytes = {"opt_state": zeroed(t, zero_stage >= 1)}
+            part_bytes = {"opt_state": zeroed(t, inp.zero_stage >= 1)}
         else:
             part_bytes = {"other": zeroed(t, False)}
-        for s in {int(stage[c]) for c in readers}:
+        for s in {int(inp.stage[c]) for c in readers}:
             for k, b in part_bytes.items():
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
 
-    sums = running_sums(graph, part, lay, phase) if m > 1 else []
-    if m > 1:
-        # The runtime holds the running sums it adds each microbatch's into, at their own
-        # width (a mixed-precision step's 16-bit weight gradients, not the float32
-        # parameters'): those, rather than the parameter leaves' bytes.
-        for s in range(S):
-            out[s]["grads"] = sum(b for q, _, b in sums if q == s)
 
-    # Values made once per step before the microbatches are held through them by their
-    # stage and by every stage that reads them later: a weight's cast or transpose,
-    # ZeRO-3's gathered parameters (by the update's layout where only the update reads
-    # one: the partition runs an op whose results only the update reads with it).
-    for op in graph.ops:
+def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.ndarray) -> None:
+    """Values made once per step before the microbatches are held through them by their
+    stage and by every stage that reads them later: a weight's cast or transpose,
+    ZeRO-3's gathered parameters (by the update's layout where only the update reads
+    one: the partition runs an op whose results only the update reads with it)."""
+    phase, consumers, stage = inp.phase, inp.consumers, inp.stage
+    for op in inp.graph.ops:
         if phase[op.index] != Phase.PRE:
             continue
         for t in op.outputs:
@@ -149,55 +183,65 @@ def stage_memory(
             if late:
                 # Read by the update alone: ZeRO pins it to the update's sharded layout.
                 update = all(phase[c] == Phase.POST for c in late)
-                b = zeroed(t, zero_stage >= 1 and update)
+                b = inp.zeroed(t, inp.zero_stage >= 1 and update)
                 for s in {int(stage[op.index])} | {int(stage[c]) for c in late}:
                     out[s]["params"] += b
                 op_state[late[0]] += b
 
-    copies = schedule.in_flight(S, m)
-    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
-    recomputed = set(res.recomputed) if remat else set()
-    # Every residual as the jaxpr has it: a stage's F program hands its B program all it
-    # reads (program outputs, each a buffer), where one program would let XLA fuse the
-    # cheap ones into their backward readers (`stored_residuals`, the one-stage tables).
-    for t in res.saved_remat if remat else res.saved:
+
+def _residuals(inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.ndarray) -> None:
+    """The activations kept for backward, per microbatch, times the microbatches each
+    stage holds in flight (`PipelineSchedule.in_flight`). Every residual as the jaxpr has
+    it: a stage's F program hands its B program all it reads (program outputs, each a
+    buffer), where one program would let XLA fuse the cheap ones into their backward
+    readers (`stored_residuals`, the one-stage tables)."""
+    graph, part, res, phase, stage = inp.graph, inp.part, inp.res, inp.phase, inp.stage
+    copies = inp.schedule.in_flight(part.n_stages, inp.m)
+    layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
+    recomputed = set(res.recomputed) if inp.remat else set()
+    for t in res.saved_remat if inp.remat else res.saved:
         if t in layered:
             continue  # made again in its layer's backward: `_remade`
         p = graph.tensors[t].producer
-        b = graph.tensors[t].nbytes * lay.inv[t]
+        b = graph.tensors[t].nbytes * inp.lay.inv[t]
         per_mb = phase[p] == Phase.FWD
         if per_mb and t in part.batched:
-            b /= m
+            b /= inp.m
         # Held by the stages that read it in a backward, or in a layer the backward
         # recomputes (its input); the stage that made it and only sends it on frees it
         # once sent (`_run/_pipelined.py`).
         holders = {
-            int(stage[c]) for c in consumers[t] if phase[c] == Phase.BWD or c in recomputed
+            int(stage[c]) for c in inp.consumers[t] if phase[c] == Phase.BWD or c in recomputed
         } or {int(stage[p])}
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
+
+
+def _temporaries(inp: StageMemoryInputs, out: list[dict[str, float]], sums) -> None:
+    """A stage's peak: its backward's temporaries on top of what it holds, or its update's
+    (the update runs after the last microbatch, when no activation is alive, with the
+    outputs the step holds apart from its arguments made then and kept to its end), or
+    where the buffers are scheduled, the once-per-step reduction of the gradients between
+    the two."""
+    graph, part, lay, m, phase = inp.graph, inp.part, inp.lay, inp.m, inp.phase
+    S = part.n_stages
     program = op_programs(graph, part)
-    held = () if lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
-    remade = _remade(graph, part, lay, res, layer_stored, m, phase) if remat else ()
+    held = () if inp.lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
+    remade = _remade(graph, part, lay, inp.res, inp.layer_stored, m, phase) if inp.remat else ()
     bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
-    # The update runs after the last microbatch, when no activation is alive: a stage's
-    # peak is the larger of its backward's and its update's, with the outputs the step
-    # holds apart from its arguments (it donates nothing) made then and kept to its end.
-    kept = post_outputs(graph, phase, zeroed, zero_stage)
+    kept = post_outputs(graph, phase, inp.zeroed, inp.zero_stage)
     makers = [graph.tensors[t].producer for t in kept]
-    made = np.bincount(stage[makers], list(kept.values()), minlength=S) if kept else [0.0] * S
+    made = np.bincount(inp.stage[makers], list(kept.values()), minlength=S) if kept else [0.0] * S
     for s, b in enumerate(temporaries(graph, part, lay.inv, m, Phase.POST, program, kept=kept)):
         if b > out[s]["activations"]:
             out[s]["activations"], out[s]["outputs"] = b - made[s], float(made[s])
-    # So does the once-per-step reduction of the gradients, between the two.
-    if lowering.frees_at_last_use:
-        for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, zero_stage)):
+    if inp.lowering.frees_at_last_use:
+        for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, inp.zero_stage)):
             if b > out[s]["activations"] + out[s]["outputs"]:
                 out[s]["activations"], out[s]["outputs"] = b, 0.0
-    return out, op_state, op_act
 
 
 def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> dict[int, float]:

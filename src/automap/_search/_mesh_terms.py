@@ -3,15 +3,21 @@ the factor sums of its MILP per ZeRO stage (`MeshTerms.problem`). Read by the IL
 (`_shard_ilp.py`), the feasibility proof (`_leanest.py`) and the stage DP (`_dp.py`).
 
 On a fixed mesh the cost model's step time is a sum of terms that each read the axes of a
-few decision units (the groups of one set or one collective row, see `_cost/_tables.py`):
+few decision units (the groups of one set or one collective row, see `_cost/_tables.py`).
+The terms are not restated here: each scope keeps its own sets' layout under every joint
+option, and reads the cost model's terms on it (`_cost/_terms.py`, the one statement of a
+plan's price), so the factor sums are the cost model's terms by construction:
 
-- compute: `compute_coef[s] / divisor(s)` per group set s;
+- compute (`compute_time`): per group set s, `compute_coef[s] / divisor(s)`, ZeRO's
+  pinned ops on data shards;
 - a non-gradient collective row: its own alpha-beta time (the cheaper of ring and tree for
-  that row alone), a function of the units of the row's groups and sets;
-- memory: per set, its parameter, optimizer, activation and input bytes over its divisor
-  (and over data under ZeRO), at each point the cost model checks (the turn of the step;
-  where the step's buffers are scheduled, each candidate moment of `_cost/_liveness.py`
-  and the gradients' reduction): one memory factor sum per point, each bounded.
+  that row alone), a function of the units of the row's groups and sets (the kernel's,
+  `_cost/_kernel.collective_rows`);
+- memory (`memory_terms`, `moments_held`): per set, its parameter, optimizer, activation and
+  input bytes over its divisor (and over data under ZeRO), at each point the cost model
+  checks (the turn of the step; where the step's buffers are scheduled, each candidate
+  moment of `_cost/_liveness.py` and the gradients' reduction): one memory factor sum
+  per point, each bounded.
 
 Each distinct unit *scope* becomes one `Factor`, its table filled by running the cost
 model's own kernel (`_cost/_kernel.collective_rows`, `set_axes`) on every joint option of the scope
@@ -51,10 +57,16 @@ from .._cost import (
     KINDS,
     RS,
     AxisCosts,
+    Layout,
     RowTable,
+    SetCoefs,
     collective_rows,
     combine_slots,
-    held_by_kind,
+    compute_time,
+    early_outputs,
+    gathers,
+    memory_terms,
+    moments_held,
     partial_slots,
     reduction_copy,
     set_axes,
@@ -89,40 +101,23 @@ class TooLarge(Exception):
 
 @dataclasses.dataclass
 class _Scope:
-    """Per joint option of a scope's units: the terms whose units are exactly the scope."""
+    """Per joint option of a scope's units: the terms whose units are exactly the scope.
+    Its sets' layout under each option is kept, not its terms: every term is the cost
+    model's own (`_cost/_terms.py`), read per ZeRO stage in `MeshTerms.problem`."""
 
     units: tuple[int, ...]
     configs: np.ndarray  # [n_c, k] option of each unit
-    time: np.ndarray  # [n_c] compute + non-gradient collectives
-    zero_time: np.ndarray  # [n_c] compute of ZeRO's pinned ops not split on data
+    comm: np.ndarray  # [n_c] non-gradient collectives
     grad_bytes: np.ndarray  # [n_c, slots * keys] gradient bytes per (slot, kind, axis mask)
     grad_any: np.ndarray  # [n_c, slots * keys] some gradient row is active on the key
     reduced: np.ndarray  # [n_c] the step's gradient reductions' bytes (`reduced_gradients`)
-    plain: np.ndarray  # [n_c, 5] memory: params, opt, acts, remat acts, other
-    zeroed: np.ndarray  # [n_c, 2] params and opt also divided by the data axis
-    zero_bytes: np.ndarray  # [n_c] parameter bytes not split on data (ZeRO gathers them)
-    # [n_c] what ZeRO-3's gather of those moves (`Tables.gathered`: a bf16 cast, say)
-    gather_bytes: np.ndarray
-    zero_count: np.ndarray  # [n_c] parameter leaves not split on data
-    # ZeRO-3's second gather, in the backward (`_cost/_model.RegatherCoefs`):
-    regather_bytes: np.ndarray  # [n_c] bytes of the parameters gathered again
-    regather_count: np.ndarray  # [n_c] their leaves: one all-gather each
-    regather_acts: np.ndarray  # [n_c] the forward's gathered values no longer saved
-    # Where the step's buffers are scheduled (`Lowering.frees_at_last_use`), per candidate
-    # moment (`_cost/_liveness.py`): what is alive, and ZeRO-3's gathered parameters.
-    live: np.ndarray | None  # [n_c, moments]
-    gathered: np.ndarray | None  # [n_c, moments]
-    # [n_c, moments] of `live`, the casts ZeRO-3's backward makes again (`Moments.regathered`)
-    regathered: np.ndarray | None
-    # The outputs held apart from the arguments (`_cost/_outputs.py`), by kind: [3, n_c]
-    # as split, [2, n_c] new parameters and optimizer state also divided by data; and per
-    # moment where the buffers are scheduled ([3 or 2, n_c, moments], `Moments.outputs`).
-    outputs: np.ndarray
-    outputs_zeroed: np.ndarray
-    made: np.ndarray | None
-    made_zeroed: np.ndarray | None
-    early: np.ndarray  # [3, n_c] of `outputs`, those no update op makes (a loss)
-    early_zeroed: np.ndarray  # [2, n_c]
+    coefs: SetCoefs  # the coefficients of the scope's own sets
+    inv: np.ndarray  # [own sets, n_c] 1 / divisor of each
+    free: np.ndarray  # [own sets, n_c] the data axis is not on it
+
+    def layout(self, D: float, zero_stage: int) -> Layout:
+        """The scope's sets' layout under every joint option, ZeRO at `zero_stage`."""
+        return Layout(self.inv, self.free, D, zero_stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +156,7 @@ class MeshTerms:
         self.space, self.mesh_index = space, mesh_index
         self.mesh = mesh = space.meshes[mesh_index]
         self.T = T = space.cost_model.tables
-        self.rg = space.cost_model.regather
+        self.coefs = space.cost_model.coefs  # every term's coefficients (`_cost/_terms.py`)
         self.ac = ac = AxisCosts(space.cluster, mesh)
         self.n_units = len(space.units)
         self.unary = [space.allowed(mesh, u, []) for u in range(self.n_units)]
@@ -250,37 +245,16 @@ class MeshTerms:
         j = np.searchsorted(sl, own)
         inv_c = inv.reshape(n_c, n_sl)[:, j]  # [n_c, own sets]
         on_data = P.reshape(n_c, n_sl, -1)[:, j, self.d] if self.d else np.zeros_like(inv_c, bool)
-        zinv = inv_c / np.where(on_data, 1.0, self.D)
-        free = ~on_data
-        moments = T.moments
-        made = _made(moments, own)
         return _Scope(
             units=tuple(scope),
             configs=configs,
-            time=np.bincount(cfg, rtime, minlength=n_c) + inv_c @ T.compute_coef[own],
-            zero_time=(inv_c * free) @ T.zero_coef[own],
+            comm=np.bincount(cfg, rtime, minlength=n_c),
             grad_bytes=grad_bytes,
             reduced=grad_bytes[:, :n_keys].sum(axis=1),
             grad_any=grad_any,
-            plain=inv_c @ T.memory_coef[:, own].T,
-            zeroed=zinv @ T.memory_coef[:2, own].T,
-            zero_bytes=(inv_c * free) @ T.param_coef[own],
-            gather_bytes=(inv_c * free) @ T.gather_coef[own],
-            zero_count=free.astype(float) @ T.param_leaves[own],
-            regather_bytes=(inv_c * free) @ self.rg.param_coef[own],
-            regather_count=free.astype(float) @ self.rg.param_leaves[own],
-            regather_acts=(inv_c * free) @ self.rg.act_coef[own],
-            live=inv_c @ moments.live[:, own].T if moments else None,
-            gathered=(inv_c * free) @ moments.gathered[:, own].T if moments else None,
-            regathered=(inv_c * free) @ moments.regathered[:, own].T
-            if moments and moments.regathered is not None
-            else None,
-            outputs=T.output_coef[:, own] @ inv_c.T,
-            outputs_zeroed=T.output_coef[:2, own] @ zinv.T,
-            made=made @ inv_c.T if made is not None else None,
-            made_zeroed=made[:2] @ zinv.T if made is not None else None,
-            early=T.early_output_coef[:, own] @ inv_c.T,
-            early_zeroed=T.early_output_coef[:2, own] @ zinv.T,
+            coefs=self.coefs.sub(own),
+            inv=inv_c.T,
+            free=~on_data.T,
         )
 
     # ---- one FactorProblem per ZeRO stage ---------------------------------------------
@@ -302,56 +276,41 @@ class MeshTerms:
         return self._assemble(blocks, zero, memory_limit)
 
     def _add_scopes(self, blocks: _Blocks, zero_stage: int, zero: bool) -> None:
-        """Each scope's time and memory at each point, and the reduction's constant.
+        """Each scope's time and memory at each point (the cost model's terms on its own
+        sets, `_cost/_terms.py`), and the reduction's constant.
 
         Memory points: the backward's peak; where the gradients' all-reduce is not in
         place, also its end, local gradients and their reduced copy (`_cost/_model.py`).
         Where the buffers are scheduled, each candidate moment and the reduction."""
-        moments, points = self.T.moments, blocks.points
+        lowering, scheduled = self.space.cluster.lowering, self.T.moments is not None
         # What the reduction writes beside the gradients: share x reduced + a constant.
         share, const = reduction_copy(
-            self.D if zero else 0, self.space.cluster.lowering, float(self.T.param_coef.sum())
+            self.D if zero else 0, lowering, float(self.T.param_coef.sum())
         )
         for sc in self.scopes:
-            pl, zd = sc.plain, sc.zeroed if zero else sc.plain[:, :2]
-            params = zd[:, 0] if zero_stage >= 3 else pl[:, 0]
-            # Local gradients are whole until reduced, whatever the stage (`_cost/_model.py`).
-            grads = pl[:, 0]
-            opt = zd[:, 1] if zero_stage >= 1 else pl[:, 1]
-            acts = pl[:, 2] - (sc.regather_acts if zero and zero_stage >= 3 else 0.0)
-            # ZeRO's pinned gradients and update ops run on data shards (`zero_shares`).
-            time = sc.time - (1 - 1 / self.D) * sc.zero_time if zero else sc.time
-            if moments is not None:
-                # `_cost/_model.busiest_moment`, one point per moment and the reduction's
-                held = np.outer(sc.reduced, moments.held)
-                at = sc.live + held
-                if sc.made is not None:  # the outputs held apart, made by then
-                    made_zeroed = sc.made_zeroed if zero else None
-                    at = at + held_by_kind(sc.made, made_zeroed, zero_stage).T
-                if zero and zero_stage >= 3:
-                    at = at + sc.gathered
-                    if sc.regathered is not None:  # the backward gathers its own copies
-                        at = at - sc.regathered
-                base = params + opt + pl[:, 4]
+            L = sc.layout(self.D, zero_stage)
+            time = sc.comm + compute_time(sc.coefs, L)
+            mem = memory_terms(sc.coefs, L)
+            if scheduled:
+                # `_cost/_peaks.busiest_moment`: one point per moment, and the reduction's
+                _, at, _ = moments_held(sc.coefs, L, sc.reduced)
+                base = mem.params + mem.opt + mem.other
                 end = base + sc.reduced * (1.0 + share)
-                if sc.made is not None:  # beside the outputs no update op makes
-                    end = end + held_by_kind(
-                        sc.early, sc.early_zeroed if zero else None, zero_stage
-                    )
-                blocks.add(sc.units, sc.configs, time, (*(base[:, None] + at).T, end))
+                if sc.coefs.moments.outputs is not None:  # beside the outputs no update makes
+                    end = end + early_outputs(sc.coefs, L)
+                blocks.add(sc.units, sc.configs, time, (*(base[None, :] + at), end))
                 continue
-            state = params + grads + opt + pl[:, 4]
-            # `_cost/_model.update_peak`: the backward's, the reduction's where its result
+            state = mem.params + mem.grads + mem.opt + mem.other
+            # `_cost/_peaks.update_peak`: the backward's, the reduction's where its result
             # is a copy, the update's where the step holds outputs apart.
-            peaks = [state + acts]
-            if not self.space.cluster.lowering.all_reduce_in_place:
+            peaks = [state + mem.acts]
+            if not lowering.all_reduce_in_place:
                 peaks.append(state + sc.reduced)
             if self.T.output_coef.any():
-                held = held_by_kind(sc.outputs, sc.outputs_zeroed if zero else None, zero_stage)
-                peaks.append(state - grads + held)
+                peaks.append(state - mem.grads + mem.outputs)
             blocks.add(sc.units, sc.configs, time, tuple(peaks))
-        if moments is not None and const:
-            ends = np.zeros(points)
+        if scheduled and const:
+            ends = np.zeros(blocks.points)
             ends[-1] = const
             blocks.add((), None, np.zeros(1), tuple(ends[:, None]))
 
@@ -378,18 +337,12 @@ class MeshTerms:
             blocks.combined(kind, mask, parts, indicator=True, trips=trips)
 
     def _add_gathers(self, blocks: _Blocks, zero_stage: int) -> None:
-        """ZeRO's all-gathers of the parameters, combined into one (`_cost/_model.py`);
-        with ZeRO-3 also the backward's, one per leaf."""
-        again = zero_stage >= 3
-        parts = [
-            (
-                sc,
-                (sc.zero_count > 0).astype(float),
-                sc.gather_bytes + sc.regather_bytes if again else sc.zero_bytes,
-                sc.regather_count if again else 0.0,
-            )
-            for sc in self.scopes
-        ]
+        """ZeRO's all-gathers of the parameters, combined into one; with ZeRO-3 also the
+        backward's, one per leaf (`_cost/_zero.zero_gathers`)."""
+        parts = []
+        for sc in self.scopes:
+            g = gathers(sc.coefs, sc.layout(self.D, zero_stage))
+            parts.append((sc, (g.leaves > 0).astype(float), g.nbytes, g.calls))
         blocks.combined(AG, int(self.ac.bit[self.d]), parts, indicator=True)
 
     def _add_masks(self, blocks: _Blocks) -> None:
@@ -477,13 +430,6 @@ class _Blocks:
             for o, col in enumerate(cols):
                 cfg = np.column_stack([sc.configs, np.full(len(sc.configs), o)])
                 self.add((*sc.units, aux), cfg, col)
-
-
-def _made(moments, own: np.ndarray) -> np.ndarray | None:
-    """[3, moments, own sets] the held outputs made by each moment, None where none is."""
-    if moments is None or moments.outputs is None:
-        return None
-    return moments.outputs[:, :, own]
 
 
 def memory_points(lowering: Lowering, T) -> int:

@@ -81,134 +81,178 @@ class _Columns:
         return ids
 
 
-def _build(problem: FactorProblem):
-    """Arrays of the MILP, or None when the problem is trivially infeasible."""
-    limit = float(problem.memory_limit)
-    has_limit = bool(np.isfinite(limit) and problem.memory_factors)
-    peak = problem.minimize == "peak" and bool(problem.memory_factors)
-    n_points = len(problem.memory_factors)
-    # Merge on unit sets across time and memory so one y block carries both.
-    time_tables = merge_factors(problem.time_factors)
-    memory_tables = [merge_factors(point) for point in problem.memory_factors]
-    keys = set(time_tables).union(*memory_tables)
+class _Milp:
+    """The MILP's arrays as they are built: columns (`_Columns`), constraint rows as COO
+    entries with their bounds, and the memory rows (one per point, in units of `ref`)."""
 
-    constant_time = float(problem.constant_time) + float(time_tables.pop((), 0.0))
-    constant_memory = np.array([float(m.pop((), 0.0)) for m in memory_tables])  # (points,)
-    keys.discard(())
-    if not np.isfinite(constant_time) or not np.all(np.isfinite(constant_memory)):
-        return None
-    if has_limit and np.any(constant_memory > limit * (1.0 + MEMORY_RTOL)):
-        return None
+    def __init__(self, problem: FactorProblem, tables: _Tables):
+        self.problem, self.tables = problem, tables
+        self.cols = _Columns()
+        self.rows: list[np.ndarray] = []
+        self.entry_cols: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.lower: list[np.ndarray] = []
+        self.upper: list[np.ndarray] = []
+        self.n_rows = 0
+        self.x_col: list[np.ndarray] = []  # per unit: option -> column id, -1 where masked
+        # Memory rows in units of `ref` bytes: the limit, or for a peak objective without
+        # one the largest entry, so that HiGHS's absolute tolerances mean the same on any
+        # size.
+        self.ref = tables.limit if tables.has_limit else 1.0
+        if tables.peak and not tables.has_limit:
+            self.ref = tables.largest_memory()
+        self.rows_on = tables.has_limit or tables.peak
+        self.memory_row = self.add_rows(tables.n_points, -_INF, 1.0) if self.rows_on else -1
+        if self.rows_on:
+            # A peak objective z (in ref bytes) bounds every point: sum - z <= -constant.
+            const = tables.constant_memory
+            self.upper[-1] = -const / self.ref if tables.peak else 1.0 - const / tables.limit
 
-    def tables(units):
-        shape = tuple(problem.n_options[u] for u in units)
-        time = time_tables.get(units, np.zeros(shape))
-        memory = [m.get(units, np.zeros(shape)) for m in memory_tables]
-        return time, memory
+    def add_rows(self, count: int, lo: float, hi: float) -> int:
+        self.lower.append(np.full(count, lo))
+        self.upper.append(np.full(count, hi))
+        self.n_rows += count
+        return self.n_rows - count
 
-    cols = _Columns()
-    rows: list[np.ndarray] = []
-    entry_cols: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    lower: list[np.ndarray] = []
-    upper: list[np.ndarray] = []
-    n_rows = 0
+    def add_entries(self, r, c, v) -> None:
+        self.rows.append(np.asarray(r, dtype=np.int64))
+        self.entry_cols.append(np.asarray(c, dtype=np.int64))
+        self.values.append(np.asarray(v, dtype=np.float64))
 
-    def add_rows(count: int, lo: float, hi: float) -> int:
-        nonlocal n_rows
-        lower.append(np.full(count, lo))
-        upper.append(np.full(count, hi))
-        n_rows += count
-        return n_rows - count
-
-    def add_entries(r, c, v) -> None:
-        rows.append(np.asarray(r, dtype=np.int64))
-        entry_cols.append(np.asarray(c, dtype=np.int64))
-        values.append(np.asarray(v, dtype=np.float64))
-
-    # Memory rows in units of `ref` bytes: the limit, or for a peak objective without
-    # one the largest entry, so that HiGHS's absolute tolerances mean the same on any size.
-    ref = limit if has_limit else 1.0
-    if peak and not has_limit:
-        entries = [
-            np.abs(t[np.isfinite(t)]).max(initial=0.0) for m in memory_tables for t in m.values()
-        ]
-        ref = max(1.0, float(np.abs(constant_memory).max(initial=0.0)), *entries)
-    rows_on = has_limit or peak
-    memory_row = add_rows(n_points, -_INF, 1.0) if rows_on else -1
-    if rows_on:
-        # A peak objective z (in ref bytes) bounds every point: sum - z <= -constant.
-        upper[-1] = -constant_memory / ref if peak else 1.0 - constant_memory / limit
-
-    def add_memory(col_ids, memory) -> None:
-        if not rows_on:
+    def add_memory(self, col_ids, memory) -> None:
+        if not self.rows_on:
             return
         for p, table in enumerate(memory):
             nz = table != 0.0
-            add_entries(np.full(nz.sum(), memory_row + p), col_ids[nz], table[nz] / ref)
+            self.add_entries(
+                np.full(nz.sum(), self.memory_row + p), col_ids[nz], table[nz] / self.ref
+            )
 
-    # x: one binary per allowed option; single-unit factors cost straight on x.
-    x_col = []  # per unit: option -> column id, -1 where masked
-    for u, mask in enumerate(problem.allowed):
+    def add_x(self, u: int, mask: np.ndarray) -> bool:
+        """One binary per allowed option of unit u; its single-unit factors cost straight
+        on them. False when no option is allowed (the problem is infeasible)."""
         opts = np.flatnonzero(mask)
         if opts.size == 0:
-            return None
-        time, memory = tables((u,)) if (u,) in keys else (np.zeros(mask.size), [])
+            return False
+        tables = self.tables
+        time, memory = tables.of((u,)) if (u,) in tables.keys else (np.zeros(mask.size), [])
         finite = np.isfinite(time[opts]) & np.all(
             [np.isfinite(m[opts]) for m in memory] or [np.ones(opts.size, bool)], axis=0
         )
         cost = np.where(finite, time[opts], 0.0)
-        ids = cols.add(cost, finite.astype(np.float64), integer=True)
+        ids = self.cols.add(cost, finite.astype(np.float64), integer=True)
         mapping = np.full(mask.size, -1, dtype=np.int64)
         mapping[opts] = ids
-        x_col.append(mapping)
-        r = add_rows(1, 1.0, 1.0)
-        add_entries(np.full(ids.size, r), ids, np.ones(ids.size))
-        add_memory(ids, [np.where(finite, m[opts], 0.0) for m in memory])
+        self.x_col.append(mapping)
+        r = self.add_rows(1, 1.0, 1.0)
+        self.add_entries(np.full(ids.size, r), ids, np.ones(ids.size))
+        self.add_memory(ids, [np.where(finite, m[opts], 0.0) for m in memory])
+        return True
 
-    # y: one block per unit set of arity >= 2.
-    for units in sorted(k for k in keys if len(k) >= 2):
-        time, memory = tables(units)
+    def add_y(self, units: tuple[int, ...]) -> bool:
+        """One block of y for a unit set of arity >= 2, tied to the x by marginal rows.
+        False when no joint option is valid (the problem is infeasible)."""
+        allowed = self.problem.allowed
+        time, memory = self.tables.of(units)
         valid = np.isfinite(time)
         for m in memory:
             valid &= np.isfinite(m)
         for axis, u in enumerate(units):
             shape = [1] * len(units)
             shape[axis] = -1
-            valid &= problem.allowed[u].reshape(shape)
+            valid &= allowed[u].reshape(shape)
         configs = np.argwhere(valid)  # (c, arity) option ids, row-major order
         if configs.size == 0:
-            return None
+            return False
         index = tuple(configs.T)
-        ids = cols.add(time[index], np.ones(len(configs)), integer=False)
+        ids = self.cols.add(time[index], np.ones(len(configs)), integer=False)
         for axis, u in enumerate(units):
             # One marginal row per allowed option of u: sum of y with c_u = o, minus x[u, o].
-            opts = np.flatnonzero(problem.allowed[u])
-            local = np.full(problem.allowed[u].size, -1, dtype=np.int64)
+            opts = np.flatnonzero(allowed[u])
+            local = np.full(allowed[u].size, -1, dtype=np.int64)
             local[opts] = np.arange(opts.size)
-            base = add_rows(opts.size, 0.0, 0.0)
-            add_entries(base + local[configs[:, axis]], ids, np.ones(ids.size))
-            add_entries(base + np.arange(opts.size), x_col[u][opts], -np.ones(opts.size))
-        add_memory(ids, [m[index] for m in memory])
+            base = self.add_rows(opts.size, 0.0, 0.0)
+            self.add_entries(base + local[configs[:, axis]], ids, np.ones(ids.size))
+            self.add_entries(base + np.arange(opts.size), self.x_col[u][opts], -np.ones(opts.size))
+        self.add_memory(ids, [m[index] for m in memory])
+        return True
 
-    if peak:
-        z = cols.add(np.array([ref]), np.array([1.0 if has_limit else _INF]), integer=False)
-        add_entries(memory_row + np.arange(n_points), np.repeat(z, n_points), -np.ones(n_points))
+    def add_peak(self) -> None:
+        """The peak objective's column z, in every memory row."""
+        n_points, has_limit = self.tables.n_points, self.tables.has_limit
+        z = self.cols.add(np.array([self.ref]), np.array([1.0 if has_limit else _INF]), False)
+        rows = self.memory_row + np.arange(n_points)
+        self.add_entries(rows, np.repeat(z, n_points), -np.ones(n_points))
 
-    cost = np.concatenate(cols.cost) if cols.n else np.zeros(0)
-    model = {
-        "cost": cost,
-        "upper": np.concatenate(cols.upper) if cols.n else np.zeros(0),
-        "integer": np.concatenate(cols.integer) if cols.n else np.zeros(0, bool),
-        "rows": np.concatenate(rows) if rows else np.zeros(0, np.int64),
-        "cols": np.concatenate(entry_cols) if rows else np.zeros(0, np.int64),
-        "values": np.concatenate(values) if rows else np.zeros(0),
-        "row_lower": np.concatenate(lower) if lower else np.zeros(0),
-        "row_upper": np.concatenate(upper) if upper else np.zeros(0),
-        "constant_time": constant_time,
-        "x_col": x_col,
-    }
-    return model
+    def arrays(self) -> dict:
+        cols, rows = self.cols, self.rows
+        return {
+            "cost": np.concatenate(cols.cost) if cols.n else np.zeros(0),
+            "upper": np.concatenate(cols.upper) if cols.n else np.zeros(0),
+            "integer": np.concatenate(cols.integer) if cols.n else np.zeros(0, bool),
+            "rows": np.concatenate(rows) if rows else np.zeros(0, np.int64),
+            "cols": np.concatenate(self.entry_cols) if rows else np.zeros(0, np.int64),
+            "values": np.concatenate(self.values) if rows else np.zeros(0),
+            "row_lower": np.concatenate(self.lower) if self.lower else np.zeros(0),
+            "row_upper": np.concatenate(self.upper) if self.upper else np.zeros(0),
+            "constant_time": self.tables.constant_time,
+            "x_col": self.x_col,
+        }
+
+
+class _Tables:
+    """A problem's factors merged on their unit sets across time and memory (so one y
+    block carries both), and its constants."""
+
+    def __init__(self, problem: FactorProblem):
+        self.limit = float(problem.memory_limit)
+        self.has_limit = bool(np.isfinite(self.limit) and problem.memory_factors)
+        self.peak = problem.minimize == "peak" and bool(problem.memory_factors)
+        self.n_points = len(problem.memory_factors)
+        self.n_options = problem.n_options
+        self.time = merge_factors(problem.time_factors)
+        self.memory = [merge_factors(point) for point in problem.memory_factors]
+        self.keys = set(self.time).union(*self.memory)
+        self.constant_time = float(problem.constant_time) + float(self.time.pop((), 0.0))
+        # (points,)
+        self.constant_memory = np.array([float(m.pop((), 0.0)) for m in self.memory])
+        self.keys.discard(())
+
+    def infeasible(self) -> bool:
+        """Trivially: an infinite constant, or a constant memory over the limit."""
+        if not np.isfinite(self.constant_time) or not np.all(np.isfinite(self.constant_memory)):
+            return True
+        over = self.constant_memory > self.limit * (1.0 + MEMORY_RTOL)
+        return self.has_limit and bool(np.any(over))
+
+    def of(self, units):
+        shape = tuple(self.n_options[u] for u in units)
+        time = self.time.get(units, np.zeros(shape))
+        memory = [m.get(units, np.zeros(shape)) for m in self.memory]
+        return time, memory
+
+    def largest_memory(self) -> float:
+        entries = [
+            np.abs(t[np.isfinite(t)]).max(initial=0.0) for m in self.memory for t in m.values()
+        ]
+        return max(1.0, float(np.abs(self.constant_memory).max(initial=0.0)), *entries)
+
+
+def _build(problem: FactorProblem):
+    """Arrays of the MILP, or None when the problem is trivially infeasible."""
+    tables = _Tables(problem)
+    if tables.infeasible():
+        return None
+    milp = _Milp(problem, tables)
+    # x: one binary per allowed option; single-unit factors cost straight on x.
+    if not all(milp.add_x(u, mask) for u, mask in enumerate(problem.allowed)):
+        return None
+    # y: one block per unit set of arity >= 2.
+    if not all(milp.add_y(units) for units in sorted(k for k in tables.keys if len(k) >= 2)):
+        return None
+    if tables.peak:
+        milp.add_peak()
+    return milp.arrays()
 
 
 def _lp(model) -> highspy.HighsLp:

@@ -1,0 +1,209 @@
+"""A plan's price, term by term: the one statement of what a plan pays on a mesh.
+
+Every term is a function of a `Layout`, which says per group set how the plan divides it
+(1 / its sharding divisor, whether the data axis is on it) and which memory savers it
+uses (ZeRO stage, rematerialization, microbatches). Each term is linear in the layout's
+per-set arrays, which are [sets] for one plan or [sets, options] for every joint option
+of a few decision units at once. So:
+
+- the one-stage estimate (`CostModel._finish`) reads them on a plan's sets;
+- the shard ILP (`_search/_mesh_terms.py`) reads them on each scope's own sets and every
+  joint option of its units, and its factor sums are these terms by construction;
+- the pipeline's stage costs (`_pipelined.py`) and the stage DP (`_search/_dp.py`) price
+  per op and per tensor, from the same tables: `op_compute` splits `compute_time` by op,
+  and the ZeRO terms they charge per program are ZeRO's (`_zero.py`).
+
+A feature adds its terms in its own module: ZeRO's in `_zero.py` (its compute shares,
+gathers and second gathers), and rematerialization's in `_remat_terms.py` (the
+recompute's collectives and copies) and the tables' remat coefficients
+(`Tables.remat_coef`, `act_remat_coef`, `moments_remat`), picked here by `Layout.remat`. The collectives' per-row terms are the kernel's (`_kernel.py`), which
+both callers run; the busiest moment's per-moment bytes are `_peaks.moment_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from ._liveness import Moments
+from ._outputs import held_bytes
+from ._peaks import moment_bytes
+from ._zero import Gathers, RegatherCoefs, zero_gathers
+
+
+@dataclasses.dataclass(frozen=True)
+class SetCoefs:
+    """The tables' per-set coefficients of every term (`Tables`), for all sets or for a
+    few (`sub`): what a plan's layout multiplies."""
+
+    compute: np.ndarray  # [sets] seconds (`Tables.compute_coef`)
+    remat: np.ndarray  # [sets] a recomputed layer's first forward (`Tables.remat_coef`)
+    zero: np.ndarray  # [sets] the ops ZeRO pins (`Tables.zero_coef`)
+    memory: np.ndarray  # [5, sets] params, opt, acts, remat acts, other
+    param: np.ndarray  # [sets] parameter bytes
+    gather: np.ndarray  # [sets] what ZeRO-3's gather moves (`Tables.gather_coef`)
+    param_leaves: np.ndarray  # [sets] parameter leaves of rank >= 1
+    output: np.ndarray  # [3, sets] outputs held apart (`Tables.output_coef`)
+    early_output: np.ndarray  # [3, sets] of those, the ones no update op makes
+    regather: RegatherCoefs
+    moments: Moments | None
+    moments_remat: Moments | None
+
+    @classmethod
+    def of(cls, T, regather: RegatherCoefs) -> SetCoefs:
+        """The coefficients of every set of the tables `T`."""
+        return cls(
+            T.compute_coef,
+            T.remat_coef,
+            T.zero_coef,
+            T.memory_coef,
+            T.param_coef,
+            T.gather_coef,
+            T.param_leaves,
+            T.output_coef,
+            T.early_output_coef,
+            regather,
+            T.moments,
+            T.moments_remat,
+        )
+
+    def sub(self, sets: np.ndarray) -> SetCoefs:
+        """The coefficients of `sets` only (a scope's own sets)."""
+        return SetCoefs(
+            self.compute[sets],
+            self.remat[sets],
+            self.zero[sets],
+            self.memory[:, sets],
+            self.param[sets],
+            self.gather[sets],
+            self.param_leaves[sets],
+            self.output[:, sets],
+            self.early_output[:, sets],
+            self.regather.sub(sets),
+            _sub_moments(self.moments, sets),
+            _sub_moments(self.moments_remat, sets),
+        )
+
+
+def _sub_moments(m: Moments | None, sets: np.ndarray) -> Moments | None:
+    if m is None:
+        return None
+    return Moments(
+        live=m.live[:, sets],
+        held=m.held,
+        gathered=m.gathered[:, sets],
+        at=m.at,
+        regathered=None if m.regathered is None else m.regathered[:, sets],
+        outputs=None if m.outputs is None else m.outputs[:, :, sets],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a plan divides each group set, and the memory savers it uses."""
+
+    inv: np.ndarray  # [sets, ...] 1 / the set's sharding divisor
+    free: np.ndarray  # [sets, ...] bool: the data axis is not on the set
+    data_size: float  # the data axis' size (1 without one)
+    zero_stage: int = 0
+    remat: bool = False
+    microbatches: int = 1
+
+    @property
+    def zero(self) -> bool:
+        """ZeRO shards over the data axis: stage >= 1 and a data axis of 2 or more."""
+        return self.zero_stage >= 1 and self.data_size > 1
+
+    @functools.cached_property
+    def zinv(self) -> np.ndarray:
+        """`inv` also divided by the data axis where it is not on the set (ZeRO's shard)."""
+        return self.inv / np.where(self.free, self.data_size, 1.0)
+
+    @property
+    def regathers(self) -> bool:
+        """ZeRO-3 without remat: the backward gathers the parameters again and the
+        forward's gathered copies are not saved for it (`_groups.regather_plan`)."""
+        return self.zero and self.zero_stage >= 3 and not self.remat
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device of a plan's memory parts before its peak is placed: numbers, or
+    one per joint option."""
+
+    params: float | np.ndarray
+    grads: float | np.ndarray
+    opt: float | np.ndarray
+    acts: float | np.ndarray
+    other: float | np.ndarray
+    outputs: float | np.ndarray  # held apart from the arguments to the step's end
+
+
+def compute_time(c: SetCoefs, L: Layout) -> float | np.ndarray:
+    """Seconds of compute: every op by its iteration set, a recomputed layer's forward
+    twice under remat, and ZeRO's pinned gradients and update ops on the device's data
+    shard (`_zero.zero_shares`)."""
+    t = c.compute @ L.inv
+    if L.remat:
+        t = t + c.remat @ L.inv
+    if L.zero:
+        t = t - (1 - 1 / L.data_size) * (c.zero @ (L.inv * L.free))
+    return t
+
+
+def memory_terms(c: SetCoefs, L: Layout) -> Memory:
+    """The memory parts by their layouts: ZeRO shards the optimizer state (stage >= 1)
+    and the stored parameters (stage 3); the local gradients are whole until their
+    reduce-scatter, in every stage, as XLA compiles them (it combines the reductions into
+    one at the end of the backward); the activations kept for the backward (under remat:
+    the layers' inputs, the residuals made outside them, one layer's) per microbatch,
+    less the forward's gathered copies ZeRO-3 makes again in the backward."""
+    plain = c.memory @ L.inv
+    zeroed = c.memory[:2] @ L.zinv if L.zero else plain
+    acts = (plain[3] if L.remat else plain[2]) / L.microbatches
+    if L.regathers:
+        acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
+    return Memory(
+        params=zeroed[0] if L.zero_stage >= 3 else plain[0],
+        grads=plain[0],
+        opt=zeroed[1] if L.zero_stage >= 1 else plain[1],
+        acts=acts,
+        other=plain[4],
+        # The outputs no donated input becomes (`_outputs.py`): made at the update.
+        outputs=held_bytes(c.output, L.inv, L.zinv if L.zero else None, L.zero_stage),
+    )
+
+
+def gathers(c: SetCoefs, L: Layout) -> Gathers:
+    """ZeRO's all-gathers of the parameters (`_zero.zero_gathers`); none without ZeRO."""
+    if not L.zero:
+        return Gathers(0.0, 0.0, 0.0)
+    return zero_gathers(
+        c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat
+    )
+
+
+def step_moments(c: SetCoefs, L: Layout) -> Moments | None:
+    """The candidate peak moments the plan's step is priced at (with or without remat),
+    None where the backend's buffers are not scheduled."""
+    return c.moments_remat if L.remat else c.moments
+
+
+def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
+    """(gradients, all, outputs) bytes per device alive at each candidate moment
+    ([moments, ...]): `_peaks.moment_bytes` with the plan's held outputs made by then and
+    ZeRO-3's gathered parameters. `reduced`: the step's reduced gradients' bytes."""
+    moments = step_moments(c, L)
+    zinv = L.zinv if L.zero else None
+    made = None
+    if moments.outputs is not None:
+        made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage)
+    gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
+    return moment_bytes(moments, L.inv, reduced, gathered, L.microbatches, copies, made)
+
+
+def early_outputs(c: SetCoefs, L: Layout):
+    """The held outputs no update op makes (a loss): alive at the gradients' reduction."""
+    return held_bytes(c.early_output, L.inv, L.zinv if L.zero else None, L.zero_stage)

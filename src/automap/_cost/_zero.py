@@ -1,0 +1,244 @@
+"""ZeRO's terms of a plan's price: which ops ZeRO's layout makes run on a device's data
+shard, the bytes ZeRO-3's gather of each parameter moves, and the gathers a step makes.
+
+Under ZeRO a gradient is made where it meets its sharded optimizer state, and the update
+runs on the shard (`_groups.zero_region`): those ops' compute is divided over the data
+axis (`zero_shares`, `zero_compute`) unless their iteration space is split over it
+already. ZeRO-3 gathers each parameter where an op needs it whole, at the width XLA
+gathers it (`gathered_bytes`), and again in the backward (`RegatherCoefs`). The one-stage
+estimate and the shard ILP read these through `_terms.py`, the one statement of the price.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._graph import Graph, Role
+from .._groups import Groups, Regather
+from .._lowering import Lowering
+from .._pipeline import Partition, Phase, op_programs
+from . import _collectives as C
+from ._traffic import Layouts, phase_codes
+
+if TYPE_CHECKING:
+    from ._tables import Tables
+
+
+def zero_ops(graph: Graph, pinned: Collection[int], update: Collection[int]) -> np.ndarray:
+    """[n_ops] whether ZeRO's layout pins each op's result (`Tables.zero_op`): the makers
+    of the `pinned` tensors (gradients made where they meet their shard) and the `update`
+    ops (`_groups.zero_region` gives both)."""
+    zero_op = np.zeros(len(graph.ops), dtype=bool)
+    zero_op[[graph.tensors[t].producer for t in pinned]] = True
+    zero_op[sorted(update)] = True
+    return zero_op
+
+
+def zero_shares(T: Tables, P: np.ndarray, d: int, size: float) -> np.ndarray:
+    """[n_ops] the share of its work each op runs on a device under ZeRO over the mesh
+    axis of code `d` and size `size` (`P`: per set, its axes): 1 / size for an op ZeRO
+    pins (`Tables.zero_op`) whose iteration space is not already split over that axis,
+    else 1."""
+    return shares(T.zero_op, T.op_set, P, d, size)
+
+
+def shares(pinned: np.ndarray, sets: np.ndarray, P: np.ndarray, d: int, size: float):
+    """`zero_shares` of any entries: `pinned` and `sets`, per entry (a loop body op's too)."""
+    return np.where(pinned & ~P[sets, d], 1.0 / size, 1.0)
+
+
+def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) -> dict[int, float]:
+    """Per parameter leaf, the bytes ZeRO-3's gather of it moves (whole). XLA gathers a
+    sharded parameter where an op needs it whole, after the elementwise ops that keep its
+    sharding: where every reader outside the `update` casts it to a narrower float (a
+    mixed-precision step's weights), it gathers the cast. Read in the programs compiled
+    for A100s: a bf16 gather, half the float32 parameter's bytes (XLA's CPU widens a
+    16-bit collective to `wide` bytes an element: `Lowering.collective_float_bytes`)."""
+    out = {}
+    for leaf in graph.leaves(Role.PARAM):
+        x = graph.tensors[leaf.tensor]
+        readers = [graph.ops[c] for c in consumers[leaf.tensor] if c not in update]
+        casts = [
+            graph.tensors[op.outputs[0]]
+            for op in readers
+            if op.primitive == "convert_element_type"
+            and graph.tensors[op.outputs[0]].dtype.startswith(("float", "bfloat"))
+        ]
+        narrow = readers and len(casts) == len(readers)
+        per_element = (
+            min(x.itemsize, max(max(c.itemsize for c in casts), wide)) if narrow else x.itemsize
+        )
+        out[leaf.tensor] = float(x.size * per_element)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RegatherCoefs:
+    """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`)."""
+
+    param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
+    param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
+    act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
+    # Under remat: the parameters the recomputed ops read, which the recompute gathers
+    # again (XLA merges no gather behind the recompute's barrier with the forward's).
+    remat_coef: np.ndarray  # [n_sets] their bytes
+    remat_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
+
+    def sub(self, sets: np.ndarray) -> RegatherCoefs:
+        """The coefficients of some sets only (a scope's own, `_search/_mesh_terms.py`)."""
+        return RegatherCoefs(**{k: v[sets] for k, v in dataclasses.asdict(self).items()})
+
+
+def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
+    """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
+    `build_tables` keys them: a tensor's splittable groups, sorted)."""
+    ng = len(groups.groups)
+    index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
+
+    def set_of(t: int) -> int:
+        return index[tuple(sorted({g for g in groups.tensor_groups[t] if T.splittable[g]}))]
+
+    n = len(T.sets)
+    coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
+    for t in rg.params:  # gathered as the forward gathers them (a cast, say)
+        coef[set_of(t)] += T.gathered[t]
+        leaves[set_of(t)] += graph.tensors[t].ndim > 0
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    again = {t for i in res.recomputed for t in graph.ops[i].inputs if t in params}
+    remat_coef, remat_leaves = np.zeros(n), np.zeros(n)
+    for t in again:
+        remat_coef[set_of(t)] += T.gathered[t]
+        remat_leaves[set_of(t)] += graph.tensors[t].ndim > 0
+    # Saved values made from parameters alone (their casts: the same groups, so the same
+    # set as theirs, and split on data exactly where the parameter is).
+    for t in set(res.saved) & rg.tensors:
+        acts[set_of(t)] += graph.tensors[t].nbytes
+    return RegatherCoefs(coef, leaves, acts, remat_coef, remat_leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathers:
+    """ZeRO's all-gathers of the parameters over the data axis in one step: `nbytes`
+    moved; `leaves` parameter leaves (rank >= 1) gathered in the one collective XLA's
+    all-gather combiner makes of them (none where 0); `calls` more collectives, one per
+    leaf, that ZeRO-3 gathers again (in the backward, or a recompute)."""
+
+    nbytes: float | np.ndarray
+    leaves: float | np.ndarray
+    calls: float | np.ndarray
+
+
+def zero_gathers(
+    param_coef, gather_coef, param_leaves, rg: RegatherCoefs, inv, free, zero_stage: int, remat
+) -> Gathers:
+    """ZeRO's gathers under a layout (`inv`: per set, 1 / divisor; `free`: per set, not
+    split on data; both [sets, ...]). Parameters not already split on data are gathered
+    once: after the sharded update (ZeRO-1/2, the new parameters: `param_coef`), or for use
+    in the forward (ZeRO-3: what the forward reads, a cast say, `gather_coef`); under
+    remat, whose recompute reads the parameters through its barrier, XLA gathers each
+    parameter once for both (read on compile-only A100s). ZeRO-3 without remat gathers
+    again in the backward, one gather per leaf, each waiting for the gradient of its own
+    layer (`_run/_apply.py`); with it, the recompute gathers again those its ops read."""
+    free_inv = inv * free
+    regather = zero_stage >= 3 and not remat
+    nbytes = (gather_coef if regather else param_coef) @ free_inv
+    calls = 0.0
+    if regather:
+        nbytes = nbytes + rg.param_coef @ free_inv
+        calls = rg.param_leaves @ free
+    elif zero_stage >= 3:
+        nbytes = nbytes + rg.remat_coef @ free_inv
+        calls = rg.remat_leaves @ free
+    return Gathers(nbytes, param_leaves @ free, calls)
+
+
+# ---- per op and per program, for pipelines (`_pipelined.py`) ------------------------------
+
+
+def zero_gradient_keys(lowering: Lowering, ac, row_grad, key, zero_mask: int) -> np.ndarray:
+    """The gradients meet the ZeRO layout: their all-reduce over data becomes a
+    reduce-scatter of the same buffer where the backend has one (as `_kernel.totals`
+    for one stage)."""
+    if not lowering.reduce_scatter:
+        return key
+    ar = row_grad & (key == C.AR * ac.masks + zero_mask)
+    return np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
+
+
+def zero_leaves(graph, lay: Layouts, gathered: Mapping[int, float] | None = None):
+    """(tensor, bytes per device, gathers) of the parameters ZeRO gathers: those whose
+    layout is not already split on the data axis (as `_model.py`). `gathered`: the bytes
+    a ZeRO-3 gather of each moves whole (`Tables.gathered`: a cast, say), else its own."""
+    for leaf in graph.leaves(Role.PARAM):
+        t = leaf.tensor
+        if not lay.on_data[t]:
+            whole = graph.tensors[t].nbytes if gathered is None else gathered[t]
+            yield t, whole * lay.inv[t], int(graph.tensors[t].ndim > 0)
+
+
+def zero_op_gathers(model, lay, ac, zero_mask: int, zero_stage: int, remat: bool):
+    """[n_ops] seconds of ZeRO's all-gathers, on the first op reading each parameter. Each
+    parameter not already split on data is gathered once per step: after its sharded
+    update (ZeRO-1/2) or, whole batch in one program, where it is first used (ZeRO-3;
+    `stage_costs` charges every program that reads it). One program gathers them all in
+    one combined collective, shared by bytes. Under remat the recompute gathers again, one
+    by one, what its ops read (ZeRO-3: `add_zero_gathers`, and the one-stage model)."""
+    graph = model.graph
+    out = np.zeros(len(graph.ops))
+    gathered = model.tables.gathered if zero_stage >= 3 else None
+    readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
+    recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
+    again = [(t, b) for t, b, c in leaves if c and any(i in recomputed for i in readers[t])]
+    total = sum(b for _, b, _ in leaves) + sum(b for _, b in again)
+    if total and any(c for *_, c in leaves):
+        seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
+        for t, b in [(t, b) for t, b, _ in leaves] + again:
+            out[(readers[t] or (0,))[0]] += seconds * b / total
+    return out
+
+
+def add_zero_gathers(
+    graph,
+    part: Partition,
+    oc,
+    time,
+    nbytes,
+    count,
+    recomputed: set[int],
+    gathered: Mapping[int, float],
+) -> None:
+    """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
+    parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
+    the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
+    parameter stays sharded and every PRE, F and B program that reads it gathers it for
+    use. A program gathers its parameters in one combined collective (XLA's all-gather
+    combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
+    a layer cut mid-way) is updated on only one of them. Under remat a B program
+    gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
+    no gather behind the recompute's barrier with the backward's own). `gathered`: what
+    a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
+    ac, consumers = oc.axis_costs, graph.consumers()
+    key = C.AG * ac.masks + oc.zero_mask
+    phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
+    phase, program = phase_codes(part), op_programs(graph, part)
+    moved: dict[tuple[int, int], float] = {}
+    programs: dict[tuple[int, int], set[int]] = {}
+    whole = gathered if oc.zero_stage >= 3 else None  # ZeRO-1/2: the new float32 ones
+    for t, b, c in zero_leaves(graph, oc.layouts, whole):
+        # Gathered once in each program that reads it.
+        for s, ph, prog in {(part.op_stage[i], int(phase[i]), program[i]) for i in consumers[t]}:
+            if ph in phases and c:
+                moved[(s, ph)] = moved.get((s, ph), 0.0) + b
+                programs.setdefault((s, ph), set()).add(prog)
+        if oc.zero_stage >= 3 and c:
+            for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
+                moved[(s, Phase.BWD)] = moved.get((s, Phase.BWD), 0.0) + b
+    for (s, ph), b in moved.items():
+        n = len(programs[(s, ph)])
+        time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
+        nbytes[s, ph, key] += b
+        count[s, ph, key] += n

@@ -1,0 +1,154 @@
+"""The price stated once: the shard ILP's factor sums are the cost model's terms.
+
+On random plans of every zoo model (tiny variants), every mesh and ZeRO 0-3, the ILP's
+factors (`MeshTerms`) give the one-stage estimate's step time and peak memory, and term by
+term its compute seconds and its parameter, optimizer-state and input bytes. Both read
+`_cost/_terms.py`, so this holds by construction; the test keeps it so. Rematerialization
+is not a decision of the shard ILP (the stage DP tries it with the pipeline's per-op
+prices): with remat the pipeline's per-op prices are held to the one-stage estimate
+instead, ZeRO 0-3 included.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+import automap as am
+from _cases import seeds
+from automap._capture import capture
+from automap._cost import CostModel, compute_time, memory_terms, op_costs
+from automap._groups import build_groups
+from automap._search import MeshTerms, options_of
+from automap._solvers import evaluate_batch
+from automap._space import ShardSpace
+from automap._zoo import get_model, list_models
+
+_LM = dict(layers=2, hidden=32, heads=2, ff=64, vocab=64, seq=16, batch=8)
+_GPT = _LM
+_T5 = dict(layers=1, hidden=36, heads=3, ff=72, seq=12, target_seq=6, batch=6, vocab=90)
+#: A tiny variant of every zoo model: a new zoo model fails `test_every_zoo_model_is_here`
+#: until it has one.
+TINY = {
+    "mlp": dict(layers=2, hidden=32, features=16, classes=8, batch=16),
+    "bert-base": _LM,
+    "bert-large": _LM,
+    "gpt2-xl": _GPT,
+    "gpt-1.3b": _GPT,
+    "gpt-6.7b": _GPT,
+    "t5-base": _T5,
+    "t5-large": _T5,
+    "vgg19": dict(depth=11, hidden=3, ff=30, image=32, classes=5, batch=6),
+    "resnet50": dict(hidden=4, image=32, classes=5, batch=8),
+    "moe-gpt": dict(_LM, experts=4),
+}
+#: Every model on a GPU, whose steps are priced at their busiest scheduled moment, and on
+#: the CPU, whose are priced at the backward's, reduction's or update's peak.
+CLUSTERS = ("a100", "cpu")
+
+
+def test_every_zoo_model_is_here():
+    assert sorted(TINY) == sorted(info.name for info in list_models())
+
+
+@functools.cache
+def _model(name: str, preset: str) -> CostModel:
+    spec = get_model(name, **TINY[name])
+    graph = capture(spec.step_fn, *spec.abstract_args())
+    return CostModel(graph, am.Cluster.preset(preset, 8), build_groups(graph))
+
+
+def _space(name: str, preset: str) -> ShardSpace:
+    cm = _model(name, preset)
+    return ShardSpace(cm.graph, cm.groups, cm.cluster, cm)
+
+
+def _point(space: ShardSpace, mesh_index: int, zero: int, rng) -> list[int] | None:
+    """Random options of the mesh's units that ZeRO stage `zero` allows (the batch on
+    data: `ShardSpace.zero_options`), or None if none turned up."""
+    mesh = space.meshes[mesh_index]
+    for _ in range(200):
+        options = options_of(space, mesh_index, rng)
+        if zero in space.zero_options(mesh, options):
+            return options
+    return None
+
+
+def _scope_rows(terms: MeshTerms, options) -> list[int]:
+    """Per scope, the row of its joint options that `options` picks."""
+    out = []
+    for sc in terms.scopes:
+        picked = np.asarray(options)[list(sc.units)]
+        (row,) = np.flatnonzero((sc.configs == picked).all(axis=1))
+        out.append(int(row))
+    return out
+
+
+@pytest.mark.parametrize("preset", CLUSTERS)
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("seed", seeds(3, 1))
+def test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, preset, seed):
+    space = _space(name, preset)
+    rng = np.random.default_rng(seed)
+    checked = 0
+    for mesh_index, mesh in enumerate(space.meshes):
+        terms = MeshTerms(space, mesh_index)
+        for zero in (0, 1, 2, 3):
+            options = _point(space, mesh_index, zero, rng)
+            if options is None or zero not in space.zero_options(mesh):
+                continue
+            cost = space.evaluate(mesh_index, options, zero_stage=zero)
+            problem = terms.problem(zero)
+            # The auxiliary units (combined collectives) at their best: the ILP's price.
+            aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
+            rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
+            time, peak, feasible = evaluate_batch(problem, rows)
+            best = int(np.argmin(time))
+            assert time[best] == pytest.approx(cost.step_time_s, rel=1e-9)
+            assert peak[best] == pytest.approx(cost.memory_bytes, rel=1e-9)
+            assert feasible[best] == cost.feasible
+            # Term by term: each scope's share of the cost model's terms at the plan.
+            compute = params = opt = other = 0.0
+            for sc, row in zip(terms.scopes, _scope_rows(terms, options), strict=True):
+                layout = sc.layout(terms.D, zero)
+                compute += compute_time(sc.coefs, layout)[row]
+                parts = memory_terms(sc.coefs, layout)
+                params, opt = params + parts.params[row], opt + parts.opt[row]
+                other += parts.other[row]
+            breakdown = cost.memory_breakdown
+            assert compute == pytest.approx(cost.compute_s, rel=1e-9)
+            assert params == pytest.approx(breakdown["params"], rel=1e-9, abs=1e-6)
+            assert opt == pytest.approx(breakdown["opt_state"], rel=1e-9, abs=1e-6)
+            assert other == pytest.approx(breakdown["other"], rel=1e-9, abs=1e-6)
+            checked += 1
+    assert checked >= len(space.meshes)  # ZeRO-0 at least, on every mesh
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("seed", seeds(3, 1))
+def test_with_remat_the_pipelines_per_op_prices_are_the_one_stage_estimate(name, seed):
+    """One stage, ZeRO 0-2, with and without remat: the per-op prices a stage DP sums
+    (`op_costs`) add up to the one-stage estimate's step time and compute.
+
+    Not ZeRO-3: there `op_costs` charges each parameter's gather once, on its first
+    reader (`_cost/_zero.zero_op_gathers`), and leaves the gathers of every other program
+    that reads it to `stage_costs` (`add_zero_gathers`, one combined gather per program,
+    as the pipelined runtime compiles them), where the one-stage estimate charges the
+    backward's second gather per leaf (`_terms.gathers`); under remat the first gather's
+    width differs too (the cast's bytes, against the float32 parameter's). Two runtimes,
+    two prices: equal only by accident."""
+    cm = _model(name, "a100")
+    rng = np.random.default_rng(seed)
+    for mesh in ({"data": 8}, {"data": 4, "model": 2}, {"data": 2, "model": 4}):
+        assignment = {g: rng.choice([None, *mesh]) for g in range(len(cm.groups.groups))}
+        assignment[cm.groups.batch_groups[0]] = "data"  # ZeRO shards over the batch's axis
+        for zero, remat in itertools.product((0, 1, 2), (False, True)):
+            cost = cm.evaluate(assignment, mesh, zero_stage=zero, remat=remat)
+            oc = op_costs(cm, assignment, mesh, zero_stage=zero, remat=remat, staged=False)
+            assert float(oc.total.sum()) == pytest.approx(cost.step_time_s, rel=1e-9)
+            assert float(oc.compute.sum() + oc.remat_compute.sum()) == pytest.approx(
+                cost.compute_s, rel=1e-9
+            )
