@@ -48,15 +48,6 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 LONG_FUNCTION_LINES = 80
 MAX_LONG_FUNCTIONS = 8
-#: Functions still over the limits (issue 25): _cost/_pipelined.py stage_costs,
-#: _cost/_model.py CostModel._finish, _cost/_traffic.py stage_memory and _solvers/_ilp.py
-#: _build over 120 lines (8 over 80, within the limit, which test_few_long_functions holds).
-#: The over-120 test is expected to fail until they are broken up, and strict: the day it
-#: passes, it says so.
-#: No list of exceptions: the limits are the limits.
-functions_not_yet_split = pytest.mark.xfail(
-    strict=True, reason="issue 25: four functions over 120 lines (see above)"
-)
 
 
 def _modules() -> dict[str, Path]:
@@ -264,7 +255,6 @@ def test_no_module_over_the_limit():
     assert not bad, f"modules over {MAX_MODULE_LINES} lines (split by concept):\n" + "\n".join(bad)
 
 
-@functions_not_yet_split
 def test_no_function_over_the_limit():
     bad = "\n".join(_long_functions(MAX_FUNCTION_LINES))
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (break into named parts):\n{bad}"
