@@ -44,6 +44,13 @@ TINY = {
     "vgg19": dict(depth=11, hidden=3, ff=30, image=32, classes=5, batch=6),
     "resnet50": dict(hidden=4, image=32, classes=5, batch=8),
     "moe-gpt": dict(_LM, experts=4),
+    "llama": dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, vocab=64,
+                  seq=16, batch=8),
+}  # fmt: skip
+#: Presets of a family priced as its tiny variant: at these sizes they are the same program
+#: (`test_presets_are_their_family_when_tiny` holds it), so pricing each again adds nothing.
+PRESETS = {
+    name: "llama" for name in ("llama2-7b", "llama3-70b", "llama-32b", "llama-64b", "llama-128b")
 }
 #: Every model on a GPU, whose steps are priced at their busiest scheduled moment, and on
 #: the CPU, whose are priced at the backward's, reduction's or update's peak.
@@ -51,7 +58,18 @@ CLUSTERS = ("a100", "cpu")
 
 
 def test_every_zoo_model_is_here():
-    assert sorted(TINY) == sorted(info.name for info in list_models())
+    assert sorted([*TINY, *PRESETS]) == sorted(info.name for info in list_models())
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_their_family_when_tiny(name):
+    family = PRESETS[name]
+
+    def fingerprint(model: str) -> str:
+        spec = get_model(model, **TINY[family])
+        return capture(spec.step_fn, *spec.abstract_args()).fingerprint
+
+    assert fingerprint(name) == fingerprint(family)
 
 
 @functools.cache
