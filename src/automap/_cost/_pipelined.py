@@ -32,6 +32,10 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
   own work (PRE + m (F + B) + REDUCE + POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
   as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
+- interleaved 1F1B (`Plan.virtual_stages` v > 1): the partition's stages are virtual, v
+  per device group; `simulate` runs each device group's chunks in its order (each chunk
+  timed as its own stage, each cut a send), a group's own work and collectives are all
+  its chunks', and its memory holds them all (`_traffic.stage_memory`).
 
 With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
 for both schedules (`PipelineSchedule.bubble`), as in the exact stage DP
@@ -281,10 +285,12 @@ class PipelineCost:
     stage_post_s: tuple[float, ...]  # per stage, once per step after them
     pre_s: float  # the slowest stage's PRE (stages run theirs concurrently)
     post_s: float
-    stage_work_s: tuple[float, ...]  # per stage, its own work per step (no idle time)
+    # per stage, its device group's own work per step (no idle time): all its chunks'
+    stage_work_s: tuple[float, ...]
     stage_memory: tuple[Mapping[str, float], ...]  # per stage, breakdown per device
     stage_memory_bytes: tuple[float, ...]
-    in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
+    # microbatches of activations each stage holds at its devices' peak
+    in_flight: tuple[int, ...]
     ops: tuple[Timed, ...]  # `PipelineSchedule.simulate`'s forward and backward units
     # its once-per-step units: (stage, Phase.REDUCE, -1, start, end), a stage's gradient
     # reduction after its last backward (none with one microbatch)
@@ -345,14 +351,21 @@ def stage_costs(
     compute = compute.reshape(S, N_PHASES)
     compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
     busy = compute + time.sum(axis=2)  # [S, N_PHASES] seconds per run
-    link = pipe_link(cluster, oc.mesh, S)
+    G = S // schedule.chunks  # device groups (S virtual stages when interleaved)
+    link = pipe_link(cluster, oc.mesh, G)
     traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
+    if G == 1:  # every stage a chunk of one device group: a send stays where it is
+        send_s = (0.0,) * len(send_s)
     times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
-    units = schedule.simulate(S, m, times, send_s, busy[:, Phase.REDUCE])
+    units = schedule.simulate(G, m, times, send_s, busy[:, Phase.REDUCE])
     stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
     stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
-    pre, post = float(stage_pre.max()), float(stage_post.max())
+    # A device group's own work is all its chunks' (one stage each unless interleaved):
+    # it runs their once-per-step programs one after another.
+    group = np.arange(S) % G
+    pre = float(np.bincount(group, stage_pre, minlength=G).max())
+    post = float(np.bincount(group, stage_post, minlength=G).max())
     step = pre + max(end for *_, end in units) + post
     own = (
         stage_pre
@@ -360,8 +373,10 @@ def stage_costs(
         + busy[:, Phase.REDUCE]
         + stage_post
     )
+    own = np.bincount(group, own, minlength=G)
     b = int(np.argmax(own))
-    compute_s = float(compute[b] @ runs)
+    mine = group == b
+    compute_s = float(compute[mine].sum(axis=0) @ runs)
 
     res = model.residuals
     memory, op_state, op_act = stage_memory(
@@ -386,17 +401,15 @@ def stage_costs(
             f"pipeline stage {worst} needs {totals[worst] / 1e9:.2f} GB per device ({parts}) "
             f"but {cluster.name} has {limit / 1e9:.2f} GB usable"
         )
-    devices = S * (math.prod(oc.mesh.values()) if oc.mesh else 1)
-    collectives = _collectives(ac, runs @ time[b], runs @ nbytes[b], runs @ count[b])
-    if traffic.sent_count[b]:
+    devices = G * (math.prod(oc.mesh.values()) if oc.mesh else 1)
+    t_b, n_b, c_b = (a[mine].sum(axis=0) for a in (time, nbytes, count))
+    collectives = _collectives(ac, runs @ t_b, runs @ n_b, runs @ c_b)
+    # A send to a stage on the same devices (interleaved, one group) moves nothing.
+    sent = [(traffic.sent_bytes[p], traffic.sent_count[p], traffic.sent_s[p]) for p in range(S)]
+    sent_b = [sum(x[k] for p, x in enumerate(sent) if mine[p]) for k in range(3)]
+    if sent_b[1] and G > 1:
         collectives += (
-            Collective(
-                "collective-permute",
-                PIPE,
-                traffic.sent_bytes[b],
-                traffic.sent_count[b],
-                traffic.sent_s[b],
-            ),
+            Collective("collective-permute", PIPE, sent_b[0], int(sent_b[1]), sent_b[2]),
         )
     cost = Cost(
         step_time_s=step,
@@ -429,10 +442,10 @@ def stage_costs(
         stage_post_s=tuple(float(x) for x in stage_post),
         pre_s=pre,
         post_s=post,
-        stage_work_s=tuple(float(x) for x in own),
+        stage_work_s=tuple(float(own[g]) for g in group),
         stage_memory=tuple(memory),
         stage_memory_bytes=tuple(float(x) for x in totals),
-        in_flight=schedule.in_flight(S, m),
+        in_flight=schedule.stage_in_flight(G, m),
         ops=tuple(u for u in units if u.phase is not Phase.REDUCE),
         reduce_ops=tuple(u for u in units if u.phase is Phase.REDUCE),
         # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
@@ -460,7 +473,7 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
             )
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
-    schedule = pipeline_schedule(plan.schedule)
+    schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
     return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, schedule)
 
 

@@ -9,6 +9,8 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
   for a tensor carrying the batch), times the microbatches in flight
   (`PipelineSchedule.in_flight`; GPipe: m; 1F1B: min(m, S - s), its warm-up depth).
+  Interleaved stages share a device group: each holds its microbatches live at the
+  group's peak (`stage_in_flight`), and every stage of a group gets the group's memory.
   With rematerialization (`_remat`) those copies are of the layers' inputs and the
   residuals made outside layers; the stage adds
   one microbatch's residuals of its largest layer, which its backward makes again. A
@@ -39,6 +41,7 @@ from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
+_PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -154,7 +157,9 @@ def stage_memory(
                     out[s]["params"] += b
                 op_state[late[0]] += b
 
-    copies = schedule.in_flight(S, m)
+    groups = S // schedule.chunks  # device groups: S stages are virtual when chunks > 1
+    copies = schedule.stage_in_flight(groups, m)
+    held_act = np.zeros(S)  # residuals held per stage at its device's peak
     layered = {t for ts in res.layer_saved for t in ts} if remat else set()
     recomputed = set(res.recomputed) if remat else set()
     # Every residual as the jaxpr has it: a stage's F program hands its B program all it
@@ -176,6 +181,7 @@ def stage_memory(
         } or {int(stage[p])}
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
+            held_act[s] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
     program = op_programs(graph, part)
     held = () if lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
@@ -183,6 +189,7 @@ def stage_memory(
     bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
+    at_bwd = [dict(d) for d in out]  # each stage's backward peak, before the update's
     # The update runs after the last microbatch, when no activation is alive: a stage's
     # peak is the larger of its backward's and its update's, with the outputs the step
     # holds apart from its arguments (it donates nothing) made then and kept to its end.
@@ -197,7 +204,32 @@ def stage_memory(
         for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, zero_stage)):
             if b > out[s]["activations"] + out[s]["outputs"]:
                 out[s]["activations"], out[s]["outputs"] = b, 0.0
+    if groups < S:
+        out = _per_device(out, at_bwd, held_act, groups)
     return out, op_state, op_act
+
+
+def _per_device(out, at_bwd, held_act, groups: int) -> list[dict[str, float]]:
+    """Interleaved stages: the memory of each stage's device group, for every stage on it.
+    A group holds the state and the in-flight residuals of all its chunks at once, but
+    runs one program at a time: its backward peak is every chunk's residuals plus the
+    largest backward's temporaries; its update's (or reduction's) peak, after the
+    microbatches, the largest of its chunks' (none holds residuals then)."""
+    S = len(out)
+    merged = []
+    for g in range(groups):
+        mine = range(g, S, groups)
+        dev = {k: sum(out[s][k] for s in mine) for k in out[g] if k not in _PEAK_KEYS}
+        resid = sum(held_act[s] for s in mine)
+        bwd = resid + max(at_bwd[s]["activations"] - held_act[s] for s in mine)
+        late = [s for s in mine if out[s] != at_bwd[s]]  # the update's peak won there
+        top = max(late, key=lambda s: out[s]["activations"] + out[s]["outputs"], default=None)
+        if top is not None and out[top]["activations"] + out[top]["outputs"] > bwd:
+            dev.update(activations=out[top]["activations"], outputs=out[top]["outputs"])
+        else:
+            dev.update(activations=bwd, outputs=0.0)
+        merged.append(dev)
+    return [dict(merged[s % groups]) for s in range(S)]
 
 
 def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> dict[int, float]:

@@ -164,12 +164,13 @@ def pipeline_plan(
     group -> axis `assignment` inside every stage, and the microbatch schedule.
     `virtual_stages` v > 1 (interleaved schedules): the cuts give S * v stages and stage
     p runs on device group p % S, chunk p // S of it."""
-    pipeline_schedule(schedule, virtual_stages)  # known, and able to run v chunks
+    run = pipeline_schedule(schedule, virtual_stages)  # known, and able to run v chunks
     if (len(cuts) + 1) % virtual_stages:
         raise PlanError(
             f"{len(cuts) + 1} pipeline stages do not split into {virtual_stages} virtual "
             f"stages per device group; give a multiple of {virtual_stages} stages."
         )
+    run.check((len(cuts) + 1) // virtual_stages, microbatches)
     if PIPE in stage_mesh:
         raise PlanError('the stage mesh cannot have a "pipe" axis: that one is the stages.')
     starts = [0, *cuts]

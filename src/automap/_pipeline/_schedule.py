@@ -85,6 +85,11 @@ class PipelineSchedule(abc.ABC):
             "per device group."
         )
 
+    def check(self, stages: int, microbatches: int) -> None:
+        """A PlanError where this schedule cannot run `microbatches` on `stages` device
+        groups (every count runs, unless a schedule says otherwise)."""
+        return None
+
     def virtual_stage(self, stage: int, task: Task, stages: int) -> int:
         """The virtual stage (the plan's stage index) `task` on device group `stage` runs."""
         return task.chunk * stages + stage
@@ -158,7 +163,7 @@ class PipelineSchedule(abc.ABC):
         `reduce_s[p]`, where given and positive, is virtual stage p's once-per-step work
         after its device's last backward (its gradients' data-parallel reduction): one
         more unit (p, Phase.REDUCE, -1, ...), run right after p's last unit (as the runtime
-        dispatches it) and listed after all the forward and backward units.
+        dispatches it) and listed after all the forward and backward units, by stage.
         """
         pieces = stages * self.chunks
         if len(times) != pieces:
@@ -204,7 +209,7 @@ class PipelineSchedule(abc.ABC):
                     f"pipeline schedule {self.name!r} deadlocked: a stage waits on a unit "
                     "its neighbour runs later. Reorder its `stage_tasks`."
                 )
-        return out + reductions
+        return out + sorted(reductions, key=lambda u: u.stage)
 
     def global_order(self, stages: int, microbatches: int) -> list[Unit]:
         """One sequence of all the work that respects every dependency and every stage's
