@@ -5,14 +5,18 @@ memory its devices hold within 15% of what the runtime holds (`run.memory`)."""
 
 import dataclasses
 import functools
+import json
 import math
+import re
 
 import jax
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 import automap as am
 from automap._capture import capture
+from automap._cli import app
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline, op_costs, stage_costs
 from automap._groups import build_groups
@@ -24,7 +28,8 @@ from automap._pipeline import (
     plan_schedule,
     uniform_cuts,
 )
-from automap._space import batch_groups
+from automap._search import PipelinePricer
+from automap._space import batch_groups, layer_cuts
 from automap._zoo import get_model
 
 from ._models import TINY, assert_same, flax_args, flax_graph, flax_step
@@ -165,3 +170,66 @@ def test_interleaving_trades_the_bubble_for_sends():
     assert permute[1].count > permute[0].count and permute[1].bytes > permute[0].bytes
     assert two.step_time_s > one.step_time_s
 
+
+SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="float32")
+A100_8 = Cluster.preset("a100", devices=8)
+
+
+@functools.cache
+def small():
+    spec = get_model("gpt-1.3b", **SMALL)
+    return spec, capture(spec.step_fn, *spec.abstract_args())
+
+
+def test_a_recipe_interleaves_equal_layers_over_repeating_device_groups():
+    spec, graph = small()
+    groups = build_groups(graph)
+    recipe = am.Recipe(pp=2, dp=4, microbatches=2, schedule="interleaved", virtual_stages=2)
+    plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=A100_8)
+    # Four chunks of one layer each (Megatron's virtual pipeline), chunk k on group k % 2.
+    assert [s.op_start for s in plan.stages[1:]] == list(layer_cuts(graph, groups, 4))
+    assert plan.virtual_stages == 2 and plan.mesh == {"pipe": 2, "data": 4}
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)] * 2
+    assert plan.predicted.feasible and plan.predicted.bubble_s > 0
+
+
+INTERLEAVED_BAD = [
+    (dict(virtual_stages=3), "4 layers do not split into pp × virtual_stages = 2 × 3 = 6"),
+    (dict(schedule="1f1b"), "pipeline schedule '1f1b' runs one model chunk per device, not 2"),
+    (dict(virtual_stages=1), "interleaved 1F1B needs 2 or more virtual stages per device"),
+    (dict(pp=1, dp=8), "virtual_stages=2 interleaves the stages of a pipeline, but pp=1"),
+    (dict(microbatches=1), "1 microbatches do not divide into rounds of 2"),
+    (dict(virtual_stages=0), "virtual_stages must be a positive integer, not 0"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), INTERLEAVED_BAD)
+def test_a_recipe_whose_virtual_stages_do_not_fit_is_one_line(fields, message):
+    spec, _ = small()
+    base = dict(pp=2, dp=4, microbatches=2, schedule="interleaved", virtual_stages=2)
+    recipe = am.Recipe(**{**base, **fields})
+    with pytest.raises(am.PlanError, match=re.escape(message)) as err:
+        am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=A100_8)
+    assert "\n" not in str(err.value)
+
+
+def test_estimate_takes_the_schedule_and_its_virtual_stages():
+    sets = [arg for k, v in SMALL.items() for arg in ("--set", f"{k}={v}")]
+    base = ["estimate", "--model", "gpt-1.3b", *sets, "--devices", "8", "--pp", "2", "--dp", "4"]
+    base += ["--microbatches", "2", "--schedule", "interleaved"]
+    result = CliRunner().invoke(app, [*base, "--virtual-stages", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["plan"]["stages"]) == 4 and data["plan"]["schedule"] == "interleaved"
+    assert data["bubble_s"] > 0 and data["feasible"]
+    bad = CliRunner().invoke(app, [*base, "--virtual-stages", "3"])
+    assert bad.exit_code == 2 and "2 × 3 = 6 chunks" in bad.output
+    assert "Traceback" not in bad.output
+
+
+def test_the_stage_search_refuses_a_chunked_schedule_in_one_line():
+    # Choosing v is not searched yet: pricing chunks as stages of their own would be wrong.
+    _, graph = small()
+    with pytest.raises(am.PlanError, match=r"^the pipeline search cuts one stage per device"):
+        PipelinePricer(CostModel(graph, A100_8), "interleaved")
+    assert PipelinePricer(CostModel(graph, A100_8), "1f1b").schedule.chunks == 1

@@ -32,10 +32,9 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
   own work (PRE + m (F + B) + REDUCE + POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
   as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
-- interleaved 1F1B (`Plan.virtual_stages` v > 1): the partition's stages are virtual, v
-  per device group; `simulate` runs each device group's chunks in its order (each chunk
-  timed as its own stage, each cut a send), a group's own work and collectives are all
-  its chunks', and its memory holds them all (`_traffic.stage_memory`).
+- interleaved 1F1B (v = `Plan.virtual_stages` > 1): the stages are virtual, v per device
+  group, each timed as a stage in `simulate`; a group's work, collectives and memory
+  (`_traffic.stage_memory`) are all its chunks'.
 
 With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
 for both schedules (`PipelineSchedule.bubble`), as in the exact stage DP
@@ -285,8 +284,7 @@ class PipelineCost:
     stage_post_s: tuple[float, ...]  # per stage, once per step after them
     pre_s: float  # the slowest stage's PRE (stages run theirs concurrently)
     post_s: float
-    # per stage, its device group's own work per step (no idle time): all its chunks'
-    stage_work_s: tuple[float, ...]
+    stage_work_s: tuple[float, ...]  # per stage, its device group's work per step (no idle)
     stage_memory: tuple[Mapping[str, float], ...]  # per stage, breakdown per device
     stage_memory_bytes: tuple[float, ...]
     # microbatches of activations each stage holds at its devices' peak
@@ -404,13 +402,10 @@ def stage_costs(
     devices = G * (math.prod(oc.mesh.values()) if oc.mesh else 1)
     t_b, n_b, c_b = (a[mine].sum(axis=0) for a in (time, nbytes, count))
     collectives = _collectives(ac, runs @ t_b, runs @ n_b, runs @ c_b)
-    # A send to a stage on the same devices (interleaved, one group) moves nothing.
-    sent = [(traffic.sent_bytes[p], traffic.sent_count[p], traffic.sent_s[p]) for p in range(S)]
-    sent_b = [sum(x[k] for p, x in enumerate(sent) if mine[p]) for k in range(3)]
-    if sent_b[1] and G > 1:
-        collectives += (
-            Collective("collective-permute", PIPE, sent_b[0], int(sent_b[1]), sent_b[2]),
-        )
+    # The group's sends (none within one group: its chunks share the devices).
+    sent = [float(np.asarray(x)[mine].sum()) for x in traffic.sent]
+    if sent[1] and G > 1:
+        collectives += (Collective("collective-permute", PIPE, sent[0], int(sent[1]), sent[2]),)
     cost = Cost(
         step_time_s=step,
         compute_s=compute_s,

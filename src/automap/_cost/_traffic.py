@@ -445,6 +445,11 @@ class Sends:
     sent_count: tuple[int, ...]  # per sending stage: messages per step
     sent_s: tuple[float, ...]  # per sending stage: seconds of its messages per step
 
+    @property
+    def sent(self) -> tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]]:
+        """(bytes, messages, seconds) per sending stage per step."""
+        return self.sent_bytes, self.sent_count, self.sent_s
+
 
 def pipe_link(cluster: Cluster, stage_mesh: Mapping[str, int], stages: int) -> Link:
     """The link between consecutive stages: "pipe" is the outermost mesh axis, as
