@@ -30,6 +30,7 @@ from automap._pipeline import (
 )
 from automap._search import PipelinePricer
 from automap._space import batch_groups, layer_cuts
+from automap._verify import verify
 from automap._zoo import get_model
 
 from ._models import TINY, assert_same, flax_args, flax_graph, flax_step
@@ -233,3 +234,16 @@ def test_the_stage_search_refuses_a_chunked_schedule_in_one_line():
     with pytest.raises(am.PlanError, match=r"^the pipeline search cuts one stage per device"):
         PipelinePricer(CostModel(graph, A100_8), "interleaved")
     assert PipelinePricer(CostModel(graph, A100_8), "1f1b").schedule.chunks == 1
+
+
+def test_verify_holds_an_interleaved_plan_against_its_compiled_stages():
+    # A step that donates nothing: each chunk's update keeps its new state beside the old
+    # through its group's other chunks' updates; per stage, model against run.memory.
+    graph, groups = flax_graph()
+    plan = _plan(graph, groups, 2, 2, {"data": 2}, 2)
+    report = verify(flax_step, plan, *flax_args())
+    assert report.collectives_match is True, report.summary()
+    assert report.numerics_ok, report.summary()
+    assert len(report.stage_memory_bytes) == 4
+    for predicted, xla in report.stage_memory_bytes:
+        assert predicted == pytest.approx(xla, rel=0.15), report.summary()

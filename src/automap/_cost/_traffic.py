@@ -222,10 +222,13 @@ def _per_device(out, at_bwd, held_act, groups: int) -> list[dict[str, float]]:
         dev = {k: sum(out[s][k] for s in mine) for k in out[g] if k not in _PEAK_KEYS}
         resid = sum(held_act[s] for s in mine)
         bwd = resid + max(at_bwd[s]["activations"] - held_act[s] for s in mine)
-        late = [s for s in mine if out[s] != at_bwd[s]]  # the update's peak won there
-        top = max(late, key=lambda s: out[s]["activations"] + out[s]["outputs"], default=None)
-        if top is not None and out[top]["activations"] + out[top]["outputs"] > bwd:
-            dev.update(activations=out[top]["activations"], outputs=out[top]["outputs"])
+        # Where the update's peak won: the new state each such chunk's update made is
+        # held through the others' (a step that donates nothing), beside the largest one.
+        late = [s for s in mine if out[s] != at_bwd[s]]
+        act = max((out[s]["activations"] for s in late), default=0.0)
+        kept = sum(out[s]["outputs"] for s in late)
+        if late and act + kept > bwd:
+            dev.update(activations=act, outputs=kept)
         else:
             dev.update(activations=bwd, outputs=0.0)
         merged.append(dev)
