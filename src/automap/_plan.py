@@ -342,13 +342,14 @@ def _check_stages(plan: Plan, source: str) -> None:
     """A pipeline's stages: each on its own devices of the mesh, as many as its mesh says,
     and as many stages as the mesh's pipe axis."""
     pipe = plan.mesh.get(PIPE)
-    groups = _first_repeat(plan.stages)
-    if pipe is not None and plan.stages and pipe != groups:
+    if pipe is not None and plan.stages and (pipe > len(plan.stages) or len(plan.stages) % pipe):
         raise PlanError(
-            f"{source}: mesh['{PIPE}'] is {pipe} but the plan's stages run on {groups} "
-            f"device groups; make them agree (one group per step of the {PIPE} axis), "
-            f"{_RECREATE}."
+            f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists {len(plan.stages)} "
+            f"stages; make them agree (one stage per step of the {PIPE} axis, or a multiple "
+            f"of it for interleaved virtual stages), {_RECREATE}."
         )
+    # Device groups: the pipe axis, else the stages before the first that repeats devices.
+    groups = pipe if pipe is not None and plan.stages else _first_repeat(plan.stages)
     if pipe is not None and pipe > 1 and not plan.stages:
         raise PlanError(
             f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists no stages; give its "
@@ -398,6 +399,8 @@ def _check_interleaving(plan: Plan, groups: int, source: str) -> None:
     """Stages past the first `groups` (interleaved 1F1B's later chunks) repeat the first
     ones' devices in order: stage s on the devices of stage s % groups."""
     stages = plan.stages
+    if not stages:
+        return
     for s in range(groups, len(stages)):
         if tuple(stages[s].devices) != tuple(stages[s % groups].devices):
             raise PlanError(
