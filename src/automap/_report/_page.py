@@ -201,7 +201,8 @@ def _mesh_fig(plan: Plan, cluster: Cluster | None, fig: Any = None) -> Any:
     cols, rows = max(p[0] for p in pos) + 1, max(p[1] for p in pos) + 1
     fig = fig or plots.new_figure(min(12.0, 4.5 + 0.55 * cols), min(10.0, 1.6 + 0.55 * rows))
     per_node = cluster.devices_per_node if cluster and cluster.devices_per_node < 4096 else None
-    stage_of = {d: i for i, st in enumerate(plan.stages) for d in st.devices}
+    # Interleaved: a device group is labelled by its first stage (chunk 0).
+    stage_of = {d: i for i, st in reversed(list(enumerate(plan.stages))) for d in st.devices}
     plots.draw_mesh(fig, plan.mesh, per_node, axis_links(plan, cluster), stage_of)
     return fig
 
