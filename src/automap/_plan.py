@@ -183,6 +183,14 @@ class Plan:
         return self.remat_policy
 
     @property
+    def virtual_stages(self) -> int:
+        """Model chunks per device group (interleaved 1F1B): a plan of S device groups
+        and v chunks lists S * v stages, stage p on the devices of stage p % S (virtual
+        stage p is chunk p // S of group p % S). 1 when every stage has its own devices."""
+        groups = _first_repeat(self.stages)
+        return len(self.stages) // groups if groups else 1
+
+    @property
     def devices(self) -> int:
         return math.prod(self.mesh.values()) if self.mesh else 1
 
@@ -393,16 +401,20 @@ def _check_stages(plan: Plan, source: str) -> None:
     """A pipeline's stages: each on its own devices of the mesh, as many as its mesh says,
     and as many stages as the mesh's pipe axis."""
     pipe = plan.mesh.get(PIPE)
-    if pipe is not None and plan.stages and pipe != len(plan.stages):
+    if pipe is not None and plan.stages and (pipe > len(plan.stages) or len(plan.stages) % pipe):
         raise PlanError(
             f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists {len(plan.stages)} "
-            f"stages; make them agree (one stage per step of the {PIPE} axis), {_RECREATE}."
+            f"stages; make them agree (one stage per step of the {PIPE} axis, or a multiple "
+            f"of it for interleaved virtual stages), {_RECREATE}."
         )
+    # Device groups: the pipe axis, else the stages before the first that repeats devices.
+    groups = pipe if pipe is not None and plan.stages else _first_repeat(plan.stages)
     if pipe is not None and pipe > 1 and not plan.stages:
         raise PlanError(
             f"{source}: mesh['{PIPE}'] is {pipe} but the plan lists no stages; give its "
             f"stages, or drop the {PIPE} axis, {_RECREATE}."
         )
+    _check_interleaving(plan, groups, source)
     owner: dict[int, int] = {}
     for s, stage in enumerate(plan.stages):
         need = math.prod(stage.mesh.values()) if stage.mesh else 1
@@ -417,7 +429,7 @@ def _check_stages(plan: Plan, source: str) -> None:
                 f"{source}: stage {s} runs ops {stage.op_start} to {stage.op_stop}, an empty "
                 f"range; give op_start < op_stop, {_RECREATE}."
             )
-        for device in stage.devices:
+        for device in stage.devices if s < groups else ():  # later ones: checked above
             if not 0 <= device < plan.devices:
                 raise PlanError(
                     f"{source}: stage {s} names device {device}, outside the mesh's "
@@ -429,6 +441,39 @@ def _check_stages(plan: Plan, source: str) -> None:
                     f"each stage needs its own devices, {_RECREATE}."
                 )
             owner[device] = s
+
+
+def _first_repeat(stages) -> int:
+    """How many stages come before the first that repeats an earlier one's devices (all
+    of them when none does): the device groups of an interleaved plan."""
+    seen = set()
+    for s, stage in enumerate(stages):
+        if tuple(stage.devices) in seen:
+            return s
+        seen.add(tuple(stage.devices))
+    return len(stages)
+
+
+def _check_interleaving(plan: Plan, groups: int, source: str) -> None:
+    """Stages past the first `groups` (interleaved 1F1B's later chunks) repeat the first
+    ones' devices in order: stage s on the devices of stage s % groups."""
+    stages = plan.stages
+    if not stages:
+        return
+    for s in range(groups, len(stages)):
+        if tuple(stages[s].devices) != tuple(stages[s % groups].devices):
+            raise PlanError(
+                f"{source}: stage {s} runs on devices {list(stages[s].devices)}, but with "
+                f"{groups} device groups (interleaved virtual stages) stage {s} must run on "
+                f"stage {s % groups}'s devices {list(stages[s % groups].devices)} and the "
+                f"stage count be a multiple of {groups}; give each stage its own devices, "
+                f"or repeat the groups in order, {_RECREATE}."
+            )
+    if len(stages) % groups:
+        raise PlanError(
+            f"{source}: {len(stages)} stages on {groups} device groups: interleaved virtual "
+            f"stages need a multiple of {groups} stages, {_RECREATE}."
+        )
 
 
 def _with_assignment(

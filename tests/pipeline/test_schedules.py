@@ -17,6 +17,7 @@ from automap._pipeline import (
     Task,
     pipeline_plan,
     pipeline_schedule,
+    plan_schedule,
     register_schedule,
     schedule_names,
     uniform_cuts,
@@ -67,69 +68,84 @@ def _live_peak(tasks) -> int:
     return peak
 
 
-def _schedules():
-    return [pipeline_schedule(name) for name in schedule_names()]
+def _schedules(stages: int = 1, m: int = 1):
+    """Every registered schedule, interleaved 1F1B with 2 and 3 chunks, each where it
+    runs `m` microbatches on `stages` device groups (interleaved: whole rounds of S)."""
+    out = [pipeline_schedule(name) for name in schedule_names()]
+    out += [pipeline_schedule("interleaved", 3)]
+    return [s for s in out if s.chunks == 1 or stages == 1 or m % stages == 0]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def _device(schedule, p, stages):
+    """The device group of virtual stage p, and its chunk there."""
+    return p % stages, p // stages
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
 def test_the_built_in_schedules_are_registered(name):
     assert pipeline_schedule(name).name == name
 
 
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_every_schedule_lists_each_unit_once_in_a_valid_order(stages, m):
-    for schedule in _schedules():
+    for schedule in _schedules(stages, m):
+        v = schedule.chunks
         orders = schedule.stage_tasks(stages, m)
         assert len(orders) == stages
-        want = {
-            Task(ph, i, c)
-            for ph in (Phase.FWD, Phase.BWD)
-            for i in range(m)
-            for c in range(schedule.chunks)
-        }
+        want = {Task(ph, i, c) for ph in (Phase.FWD, Phase.BWD) for i in range(m) for c in range(v)}
         for tasks in orders:
             assert len(tasks) == len(set(tasks)) and set(tasks) == want, schedule.name
             # A stage's own forward of a microbatch comes before its backward.
             pos = {t: k for k, t in enumerate(tasks)}
-            assert all(pos[Task(Phase.FWD, i)] < pos[Task(Phase.BWD, i)] for i in range(m))
-        # Across stages: run in time (unequal stages, slow sends), every unit starts after
-        # what it reads ends, and a stage never runs two units at once.
-        times = [(1.0 + s, 2.0 + 0.5 * s) for s in range(stages)]
-        sends = [0.25] * stages
-        timed = schedule.simulate(stages, m, times, sends)
-        assert len(timed) == 2 * stages * m
+            assert all(
+                pos[Task(Phase.FWD, i, c)] < pos[Task(Phase.BWD, i, c)]
+                for i in range(m)
+                for c in range(v)
+            )
+        # Across virtual stages: run in time (unequal stages, slow sends), every unit starts
+        # after what it reads ends, and a device never runs two units at once.
+        P = stages * v
+        times = [(1.0 + p, 2.0 + 0.5 * p) for p in range(P)]
+        timed = schedule.simulate(stages, m, times, [0.25] * P)
+        assert len(timed) == 2 * P * m
         end = {(u.stage, u.phase, u.microbatch): u.end for u in timed}
         for u in timed:
             if u.phase is Phase.FWD and u.stage > 0:
                 assert u.start >= end[(u.stage - 1, Phase.FWD, u.microbatch)] + 0.25
-            if u.phase is Phase.BWD and u.stage < stages - 1:
+            if u.phase is Phase.BWD and u.stage < P - 1:
                 assert u.start >= end[(u.stage + 1, Phase.BWD, u.microbatch)] + 0.25
             if u.phase is Phase.BWD:
                 assert u.start >= end[(u.stage, Phase.FWD, u.microbatch)]
+            assert u.end - u.start == times[u.stage][0 if u.phase is Phase.FWD else 1]
         for s in range(stages):
-            spans = sorted((u.start, u.end) for u in timed if u.stage == s)
-            assert all(e <= a for (_, e), (a, _) in itertools.pairwise(spans))
-            # ... in the stage's own order.
-            own = [
-                (u.phase, u.microbatch)
-                for u in sorted(timed, key=lambda u: u.start)
-                if u.stage == s
-            ]
-            assert own == [(t.phase, t.microbatch) for t in orders[s]]
+            mine = sorted((u for u in timed if _device(schedule, u.stage, stages)[0] == s),
+                          key=lambda u: u.start)  # fmt: skip
+            assert all(a.end <= b.start for a, b in itertools.pairwise(mine))
+            # ... in the device's own order.
+            own = [Task(u.phase, u.microbatch, _device(schedule, u.stage, stages)[1]) for u in mine]
+            assert own == list(orders[s])
 
 
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_in_flight_is_the_most_microbatches_live_in_the_task_lists(stages, m):
-    for schedule in _schedules():
-        peaks = tuple(_live_peak(t) for t in schedule.stage_tasks(stages, m))
+    for schedule in _schedules(stages, m):
+        lists = schedule.stage_tasks(stages, m)
+        peaks = tuple(_live_peak(t) for t in lists)
         assert schedule.in_flight(stages, m) == peaks, schedule.name
+        # Per virtual stage at its device's peak: the device's peak shared by its chunks.
+        per = schedule.stage_in_flight(stages, m)
+        assert len(per) == stages * schedule.chunks
+        assert all(sum(per[s::stages]) == peaks[s] for s in range(stages))
+        if schedule.chunks == 1:
+            assert per == peaks
 
 
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_idle_slots_are_the_simulated_bubble_on_equal_stages(stages, m):
     f, b = 1.0, 2.0
-    for schedule in _schedules():
-        timed = schedule.simulate(stages, m, [(f, b)] * stages)
+    for schedule in _schedules(stages, m):
+        v = schedule.chunks  # each virtual stage does 1/v of its device's work
+        timed = schedule.simulate(stages, m, [(f / v, b / v)] * (stages * v))
         span = max(u.end for u in timed)
         idle = schedule.idle_slots(stages, m)
         assert span == pytest.approx((m + idle) * (f + b)), schedule.name
@@ -137,23 +153,68 @@ def test_idle_slots_are_the_simulated_bubble_on_equal_stages(stages, m):
 
 
 def test_global_order_keeps_each_stage_order_and_every_dependency():
-    for schedule in _schedules():
-        order = schedule.global_order(4, 6)
+    for schedule in _schedules(4, 8):
+        order = schedule.global_order(4, 8)
         seen = set()
         for u in order:
-            dep = schedule.depends_on(u.stage, Task(u.phase, u.microbatch), 4)
+            s, c = _device(schedule, u.stage, 4)
+            dep = schedule.depends_on(s, Task(u.phase, u.microbatch, c), 4)
             assert dep is None or dep in seen
             seen.add(u)
-        for s, tasks in enumerate(schedule.stage_tasks(4, 6)):
-            assert [(u.phase, u.microbatch) for u in order if u.stage == s] == [
-                (t.phase, t.microbatch) for t in tasks
-            ]
+        for s, tasks in enumerate(schedule.stage_tasks(4, 8)):
+            assert [
+                Task(u.phase, u.microbatch, _device(schedule, u.stage, 4)[1])
+                for u in order
+                if _device(schedule, u.stage, 4)[0] == s
+            ] == list(tasks)
+
+
+def test_interleaving_shrinks_the_bubble_v_fold_for_more_in_flight():
+    """Narayanan et al. (2021), section 2.2.2: the bubble of 1F1B over v, paid for in
+    activations held (per device, in units of its whole model's: chunks / v)."""
+    one = pipeline_schedule("1f1b")
+    for v in (2, 3, 4):
+        il = pipeline_schedule("interleaved", v)
+        for stages, m in ((2, 4), (4, 8), (4, 16), (8, 8)):
+            assert il.idle_slots(stages, m) == pytest.approx(one.idle_slots(stages, m) / v)
+            assert il.bubble(stages, m) < one.bubble(stages, m)
+            held = [n / v for n in il.in_flight(stages, m)]
+            assert held[0] >= one.in_flight(stages, m)[0]
+    # Megatron-LM's first group warms up with 2 (S - 1) + (v - 1) S forwards.
+    assert pipeline_schedule("interleaved", 2).in_flight(4, 8) == (11, 9, 7, 5)
+
+
+def test_interleaving_refuses_what_it_cannot_run_in_one_line():
+    with pytest.raises(PlanError, match=r"^interleaved 1F1B needs 2 or more virtual stages"):
+        pipeline_schedule("interleaved", 1)
+    with pytest.raises(PlanError, match=r"do not divide into rounds of 4; use a multiple of 4"):
+        pipeline_schedule("interleaved", 2).stage_tasks(4, 6)
+    with pytest.raises(PlanError, match=r"^pipeline schedule '1f1b' runs one model chunk"):
+        pipeline_schedule("1f1b", 2)
+    graph, groups = flax_graph()
+    cuts = uniform_cuts(graph, groups, 3)
+    with pytest.raises(PlanError, match=r"3 pipeline stages do not split into 2 virtual"):
+        pipeline_plan(graph, groups, cuts, {}, {}, 2, "interleaved", virtual_stages=2)
+
+
+def test_an_interleaved_plan_lists_its_chunks_on_repeating_device_groups():
+    graph, groups = flax_graph()
+    cuts = uniform_cuts(graph, groups, 4)
+    plan = pipeline_plan(graph, groups, cuts, {"data": 2}, {}, 2, "interleaved", virtual_stages=2)
+    assert plan.mesh["pipe"] == 2 and len(plan.stages) == 4 and plan.virtual_stages == 2
+    assert [s.devices for s in plan.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert am.Plan.from_dict(plan.to_dict()).virtual_stages == 2  # survives a plan file
+    assert plan_schedule(plan).chunks == 2
+    d = plan.to_dict()
+    d["stages"][2]["devices"] = [2, 3]
+    with pytest.raises(PlanError, match=r"stage 2 runs on devices \[2, 3\], but with 2 device"):
+        am.Plan.from_dict(d)
 
 
 def test_a_bad_name_is_one_line_listing_the_registered_ones(fifo):
     with pytest.raises(
         PlanError,
-        match=r"^unknown pipeline schedule 'zb'; use one of gpipe, 1f1b, test-gpipe-fifo\.$",
+        match=r"^unknown pipeline schedule 'zb'; use one of gpipe, 1f1b, interleaved, test-gpipe-fifo\.$",
     ):
         pipeline_schedule("zb")
     graph, groups = flax_graph()

@@ -399,7 +399,16 @@ def estimate_cmd(
     microbatches: Annotated[
         int | None, typer.Option("--microbatches", help="Microbatches per step (pipelines).")
     ] = None,
-    schedule: Annotated[str, typer.Option(help="Pipeline schedule: 1f1b or gpipe.")] = "1f1b",
+    schedule: Annotated[
+        str, typer.Option(help="Pipeline schedule: 1f1b, gpipe or interleaved.")
+    ] = "1f1b",
+    virtual_stages: Annotated[
+        int,
+        typer.Option(
+            "--virtual-stages",
+            help="Model chunks per pipeline stage (interleaved's v; pp x v divides the layers).",
+        ),
+    ] = 1,
     remat: Annotated[
         str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
     ] = "none",
@@ -431,8 +440,10 @@ def estimate_cmd(
     the_cluster = load_cluster(cluster, devices, topology, slices)
     recipe = Recipe(
         tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
-        schedule=schedule, remat=remat, zero=zero, sequence_parallel=sequence_parallel,
-        name=f"tp{tp} pp{pp} dp{dp}" + (" sp" if sequence_parallel else ""),
+        schedule=schedule, virtual_stages=virtual_stages, remat=remat, zero=zero,
+        sequence_parallel=sequence_parallel,
+        name=f"tp{tp} pp{pp} dp{dp}" + (f" v{virtual_stages}" if virtual_stages > 1 else "")
+        + (" sp" if sequence_parallel else ""),
     )  # fmt: skip
     with busy("pricing", not (quiet or as_json)):
         result = plan_recipe(step_fn, *args, recipe=recipe, cluster=the_cluster, origin=origin)

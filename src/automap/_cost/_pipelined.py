@@ -32,6 +32,9 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
   own work (PRE + m (F + B) + REDUCE + POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble
   as for plans without stages. Memory per device is the largest stage's (`_traffic.py`).
+- interleaved 1F1B (v = `Plan.virtual_stages` > 1): the stages are virtual, v per device
+  group, each timed as a stage in `simulate`; a group's work, collectives and memory
+  (`_traffic.stage_memory`) are all its chunks'.
 
 With equal stages and free sends this is the textbook: bubble / step = (S - 1) / (m + S - 1)
 for both schedules (`PipelineSchedule.bubble`), as in the exact stage DP
@@ -268,10 +271,11 @@ class PipelineCost:
     stage_post_s: tuple[float, ...]  # per stage, once per step after them
     pre_s: float  # the slowest stage's PRE (stages run theirs concurrently)
     post_s: float
-    stage_work_s: tuple[float, ...]  # per stage, its own work per step (no idle time)
+    stage_work_s: tuple[float, ...]  # per stage, its device group's work per step (no idle)
     stage_memory: tuple[Mapping[str, float], ...]  # per stage, breakdown per device
     stage_memory_bytes: tuple[float, ...]
-    in_flight: tuple[int, ...]  # microbatches of activations each stage holds at peak
+    # microbatches of activations each stage holds at its devices' peak
+    in_flight: tuple[int, ...]
     ops: tuple[Timed, ...]  # `PipelineSchedule.simulate`'s forward and backward units
     # its once-per-step units: (stage, Phase.REDUCE, -1, start, end), a stage's gradient
     # reduction after its last backward (none with one microbatch)
@@ -299,6 +303,7 @@ def stage_costs(
     on every stage, `microbatches` microbatches run in `schedule`."""
     graph, cluster = model.graph, model.cluster
     S, m = part.n_stages, max(1, int(microbatches))
+    G = S // schedule.chunks  # device groups (S virtual stages when interleaved)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     per_mb = (phase == Phase.FWD) | (phase == Phase.BWD)
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
@@ -309,30 +314,39 @@ def stage_costs(
     compute = compute.reshape(S, N_PHASES)
     compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
     busy = compute + comm.time.sum(axis=2)  # [S, N_PHASES] seconds per run
-    link = pipe_link(cluster, oc.mesh, S)
-    traffic = sends(graph, part, oc.layouts, link, cluster.comm_efficiency, m)
+    traffic = sends(
+        graph, part, oc.layouts, pipe_link(cluster, oc.mesh, G), cluster.comm_efficiency, m
+    )
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
+    if G == 1:  # every stage a chunk of one device group: a send stays where it is
+        send_s = (0.0,) * len(send_s)
     times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
-    units = schedule.simulate(S, m, times, send_s, busy[:, Phase.REDUCE])
+    units = schedule.simulate(G, m, times, send_s, busy[:, Phase.REDUCE])
     stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
     stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
-    pre, post = float(stage_pre.max()), float(stage_post.max())
+    # A device group's own work is all its chunks' (one stage each unless interleaved):
+    # it runs their once-per-step programs one after another.
+    group = np.arange(S) % G
+    pre = float(np.bincount(group, stage_pre, minlength=G).max())
+    post = float(np.bincount(group, stage_post, minlength=G).max())
     own = stage_pre + m * (busy[:, Phase.FWD] + busy[:, Phase.BWD]) + busy[:, Phase.REDUCE]
-    own = own + stage_post
+    own = np.bincount(group, own + stage_post, minlength=G)
     memory, op_state, op_act = stage_memory(_memory_inputs(model, part, oc, m, schedule))
     step = pre + max(end for *_, end in units) + post
     b = int(np.argmax(own))
+    mine = group == b
     op_s = (op_compute * runs[phase]).tolist(), (comm.op * runs[phase] + comm.op_reduce).tolist()
     per_op = tuple(zip(range(len(phase)), *op_s, strict=True))
     cost = _pipeline_cost(
         model,
         oc,
         step,
-        float(compute[b] @ runs),
+        float(compute[mine].sum(axis=0) @ runs),
         float(own[b]),
         memory,
         per_op,
-        comm.per_step(oc.axis_costs, b, runs) + _sent(traffic, b),
+        comm.per_step(oc.axis_costs, mine, runs) + _sent(traffic, mine, G),
+        G,
     )
     return PipelineCost(
         schedule=schedule,
@@ -344,10 +358,10 @@ def stage_costs(
         stage_post_s=tuple(float(x) for x in stage_post),
         pre_s=pre,
         post_s=post,
-        stage_work_s=tuple(float(x) for x in own),
+        stage_work_s=tuple(float(own[g]) for g in group),
         stage_memory=tuple(memory),
         stage_memory_bytes=tuple(float(sum(d.values())) for d in memory),
-        in_flight=schedule.in_flight(S, m),
+        in_flight=schedule.stage_in_flight(G, m),
         ops=tuple(u for u in units if u.phase is not Phase.REDUCE),
         reduce_ops=tuple(u for u in units if u.phase is Phase.REDUCE),
         # A once-per-step reduction spread over the runs: what a stage DP adds per unit.
@@ -356,7 +370,9 @@ def stage_costs(
         op_state_bytes=op_state,
         op_act_bytes=op_act,
         cost=cost,
-        stage_collectives=tuple(comm.per_step(oc.axis_costs, s, runs) for s in range(S)),
+        stage_collectives=tuple(
+            comm.per_step(oc.axis_costs, np.arange(S) == s, runs) for s in range(S)
+        ),
     )
 
 
@@ -369,9 +385,11 @@ class _PhaseComm(NamedTuple):
     op: np.ndarray  # [n_ops] seconds per run of each op's collectives, in its own call
     op_reduce: np.ndarray  # [n_ops] its share of its stage's once-per-step REDUCE
 
-    def per_step(self, ac: C.AxisCosts, s: int, runs: np.ndarray) -> tuple[Collective, ...]:
-        """Stage `s`'s collectives per device per step (`runs`: runs per step of a phase)."""
-        return _collectives(ac, runs @ self.time[s], runs @ self.nbytes[s], runs @ self.count[s])
+    def per_step(self, ac: C.AxisCosts, mine, runs: np.ndarray) -> tuple[Collective, ...]:
+        """The collectives per device per step of the stages `mine` (a boolean mask: one
+        stage, or a device group's virtual stages); `runs`: runs per step of a phase."""
+        t, nb, c = (a[mine].sum(axis=0) for a in (self.time, self.nbytes, self.count))
+        return _collectives(ac, runs @ t, runs @ nb, runs @ c)
 
 
 def _phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m: int):
@@ -420,9 +438,12 @@ def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> St
     )
 
 
-def _pipeline_cost(model, oc: OpCosts, step, compute_s, own_s, memory, per_op, collectives):
-    """The pipeline's `Cost`: the busiest stage's own compute and communication (`own_s`
-    its work per step), the rest of the step its bubble; memory the largest stage's."""
+def _pipeline_cost(
+    model, oc: OpCosts, step, compute_s, own_s, memory, per_op, collectives, groups: int
+):
+    """The pipeline's `Cost`: the busiest device group's own compute and communication
+    (`own_s` its work per step), the rest of the step its bubble; memory the largest
+    stage's (a virtual stage's is its device group's)."""
     cluster, graph = model.cluster, model.graph
     totals = [sum(d.values()) for d in memory]
     worst = int(np.argmax(totals))
@@ -434,7 +455,7 @@ def _pipeline_cost(model, oc: OpCosts, step, compute_s, own_s, memory, per_op, c
             f"pipeline stage {worst} needs {totals[worst] / 1e9:.2f} GB per device ({parts}) "
             f"but {cluster.name} has {limit / 1e9:.2f} GB usable"
         )
-    devices = len(memory) * (math.prod(oc.mesh.values()) if oc.mesh else 1)
+    devices = groups * (math.prod(oc.mesh.values()) if oc.mesh else 1)
     return Cost(
         step_time_s=step,
         compute_s=compute_s,
@@ -451,19 +472,13 @@ def _pipeline_cost(model, oc: OpCosts, step, compute_s, own_s, memory, per_op, c
     )
 
 
-def _sent(traffic: Sends, b: int) -> tuple[Collective, ...]:
-    """Stage `b`'s point-to-point sends as a collective over the pipe axis (none if none)."""
-    if not traffic.sent_count[b]:
+def _sent(traffic: Sends, mine: np.ndarray, groups: int) -> tuple[Collective, ...]:
+    """The sends of the stages `mine` (a device group's) as one collective over the pipe
+    axis; none if none, or with one group (its chunks share the devices)."""
+    nbytes, count, seconds = (float(np.asarray(x)[mine].sum()) for x in traffic.sent)
+    if not count or groups == 1:
         return ()
-    return (
-        Collective(
-            "collective-permute",
-            PIPE,
-            traffic.sent_bytes[b],
-            traffic.sent_count[b],
-            traffic.sent_s[b],
-        ),
-    )
+    return (Collective("collective-permute", PIPE, nbytes, int(count), seconds),)
 
 
 def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
@@ -481,7 +496,7 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
             )
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
-    schedule = pipeline_schedule(plan.schedule)
+    schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
     return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, schedule)
 
 

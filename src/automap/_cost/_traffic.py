@@ -9,6 +9,8 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   forward ops make or its backward ops read, per microbatch (the full-batch bytes / m
   for a tensor carrying the batch), times the microbatches in flight
   (`PipelineSchedule.in_flight`; GPipe: m; 1F1B: min(m, S - s), its warm-up depth).
+  Interleaved stages share a device group: each holds its microbatches live at the
+  group's peak (`stage_in_flight`), and every stage of a group gets the group's memory.
   With rematerialization (`_remat`) those copies are of the layers' inputs and the
   residuals made outside layers; the stage adds
   one microbatch's residuals of its largest layer, which its backward makes again. A
@@ -40,6 +42,7 @@ from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
+_PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +93,12 @@ class StageMemoryInputs:
     layer_stored: Sequence[tuple[int, ...]] = ()
 
     @functools.cached_property
+    def groups(self) -> int:
+        """Device groups: a pipeline of S stages has S / chunks of them when its stages
+        are virtual (interleaved 1F1B), S otherwise."""
+        return self.part.n_stages // self.schedule.chunks
+
+    @functools.cached_property
     def m(self) -> int:
         return max(1, self.microbatches)
 
@@ -133,8 +142,10 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
         for s in range(inp.part.n_stages):
             out[s]["grads"] = sum(b for q, _, b in sums if q == s)
     _once_made(inp, out, op_state)
-    _residuals(inp, out, op_act)
-    _temporaries(inp, out, sums)
+    held_act = _residuals(inp, out, op_act)
+    at_bwd = _temporaries(inp, out, sums)
+    if inp.groups < inp.part.n_stages:
+        out = _per_device(out, at_bwd, held_act, inp.groups)
     return out, op_state, op_act
 
 
@@ -189,14 +200,19 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
                 op_state[late[0]] += b
 
 
-def _residuals(inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.ndarray) -> None:
+def _residuals(
+    inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.ndarray
+) -> np.ndarray:
     """The activations kept for backward, per microbatch, times the microbatches each
-    stage holds in flight (`PipelineSchedule.in_flight`). Every residual as the jaxpr has
+    stage holds in flight (`PipelineSchedule.stage_in_flight`: interleaved stages, each
+    its microbatches live at its device group's peak); returns those bytes per stage.
+    Every residual as the jaxpr has
     it: a stage's F program hands its B program all it reads (program outputs, each a
     buffer), where one program would let XLA fuse the cheap ones into their backward
     readers (`stored_residuals`, the one-stage tables)."""
     graph, part, res, phase, stage = inp.graph, inp.part, inp.res, inp.phase, inp.stage
-    copies = inp.schedule.in_flight(part.n_stages, inp.m)
+    copies = inp.schedule.stage_in_flight(inp.groups, inp.m)
+    held_act = np.zeros(part.n_stages)  # residuals held per stage at its device's peak
     layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
     recomputed = set(res.recomputed) if inp.remat else set()
     for t in res.saved_remat if inp.remat else res.saved:
@@ -215,10 +231,14 @@ def _residuals(inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.n
         } or {int(stage[p])}
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
+            held_act[s] += b * (copies[s] if per_mb else 1)
         op_act[p] += b
+    return held_act
 
 
-def _temporaries(inp: StageMemoryInputs, out: list[dict[str, float]], sums) -> None:
+def _temporaries(
+    inp: StageMemoryInputs, out: list[dict[str, float]], sums
+) -> list[dict[str, float]]:
     """A stage's peak: its backward's temporaries on top of what it holds, or its update's
     (the update runs after the last microbatch, when no activation is alive, with the
     outputs the step holds apart from its arguments made then and kept to its end), or
@@ -232,6 +252,7 @@ def _temporaries(inp: StageMemoryInputs, out: list[dict[str, float]], sums) -> N
     bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
+    at_bwd = [dict(d) for d in out]  # each stage's backward peak, before the update's
     kept = post_outputs(graph, phase, inp.zeroed, inp.zero_stage)
     makers = [graph.tensors[t].producer for t in kept]
     made = np.bincount(inp.stage[makers], list(kept.values()), minlength=S) if kept else [0.0] * S
@@ -242,6 +263,33 @@ def _temporaries(inp: StageMemoryInputs, out: list[dict[str, float]], sums) -> N
         for s, b in enumerate(reduce_program(graph, sums, S, lay.data_size, inp.zero_stage)):
             if b > out[s]["activations"] + out[s]["outputs"]:
                 out[s]["activations"], out[s]["outputs"] = b, 0.0
+    return at_bwd
+
+
+def _per_device(out, at_bwd, held_act, groups: int) -> list[dict[str, float]]:
+    """Interleaved stages: the memory of each stage's device group, for every stage on it.
+    A group holds the state and the in-flight residuals of all its chunks at once, but
+    runs one program at a time: its backward peak is every chunk's residuals plus the
+    largest backward's temporaries; its update's (or reduction's) peak, after the
+    microbatches, the largest of its chunks' (none holds residuals then)."""
+    S = len(out)
+    merged = []
+    for g in range(groups):
+        mine = range(g, S, groups)
+        dev = {k: sum(out[s][k] for s in mine) for k in out[g] if k not in _PEAK_KEYS}
+        resid = sum(held_act[s] for s in mine)
+        bwd = resid + max(at_bwd[s]["activations"] - held_act[s] for s in mine)
+        # Where the update's peak won: the new state each such chunk's update made is
+        # held through the others' (a step that donates nothing), beside the largest one.
+        late = [s for s in mine if out[s] != at_bwd[s]]
+        act = max((out[s]["activations"] for s in late), default=0.0)
+        kept = sum(out[s]["outputs"] for s in late)
+        if late and act + kept > bwd:
+            dev.update(activations=act, outputs=kept)
+        else:
+            dev.update(activations=bwd, outputs=0.0)
+        merged.append(dev)
+    return [dict(merged[s % groups]) for s in range(S)]
 
 
 def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> dict[int, float]:
@@ -456,6 +504,11 @@ class Sends:
     sent_bytes: tuple[float, ...]  # per sending stage: bytes per device per step
     sent_count: tuple[int, ...]  # per sending stage: messages per step
     sent_s: tuple[float, ...]  # per sending stage: seconds of its messages per step
+
+    @property
+    def sent(self) -> tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]]:
+        """(bytes, messages, seconds) per sending stage per step."""
+        return self.sent_bytes, self.sent_count, self.sent_s
 
 
 def pipe_link(cluster: Cluster, stage_mesh: Mapping[str, int], stages: int) -> Link:

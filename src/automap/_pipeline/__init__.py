@@ -1,7 +1,7 @@
 """What a staged plan means: which stage and phase each op of a step belongs to
 (`partition`), layers no stage can cut between
 (`scanned_layers`), where stages may start (`cut_candidates`), the Plan for a set of cuts, and
-the pipeline schedules (GPipe, 1F1B: `PipelineSchedule` objects found by name with
+the pipeline schedules (GPipe, 1F1B, interleaved 1F1B: `PipelineSchedule` objects found by name with
 `pipeline_schedule`) that the runtime, the cost model, the stage DP and the report all read,
 and the `Phase` of a step's work that they all name it by.
 
@@ -24,6 +24,7 @@ from ._plans import cut_runs as cut_runs
 from ._plans import pipeline_plan as pipeline_plan
 from ._plans import uniform_cuts as uniform_cuts
 from ._registry import pipeline_schedule as pipeline_schedule
+from ._registry import plan_schedule as plan_schedule
 from ._registry import register_schedule as register_schedule
 from ._registry import schedule_names as schedule_names
 from ._registry import unregister_schedule as unregister_schedule

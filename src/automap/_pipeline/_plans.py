@@ -157,11 +157,20 @@ def pipeline_plan(
     name: str = "pipeline",
     *,
     zero_stage: int = 0,
+    virtual_stages: int = 1,
 ) -> Plan:
     """The Plan with stages starting at `cuts` (forward op indices, ascending, 0 left out),
     each on its own copy of `stage_mesh` (contiguous device blocks, in stage order), the
-    group -> axis `assignment` inside every stage, and the microbatch schedule."""
-    pipeline_schedule(schedule)  # a known name, or one line listing them
+    group -> axis `assignment` inside every stage, and the microbatch schedule.
+    `virtual_stages` v > 1 (interleaved schedules): the cuts give S * v stages and stage
+    p runs on device group p % S, chunk p // S of it."""
+    run = pipeline_schedule(schedule, virtual_stages)  # known, and able to run v chunks
+    if (len(cuts) + 1) % virtual_stages:
+        raise PlanError(
+            f"{len(cuts) + 1} pipeline stages do not split into {virtual_stages} virtual "
+            f"stages per device group; give a multiple of {virtual_stages} stages."
+        )
+    run.check((len(cuts) + 1) // virtual_stages, microbatches)
     if PIPE in stage_mesh:
         raise PlanError('the stage mesh cannot have a "pipe" axis: that one is the stages.')
     starts = [0, *cuts]
@@ -175,12 +184,13 @@ def pipeline_plan(
     )
     per = math.prod(stage_mesh.values()) if stage_mesh else 1
     stops = [*cuts, len(graph.ops)]
+    groups = len(starts) // virtual_stages
     stages = tuple(
-        Stage(a, b, tuple(range(s * per, (s + 1) * per)), dict(stage_mesh))
+        Stage(a, b, tuple(range(s % groups * per, (s % groups + 1) * per)), dict(stage_mesh))
         for s, (a, b) in enumerate(zip(starts, stops, strict=True))
     )
     return Plan(
-        mesh={PIPE: len(stages), **stage_mesh},
+        mesh={PIPE: groups, **stage_mesh},
         specs=inner.specs,
         out_specs=inner.out_specs,
         constraints=inner.constraints,

@@ -16,11 +16,13 @@ registered in a test alone (`register_schedule`).
 from __future__ import annotations
 
 from .._errors import PlanError
+from .._plan import Plan
 from ._gpipe import GPipe
+from ._interleaved import Interleaved
 from ._one_f_one_b import OneFOneB
 from ._schedule import PipelineSchedule
 
-_BUILT_IN: tuple[PipelineSchedule, ...] = (GPipe(), OneFOneB())
+_BUILT_IN: tuple[PipelineSchedule, ...] = (GPipe(), OneFOneB(), Interleaved())
 _SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in _BUILT_IN}
 
 
@@ -29,14 +31,22 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(_SCHEDULES)
 
 
-def pipeline_schedule(name: str) -> PipelineSchedule:
-    """The schedule registered as `name`; a PlanError listing the names otherwise."""
+def pipeline_schedule(name: str, chunks: int | None = None) -> PipelineSchedule:
+    """The schedule registered as `name`, run with `chunks` model chunks per device where
+    given (a plan's `virtual_stages`; the registered one's otherwise); a PlanError listing
+    the names, or saying why it cannot hold `chunks`, otherwise."""
     try:
-        return _SCHEDULES[name]
+        schedule = _SCHEDULES[name]
     except (KeyError, TypeError):
         raise PlanError(
             f"unknown pipeline schedule {name!r}; use one of {', '.join(_SCHEDULES)}."
         ) from None
+    return schedule if chunks is None else schedule.with_chunks(chunks)
+
+
+def plan_schedule(plan: Plan) -> PipelineSchedule:
+    """The schedule a plan runs: its name, with the plan's virtual stages per device."""
+    return pipeline_schedule(plan.schedule, plan.virtual_stages)
 
 
 def register_schedule(schedule: PipelineSchedule) -> PipelineSchedule:

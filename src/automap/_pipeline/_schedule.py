@@ -18,10 +18,13 @@ A schedule says three things; the rest is shared here:
   units of one microbatch's forward + backward (S - 1 for GPipe and 1F1B); `bubble` is
   that as a share of the step.
 
-Room for more (issue 26): a task names its `chunk`, the model chunk of its device it runs
-(interleaved 1F1B holds `chunks` > 1 per device: its virtual stages), and a schedule with
-other phases (ZB-H1's weight-gradient pass) overrides `depends_on`. `simulate` refuses
-`chunks` > 1 until the runtime and the cost model run chunks.
+Model chunks: a task names its `chunk`, the model chunk of its device it runs.
+Interleaved 1F1B (`_interleaved.py`) holds `chunks` = v > 1 per device: its virtual
+stages. A plan then lists S * v stages (`Plan.stages`), virtual stage p = chunk * S + s on
+device group s, so every reader that walks a plan's stages walks virtual stages: `stages`
+below is always the device groups S, while `simulate`'s times and sends, and the units of
+`simulate` and `global_order`, are per virtual stage (the same thing when v = 1). A
+schedule with other phases (ZB-H1's weight-gradient pass) overrides `depends_on`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import abc
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
+from .._errors import PlanError
 from ._phase import Phase
 
 
@@ -42,7 +46,8 @@ class Task(NamedTuple):
 
 
 class Unit(NamedTuple):
-    """A task placed on its stage: what the runtime dispatches and records in its trace."""
+    """A task placed on its stage: what the runtime dispatches and records in its trace.
+    `stage` is the virtual stage (chunk * S + device group; the stage when v = 1)."""
 
     stage: int
     phase: Phase
@@ -65,8 +70,29 @@ class PipelineSchedule(abc.ABC):
 
     #: The name a Plan stores and the CLI takes (`Plan.schedule`, `--schedule`).
     name: ClassVar[str]
-    #: Model chunks each device holds (interleaved schedules: its virtual stages).
-    chunks: ClassVar[int] = 1
+    #: Model chunks each device holds (interleaved schedules: its virtual stages); an
+    #: instance's own (`with_chunks`).
+    chunks: int = 1
+
+    def with_chunks(self, chunks: int) -> PipelineSchedule:
+        """This schedule run with `chunks` model chunks per device (a plan's
+        `virtual_stages`); a PlanError where it cannot."""
+        if chunks == self.chunks:
+            return self
+        raise PlanError(
+            f"pipeline schedule {self.name!r} runs one model chunk per device, not "
+            f"{chunks}; use schedule 'interleaved' for virtual stages, or list one stage "
+            "per device group."
+        )
+
+    def check(self, stages: int, microbatches: int) -> None:
+        """A PlanError where this schedule cannot run `microbatches` on `stages` device
+        groups (every count runs, unless a schedule says otherwise)."""
+        return None
+
+    def virtual_stage(self, stage: int, task: Task, stages: int) -> int:
+        """The virtual stage (the plan's stage index) `task` on device group `stage` runs."""
+        return task.chunk * stages + stage
 
     @abc.abstractmethod
     def stage_tasks(self, stages: int, microbatches: int) -> tuple[tuple[Task, ...], ...]:
@@ -82,6 +108,24 @@ class PipelineSchedule(abc.ABC):
         """Idle time per stage of a step on equal stages with free sends, in units of one
         microbatch's forward + backward."""
 
+    def stage_in_flight(self, stages: int, microbatches: int) -> tuple[int, ...]:
+        """Per virtual stage, its microbatches live at its device's busiest moment (the
+        first task after which `in_flight` (microbatch, chunk) pairs are live): what a
+        device holds of each of its chunks' activations at its peak. Read off the task
+        lists; `in_flight` when one chunk per device."""
+        out = [0] * (stages * self.chunks)
+        for s, tasks in enumerate(self.stage_tasks(stages, microbatches)):
+            live: set[Task] = set()
+            best: list[Task] = []
+            for task in tasks:
+                key = Task(Phase.FWD, task.microbatch, task.chunk)
+                (live.add if task.phase is Phase.FWD else live.discard)(key)
+                if len(live) > len(best):
+                    best = list(live)
+            for task in best:
+                out[self.virtual_stage(s, task, stages)] += 1
+        return tuple(out)
+
     def bubble(self, stages: int, microbatches):
         """The share of a step a stage idles on equal stages with free sends: the textbook
         (S - 1) / (m + S - 1) for GPipe and 1F1B. `microbatches` may be a numpy array."""
@@ -89,14 +133,15 @@ class PipelineSchedule(abc.ABC):
         return idle / (microbatches + idle)
 
     def depends_on(self, stage: int, task: Task, stages: int) -> Unit | None:
-        """The unit whose result `task` on `stage` reads across stages (None: none): a
-        forward reads the previous stage's forward, a backward the next stage's backward,
-        and the last stage's backward its own forward."""
+        """The unit whose result `task` on device group `stage` reads across stages (None:
+        none), by virtual stage p: a forward reads virtual stage p - 1's forward, a
+        backward p + 1's backward, and the last virtual stage's backward its own forward."""
+        p, last = self.virtual_stage(stage, task, stages), stages * self.chunks - 1
         if task.phase is Phase.FWD:
-            return Unit(stage - 1, Phase.FWD, task.microbatch) if stage > 0 else None
-        if stage < stages - 1:
-            return Unit(stage + 1, Phase.BWD, task.microbatch)
-        return Unit(stage, Phase.FWD, task.microbatch)
+            return Unit(p - 1, Phase.FWD, task.microbatch) if p > 0 else None
+        if p < last:
+            return Unit(p + 1, Phase.BWD, task.microbatch)
+        return Unit(p, Phase.FWD, task.microbatch)
 
     def simulate(
         self,
@@ -108,23 +153,35 @@ class PipelineSchedule(abc.ABC):
     ) -> list[Timed]:
         """Run the schedule in time: one `Timed` per unit of work.
 
-        `times[s]` is stage s's (forward, backward) seconds per microbatch; `send_s[s]`
-        the point-to-point time to pass a microbatch's activations (or their gradients)
-        across the cut between stage s and s + 1 (0 when not given). A unit starts when
-        its stage is free and the unit it `depends_on` has ended, plus the send across the
-        cut between them.
+        `stages` is the device groups S; the rest is per virtual stage p (= stage s when
+        one chunk per device): `times[p]` is its (forward, backward) seconds per
+        microbatch; `send_s[p]` the point-to-point time to pass a microbatch's activations
+        (or their gradients) across the cut between virtual stage p and p + 1 (0 when not
+        given). A unit starts when its device group is free and the unit it `depends_on`
+        has ended, plus the send across the cut between them. Units name virtual stages.
 
-        `reduce_s[s]`, where given and positive, is stage s's once-per-step work after its
-        last backward (its gradients' data-parallel reduction): one more unit
-        (s, Phase.REDUCE, -1, ...), listed after all the forward and backward units.
+        `reduce_s[p]`, where given and positive, is virtual stage p's once-per-step work
+        after its device's last backward (its gradients' data-parallel reduction): one
+        more unit (p, Phase.REDUCE, -1, ...), run right after p's last unit (as the runtime
+        dispatches it) and listed after all the forward and backward units, by stage.
         """
-        if self.chunks != 1:
-            raise NotImplementedError(
-                f"pipeline schedule {self.name!r} holds {self.chunks} model chunks per "
-                "device; the runtime and the cost model run one chunk per device."
+        pieces = stages * self.chunks
+        if len(times) != pieces:
+            raise ValueError(
+                f"{self.name!r} on {stages} stages x {self.chunks} chunks needs {pieces} "
+                f"(forward, backward) times, one per virtual stage; got {len(times)}."
             )
         orders = self.stage_tasks(stages, microbatches)
-        sends = list(send_s) if send_s is not None else [0.0] * stages
+        sends = list(send_s) if send_s is not None else [0.0] * pieces
+        reduce = [0.0] * pieces if reduce_s is None else [float(x) for x in reduce_s]
+        # Each virtual stage's last task on its device: its reduction runs right after it,
+        # as the runtime dispatches it (with one chunk per device: after the last unit).
+        last = {
+            self.virtual_stage(s, task, stages): (s, k)
+            for s, tasks in enumerate(orders)
+            for k, task in enumerate(tasks)
+        }
+        reductions: list[Timed] = []
         done: dict[Unit, float] = {}
         free, ptr, out = [0.0] * stages, [0] * stages, []
         while any(ptr[s] < len(orders[s]) for s in range(stages)):
@@ -135,12 +192,16 @@ class PipelineSchedule(abc.ABC):
                     dep = self.depends_on(s, task, stages)
                     if dep is not None and dep not in done:
                         break
-                    lag = 0.0 if dep is None or dep.stage == s else sends[min(s, dep.stage)]
+                    p = self.virtual_stage(s, task, stages)
+                    lag = 0.0 if dep is None or dep.stage == p else sends[min(p, dep.stage)]
                     ready = 0.0 if dep is None else done[dep] + lag
                     start = max(free[s], ready)
-                    end = start + times[s][0 if task.phase is Phase.FWD else 1]
-                    done[Unit(s, task.phase, task.microbatch)], free[s] = end, end
-                    out.append(Timed(s, task.phase, task.microbatch, start, end))
+                    end = start + times[p][0 if task.phase is Phase.FWD else 1]
+                    done[Unit(p, task.phase, task.microbatch)], free[s] = end, end
+                    out.append(Timed(p, task.phase, task.microbatch, start, end))
+                    if last[p] == (s, ptr[s]) and reduce[p] > 0:
+                        reductions.append(Timed(p, Phase.REDUCE, -1, end, end + reduce[p]))
+                        free[s] = end + reduce[p]
                     ptr[s] += 1
                     progressed = True
             if not progressed:
@@ -148,18 +209,19 @@ class PipelineSchedule(abc.ABC):
                     f"pipeline schedule {self.name!r} deadlocked: a stage waits on a unit "
                     "its neighbour runs later. Reorder its `stage_tasks`."
                 )
-        for s, seconds in enumerate(() if reduce_s is None else reduce_s):
-            if seconds > 0:
-                out.append(Timed(s, Phase.REDUCE, -1, free[s], free[s] + float(seconds)))
-        return out
+        return out + sorted(reductions, key=lambda u: u.stage)
 
     def global_order(self, stages: int, microbatches: int) -> list[Unit]:
         """One sequence of all the work that respects every dependency and every stage's
         own order: the order a single controller dispatches it in (stages then run
         concurrently, as JAX dispatch is asynchronous). Units are ordered by their start
-        time in a simulation with unit times, ties by stage."""
-        timed = self.simulate(stages, microbatches, [(1.0, 2.0)] * stages)
+        time in a simulation with unit times, ties by stage; they name virtual stages."""
+        timed = self.simulate(stages, microbatches, [(1.0, 2.0)] * (stages * self.chunks))
         return [Unit(*u[:3]) for u in sorted(timed, key=lambda u: (u.start, u.stage))]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return (
+            f"{type(self).__name__}()"
+            if self.chunks == 1
+            else f"{type(self).__name__}({self.chunks})"
+        )

@@ -74,12 +74,18 @@ def _ranges(xs: list[int]) -> str:
 
 
 def pipeline_ops(
-    stages: int, microbatches: int, schedule: str, times: Sequence[tuple[float, float]]
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    times: Sequence[tuple[float, float]],
+    chunks: int = 1,
 ) -> list[Timed]:
     """The schedule named `schedule` simulated in time, (stage, phase, microbatch, start,
     end) per unit: the same simulation the cost model and the runtime use (point-to-point
-    not drawn)."""
-    return pipeline_schedule(schedule).simulate(stages, microbatches, times)
+    not drawn). `stages` counts the plan's stages, `chunks` of them per device group
+    (`Plan.virtual_stages`)."""
+    run = pipeline_schedule(schedule, chunks)
+    return run.simulate(stages // chunks, microbatches, times)
 
 
 def stage_times(plan: Plan) -> tuple[list[tuple[float, float]], str]:

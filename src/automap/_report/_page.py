@@ -201,7 +201,8 @@ def _mesh_fig(plan: Plan, cluster: Cluster | None, fig: Any = None) -> Any:
     cols, rows = max(p[0] for p in pos) + 1, max(p[1] for p in pos) + 1
     fig = fig or plots.new_figure(min(12.0, 4.5 + 0.55 * cols), min(10.0, 1.6 + 0.55 * rows))
     per_node = cluster.devices_per_node if cluster and cluster.devices_per_node < 4096 else None
-    stage_of = {d: i for i, st in enumerate(plan.stages) for d in st.devices}
+    # Interleaved: a device group is labelled by its first stage (chunk 0).
+    stage_of = {d: i for i, st in reversed(list(enumerate(plan.stages))) for d in st.devices}
     plots.draw_mesh(fig, plan.mesh, per_node, axis_links(plan, cluster), stage_of)
     return fig
 
@@ -270,12 +271,15 @@ def _schedule_fig(plan: Plan, fig: Any = None) -> tuple[Any | None, str]:
             "No pipeline: one stage runs the whole step; communication is drawn after compute (the model's sum, before any overlap).",
         )
     times, unit = stage_times(plan)
-    ops = pipeline_ops(n, plan.microbatches, plan.schedule.lower(), times)
+    ops = pipeline_ops(n, plan.microbatches, plan.schedule.lower(), times, plan.virtual_stages)
     span = max(e for *_, e in ops)
-    idle = 1 - sum(e - s for *_, s, e in ops) / (span * n)
+    v = plan.virtual_stages  # a device group runs v of the n (virtual) stages drawn
+    idle = 1 - sum(e - s for *_, s, e in ops) / (span * (n // v))
     fig = fig or plots.new_figure(11.0, 1.6 + 0.55 * n)
+    chunks = f" ({v} per device group)" if v > 1 else ""
     title = (
-        f"{plan.schedule.upper()}: {n} stages × {plan.microbatches} microbatches, {idle:.0%} idle"
+        f"{plan.schedule.upper()}: {n} stages{chunks} × {plan.microbatches} microbatches, "
+        f"{idle:.0%} idle"
     )
     plots.draw_schedule(fig, ops, n, title, unit)
     given = plan.decisions.get("stage_times")

@@ -183,9 +183,9 @@ def stages_table(plan: Plan) -> Table:
     """A pipeline plan's stages: where each starts, its devices and mesh, its time per
     microbatch and memory (from the plan's decisions), with the schedule and bubble."""
     cost = plan.predicted
-    title = (
-        f"Pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule}"
-    )
+    v, n = plan.virtual_stages, len(plan.stages)
+    stages = f"{n} stages" if v == 1 else f"{n} stages ({n // v} device groups × {v} chunks)"
+    title = f"Pipeline: {stages}, {plan.microbatches} microbatches, {plan.schedule}"
     if cost is not None and cost.step_time_s > 0:
         share = cost.bubble_s / cost.step_time_s
         title += f", bubble {human_time(cost.bubble_s)} ({share:.0%} of the step)"

@@ -1,8 +1,10 @@
 """Run a pipeline plan: per-stage jitted programs on sub-meshes, fed microbatch by microbatch.
 
 One controller (this process) dispatches the work in the plan's schedule's `global_order`
-(`_pipeline.pipeline_schedule`): the pre segments, then every (stage, phase, microbatch)
-unit, then the post segments. JAX dispatch is asynchronous, so units on different stages'
+(`_pipeline.plan_schedule`): the pre segments, then every (stage, phase, microbatch)
+unit, then the post segments. With interleaved 1F1B a plan's stages are virtual stages,
+several on one device group (`Plan.virtual_stages`): each runs its own programs on the
+same sub-mesh, and a value crossing to a stage on the same devices stays where it is. JAX dispatch is asynchronous, so units on different stages'
 devices overlap as the schedule intends; a value crossing stages is a `jax.device_put`
 onto the receiving stage's mesh (the point-to-point send), keeping the sender's layout
 when the receiver's mesh has it.
@@ -49,7 +51,7 @@ from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
 from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
-from .._pipeline import Unit, partition, pipeline_schedule
+from .._pipeline import Unit, partition, plan_schedule
 from .._plan import Plan
 from .._remat import plan_recompute
 from ._accumulate import Accumulation, axes_entry, without_axes
@@ -82,7 +84,8 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     """A callable running `fn` under the pipeline plan `plan`; same convention as `apply`.
 
     The result's `trace` attribute is the (stage, phase, microbatch) sequence the last
-    call executed: the plan's schedule's `global_order(stages, microbatches)`.
+    call executed: the plan's schedule's `global_order(groups, microbatches)`, its stages
+    the plan's (virtual stages, with interleaved chunks).
     """
     validate_plan(plan)
     meshes = stage_meshes(plan, devices)
@@ -108,7 +111,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
 def stage_meshes(plan: Plan, devices: Sequence[Any] | None = None) -> list[Mesh]:
     """Each stage's sub-mesh over its devices, row-major like `_apply.make_mesh`."""
     devices = list(jax.devices() if devices is None else devices)
-    pipeline_schedule(plan.schedule)  # a registered name, or one line listing them
+    plan_schedule(plan)  # a registered name able to run the plan's chunks, or one line
     if plan.microbatches < 1:
         raise PlanError(f"a plan needs at least one microbatch, not {plan.microbatches}.")
     if plan.devices > len(devices):
@@ -340,8 +343,11 @@ class _Pipeline(Accumulation):
         the stage runs, XLA's buffer assignment of that program (arguments + outputs +
         temporaries - aliased) plus every other value the runtime holds on the stage's
         devices then (the residuals of microbatches in flight, the gradient sums, the
-        parameters and optimizer state the program does not read); the largest."""
-        return tuple(self._dry(args).peak)
+        parameters and optimizer state the program does not read); the largest.
+        With virtual stages (interleaved), a stage's devices hold every chunk they run: each
+        stage gets its devices' peak over the programs of all their chunks."""
+        peak, groups = self._dry(args).peak, len(self.meshes) // self.plan.virtual_stages
+        return tuple(max(peak[p % groups :: groups]) for p in range(len(peak)))
 
     def _dry(self, args: tuple) -> Dry:
         """The step walked on abstract values: once per argument structure (its programs
@@ -438,7 +444,8 @@ class _Pipeline(Accumulation):
 
         trace = []
         by_unit = {(seg.stage, seg.kind): seg for seg in self.micro}
-        order = pipeline_schedule(self.plan.schedule).global_order(len(self.meshes), m)
+        schedule = plan_schedule(self.plan)
+        order = schedule.global_order(len(self.meshes) // schedule.chunks, m)
         last = {u.stage: k for k, u in enumerate(order)}  # each stage's last unit
         for k, (s, kind, i) in enumerate(order):
             seg = by_unit[(s, kind)]

@@ -101,6 +101,18 @@ class Work:
 MEMORY_SAVERS = ((0, False), (1, False), (0, True), (1, True), (3, True))
 
 
+def one_chunk(schedule: PipelineSchedule) -> None:
+    """The stage DP and the pricer cut one chunk per device group: a schedule of virtual
+    stages is refused in one line rather than priced as if each chunk had its own devices."""
+    if schedule.chunks > 1:
+        raise PlanError(
+            f"the pipeline search cuts one stage per device group; schedule "
+            f"{schedule.name!r} runs {schedule.chunks} chunks per group, which it does not "
+            "search yet: price an interleaved configuration with am.Recipe(schedule="
+            "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
+        )
+
+
 def search_dp(
     problem: Any,
     budget_s: float = 60.0,
@@ -114,6 +126,7 @@ def search_dp(
     `complete` False), or at the wall-clock safety stop."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
     the_schedule = pipeline_schedule(schedule)
+    one_chunk(pipeline_schedule(schedule))
     start = _time.perf_counter()
     work = Work(budget_s)
     cands = cut_candidates(graph, groups)
@@ -307,7 +320,7 @@ def polish_cuts(
     whole pipeline model says the step gets faster (the intra-stage plan fixed), until
     `deadline` (a `time.perf_counter()` value) passes or `work` is spent."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
-    oc, schedule = plan_op_costs(model, plan), pipeline_schedule(plan.schedule)
+    oc, schedule = plan_op_costs(model, plan), pipeline_schedule(plan.schedule, plan.virtual_stages)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None

@@ -41,7 +41,7 @@ from .._pipeline import (
 )
 from .._plan import Plan
 from .._space import Point
-from ._dp import optimal_cuts
+from ._dp import one_chunk, optimal_cuts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,7 @@ class PipelinePricer:
     def __init__(self, model, schedule: str = "1f1b"):
         graph, groups = model.graph, model.groups
         self.model, self.schedule = model, pipeline_schedule(schedule)
+        one_chunk(pipeline_schedule(schedule))
         self.cands = cut_candidates(graph, groups) if groups.batch_size is not None else ()
         if not self.cands:
             raise AutomapError(

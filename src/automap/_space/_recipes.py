@@ -53,7 +53,11 @@ class Recipe:
     gradient accumulation over them."""
     schedule: str = "1f1b"
     """Pipeline schedule, by its registered name (`_pipeline.schedule_names`): "1f1b"
-    (Megatron's) or "gpipe"."""
+    (Megatron's), "gpipe" or "interleaved" (Megatron's virtual pipeline)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage (interleaved 1F1B's v, Megatron's virtual pipeline
+    size): the layers split into pp × v chunks of equal layers, chunk k on stage k mod pp.
+    More than 1 needs schedule "interleaved", pp > 1 and microbatches a multiple of pp."""
     remat: str = "none"
     """Activation recomputation: "none", "selective" (recompute only each layer's
     attention core, Korthikanti et al.), or "full" (keep each layer's input, recompute
@@ -112,10 +116,11 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
         )
     else:
         # One stage with microbatches is gradient accumulation: the staged runtime, no cut.
-        cuts = layer_cuts(graph, groups, recipe.pp) if recipe.pp > 1 else ()
+        v = recipe.virtual_stages
+        cuts = layer_cuts(graph, groups, recipe.pp, v) if recipe.pp > 1 else ()
         plan = pipeline_plan(
             graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
-            zero_stage=recipe.zero,
+            zero_stage=recipe.zero, virtual_stages=v,
         )  # fmt: skip
     plan = dataclasses.replace(plan, **remat)
     if recipe.sequence_parallel:
@@ -139,7 +144,16 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
             f"tp={recipe.tp} does not fit a node of {cluster.devices_per_node} devices: "
             "tensor parallelism stays inside a node; use a tp that divides it."
         )
-    pipeline_schedule(recipe.schedule)  # a registered name, or one line listing them
+    v = recipe.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PlanError(f"virtual_stages must be a positive integer, not {v!r}.")
+    if v > 1 and recipe.pp == 1:
+        raise PlanError(
+            f"virtual_stages={v} interleaves the stages of a pipeline, but pp=1: use pp 2 "
+            "or more, or virtual_stages 1."
+        )
+    # A registered name able to run v chunks per stage, or one line saying why not.
+    pipeline_schedule(recipe.schedule, v)
     if recipe.sequence_parallel and recipe.tp == 1:
         raise PlanError(
             "sequence parallelism splits the residual stream over the tensor-parallel "
@@ -235,17 +249,25 @@ def layer_boundaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
     return tuple(out)
 
 
-def layer_cuts(graph: Graph, groups: Groups, stages: int) -> tuple[int, ...]:
-    """`stages - 1` cuts giving every stage an equal number of layers (Megatron's stages;
-    the embedding rides with the first, the head with the last)."""
+def layer_cuts(graph: Graph, groups: Groups, stages: int, chunks: int = 1) -> tuple[int, ...]:
+    """`stages * chunks - 1` cuts giving every stage (every chunk of one, interleaved) an
+    equal number of layers (Megatron's stages; the embedding rides with the first, the
+    head with the last)."""
     pos, reads = _layer_reads(graph, groups)
     starts = sorted(min(v) for v in reads.values())  # each layer's first read
     layers = len(starts)
+    if chunks > 1 and (layers < stages * chunks or layers % (stages * chunks)):
+        raise PlanError(
+            f"{layers} layers do not split into pp × virtual_stages = {stages} × {chunks} "
+            f"= {stages * chunks} chunks of equal layers: use a pp × virtual_stages that "
+            f"divides {layers}."
+        )
     if layers < stages or layers % stages:
         raise PlanError(
             f"{layers} layers do not split into {stages} stages of equal layers: use a "
             f"pp that divides {layers}."
         )
+    stages *= chunks
     bounds = layer_boundaries(graph, groups)
     per, cuts = layers // stages, []
     for j in range(per, layers, per):
