@@ -7,12 +7,15 @@ and sharded and pipelined steps compute what the unsharded step computes."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import pytest
+from typer.testing import CliRunner
 
 import automap as am
 from automap._capture import capture
+from automap._cli import app
 from automap._cluster import Cluster
 from automap._cost import CostModel
 from automap._groups import build_groups, plan_from_assignment
@@ -154,3 +157,31 @@ def test_layer_units_compute_the_step_on_8_devices():
     for plan in plans:
         got = am.apply(spec.step_fn, dataclasses.replace(plan, remat=True))(*args)
         assert_same(got, want, spec.config["learning_rate"])
+
+
+def test_recipe_and_estimate_count_remat_layers_in_transformer_layers():
+    sets = [a for k, v in CONFIG.items() for a in ("--set", f"{k}={v}")]
+    common = ["estimate", "--model", "gpt2-xl", *sets, "--devices", "8", "--tp", "2"]
+    common += ["--pp", "2", "--dp", "2", "--microbatch-size", "1", "--json"]
+    priced = {}
+    for k in (None, 1, 2):
+        more = ["--remat-layers", str(k)] if k else []
+        result = CliRunner().invoke(app, [*common, "--remat", "full", *more])
+        assert result.exit_code == 0, result.output
+        priced[k] = json.loads(result.output)
+        assert priced[k]["plan"]["remat_layers"] == k
+    # Two layers a stage: recomputing both is recomputing all; one recomputes less.
+    compute = {k: d["compute_s"] for k, d in priced.items()}
+    memory = {k: d["memory_bytes"] for k, d in priced.items()}
+    assert compute[1] < compute[2] == pytest.approx(compute[None])
+    assert memory[1] > memory[2] == pytest.approx(memory[None])
+    for remat, k, says in [
+        ("full", "3", "remat_layers=3, but a stage holds 2 layer(s): use at most 2"),
+        ("full", "0", "remat_layers must be a whole number >= 1"),
+        ("selective", "1", "use remat='full' (--remat full) with it"),
+    ]:
+        bad = CliRunner().invoke(app, [*common, "--remat", remat, "--remat-layers", k])
+        assert bad.exit_code == 2 and "Traceback" not in bad.output, bad.output
+        assert says in bad.output, bad.output
+        assert len(bad.output.strip().splitlines()) == 1, bad.output
+    assert am.Recipe(remat="full", remat_layers=2).remat_layers == 2

@@ -361,6 +361,13 @@ def estimate_cmd(
     remat: Annotated[
         str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
     ] = "none",
+    remat_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--remat-layers",
+            help="With --remat full: recompute only the first K layers of each stage.",
+        ),
+    ] = None,
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 0, 1, 2 or 3.")] = 0,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write the priced plan as JSON here.")
@@ -382,7 +389,8 @@ def estimate_cmd(
     the_cluster = load_cluster(cluster, devices)
     recipe = Recipe(
         tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
-        schedule=schedule, remat=remat, zero=zero, name=f"tp{tp} pp{pp} dp{dp}",
+        schedule=schedule, remat=remat, remat_layers=remat_layers, zero=zero,
+        name=f"tp{tp} pp{pp} dp{dp}",
     )  # fmt: skip
     with busy("pricing", not (quiet or as_json)):
         result = plan_recipe(step_fn, *args, recipe=recipe, cluster=the_cluster, origin=origin)
