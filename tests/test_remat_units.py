@@ -32,6 +32,7 @@ from automap._remat import (
     remat_key,
 )
 from automap._run import eval_recomputing
+from automap._search import Problem, search_dp
 from automap._space import batch_groups, block_groups
 from automap._zoo import get_model
 from pipeline._models import assert_same
@@ -185,3 +186,23 @@ def test_recipe_and_estimate_count_remat_layers_in_transformer_layers():
         assert says in bad.output, bad.output
         assert len(bad.output.strip().splitlines()) == 1, bad.output
     assert am.Recipe(remat="full", remat_layers=2).remat_layers == 2
+
+
+def test_the_stage_dp_cuts_remat_pipelines_between_layers():
+    """Megatron's cuts: under remat every stage the DP places starts between layers, so
+    that no plan it prices splits a recompute unit (nor needs a cost model of its own)."""
+    spec = get_model("gpt2-xl", layers=4, hidden=64, heads=4, batch=16, seq=16)
+    a100 = Cluster.preset("a100", 8)
+    plain, _ = search_dp(Problem.build(spec.step_fn, spec.abstract_args(), a100), budget_s=60)
+    # Under 60% of the best plan's memory the plain points stop fitting: savers are tried.
+    limit = 0.6 * plain.predicted.memory_bytes
+    tight = dataclasses.replace(a100, hbm_bytes=limit / (1.0 - a100.memory_reserve))
+    pb = Problem.build(spec.step_fn, spec.abstract_args(), tight)
+    spans = layer_spans(pb.graph, pb.groups)
+    seen: list[Plan] = []
+    best, _ = search_dp(pb, budget_s=60, on_point=lambda p, _: seen.append(p))
+    remat = [p for p in seen if p is not None and p.remat]
+    assert remat and best.predicted.memory_bytes <= limit
+    for p in [*remat, best]:
+        assert not any(a < c <= z for c in p.decisions["cuts"] for a, z in spans), p.name
+        assert remat_key(p, spans) is None

@@ -69,6 +69,11 @@ def cuts_a_layer(spans: Sequence[tuple[int, int]], plan: Plan) -> bool:
     return any(a < s <= z for s in stage_starts(plan) for a, z in spans)
 
 
+def aligned_cuts(cands: Sequence[int], spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The cut candidates no layer spans (`spans`: each layer's first and last op)."""
+    return tuple(c for c in cands if not any(a < c <= z for a, z in spans))
+
+
 def stage_forwards(graph: Graph, groups: Groups, plan: Plan) -> list[tuple[int, ...]]:
     """Each stage's per-microbatch forward ops (one stage: the whole forward)."""
     if not plan.stages:
