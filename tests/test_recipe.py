@@ -50,6 +50,9 @@ BAD = [
     (dict(tp=2, pp=2, dp=2, microbatches=3), "3 microbatches do not divide the 4"),
     (dict(tp=2, pp=2, dp=2, remat="some"), "remat 'some': use one of none, selective, full"),
     (dict(tp=2, pp=2, dp=2, schedule="zb"), "schedule 'zb'"),
+    (dict(tp=2, pp=2, dp=2, remat="full", remat_layers=True), "a whole number >= 1"),
+    (dict(tp=2, pp=2, dp=2, remat="none", remat_layers=1), "use remat='full'"),
+    (dict(tp=2, pp=2, dp=2, remat="full", remat_layers=3), "a stage holds 2 layer"),
     (dict(tp=2, pp=2, dp=2, microbatches=2, microbatch_size=2), "not both"),
 ]
 

@@ -21,7 +21,7 @@ from automap._errors import PlanError
 from automap._groups import build_groups, plan_from_assignment
 from automap._pipeline import pipeline_plan, uniform_cuts
 from automap._plan import Plan
-from automap._remat import attention_cores, layer_ops, plan_recompute
+from automap._remat import attention_cores, block_ops, plan_recompute
 from automap._space import batch_groups, block_groups
 from automap._zoo import get_model
 from pipeline._models import assert_same
@@ -63,7 +63,7 @@ POLICIES = {
 
 def test_selective_finds_each_attention_core_by_structure_not_names():
     spec, graph, groups = gpt()
-    units = layer_ops(graph, groups)
+    units = block_ops(graph, groups)
     cores = attention_cores(graph, units)
     found = [c for c in cores if c]
     assert len(found) == CONFIG["layers"]  # the attention halves; the MLP halves have none
@@ -80,8 +80,8 @@ def test_selective_finds_each_attention_core_by_structure_not_names():
     # A program without attention has no core: selective recomputes nothing there.
     spec = get_model("mlp")
     mlp = capture(spec.step_fn, *spec.abstract_args())
-    assert layer_ops(mlp, build_groups(mlp))
-    assert not any(attention_cores(mlp, layer_ops(mlp, build_groups(mlp))))
+    assert block_ops(mlp, build_groups(mlp))
+    assert not any(attention_cores(mlp, block_ops(mlp, build_groups(mlp))))
 
 
 def test_the_first_k_layers_of_each_stage_are_recomputed():

@@ -412,6 +412,13 @@ def estimate_cmd(
     remat: Annotated[
         str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
     ] = "none",
+    remat_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--remat-layers",
+            help="With --remat full: recompute only the first K layers of each stage.",
+        ),
+    ] = None,
     zero: Annotated[int, typer.Option(help="ZeRO stage over the data axis: 0, 1, 2 or 3.")] = 0,
     sequence_parallel: Annotated[
         bool,
@@ -440,7 +447,8 @@ def estimate_cmd(
     the_cluster = load_cluster(cluster, devices, topology, slices)
     recipe = Recipe(
         tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, microbatches=microbatches,
-        schedule=schedule, virtual_stages=virtual_stages, remat=remat, zero=zero,
+        schedule=schedule, virtual_stages=virtual_stages, remat=remat, remat_layers=remat_layers,
+        zero=zero,
         sequence_parallel=sequence_parallel,
         name=f"tp{tp} pp{pp} dp{dp}" + (f" v{virtual_stages}" if virtual_stages > 1 else "")
         + (" sp" if sequence_parallel else ""),

@@ -76,7 +76,7 @@ from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, build_groups, regather_plan, rule
 from .._plan import Collective, Cost, Plan
-from .._remat import Recompute, full_remat, plan_recompute, remat_key, remat_residuals
+from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
@@ -126,6 +126,7 @@ class CostModel:
         # What the step keeps for its backward, with and without rematerialization.
         # `recompute`: what remat recomputes, default every layer in full (`for_plan`).
         self.residuals = remat_residuals(graph, self.groups, recompute)
+        self._own_recompute = recompute is not None  # a `for_plan` variant prices its own
         self._variants: dict[tuple, CostModel] = {}
         rg = regather_plan(graph, self.groups)
         self.tables = build_tables(graph, self.groups, cluster, self.residuals, rg.tensors)
@@ -170,7 +171,7 @@ class CostModel:
     def estimate(self, plan: Plan) -> Cost:
         """Cost of a plan: its recorded assignment, else one read back from its specs. A
         plan with pipeline stages is timed by its schedule (`_pipelined.py`)."""
-        if remat_key(plan) is not None:
+        if self._remat_key(plan) is not None:
             return self.for_plan(plan).estimate(full_remat(plan))
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
@@ -199,13 +200,21 @@ class CostModel:
     def for_plan(self, plan: Plan) -> CostModel:
         """The model whose `remat=True` prices what `plan` recomputes: this one for every
         layer in full, else one built (once per policy) on that plan's `Recompute`."""
-        key = remat_key(plan)
+        key = self._remat_key(plan)
         if key is None:
             return self
         if key not in self._variants:
             rc = plan_recompute(self.graph, self.groups, plan)
             self._variants[key] = CostModel(self.graph, self.cluster, self.groups, rc)
         return self._variants[key]
+
+    def _remat_key(self, plan: Plan) -> tuple | None:
+        """`remat_key` of `plan` in this graph (None in a variant: it prices its own)."""
+        return None if self._own_recompute else remat_key(plan, self._layer_spans)
+
+    @functools.cached_property
+    def _layer_spans(self) -> tuple[tuple[int, int], ...]:
+        return layer_spans(self.graph, self.groups)  # a stage may start inside a layer
 
     def plan_assignment(self, plan: Plan) -> dict[int, str]:
         """A plan's assignment {group: axis}: as recorded, else read back from its specs."""

@@ -1,5 +1,5 @@
-"""What a plan recomputes in its backward (Megatron's full recomputation): the layers, found
-from the program as the pipeline's cut candidates find them, what each reads and makes
+"""What a plan recomputes in its backward (Megatron's full recomputation): the layers, the
+program's repeating unit found from its structure (`_units.py`), what each reads and makes
 again (`Recompute`), and what that leaves in memory (`remat_residuals`). One-stage plans
 (`_run/_apply.py`, `_cost/_model.py`) and pipelines (`_run/_segments.py`,
 `_cost/_pipelined.py`) read the same objects.
@@ -8,11 +8,12 @@ Input: a Graph and its Groups. Output: a `Recompute`, the `Residuals` under it.
 DESIGN.md, "Rematerialization".
 """
 
+from ._policy import aligned_cuts as aligned_cuts
 from ._policy import full_remat as full_remat
 from ._policy import plan_recompute as plan_recompute
 from ._policy import remat_key as remat_key
+from ._policy import stage_layer_counts as stage_layer_counts
 from ._recompute import Recompute as Recompute
-from ._recompute import layer_ops as layer_ops
 from ._recompute import layer_residuals as layer_residuals
 from ._recompute import made_after as made_after
 from ._recompute import made_in_forward as made_in_forward
@@ -20,3 +21,7 @@ from ._recompute import recompute_plan as recompute_plan
 from ._recompute import recompute_units as recompute_units
 from ._recompute import remat_residuals as remat_residuals
 from ._selective import attention_cores as attention_cores
+from ._units import block_ops as block_ops
+from ._units import layer_ops as layer_ops
+from ._units import layer_spans as layer_spans
+from ._units import period as period

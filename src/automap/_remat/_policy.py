@@ -2,33 +2,76 @@
 
 - "full", every layer: Megatron's full recomputation (`recompute_plan`).
 - "full" with `remat_layers` k: the first k layers of each stage in full, the others keep
-  their activations (Megatron's "block" method; a stage is the whole forward of a plan
-  without stages). A layer here is the program's recompute unit, the run of forward ops
-  between two cut candidates: a transformer's attention half or its MLP half.
-- "selective": only each layer's attention core (`_selective.py`).
+  their activations (Megatron's "block" method, its "recompute k layers"; a stage is the
+  whole forward of a plan without stages). A layer is the program's repeating unit
+  (`_units.py`): a transformer layer.
+- "selective": only each block's attention core (`_selective.py`).
+
+A pipeline stage cut inside a layer (the stage DP may cut between a layer's attention and
+MLP blocks) splits it: each stage recomputes its part from the part's own input, which that
+stage holds anyway (it receives it), so the runtime and the cost model keep one unit per
+stage piece (`split_at_stages`); `remat_key` then sets the plan apart for the cost model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from .._graph import Graph
 from .._groups import Groups
 from .._pipeline import Phase, partition
 from .._plan import Plan
-from ._recompute import Recompute, layer_ops, recompute_plan, recompute_units
+from ._recompute import Recompute, recompute_units
 from ._selective import attention_cores
+from ._units import block_ops, layer_ops
 
 
 def plan_recompute(graph: Graph, groups: Groups, plan: Plan) -> Recompute:
     """What `plan` recomputes in `graph` (its remat is on)."""
     if plan.remat_policy == "selective":
-        return recompute_units(graph, attention_cores(graph, layer_ops(graph, groups)))
-    full = recompute_plan(graph, groups)
+        return recompute_units(graph, attention_cores(graph, block_ops(graph, groups)))
+    full = recompute_units(graph, split_at_stages(layer_ops(graph, groups), stage_starts(plan)))
     if plan.remat_layers is None:
         return full
     return full.only(first_layers(full, stage_forwards(graph, groups, plan), plan.remat_layers))
+
+
+def stage_layer_counts(graph: Graph, groups: Groups, plan: Plan) -> list[int]:
+    """How many layers (recompute units) each stage of `plan` holds: what `remat_layers`
+    counts in."""
+    units = recompute_units(graph, split_at_stages(layer_ops(graph, groups), stage_starts(plan)))
+    stages = stage_forwards(graph, groups, plan)
+    return [len(first_layers(units, [ops], len(units.layers))) for ops in stages]
+
+
+def stage_starts(plan: Plan) -> tuple[int, ...]:
+    """The first forward op of each stage after the first (none without stages)."""
+    return tuple(s.op_start for s in plan.stages[1:])
+
+
+def split_at_stages(
+    units: Sequence[Sequence[int]], starts: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
+    """`units` cut where a stage starts inside one: each piece a unit of its own."""
+    out: list[tuple[int, ...]] = []
+    for unit in units:
+        cut = {k for k in range(1, len(unit)) for s in starts if unit[k - 1] < s <= unit[k]}
+        at = [0, *sorted(cut), len(unit)]
+        out += [tuple(unit[a:z]) for a, z in itertools.pairwise(at)]
+    return tuple(out)
+
+
+def cuts_a_layer(spans: Sequence[tuple[int, int]], plan: Plan) -> bool:
+    """Whether a stage of `plan` starts inside a layer (`spans`: each layer's first and
+    last forward op)."""
+    return any(a < s <= z for s in stage_starts(plan) for a, z in spans)
+
+
+def aligned_cuts(cands: Sequence[int], spans: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The cut candidates no layer spans (`spans`: each layer's first and last op)."""
+    return tuple(c for c in cands if not any(a < c <= z for a, z in spans))
 
 
 def stage_forwards(graph: Graph, groups: Groups, plan: Plan) -> list[tuple[int, ...]]:
@@ -49,13 +92,17 @@ def first_layers(rc: Recompute, stages: Sequence[Sequence[int]], k: int) -> list
     return out
 
 
-def remat_key(plan: Plan) -> tuple | None:
+def remat_key(plan: Plan, spans: Sequence[tuple[int, int]] = ()) -> tuple | None:
     """What sets a plan's recompute apart from every layer in full (None: nothing does):
-    the cost model prices such a plan with residuals of its own."""
-    if not plan.remat or (plan.remat_policy == "full" and plan.remat_layers is None):
+    the cost model prices such a plan with residuals of its own. `spans`: each layer's
+    first and last forward op, for a plan whose stages may cut a layer."""
+    if not plan.remat:
+        return None
+    split = plan.remat_policy == "full" and cuts_a_layer(spans, plan)
+    if plan.remat_policy == "full" and plan.remat_layers is None and not split:
         return None
     stages = tuple((s.op_start, s.op_stop) for s in plan.stages)
-    if plan.remat_layers is None:
+    if plan.remat_layers is None and not split:
         stages = ()
     return (plan.remat_policy, plan.remat_layers, stages, plan.microbatches if stages else 1)
 

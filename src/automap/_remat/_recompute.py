@@ -15,11 +15,12 @@ merge the recomputed ops with the forward ones), and the barrier also carries th
 triggering backward op's backward-made inputs (so the scheduler cannot hoist the recompute
 back next to the forward: it depends on the gradient arriving at that layer).
 
-A layer is the run of per-microbatch forward ops between two consecutive pipeline cut
-candidates (`_pipeline.cut_candidates`: where the crossing activation is the
-residual stream). The embedding before the first candidate and the head after the last one
-are not recomputed, as in Megatron (for a zoo transformer the candidates also fall inside
-the embedding and before the loss, so those layers carry the embedding and the head). The same `Recompute` drives the one-stage runtime
+A layer is the program's repeating unit (`_units.py`: a transformer layer, its attention
+and MLP blocks, the blocks being the runs of forward ops between consecutive pipeline cut
+candidates), so only each transformer layer's input stays alive, as in Megatron. The
+embedding before the first candidate and the head after the last one are not recomputed
+(for a zoo transformer the candidates also fall inside the embedding and before the loss,
+so the first layer carries the embedding's tail). The same `Recompute` drives the one-stage runtime
 (`_run/_apply.py`), the pipeline's backward segments (`_run/_segments.recompute_segments`)
 and the cost model (`remat_residuals`: what stays in memory; `Residuals.recomputed`: what runs
 twice), so that the prices are those of the program that runs.
@@ -27,15 +28,13 @@ twice), so that the prices are those of the program that runs.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
-from .._capture import Residuals, find_residuals, loss_boundary
+from .._capture import Residuals, find_residuals
 from .._graph import Graph, TensorKind
 from .._groups import Groups
-from .._pipeline import cut_candidates, forward_ops
+from ._units import layer_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,20 +71,6 @@ class Recompute:
             tuple(self.inputs[k] for k in ks),
             {t: ks.index(k) for t, k in self.owner.items() if k in ks},
         )
-
-
-def layer_ops(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], ...]:
-    """Per-microbatch forward ops between consecutive cut candidates, one tuple a layer.
-    None for a step without a loss (no forward pass to recompute): an empty tuple."""
-    if loss_boundary(graph) is None:
-        return ()
-    fwd = forward_ops(graph, groups)
-    cuts = cut_candidates(graph, groups)
-    at = [bisect.bisect_left(fwd, c) for c in cuts]  # fwd is ascending
-    layers = [fwd[a:b] for a, b in itertools.pairwise(at)]
-    # The last layer's backward comes right after its forward: recomputing it would only
-    # add work, its residuals are alive at the turn of the step either way.
-    return tuple(layer for layer in layers[:-1] if layer)
 
 
 def recompute_plan(graph: Graph, groups: Groups) -> Recompute:

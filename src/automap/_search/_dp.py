@@ -47,6 +47,7 @@ from .._pipeline import (
     scanned_layers,
 )
 from .._plan import Plan
+from .._remat import aligned_cuts, layer_spans
 from .._solvers import optimal_partition, solve_ilp
 from .._space import (
     Point,
@@ -137,6 +138,13 @@ def search_dp(
         return None, stats
     bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
     fine = partition(graph, groups, bounds, 1)
+    # Under remat, stages start between layers only (Megatron's cuts): a cut inside one
+    # would split its recompute unit, a plan the cost model prices on a model of its own.
+    whole = aligned_cuts(cands, layer_spans(graph, groups))
+    grids = {False: (fine, cands), True: (fine, cands)}
+    if whole != cands and whole:
+        wb = list(zip((0, *whole), (*whole, len(graph.ops)), strict=True))
+        grids[True] = (partition(graph, groups, wb, 1), whole)
     try:
         partition(graph, groups, bounds, 2)
         microbatching = True
@@ -152,7 +160,7 @@ def search_dp(
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, fine, cands, point, assignment, the_schedule, work=work)
+            plan = _solve_point(model, grids, point, assignment, the_schedule, work=work)
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -166,7 +174,7 @@ def search_dp(
             if work.spent():
                 stats["complete"] = False
                 break
-            plan = polish_cuts(model, plan, cands, work=work)
+            plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
     except KeyboardInterrupt:
@@ -239,19 +247,20 @@ def _intra_plans(
 
 def _solve_point(
     model,
-    fine,
-    cands,
+    grids,
     point: Point,
     assignment,
     schedule: PipelineSchedule,
     work: Work | None = None,
 ) -> Plan | None:
     """Cuts for one outer point by the exact DP, priced by the pipeline model; memory
-    savers (ZeRO, remat) only when the plain point has no partition that fits."""
+    savers (ZeRO, remat) only when the plain point has no partition that fits. `grids`:
+    (finest partition, cut candidates) without and with remat."""
     found = None
     for zero, remat in MEMORY_SAVERS:
         if zero and point.stage_mesh.get(DATA, 1) == 1:
             continue
+        fine, cands = grids[remat]
         if work is not None:  # op_costs, the segment tables, and the plan's pricing
             work.add(3 * len(model.graph.ops))
         oc = op_costs(model, assignment, point.stage_mesh, zero_stage=zero, remat=remat)

@@ -31,6 +31,7 @@ from .._pipeline import (
     scanned_layers,
 )
 from .._plan import Plan
+from .._remat import stage_layer_counts
 from ._experts import axis_assignment, batch_groups, block_groups
 
 REMAT = ("none", "selective", "full")
@@ -62,6 +63,9 @@ class Recipe:
     """Activation recomputation: "none", "selective" (recompute only each layer's
     attention core, Korthikanti et al.), or "full" (keep each layer's input, recompute
     its forward inside the backward)."""
+    remat_layers: int | None = None
+    """With remat "full": recompute only the first k transformer layers of each stage and
+    keep the others' activations (Megatron's "recompute k layers"); None: all of them."""
     zero: int = 0
     """ZeRO stage over the data axis: 0 (none), 1, 2 or 3."""
     sequence_parallel: bool = False
@@ -110,6 +114,8 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
         assignment.update(split)
     mesh = {k: v for k, v in ((DATA, recipe.dp), (MODEL, recipe.tp)) if v > 1} or {DATA: 1}
     remat = {} if recipe.remat == "none" else dict(remat=True, remat_policy=recipe.remat)
+    if recipe.remat_layers is not None:
+        remat["remat_layers"] = recipe.remat_layers
     if recipe.pp == 1 and m == 1:
         plan = plan_from_assignment(
             graph, groups, mesh, assignment, name=recipe.name, zero_stage=recipe.zero
@@ -122,9 +128,23 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
             graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
             zero_stage=recipe.zero, virtual_stages=v,
         )  # fmt: skip
-    plan = dataclasses.replace(plan, **remat)
+    plan = _fits_layers(graph, groups, dataclasses.replace(plan, **remat))
     if recipe.sequence_parallel:
         plan = sequence_parallel(graph, groups, plan, MODEL)
+    return plan
+
+
+def _fits_layers(graph: Graph, groups: Groups, plan: Plan) -> Plan:
+    """`plan`, or a one-line error where `remat_layers` is more than a stage holds."""
+    k = plan.remat_layers
+    if not plan.remat or k is None:
+        return plan
+    held = min(stage_layer_counts(graph, groups, plan))
+    if k > held:
+        raise PlanError(
+            f"remat_layers={k}, but a stage holds {held} layer(s): use at most {held}, or "
+            "leave remat_layers unset to recompute every layer."
+        )
     return plan
 
 
@@ -161,10 +181,24 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
         )
     if recipe.remat not in REMAT:
         raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
+    _check_remat_layers(recipe)
     if recipe.zero not in (0, 1, 2, 3):
         raise PlanError(f"zero {recipe.zero!r}: use 0, 1, 2 or 3.")
     if recipe.microbatch_size is not None and recipe.microbatches is not None:
         raise PlanError("give microbatch_size or microbatches, not both.")
+
+
+def _check_remat_layers(recipe: Recipe) -> None:
+    k = recipe.remat_layers
+    if k is None:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise PlanError(f"remat_layers must be a whole number >= 1 (layers per stage), not {k!r}.")
+    if recipe.remat != "full":
+        raise PlanError(
+            f"remat_layers={k} counts layers recomputed in full, but remat is "
+            f"{recipe.remat!r}: use remat='full' (--remat full) with it."
+        )
 
 
 def _microbatches(batch: int, recipe: Recipe) -> int:
