@@ -15,6 +15,8 @@ from ._compare import compare_table as compare_table
 from ._compare import make_row as make_row
 from ._compare import speedups as speedups
 from ._compare import to_json as to_json
+from ._isolated import PlanJob as PlanJob
+from ._isolated import plan_job_main as plan_job_main
 from ._markdown import megatron_lines as megatron_lines
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
@@ -22,7 +24,6 @@ from ._megatron import MEGATRON_TABLE as MEGATRON_TABLE
 from ._megatron import MegatronRow as MegatronRow
 from ._megatron import megatron_table as megatron_table
 from ._megatron import model_flops as model_flops
-from ._megatron import plan_row_main as plan_row_main
 from ._megatron import select_rows as select_rows
 from ._run import FULL as FULL
 from ._run import QUICK as QUICK
