@@ -1,6 +1,6 @@
 """Benchmarks and comparisons: every searcher side by side (`compare`), the zoo
 benchmark behind BENCHMARKS.md (`run_bench`, `write`), Megatron-LM's published table
-(`megatron_table`), and device calibration.
+(`megatron_table`), MaxText's v5p table (`maxtext_table`), and device calibration.
 
 Input: models, clusters and budgets. Output: rows, markdown and JSON, a cluster file.
 BENCHMARKS.md says how to rerun it.
@@ -20,6 +20,12 @@ from ._isolated import plan_job_main as plan_job_main
 from ._markdown import megatron_lines as megatron_lines
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
+from ._maxtext import MAXTEXT_TABLE as MAXTEXT_TABLE
+from ._maxtext import MaxTextRow as MaxTextRow
+from ._maxtext import maxtext_flops as maxtext_flops
+from ._maxtext import maxtext_lines as maxtext_lines
+from ._maxtext import maxtext_table as maxtext_table
+from ._maxtext import select_maxtext_rows as select_maxtext_rows
 from ._megatron import MEGATRON_TABLE as MEGATRON_TABLE
 from ._megatron import MegatronRow as MegatronRow
 from ._megatron import megatron_table as megatron_table
