@@ -7,11 +7,14 @@ import pytest
 
 from automap._bench import (
     MAXTEXT_TABLE,
+    PlanJob,
     maxtext_flops,
     maxtext_lines,
     maxtext_table,
+    plan_isolated,
     select_maxtext_rows,
 )
+from automap._errors import AutomapError
 
 V5P_PEAK_TFLOPS = 459  # the MFU column's denominator
 
@@ -100,3 +103,10 @@ def test_32b_priced_with_maxtexts_configuration():
     assert rec["predicted_tflops"] * rec["step_s"] * 1e12 == pytest.approx(maxtext_flops(row))
     assert rec["ratio"] == pytest.approx(rec["predicted_tflops"] / 328)
     assert rec["step_s"] >= rec["compute_s"] > 0 and rec["comm_s"] > 0
+
+
+def test_planner_child_fails_in_one_line():
+    # The child process's error comes back as the parent's one-line AutomapError.
+    wrong = PlanJob("llama-32b", {}, "tpu-v5p", 64, "4x4x5")
+    with pytest.raises(AutomapError, match=r"the planner failed: .*4x4x5 are 80 chips, not 64"):
+        plan_isolated(wrong, 1.0)

@@ -16,6 +16,7 @@ from ._compare import make_row as make_row
 from ._compare import speedups as speedups
 from ._compare import to_json as to_json
 from ._isolated import PlanJob as PlanJob
+from ._isolated import plan_isolated as plan_isolated
 from ._isolated import plan_job_main as plan_job_main
 from ._markdown import megatron_lines as megatron_lines
 from ._markdown import to_markdown as to_markdown
