@@ -1,6 +1,6 @@
 """Benchmarks and comparisons: every searcher side by side (`compare`), the zoo
 benchmark behind BENCHMARKS.md (`run_bench`, `write`), Megatron-LM's published table
-(`megatron_table`), and device calibration.
+(`megatron_table`), MaxText's v5p table (`maxtext_table`), and device calibration.
 
 Input: models, clusters and budgets. Output: rows, markdown and JSON, a cluster file.
 BENCHMARKS.md says how to rerun it.
@@ -15,14 +15,22 @@ from ._compare import compare_table as compare_table
 from ._compare import make_row as make_row
 from ._compare import speedups as speedups
 from ._compare import to_json as to_json
+from ._isolated import PlanJob as PlanJob
+from ._isolated import plan_isolated as plan_isolated
+from ._isolated import plan_job_main as plan_job_main
 from ._markdown import megatron_lines as megatron_lines
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
+from ._maxtext import MAXTEXT_TABLE as MAXTEXT_TABLE
+from ._maxtext import MaxTextRow as MaxTextRow
+from ._maxtext import maxtext_flops as maxtext_flops
+from ._maxtext import maxtext_lines as maxtext_lines
+from ._maxtext import maxtext_table as maxtext_table
+from ._maxtext import select_maxtext_rows as select_maxtext_rows
 from ._megatron import MEGATRON_TABLE as MEGATRON_TABLE
 from ._megatron import MegatronRow as MegatronRow
 from ._megatron import megatron_table as megatron_table
 from ._megatron import model_flops as model_flops
-from ._megatron import plan_row_main as plan_row_main
 from ._megatron import select_rows as select_rows
 from ._run import FULL as FULL
 from ._run import QUICK as QUICK

@@ -7,8 +7,9 @@ Each row is priced with Megatron's own configuration (`Recipe`: TP inside the no
 stages equal in layers, DP over the rest) and its TFLOP/s per GPU compared with the
 published one, by the paper's count: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per step.
 With a planner budget, the planner (`plan`, searcher "auto" unless told) also runs on the
-same model and cluster, in a fresh process per row, so that its wall time and peak memory
-(the process's peak RSS) are what `automap plan` on that row would show.
+same model and cluster, in a fresh process per row (`_isolated.plan_isolated`), so that
+its wall time and peak memory (the process's peak RSS) are what `automap plan` on that
+row would show.
 
 One source for `benchmarks/bench_megatron.py` and `automap bench`'s section of
 BENCHMARKS.md (`_markdown.megatron_lines`). Planning uses abstract shapes only: no
@@ -18,23 +19,15 @@ weights are allocated.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import resource
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from .._api import plan, plan_recipe
-from .._cluster import Cluster
+from .._api import plan_recipe
 from .._errors import AutomapError
 from .._plan import Plan
 from .._space import Recipe
-from .._zoo import ModelSpec, get_model
+from ._isolated import PlanJob, plan_isolated, train_step
 
 VOCAB, SEQ = 51200, 2048
 CLUSTER = "a100"
@@ -88,9 +81,9 @@ def tflops_per_gpu(row: MegatronRow, step_s: float) -> float:
     return model_flops(row) / (step_s * row.gpus) / 1e12
 
 
-def spec_of(row: MegatronRow) -> ModelSpec:
-    return get_model(
-        "gpt-1.3b",
+def job_of(row: MegatronRow) -> PlanJob:
+    """The row's model (the zoo's GPT with Megatron's fused softmax) on its cluster."""
+    settings = dict(
         layers=row.layers,
         hidden=row.hidden,
         heads=row.heads,
@@ -100,94 +93,17 @@ def spec_of(row: MegatronRow) -> ModelSpec:
         positions="learned",
         softmax="fused",
     )
-
-
-def train_step(spec: ModelSpec) -> Callable:
-    """The row's step as Megatron-LM runs it: its update in place, so jitted with the
-    parameters and optimizer state donated (a step that donates nothing holds its new
-    state beside the old at the update, and is priced so: `_cost/_outputs.py`)."""
-    import jax
-
-    return jax.jit(spec.step_fn, donate_argnums=(0, 1))
-
-
-def cluster_of(row: MegatronRow) -> Cluster:
-    return Cluster.preset(CLUSTER, devices=row.gpus)
+    return PlanJob("gpt-1.3b", settings, CLUSTER, row.gpus)
 
 
 def price_row(row: MegatronRow) -> Plan:
     """Megatron's configuration of the row, priced by the cost model."""
-    spec = spec_of(row)
+    job = job_of(row)
+    spec = job.spec()
     recipe = Recipe(tp=row.tp, pp=row.pp, dp=row.dp, microbatch_size=1, remat="full")
     return plan_recipe(
-        train_step(spec), *spec.abstract_args(), recipe=recipe, cluster=cluster_of(row)
+        train_step(spec), *spec.abstract_args(), recipe=recipe, cluster=job.cluster_of()
     )
-
-
-def plan_shape(found: Plan) -> str:
-    """A plan in a few words: its mesh, microbatches, recomputation and ZeRO stage."""
-    mesh = " × ".join(f"{k} {v}" for k, v in found.mesh.items())
-    extra = [f"{found.microbatches} mb"] if found.pipelined else []
-    extra += ["remat"] if found.remat else []
-    extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []
-    return mesh + (f" ({', '.join(extra)})" if extra else "")
-
-
-def plan_row(row: MegatronRow, budget_s: float, searcher: str = "auto") -> dict[str, Any]:
-    """The planner on the row's model and cluster, in this process: its plan, predicted
-    step, wall time (capture included) and this process's peak RSS so far."""
-    spec = spec_of(row)
-    start = time.perf_counter()
-    found = plan(
-        train_step(spec),
-        *spec.abstract_args(),
-        cluster=cluster_of(row),
-        searcher=searcher,
-        budget_s=budget_s,
-    )
-    wall = time.perf_counter() - start
-    cost = found.predicted
-    return {
-        "plan": plan_shape(found),
-        "plan_step_s": cost.step_time_s,
-        "plan_feasible": bool(cost.feasible),
-        "plan_wall_s": wall,
-        # ru_maxrss is in KiB on Linux.
-        "plan_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-    }
-
-
-def plan_row_isolated(row: MegatronRow, budget_s: float, searcher: str = "auto") -> dict:
-    """`plan_row` in a fresh Python process: the peak RSS is the planner's own, not that of
-    whatever this process ran before (other rows, other benchmarks). A plain subprocess,
-    not multiprocessing: spawning would re-run the caller's main script."""
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding `automap`
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
-    job = {"row": dataclasses.asdict(row), "budget_s": budget_s, "searcher": searcher}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "plan.json"
-        code = "import sys; from automap._bench import plan_row_main; plan_row_main(sys.argv[1])"
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(out)],
-            input=json.dumps(job),
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        if done.returncode != 0 or not out.exists():
-            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise AutomapError(f"the planner failed: {last[0]}")
-        return json.loads(out.read_text())
-
-
-def plan_row_main(out: str) -> None:
-    """The child's side of `plan_row_isolated`: a job as JSON on stdin, `plan_row`'s
-    answer as JSON in the file `out`."""
-    job = json.loads(sys.stdin.read())
-    found = plan_row(MegatronRow(**job["row"]), job["budget_s"], job["searcher"])
-    Path(out).write_text(json.dumps(found))
 
 
 def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto") -> dict:
@@ -209,7 +125,7 @@ def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto
     if plan_s > 0:
         start = time.perf_counter()
         try:
-            found = plan_row_isolated(row, plan_s, searcher)
+            found = plan_isolated(job_of(row), plan_s, searcher)
         except AutomapError as e:  # no plan (none fits, say): the row says why
             record.update(plan_error=str(e), plan_wall_s=time.perf_counter() - start)
         else:

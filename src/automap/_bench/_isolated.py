@@ -1,0 +1,121 @@
+"""The planner on one published row's model and cluster, in a fresh Python process.
+
+A published table (Megatron-LM's, MaxText's) names a zoo model with its settings and a
+cluster preset; `PlanJob` holds just that, so that a child process can rebuild both and
+plan them. The child's peak RSS is then the planner's own, not that of whatever the
+parent ran before (other rows, other benchmarks), and its wall time is what `automap plan`
+on that row would show. Planning uses abstract shapes only: no weights are allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .._api import plan
+from .._cluster import Cluster
+from .._errors import AutomapError
+from .._plan import Plan
+from .._zoo import ModelSpec, get_model
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanJob:
+    """A zoo model with its settings on a cluster preset: what one row plans."""
+
+    model: str  # zoo name, e.g. "gpt-1.3b", "llama-32b"
+    settings: Mapping[str, Any]  # the model's `--set` overrides
+    cluster: str  # cluster preset, e.g. "a100", "tpu-v5p"
+    devices: int
+    topology: str = ""  # a TPU slice's chips per dimension, e.g. "4x4x4"; "" for a GPU
+
+    def spec(self) -> ModelSpec:
+        return get_model(self.model, **dict(self.settings))
+
+    def cluster_of(self) -> Cluster:
+        extra = {"topology": self.topology} if self.topology else {}
+        return Cluster.preset(self.cluster, devices=self.devices, **extra)
+
+
+def train_step(spec: ModelSpec) -> Callable:
+    """The row's step as Megatron-LM and MaxText run it: its update in place, so jitted
+    with the parameters and optimizer state donated (a step that donates nothing holds
+    its new state beside the old at the update, and is priced so: `_cost/_outputs.py`)."""
+    import jax
+
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1))
+
+
+def plan_shape(found: Plan) -> str:
+    """A plan in a few words: its mesh, microbatches, recomputation and ZeRO stage."""
+    mesh = " × ".join(f"{k} {v}" for k, v in found.mesh.items())
+    extra = [f"{found.microbatches} mb"] if found.pipelined else []
+    extra += ["remat"] if found.remat else []
+    extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []
+    return mesh + (f" ({', '.join(extra)})" if extra else "")
+
+
+def plan_job(job: PlanJob, budget_s: float, searcher: str = "auto") -> dict[str, Any]:
+    """The planner on the job's model and cluster, in this process: its plan, predicted
+    step, wall time (capture included) and this process's peak RSS so far."""
+    spec = job.spec()
+    start = time.perf_counter()
+    found = plan(
+        train_step(spec),
+        *spec.abstract_args(),
+        cluster=job.cluster_of(),
+        searcher=searcher,
+        budget_s=budget_s,
+    )
+    wall = time.perf_counter() - start
+    cost = found.predicted
+    return {
+        "plan": plan_shape(found),
+        "plan_step_s": cost.step_time_s,
+        "plan_feasible": bool(cost.feasible),
+        "plan_memory_gb": cost.memory_bytes / 1e9,
+        "plan_wall_s": wall,
+        # ru_maxrss is in KiB on Linux.
+        "plan_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
+
+
+def plan_isolated(job: PlanJob, budget_s: float, searcher: str = "auto") -> dict[str, Any]:
+    """`plan_job` in a fresh Python process. A plain subprocess, not multiprocessing:
+    spawning would re-run the caller's main script."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding `automap`
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    payload = {"job": dataclasses.asdict(job), "budget_s": budget_s, "searcher": searcher}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        code = "import sys; from automap._bench import plan_job_main; plan_job_main(sys.argv[1])"
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(out)],
+            input=json.dumps(payload),
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if done.returncode != 0 or not out.exists():
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise AutomapError(f"the planner failed: {last[0]}")
+        return json.loads(out.read_text())
+
+
+def plan_job_main(out: str) -> None:
+    """The child's side of `plan_isolated`: a job as JSON on stdin, `plan_job`'s answer
+    as JSON in the file `out`."""
+    payload = json.loads(sys.stdin.read())
+    found = plan_job(PlanJob(**payload["job"]), payload["budget_s"], payload["searcher"])
+    Path(out).write_text(json.dumps(found))
