@@ -1,6 +1,8 @@
 """Benchmarks and comparisons: every searcher side by side (`compare`), the zoo
 benchmark behind BENCHMARKS.md (`run_bench`, `write`), Megatron-LM's published table
-(`megatron_table`), MaxText's v5p table (`maxtext_table`), and device calibration.
+(`megatron_table`), MaxText's v5p table (`maxtext_table`), Korthikanti et al.'s table of
+sequence parallelism and selective recomputation (`korthikanti_table`), and device
+calibration.
 
 Input: models, clusters and budgets. Output: rows, markdown and JSON, a cluster file.
 BENCHMARKS.md says how to rerun it.
@@ -18,6 +20,11 @@ from ._compare import to_json as to_json
 from ._isolated import PlanJob as PlanJob
 from ._isolated import plan_isolated as plan_isolated
 from ._isolated import plan_job_main as plan_job_main
+from ._korthikanti import KORTHIKANTI_TABLE as KORTHIKANTI_TABLE
+from ._korthikanti import KorthikantiRow as KorthikantiRow
+from ._korthikanti import korthikanti_table as korthikanti_table
+from ._korthikanti import select_korthikanti_rows as select_korthikanti_rows
+from ._markdown import korthikanti_lines as korthikanti_lines
 from ._markdown import megatron_lines as megatron_lines
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write

@@ -11,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ._maxtext import maxtext_lines
 from ._run import BENCH_SEARCHERS, EXHAUSTIVE_LIMIT
 
 
@@ -98,8 +99,9 @@ def to_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## The cost model", "", *_fidelity_lines(result["fidelity"]), ""]
     lines += _speed_lines(result["speed"])
-    if "megatron" in result:  # results saved before the section existed have none
-        lines += ["", "## Megatron-LM's published table", "", *megatron_lines(result["megatron"])]
+    for key, title, section_lines in _published_sections():
+        if key in result:  # results saved before a section existed have none
+            lines += ["", f"## {title}", "", *section_lines(result[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +233,81 @@ def megatron_lines(section: dict | str) -> list[str]:
             ]
         out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def korthikanti_lines(section: dict | str) -> list[str]:
+    """The Korthikanti section (`_korthikanti.korthikanti_table`'s dict) as markdown: one
+    row per published row, both columns; the planner's columns when it ran."""
+    head = (
+        "Korthikanti et al., MLSys 2023, Table 5 (GPT, vocabulary 51,200, sequence 2048, "
+        "A100 80 GB, mixed precision, data parallel 1): iteration time with full "
+        "recomputation and with sequence parallelism plus selective recomputation, each "
+        "row's published configuration (TP × PP, microbatch, interleaving v) priced by the "
+        "cost model; ratio: predicted over published time (over 1: predicted slower); "
+        "speedup: full over SP + selective. (`benchmarks/bench_korthikanti.py` prints the "
+        "same rows.)"
+    )
+    if isinstance(section, str):
+        return [head, "", f"Korthikanti table: {section}."]
+    planned = section["plan_s"] > 0
+    if planned:
+        head += (
+            f" Planner: `automap plan --searcher {section['searcher']} --budget "
+            f"{section['plan_s']:g}` on the same model and GPUs, one fresh process per row; "
+            "vs published: its predicted step over the SP + selective configuration's."
+        )
+    cols = "| model | TP × PP | GPUs | batch | mb | v | full (s) | predicted | ratio "
+    cols += "| SP + sel. (s) | predicted | ratio | speedup | predicted | memory (GB) |"
+    rule = "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"
+    if planned:
+        cols += " planner's plan | its step (s) | vs published | wall (s) | peak RSS (GB) |"
+        rule += "---|--:|--:|--:|--:|"
+    out = [head, "", cols, rule]
+    for r in section["rows"]:
+        cells = [
+            r["name"],
+            f"{r['tp']} × {r['pp']}",
+            f"{r['gpus']}",
+            f"{r['batch']}",
+            f"{r['microbatch']}",
+            f"{r['virtual']}",
+            f"{r['full_s']:.2f}",
+            f"{r['full_pred_s']:.2f}",
+            f"{r['full_ratio']:.2f}",
+            f"{r['modern_s']:.2f}",
+            f"{r['modern_pred_s']:.2f}",
+            f"{r['modern_ratio']:.2f}",
+            f"{r['published_speedup']:.2f}",
+            f"{r['predicted_speedup']:.2f}",
+            f"{r['full_memory_gb']:.0f} → {r['modern_memory_gb']:.0f}",
+        ]
+        if planned and "plan_error" in r:
+            cells += [r["plan_error"].replace("|", "/"), "—", "—", f"{r['plan_wall_s']:.0f}", "—"]
+        elif planned:
+            fits = "" if r["plan_feasible"] else " (does not fit)"
+            cells += [
+                r["plan"] + fits,
+                f"{r['plan_step_s']:.2f}",
+                f"{r['vs_published']:.2f}",
+                f"{r['plan_wall_s']:.0f}",
+                f"{r['plan_peak_gb']:.1f}",
+            ]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"Mean absolute error of the priced times: {section['mean_abs_error']:.1%}."]
+    return out
+
+
+def _published_sections() -> tuple:
+    """The published tables' sections, in order: result key, heading, markdown lines."""
+    return (
+        ("megatron", "Megatron-LM's published table", megatron_lines),
+        (
+            "korthikanti",
+            "Sequence parallelism and selective recomputation (Korthikanti et al.)",
+            korthikanti_lines,
+        ),
+        ("maxtext", "MaxText on TPU v5p (published)", maxtext_lines),
+    )
 
 
 def write(result: dict, out: Path | None, json_out: Path | None) -> None:

@@ -41,6 +41,8 @@ from .._space import ShardSpace
 from .._version import __version__
 from .._zoo import get_model, list_models
 from ._compare import Row, make_row
+from ._korthikanti import KORTHIKANTI_TABLE, korthikanti_table
+from ._maxtext import MAXTEXT_TABLE, maxtext_table
 from ._megatron import MEGATRON_TABLE, megatron_table
 
 EXHAUSTIVE_LIMIT = 200_000  # points: above this only the ILP proves the optimum
@@ -96,9 +98,10 @@ class Settings:
     # The pipeline search's budget: its outer space (stage count × stage mesh × microbatches,
     # an ILP per stage mesh) is larger than one stage's, and it stops where the budget ends.
     dp_budget_s: float = 60.0
-    # Megatron-LM's published table (`_megatron.py`): None skips it; 0 prices Megatron's
-    # configuration of each row (about 15 s a row on two cores); > 0 also runs the planner
-    # on each row with this budget, in a fresh process (budget + capture + JAX's start).
+    # The published tables (`PUBLISHED`: Megatron-LM's SC'21, Korthikanti et al.'s, MaxText's
+    # v5p): None skips them; 0 prices each row's published configuration
+    # (about 15 s a row on two cores); > 0 also runs the planner on each row with this
+    # budget, in a fresh process (budget + capture + JAX's start).
     megatron_plan_s: float | None = None
     megatron_searcher: str = "auto"
 
@@ -384,6 +387,15 @@ def machine() -> dict[str, Any]:
     }
 
 
+#: The published tables a bench run prices (and plans, with a budget): its result's key,
+#: the table's function and its rows.
+PUBLISHED = (
+    ("megatron", megatron_table, MEGATRON_TABLE),
+    ("korthikanti", korthikanti_table, KORTHIKANTI_TABLE),
+    ("maxtext", maxtext_table, MAXTEXT_TABLE),
+)
+
+
 def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict:
     """Every case, the fidelity and speed figures, the machine: what BENCHMARKS.md shows."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -396,8 +408,9 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
         disable=not progress, transient=True,
     ) as bar:  # fmt: skip
-        megatron_steps = len(MEGATRON_TABLE) if s.megatron_plan_s is not None else 0
-        task = bar.add_task("bench", total=len(cases) * steps + 2 + megatron_steps)
+        published_steps = sum(len(rows) for *_, rows in PUBLISHED)
+        published_steps *= s.megatron_plan_s is not None
+        task = bar.add_task("bench", total=len(cases) * steps + 2 + published_steps)
         for case in cases:
 
             def step(what: str, case: Case = case) -> None:
@@ -412,7 +425,8 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         fid = fidelity(s.fidelity_models, s.fidelity_plans)
         bar.update(task, advance=1, description=f"cost model speed ({s.speed_model})")
         spd = speed(s.speed_model)
-        mega: dict | str = "not run (`automap bench --megatron-plan-s 30` runs it)"
+        skipped = "not run (`automap bench --megatron-plan-s 30` runs it)"
+        published: dict[str, dict | str] = {key: skipped for key, *_ in PUBLISHED}
         if s.megatron_plan_s is not None:
 
             def row_step(what: str) -> None:
@@ -420,9 +434,10 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
                 if progress and not bar.console.is_terminal:
                     print(f"[{time.perf_counter() - start:6.0f} s] {what}", file=sys.stderr)
 
-            mega = megatron_table(
-                plan_s=s.megatron_plan_s, searcher=s.megatron_searcher, step=row_step
-            )
+            published = {
+                key: table(plan_s=s.megatron_plan_s, searcher=s.megatron_searcher, step=row_step)
+                for key, table, _ in PUBLISHED
+            }
     return {
         "machine": machine(),
         "command": s.command,
@@ -431,5 +446,5 @@ def run_bench(cases: Sequence[Case], s: Settings, progress: bool = True) -> dict
         "cases": results,
         "fidelity": fid,
         "speed": spd,
-        "megatron": mega,
+        **published,
     }

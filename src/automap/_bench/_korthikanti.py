@@ -1,0 +1,155 @@
+"""Korthikanti et al.'s table of sequence parallelism and selective recomputation, priced
+by Auto-MAP, and the planner's plans for the same models and GPUs.
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
+(MLSys 2023, arXiv 2205.05198), Table 5: GPT with vocabulary 51,200 and sequence 2048 on
+A100 80 GB (Selene), mixed precision, data parallel 1; each row's iteration time with
+full recomputation (no sequence parallelism) and with sequence parallelism plus selective
+recomputation, the configuration otherwise the same (tensor parallel inside the node,
+pipeline stages, microbatch size, interleaved schedule with v model chunks per device).
+
+Each row is priced twice with its published configuration (`Recipe`), once per column,
+and the predicted speedup of the second over the first is set against the published one.
+With a planner budget the planner runs on the row's model and GPUs in a fresh process
+(`_isolated.plan_isolated`), its plan set against the published configuration with
+both techniques. One source for `benchmarks/bench_korthikanti.py` and `automap bench`'s
+section of BENCHMARKS.md (`_markdown.korthikanti_lines`). Abstract shapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._api import plan_recipe
+from .._errors import AutomapError
+from .._plan import Plan
+from .._space import Recipe
+from ._isolated import PlanJob, plan_isolated, train_step
+from ._megatron import MegatronRow, job_of
+
+CLUSTER = "a100"
+
+
+@dataclasses.dataclass(frozen=True)
+class KorthikantiRow:
+    """One row of the published table: configuration and both iteration times."""
+
+    name: str  # as published: "22B", "175B", ...
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int  # global batch, sequences
+    microbatch: int  # sequences per microbatch
+    virtual: int  # interleaving: model chunks per device
+    full_s: float  # published iteration time, full recomputation
+    modern_s: float  # published iteration time, sequence parallel + selective
+
+    @property
+    def published_speedup(self) -> float:
+        return self.full_s / self.modern_s
+
+    def job(self) -> PlanJob:
+        """The row's model (the GPT of `_megatron`'s rows) on its GPUs."""
+        return job_of(
+            MegatronRow(
+                0.0, self.heads, self.hidden, self.layers, self.tp, self.pp, self.gpus,
+                self.batch, 0.0,
+            )
+        )  # fmt: skip
+
+
+KORTHIKANTI_TABLE = (
+    KorthikantiRow("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10),
+    KorthikantiRow("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75),
+    KorthikantiRow("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83),
+    KorthikantiRow("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49),
+)
+
+
+def select_korthikanti_rows(names: Sequence[str] = ()) -> tuple[KorthikantiRow, ...]:
+    """The rows whose name ("22B", "1T") is listed; all if none."""
+    return tuple(r for r in KORTHIKANTI_TABLE if not names or r.name in names)
+
+
+def recipe_of(row: KorthikantiRow, modern: bool) -> Recipe:
+    """The row's published configuration: full recomputation, or (`modern`) sequence
+    parallelism with selective recomputation."""
+    return Recipe(
+        tp=row.tp,
+        pp=row.pp,
+        dp=row.gpus // (row.tp * row.pp),
+        microbatch_size=row.microbatch,
+        remat="selective" if modern else "full",
+        sequence_parallel=modern,
+        schedule="interleaved" if row.virtual > 1 else "1f1b",
+        virtual_stages=row.virtual,
+        name="korthikanti-" + ("sp-selective" if modern else "full"),
+    )
+
+
+def price_row(row: KorthikantiRow, modern: bool) -> Plan:
+    job = row.job()
+    spec = job.spec()
+    return plan_recipe(
+        train_step(spec),
+        *spec.abstract_args(),
+        recipe=recipe_of(row, modern),
+        cluster=job.cluster_of(),
+    )
+
+
+def korthikanti_record(row: KorthikantiRow, plan_s: float = 0.0, searcher: str = "auto") -> dict:
+    """One row: published figures, both columns priced, and with `plan_s` > 0 the
+    planner's plan found in that budget, against the modern column's predicted step."""
+    start = time.perf_counter()
+    full, modern = (price_row(row, m).predicted for m in (False, True))
+    record = {
+        **dataclasses.asdict(row),
+        "full_pred_s": full.step_time_s,
+        "modern_pred_s": modern.step_time_s,
+        "full_ratio": full.step_time_s / row.full_s,
+        "modern_ratio": modern.step_time_s / row.modern_s,
+        "published_speedup": row.published_speedup,
+        "predicted_speedup": full.step_time_s / modern.step_time_s,
+        "full_memory_gb": full.memory_bytes / 1e9,
+        "modern_memory_gb": modern.memory_bytes / 1e9,
+        "feasible": bool(full.feasible and modern.feasible),
+        "price_s": time.perf_counter() - start,
+    }
+    if plan_s > 0:
+        start = time.perf_counter()
+        try:
+            found = plan_isolated(row.job(), plan_s, searcher)
+        except AutomapError as e:  # no plan (none fits, say): the row says why
+            record.update(plan_error=str(e), plan_wall_s=time.perf_counter() - start)
+        else:
+            record.update(found, vs_published=found["plan_step_s"] / modern.step_time_s)
+    return record
+
+
+def korthikanti_table(
+    rows: Sequence[KorthikantiRow] = KORTHIKANTI_TABLE,
+    plan_s: float = 0.0,
+    searcher: str = "auto",
+    step: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Every row (`korthikanti_record`) and the settings they ran with, with the mean
+    absolute error of the eight priced iteration times."""
+    records = []
+    for row in rows:
+        step(f"korthikanti {row.name}")
+        records.append(korthikanti_record(row, plan_s, searcher))
+    errors = [abs(r[k] - 1) for r in records for k in ("full_ratio", "modern_ratio")]
+    return {
+        "cluster": CLUSTER,
+        "plan_s": plan_s,
+        "searcher": searcher,
+        "rows": records,
+        "mean_abs_error": sum(errors) / max(len(errors), 1),
+    }
