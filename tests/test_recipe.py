@@ -15,7 +15,8 @@ import automap as am
 from automap._cli import app
 from automap._cost import CostModel
 from automap._groups import build_groups
-from automap._space import layer_boundaries, layer_cuts, pipeline_experts
+from automap._remat import stage_layer_counts
+from automap._space import layer_boundaries, layer_cuts, layer_split, pipeline_experts
 from automap._zoo import get_model
 from pipeline._models import assert_same
 
@@ -38,14 +39,41 @@ def test_layer_cuts_give_every_stage_equal_layers(gpt):
     assert len(bounds) == SMALL["layers"] + 1
     two, four = layer_cuts(graph, groups, 2), layer_cuts(graph, groups, 4)
     assert two == (bounds[2],) and four == bounds[1:4]
-    with pytest.raises(am.PlanError, match="4 layers do not split into 3 stages"):
-        layer_cuts(graph, groups, 3)
+    # Three stages do not divide four layers: the middle one holds two (1, 2, 1).
+    assert layer_cuts(graph, groups, 3) == (bounds[1], bounds[3])
+    with pytest.raises(am.PlanError, match="4 layers do not split into 5 stages"):
+        layer_cuts(graph, groups, 5)
+
+
+SPLITS = [
+    ((8, 2), (4, 4)),  # divides: equal, as Megatron's
+    ((5, 2), (3, 2)),  # the last stage (head and loss) gives up the layer
+    ((30, 4), (7, 8, 8, 7)),
+    ((10, 4), (2, 3, 3, 2)),
+    ((9, 4), (2, 3, 2, 2)),  # a third short one: next to the last, inward
+    ((126, 16), (7, *[8] * 14, 7)),  # Llama 3 405B's 126 layers over 16 stages
+    ((7, 7), (1,) * 7),
+]
+
+
+@pytest.mark.parametrize(("sizes", "counts"), SPLITS)
+def test_layer_split_gives_the_end_stages_fewer_layers(sizes, counts):
+    assert layer_split(*sizes) == counts
+    with pytest.raises(am.PlanError, match="3 layers do not split into 4 parts"):
+        layer_split(3, 4)
 
 
 BAD = [
     (dict(tp=2, pp=2, dp=1), "tp × pp × dp = 2 × 2 × 1 = 4, but the cluster has 8"),
     (dict(tp=8, pp=1, dp=1), "tp=8 does not divide what tensor parallelism splits"),
-    (dict(tp=1, pp=8, dp=1), "4 layers do not split into 8 stages"),
+    (
+        dict(tp=1, pp=8, dp=1),
+        "4 layers do not split into 8 stages of a layer or more: use a pp of at most 4",
+    ),
+    (
+        dict(tp=1, pp=4, dp=2, schedule="interleaved", virtual_stages=2, microbatches=4),
+        "4 layers do not split into pp × virtual_stages = 4 × 2 = 8 chunks",
+    ),
     (dict(tp=1, pp=1, dp=8, microbatch_size=3), "microbatch size 3 does not divide the 1"),
     (dict(tp=2, pp=2, dp=2, microbatches=3), "3 microbatches do not divide the 4"),
     (dict(tp=2, pp=2, dp=2, remat="some"), "remat 'some': use one of none, selective, full"),
@@ -78,6 +106,29 @@ def test_recipe_plan_is_priced_and_runs_the_step(gpt):
     )
     assert plan.predicted.feasible and plan.predicted.bubble_s > 0
     assert "model" in plan.assignment.values() and "data" in plan.assignment.values()
+    args = spec.concrete_args(0)
+    got = am.apply(spec.step_fn, plan)(*args)
+    assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
+
+
+@pytest.mark.slow  # compiled and run
+@pytest.mark.parametrize(
+    ("v", "counts"), [(1, [3, 2]), (2, [1, 2, 1, 1])], ids=["1f1b", "interleaved"]
+)
+def test_an_uneven_split_runs_the_step(v, counts):
+    # Five layers over two stages (over four chunks, interleaved: 1,2,1,1, chunk k on
+    # stage k mod 2): the stages hold unequal layers, the plan says how, and the
+    # numbers are the unsharded step's.
+    spec = get_model("gpt-1.3b", **{**SMALL, "layers": 5})
+    recipe = am.Recipe(
+        tp=2, pp=2, dp=2, microbatches=2, virtual_stages=v,
+        schedule="interleaved" if v > 1 else "1f1b",
+    )  # fmt: skip
+    plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=CPU8)
+    graph = am.capture(spec.step_fn, *spec.abstract_args())
+    assert stage_layer_counts(graph, build_groups(graph), plan) == counts
+    split = "3,2" if v == 1 else "1,2,1,1"
+    assert any(f": {split} (" in note for note in plan.provenance.notes)
     args = spec.concrete_args(0)
     got = am.apply(spec.step_fn, plan)(*args)
     assert_same(got, jax.jit(spec.step_fn)(*args), spec.config["learning_rate"])
@@ -164,6 +215,18 @@ def test_estimate_command_prints_the_price_as_json():
     assert data["feasible"] and data["bubble_s"] > 0 and data["microbatches"] == 4
     bad = CliRunner().invoke(app, ["estimate", "--model", "mlp", "--devices", "8", "--tp", "3"])
     assert bad.exit_code == 2 and "tp × pp × dp" in bad.output and "Traceback" not in bad.output
+
+
+def test_estimate_says_how_it_split_uneven_layers():
+    sets = [*SETS[: SETS.index("layers=4")], "layers=5", *SETS[SETS.index("layers=4") + 1 :]]
+    result = CliRunner().invoke(
+        app,
+        ["estimate", "--model", "gpt-1.3b", *sets,
+         "--devices", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--microbatches", "2"],
+        terminal_width=200,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "note: layers per stage: 3,2 (2 does not divide 5 layers" in result.output
 
 
 @pytest.mark.slow  # compiled and run

@@ -163,6 +163,7 @@ def plan_recipe(
         cluster=cluster.name,
         devices=cluster.devices,
         batch=problem.graph.batch_rows,
+        notes=built.provenance.notes,  # how the recipe split uneven layers, if it did
         **dict(origin or {}),
     )
     decisions = {**built.decisions, "arg_roles": arg_roles(problem.graph)}

@@ -388,7 +388,12 @@ def estimate_cmd(
     topology: TopologyOpt = None,
     slices: SlicesOpt = 1,
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size, inside a node.")] = 1,
-    pp: Annotated[int, typer.Option("--pp", help="Pipeline stages, equal in layers.")] = 1,
+    pp: Annotated[
+        int,
+        typer.Option(
+            "--pp", help="Pipeline stages, equal in layers (else the end stages hold one fewer)."
+        ),
+    ] = 1,
     dp: Annotated[
         int, typer.Option("--dp", help="Data parallel size (tp x pp x dp = devices).")
     ] = 1,
@@ -406,7 +411,7 @@ def estimate_cmd(
         int,
         typer.Option(
             "--virtual-stages",
-            help="Model chunks per pipeline stage (interleaved's v; pp x v divides the layers).",
+            help="Model chunks per pipeline stage (interleaved's v; chunks as --pp splits stages).",
         ),
     ] = 1,
     remat: Annotated[

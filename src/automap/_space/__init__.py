@@ -18,6 +18,7 @@ from ._pipelined import stage_counts as stage_counts
 from ._recipes import Recipe as Recipe
 from ._recipes import layer_boundaries as layer_boundaries
 from ._recipes import layer_cuts as layer_cuts
+from ._recipes import layer_split as layer_split
 from ._recipes import recipe_plan as recipe_plan
 from ._shard import OPTIONS as OPTIONS
 from ._shard import SPACE_TASKS as SPACE_TASKS

@@ -29,7 +29,7 @@ from .._pipeline import cut_candidates, pipeline_plan, uniform_cuts
 from .._plan import Cost, Plan
 from ._experts import axis_assignment, batch_groups, block_groups
 from ._pipelined import microbatch_counts, stage_counts
-from ._recipes import Recipe, recipe_plan
+from ._recipes import Recipe, layer_count, recipe_plan
 
 
 def pipeline_experts(
@@ -120,6 +120,8 @@ def _fewest_megatron_stages(
 def _megatron_recipe(graph, groups, cluster, estimate, tp: int, pp: int, dp: int) -> Plan | None:
     """Megatron's recipe at these sizes, priced; None where it does not apply (layers not
     divisible by pp, a step that cannot microbatch)."""
+    if pp > 1 and layer_count(graph, groups) % pp:
+        return None  # Megatron's 2022 stages hold equal layers; a Recipe would split unevenly
     recipe = Recipe(tp=tp, pp=pp, dp=dp, microbatch_size=1, remat="full", name="megatron_3d")
     try:
         plan = recipe_plan(graph, groups, cluster, _with_sequence_parallel(graph, groups, recipe))

@@ -10,12 +10,15 @@ recomputation, microbatch size 1.
 
 Tensor parallel is Megatron's column-then-row split (`block_groups`): attention heads,
 the MLP's hidden width and the vocabulary; a size that does not divide what it must split
-is refused, as is a data size that does not divide the batch.
+is refused, as is a data size that does not divide the batch. Pipeline stages that do not
+divide the layers split them as Llama 3 does (`layer_split`: the end stages one fewer),
+and the plan says so in a note.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 from .._axes import DATA, MODEL
@@ -44,7 +47,8 @@ class Recipe:
     tp: int = 1
     """Tensor parallel: Megatron's column/row split on the `model` axis, inside a node."""
     pp: int = 1
-    """Pipeline stages, each holding an equal number of layers."""
+    """Pipeline stages, each holding an equal number of layers; where pp does not divide
+    the layers, the first and last stages hold one fewer (Llama 3's split, `layer_split`)."""
     dp: int = 1
     """Data parallel: replicas over the remaining devices (tp × pp × dp = the devices)."""
     microbatch_size: int | None = None
@@ -57,7 +61,8 @@ class Recipe:
     (Megatron's), "gpipe" or "interleaved" (Megatron's virtual pipeline)."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B's v, Megatron's virtual pipeline
-    size): the layers split into pp × v chunks of equal layers, chunk k on stage k mod pp.
+    size): the layers split into pp × v chunks of equal layers (else as `pp` says), chunk k
+    on stage k mod pp.
     More than 1 needs schedule "interleaved", pp > 1 and microbatches a multiple of pp."""
     remat: str = "none"
     """Activation recomputation: "none", "selective" (recompute only each layer's
@@ -131,7 +136,18 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
     plan = _fits_layers(graph, groups, dataclasses.replace(plan, **remat))
     if recipe.sequence_parallel:
         plan = sequence_parallel(graph, groups, plan, MODEL)
-    return plan
+    return _with_split_note(graph, groups, recipe, plan)
+
+
+def _with_split_note(graph: Graph, groups: Groups, recipe: Recipe, plan: Plan) -> Plan:
+    """`plan`, noting how it split the layers where its stages do not hold equal ones."""
+    if recipe.pp == 1:
+        return plan
+    counts = layer_split(layer_count(graph, groups), recipe.pp * recipe.virtual_stages)
+    if len(set(counts)) == 1:
+        return plan
+    notes = (*plan.provenance.notes, split_note(counts, recipe.pp))
+    return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, notes=notes))
 
 
 def _fits_layers(graph: Graph, groups: Groups, plan: Plan) -> Plan:
@@ -283,28 +299,61 @@ def layer_boundaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
     return tuple(out)
 
 
+def layer_split(layers: int, parts: int) -> tuple[int, ...]:
+    """Layers per part (stage, or chunk when interleaved) for `layers` over `parts`:
+    equal where `parts` divides `layers`, else Llama 3's uneven split (Dubey et al. 2024,
+    3.3.2): every part holds ceil(layers / parts) or one fewer, the fewer going to the
+    ends first (the last part, then the first, then inward), as the last holds the head
+    and loss and the first the embedding. A one-line PlanError where parts > layers."""
+    if not 1 <= parts <= layers:
+        raise PlanError(f"{layers} layers do not split into {parts} parts of one layer or more.")
+    per = -(-layers // parts)
+    counts = [per] * parts
+    # Outside in: last, first, second-to-last, second, ...; at most parts - 1 of them.
+    ends = [k for pair in zip(range(parts - 1, -1, -1), range(parts), strict=True) for k in pair]
+    short = list(dict.fromkeys(ends))[: per * parts - layers]
+    for k in short:
+        counts[k] -= 1
+    return tuple(counts)
+
+
+def split_note(counts: tuple[int, ...], stages: int) -> str:
+    """The plan's note for an uneven split: how many layers each stage (each chunk,
+    interleaved: chunk k on stage k mod `stages`) holds."""
+    what = "stage" if len(counts) == stages else f"chunk (chunk k on stage k mod {stages})"
+    return (
+        f"layers per {what}: {','.join(map(str, counts))} ({len(counts)} does not divide "
+        f"{sum(counts)} layers: the ends hold fewer, as Llama 3's first and last stages do)"
+    )
+
+
+def layer_count(graph: Graph, groups: Groups) -> int:
+    """How many repeated layers the program has (parameters owned by a numbered path)."""
+    return len(_layer_reads(graph, groups)[1])
+
+
 def layer_cuts(graph: Graph, groups: Groups, stages: int, chunks: int = 1) -> tuple[int, ...]:
-    """`stages * chunks - 1` cuts giving every stage (every chunk of one, interleaved) an
-    equal number of layers (Megatron's stages; the embedding rides with the first, the
-    head with the last)."""
+    """`stages * chunks - 1` cuts, each before a layer, giving the stages (the chunks of
+    them, interleaved) the layers of `layer_split`: equal where they divide (Megatron's
+    stages; the embedding rides with the first, the head with the last), else the ends
+    one fewer (Llama 3's)."""
     pos, reads = _layer_reads(graph, groups)
     starts = sorted(min(v) for v in reads.values())  # each layer's first read
-    layers = len(starts)
-    if chunks > 1 and (layers < stages * chunks or layers % (stages * chunks)):
-        raise PlanError(
-            f"{layers} layers do not split into pp × virtual_stages = {stages} × {chunks} "
-            f"= {stages * chunks} chunks of equal layers: use a pp × virtual_stages that "
-            f"divides {layers}."
+    if len(starts) < stages * chunks:
+        n = stages * chunks
+        what = (
+            f"{n} stages"
+            if chunks == 1
+            else f"pp × virtual_stages = {stages} × {chunks} = {n} chunks"
         )
-    if layers < stages or layers % stages:
         raise PlanError(
-            f"{layers} layers do not split into {stages} stages of equal layers: use a "
-            f"pp that divides {layers}."
+            f"{len(starts)} layers do not split into {what} of a layer or more: "
+            f"use a pp{' × virtual_stages' if chunks > 1 else ''} of at most {len(starts)}."
         )
-    stages *= chunks
+    counts = layer_split(len(starts), stages * chunks)
     bounds = layer_boundaries(graph, groups)
-    per, cuts = layers // stages, []
-    for j in range(per, layers, per):
+    cuts = []
+    for j in itertools.accumulate(counts[:-1]):
         # The boundary before layer j: the last one between layer j - 1 and layer j.
         between = [b for b in bounds if starts[j - 1] < pos[b] <= starts[j]]
         if not between:
