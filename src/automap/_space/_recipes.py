@@ -302,9 +302,10 @@ def layer_boundaries(graph: Graph, groups: Groups) -> tuple[int, ...]:
 def layer_split(layers: int, parts: int) -> tuple[int, ...]:
     """Layers per part (stage, or chunk when interleaved) for `layers` over `parts`:
     equal where `parts` divides `layers`, else Llama 3's uneven split (Dubey et al. 2024,
-    3.3.2): every part holds ceil(layers / parts) or one fewer, the fewer going to the
-    ends first (the last part, then the first, then inward), as the last holds the head
-    and loss and the first the embedding. A one-line PlanError where parts > layers."""
+    on pipeline parallelism): every part holds ceil(layers / parts) or one fewer, the
+    fewer going to the ends first (the last part, then the first, then inward), as the
+    last holds the head and loss and the first the embedding. A one-line PlanError where
+    parts > layers."""
     if not 1 <= parts <= layers:
         raise PlanError(f"{layers} layers do not split into {parts} parts of one layer or more.")
     per = -(-layers // parts)
