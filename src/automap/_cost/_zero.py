@@ -5,7 +5,8 @@ Under ZeRO a gradient is made where it meets its sharded optimizer state, and th
 runs on the shard (`_groups.zero_region`): those ops' compute is divided over the data
 axis (`zero_shares`, `zero_compute`) unless their iteration space is split over it
 already. ZeRO-3 gathers each parameter where an op needs it whole, at the width XLA
-gathers it (`gathered_bytes`), and again in the backward (`RegatherCoefs`). The one-stage
+gathers it (`gathered_bytes`): in one-stage steps layer by layer, and again in the
+backward (`RegatherCoefs`, its per-layer coefficients in `_fsdp.py`). The one-stage
 estimate and the shard ILP read these through `_terms.py`, the one statement of the price.
 """
 
