@@ -1,6 +1,7 @@
 """The cost model: collectives of the textbook plans, memory, feasibility, alpha-beta
 formulas, the fast path against the plan path, and plans held against XLA."""
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -17,6 +18,7 @@ from automap._cluster import Cluster
 from automap._cost import AR, AxisCosts, CostModel, ring_allreduce_time, tree_allreduce_time
 from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment, regather_plan
+from automap._remat import layer_gathers
 from automap._search import MeshTerms, search_ilp
 from automap._solvers import evaluate_batch
 from automap._space import ShardSpace
@@ -136,6 +138,8 @@ def test_memory_decreases_with_sharding_and_zero():
     again = sum(g.tensors[t].nbytes for t in regathered)
     casts = sum(model.tables.gathered.values()) + sum(model.tables.gathered[t] for t in regathered)
     assert casts == pytest.approx((params + again) / 2, rel=0.05)
+    # gathered layer by layer: a parameter read by two layers (the tied embedding) twice
+    casts += sum(model.tables.gathered[p] * (n - 1) for p, n in layers_reading(g, groups).items())
     grads = by_key(zero[0])[("all-reduce", "data")].bytes
     for stage in (1, 2, 3):
         k = by_key(zero[stage])
@@ -412,3 +416,21 @@ def test_the_ilp_prices_the_cpus_chain_as_the_cost_model_does():
         ),
         rel=1e-9,
     )
+
+
+def layers_reading(g, groups) -> dict[int, int]:
+    """Per parameter, how many forward layers (`_remat.layer_gathers`) read it, directly or
+    through values made from it alone (its cast)."""
+    lg = layer_gathers(g, groups)
+    root = {x.tensor: {x.tensor} for x in g.leaves(Role.PARAM)}
+    for i in sorted(lg.remake):
+        made = set().union(*(root.get(t, set()) for t in g.ops[i].inputs))
+        root.update((t, made) for t in g.ops[i].outputs)
+    pairs = {
+        (lg.layer(op.index), p)
+        for op in g.ops[: lg.regather.boundary + 1]
+        if op.index not in lg.remake
+        for t in op.inputs
+        for p in root.get(t, ())
+    }
+    return dict(collections.Counter(p for _, p in pairs))

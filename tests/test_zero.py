@@ -58,9 +58,10 @@ def test_zero_compiles_reduce_scatter_and_a_sharded_update(stage):
     assert xla["all-reduce@data"] == pytest.approx(dp.collectives[0].bytes, rel=0.01)
     assert "dynamic-slice" in text
     # ... and the parameters are gathered (not the Adam moments as well): once, or with
-    # ZeRO-3 once more for the backward (all but the biases, which it does not read).
+    # ZeRO-3 by each layer that reads them (the tied embedding by the first and the head)
+    # and once more for the backward (all but the biases, which it does not read).
     gathered = xla["all-gather@data"] / g.role_bytes(Role.PARAM)
-    assert (gathered == pytest.approx(1.0, rel=0.01)) if stage < 3 else (1.9 < gathered < 2.0)
+    assert (gathered == pytest.approx(1.0, rel=0.01)) if stage < 3 else (1.9 < gathered < 2.1)
     assert set(xla) == {"all-reduce@data", "all-gather@data"}
     # The update runs on shards: its Adam arithmetic reads 1/8 of a kernel's moments.
     assert re.search(r"sqrt[^\n]*f32\[8,256\]", text)
@@ -89,8 +90,11 @@ def test_zero3_gathers_each_parameter_again_for_the_backward_and_keeps_no_copy()
     text = compiled(3).as_text()
     gathers = [c for c in parse_collectives(text) if c.kind == "all-gather"]
     leaves = [leaf for leaf in g.leaves(Role.PARAM) if g.tensors[leaf.tensor].ndim]
-    assert len(gathers) == len(leaves) + len(rg.params)
-    assert comm_bytes(gathers, MESH)["all-gather@data"] == g.role_bytes(Role.PARAM) + again
+    # Layer by layer: the tied embedding is gathered by the first layer and by the head.
+    embed = next(leaf.tensor for leaf in leaves if "embed" in leaf.path)
+    assert len(gathers) == len(leaves) + 1 + len(rg.params)
+    moved = g.role_bytes(Role.PARAM) + g.tensors[embed].nbytes + again
+    assert comm_bytes(gathers, MESH)["all-gather@data"] == moved
     # XLA's buffer assignment: ZeRO-2 holds every parameter whole (its argument) and the
     # gathered copies; ZeRO-3 holds 1/8 of each and only the copies in use, so its
     # arguments and temporaries are below ZeRO-2's by at least the parameters' 7/8.
@@ -104,18 +108,17 @@ def test_zero3_gathers_each_parameter_again_for_the_backward_and_keeps_no_copy()
 
 
 def test_zero3_under_remat_gathers_again_what_the_recompute_reads():
-    # Remat re-runs a layer's forward inside its backward behind a barrier: XLA merges none
-    # of the recompute's gathers with the forward's, so the parameters the recomputed ops
-    # read are gathered once more (not a layer's last projection, whose output its
-    # backward does not read again), and the cost model charges them. (Float32: a bf16
-    # step casts its weights before the layers, and the recompute reads the casts.)
+    # Remat re-runs a layer's forward inside its backward: the recompute and the layer's
+    # gradients read one second gather of its parameters (FSDP's), made after the layer's
+    # gradient arrives, and the cost model charges it; with the forward's layer by layer,
+    # about twice the parameters' bytes (the biases the backward does not read, less).
     spec, args, g, _ = gpt("float32")
     plan = dataclasses.replace(zero_plan(3, "float32"), remat=True)
     report = verify(spec.step_fn, plan, *args)
     assert report.collectives_match, report.summary()
     assert report.numerics_ok, report.summary()
     gathered = report.xla_comm_bytes["all-gather@data"] / g.role_bytes(Role.PARAM)
-    assert 1.3 < gathered < 1.9
+    assert 1.9 < gathered < 2.2
 
 
 def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
@@ -124,7 +127,8 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
     # parameters: with 16-bit gradients the float32 gather moves twice their bytes).
     # ZeRO-3 gathers again for the backward, one gather per leaf: FSDP's 1.5x. A model
     # large enough for bandwidth, not latency, to set the time (abstract: nothing is
-    # allocated; ZeRO-3 measured 1.55x here, its 19 extra latencies included).
+    # allocated; ZeRO-3 measured 1.58x here: its 19 backward gathers' latencies and one
+    # forward gather per layer, which XLA can no longer combine into one, included).
     spec = get_model("gpt-1.3b", layers=2, hidden=2048, heads=16, seq=64, batch=16,
                      vocab=512, dtype="float32")  # fmt: skip
     g = capture(spec.step_fn, *spec.abstract_args())
@@ -134,6 +138,8 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
     dp = model.evaluate(batch, MESH)
     grads = max(c.bytes for c in dp.collectives if c.kind == "all-reduce")
     again = sum(g.tensors[t].nbytes for t in regather_plan(g, groups).params)
+    # layer by layer, the tied embedding is gathered by the first layer and by the head
+    again += next(g.tensors[x.tensor].nbytes for x in g.leaves(Role.PARAM) if "embed" in x.path)
     for stage in (1, 2, 3):
         z = model.evaluate(batch, MESH, zero_stage=stage)
         kinds = {(c.kind, c.axis): c.bytes for c in z.collectives}
@@ -141,8 +147,9 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
         gathered = g.role_bytes(Role.PARAM) + (again if stage == 3 else 0)
         assert kinds[("all-gather", "data")] == gathered
         assert kinds.get(("all-reduce", "data"), 0.0) < 0.01 * grads  # the loss, no gradient
-        ratio = 1.5 if stage == 3 else 1.0
-        assert z.comm_s == pytest.approx(ratio * dp.comm_s, rel=0.05)
+        # an all-reduce is a reduce-scatter and an all-gather of the same bytes
+        ratio = (grads + gathered) / (2 * grads)
+        assert z.comm_s == pytest.approx(ratio * dp.comm_s, rel=0.06)
         assert z.memory_breakdown["opt_state"] == pytest.approx(
             dp.memory_breakdown["opt_state"] / 8, rel=0.01
         )

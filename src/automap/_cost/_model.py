@@ -32,15 +32,16 @@ numpy operations over those tables:
   update to the ZeRO layout (`_groups.plan_from_assignment`): the data-parallel gradient
   all-reduce becomes a reduce-scatter (the CPU's lowering: an all-reduce and a slice),
   the update runs on shards and the parameters are all-gathered: once after the update
-  (ZeRO-1/2), or for use in the forward and again, one gather per leaf, for the backward's
-  reads (ZeRO-3 as FSDP, `_groups.regather_plan`; FSDP's 1.5x of data parallel's bytes).
+  (ZeRO-1/2), or layer by layer (ZeRO-3 as FSDP, `_fsdp.py`: one combined gather per
+  forward layer, and again, one gather per leaf, for the backward's reads and under remat
+  its recompute; about FSDP's 1.5x of data parallel's bytes).
   The ops ZeRO pins (the update, and a gradient whose iteration space the data axis does
   not already split) compute on the device's data shard (`_zero.zero_shares`).
   Checked against XLA's HLO and `cost_analysis()`;
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
-  the optimizer state, and with ZeRO-3 the stored parameters, whose gathered casts are no
-  longer kept for the backward; the local gradients are whole until their reduce-scatter,
-  in every stage, as XLA compiles them),
+  the optimizer state, and with ZeRO-3 the stored parameters, whose gathered copies live
+  about two layers (`_fsdp.py`) and whose casts are not kept for the backward; the local
+  gradients are whole until their reduce-scatter, in every stage, as XLA compiles them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_remat/_recompute.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
@@ -448,7 +449,7 @@ class CostModel:
         ac = self._costs_for(st.mesh)
         zero_mask = int(ac.bit[d]) if L.zero else 0
         g = gathers(self.coefs, L)
-        count = int(g.leaves > 0) + int(g.calls) if zero_mask else 0
+        count = int(g.count) if zero_mask else 0
         if st.remat:  # the recompute runs its ops' collectives again
             slots = len(self.tables.combine_trips)
             lowering = self.cluster.lowering

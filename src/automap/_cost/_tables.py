@@ -15,13 +15,15 @@ from collections.abc import Collection, Mapping
 
 import numpy as np
 
-from .._capture import Residuals
+from .._capture import Residuals, loss_boundary
 from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, zero_region
 from .._lowering import Lowering
+from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, combined_copies, step_buffers
 from ._compute import ComputeEntries, Rates, add_op_compute, compute_columns, compute_inputs
+from ._fsdp import layer_gathered_parameters
 from ._liveness import Moments, gathered_parameters, past_forward, step_moments
 from ._outputs import held_outputs, output_coef
 from ._residuals import kept_residuals
@@ -115,6 +117,8 @@ class TableInputs:
     update: Collection[int]  # the update ops ZeRO pins (`_groups.zero_region`)
     # the forward's values ZeRO-3's backward makes again (`_groups.Regather.tensors`)
     regathered: Collection[int]
+    # where ZeRO-3 gathers layer by layer (`_remat.layer_gathers`), None without a loss
+    layers: LayerGathers | None = None
 
 
 def build_tables(
@@ -150,7 +154,8 @@ def build_tables(
         if add_op_compute(entries, compute, op):
             at = At(scale=1.0, scope=(), row_op=op.index, hoist={}, params=params)
             candidate_rows(rows, op, graph, groups.tensor_groups, tset, at)
-    inp = TableInputs(graph, res, lowering, graph.consumers(), tset, ng, update, regathered)
+    layers = layer_gathers(graph, groups) if loss_boundary(graph) is not None else None
+    inp = TableInputs(graph, res, lowering, graph.consumers(), tset, ng, update, regathered, layers)
     partial = staged = rows.partial
     if lowering.reassociates_all_reduce:
         gone = summed_partials(graph, partial, rows.partial_row, inp.consumers)
@@ -257,8 +262,17 @@ def _moments(
     """The step's buffers and candidate peak moments, with or without `remat`."""
     graph, res, consumers = inp.graph, inp.res, inp.consumers
     buf = step_buffers(graph, res, consumers, remat, inp.lowering)
-    whole = gathered_parameters(graph, consumers, res.boundary, inp.update, remat, gathered)
-    made = None if remat else past_forward(buf, inp.regathered, consumers, res.boundary)
+    # ZeRO-3 gathers layer by layer (`_fsdp.py`); a step without layers as XLA gathers.
+    if inp.layers is not None:
+        whole = layer_gathered_parameters(graph, inp.layers, gathered, buf.blocks)
+    else:
+        whole = gathered_parameters(graph, consumers, res.boundary, inp.update, remat, gathered)
+    # What ZeRO-3 makes again from the shards for the backward (and, under remat, for the
+    # recompute, where it reads a weight's cast as a layer input) is not held for it.
+    again = inp.regathered if not remat or inp.layers is None else inp.layers.lazy
+    made = (
+        None if remat and inp.layers is None else past_forward(buf, again, consumers, res.boundary)
+    )
     return buf, step_moments(
         buf, whole, nbytes, tensor_set, sets, inp.ng, grads, len(graph.ops), made, held
     )

@@ -14,8 +14,8 @@ of a few decision units at once. So:
   and the ZeRO terms they charge per program are ZeRO's (`_zero.py`).
 
 A feature adds its terms in its own module: ZeRO's in `_zero.py` (its compute shares,
-gathers and second gathers), and rematerialization's in `_remat_terms.py` (the
-recompute's collectives and copies) and the tables' remat coefficients
+gathers and second gathers; ZeRO-3's layer by layer in `_fsdp.py`), and
+rematerialization's in `_remat_terms.py` (the recompute's collectives and copies) and the tables' remat coefficients
 (`Tables.remat_coef`, `act_remat_coef`, `moments_remat`), picked here by `Layout.remat`. The collectives' per-row terms are the kernel's (`_kernel.py`), which
 both callers run; the busiest moment's per-moment bytes are `_peaks.moment_bytes`.
 """
@@ -159,12 +159,17 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     reduce-scatter, in every stage, as XLA compiles them (it combines the reductions into
     one at the end of the backward); the activations kept for the backward (under remat:
     the layers' inputs, the residuals made outside them, one layer's) per microbatch,
-    less the forward's gathered copies ZeRO-3 makes again in the backward."""
+    less the forward's gathered copies ZeRO-3 makes again in the backward (or, under
+    remat, in the recompute)."""
     plain = c.memory @ L.inv
     zeroed = c.memory[:2] @ L.zinv if L.zero else plain
     acts = (plain[3] if L.remat else plain[2]) / L.microbatches
     if L.regathers:
         acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
+    elif L.zero and L.zero_stage >= 3 and L.remat and c.regather.layers is not None:
+        # ... and under remat, gathering layer by layer, the recompute makes a weight's
+        # cast again from its own gather: remat's layers do not keep it (`_fsdp.py`).
+        acts = acts - c.regather.layers.remat_kept @ (L.inv * L.free) / L.microbatches
     return Memory(
         params=zeroed[0] if L.zero_stage >= 3 else plain[0],
         grads=plain[0],

@@ -5,7 +5,8 @@ Under ZeRO a gradient is made where it meets its sharded optimizer state, and th
 runs on the shard (`_groups.zero_region`): those ops' compute is divided over the data
 axis (`zero_shares`, `zero_compute`) unless their iteration space is split over it
 already. ZeRO-3 gathers each parameter where an op needs it whole, at the width XLA
-gathers it (`gathered_bytes`), and again in the backward (`RegatherCoefs`). The one-stage
+gathers it (`gathered_bytes`): in one-stage steps layer by layer, and again in the
+backward (`RegatherCoefs`, its per-layer coefficients in `_fsdp.py`). The one-stage
 estimate and the shard ILP read these through `_terms.py`, the one statement of the price.
 """
 
@@ -17,11 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._capture import loss_boundary
 from .._graph import Graph, Role
 from .._groups import Groups, Regather
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
+from .._remat import layer_gathers
 from . import _collectives as C
+from ._fsdp import GatherCoefs, gather_coefs
 from ._traffic import Layouts, phase_codes
 
 if TYPE_CHECKING:
@@ -78,24 +82,29 @@ def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) 
 
 @dataclasses.dataclass(frozen=True)
 class RegatherCoefs:
-    """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`)."""
+    """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`),
+    and its gathers layer by layer (`_fsdp.py`)."""
 
     param_coef: np.ndarray  # [n_sets] bytes of the parameters the backward gathers again
     param_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
     act_coef: np.ndarray  # [n_sets] bytes of the forward's gathered values no longer saved
-    # Under remat: the parameters the recomputed ops read, which the recompute gathers
-    # again (XLA merges no gather behind the recompute's barrier with the forward's).
-    remat_coef: np.ndarray  # [n_sets] their bytes
-    remat_leaves: np.ndarray  # [n_sets] how many of them (rank >= 1)
+    # ZeRO-3's gathers layer by layer (`_fsdp.py`), None for a step without a loss
+    layers: GatherCoefs | None = None
 
     def sub(self, sets: np.ndarray) -> RegatherCoefs:
         """The coefficients of some sets only (a scope's own, `_search/_mesh_terms.py`)."""
-        return RegatherCoefs(**{k: v[sets] for k, v in dataclasses.asdict(self).items()})
+        return RegatherCoefs(
+            self.param_coef[sets],
+            self.param_leaves[sets],
+            self.act_coef[sets],
+            None if self.layers is None else self.layers.sub(sets),
+        )
 
 
 def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
     """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
-    `build_tables` keys them: a tensor's splittable groups, sorted)."""
+    `build_tables` keys them: a tensor's splittable groups, sorted), and of its gathers
+    layer by layer where the step has a loss (`_fsdp.gather_coefs`)."""
     ng = len(groups.groups)
     index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
 
@@ -107,53 +116,56 @@ def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> Regath
     for t in rg.params:  # gathered as the forward gathers them (a cast, say)
         coef[set_of(t)] += T.gathered[t]
         leaves[set_of(t)] += graph.tensors[t].ndim > 0
-    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
-    again = {t for i in res.recomputed for t in graph.ops[i].inputs if t in params}
-    remat_coef, remat_leaves = np.zeros(n), np.zeros(n)
-    for t in again:
-        remat_coef[set_of(t)] += T.gathered[t]
-        remat_leaves[set_of(t)] += graph.tensors[t].ndim > 0
     # Saved values made from parameters alone (their casts: the same groups, so the same
     # set as theirs, and split on data exactly where the parameter is).
     for t in set(res.saved) & rg.tensors:
         acts[set_of(t)] += graph.tensors[t].nbytes
-    return RegatherCoefs(coef, leaves, acts, remat_coef, remat_leaves)
+    layers = None
+    if loss_boundary(graph) is not None:
+        lg = layer_gathers(graph, groups)
+        layers = gather_coefs(graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat)
+    return RegatherCoefs(coef, leaves, acts, layers)
 
 
 @dataclasses.dataclass(frozen=True)
 class Gathers:
     """ZeRO's all-gathers of the parameters over the data axis in one step: `nbytes`
-    moved; `leaves` parameter leaves (rank >= 1) gathered in the one collective XLA's
-    all-gather combiner makes of them (none where 0); `calls` more collectives, one per
-    leaf, that ZeRO-3 gathers again (in the backward, or a recompute)."""
+    moved; `leaves` parameter leaves (rank >= 1) left to gather (none where 0), gathered
+    in `combined` collectives where there are any (XLA's all-gather combiner joins the
+    gathers that wait for the same value: one for the whole step, or one per forward layer
+    when ZeRO-3 gathers layer by layer); `calls` more collectives, one per leaf, that
+    ZeRO-3 gathers again (in the backward, or a recompute)."""
 
     nbytes: float | np.ndarray
     leaves: float | np.ndarray
     calls: float | np.ndarray
+    combined: float = 1.0
+
+    @property
+    def count(self) -> float | np.ndarray:
+        """The collectives in all: `combined` where a leaf is left to gather, and `calls`."""
+        return self.combined * (self.leaves > 0) + self.calls
 
 
 def zero_gathers(
     param_coef, gather_coef, param_leaves, rg: RegatherCoefs, inv, free, zero_stage: int, remat
 ) -> Gathers:
     """ZeRO's gathers under a layout (`inv`: per set, 1 / divisor; `free`: per set, not
-    split on data; both [sets, ...]). Parameters not already split on data are gathered
-    once: after the sharded update (ZeRO-1/2, the new parameters: `param_coef`), or for use
-    in the forward (ZeRO-3: what the forward reads, a cast say, `gather_coef`); under
-    remat, whose recompute reads the parameters through its barrier, XLA gathers each
-    parameter once for both (read on compile-only A100s). ZeRO-3 without remat gathers
-    again in the backward, one gather per leaf, each waiting for the gradient of its own
-    layer (`_run/_apply.py`); with it, the recompute gathers again those its ops read."""
+    split on data; both [sets, ...]). Parameters not already split on data are gathered:
+    once after the sharded update (ZeRO-1/2, the new parameters: `param_coef`); by ZeRO-3
+    layer by layer where the step has a loss (`_fsdp.py`: each forward layer's, one
+    combined collective per layer, and once more each in the backward, one per leaf,
+    under remat serving the recompute too), else once for use (what the step reads, a
+    cast say: `gather_coef`)."""
     free_inv = inv * free
-    regather = zero_stage >= 3 and not remat
-    nbytes = (gather_coef if regather else param_coef) @ free_inv
-    calls = 0.0
-    if regather:
-        nbytes = nbytes + rg.param_coef @ free_inv
-        calls = rg.param_leaves @ free
-    elif zero_stage >= 3:
-        nbytes = nbytes + rg.remat_coef @ free_inv
-        calls = rg.remat_leaves @ free
-    return Gathers(nbytes, param_leaves @ free, calls)
+    G = rg.layers
+    if zero_stage < 3:
+        return Gathers(param_coef @ free_inv, param_leaves @ free, 0.0)
+    if G is None:
+        return Gathers(gather_coef @ free_inv, param_leaves @ free, 0.0)
+    coef, leaves = (G.remat_coef, G.remat_leaves) if remat else (G.backward_coef, G.backward_leaves)
+    nbytes = (G.forward_coef + coef) @ free_inv
+    return Gathers(nbytes, param_leaves @ free, leaves @ free, float(G.forward_layers))
 
 
 # ---- per op and per program, for pipelines (`_pipelined.py`) ------------------------------

@@ -340,7 +340,7 @@ class Regather:
 
     The captured step is already differentiated, so its backward ops read the forward's
     gathered values (a weight's cast to the compute dtype, say). The runtime
-    (`_run/_recompute.eval_regathering`) makes those values again for the backward, from
+    (`_run/_fsdp.py`, layer by layer) makes those values again for the backward, from
     the sharded parameters, at the first backward read; the cost model charges the second
     gather of `params`."""
 

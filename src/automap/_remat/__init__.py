@@ -8,6 +8,8 @@ Input: a Graph and its Groups. Output: a `Recompute`, the `Residuals` under it.
 DESIGN.md, "Rematerialization".
 """
 
+from ._fsdp import LayerGathers as LayerGathers
+from ._fsdp import layer_gathers as layer_gathers
 from ._policy import aligned_cuts as aligned_cuts
 from ._policy import full_remat as full_remat
 from ._policy import plan_recompute as plan_recompute

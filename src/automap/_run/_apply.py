@@ -24,16 +24,16 @@ from .._groups import (
     build_groups,
     layouts,
     lookups,
-    regather_plan,
     unzero_spec,
     zero_mismatch,
 )
 from .._plan import Plan, Spec
-from .._remat import Recompute, plan_recompute
+from .._remat import LayerGathers, Recompute, layer_gathers, plan_recompute
 from ._distributed import Feed
+from ._fsdp import Gather, eval_layerwise
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
-from ._recompute import eval_recomputing, eval_regathering
+from ._recompute import eval_recomputing
 from ._shared import (
     check_divisible,
     check_paths,
@@ -167,11 +167,12 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
+    layerwise = _layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
     if plan.remat:
         rc = plan_recompute(graph, groups, plan)
-        return _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh))
-    if _regathers(plan):
-        return _regathering(graph, groups, plan, mesh, constrain)
+        return _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh), layerwise)
+    if layerwise is not None:
+        return _regathering(graph, layerwise, constrain, _lookups(graph, plan, mesh))
     return run
 
 
@@ -191,38 +192,44 @@ def _lookups(graph: Any, plan: Plan, mesh: Mesh) -> dict[int, Callable]:
 
 
 def _regathers(plan: Plan) -> bool:
-    """Whether the plan's backward gathers its parameters again (ZeRO-3, FSDP's way)."""
-    return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1 and not plan.remat
+    """Whether the plan gathers its parameters layer by layer (ZeRO-3 as FSDP runs it)."""
+    return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1
 
 
-def _regathering(
-    graph: Any, groups: Groups, plan: Plan, mesh: Mesh, constrain: Callable
-) -> Callable:
-    """The captured program re-run with ZeRO-3's second gather (FSDP): the backward
-    gathers the parameters it reads again, the forward's gathered copies die with the
-    forward (`_groups.regather_plan`)."""
-    rg = regather_plan(graph, groups)
+def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> tuple[LayerGathers, Gather]:
+    """ZeRO-3's layers (`_remat.layer_gathers`) and its gather: a sharded parameter made
+    whole over data after its anchors (`_tied`), so that XLA gathers it where the layer
+    needs it, not all at the start of the step."""
     # The anchors' layouts, where the plan says them (a plan read back from specs alone
-    # does not: its second gathers are then kept apart from the forward's, not ordered).
+    # does not: its gathers are then kept apart from each other, not ordered).
     lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
-    wanted = [leaf.tensor for leaf in graph.outputs]
-    lookup = _lookups(graph, plan, mesh)
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
         spec = spec_of[t]
         whole = unzero_spec(spec, DATA)
         if whole == spec:  # not sharded by ZeRO (no dim divides): nothing to gather
             return x
-        x = _tied(x, spec, anchors, lay, mesh)
+        if anchors:  # else a first layer's: nothing to wait for (and a select's mask
+            x = _tied(x, spec, anchors, lay, mesh)  # would be gathered beside it)
         return jax.lax.with_sharding_constraint(x, _sharding(mesh, whole))
+
+    return layer_gathers(graph, groups), gather
+
+
+def _regathering(
+    graph: Any, layerwise: tuple[LayerGathers, Gather], constrain: Callable, bind: dict
+) -> Callable:
+    """The captured program re-run with ZeRO-3's gathers layer by layer (FSDP): each layer
+    reads its own gathered copies, the backward gathers them again (`_fsdp.py`)."""
+    wanted = [leaf.tensor for leaf in graph.outputs]
 
     def run(*args: Any) -> Any:
         env = {
             leaf.tensor: x
             for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
         }
-        outs = eval_regathering(graph, rg, env, wanted, gather, constrain, lookup)
+        outs = eval_layerwise(graph, layerwise[0], env, wanted, layerwise[1], constrain, bind)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run
@@ -255,11 +262,16 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
 
 
 def _recomputing(
-    graph: Any, rc: Recompute, constrain: Callable, bind: dict[int, Callable]
+    graph: Any,
+    rc: Recompute,
+    constrain: Callable,
+    bind: dict[int, Callable],
+    layerwise: tuple[LayerGathers, Gather] | None = None,
 ) -> Callable:
     """The captured program re-run with the plan's recompute units (`rc`: layers, or their
     attention cores; `_remat/`) made again in the backward, fixing the plan's internal
-    tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups)."""
+    tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups);
+    `layerwise`: ZeRO-3's gathers layer by layer (`_fsdp.py`)."""
     wanted = [leaf.tensor for leaf in graph.outputs]
 
     def run(*args: Any) -> Any:
@@ -268,7 +280,9 @@ def _recomputing(
             for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
         }
         ops = range(len(graph.ops))
-        outs = eval_recomputing(graph, rc, ops, env, wanted, constrain, bind=bind)
+        outs = eval_recomputing(
+            graph, rc, ops, env, wanted, constrain, bind=bind, layerwise=layerwise
+        )
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run

@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._graph import Graph, TensorKind
-from .._groups import Regather
-from .._remat import Recompute, made_after, made_in_forward
+from .._graph import Graph
+from .._remat import LayerGathers, Recompute, made_in_forward
+from ._fsdp import Gather, GatheredReads, backward_anchors, layer_read, outputs
 from ._interpret import Constrain, run_op
 
 
@@ -26,22 +26,35 @@ def eval_recomputing(
     constrain: Constrain | None = None,
     consts: Mapping[int, Any] | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
+    layerwise: tuple[LayerGathers, Gather] | None = None,
 ) -> list[Any]:
     """`_interpret.eval_ops`, except that a backward op (after `rc.boundary`) reading a
     tensor of a recomputed layer reads its recomputed value, made just before the first
     such read from the layer's inputs (barriered with that op's backward inputs). `bind[i]`
-    computes op i in place of its primitive, as in `eval_ops`."""
+    computes op i in place of its primitive, as in `eval_ops`. `layerwise` (ZeRO-3's
+    layers and gather, `_fsdp.py`): the parameters gathered layer by layer, the recompute
+    reading those gathered again for its layer's backward."""
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
     again: dict[int, Any] = {}
     done: set[int] = set()
+    lg, reads = None, None
+    if layerwise is not None:
+        lg = layerwise[0]
+        reads = GatheredReads(graph, lg, values, layerwise[1], constrain, bind)
+
+    def base(i: int) -> Callable[[int], Any] | None:
+        return values.__getitem__ if reads is None else layer_read(graph, lg, reads, values, i)
+
+    def fetch(t: int, pairs: list[tuple[int, Any]]) -> Any:
+        return reads.backward(t, pairs) if reads is not None and t in lg.lazy else values[t]
 
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
         run_op(graph, i, read, into, constrain, bind)
 
-    def attempt(k: int, anchors: list[Any], permute: bool) -> tuple[dict[int, Any], bool]:
-        live = rc.inputs[k]
-        fenced, _ = jax.lax.optimization_barrier(([values[t] for t in live], anchors))
+    def attempt(k: int, pairs: list[tuple[int, Any]], permute: bool) -> tuple[dict, bool]:
+        live, anchors = rc.inputs[k], [v for _, v in pairs]
+        fenced, _ = jax.lax.optimization_barrier(([fetch(t, pairs) for t in live], anchors))
         local = {**values, **dict(zip(live, fenced, strict=True))}
         tied = False
         for t in live:
@@ -57,34 +70,30 @@ def eval_recomputing(
                 tied |= hit
         return local, tied
 
-    def recompute(k: int, anchors: list[Any]) -> None:
-        local, tied = attempt(k, anchors, permute=False)
+    def recompute(k: int, pairs: list[tuple[int, Any]]) -> None:
+        local, tied = attempt(k, pairs, permute=False)
         if not tied:
             # No backward value of any shape the unit holds (an attention core reads Q as
             # [b, s, h, d] while its trigger reads dO as [b, h, d, s]): tie on one whose
             # axes are a permutation of them. The untied attempt is dead code XLA drops.
-            local, _ = attempt(k, anchors, permute=True)
+            local, _ = attempt(k, pairs, permute=True)
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
         done.add(k)
 
     for i in ops:
         op = graph.ops[i]
+        read = base(i)
+        if read is None:
+            continue  # made from the parameters alone: where a layer reads it (`_fsdp.py`)
         if i > rc.boundary:
             need = sorted({rc.owner[t] for t in op.inputs if t in rc.owner} - done, reverse=True)
-            anchors = [
-                values[t]
-                for t in op.inputs
-                if t not in rc.owner and made_after(graph, t, rc.boundary)
-            ]
+            pairs = backward_anchors(graph, i, values, rc.boundary)
             for k in need:
-                recompute(k, anchors)
-            run(i, lambda t: again[t] if t in again else values[t], values)
+                recompute(k, pairs)
+            run(i, lambda t, r=read: again[t] if t in again else r(t), values)
         else:
-            run(i, values.__getitem__, values)
-    return [
-        jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
-        for t in wanted
-    ]
+            run(i, read, values)
+    return outputs(graph, lg, reads, values, wanted)
 
 
 def _after(x: Any, anchors: list[Any], permute: bool = False) -> tuple[Any, bool]:
@@ -114,49 +123,3 @@ def _permutation(have: tuple[int, ...], want: tuple[int, ...]) -> tuple[int, ...
     if len(set(have)) != len(have) or sorted(have) != sorted(want) or have == want:
         return None
     return tuple(have.index(n) for n in want)
-
-
-def eval_regathering(
-    graph: Graph,
-    rg: Regather,
-    env: Mapping[int, Any],
-    wanted: Sequence[int],
-    gather: Callable[[int, Any, Sequence[tuple[int, Any]]], Any],
-    constrain: Constrain | None = None,
-    bind: Mapping[int, Callable[..., Any]] | None = None,
-) -> list[Any]:
-    """The whole program, with ZeRO-3's second gather (`_groups.Regather`): a backward op
-    reading a parameter, or a forward value made from parameters alone (its cast to the
-    compute dtype), reads it made again from the sharded parameter, gathered once more by
-    `gather(param, value, anchors)` after the op's backward inputs `anchors` ((tensor,
-    value) pairs), so that XLA can neither merge it with the forward's gather nor hoist it
-    there. The forward's gathered values then have no reader after the forward. `bind[i]`
-    computes op i in place of its primitive, as in `eval_ops`."""
-    values: dict[int, Any] = dict(graph.const_values)
-    values.update(env)
-    again: dict[int, Any] = {}
-    remake = set(rg.remake)
-
-    def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
-        run_op(graph, i, read, into, constrain, bind)
-
-    def regather(t: int, anchors: list[tuple[int, Any]]) -> Any:
-        if graph.tensors[t].kind is TensorKind.CONST:
-            return values[t]
-        if t not in again:
-            if graph.tensors[t].producer in remake:  # made again from the second gather
-                run(graph.tensors[t].producer, lambda s: regather(s, anchors), again)
-            else:  # a parameter
-                again[t] = gather(t, values[t], anchors)
-        return again[t]
-
-    for i, op in enumerate(graph.ops):
-        if i in rg.backward and rg.tensors.intersection(op.inputs):
-            anchors = [(t, values[t]) for t in op.inputs if made_after(graph, t, rg.boundary)]
-            run(i, lambda t, a=anchors: regather(t, a) if t in rg.tensors else values[t], values)
-        else:
-            run(i, values.__getitem__, values)
-    return [
-        jnp.asarray(values[t]) if graph.tensors[t].kind is TensorKind.CONST else values[t]
-        for t in wanted
-    ]

@@ -34,8 +34,9 @@ at once. Two parts are not separable, and are made exact with auxiliary units:
   auxiliary unit. One corner is not exact: the cost model skips that collective when no
   parameter of rank >= 1 is left off the data axis, where the factors still charge beta x
   the bytes of the scalar parameters left (an overestimate of a few bytes' transfer).
-  ZeRO-3's second gathers, in the backward, are one collective per parameter leaf:
-  linear, their latencies charged per scope.
+  ZeRO-3 gathers layer by layer: its forward's are that indicated collective once per
+  forward layer (`Gathers.combined`, a count of the step's); its second gathers, in the
+  backward, are one collective per parameter leaf: linear, their latencies per scope.
 
 The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
 factors that forbid one axis on two units sharing a tensor, or a seam's dense side on an
@@ -337,13 +338,15 @@ class MeshTerms:
             blocks.combined(kind, mask, parts, indicator=True, trips=trips)
 
     def _add_gathers(self, blocks: _Blocks, zero_stage: int) -> None:
-        """ZeRO's all-gathers of the parameters, combined into one; with ZeRO-3 also the
+        """ZeRO's all-gathers of the parameters, combined into one (ZeRO-3: one per forward
+        layer, `Gathers.combined`, the step's whichever scope); with ZeRO-3 also the
         backward's, one per leaf (`_cost/_zero.zero_gathers`)."""
-        parts = []
+        parts, trips = [], 1.0
         for sc in self.scopes:
             g = gathers(sc.coefs, sc.layout(self.D, zero_stage))
             parts.append((sc, (g.leaves > 0).astype(float), g.nbytes, g.calls))
-        blocks.combined(AG, int(self.ac.bit[self.d]), parts, indicator=True)
+            trips = g.combined
+        blocks.combined(AG, int(self.ac.bit[self.d]), parts, indicator=True, trips=trips)
 
     def _add_masks(self, blocks: _Blocks) -> None:
         """The pairwise masks as infinite time: one mesh axis twice in one tensor, and a

@@ -1,0 +1,177 @@
+"""ZeRO-3's gathered parameters as FSDP holds them: the terms of the cost model that say
+how long each gathered copy lives, and how many bytes the layer-by-layer gathers move.
+
+The runtime (`_run/_fsdp.py`, `_remat.LayerGathers`) gathers each forward layer's
+parameters after the previous layer's input has arrived, so a layer's copies are alive
+from the start of the previous layer (the prefetch) to the layer's last read: at most two
+layers' copies at once, where XLA on its own held every parameter whole. The backward
+gathers each parameter once more at its first backward read (under remat, at its layer's
+recompute, which the copy serves too) and frees it after its last. A parameter read by
+several forward layers (a tied embedding, a norm a cut candidate splits) is gathered by
+each of them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+
+import numpy as np
+
+from .._graph import Graph, Role
+from .._remat import LayerGathers
+from ._liveness import NO_BLOCKS, Buffers
+
+
+def roots(graph: Graph, lg: LayerGathers) -> dict[int, frozenset[int]]:
+    """Per lazy tensor (`LayerGathers.lazy`), the parameters it is made from."""
+    out = {leaf.tensor: frozenset({leaf.tensor}) for leaf in graph.leaves(Role.PARAM)}
+    for i in sorted(lg.remake):
+        op = graph.ops[i]
+        made = frozenset().union(*(out.get(t, frozenset()) for t in op.inputs))
+        out.update((t, made) for t in op.outputs)
+    return out
+
+
+def root_params(graph: Graph) -> list[int]:
+    return [leaf.tensor for leaf in graph.leaves(Role.PARAM)]
+
+
+def forward_reads(graph: Graph, lg: LayerGathers) -> dict[tuple[int, int], list[int]]:
+    """(forward layer, parameter) -> the layer's ops reading it (or what is made from it)."""
+    root = roots(graph, lg)
+    out: dict[tuple[int, int], list[int]] = {}
+    for op in graph.ops[: lg.regather.boundary + 1]:
+        if op.index in lg.remake:
+            continue
+        for p in frozenset().union(*(root.get(t, frozenset()) for t in op.inputs)):
+            out.setdefault((lg.layer(op.index), p), []).append(op.index)
+    return out
+
+
+def backward_reads(graph: Graph, lg: LayerGathers) -> dict[int, list[int]]:
+    """Parameter -> the backward ops reading it (or what is made from it)."""
+    root = roots(graph, lg)
+    out: dict[int, list[int]] = {}
+    for i in sorted(lg.regather.backward):
+        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
+            out.setdefault(p, []).append(i)
+    return out
+
+
+def layer_start(lg: LayerGathers, layer: int) -> int:
+    """The first op of forward `layer` (0 for the first)."""
+    return 0 if layer == 0 else lg.cuts[layer - 1]
+
+
+def layer_gathered_parameters(
+    graph: Graph,
+    lg: LayerGathers,
+    gathered: Mapping[int, float],
+    blocks: np.ndarray = NO_BLOCKS,
+) -> Buffers:
+    """The whole copies ZeRO-3's layer-by-layer gathers make (`Buffers`, at the width XLA
+    gathers: `gathered`, bytes per parameter): per forward layer, each parameter it reads
+    from the start of the previous layer (where its gather may start: the prefetch; the
+    first two layers' gathers have no anchor and go first) to its last read there; and per
+    parameter the backward reads, from its first backward read (or the recompute of a
+    layer reading it: `blocks`, per recomputed layer its first and last forward op and the
+    moment of its recompute) to its last."""
+    rows, widths = [], []
+
+    def width(p: int) -> float:
+        nbytes = graph.tensors[p].nbytes
+        return gathered.get(p, nbytes) / nbytes if nbytes else 1.0
+
+    for (layer, p), ops in sorted(forward_reads(graph, lg).items()):
+        birth = layer_start(lg, layer - 1) if lg.anchor[layer] is not None else 0
+        rows.append((p, birth, max(ops)))
+        widths.append(width(p))
+    read_in_forward: dict[int, list[int]] = {}
+    for (_, p), ops in sorted(forward_reads(graph, lg).items()):
+        read_in_forward.setdefault(p, []).extend(ops)
+    for p, ops in sorted(backward_reads(graph, lg).items()):
+        birth, fwd = min(ops), sorted(read_in_forward.get(p, ()))
+        for first, last, moment in blocks:  # a recompute reading it gathers it first
+            at = bisect.bisect_left(fwd, first)
+            if at < len(fwd) and fwd[at] <= last:
+                birth = min(birth, int(moment))
+        rows.append((p, birth, max(ops)))
+        # read through the recompute's barrier, XLA gathers the parameter, not its cast
+        widths.append(width(p) if birth == min(ops) else 1.0)
+    t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return Buffers(
+        tensor=t, birth=b, death=d, width=np.array(widths, dtype=float), blocks=NO_BLOCKS
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherCoefs:
+    """The bytes (as XLA gathers them: `Tables.gathered`) and the number of leaves (rank
+    >= 1) of ZeRO-3's layer-by-layer gathers, per group set as `Tables.param_coef`."""
+
+    forward_coef: np.ndarray  # [n_sets] every forward layer's gathers
+    # the layers that gather: one collective each (XLA's all-gather combiner joins the
+    # gathers of a layer, which wait for one anchor)
+    forward_layers: int
+    backward_coef: np.ndarray  # [n_sets] the backward's second gathers, without remat
+    backward_leaves: np.ndarray
+    remat_coef: np.ndarray  # [n_sets] under remat: the backward's and the recompute's
+    remat_leaves: np.ndarray
+    # [n_sets] bytes of the values made from parameters alone (a weight's cast) that remat
+    # keeps as its layers' inputs: ZeRO-3 gathers them again at the recompute instead
+    remat_kept: np.ndarray
+
+    def sub(self, sets: np.ndarray) -> GatherCoefs:
+        """The coefficients of some sets only (a scope's own, `_search/_mesh_terms.py`);
+        the layers that gather are the step's, whichever sets a scope holds."""
+        return GatherCoefs(
+            self.forward_coef[sets],
+            self.forward_layers,
+            self.backward_coef[sets],
+            self.backward_leaves[sets],
+            self.remat_coef[sets],
+            self.remat_leaves[sets],
+            self.remat_kept[sets],
+        )
+
+
+def gather_coefs(
+    graph: Graph,
+    lg: LayerGathers,
+    gathered: Mapping[int, float],
+    set_of: Callable[[int], int],
+    n_sets: int,
+    recomputed: Collection[int],
+    saved_remat: Collection[int],
+) -> GatherCoefs:
+    """`GatherCoefs` of `graph` (`set_of`: a tensor's set; `recomputed`: the ops remat runs
+    again, whose parameters the backward's gather serves as well; `saved_remat`: what
+    remat keeps for the backward)."""
+    root = roots(graph, lg)
+    bwd = set(backward_reads(graph, lg))
+    again = {p for i in recomputed for t in graph.ops[i].inputs for p in root.get(t, ())}
+
+    pairs = forward_reads(graph, lg)
+    kept = np.zeros(n_sets)
+    for t in set(saved_remat) & (lg.lazy - set(root_params(graph))):
+        kept[set_of(t)] += graph.tensors[t].nbytes
+
+    def coefs(params, whole=frozenset()) -> tuple[np.ndarray, np.ndarray]:
+        coef, leaves = np.zeros(n_sets), np.zeros(n_sets)
+        for p in params:
+            nbytes = graph.tensors[p].nbytes
+            coef[set_of(p)] += nbytes if p in whole else gathered.get(p, nbytes)
+            leaves[set_of(p)] += graph.tensors[p].ndim > 0
+        return coef, leaves
+
+    return GatherCoefs(
+        coefs([p for _, p in pairs])[0],
+        len({layer for layer, p in pairs if graph.tensors[p].ndim}),
+        *coefs(sorted(bwd)),
+        # the recompute reads through its barrier: XLA gathers those parameters, not their
+        # casts (read on compile-only A100s; the CPU widens a 16-bit gather anyway)
+        *coefs(sorted(bwd | again), whole=again),
+        kept,
+    )

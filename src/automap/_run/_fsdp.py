@@ -1,0 +1,136 @@
+"""Run a captured program with ZeRO-3's parameters gathered layer by layer (FSDP): each
+forward layer reads its own gathered copies, made once the previous layer's input has
+arrived, and the backward (with the recomputation, under remat) gathers them once more
+after its layer's gradient arrives. `_remat/_fsdp.py` says where the layers are and why
+XLA needs the ties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from .._graph import Graph, TensorKind
+from .._remat import LayerGathers, made_after
+from ._interpret import Constrain, run_op
+
+# gather(parameter, its sharded value, anchors as (tensor, value) pairs) -> whole value
+Gather = Callable[[int, Any, Sequence[tuple[int, Any]]], Any]
+
+
+class GatheredReads:
+    """The gathered values of the parameters (and of what is made from them alone) that
+    the program's ops read: per forward layer, for the backward, or on the shards (the
+    update, an output)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        lg: LayerGathers,
+        values: Mapping[int, Any],
+        gather: Gather,
+        constrain: Constrain | None = None,
+        bind: Mapping[int, Callable[..., Any]] | None = None,
+    ) -> None:
+        self.graph, self.lg, self.values, self._gather = graph, lg, values, gather
+        self.constrain, self.bind = constrain, bind
+        self._made: dict[tuple[Any, int], Any] = {}
+
+    def forward(self, t: int, layer: int) -> Any:
+        """`t` as forward layer `layer` reads it: gathered after the previous layer's input."""
+        a = self.lg.anchor[layer]
+        anchors = [] if a is None or a not in self.values else [(a, self.values[a])]
+        return self._value(("fwd", layer), t, anchors)
+
+    def backward(self, t: int, anchors: Sequence[tuple[int, Any]]) -> Any:
+        """`t` as the backward reads it: gathered again after `anchors` (the reading op's
+        backward inputs), once (the layer's recompute and its gradients share it)."""
+        return self._value("bwd", t, anchors)
+
+    def sharded(self, t: int) -> Any:
+        """`t` on the device's shard (what the update reads, or an output)."""
+        return self._value("shard", t, None)
+
+    def _value(self, key: Any, t: int, anchors: Sequence[tuple[int, Any]] | None) -> Any:
+        graph = self.graph
+        if graph.tensors[t].kind is TensorKind.CONST:
+            return self.values[t]
+        if (key, t) not in self._made:
+            p = graph.tensors[t].producer
+            if p is not None and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
+                made: dict[int, Any] = {}
+
+                def read(s: int) -> Any:
+                    return self._value(key, s, anchors) if s in self.lg.lazy else self.values[s]
+
+                run_op(graph, p, read, made, self.constrain, self.bind)
+                self._made.update(((key, s), v) for s, v in made.items())
+            elif anchors is None:
+                self._made[(key, t)] = self.values[t]
+            else:
+                self._made[(key, t)] = self._gather(t, self.values[t], anchors)
+        return self._made[(key, t)]
+
+
+def backward_anchors(graph: Graph, op: int, values: Mapping[int, Any], boundary: int):
+    """The (tensor, value) pairs op `op` reads that the backward made: what its gathers wait
+    for."""
+    return [(t, values[t]) for t in graph.ops[op].inputs if made_after(graph, t, boundary)]
+
+
+def eval_layerwise(
+    graph: Graph,
+    lg: LayerGathers,
+    env: Mapping[int, Any],
+    wanted: Sequence[int],
+    gather: Gather,
+    constrain: Constrain | None = None,
+    bind: Mapping[int, Callable[..., Any]] | None = None,
+) -> list[Any]:
+    """The whole program with ZeRO-3's gathers layer by layer (`LayerGathers`): forward ops
+    read their layer's gathered copies, backward ops the second gather, the update the
+    shards. `bind[i]` computes op i in place of its primitive, as in `eval_ops`."""
+    values: dict[int, Any] = dict(graph.const_values)
+    values.update(env)
+    reads = GatheredReads(graph, lg, values, gather, constrain, bind)
+    for i in range(len(graph.ops)):
+        read = layer_read(graph, lg, reads, values, i)
+        if read is None:
+            continue  # made where it is read, from the gathered parameters
+        run_op(graph, i, read, values, constrain, bind)
+    return outputs(graph, lg, reads, values, wanted)
+
+
+def outputs(
+    graph: Graph, lg: LayerGathers, reads: GatheredReads | None, values, wanted: Sequence[int]
+) -> list[Any]:
+    """The `wanted` values (one made from the parameters alone, on the shards)."""
+    out = []
+    for t in wanted:
+        if reads is not None and t in lg.lazy and t not in values:
+            out.append(reads.sharded(t))
+        elif graph.tensors[t].kind is TensorKind.CONST:
+            # A literal returned as is would leave as a jaxpr literal type, not an array.
+            out.append(jnp.asarray(values[t]))
+        else:
+            out.append(values[t])
+    return out
+
+
+def layer_read(
+    graph: Graph, lg: LayerGathers, reads: GatheredReads, values: Mapping[int, Any], i: int
+) -> Callable[[int], Any] | None:
+    """How op `i` reads its inputs under layer-by-layer gathers; None for an op made from
+    the parameters alone in the forward (each reader makes it again from its own gather)."""
+    rg = lg.regather
+    if i <= rg.boundary:
+        if i in lg.remake:
+            return None
+        layer = lg.layer(i)
+        return lambda t: reads.forward(t, layer) if t in lg.lazy else values[t]
+    if i in rg.backward:
+        anchors = backward_anchors(graph, i, values, rg.boundary)
+        return lambda t: reads.backward(t, anchors) if t in lg.lazy else values[t]
+    return lambda t: reads.sharded(t) if t in lg.lazy else values[t]
