@@ -16,7 +16,7 @@ from automap._cost import estimate_pipeline
 from automap._groups import sequence_parallel
 from automap._pipeline import pipeline_plan
 from automap._search import Problem, search_dp
-from automap._space import layer_cuts, pipeline_experts
+from automap._space import layer_cuts, pipeline_experts, recipe_plan
 from automap._zoo import get_model
 
 from ._models import assert_same
@@ -128,3 +128,26 @@ def test_megatron_3d_recomputes_selectively_where_it_fits():
     assert plan.predicted.feasible and plan.remat and plan.remat_policy == "selective"
     full = dataclasses.replace(plan, remat_policy="full")
     assert plan.predicted.step_time_s < pb.estimate(full).step_time_s
+
+
+def test_megatron_3d_interleaves_where_the_layers_allow():
+    """Twelve layers under a memory limit that needs stages: Megatron's recipe takes the
+    fewest stages that fit with full recomputation, then interleaves them (pp x v divides
+    the 12 layers, microbatches of one sequence come in whole rounds of pp) and recomputes
+    selectively, since both still fit."""
+    cluster = dataclasses.replace(am.Cluster.preset("a100", 16), hbm_bytes=1.0e9)
+    _, pb = _problem(cluster, layers=12, hidden=1024, heads=16, batch=16, seq=1024)
+    plan = pipeline_experts(pb.graph, pb.groups, pb.cluster, pb.estimate)["megatron_3d"]
+    pp, v = plan.mesh["pipe"], plan.virtual_stages
+    assert plan.predicted.feasible and pp > 1
+    assert plan.schedule == "interleaved" and v in (2, 3) and 12 % (pp * v) == 0
+    assert plan.microbatches % pp == 0 and plan.remat_policy == "selective"
+    assert plan.sequence_parallel == "model"
+    # Interleaving is Megatron's choice, and here it pays: the same recipe one chunk per
+    # stage prices slower.
+    flat = am.Recipe(
+        tp=plan.mesh["model"], pp=pp, dp=plan.mesh.get("data", 1), microbatch_size=1,
+        remat="selective", sequence_parallel=True,
+    )  # fmt: skip
+    flat_plan = recipe_plan(pb.graph, pb.groups, pb.cluster, flat)
+    assert plan.predicted.step_time_s < pb.estimate(flat_plan).step_time_s
