@@ -70,12 +70,16 @@ def test_dp_interleaves_where_the_bubble_matters(monkeypatch):
     assert plan.predicted.step_time_s < pb.estimate(flat).step_time_s
 
 
-def test_dp_chooses_sequence_parallelism_where_it_pays(monkeypatch):
+@pytest.mark.parametrize("hbm", [None, 1.6e9])
+def test_dp_chooses_sequence_parallelism_where_it_fits_and_pays(monkeypatch, hbm):
     """Four wide layers, a batch of 8: the DP puts tensor parallelism inside each stage,
-    and splitting the residual stream on the sequence over it prices faster."""
-    _, pb = _problem(layers=4, hidden=2048, heads=16, batch=8, seq=1024)
+    and splitting the residual stream on the sequence over it prices faster; under a
+    memory limit that leaves the DP fewer points, too, and within the limit."""
+    cluster = A100 if hbm is None else dataclasses.replace(A100, hbm_bytes=hbm)
+    _, pb = _problem(cluster, layers=4, hidden=2048, heads=16, batch=8, seq=1024)
     plan, _ = search_dp(pb, budget_s=60)
     assert plan.predicted.feasible and plan.mesh.get("model", 1) > 1
+    assert plan.predicted.memory_bytes <= cluster.memory_limit
     assert plan.sequence_parallel == "model"
     assert plan.constraints  # the residual stream's sequence splits, for the runtime
     dp_only = _without_techniques(monkeypatch, pb, 60)
