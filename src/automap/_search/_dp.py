@@ -76,9 +76,10 @@ def one_chunk(schedule: PipelineSchedule) -> None:
     stages is refused in one line rather than priced as if each chunk had its own devices."""
     if schedule.chunks > 1:
         raise PlanError(
-            f"the pipeline search cuts one stage per device group; schedule "
-            f"{schedule.name!r} runs {schedule.chunks} chunks per group, which it does not "
-            "search yet: price an interleaved configuration with am.Recipe(schedule="
+            f"the pipeline search's stage DP cuts one stage per device group; schedule "
+            f"{schedule.name!r} runs {schedule.chunks} chunks per group: search with "
+            "schedule '1f1b' (the dp searcher then tries interleaving its best pipelines, "
+            "v = 2 or 3), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
 
