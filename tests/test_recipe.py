@@ -186,10 +186,13 @@ def test_megatron_3d_prices_no_stage_count_whose_stored_state_cannot_fit():
 
     best = min((fewest(2), fewest(4)), key=lambda p: p.predicted.step_time_s)
     assert mega.predicted.feasible and (2, 1) not in priced
-    assert mega.predicted.step_time_s == pytest.approx(best.predicted.step_time_s)
-    assert (mega.mesh["model"], len(mega.stages) or 1) == (
+    # At those sizes, Megatron's 2022 recipe: selective recomputation (and interleaving
+    # where the layers allow) where it still fits, no slower than full recomputation.
+    assert mega.remat_policy == "selective"
+    assert mega.predicted.step_time_s <= best.predicted.step_time_s
+    assert (mega.mesh["model"], mega.mesh.get("pipe", 1)) == (
         best.mesh["model"],
-        len(best.stages) or 1,
+        best.mesh.get("pipe", 1),
     )
 
 

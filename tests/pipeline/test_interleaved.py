@@ -229,9 +229,10 @@ def test_estimate_takes_the_schedule_and_its_virtual_stages():
 
 
 def test_the_stage_search_refuses_a_chunked_schedule_in_one_line():
-    # Choosing v is not searched yet: pricing chunks as stages of their own would be wrong.
+    # The stage DP and the DQN's pricer cut one chunk per group (pricing chunks as stages
+    # of their own would be wrong); the dp searcher interleaves after its DP.
     _, graph = small()
-    with pytest.raises(am.PlanError, match=r"^the pipeline search cuts one stage per device"):
+    with pytest.raises(am.PlanError, match=r"^the pipeline search's stage DP cuts one stage"):
         PipelinePricer(CostModel(graph, A100_8), "interleaved")
     assert PipelinePricer(CostModel(graph, A100_8), "1f1b").schedule.chunks == 1
 

@@ -16,7 +16,6 @@ from ._classic import random_point as random_point
 from ._classic import search_exhaustive as search_exhaustive
 from ._classic import search_mcmc as search_mcmc
 from ._classic import search_random as search_random
-from ._dp import OPS_PER_SECOND as OPS_PER_SECOND
 from ._dp import optimal_cuts as optimal_cuts
 from ._dp import polish_cuts as polish_cuts
 from ._dp import search_dp as search_dp
@@ -60,3 +59,4 @@ from ._runner import with_stats as with_stats
 from ._shard_ilp import SOLVES_PER_MESH as SOLVES_PER_MESH
 from ._shard_ilp import fine_space as fine_space
 from ._shard_ilp import search_ilp as search_ilp
+from ._work import OPS_PER_SECOND as OPS_PER_SECOND

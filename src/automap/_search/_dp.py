@@ -14,9 +14,11 @@ the plain point has no partition that fits.
 Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
-whole model, one cut moved at a time. The outer enumeration is complete unless the budget
-runs out (the stats say so); the intra-stage plan is the same on every stage (Alpa's
-per-stage ILP, `optimal_two_level`, is not used here).
+whole model, one cut moved at a time, and then tried with the decisions the DP does not
+make (sequence parallelism, selective recomputation, interleaving: `_techniques.py`). The
+outer enumeration is complete unless the budget runs out (the stats say so); the
+intra-stage plan is the same on every stage (Alpa's per-stage ILP, `optimal_two_level`,
+is not used here).
 """
 
 from __future__ import annotations
@@ -59,45 +61,12 @@ from .._space import (
     microbatch_counts,
     stage_counts,
 )
-from ._classic import SAFETY
 from ._mesh_terms import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
+from ._techniques import polish_techniques
+from ._work import OPS_PER_SECOND, Work
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3
-#: The budget counts work, not wall time, so that the same budget gives the same plan on
-#: any machine (wall time is only a safety stop, at SAFETY x the budget): ops priced per
-#: second of budget_s. Pricing every op of the program once (an `op_costs` pass, or a
-#: partition's `stage_costs`) is len(graph.ops) of work; an intra-stage MILP is its
-#: joint options at the ILP searcher's nominal rate. Measured on a shared 2-core machine:
-#: 26,000 to 31,000 per second on mlp, vgg19, bert-large (6 layers, 16 devices) and
-#: gpt2-xl (8 layers), whole searches of 1 to 23 s; the rate leaves a margin.
-OPS_PER_SECOND = 20_000
-
-
-@dataclasses.dataclass
-class Work:
-    """Work done against a budget: counted, and a wall-clock safety stop."""
-
-    budget_s: float
-    done: float = 0.0
-    start: float = dataclasses.field(default_factory=_time.perf_counter)
-
-    @property
-    def limit(self) -> float:
-        return self.budget_s * OPS_PER_SECOND
-
-    def add(self, ops: float) -> None:
-        self.done += ops
-
-    def spent(self) -> bool:
-        wall = _time.perf_counter() - self.start
-        return self.done >= self.limit or wall > SAFETY * self.budget_s
-
-    def wall_left(self) -> float:
-        """Seconds to the safety stop (for a solver's own time limit)."""
-        return SAFETY * self.budget_s - (_time.perf_counter() - self.start)
-
-
 #: (ZeRO stage, remat) tried in turn when the plain point does not fit.
 MEMORY_SAVERS = ((0, False), (1, False), (0, True), (1, True), (3, True))
 
@@ -107,9 +76,10 @@ def one_chunk(schedule: PipelineSchedule) -> None:
     stages is refused in one line rather than priced as if each chunk had its own devices."""
     if schedule.chunks > 1:
         raise PlanError(
-            f"the pipeline search cuts one stage per device group; schedule "
-            f"{schedule.name!r} runs {schedule.chunks} chunks per group, which it does not "
-            "search yet: price an interleaved configuration with am.Recipe(schedule="
+            f"the pipeline search's stage DP cuts one stage per device group; schedule "
+            f"{schedule.name!r} runs {schedule.chunks} chunks per group: search with "
+            "schedule '1f1b' (the dp searcher then tries interleaving its best pipelines, "
+            "v = 2 or 3), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
 
@@ -175,6 +145,9 @@ def search_dp(
                 stats["complete"] = False
                 break
             plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
+            # Then the decisions the DP does not make: sequence parallelism, selective
+            # recomputation, interleaving (`_techniques.py`).
+            plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
     except KeyboardInterrupt:
