@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import automap as am
+from automap._bench import KorthikantiRow
 from automap._cli import app
 from automap._cost import CostModel, estimate_pipeline
 from automap._groups import build_groups, residual_group, sequence_dims, sequence_parallel
@@ -208,3 +209,35 @@ def test_a_pipelines_programs_gather_what_is_priced(gpt):
     for stage in (0, 1):
         key = f"all-gather@model (stage {stage})"
         assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key])
+
+
+def _layer_activations(layers: int, hidden: int, seq: int, batch: int, tp: int):
+    """Activations at the peak of a GPT priced for A100s (Korthikanti's benchmark model:
+    `_bench.KorthikantiRow`), selective recomputation without and with the split."""
+    row = KorthikantiRow("reduced", 16, hidden, layers, tp, 1, tp, batch, batch, 1, 1.0, 1.0)
+    job = row.job()
+    spec = job.spec()
+    # Donated as Megatron-LM runs it (`_bench._isolated.train_step`).
+    step = jax.jit(spec.step_fn, donate_argnums=(0, 1))
+    args, cluster = spec.abstract_args(), job.cluster_of()
+    out = []
+    for sp in (False, True):
+        recipe = am.Recipe(tp=tp, remat="selective", sequence_parallel=sp)
+        cost = am.plan_recipe(step, *args, recipe=recipe, cluster=cluster).predicted
+        out.append(cost.memory_breakdown["activations"])
+    return out
+
+
+def test_selective_recomputation_keeps_the_split_stream_at_its_split_size():
+    # Per layer (two GPTs that differ by two layers), held against Korthikanti et al.'s
+    # Table 2: selective keeps sbh(10 + 24/t), of which the 10sbh outside the matmul pairs
+    # (2sbh of them dropout masks, which this GPT has not) are what the split makes 1/t.
+    # The split used to be subtracted from the peak as the jaxpr's residuals, more than
+    # the peak holds: SP + selective priced 0 activations.
+    h, s, b, t = 1024, 2048, 2, 8
+    sbh = s * b * h
+    two, four = _layer_activations(2, h, s, b, t), _layer_activations(4, h, s, b, t)
+    plain, split = ((y - x) / 2 / sbh for x, y in zip(two, four, strict=True))
+    assert min(*two, *four) > 0
+    assert plain == pytest.approx(10 + 24 / t, rel=0.2)
+    assert plain - split == pytest.approx(8 * (1 - 1 / t), rel=0.2)
