@@ -241,3 +241,39 @@ def test_selective_recomputation_keeps_the_split_stream_at_its_split_size():
     assert min(*two, *four) > 0
     assert plain == pytest.approx(10 + 24 / t, rel=0.2)
     assert plain - split == pytest.approx(8 * (1 - 1 / t), rel=0.2)
+
+
+def _first_stage_activations(layers: int, hidden: int, seq: int, tp: int) -> float:
+    """The first stage's activations of a two-stage 1F1B GPT (microbatch 1, four of
+    them: two in flight on it) priced for A100s with SP + selective recomputation."""
+    row = KorthikantiRow("reduced", 16, hidden, layers, tp, 2, 2 * tp, 4, 1, 1, 1.0, 1.0)
+    job = row.job()
+    spec = job.spec()
+    step = jax.jit(spec.step_fn, donate_argnums=(0, 1))
+    recipe = am.Recipe(
+        tp=tp, pp=2, microbatch_size=1, remat="selective", sequence_parallel=True, schedule="1f1b"
+    )
+    plan = am.plan_recipe(step, *spec.abstract_args(), recipe=recipe, cluster=job.cluster_of())
+    graph = am.capture(step, *spec.abstract_args())
+    return estimate_pipeline(CostModel(graph, job.cluster_of()), plan).stage_memory[0][
+        "activations"
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pipeline stage's F program hands its B program every residual the jaxpr "
+    "has (`_cost/_traffic._residuals`, `_run/_pipelined.py`): each layer norm's float32 "
+    "intermediates (3 x 4sbh per norm, where one program's XLA fuses them away: "
+    "`_residuals.stored_residuals`) and the tanh-GELU chain (6 x 8sbh/t), about 12sbh per "
+    "layer and microbatch against Korthikanti's 34sbh/t = 4.25sbh. The fix is in the "
+    "runtime (B remakes the cheap residuals from the stored ones, as XLA does) and then "
+    "its price (issue 26)",
+)
+def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatch():
+    h, s, t = 1024, 2048, 8
+    sbh = s * h
+    # Two layers more on the first stage (8 against 4 layers in two stages), two
+    # microbatches in flight on it: the residuals of 4 layer-microbatches.
+    per_layer = (_first_stage_activations(8, h, s, t) - _first_stage_activations(4, h, s, t)) / 4
+    assert per_layer / sbh == pytest.approx(34 / t, rel=0.3)
