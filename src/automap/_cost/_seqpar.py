@@ -125,11 +125,13 @@ class SplitMemory:
 def split_memory(model, split: frozenset[int], remat: bool) -> SplitMemory:
     """`SplitMemory` of the stream tensors `split` in `model` (a `CostModel`), with or
     without recomputation. A recomputed layer's own residuals are made again inside its
-    backward, where XLA holds the stream gathered for the matmuls (the CPU's buffer
-    assignment of a tp=4 GPT saves what the inputs' split saves, not a quarter of the
-    recomputed layer's): under remat those are not split."""
+    backward; where the backend has no reduce-scatter (XLA's CPU: it all-reduces and
+    slices), that recompute holds the stream whole (the CPU's buffer assignment of a tp=4
+    GPT saves what the inputs' split saves, not a quarter of the recomputed layer's), so
+    there those are not split. An A100's program makes them split (a reduced GPT under
+    full recomputation: 47.8 MB priced so, 46.7 MB in XLA's buffer assignment)."""
     graph, res, low, T = model.graph, model.residuals, model.cluster.lowering, model.tables
-    if remat:
+    if remat and not low.reduce_scatter:
         split = split - {t for ts in res.layer_saved for t in ts}
     consumers = graph.consumers()
     tensor_set = _tensor_sets(T, model.groups)
