@@ -186,6 +186,15 @@ def past_forward(buffers: Buffers, tensors: Collection[int], consumers, boundary
     )
 
 
+def alive_among(
+    buf: Buffers, tensors: Collection[int], at: np.ndarray, nbytes, tensor_set, n_sets: int
+) -> np.ndarray:
+    """[moments, sets] bytes of the buffers of `tensors` alive at each moment `at`."""
+    mine = np.isin(buf.tensor, np.fromiter(tensors, dtype=np.int64, count=len(tensors)))
+    part = Buffers(buf.tensor[mine], buf.birth[mine], buf.death[mine], buf.width[mine], NO_BLOCKS)
+    return _alive(part, at, nbytes, tensor_set, n_sets)
+
+
 def _alive(buf: Buffers, at: np.ndarray, nbytes, tensor_set, n_sets: int) -> np.ndarray:
     """[moments, sets] bytes of the buffers alive at each moment."""
     out = np.zeros((len(at), n_sets))

@@ -86,7 +86,7 @@ from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
 from ._rows import RowTable
-from ._seqpar import kept_across, seqpar_terms, with_sequence_parallel
+from ._seqpar import SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
 from ._tables import build_tables
 from ._terms import (
     Layout,
@@ -139,6 +139,7 @@ class CostModel:
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
+        self._split_cache: dict[tuple[frozenset[int], bool], SplitMemory] = {}
 
     # ---- public -----------------------------------------------------------------------
 
@@ -176,27 +177,30 @@ class CostModel:
             return self.for_plan(plan).estimate(full_remat(plan))
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
-        cost = self.evaluate(
-            self.plan_assignment(plan),
-            plan.mesh,
-            zero_stage=plan.zero_stage,
-            # Without stages the runtime runs one program on the whole batch; microbatches
-            # (gradient accumulation) run through the staged runtime, priced above.
-            microbatches=1,
-            remat=plan.remat,
-            detail=True,
-        )
-        return self._sequence_parallel(plan, cost) if plan.sequence_parallel else cost
-
-    def _sequence_parallel(self, plan: Plan, cost: Cost) -> Cost:
-        """`cost` with the terms of the plan's sequence parallelism (`_seqpar.py`)."""
         low = self.cluster.lowering
-        saved = kept_across(self.residuals, plan.remat)
-        terms = seqpar_terms(self.graph, self.groups, plan, saved, low.collective_float_bytes)
+        terms = split = None
+        if plan.sequence_parallel:
+            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes)
+            # The stream's tensors 1/t where the step holds them, before its peak is placed.
+            t = plan.mesh[str(plan.sequence_parallel)]
+            split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)
+        # Without stages the runtime runs one program on the whole batch; microbatches
+        # (gradient accumulation) run through the staged runtime, priced above.
+        codes = self.codes(self.plan_assignment(plan), plan.mesh)
+        st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
+        cost = self._finish(st, plan.zero_stage, None, True, split)
+        if terms is None:
+            return cost
         axis = str(plan.sequence_parallel)
-        return with_sequence_parallel(
-            cost, terms, plan.mesh, axis, self._costs_for(plan.mesh), low.reduce_scatter
-        )
+        costs = self._costs_for(plan.mesh)
+        return with_sequence_parallel(cost, terms, plan.mesh, axis, costs, low.reduce_scatter)
+
+    def _split_memory(self, split: frozenset[int], remat: bool) -> SplitMemory:
+        """`_seqpar.split_memory`, once per split and remat (a search prices many plans)."""
+        key = (split, remat)
+        if key not in self._split_cache:
+            self._split_cache[key] = split_memory(self, split, remat)
+        return self._split_cache[key]
 
     def for_plan(self, plan: Plan) -> CostModel:
         """The model whose `remat=True` prices what `plan` recomputes: this one for every
@@ -405,14 +409,15 @@ class CostModel:
         free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
         return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches), d
 
-    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False) -> Cost:
+    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False, split=None) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
-        combined collectives, and the memory at its busiest moment."""
+        combined collectives, and the memory at its busiest moment (`split`: sequence
+        parallelism's (`SplitMemory`, 1 - 1/t), its stream tensors held 1/t)."""
         L, d = self._layout(st, zero_stage, data_axis)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
         mem = memory_terms(self.coefs, L)
-        grads, acts, outputs = self._peak(st, L, mem)
+        grads, acts, outputs = self._peak(st, L, mem, split)
         parts = {
             "params": float(mem.params),
             "grads": grads,
@@ -473,12 +478,15 @@ class CostModel:
         )
         return float(time.sum()), collectives
 
-    def _peak(self, st: K.State, L: Layout, mem: Memory) -> tuple[float, float, float]:
+    def _peak(self, st: K.State, L: Layout, mem: Memory, split=None) -> tuple[float, float, float]:
         """(gradients, activations, outputs) at the step's peak: its busiest candidate
         moment where the backend schedules its buffers (`_peaks.busiest_moment`), else
         the larger of the backward's, the reduction's and the update's (`update_peak`)."""
         ac = self._costs_for(st.mesh)
         acts, outputs = float(mem.acts), float(mem.outputs)
+        if split is not None:  # sequence parallelism's stream tensors held 1/t
+            part, shrink = split
+            acts -= shrink * float(part.kept @ L.inv) / L.microbatches
         if step_moments(self.coefs, L) is None:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
             # second copy of what it reduces, alive beside the local gradients at the end
@@ -494,6 +502,8 @@ class CostModel:
         # A recomputed layer's partial sums, copied at its recompute (per moment).
         copied = recompute_copies(self.tables, st, ac) if st.remat else None
         made, at, out = moments_held(self.coefs, L, reduced, copied)
+        if split is not None:
+            at = at - shrink * (part.live @ L.inv) / L.microbatches
         moments = step_moments(self.coefs, L)
         early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0
         return busiest_moment(made, at, out, reduced + copy, early)

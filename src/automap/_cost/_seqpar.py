@@ -37,6 +37,9 @@ from .._graph import Graph
 from .._groups import KEPT_WHOLE, Groups, layouts
 from .._plan import Collective, Cost, Plan, Spec
 from . import _collectives as C
+from ._buffers import step_buffers
+from ._liveness import alive_among
+from ._residuals import kept_residuals
 
 _MATMUL = "dot_general"
 _ADDS = frozenset({"add", "add_any"})
@@ -49,7 +52,6 @@ class SeqparTerms:
     reduce_scattered: tuple[float, ...]  # per partial-sum matmul: its buffer's bytes
     gathered: tuple[float, ...]  # per residual tensor a matmul reads: the gathered bytes
     compute_ops: frozenset[int]  # ops that now run on 1/t of the sequence
-    kept_bytes: float  # bytes of the kept residuals the split makes 1/t of (before it)
     reduce_ops: frozenset[int] = frozenset()  # ops whose partial sums are reduce-scattered
     gathered_at: tuple[int, ...] = ()  # per entry of `gathered`: the op that reads it whole
     split: frozenset[int] = frozenset()  # the residual tensors split on the sequence
@@ -59,7 +61,6 @@ def seqpar_terms(
     graph: Graph,
     groups: Groups,
     plan: Plan,
-    saved: tuple[int, ...],
     float_bytes: int = 0,
     boundary: int | None = None,
 ) -> SeqparTerms:
@@ -104,30 +105,66 @@ def seqpar_terms(
                 gathered.add((t, op.index if apart else -1))
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
-    kept = sum(_buffer(graph, t, lay[t], plan.mesh, 0) for t in saved if t in split)
     return SeqparTerms(
-        tuple(rs.values()), tuple(ag), frozenset(ops), kept, frozenset(reducing), tuple(at),
+        tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split),
     )  # fmt: skip
 
 
-def kept_across(residuals, remat: bool) -> tuple[int, ...]:
-    """The residuals held through the backward whose split the peak sees: all of them, or
-    under recomputation the layers' inputs and what no layer recomputes. A recomputed
-    layer's own residuals are made again inside its backward, where XLA holds the stream
-    gathered for the matmuls (the CPU's buffer assignment of a tp=4 GPT saves what the
-    inputs' split saves, not a quarter of the recomputed layer's)."""
-    if not remat:
-        return tuple(residuals.saved)
-    again = {t for ts in residuals.layer_saved for t in ts}
-    return tuple(t for t in residuals.saved_remat if t not in again)
+@dataclasses.dataclass(frozen=True)
+class SplitMemory:
+    """Of what a one-stage step holds, the bytes of the stream tensors the split makes 1/t
+    of, per set as they are unsplit: what `CostModel` divides by t before it places the
+    peak, so that the residuals XLA stores (`_residuals.stored_residuals`) and the buffers
+    alive at each candidate moment (`_liveness.py`) are counted at their split size."""
+
+    kept: np.ndarray  # [sets] of the kept residuals (the activations, unscheduled backends)
+    live: np.ndarray | None  # [moments, sets] of the buffers alive at each candidate moment
+
+
+def split_memory(model, split: frozenset[int], remat: bool) -> SplitMemory:
+    """`SplitMemory` of the stream tensors `split` in `model` (a `CostModel`), with or
+    without recomputation. A recomputed layer's own residuals are made again inside its
+    backward; where the backend has no reduce-scatter (XLA's CPU: it all-reduces and
+    slices), that recompute holds the stream whole (the CPU's buffer assignment of a tp=4
+    GPT saves what the inputs' split saves, not a quarter of the recomputed layer's), so
+    there those are not split. An A100's program makes them split (a reduced GPT under
+    full recomputation: 47.8 MB priced so, 46.7 MB in XLA's buffer assignment)."""
+    graph, res, low, T = model.graph, model.residuals, model.cluster.lowering, model.tables
+    if remat and not low.reduce_scatter:
+        split = split - {t for ts in res.layer_saved for t in ts}
+    consumers = graph.consumers()
+    tensor_set = _tensor_sets(T, model.groups)
+    nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    n_sets = len(T.sets)
+    kept = np.zeros(n_sets)
+    stored = kept_residuals(graph, res, low, consumers)[1 if remat else 0]
+    mine = [t for t in stored if t in split]
+    np.add.at(kept, tensor_set[mine], nbytes[mine])
+    moments = T.moments_remat if remat else T.moments
+    if moments is None:
+        return SplitMemory(kept, None)
+    buffers = step_buffers(graph, res, consumers, remat, low)
+    return SplitMemory(kept, alive_among(buffers, split, moments.at, nbytes, tensor_set, n_sets))
+
+
+def _tensor_sets(T, groups: Groups) -> np.ndarray:
+    """[tensors] each tensor's set in the tables `T` (its splittable groups, `_sets.py`)."""
+    pad = len(groups.groups)
+    ids = {tuple(int(g) for g in row if g != pad): i for i, row in enumerate(T.sets)}
+    ok = T.splittable
+    return np.array(
+        [ids[tuple(sorted({g for g in gs if ok[g]}))] for gs in groups.tensor_groups],
+        dtype=np.int64,
+    )
 
 
 def with_sequence_parallel(
     cost: Cost, terms: SeqparTerms, mesh: Mapping[str, int], axis: str, costs: C.AxisCosts,
     reduce_scatter: bool,
 ) -> Cost:  # fmt: skip
-    """`cost` (the plan priced without it) with sequence parallelism's terms."""
+    """`cost` (the plan priced without it, its memory with the split: `split_memory`)
+    with sequence parallelism's time: its collectives and the stream's ops on 1/t."""
     t = mesh[axis]
     code = costs.codes[axis]
     rs_bytes, ag_bytes = sum(terms.reduce_scattered), sum(terms.gathered)
@@ -141,25 +178,13 @@ def with_sequence_parallel(
     shrink = 1 - 1 / t
     saved_s = shrink * sum(s for i, s, _ in cost.per_op if i in terms.compute_ops)
     compute = cost.compute_s - saved_s
-    breakdown = dict(cost.memory_breakdown)
-    # Only what the peak holds of them: where the peak is the update (the state and its
-    # gradients, no activations alive), the stream's split frees nothing at it.
-    freed = min(shrink * terms.kept_bytes, breakdown.get("activations", 0.0))
-    if freed:
-        breakdown["activations"] -= freed
-    memory = cost.memory_bytes - freed
     step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
-    fits = memory <= cost.memory_limit_bytes  # memory is what makes a plan infeasible
     return dataclasses.replace(
         cost,
         step_time_s=step,
         compute_s=compute,
         comm_s=comm,
-        memory_bytes=memory,
         mfu=cost.mfu * cost.step_time_s / step if step > 0 else cost.mfu,
-        feasible=fits,
-        reason="" if fits else cost.reason,
-        memory_breakdown=breakdown,
         collectives=tuple(c for c in by_kind.values() if c.count > 0),
     )
 
@@ -222,9 +247,8 @@ def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_byt
 def stage_sequence_parallel(model, plan: Plan, oc):
     """`seqpar_op_costs` of a pipeline plan's per-op costs (`_pipelined.plan_op_costs`)."""
     low, res = model.cluster.lowering, model.residuals
-    saved = kept_across(res, plan.remat)
     float_bytes = low.collective_float_bytes
-    terms = seqpar_terms(model.graph, model.groups, plan, saved, float_bytes, res.boundary)
+    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, res.boundary)
     return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
 
 
