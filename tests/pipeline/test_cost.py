@@ -177,7 +177,18 @@ def test_a_single_stage_is_one_program_or_gradient_accumulation():
     assert acts(whole) / 2 <= acts(accum) < acts(whole) * 0.8
 
 
-@pytest.mark.parametrize(("zero", "remat"), [(0, False), (1, False), (3, True)])
+#: One program's ZeRO-3 gathers layer by layer, and again in the backward (`_cost/_fsdp.py`,
+#: `_run/_fsdp.py`); a pipeline stage's programs still gather what they read once each
+#: (issue 27: FSDP in pipeline stages not built), so their communication differs there.
+PIPELINES_GATHER_PER_PROGRAM = pytest.mark.xfail(
+    strict=True, reason="pipeline stages do not gather layer by layer yet (issue 27)"
+)
+
+
+@pytest.mark.parametrize(
+    ("zero", "remat"),
+    [(0, False), (1, False), pytest.param(3, True, marks=PIPELINES_GATHER_PER_PROGRAM)],
+)
 def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
     # ZeRO-3 in float32: a mixed-precision stage gathers its weights' bf16 casts (made in
     # its pre program), where one program under remat gathers the float32 parameters
