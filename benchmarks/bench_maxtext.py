@@ -46,35 +46,15 @@ Stated, not tuned:
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-from automap._bench import maxtext_lines, maxtext_table, select_maxtext_rows
+from automap._bench import maxtext_lines, maxtext_table, published_table_main, select_maxtext_rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", type=float, default=0.0, help="planner budget per row (s); 0: skip")
-    ap.add_argument("--searcher", default="auto")
-    ap.add_argument("--rows", default="", help="comma-separated row names to run (32B,64B,128B)")
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args(argv)
-    if args.plan < 0:
-        ap.error(f"--plan {args.plan:g} is negative: give a budget in seconds, or 0 to skip")
-    rows = select_maxtext_rows([r for r in args.rows.split(",") if r])
-    if not rows:
-        ap.error(f"--rows {args.rows!r} names no row of the table (e.g. --rows 32B,128B)")
-
-    def step(what: str) -> None:
-        print(what, file=sys.stderr, flush=True)
-
-    section = maxtext_table(rows, args.plan, args.searcher, step)
-    print("\n".join(maxtext_lines(section)))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(section, f, indent=2)
-    return 0
+    return published_table_main(
+        argv, __doc__.splitlines()[0], select_maxtext_rows, maxtext_table, maxtext_lines, "32B,128B"
+    )
 
 
 if __name__ == "__main__":

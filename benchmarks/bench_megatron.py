@@ -40,33 +40,15 @@ without its latency-hiding scheduler (off by default).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-from automap._bench import megatron_lines, megatron_table, select_rows
+from automap._bench import megatron_lines, megatron_table, published_table_main, select_rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", type=float, default=0.0, help="planner budget per row (s); 0: skip")
-    ap.add_argument("--searcher", default="auto")
-    ap.add_argument("--rows", default="", help="comma-separated params_b values to run")
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args(argv)
-    rows = select_rows([r for r in args.rows.split(",") if r])
-    if not rows:
-        ap.error(f"--rows {args.rows!r} names no row of the table (e.g. --rows 1.7,145.6)")
-
-    def step(what: str) -> None:
-        print(what, file=sys.stderr, flush=True)
-
-    section = megatron_table(rows, args.plan, args.searcher, step)
-    print("\n".join(megatron_lines(section)))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(section, f, indent=2)
-    return 0
+    return published_table_main(
+        argv, __doc__.splitlines()[0], select_rows, megatron_table, megatron_lines, "1.7,145.6"
+    )
 
 
 if __name__ == "__main__":

@@ -48,3 +48,4 @@ from ._run import quick_settings as quick_settings
 from ._run import run_bench as run_bench
 from ._run import select as select
 from ._run import within_1pct as within_1pct
+from ._script import published_table_main as published_table_main

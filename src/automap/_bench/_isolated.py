@@ -119,3 +119,15 @@ def plan_job_main(out: str) -> None:
     payload = json.loads(sys.stdin.read())
     found = plan_job(PlanJob(**payload["job"]), payload["budget_s"], payload["searcher"])
     Path(out).write_text(json.dumps(found))
+
+
+def planner_columns(job: PlanJob, plan_s: float, searcher: str, baseline_s: float, versus: str):
+    """A published row's planner columns: the planner's plan in a fresh process
+    (`plan_isolated`) with its step over the row's priced configuration's (`baseline_s`)
+    under the key `versus`; where it finds none (none fits, say), why, and its wall time."""
+    start = time.perf_counter()
+    try:
+        found = plan_isolated(job, plan_s, searcher)
+    except AutomapError as e:
+        return {"plan_error": str(e), "plan_wall_s": time.perf_counter() - start}
+    return {**found, versus: found["plan_step_s"] / baseline_s}

@@ -24,10 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._api import plan_recipe
-from .._errors import AutomapError
 from .._plan import Plan
 from .._space import Recipe
-from ._isolated import PlanJob, plan_isolated, train_step
+from ._isolated import PlanJob, planner_columns, train_step
 
 VOCAB, SEQ = 51200, 2048
 CLUSTER = "a100"
@@ -123,13 +122,9 @@ def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto
         "price_s": time.perf_counter() - start,
     }
     if plan_s > 0:
-        start = time.perf_counter()
-        try:
-            found = plan_isolated(job_of(row), plan_s, searcher)
-        except AutomapError as e:  # no plan (none fits, say): the row says why
-            record.update(plan_error=str(e), plan_wall_s=time.perf_counter() - start)
-        else:
-            record.update(found, vs_megatron=found["plan_step_s"] / cost.step_time_s)
+        record.update(
+            planner_columns(job_of(row), plan_s, searcher, cost.step_time_s, "vs_megatron")
+        )
     return record
 
 
