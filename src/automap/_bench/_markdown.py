@@ -220,17 +220,8 @@ def megatron_lines(section: dict | str) -> list[str]:
             f"{r['memory_gb']:.1f}",
             "yes" if r["feasible"] else "no",
         ]
-        if planned and "plan_error" in r:
-            cells += [r["plan_error"].replace("|", "/"), "—", "—", f"{r['plan_wall_s']:.0f}", "—"]
-        elif planned:
-            fits = "" if r["plan_feasible"] else " (does not fit)"
-            cells += [
-                r["plan"] + fits,
-                f"{r['plan_step_s']:.2f}",
-                f"{r['vs_megatron']:.2f}",
-                f"{r['plan_wall_s']:.0f}",
-                f"{r['plan_peak_gb']:.1f}",
-            ]
+        if planned:
+            cells += planner_cells(r, "vs_megatron")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -281,17 +272,8 @@ def korthikanti_lines(section: dict | str) -> list[str]:
             f"{r['predicted_speedup']:.2f}",
             f"{r['full_memory_gb']:.0f} → {r['modern_memory_gb']:.0f}",
         ]
-        if planned and "plan_error" in r:
-            cells += [r["plan_error"].replace("|", "/"), "—", "—", f"{r['plan_wall_s']:.0f}", "—"]
-        elif planned:
-            fits = "" if r["plan_feasible"] else " (does not fit)"
-            cells += [
-                r["plan"] + fits,
-                f"{r['plan_step_s']:.2f}",
-                f"{r['vs_published']:.2f}",
-                f"{r['plan_wall_s']:.0f}",
-                f"{r['plan_peak_gb']:.1f}",
-            ]
+        if planned:
+            cells += planner_cells(r, "vs_published")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"Mean absolute error of the priced times: {section['mean_abs_error']:.1%}."]
     return out
@@ -308,6 +290,21 @@ def _published_sections() -> tuple:
         ),
         ("maxtext", "MaxText on TPU v5p (published)", maxtext_lines),
     )
+
+
+def planner_cells(r: dict, versus: str) -> list[str]:
+    """A published row's planner columns (`_isolated.planner_columns`): its plan, step,
+    step over the row's (key `versus`), wall time and peak RSS; or why it found none."""
+    if "plan_error" in r:
+        return [r["plan_error"].replace("|", "/"), "—", "—", f"{r['plan_wall_s']:.0f}", "—"]
+    fits = "" if r["plan_feasible"] else " (does not fit)"
+    return [
+        r["plan"] + fits,
+        f"{r['plan_step_s']:.2f}",
+        f"{r[versus]:.2f}",
+        f"{r['plan_wall_s']:.0f}",
+        f"{r['plan_peak_gb']:.1f}",
+    ]
 
 
 def write(result: dict, out: Path | None, json_out: Path | None) -> None:
