@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import ModelError
-from ._train import DTYPES, ModelParts, check_config, cross_entropy
-from ._transformer import causal_mask, dense, rotary, token_batch
+from ._train import DTYPES, ModelParts, check_config
+from ._transformer import causal_lm_parts, causal_mask, dense, rotary
 
 _F32 = jnp.float32
 
@@ -158,15 +158,4 @@ class Llama(nn.Module):
 
 
 def build_llama(cfg: LlamaConfig) -> ModelParts:
-    model = Llama(cfg)
-
-    def init_params(key):
-        return model.init(key, jnp.zeros((1, cfg.seq), jnp.int32))
-
-    def make_batch(key):
-        return token_batch(key, cfg.batch, cfg.seq, cfg.vocab)
-
-    def loss_fn(params, batch):
-        return cross_entropy(model.apply(params, batch["tokens"]), batch["targets"])
-
-    return ModelParts(init_params, make_batch, loss_fn)
+    return causal_lm_parts(Llama(cfg), cfg.batch, cfg.seq, cfg.vocab)

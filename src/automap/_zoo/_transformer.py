@@ -316,13 +316,18 @@ class Gpt(nn.Module):
 
 
 def build_gpt(cfg: GptConfig) -> ModelParts:
-    model = Gpt(cfg)
+    return causal_lm_parts(Gpt(cfg), cfg.batch, cfg.seq, cfg.vocab)
+
+
+def causal_lm_parts(model: nn.Module, batch: int, seq: int, vocab: int) -> ModelParts:
+    """A causal language model's parts: tokens in, next-token cross-entropy out (the zoo's
+    GPT and Llama)."""
 
     def init_params(key):
-        return model.init(key, jnp.zeros((1, cfg.seq), jnp.int32))
+        return model.init(key, jnp.zeros((1, seq), jnp.int32))
 
     def make_batch(key):
-        return token_batch(key, cfg.batch, cfg.seq, cfg.vocab)
+        return token_batch(key, batch, seq, vocab)
 
     def loss_fn(params, batch):
         return cross_entropy(model.apply(params, batch["tokens"]), batch["targets"])
