@@ -5,6 +5,7 @@ numbers (one stage and pipeline stages), priced, and held against what XLA compi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import jax
@@ -81,6 +82,31 @@ def test_the_plan_file_keeps_the_axis(gpt, tmp_path):
     broken = {**sp.to_dict(), "sequence_parallel": "seq"}
     with pytest.raises(am.PlanError, match="sequence_parallel must be null or a mesh axis"):
         am.Plan.from_dict(broken)
+
+
+def test_the_field_alone_splits_the_stream_and_constraints_alone_are_refused(gpt):
+    spec, args = gpt[:2]
+    plain, sp = _plans(gpt, tp=4, dp=2)
+    concrete = spec.concrete_args(0)
+
+    def lowered(plan: am.Plan) -> str:
+        prepared = am.apply(spec.step_fn, plan).prepare(*concrete)
+        return prepared.jitted.lower(*prepared.abstract_args(concrete)).as_text()
+
+    def price(plan: am.Plan) -> tuple[float, float]:
+        cost = am.estimate(spec.step_fn, *args, plan=plan, cluster=A100)
+        return cost.step_time_s, cost.memory_bytes
+
+    # A hand edit that keeps the field and drops the constraints is run and priced split,
+    # as the field says, not as the plain plan it now looks like.
+    field_only = dataclasses.replace(sp, constraints=plain.constraints)
+    assert lowered(field_only) == lowered(sp) != lowered(plain)
+    assert price(field_only) == price(sp) != price(plain)
+    # The constraints without the field would run split and be priced whole: refused.
+    constraints_only = dataclasses.replace(sp, sequence_parallel=None)
+    for attempt in (lambda: lowered(constraints_only), lambda: price(constraints_only)):
+        with pytest.raises(am.PlanError, match="sequence_parallel field is null"):
+            attempt()
 
 
 @pytest.mark.slow  # three plans compiled and run on 8 CPU devices

@@ -18,7 +18,7 @@ from ._axes import DATA
 from ._cluster import Cluster
 from ._errors import PlanError, PriceWarning
 from ._graph import Graph
-from ._groups import zero_mismatch
+from ._groups import sequence_as_recorded, zero_mismatch
 from ._plan import Cost, Plan, Provenance
 from ._run import other_program
 from ._search import (
@@ -110,6 +110,7 @@ def estimate(
     why = zero_mismatch(problem.graph, problem.groups, plan)
     if why:
         raise PlanError(why)
+    plan = sequence_as_recorded(problem.graph, problem.groups, plan)
     if _zero_off_batch(problem, plan):
         warnings.warn(
             f"this ZeRO-{plan.zero_stage} plan does not put the batch on the data axis it "

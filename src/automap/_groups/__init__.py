@@ -33,5 +33,6 @@ from ._rules import reshape_ties as reshape_ties
 from ._rules import rule as rule
 from ._seqpar import KEPT_WHOLE as KEPT_WHOLE
 from ._seqpar import residual_group as residual_group
+from ._seqpar import sequence_as_recorded as sequence_as_recorded
 from ._seqpar import sequence_dims as sequence_dims
 from ._seqpar import sequence_parallel as sequence_parallel

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from .._errors import PlanError
 from .._graph import Graph, TensorKind
-from .._plan import Plan, Spec
+from .._plan import Plan, Spec, SpecEntry
 from ._layouts import layouts
 from ._linkage import Group, Groups
 
@@ -127,3 +127,35 @@ def _split_specs(
         spec[d] = axis
         out[t] = tuple(spec)
     return out
+
+
+def sequence_as_recorded(graph: Graph, groups: Groups, plan: Plan) -> Plan:
+    """`plan` with its residual stream split as its `sequence_parallel` field says, which
+    the cost model and the runtime both read through the constraints: the constraints
+    made from the field where a hand edit left them out, so that the field is never
+    ignored; a one-line PlanError where the constraints split the stream on the sequence
+    and the field does not say so (it would run split and be priced whole)."""
+    axis = plan.sequence_parallel
+    if axis is not None:
+        return sequence_parallel(graph, groups, plan, str(axis))
+    split = _sequence_split(graph, groups, plan)
+    if split:
+        raise PlanError(
+            f"the plan's constraints split the residual stream on its sequence over "
+            f"{split!r} but its sequence_parallel field is null (was it edited by hand?): "
+            "set sequence_parallel to that tensor-parallel axis, or drop those constraints."
+        )
+    return plan
+
+
+def _sequence_split(graph: Graph, groups: Groups, plan: Plan) -> SpecEntry:
+    """The axis the plan's constraints put on a residual tensor's sequence dimension where
+    the plan's own layout of that tensor leaves it whole (None: none does)."""
+    if not plan.constraints or plan.assignment is None:
+        return None
+    lay = layouts(graph, groups, plan.assignment)
+    for t, d in sequence_dims(graph, groups).items():
+        spec = plan.constraints.get(t)
+        if spec is not None and spec[d] is not None and lay[t][d] is None:
+            return spec[d]
+    return None

@@ -24,6 +24,7 @@ from .._groups import (
     build_groups,
     layouts,
     lookups,
+    sequence_as_recorded,
     unzero_spec,
     zero_mismatch,
 )
@@ -82,7 +83,11 @@ class Prepared:
         paths = [jax.tree_util.keystr(p) for p, _ in flat]
         check_paths(plan, paths)
         if graph is None and (
-            plan.provenance.fingerprint or plan.constraints or plan.remat or _regathers(plan)
+            plan.provenance.fingerprint
+            or plan.constraints
+            or plan.remat
+            or plan.sequence_parallel
+            or _regathers(plan)
         ):
             graph = capture(fn, *args)
         # Before the divisibility checks: "another batch size" says more than "6 is not
@@ -90,14 +95,15 @@ class Prepared:
         fingerprint = plan.provenance.fingerprint
         if graph is not None and fingerprint and fingerprint != graph.fingerprint:
             raise PlanError(other_program(plan, graph))
-        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
-        reinterpret = plan.constraints or plan.remat or _regathers(plan)
         checked = graph is not None and plan.assignment is not None
-        groups = build_groups(graph) if checked or reinterpret else None
+        groups = build_groups(graph) if graph is not None else None
         if checked:
             why = zero_mismatch(graph, groups, plan)
             if why:
                 raise PlanError(why)
+            plan = sequence_as_recorded(graph, groups, plan)
+        # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
+        reinterpret = plan.constraints or plan.remat or _regathers(plan)
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]

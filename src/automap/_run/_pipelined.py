@@ -50,7 +50,13 @@ from .._axes import DATA
 from .._capture import capture
 from .._errors import ApplyError, PlanError
 from .._graph import TensorKind
-from .._groups import build_groups, lookups, unzero_spec, zero_mismatch
+from .._groups import (
+    build_groups,
+    lookups,
+    sequence_as_recorded,
+    unzero_spec,
+    zero_mismatch,
+)
 from .._pipeline import Unit, partition, plan_schedule
 from .._plan import Plan
 from .._remat import plan_recompute
@@ -164,6 +170,7 @@ class _Pipeline(Accumulation):
         why = zero_mismatch(full, groups, plan)
         if why:
             raise PlanError(why)
+        self.plan = plan = sequence_as_recorded(full, groups, plan)
         bounds = [(s.op_start, s.op_stop) for s in plan.stages]
         part = partition(full, groups, bounds, m)
         micro = full if m == 1 else capture(fn, *micro_args(full, groups, part, abstract, m))
