@@ -436,7 +436,10 @@ def test_sigterm_keeps_the_best_plan_as_ctrl_c_does(tmp_path):
     command = "from automap._cli import main; main()"
     args = ["plan", "--fn", "user_step_term:make_step", "--cluster", "cpu", "--searcher"]
     args += ["random", "--budget", "3600", "-o", str(out)]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(sys.path)}
+    # This process's path, less the compile-only plugins a GPU or TPU verify test in it may
+    # have added (JAX would load them in the child and log to its stderr).
+    path = [p for p in sys.path if not p.endswith(("gpu-compile", "tpu-compile"))]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.Popen(
         [sys.executable, "-c", command, *args],
         cwd=tmp_path,
