@@ -6,7 +6,7 @@ import jax
 import pytest
 
 import automap as am
-from automap._verify import compile_plan, overlapped_bytes, scheduled_collectives
+from automap._verify import compile_plan, overlapped_bytes, scheduled_collectives, verify
 from automap._zoo import get_model
 
 # A scheduled module as XLA prints one: a gather whose start and done enclose a matmul
@@ -86,17 +86,17 @@ def _fsdp_gpt():
 @pytest.mark.tpu_compile
 def test_a_tpu_runs_every_collective_of_an_fsdp_step_on_the_critical_path():
     # ZeRO-3 (FSDP, layer by layer) over a v5p 2x2x1 slice: XLA's TPU compiler, at its
-    # default flags, runs every gather and reduce-scatter synchronously, nothing between
-    # a start and a done; so does the cost model, which charges each collective in full.
+    # default flags, runs every gather and reduce-scatter synchronously (no start/done
+    # pair), so no compute hides any; the cost model charges each collective in full.
     step, args = _fsdp_gpt()
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
     plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=3), cluster=v5p)
-    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x1")
-    scheduled = scheduled_collectives(compiled.as_text())
-    hidden = overlapped_bytes(scheduled, plan.mesh)
-    assert hidden["all-gather@data"][1] > 1e6 and hidden["reduce-scatter@data"][1] > 1e6
-    assert not any(s.asynchronous for s in scheduled)
-    assert all(overlapped == 0.0 for overlapped, _ in hidden.values())
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    # (XLA's TPU keeps the forward's gathers for the backward: fewer gather bytes than
+    # priced, a gap DESIGN.md's "TPU slices" states; the schedule is what is held here.)
+    assert report.xla_comm_bytes["all-gather@data"] > 1e6
+    assert report.xla_comm_bytes["reduce-scatter@data"] > 1e6
+    assert report.xla_overlapped_bytes == {}  # what verify read from the schedule
     cost = am.estimate(step, *args, plan=plan, cluster=v5p)
     assert cost.comm_s == pytest.approx(sum(c.time_s for c in cost.collectives), rel=1e-9)
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s, rel=1e-9)
@@ -107,8 +107,9 @@ def test_a_tpu_runs_every_collective_of_an_fsdp_step_on_the_critical_path():
 @pytest.mark.xfail(
     strict=True,
     reason="XLA's GPU scheduler places compute between the start and done of about half "
-    "of an FSDP step's gather bytes; the cost model charges every collective in full "
-    "(issue 27 item 5: pricing the overlap, estimate and ILP alike, is not built)",
+    "of an FSDP step's gather bytes (little of it matmuls); the cost model charges every "
+    "collective in full (issue 27 item 5: pricing the overlap, estimate and ILP alike, "
+    "is not built)",
 )
 def test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices():
     step, args = _fsdp_gpt()
