@@ -60,8 +60,10 @@ def test_the_schedule_says_what_runs_while_each_collective_is_in_flight():
                             "all-reduce.1"}  # fmt: skip
     gather = by_name["all-gather-done.1"]
     assert (gather.asynchronous, gather.between, gather.matmuls) == (True, 1, 1)
+    assert gather.flops == 2 * 8 * 16 * 16  # the [8,16] x [16,16] dot in the fusion
     wrapped = by_name["reduce-scatter.1"]  # named by the collective its async pair calls
     assert (wrapped.asynchronous, wrapped.between, wrapped.matmuls) == (True, 1, 0)
+    assert wrapped.flops == 0
     assert wrapped.overlapped
     idle = by_name["all-gather-done.2"]
     assert idle.asynchronous and not idle.overlapped
