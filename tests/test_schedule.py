@@ -123,3 +123,22 @@ def test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices():
     hidden = overlapped_bytes(scheduled, plan.mesh)
     # The model's overlapped set is empty: it holds only where the compiled one is too.
     assert all(overlapped == 0.0 for overlapped, _ in hidden.values()), hidden
+
+
+@pytest.mark.slow  # a two-stage pipeline's programs compiled for 8 A100s: ~100 s
+@pytest.mark.gpu_compile
+def test_verify_reads_each_pipeline_programs_schedule_per_stage():
+    # FSDP in two stages: each program a stage runs is compiled for A100s, and what its
+    # schedule overlaps is summed per stage like its collectives (times its runs).
+    step, args = _fsdp_gpt()
+    a100 = am.Cluster.preset("a100", 8)
+    recipe = am.Recipe(pp=2, dp=4, zero=3, microbatches=2)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    overlapped = report.xla_overlapped_bytes
+    assert overlapped  # XLA's GPU scheduler runs compute inside some of a stage's gathers
+    for key, nbytes in overlapped.items():
+        assert key.endswith(")") and "(stage " in key
+        assert 0 < nbytes <= report.xla_comm_bytes[key]
+    assert any("charges every collective in full" in n for n in report.notes)

@@ -42,7 +42,7 @@ from ._compare import (
 )
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._gpu import gpu_devices
-from ._hlo import comm_bytes, parse_collectives
+from ._hlo import comm_bytes
 from ._numerics import compare_outputs, reordered
 from ._report import VerifyReport
 from ._schedule import overlapped_bytes, scheduled_collectives
@@ -196,14 +196,19 @@ def _verify_pipeline(
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
     programs = run.compile(*args)
     xla: dict[str, float] = {}
+    overlapped: dict[str, float] = {}  # of those, what compute overlaps (`_schedule.py`)
     extra = set()  # programs that are not segments: microbatches joined or summed
     for prog in programs:
         if prog.kind is None:  # the runtime joining microbatches' outputs
             extra.add("concat")
-        collectives = parse_collectives(prog.compiled.as_text())
-        for key, nbytes in comm_bytes(collectives, prog.mesh).items():
+        scheduled = scheduled_collectives(prog.compiled.as_text())
+        for key, nbytes in comm_bytes([c.collective for c in scheduled], prog.mesh).items():
             key = on_stage(key, prog.stage)
             xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
+        for key, (hidden, _) in overlapped_bytes(scheduled, prog.mesh).items():
+            if hidden:
+                key = on_stage(key, prog.stage)
+                overlapped[key] = overlapped.get(key, 0.0) + hidden * prog.runs
     model = held_against(pipe.graph, plan, cluster, target)
     pc = estimate_pipeline(model, plan)
     predicted = pipeline_predicted(pc)
@@ -229,6 +234,8 @@ def _verify_pipeline(
         f"stage predicted largest ({largest}), XLA's its program sizes combined as "
         "automap._verify._stages says and what run.memory holds besides",
     ]
+    if overlapped:
+        notes.append(_overlap_note(overlapped))
     if extra:
         notes.append(
             "the runtime also combines microbatches in programs of its own "
@@ -256,6 +263,7 @@ def _verify_pipeline(
         stage_memory_bytes=memory,
         stage_flops=flops,
         target=target,
+        xla_overlapped_bytes=overlapped,
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
