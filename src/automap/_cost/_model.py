@@ -52,9 +52,11 @@ Each of these terms is stated once, in `_terms.py` (ZeRO's in `_zero.py`), and r
 here and by the shard ILP's factors (`_search/_mesh_terms.py`); this module evaluates the
 collectives, places the peak and assembles the `Cost`.
 
-Time is compute + communication (no overlap: XLA on GPUs overlaps little by default; a
-conservative prediction). The data-parallel gradient all-reduce is not overlapped with the
-backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
+Time is compute + communication (no overlap: what XLA's TPU compiler compiles at its
+default flags, every collective synchronous; XLA's GPU compiler hides part of an FSDP
+step's gathers behind matmuls, where this is an upper bound: `_verify/_schedule.py` reads
+it, DESIGN.md "Collectives overlapped with compute"). The data-parallel gradient
+all-reduce is not overlapped with the backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
 (`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
 are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
 of the SC'21 paper (local DDP) also all-reduces after the backward. Plans with pipeline

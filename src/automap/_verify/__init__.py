@@ -3,7 +3,8 @@
 Input: a step function, a Plan and arguments (or a saved plan to rebuild). Output: a
 `VerifyReport`: the cost model's collectives next to the compiled HLO's, its peak memory
 and FLOPs per device next to XLA's buffer assignment and cost analysis (`_flops.py`,
-`_stages.py` for pipelines), and numerics against the unsharded step; with a GPU
+`_stages.py` for pipelines), and numerics against the unsharded step; which collectives the compiled schedule
+overlaps with compute (`_schedule.py`); with a GPU
 target, the same plan compiled for that GPU (`_gpu.py`) or TPU topology (`_tpu.py`)
 without one. DESIGN.md, "Collectives: the bytes convention".
 """
@@ -30,6 +31,9 @@ from ._numerics import compare_outputs as compare_outputs
 from ._numerics import reordered as reordered
 from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan
+from ._schedule import ScheduledCollective as ScheduledCollective
+from ._schedule import overlapped_bytes as overlapped_bytes
+from ._schedule import scheduled_collectives as scheduled_collectives
 from ._subprocess import subprocess_main as subprocess_main
 from ._subprocess import verify_in_subprocess as verify_in_subprocess
 from ._tpu import is_tpu_target as is_tpu_target

@@ -42,9 +42,10 @@ from ._compare import (
 )
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._gpu import gpu_devices
-from ._hlo import comm_bytes, parse_collectives
+from ._hlo import comm_bytes
 from ._numerics import compare_outputs, reordered
 from ._report import VerifyReport
+from ._schedule import overlapped_bytes, scheduled_collectives
 from ._stages import stage_flops, stage_memory_parts
 from ._tpu import is_tpu_target, tpu_devices
 
@@ -60,6 +61,20 @@ def _donation_note(compiled: Any) -> str:
         "new parameters and optimizer state) apart from its arguments, from the update to "
         "the end of the step, and the cost model prices them so; a step jitted with "
         "donate_argnums (am.apply keeps it) writes them over the old state instead"
+    )
+
+
+def _overlap_note(overlapped: dict[str, float]) -> str:
+    """Where XLA's schedule runs compute while a collective is in flight (`_schedule.py`):
+    the cost model charges every collective in full on the critical path (DESIGN.md,
+    "Collectives overlapped with compute")."""
+    if not overlapped:
+        return ""
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(overlapped.items()))
+    return (
+        f"XLA's schedule runs compute between the start and done of some collectives ({parts}); "
+        "the cost model charges every collective in full on the critical path, so its "
+        "step time is an upper bound there"
     )
 
 
@@ -127,13 +142,16 @@ def verify(
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
     prepared, compiled = compile_plan(fn, plan, args, graph=graph, target=target)
-    xla = comm_bytes(parse_collectives(compiled.as_text()), plan.mesh)
+    scheduled = scheduled_collectives(compiled.as_text())
+    xla = comm_bytes([s.collective for s in scheduled], plan.mesh)
+    overlapped = {k: v for k, (v, _) in overlapped_bytes(scheduled, plan.mesh).items() if v}
     model = held_against(graph, plan, cluster, target)
     cost = model.estimate(plan)
     predicted = collective_bytes(cost)
     match, mismatches = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
     flops, flops_as_xla = predicted_flops(model, plan)
-    notes = [n for n in (ratio_note(flops, flops_as_xla), _donation_note(compiled)) if n]
+    notes = [ratio_note(flops, flops_as_xla), _donation_note(compiled), _overlap_note(overlapped)]
+    notes = [n for n in notes if n]
     report = VerifyReport(
         dict(plan.mesh),
         match,
@@ -149,6 +167,7 @@ def verify(
         predicted_flops_as_xla=flops_as_xla,
         xla_flops=compiled_flops(compiled),
         target=target,
+        xla_overlapped_bytes=overlapped,
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
@@ -177,14 +196,19 @@ def _verify_pipeline(
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
     programs = run.compile(*args)
     xla: dict[str, float] = {}
+    overlapped: dict[str, float] = {}  # of those, what compute overlaps (`_schedule.py`)
     extra = set()  # programs that are not segments: microbatches joined or summed
     for prog in programs:
         if prog.kind is None:  # the runtime joining microbatches' outputs
             extra.add("concat")
-        collectives = parse_collectives(prog.compiled.as_text())
-        for key, nbytes in comm_bytes(collectives, prog.mesh).items():
+        scheduled = scheduled_collectives(prog.compiled.as_text())
+        for key, nbytes in comm_bytes([c.collective for c in scheduled], prog.mesh).items():
             key = on_stage(key, prog.stage)
             xla[key] = xla.get(key, 0.0) + nbytes * prog.runs
+        for key, (hidden, _) in overlapped_bytes(scheduled, prog.mesh).items():
+            if hidden:
+                key = on_stage(key, prog.stage)
+                overlapped[key] = overlapped.get(key, 0.0) + hidden * prog.runs
     model = held_against(pipe.graph, plan, cluster, target)
     pc = estimate_pipeline(model, plan)
     predicted = pipeline_predicted(pc)
@@ -210,6 +234,8 @@ def _verify_pipeline(
         f"stage predicted largest ({largest}), XLA's its program sizes combined as "
         "automap._verify._stages says and what run.memory holds besides",
     ]
+    if overlapped:
+        notes.append(_overlap_note(overlapped))
     if extra:
         notes.append(
             "the runtime also combines microbatches in programs of its own "
@@ -237,6 +263,7 @@ def _verify_pipeline(
         stage_memory_bytes=memory,
         stage_flops=flops,
         target=target,
+        xla_overlapped_bytes=overlapped,
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):

@@ -158,7 +158,7 @@ def axis_of(kind: str, groups: tuple[tuple[int, ...], ...], mesh: Mapping[str, i
     return "+".join(name for name, v in zip(names, varying, strict=True) if v)
 
 
-def _split(line: str) -> tuple[str, str, str, str] | None:
+def split_instruction(line: str) -> tuple[str, str, str, str] | None:
     """(name, shape, opcode, rest) of an instruction line, or None for other lines."""
     m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
     if not m:
@@ -179,25 +179,30 @@ def _split(line: str) -> tuple[str, str, str, str] | None:
     return m.group(1), shape, op.group(1), rest[op.end() :]
 
 
-def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
-    """Every collective of a compiled HLO module, with its bytes and device groups.
+Instruction = tuple[str, str, str, str, str]  # name, shape, opcode, rest, line
 
-    A collective inside a while loop with a known trip count counts that many times (an
-    unknown trip count counts once). Every branch of a conditional counts once, as if all
-    ran: training steps seldom branch, and an upper bound is the safer error for a check.
-    """
-    if num_devices is None:
-        m = re.search(r"num_partitions=(\d+)", hlo_text)
-        num_devices = int(m.group(1)) if m else 1
-    comps: dict[str, list[tuple[str, str, str, str, str]]] = {}
+
+def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Each computation's instructions in printed order (a scheduled module prints its
+    schedule), and the ENTRY computation's name."""
+    comps: dict[str, list[Instruction]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
         if h := _COMP_HEADER.match(line):
             current = h.group(2)
             comps[current] = []
             entry = current if h.group(1) else entry
-        elif current is not None and (parts := _split(line)):
+        elif current is not None and (parts := split_instruction(line)):
             comps[current].append((*parts, line))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
+    return comps, entry
+
+
+def call_counts(comps: Mapping[str, list[Instruction]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per step: a while body its known trip count
+    (an unknown one once), every branch of a conditional once, an async pair's body once
+    (from its -start)."""
     mult: dict[str, int] = dict.fromkeys(comps, 0)
 
     def visit(comp: str, times: int) -> None:
@@ -211,9 +216,22 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                     if c in comps:
                         visit(c, times * (int(trip.group(1)) if trip and role == "body" else 1))
 
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text: pass compiled.as_text()")
     visit(entry, 1)
+    return mult
+
+
+def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
+    """Every collective of a compiled HLO module, with its bytes and device groups.
+
+    A collective inside a while loop with a known trip count counts that many times (an
+    unknown trip count counts once). Every branch of a conditional counts once, as if all
+    ran: training steps seldom branch, and an upper bound is the safer error for a check.
+    """
+    if num_devices is None:
+        m = re.search(r"num_partitions=(\d+)", hlo_text)
+        num_devices = int(m.group(1)) if m else 1
+    comps, entry = computations(hlo_text)
+    mult = call_counts(comps, entry)
     out: list[HloCollective] = []
     scattered = _reduce_scatter_fusions(comps)
     for comp, instrs in comps.items():

@@ -54,6 +54,9 @@ class VerifyReport:
     # The GPU ("a100", "h100") or TPU topology ("v5p:4x4x4") the plan was compiled for
     # without one; None: a CPU mesh.
     target: str | None = None
+    # Bytes per "kind@axis" of the collectives XLA's schedule overlaps with compute (some
+    # compute between their start and done, `_schedule.py`); the cost model overlaps none.
+    xla_overlapped_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         mesh = " × ".join(f"{k}={v}" for k, v in self.mesh.items()) or "one device"

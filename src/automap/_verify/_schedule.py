@@ -1,0 +1,187 @@
+"""Read a compiled program's schedule: which collectives XLA runs asynchronously, and what
+compute it scheduled to run while each one is in flight.
+
+A scheduled HLO module (`is_scheduled=true`, what `compiled.as_text()` prints) lists each
+computation's instructions in the order they run. An asynchronous collective is a pair,
+`all-gather-start` ... `all-gather-done` (or a generic `async-start` / `async-done` whose
+called computation holds the collective); whatever compute sits between the two runs
+while the collective moves its bytes, so only the part of the collective's time that
+outlasts that compute is on the critical path. A collective printed as one instruction
+(`all-reduce(...)`) runs synchronously: nothing overlaps it.
+
+What was read with this (issue 27, item 5; jax 0.10.2, a 2-layer GPT at hidden 256,
+ZeRO-3 over 4 v5p chips or 8 A100s, `tests/test_schedule.py`):
+
+- XLA's TPU compiler (libtpu 0.0.42.1, compile-only, default flags) printed every
+  collective synchronous: no start/done pair, nothing overlapped. With MaxText's
+  `LIBTPU_INIT_ARGS` (`--xla_tpu_enable_async_collective_fusion=true`, ...) it instead
+  fuses collectives into compute fusions (`async_collective_fusion_config`), a form this
+  reader does not parse yet.
+- XLA's GPU compiler (compile-only A100s) makes every collective a start/done pair, but
+  its default scheduler puts most dones right after their starts: compute sat inside
+  pairs holding 56% of the gathers' bytes and 38% of the reduce-scatters', mostly
+  elementwise; matmuls inside two pairs only, 0.20 GFLOP of the step's 2.85 per device.
+  With the latency-hiding scheduler (`xla_gpu_enable_latency_hiding_scheduler`) 33% and
+  36% of those bytes, 0.34 GFLOP of matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+from ._hlo import HloCollective, Instruction, axis_of, computations, parse_collectives
+
+# Instructions that move or name data without computing: they hide no collective's time.
+_NOT_COMPUTE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "copy-start",
+        "copy-done",
+        "opt-barrier",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "add-dependency",
+    }
+)
+_MATMUL_OPS = frozenset({"dot", "convolution"})
+_CALLS = re.compile(r"\b(?:calls|to_apply)=(%?[\w.\-]+)")
+_OPERAND = re.compile(r"\s*%?([\w.\-]+)")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of the compiled program and what the schedule runs beside it."""
+
+    collective: HloCollective
+    asynchronous: bool  # a start/done pair (else one synchronous instruction)
+    between: int = 0  # compute instructions scheduled between its start and its done
+    matmuls: int = 0  # of those, matmuls and convolutions (or fusions holding one)
+    flops: float = 0.0  # the dots' FLOPs among them (convolutions and library calls: 0)
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether any compute runs while the collective is in flight."""
+        return self.between > 0
+
+
+def scheduled_collectives(
+    hlo_text: str, num_devices: int | None = None
+) -> list[ScheduledCollective]:
+    """Every collective of a compiled module (`_hlo.parse_collectives`, same names, bytes
+    and counts), with the compute its schedule places between its start and done."""
+    comps, _ = computations(hlo_text)
+    flops = _dot_flops(comps)
+    # Computations holding a matmul: a dot (however deep its fusion nests it) or a
+    # convolution (XLA's TPU writes matmuls as convolutions).
+    with_matmul = {
+        c for c, ins in comps.items() if flops[c] or any(i[2] in _MATMUL_OPS for i in ins)
+    }
+    spans: dict[str, tuple[int, int, float]] = {}
+    for instrs in comps.values():
+        index = {ins[0]: k for k, ins in enumerate(instrs)}
+        shapes = {ins[0]: ins[1] for ins in instrs}
+        for k, (name, _, opcode, rest, _) in enumerate(instrs):
+            start = _OPERAND.match(rest)
+            if not opcode.endswith("-done") or not start or start.group(1) not in index:
+                continue
+            s = index[start.group(1)]
+            work = [ins for ins in instrs[s + 1 : k] if _computes(ins)]
+            span = (
+                len(work),
+                sum(_is_matmul(ins, with_matmul) for ins in work),
+                sum(
+                    _own_flops(ins, shapes) + sum(flops[c] for c in _callees(ins, comps))
+                    for ins in work
+                ),
+            )
+            spans[name] = span  # `kind-done`: parse_collectives names the pair by it
+            for callee in _callees(instrs[s], comps):  # `async-start`: by what it calls
+                for inner in comps[callee]:
+                    spans[inner[0]] = span
+    return [
+        ScheduledCollective(c, c.name in spans, *spans.get(c.name, (0, 0, 0.0)))
+        for c in parse_collectives(hlo_text, num_devices)
+    ]
+
+
+def overlapped_bytes(
+    scheduled: Iterable[ScheduledCollective], mesh: Mapping[str, int]
+) -> dict[str, tuple[float, float]]:
+    """Per "kind@axis" (`_hlo.comm_bytes`' keys): (bytes of the collectives some compute
+    overlaps, all bytes), summed over every occurrence; no-op collectives dropped."""
+    out: dict[str, tuple[float, float]] = {}
+    for s in scheduled:
+        c = s.collective
+        axis = axis_of(c.kind, c.groups, mesh)
+        if not axis:
+            continue
+        key = f"{c.kind}@{axis}"
+        hidden, total = out.get(key, (0.0, 0.0))
+        nbytes = c.bytes * c.count
+        out[key] = (hidden + (nbytes if s.overlapped else 0.0), total + nbytes)
+    return out
+
+
+def _computes(ins: Instruction) -> bool:
+    opcode = ins[2]
+    return not (opcode in _NOT_COMPUTE or opcode.endswith("-start") or opcode.endswith("-done"))
+
+
+def _is_matmul(ins: Instruction, with_matmul: set[str]) -> bool:
+    """A dot or convolution, a fusion calling one, or a library GEMM / convolution."""
+    _, _, opcode, _, line = ins
+    if opcode in _MATMUL_OPS:
+        return True
+    if opcode == "custom-call":
+        return bool(re.search(r'custom_call_target="[^"]*(gemm|cublas|conv)', line, re.I))
+    return any(c.lstrip("%") in with_matmul for c in _CALLS.findall(line))
+
+
+def _callees(ins: Instruction, comps: Mapping[str, list[Instruction]]) -> list[str]:
+    return [c.lstrip("%") for c in _CALLS.findall(ins[4]) if c.lstrip("%") in comps]
+
+
+def _dot_flops(comps: Mapping[str, list[Instruction]]) -> dict[str, float]:
+    """Per computation, the FLOPs of the dots it holds, those of the computations it
+    calls included (each once: a loop body's trips are not counted)."""
+    memo: dict[str, float] = {}
+
+    def of(comp: str) -> float:
+        if comp not in memo:
+            memo[comp] = 0.0  # a guard against a cycle; HLO has none
+            shapes = {ins[0]: ins[1] for ins in comps[comp]}
+            memo[comp] = sum(
+                _own_flops(ins, shapes) + sum(of(c) for c in _callees(ins, comps))
+                for ins in comps[comp]
+            )
+        return memo[comp]
+
+    for c in comps:
+        of(c)
+    return memo
+
+
+def _own_flops(ins: Instruction, shapes: Mapping[str, str]) -> float:
+    """A dot's FLOPs: 2 x its result's elements x the contracted size of its lhs."""
+    _, shape, opcode, rest, line = ins
+    if opcode != "dot":
+        return 0.0
+    lhs = _OPERAND.match(rest)
+    dims = _dims(shapes.get(lhs.group(1), "")) if lhs else []
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+    k = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+    return 2.0 * math.prod(_dims(shape)) * k
+
+
+def _dims(shape: str) -> list[int]:
+    m = _DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []

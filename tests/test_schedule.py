@@ -1,0 +1,144 @@
+"""The compiled schedule: which collectives XLA overlaps with compute (`_verify/_schedule.py`),
+held against the cost model, which charges every collective in full on the critical path
+(issue 27, item 5)."""
+
+import jax
+import pytest
+
+import automap as am
+from automap._verify import compile_plan, overlapped_bytes, scheduled_collectives, verify
+from automap._zoo import get_model
+
+# A scheduled module as XLA prints one: a gather whose start and done enclose a matmul
+# fusion, a reduce-scatter wrapped in a generic async pair with an elementwise fusion
+# between, a gather whose done follows its start at once, and a synchronous all-reduce.
+_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%matmul (p0: f32[8,16], p1: f32[16,16]) -> f32[8,16] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%scale (q0: f32[8,16]) -> f32[8,16] {
+  %q0 = f32[8,16]{1,0} parameter(0)
+  ROOT %mul.1 = f32[8,16]{1,0} multiply(%q0, %q0)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%rs_body (r0: f32[16,16]) -> f32[4,16] {
+  %r0 = f32[16,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.1 = f32[4,16]{1,0} reduce-scatter(%r0), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: f32[8,16], w: f32[4,16], g: f32[16,16]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[4,16]{1,0} parameter(1)
+  %g = f32[16,16]{1,0} parameter(2)
+  %all-gather-start.1 = (f32[4,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%w), replica_groups={{0,1,2,3}}, dimensions={0}
+  %fusion.1 = f32[8,16]{1,0} fusion(%x, %g), kind=kCustom, calls=%matmul
+  %all-gather-done.1 = f32[16,16]{1,0} all-gather-done(%all-gather-start.1)
+  %async-start.1 = ((f32[16,16]{1,0}), f32[4,16]{1,0}) async-start(%g), calls=%rs_body
+  %fusion.2 = f32[8,16]{1,0} fusion(%fusion.1), kind=kLoop, calls=%scale
+  %async-done.1 = f32[4,16]{1,0} async-done(%async-start.1)
+  %all-gather-start.2 = (f32[4,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%async-done.1), replica_groups={{0,1,2,3}}, dimensions={0}
+  %all-gather-done.2 = f32[16,16]{1,0} all-gather-done(%all-gather-start.2)
+  %all-reduce.1 = f32[8,16]{1,0} all-reduce(%fusion.2), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %fusion.3 = f32[8,16]{1,0} fusion(%all-reduce.1, %all-gather-done.1), kind=kCustom, calls=%matmul
+}
+"""
+
+
+def test_the_schedule_says_what_runs_while_each_collective_is_in_flight():
+    by_name = {s.collective.name: s for s in scheduled_collectives(_HLO)}
+    assert set(by_name) == {"all-gather-done.1", "reduce-scatter.1", "all-gather-done.2",
+                            "all-reduce.1"}  # fmt: skip
+    gather = by_name["all-gather-done.1"]
+    assert (gather.asynchronous, gather.between, gather.matmuls) == (True, 1, 1)
+    assert gather.flops == 2 * 8 * 16 * 16  # the [8,16] x [16,16] dot in the fusion
+    wrapped = by_name["reduce-scatter.1"]  # named by the collective its async pair calls
+    assert (wrapped.asynchronous, wrapped.between, wrapped.matmuls) == (True, 1, 0)
+    assert wrapped.flops == 0
+    assert wrapped.overlapped
+    idle = by_name["all-gather-done.2"]
+    assert idle.asynchronous and not idle.overlapped
+    sync = by_name["all-reduce.1"]
+    assert not sync.asynchronous and not sync.overlapped
+    hidden = overlapped_bytes(by_name.values(), {"data": 4})
+    assert hidden == {
+        "all-gather@data": (16 * 16 * 4, 2 * 16 * 16 * 4),
+        "reduce-scatter@data": (16 * 16 * 4, 16 * 16 * 4),
+        "all-reduce@data": (0.0, 8 * 16 * 4),
+    }
+
+
+def _fsdp_gpt():
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=4, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+
+
+@pytest.mark.slow  # compiled for 4 v5p chips: ~15 s on two loaded cores
+@pytest.mark.tpu_compile
+def test_a_tpu_runs_every_collective_of_an_fsdp_step_on_the_critical_path():
+    # ZeRO-3 (FSDP, layer by layer) over a v5p 2x2x1 slice: XLA's TPU compiler, at its
+    # default flags, runs every gather and reduce-scatter synchronously (no start/done
+    # pair), so no compute hides any; the cost model charges each collective in full.
+    step, args = _fsdp_gpt()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=3), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    # (XLA's TPU keeps the forward's gathers for the backward: fewer gather bytes than
+    # priced, a gap DESIGN.md's "TPU slices" states; the schedule is what is held here.)
+    assert report.xla_comm_bytes["all-gather@data"] > 1e6
+    assert report.xla_comm_bytes["reduce-scatter@data"] > 1e6
+    assert report.xla_overlapped_bytes == {}  # what verify read from the schedule
+    cost = am.estimate(step, *args, plan=plan, cluster=v5p)
+    assert cost.comm_s == pytest.approx(sum(c.time_s for c in cost.collectives), rel=1e-9)
+    assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s, rel=1e-9)
+
+
+@pytest.mark.slow  # compiled for 8 A100s: ~20 s on two loaded cores
+@pytest.mark.gpu_compile
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA's GPU scheduler places compute between the start and done of about half "
+    "of an FSDP step's gather bytes (little of it matmuls); the cost model charges every "
+    "collective in full (issue 27 item 5: pricing the overlap, estimate and ILP alike, "
+    "is not built)",
+)
+def test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices():
+    step, args = _fsdp_gpt()
+    a100 = am.Cluster.preset("a100", 8)
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8, zero=3), cluster=a100)
+    _, compiled = compile_plan(step, plan, args, target="a100")
+    scheduled = scheduled_collectives(compiled.as_text())
+    assert all(s.asynchronous for s in scheduled)  # XLA's GPU: every collective a pair
+    hidden = overlapped_bytes(scheduled, plan.mesh)
+    # The model's overlapped set is empty: it holds only where the compiled one is too.
+    assert all(overlapped == 0.0 for overlapped, _ in hidden.values()), hidden
+
+
+@pytest.mark.slow  # a two-stage pipeline's programs compiled for 8 A100s: ~100 s
+@pytest.mark.gpu_compile
+def test_verify_reads_each_pipeline_programs_schedule_per_stage():
+    # FSDP in two stages: each program a stage runs is compiled for A100s, and what its
+    # schedule overlaps is summed per stage like its collectives (times its runs).
+    step, args = _fsdp_gpt()
+    a100 = am.Cluster.preset("a100", 8)
+    recipe = am.Recipe(pp=2, dp=4, zero=3, microbatches=2)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=a100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    overlapped = report.xla_overlapped_bytes
+    assert overlapped  # XLA's GPU scheduler runs compute inside some of a stage's gathers
+    for key, nbytes in overlapped.items():
+        assert key.endswith(")") and "(stage " in key
+        assert 0 < nbytes <= report.xla_comm_bytes[key]
+    assert any("charges every collective in full" in n for n in report.notes)
