@@ -99,6 +99,7 @@ from ._terms import (
     moments_held,
     step_moments,
 )
+from ._tiles import TileTable, tile_shares, tile_table
 from ._zero import regather_coefs
 
 _log = logging.getLogger("automap")
@@ -407,7 +408,14 @@ class CostModel:
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = self._costs_for(mesh).sizes[d] if d else 1.0
         free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
-        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches), d
+        tiles = None
+        if self.cluster.lowering.tile_padding:
+            tiles = tile_shares(self._tile_table, st.codes, self._costs_for(mesh).sizes, d)
+        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles), d
+
+    @functools.cached_property
+    def _tile_table(self) -> TileTable:
+        return tile_table(self.graph, self.groups, self.tables.splittable, len(self.tables.sets))
 
     def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False, split=None) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
