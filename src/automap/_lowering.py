@@ -111,9 +111,10 @@ class Lowering:
     tile_padding: bool = False
     """Whether every array takes whole tiles of the device's memory, its minor two
     dimensions padded to (8, 128) (fewer rows where small; `_cost/_tiles.py`). XLA's TPU
-    layouts do; GPU and CPU buffers hold their bytes. Found on compile-only v5p chips (a
-    64-wide GPT's buffers priced at 0.09-0.47x their buffer assignment); held by
-    tests/test_tiles.py."""
+    layouts do; GPU and CPU buffers hold their bytes. Found in ce6da51 on compile-only v5p
+    chips (the 64-wide zoo models' state priced at 0.46-0.99x of XLA's arguments, now
+    equal); held by tests/test_tiles.py and
+    tests/test_verify_tpu.py::test_a_tpu_holds_its_state_in_tiles_as_priced."""
 
     # ---- presets ----------------------------------------------------------------------
 
