@@ -22,7 +22,6 @@ cluster's lowering pads (`Lowering.tile_padding`: TPUs).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import numpy as np
 
@@ -47,23 +46,22 @@ def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 
 def _tiled(dims: np.ndarray, rank: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
     """[T] bytes of arrays of local `dims` ([T, R], 1 past their rank), each in the layout
-    that pads it least: every (minor, second-minor) pair of its dims tried."""
-    pack = np.maximum(ROW_BYTES // itemsize, 1)
+    that pads it least: the (minor, second-minor) pair of its dims whose lane and row
+    padding multiply to the least."""
+    pack = np.maximum(ROW_BYTES // itemsize, 1)[:, None]
+    d = np.maximum(dims, 1)
     # 1-D: tiles of the least power of two holding it, in [128 x packing, 1024] elements.
-    n = dims[:, 0]
-    tile = np.clip(2 ** np.ceil(np.log2(np.maximum(n, 1))), LEAST_1D * pack, MOST_1D)
-    tile = np.maximum(tile, LEAST_1D * pack)
-    best = np.where(rank <= 1, np.ceil(n / tile) * tile, np.inf)
-    total = dims.prod(axis=1)
-    for minor, second in itertools.permutations(range(dims.shape[1]), 2):
-        ok = (rank >= 2) & (minor < rank) & (second < rank)
-        m, s = dims[:, minor], dims[:, second]
-        lanes = np.ceil(m / LANES) * LANES
-        rows_tile = np.clip(2 ** np.ceil(np.log2(np.maximum(s, 1))), pack, ROWS)
-        rows = np.ceil(s / rows_tile) * rows_tile
-        laid = total / (m * s) * lanes * rows
-        best = np.where(ok, np.minimum(best, laid), best)
-    return best * itemsize
+    n = d[:, :1]
+    tile = np.clip(2 ** np.ceil(np.log2(n)), LEAST_1D * pack, MOST_1D)
+    flat = (np.ceil(n / tile) * tile)[:, 0]
+    real = np.arange(d.shape[1])[None, :] < rank[:, None]
+    lanes = np.where(real, np.ceil(d / LANES) * LANES / d, np.inf)
+    rows_tile = np.clip(2 ** np.ceil(np.log2(d)), pack, ROWS)
+    rows = np.where(real, np.ceil(d / rows_tile) * rows_tile / d, np.inf)
+    pad = lanes[:, :, None] * rows[:, None, :]  # [T, minor, second-minor]
+    pad[:, np.arange(d.shape[1]), np.arange(d.shape[1])] = np.inf
+    laid = d.prod(axis=1) * pad.min(axis=(1, 2), initial=np.inf)
+    return np.where(rank <= 1, flat, laid) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +109,8 @@ class TileShares:
 
 def tile_shares(table: TileTable, codes: np.ndarray, sizes: np.ndarray, data: int) -> TileShares:
     """`TileShares` of the plan whose groups take the mesh axes `codes` (0: none; `sizes`
-    per code) with the data axis' code `data` (0: none), each array's dims divided as
-    `_kernel.set_axes` divides its set (an axis once per array) and a ZeRO shard's one
+    per code) with ZeRO's data axis' code `data` (0: no ZeRO), each array's dims divided
+    as `_kernel.set_axes` divides its set (an axis once per array) and a ZeRO shard's one
     more dim as `_groups.zero_spec` picks it."""
     local = _local(table, codes, sizes)
     shards = _tiled(local, table.rank, table.itemsize)
