@@ -55,13 +55,18 @@ With `--target v5p:2x2x2` (or another TPU topology of 8 devices) the plans are c
 XLA's TPU compiler through libtpu (`automap._verify._tpu`, the `tpu-compile` extra), priced
 on the tpu-v5p preset on that slice. At c056793 (seed 0, `--plans 4 --models mlp gpt
 bert`, 4 min): collectives matched on 4 of 12 plans, memory within 15% on 0 of 12
-(0.08-0.47x), FLOPs on 12 of 12. These models are 64 wide: XLA's TPU compiler pads every
-dimension to its (8, 128) tile (several MiB of temporaries on 1-5 MiB priced) and
-all-reduces whole each gradient whose shard is under a 128-lane tile where ZeRO
-reduce-scatters it (the 5 ZeRO plans of the 8 that mismatch); neither is priced yet. The
-other 3 (two tensor-parallel mlp plans: small all-gathers on "model"; a gpt at data 2 x
-model 4: its data all-reduce 6% under the priced) are not yet examined. At 256 wide
-(tests/test_verify_tpu.py) tensor, data and ZeRO-1 plans and a pipeline match.
+(0.08-0.47x), FLOPs on 12 of 12. With arrays priced in XLA's TPU tiles
+(`Lowering.tpu()`, `automap._cost._tiles`), at ce6da51, the same draw: memory 1 of 12
+(0.14-0.92x), collectives 4 of 12, FLOPs 12 of 12; the priced parameters + optimizer state
++ batch now equal XLA's arguments on all 12 plans (0.46-0.99x before). What is left is
+XLA's temporaries, 1.1-11.7x the priced gradients + activations on these 64-wide models,
+and not understood (docs/DESIGN.md, "TPU slices": `temp_size_in_bytes` is not the step's
+live temporaries, the buffer assignment packs them at 16 KiB offsets, and
+`peak_memory_in_bytes` is 0.44-1.27x the priced total). The 8 collective mismatches: XLA
+all-reduces whole some ZeRO gradients the cost model reduce-scatters (1-D arrays always,
+the rest by size and group: DESIGN.md), and three tensor-parallel plans' small all-gathers
+and collective-permutes, not examined. At 256 wide (tests/test_verify_tpu.py) tensor,
+data and ZeRO-1 plans and a pipeline match.
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two
 third-party families written as their users write them: a Flax (linen) transformer

@@ -60,17 +60,22 @@ def test_bad_cluster_files(tmp_path):
 
 
 def test_a_cluster_carries_its_compilers_lowering():
-    # Every GPU and TPU preset compiles as XLA's GPU pipeline does, the cpu preset as its
-    # CPU pipeline: one object, each switch off on the CPU.
-    for name in ("v100", "a100", "h100", "h200", "tpu-v4"):
+    # Every GPU preset compiles as XLA's GPU pipeline does, every TPU preset as its TPU
+    # pipeline (the GPU's, its arrays in tiles), the cpu preset as its CPU pipeline: one
+    # object, each switch off on the CPU.
+    for name in ("v100", "a100", "h100", "h200"):
         assert am.Cluster.preset(name).lowering == am.Lowering.gpu()
+    tpu = dataclasses.replace(am.Lowering.gpu(), tile_padding=True)
+    for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
+        assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
+    assert am.Lowering.preset("TPU") == tpu
     cpu = am.Cluster.preset("cpu").lowering
     assert cpu == am.Lowering.preset("cpu") != am.Lowering.gpu()
     assert cpu.collective_float_bytes == 4
     numbers = {"collective_float_bytes", "all_reduce_combine_bytes"}
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
-    assert all(getattr(am.Lowering.gpu(), flag) for flag in am.Lowering.switches())
+    assert all(getattr(tpu, flag) for flag in am.Lowering.switches())
     what_if = am.Cluster.preset("a100").with_lowering(reduce_scatter=False)
     assert what_if.lowering == dataclasses.replace(am.Lowering.gpu(), reduce_scatter=False)
     with pytest.raises(am.ClusterError, match=r"unknown lowering field\(s\) \['fuses'\]"):
@@ -110,7 +115,7 @@ def test_cluster_files_name_the_lowering_or_give_its_fields(tmp_path):
     custom = am.Cluster.preset("cpu").with_lowering(remakes_residuals=True)
     json_file.write_text(json.dumps(custom.to_dict()))
     assert am.Cluster.from_file(json_file) == custom
-    with pytest.raises(am.ClusterError, match="lowering must be one of gpu, cpu"):
+    with pytest.raises(am.ClusterError, match="lowering must be one of gpu, tpu, cpu"):
         load("preset: a100\nlowering: 3\n")
     with pytest.raises(am.ClusterError, match=r"collective_float_bytes must be an integer"):
         load("preset: a100\nlowering: {collective_float_bytes: 2.5}\n")

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import automap as am
 from automap import ApplyError
 from automap._cli import app
-from automap._cost import axis_links
+from automap._cost import CostModel, axis_links
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
@@ -124,3 +124,21 @@ def test_automap_verify_compiles_for_a_tpu(tmp_path, monkeypatch):
     assert report["xla_memory_bytes"] > 0 and report["target"] == "v5e:4x4"
     out = CliRunner().invoke(app, ["verify", str(path), "--target", "v5p:2x2x1", "--json"])
     assert out.exit_code != 0 and "TPU topology v5p:2x2x1 has 4" in out.output
+
+
+def test_a_tpu_holds_its_state_in_tiles_as_priced():
+    # A 64-wide MLP at data 2 x model 4: XLA's TPU compiler lays each
+    # shard in (8, 128) tiles and its buffer assignment's arguments (the parameters,
+    # optimizer state and batch a chip holds) are what the cost model prices in tiles
+    # (`_cost/_tiles.py`), not the shards' bytes.
+    spec = get_model("mlp", hidden=64)
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=2, tp=4), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    held = report.xla_memory_breakdown["arguments"]
+    parts = report.predicted_memory_breakdown
+    assert parts["params"] + parts["opt_state"] + parts["other"] == pytest.approx(held, rel=0.01)
+    bytes_only = CostModel(am.capture(step, *args), v5p.with_lowering(tile_padding=False))
+    plain = bytes_only.estimate(plan).memory_breakdown
+    assert plain["params"] + plain["opt_state"] + plain["other"] < 0.6 * held

@@ -72,8 +72,8 @@ class Cluster:
     slices: int = 1
     """TPUs: slices joined by the data-centre network (`inter_bandwidth` per chip)."""
     lowering: Lowering = dataclasses.field(default_factory=Lowering.gpu)
-    """How XLA compiles for these devices (`Lowering`): the GPU pipeline's on every GPU and
-    TPU preset, the CPU's on `cpu`. A cluster file names it (`lowering: cpu`), gives its
+    """How XLA compiles for these devices (`Lowering`): the GPU pipeline's on every GPU
+    preset, the TPU's on the TPU ones, the CPU's on `cpu`. A cluster file names it (`lowering: cpu`), gives its
     fields (`lowering: {reduce_scatter: false}`), or, as files before it did, gives those
     fields at the top level."""
 
@@ -473,8 +473,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # bidirectional ICI bandwidth, split evenly over its ports and two directions into
     # `ici_link_bandwidth` (per link, per direction). `intra_bandwidth`, what a flat axis
     # without a torus is priced at, is a ring over one torus dimension: both directions
-    # of one link. Compiled as a GPU is (`Lowering.gpu()`) until a TPU lowering is
-    # measured (`_verify/_tpu.py` compiles for these without a TPU).
+    # of one link. Compiled by XLA's TPU pipeline (`Lowering.tpu()`: the GPU's rewrites,
+    # arrays in tiles), as `_verify/_tpu.py` compiles for these without a TPU.
     #
     # v4: 275 TFLOP/s, 32 GiB at 1200 GB/s, 3-D torus, 6 ports. Google's v4 page gives no
     # ICI figure; 45 GB/s per link and direction is "How to Scale Your Model" (the JAX
@@ -490,6 +490,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 45 * GB,
         inter_bandwidth=25 * GB,
         devices_per_node=4096,
+        lowering=Lowering.tpu(),
     ),
     # v5e: 197 TFLOP/s, 16 GB at 819 GB/s, 2-D torus, 4 ports, 400 GB/s bidirectional ICI
     # per chip (50 GB/s per link and direction); DCN 6.4 Tbps per 256-chip pod, 2 x 100
@@ -503,6 +504,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 50 * GB,
         inter_bandwidth=2 * 100e9 / 8 / 8,
         devices_per_node=256,
+        lowering=Lowering.tpu(),
     ),
     # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 3-D torus, 6 ports, 1200 GB/s bidirectional
     # ICI per chip (100 GB/s per link and direction); DCN 50 Gbps per chip.
@@ -515,6 +517,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 100 * GB,
         inter_bandwidth=50e9 / 8,
         devices_per_node=8960,
+        lowering=Lowering.tpu(),
     ),
     # v6e (Trillium): 918 TFLOP/s, 32 GB at 1638 GB/s, 2-D torus, 4 ports, 800 GB/s
     # bidirectional ICI per chip (100 GB/s per link and direction); DCN: 8 chips per host,
@@ -528,6 +531,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 100 * GB,
         inter_bandwidth=2 * 100e9 / 8 / 8,
         devices_per_node=256,
+        lowering=Lowering.tpu(),
     ),
     # The local CPU (virtual devices): modest figures, recalibrate with `automap calibrate`.
     "cpu": dict(

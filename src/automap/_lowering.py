@@ -9,7 +9,8 @@ HLO, or the buffer assignment of programs compiled for an A100 without one,
 `_verify/_gpu.py`): the commit that found it and the test that holds it are named.
 
 The fields move together, one backend at a time: a `Cluster` carries one `Lowering`
-(`Lowering.gpu()` on every GPU and TPU preset, `Lowering.cpu()` on the `cpu` preset), and
+(`Lowering.gpu()` on every GPU preset, `Lowering.tpu()` on the TPU ones, `Lowering.cpu()` on
+the `cpu` preset), and
 verify, which compiles on a CPU mesh, prices a GPU cluster's plan with `Lowering.cpu()`.
 Setting one field alone is a what-if (a test that asks what a rule is worth).
 """
@@ -26,8 +27,8 @@ class Lowering:
     """What XLA's compiler does to a step on one backend, as the cost model prices it.
 
     The defaults are XLA's GPU pipeline (`Lowering.gpu()`); `Lowering.cpu()` is its CPU
-    one. XLA's TPU pipeline shares the GPU's collective rewrites (reduce-scatter creation,
-    all-reduce folding) and is priced as a GPU until a `Lowering.tpu()` is measured.
+    one. XLA's TPU pipeline (`Lowering.tpu()`) shares the GPU's collective rewrites
+    (reduce-scatter creation, all-reduce folding) and lays its arrays out in tiles.
     """
 
     collective_float_bytes: int = 0
@@ -107,6 +108,13 @@ class Lowering:
     (`_cost/_model.reduction_copy`; read only where `frees_at_last_use`). Found in 3aaff1f;
     held by test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes
     (tests/test_verify.py)."""
+    tile_padding: bool = False
+    """Whether every array takes whole tiles of the device's memory, its minor two
+    dimensions padded to (8, 128) (fewer rows where small; `_cost/_tiles.py`). XLA's TPU
+    layouts do; GPU and CPU buffers hold their bytes. Found in ce6da51 on compile-only v5p
+    chips (the 64-wide zoo models' state priced at 0.46-0.99x of XLA's arguments, now
+    equal); held by tests/test_tiles.py and
+    tests/test_verify_tpu.py::test_a_tpu_holds_its_state_in_tiles_as_priced."""
 
     # ---- presets ----------------------------------------------------------------------
 
@@ -114,6 +122,12 @@ class Lowering:
     def gpu(cls) -> Lowering:
         """XLA's GPU pipeline (every GPU preset; TPUs until measured)."""
         return cls()
+
+    @classmethod
+    def tpu(cls) -> Lowering:
+        """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites and
+        scheduling, its arrays laid out in tiles."""
+        return cls(tile_padding=True)
 
     @classmethod
     def cpu(cls) -> Lowering:
@@ -136,7 +150,7 @@ class Lowering:
 
     @classmethod
     def preset(cls, name: str) -> Lowering:
-        """The lowering named `name` ("gpu", "cpu"), as a cluster file's `lowering:` names it."""
+        """The lowering named `name` ("gpu", "tpu", "cpu"), as a cluster file's `lowering:` names it."""
         key = str(name).lower()
         if key not in _NAMED:
             raise ClusterError(
@@ -155,4 +169,4 @@ class Lowering:
         return tuple(f.name for f in dataclasses.fields(Lowering) if f.type == "bool")
 
 
-_NAMED = {"gpu": Lowering.gpu, "cpu": Lowering.cpu}
+_NAMED = {"gpu": Lowering.gpu, "tpu": Lowering.tpu, "cpu": Lowering.cpu}

@@ -37,6 +37,7 @@ from ._terms import early_outputs as early_outputs
 from ._terms import gathers as gathers
 from ._terms import memory_terms as memory_terms
 from ._terms import moments_held as moments_held
+from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
 from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

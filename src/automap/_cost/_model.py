@@ -101,6 +101,7 @@ from ._terms import (
     moments_held,
     step_moments,
 )
+from ._tiles import TileShares, TileTable, tile_shares, tile_table
 from ._zero import regather_coefs
 
 _log = logging.getLogger("automap")
@@ -142,6 +143,7 @@ class CostModel:
         self._param_bytes = float(self.tables.param_coef.sum())
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
         self._split_cache: dict[tuple[frozenset[int], bool], SplitMemory] = {}
+        self._tile_cache: dict[tuple, TileShares] = {}
 
     # ---- public -----------------------------------------------------------------------
 
@@ -409,7 +411,25 @@ class CostModel:
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = self._costs_for(mesh).sizes[d] if d else 1.0
         free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
-        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches), d
+        tiles = None
+        if self.cluster.lowering.tile_padding:
+            tiles = self._tiles(st.codes, mesh, d if zero_stage >= 1 and D > 1 else 0)
+        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles), d
+
+    def _tiles(self, codes: np.ndarray, mesh: Mapping[str, int], zero_axis: int) -> TileShares:
+        """`_tiles.tile_shares` of a layout, once per layout (searchers revisit them)."""
+        key = (codes.tobytes(), tuple(mesh.items()), zero_axis)
+        hit = self._tile_cache.get(key)
+        if hit is None:
+            sizes = self._costs_for(mesh).sizes
+            hit = tile_shares(self._tile_table, codes, sizes, zero_axis)
+            if len(self._tile_cache) < 4096:
+                self._tile_cache[key] = hit
+        return hit
+
+    @functools.cached_property
+    def _tile_table(self) -> TileTable:
+        return tile_table(self.graph, self.groups, self.tables.splittable, len(self.tables.sets))
 
     def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False, split=None) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the

@@ -30,6 +30,7 @@ import numpy as np
 from ._liveness import Moments
 from ._outputs import held_bytes
 from ._peaks import moment_bytes
+from ._tiles import TileShares
 from ._zero import Gathers, RegatherCoefs, zero_gathers
 
 
@@ -110,6 +111,9 @@ class Layout:
     zero_stage: int = 0
     remat: bool = False
     microbatches: int = 1
+    # Where the backend lays arrays in tiles (`Lowering.tile_padding`), the bytes each
+    # set's arrays take per byte of their shards in this layout (`_tiles.tile_shares`).
+    tiles: TileShares | None = None
 
     @property
     def zero(self) -> bool:
@@ -161,8 +165,11 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     the layers' inputs, the residuals made outside them, one layer's) per microbatch,
     less the forward's gathered copies ZeRO-3 makes again in the backward (or, under
     remat, in the recompute)."""
-    plain = c.memory @ L.inv
-    zeroed = c.memory[:2] @ L.zinv if L.zero else plain
+    tiled = c.memory if L.tiles is None else c.memory * L.tiles.memory
+    plain = tiled @ L.inv
+    zeroed = plain
+    if L.zero:
+        zeroed = (c.memory[:2] if L.tiles is None else c.memory[:2] * L.tiles.zero) @ L.zinv
     acts = (plain[3] if L.remat else plain[2]) / L.microbatches
     if L.regathers:
         acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
@@ -206,7 +213,8 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
     if moments.outputs is not None:
         made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage)
     gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
-    return moment_bytes(moments, L.inv, reduced, gathered, L.microbatches, copies, made)
+    inv = L.inv if L.tiles is None else L.inv * L.tiles.made
+    return moment_bytes(moments, inv, reduced, gathered, L.microbatches, copies, made)
 
 
 def early_outputs(c: SetCoefs, L: Layout):

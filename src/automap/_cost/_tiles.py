@@ -1,0 +1,162 @@
+"""Tile padding: the bytes an array holds in XLA's TPU layouts, per plan.
+
+XLA's TPU compiler lays every array out in tiles and a buffer holds whole tiles: the
+minor dimension in lanes of 128 and the second-minor in rows of 8 (of fewer where that
+dimension is small: the least power of two that holds it, never under one 32-bit row of
+packed 16- or 8-bit values), a 1-D array in tiles of 128 to 1024 elements; one tile,
+512 bytes, is the least any array takes. Where the layout is its own to choose it lays
+minor and second-minor the two dimensions that pad least (an argument f32[64, 16] is laid
+{0,1}: its 64 on the lanes). Read from libtpu 0.0.42 (`jax[tpu]` 0.10.2's pin) compiling
+for a v5p slice without one: `memory_analysis()` argument sizes and the HLO's layouts
+(f32[64,16]{0,1:T(8,128)}, bf16[9,128]{1,0:T(8,128)(2,1)}, f32[300]{0:T(512)});
+held by tests/test_tiles.py.
+
+So the bytes a plan holds per device are not its shards' bytes: a 64-wide model's
+matrices take twice theirs whole, and a 4-way shard of one ([64, 16]) four times. The
+cost model's tables sum bytes by group set (`_tables.py`); `tile_shares` says, for one
+plan's layout, how many bytes each set's arrays take per byte of their shards, per
+memory part, which the memory terms multiply (`_terms.memory_terms`). Only where the
+cluster's lowering pads (`Lowering.tile_padding`: TPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._graph import Graph, Role
+from .._groups import Groups
+from ._sets import SetIndex
+
+LANES = 128  # a tile's minor dimension
+ROWS = 8  # a tile's second-minor dimension (its most: small arrays take fewer)
+ROW_BYTES = 4  # a tile row's lane holds 32 bits: 16-bit rows pack in twos, 8-bit in fours
+LEAST_1D, MOST_1D = LANES, 1024  # a 1-D array's tile: a power of two in this range
+
+# The kinds of array a plan's memory parts are made of (`TileTable.kind`).
+PARAM, OPT, OTHER, MADE = range(4)
+
+
+def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes an array of `shape` takes in its least-padded TPU layout."""
+    dims = np.array([list(shape) or [1]], dtype=float)
+    return int(_tiled(dims, np.array([max(len(shape), 1)]), np.array([itemsize]))[0])
+
+
+def _tiled(dims: np.ndarray, rank: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """[T] bytes of arrays of local `dims` ([T, R], 1 past their rank), each in the layout
+    that pads it least: the (minor, second-minor) pair of its dims whose lane and row
+    padding multiply to the least."""
+    pack = np.maximum(ROW_BYTES // itemsize, 1)[:, None]
+    d = np.maximum(dims, 1)
+    # 1-D: tiles of the least power of two holding it, in [128 x packing, 1024] elements.
+    n = d[:, :1]
+    tile = np.clip(2 ** np.ceil(np.log2(n)), LEAST_1D * pack, MOST_1D)
+    flat = (np.ceil(n / tile) * tile)[:, 0]
+    real = np.arange(d.shape[1])[None, :] < rank[:, None]
+    lanes = np.where(real, np.ceil(d / LANES) * LANES / d, np.inf)
+    rows_tile = np.clip(2 ** np.ceil(np.log2(d)), pack, ROWS)
+    rows = np.where(real, np.ceil(d / rows_tile) * rows_tile / d, np.inf)
+    pad = lanes[:, :, None] * rows[:, None, :]  # [T, minor, second-minor]
+    pad[:, np.arange(d.shape[1]), np.arange(d.shape[1])] = np.inf
+    laid = d.prod(axis=1) * pad.min(axis=(1, 2), initial=np.inf)
+    return np.where(rank <= 1, flat, laid) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class TileTable:
+    """Every array of a step, as tile padding needs it (built once per graph)."""
+
+    dims: np.ndarray  # [T, R] sizes, 1 past each array's rank
+    groups: np.ndarray  # [T, R] the group of each dim (the pad group past the rank)
+    rank: np.ndarray  # [T] at least 1 (a scalar is laid as one element)
+    itemsize: np.ndarray  # [T]
+    tset: np.ndarray  # [T] each array's group set (`_sets.py`)
+    kind: np.ndarray  # [T] PARAM, OPT, OTHER (inputs), MADE (the step's own)
+    n_sets: int
+
+
+def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int) -> TileTable:
+    """The `TileTable` of `graph` (`splittable`, `n_sets`: its `Tables`' groups and sets;
+    the tables give the arrays' sets their ids first, in this order)."""
+    index = SetIndex(splittable)
+    tset = [index.of(g) for g in groups.tensor_groups]
+    pad = len(groups.groups)
+    width = max([t.ndim for t in graph.tensors] + [1])
+    dims = np.ones((len(graph.tensors), width))
+    gids = np.full((len(graph.tensors), width), pad, dtype=np.int64)
+    kind = np.full(len(graph.tensors), MADE, dtype=np.int64)
+    roles = {Role.PARAM: PARAM, Role.OPT_STATE: OPT, Role.BATCH: OTHER, Role.OTHER: OTHER}
+    for leaf in graph.inputs:
+        kind[leaf.tensor] = roles.get(leaf.role, OTHER)
+    for i, t in enumerate(graph.tensors):
+        dims[i, : t.ndim] = t.shape
+        gids[i, : t.ndim] = groups.tensor_groups[i][: t.ndim]
+    size = np.array([t.itemsize for t in graph.tensors])
+    rank = np.array([max(t.ndim, 1) for t in graph.tensors])
+    return TileTable(dims, gids, rank, size, np.array(tset), kind, n_sets)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileShares:
+    """Per set, the bytes one plan's arrays take in tiles per byte of their shards."""
+
+    memory: np.ndarray  # [5, sets] the memory rows' (`Tables.memory_coef`)
+    zero: np.ndarray  # [2, sets] parameters' and optimizer state's ZeRO shards'
+    made: np.ndarray  # [sets] the step's own buffers' (activations, gradients)
+
+
+def tile_shares(table: TileTable, codes: np.ndarray, sizes: np.ndarray, data: int) -> TileShares:
+    """`TileShares` of the plan whose groups take the mesh axes `codes` (0: none; `sizes`
+    per code) with ZeRO's data axis' code `data` (0: no ZeRO), each array's dims divided
+    as `_kernel.set_axes` divides its set (an axis once per array) and a ZeRO shard's one
+    more dim as `_groups.zero_spec` picks it."""
+    local = _local(table, codes, sizes)
+    shards = _tiled(local, table.rank, table.itemsize)
+    raw = local.prod(axis=1) * table.itemsize
+    plain = [_ratio(table, shards, raw, k) for k in (PARAM, OPT, MADE, MADE, OTHER)]
+    zero = [plain[0], plain[1]]
+    if data:
+        zlocal = _zero_local(table, local, codes, sizes[data], data)
+        zshards = _tiled(zlocal, table.rank, table.itemsize)
+        # Per byte of the shard the model prices (its set's bytes / the data axis too).
+        whole = np.where((codes[table.groups] == data).any(axis=1), 1.0, sizes[data])
+        zero = [_ratio(table, zshards, raw / whole, k) for k in (PARAM, OPT)]
+    return TileShares(np.stack(plain), np.stack(zero), plain[2])
+
+
+def _local(table: TileTable, codes: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[T, R] each array's shard dims: a dim split by the first dim holding its axis."""
+    code = codes[table.groups]
+    local = table.dims.copy()
+    for r in range(code.shape[1]):
+        first = (code[:, r] > 0) & ~(code[:, :r] == code[:, r : r + 1]).any(axis=1)
+        local[:, r] = np.where(first, local[:, r] / sizes[code[:, r]], local[:, r])
+    return local
+
+
+def _zero_local(table: TileTable, local, codes, n: float, data: int) -> np.ndarray:
+    """[T, R] the ZeRO shards' dims of arrays the data axis does not split: the first
+    unsplit dim it divides, else the first split dim whose shard it divides."""
+    code = codes[table.groups]
+    free = ~(code == data).any(axis=1)
+    out, done = local.copy(), ~free
+    real = np.arange(local.shape[1])[None, :] < table.rank[:, None]
+    for unsplit in (True, False):
+        for r in range(local.shape[1]):
+            fits = real[:, r] & ((code[:, r] == 0) == unsplit) & (local[:, r] % n == 0)
+            take = fits & ~done
+            out[:, r] = np.where(take, local[:, r] / n, out[:, r])
+            done |= take
+    return out
+
+
+def _ratio(table: TileTable, tiled: np.ndarray, raw: np.ndarray, kind: int) -> np.ndarray:
+    """[sets] the tiled bytes of a kind's arrays per byte of their shards as the cost
+    model prices them (`raw`), 1 for none."""
+    pick = table.kind == kind
+    sets = table.tset[pick]
+    num = np.bincount(sets, tiled[pick], minlength=table.n_sets)
+    den = np.bincount(sets, raw[pick], minlength=table.n_sets)
+    return np.where(den > 0, num / np.where(den > 0, den, 1), 1.0)

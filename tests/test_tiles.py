@@ -1,0 +1,82 @@
+"""Tile padding (`Lowering.tile_padding`, `_cost/_tiles.py`): the bytes an array takes in
+XLA's TPU layouts, and a TPU cluster's memory priced in them."""
+
+import jax
+import numpy as np
+import pytest
+
+import automap as am
+from automap._cost import CostModel, tiled_bytes
+from automap._zoo import get_model
+
+
+# Read from libtpu 0.0.42 compiling for a v5p without one: memory_analysis()'s argument
+# size of one replicated array, and its layout in the HLO text.
+@pytest.mark.parametrize(
+    ("shape", "itemsize", "laid"),
+    [
+        ((1,), 4, 512),  # {0:T(128)}: one tile is the least
+        ((100,), 4, 512),
+        ((129,), 4, 1024),  # T(256)
+        ((1000,), 4, 4096),  # T(1024)
+        ((1025,), 4, 8192),  # T(1024), two tiles
+        ((1, 128), 4, 512),  # T(1,128): a small second-minor takes fewer rows
+        ((3, 128), 4, 2048),  # T(4,128)
+        ((9, 128), 4, 8192),  # T(8,128)
+        ((64, 64), 4, 32768),  # the lanes half empty
+        ((64, 16), 4, 8192),  # laid {0,1}: its 64 on the lanes pads less than its 16
+        ((2, 3, 5), 4, 3072),  # {2,0,1:T(2,128)}
+        ((5, 7, 9, 11), 4, 184320),  # {3,1,2,0}: the 7 second-minor pads less than the 9
+        ((100,), 2, 512),  # bf16 {0:T(256)(128)(2,1)}: 16-bit rows pack in twos
+        ((1, 128), 2, 512),  # T(2,128)(2,1)
+        ((17, 128), 2, 6144),  # T(8,128)(2,1)
+        ((64, 64), 2, 16384),
+        ((300,), 1, 512),  # s8 {0:T(512)(128)(4,1)}
+        ((2, 3, 5), 1, 1024),  # T(4,128)(4,1)
+    ],
+)
+def test_an_array_takes_the_bytes_of_its_tpu_tiles(shape, itemsize, laid):
+    assert tiled_bytes(shape, itemsize) == laid
+
+
+def _mlp_plan(recipe):
+    spec = get_model("mlp")  # 64 and 256 wide: most of its arrays pad on a TPU
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    return am.capture(step, *args), v5p, plan
+
+
+def _tiled_shards(graph, plan, role) -> tuple[float, float]:
+    """(tiles, bytes) of the shards of `role`'s leaves a chip holds, read off the plan's
+    specs: each dim divided by the axes its spec names."""
+    tiles = raw = 0.0
+    for leaf in graph.leaves(role):
+        t = graph.tensors[leaf.tensor]
+        spec = plan.specs.get(leaf.path) or ()
+        shard = list(t.shape)
+        for d, entry in enumerate(spec[: t.ndim]):
+            for axis in [entry] if isinstance(entry, str) else entry or ():
+                shard[d] //= plan.mesh[axis]
+        tiles += tiled_bytes(tuple(shard), t.itemsize)
+        raw += t.itemsize * float(np.prod(shard))
+    return tiles, raw
+
+
+@pytest.mark.parametrize(
+    "recipe", [am.Recipe(dp=8), am.Recipe(dp=2, tp=4), am.Recipe(dp=4, tp=2, zero=1)]
+)
+def test_a_tpu_prices_the_state_in_the_tiles_of_its_shards(recipe):
+    # The parameters and the optimizer state a chip holds, in its shards' tiles (a
+    # 4-way column shard [256, 16] of a [256, 64] weight laid with its 256 on the lanes;
+    # ZeRO-1's optimizer state cut once more over "data"); without tiles, in their bytes.
+    graph, v5p, plan = _mlp_plan(recipe)
+    assert v5p.lowering.tile_padding and not am.Cluster.preset("a100").lowering.tile_padding
+    tiled = CostModel(graph, v5p).estimate(plan).memory_breakdown
+    plain = CostModel(graph, v5p.with_lowering(tile_padding=False)).estimate(plan)
+    for part, role in (("params", am.Role.PARAM), ("opt_state", am.Role.OPT_STATE)):
+        tiles, raw = _tiled_shards(graph, plan, role)
+        assert tiles > raw  # the biases and the 64-wide layers' shards pad
+        assert tiled[part] == pytest.approx(tiles)
+        # (ZeRO's bytes count a fourth of the step count's 4, which a tile holds whole)
+        assert plain.memory_breakdown[part] == pytest.approx(raw, abs=4)
