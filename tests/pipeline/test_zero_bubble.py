@@ -28,6 +28,7 @@ from automap._pipeline import (
     split_backward,
     uniform_cuts,
 )
+from automap._search import PipelinePricer
 from automap._space import batch_groups
 from automap._verify import verify
 from automap._zoo import get_model
@@ -244,6 +245,14 @@ def test_a_recipe_zb_h1_cannot_run_is_one_line(fields, message):
     with pytest.raises(am.PlanError, match=re.escape(message)) as err:
         am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=A100_8)
     assert "\n" not in str(err.value)
+
+
+def test_the_stage_search_refuses_a_split_backward_in_one_line():
+    # Its tables price each stage's backward whole: a ZB-H1 search would be 1F1B's.
+    _, graph = small()
+    with pytest.raises(am.PlanError, match=r"^the pipeline search's stage DP prices each") as e:
+        PipelinePricer(CostModel(graph, A100_8), "zb-h1")
+    assert "\n" not in str(e.value)
 
 
 def test_estimate_takes_the_zero_bubble_schedule():

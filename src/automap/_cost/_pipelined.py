@@ -58,6 +58,7 @@ from .._pipeline import (
     Phase,
     PipelineSchedule,
     Timed,
+    check_remat,
     partition,
     plan_schedule,
     split_backward,
@@ -304,6 +305,7 @@ def stage_costs(
     """Time and memory of a pipeline: `part` (any partition) with `oc`'s intra-stage plan
     on every stage, `microbatches` microbatches run in `schedule`."""
     graph, cluster = model.graph, model.cluster
+    check_remat(schedule, oc.remat)  # a split backward does not recompute: one line
     if schedule.splits_backward:  # ZB-H1: each stage's weight gradients a W of their own
         part = split_backward(graph, part)
     S, m = part.n_stages, max(1, int(microbatches))
