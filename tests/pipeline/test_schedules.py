@@ -81,7 +81,7 @@ def _device(schedule, p, stages):
     return p % stages, p // stages
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_the_built_in_schedules_are_registered(name):
     assert pipeline_schedule(name).name == name
 
@@ -89,25 +89,25 @@ def test_the_built_in_schedules_are_registered(name):
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_every_schedule_lists_each_unit_once_in_a_valid_order(stages, m):
     for schedule in _schedules(stages, m):
-        v = schedule.chunks
+        v, phases = schedule.chunks, schedule.phases
         orders = schedule.stage_tasks(stages, m)
         assert len(orders) == stages
-        want = {Task(ph, i, c) for ph in (Phase.FWD, Phase.BWD) for i in range(m) for c in range(v)}
+        want = {Task(ph, i, c) for ph in phases for i in range(m) for c in range(v)}
         for tasks in orders:
             assert len(tasks) == len(set(tasks)) and set(tasks) == want, schedule.name
-            # A stage's own forward of a microbatch comes before its backward.
+            # A stage's own forward of a microbatch comes before its backward (before its
+            # weight gradients, where split).
             pos = {t: k for k, t in enumerate(tasks)}
-            assert all(
-                pos[Task(Phase.FWD, i, c)] < pos[Task(Phase.BWD, i, c)]
-                for i in range(m)
-                for c in range(v)
-            )
+            for i, c in itertools.product(range(m), range(v)):
+                assert pos[Task(Phase.FWD, i, c)] < pos[Task(Phase.BWD, i, c)]
+                if Phase.WGT in phases:
+                    assert pos[Task(Phase.BWD, i, c)] < pos[Task(Phase.WGT, i, c)]
         # Across virtual stages: run in time (unequal stages, slow sends), every unit starts
         # after what it reads ends, and a device never runs two units at once.
         P = stages * v
-        times = [(1.0 + p, 2.0 + 0.5 * p) for p in range(P)]
+        times = [(1.0 + p, 1.25 + 0.25 * p, 0.75 + 0.25 * p) for p in range(P)]
         timed = schedule.simulate(stages, m, times, [0.25] * P)
-        assert len(timed) == 2 * P * m
+        assert len(timed) == len(phases) * P * m
         end = {(u.stage, u.phase, u.microbatch): u.end for u in timed}
         for u in timed:
             if u.phase is Phase.FWD and u.stage > 0:
@@ -116,7 +116,11 @@ def test_every_schedule_lists_each_unit_once_in_a_valid_order(stages, m):
                 assert u.start >= end[(u.stage + 1, Phase.BWD, u.microbatch)] + 0.25
             if u.phase is Phase.BWD:
                 assert u.start >= end[(u.stage, Phase.FWD, u.microbatch)]
-            assert u.end - u.start == times[u.stage][0 if u.phase is Phase.FWD else 1]
+            if u.phase is Phase.WGT:  # its own stage's backward, no send between
+                assert u.start >= end[(u.stage, Phase.BWD, u.microbatch)]
+            f, b, w = times[u.stage]  # a backward not split runs both of its parts
+            want_s = {Phase.FWD: f, Phase.BWD: b if Phase.WGT in phases else b + w, Phase.WGT: w}
+            assert u.end - u.start == pytest.approx(want_s[u.phase])
         for s in range(stages):
             mine = sorted((u for u in timed if _device(schedule, u.stage, stages)[0] == s),
                           key=lambda u: u.start)  # fmt: skip
@@ -142,14 +146,15 @@ def test_in_flight_is_the_most_microbatches_live_in_the_task_lists(stages, m):
 
 @pytest.mark.parametrize(("stages", "m"), SHAPES)
 def test_idle_slots_are_the_simulated_bubble_on_equal_stages(stages, m):
-    f, b = 1.0, 2.0
+    # A backward twice a forward, its input and weight gradients equal (ZB-H1's count).
+    f, b, w = 1.0, 1.0, 1.0
     for schedule in _schedules(stages, m):
         v = schedule.chunks  # each virtual stage does 1/v of its device's work
-        timed = schedule.simulate(stages, m, [(f / v, b / v)] * (stages * v))
+        timed = schedule.simulate(stages, m, [(f / v, b / v, w / v)] * (stages * v))
         span = max(u.end for u in timed)
         idle = schedule.idle_slots(stages, m)
-        assert span == pytest.approx((m + idle) * (f + b)), schedule.name
-        assert schedule.bubble(stages, m) == pytest.approx(1 - m * (f + b) / span)
+        assert span == pytest.approx((m + idle) * (f + b + w)), schedule.name
+        assert schedule.bubble(stages, m) == pytest.approx(1 - m * (f + b + w) / span)
 
 
 def test_global_order_keeps_each_stage_order_and_every_dependency():
@@ -214,7 +219,8 @@ def test_an_interleaved_plan_lists_its_chunks_on_repeating_device_groups():
 def test_a_bad_name_is_one_line_listing_the_registered_ones(fifo):
     with pytest.raises(
         PlanError,
-        match=r"^unknown pipeline schedule 'zb'; use one of gpipe, 1f1b, interleaved, test-gpipe-fifo\.$",
+        match=r"^unknown pipeline schedule 'zb'; use one of gpipe, 1f1b, interleaved, zb-h1, "
+        r"test-gpipe-fifo\.$",
     ):
         pipeline_schedule("zb")
     graph, groups = flax_graph()

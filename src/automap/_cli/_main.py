@@ -405,7 +405,7 @@ def estimate_cmd(
         int | None, typer.Option("--microbatches", help="Microbatches per step (pipelines).")
     ] = None,
     schedule: Annotated[
-        str, typer.Option(help="Pipeline schedule: 1f1b, gpipe or interleaved.")
+        str, typer.Option(help="Pipeline schedule: 1f1b, gpipe, interleaved or zb-h1.")
     ] = "1f1b",
     virtual_stages: Annotated[
         int,

@@ -58,8 +58,10 @@ from .._pipeline import (
     Phase,
     PipelineSchedule,
     Timed,
+    check_remat,
     partition,
-    pipeline_schedule,
+    plan_schedule,
+    split_backward,
 )
 from .._plan import Collective, Cost, Plan
 from .._remat import full_remat
@@ -264,7 +266,8 @@ class PipelineCost:
 
     schedule: PipelineSchedule
     microbatches: int
-    stage_times: tuple[tuple[float, float], ...]  # per stage (fwd, bwd) s per microbatch
+    # per stage (fwd, bwd) s per microbatch; (fwd, B, W) where the schedule splits bwd
+    stage_times: tuple[tuple[float, ...], ...]
     send_s: tuple[float, ...]  # per cut, the lag of a microbatch crossing it (s)
     sends: Sends  # the traffic behind send_s, and the once-per-step sends
     stage_pre_s: tuple[float, ...]  # per stage, once per step before the microbatches
@@ -302,10 +305,13 @@ def stage_costs(
     """Time and memory of a pipeline: `part` (any partition) with `oc`'s intra-stage plan
     on every stage, `microbatches` microbatches run in `schedule`."""
     graph, cluster = model.graph, model.cluster
+    check_remat(schedule, oc.remat)  # a split backward does not recompute: one line
+    if schedule.splits_backward:  # ZB-H1: each stage's weight gradients a W of their own
+        part = split_backward(graph, part)
     S, m = part.n_stages, max(1, int(microbatches))
     G = S // schedule.chunks  # device groups (S virtual stages when interleaved)
     stage, phase = np.array(part.op_stage), phase_codes(part)
-    per_mb = (phase == Phase.FWD) | (phase == Phase.BWD)
+    per_mb = np.isin(phase, [p for p in Phase if p.per_microbatch])
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
     op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
@@ -320,7 +326,7 @@ def stage_costs(
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
     if G == 1:  # every stage a chunk of one device group: a send stays where it is
         send_s = (0.0,) * len(send_s)
-    times = [(float(busy[s, Phase.FWD]), float(busy[s, Phase.BWD])) for s in range(S)]
+    times = [tuple(float(busy[s, p]) for p in schedule.phases) for s in range(S)]
     units = schedule.simulate(G, m, times, send_s, busy[:, Phase.REDUCE])
     stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)
     stage_post = busy[:, Phase.POST] + np.array(traffic.post_s)
@@ -329,7 +335,7 @@ def stage_costs(
     group = np.arange(S) % G
     pre = float(np.bincount(group, stage_pre, minlength=G).max())
     post = float(np.bincount(group, stage_post, minlength=G).max())
-    own = stage_pre + m * (busy[:, Phase.FWD] + busy[:, Phase.BWD]) + busy[:, Phase.REDUCE]
+    own = stage_pre + m * busy[:, list(schedule.phases)].sum(axis=1) + busy[:, Phase.REDUCE]
     own = np.bincount(group, own + stage_post, minlength=G)
     memory, op_state, op_act = stage_memory(_memory_inputs(model, part, oc, m, schedule))
     step = pre + max(end for *_, end in units) + post
@@ -496,7 +502,7 @@ def estimate_pipeline(model: StageModel, plan: Plan) -> PipelineCost:
             )
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
-    schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
+    schedule = plan_schedule(plan)  # refuses what it cannot run (a split backward's remat)
     return stage_costs(model, part, plan_op_costs(model, plan), plan.microbatches, schedule)
 
 
@@ -516,9 +522,10 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
 
 def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
     """Plan decisions the report reads (`_report.stage_times` and `memory_bars`):
-    per stage (fwd, bwd) seconds per microbatch and the memory breakdown per device."""
+    per stage (fwd, bwd) seconds per microbatch, (fwd, B, W) where the backward is split,
+    and the memory breakdown per device."""
     return {
-        "stage_times": [[f, b] for f, b in pc.stage_times],
+        "stage_times": [list(t) for t in pc.stage_times],
         "stage_memory": [dict(d) for d in pc.stage_memory],
     }
 

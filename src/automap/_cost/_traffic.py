@@ -38,11 +38,14 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
+from ._deferred import deferred_weight_bytes
 from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
+_PER_MB = (Phase.FWD, Phase.BWD, Phase.WGT)  # the phases run once per microbatch
+_BACKWARD = (Phase.BWD, Phase.WGT)  # a microbatch's backward, split in two or not
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -143,6 +146,9 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
             out[s]["grads"] = sum(b for q, _, b in sums if q == s)
     _once_made(inp, out, op_state)
     held_act = _residuals(inp, out, op_act)
+    deferred = deferred_weight_bytes(inp.graph, inp.part, inp.lay.inv, inp.res, inp.schedule, inp.m)
+    for s, b in enumerate(deferred):
+        out[s]["activations"] += b  # ZB-H1's W's, deferred past their B
     at_bwd = _temporaries(inp, out, sums)
     if inp.groups < inp.part.n_stages:
         out = _per_device(out, at_bwd, held_act, inp.groups)
@@ -161,7 +167,7 @@ def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.nd
             # ZeRO-3 keeps a parameter sharded between programs, but each F and B program
             # gathers the ones it reads at its start (`_run/_pipelined.py`: nothing makes
             # XLA gather layer by layer), so at a stage's peak they are whole.
-            per_mb = any(phase[c] in (Phase.FWD, Phase.BWD) for c in readers)
+            per_mb = any(phase[c] in _PER_MB for c in readers)
             part_bytes = {
                 "params": zeroed(t, inp.zero_stage >= 3 and not per_mb),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
@@ -227,7 +233,7 @@ def _residuals(
         # recomputes (its input); the stage that made it and only sends it on frees it
         # once sent (`_run/_pipelined.py`).
         holders = {
-            int(stage[c]) for c in inp.consumers[t] if phase[c] == Phase.BWD or c in recomputed
+            int(stage[c]) for c in inp.consumers[t] if phase[c] in _BACKWARD or c in recomputed
         } or {int(stage[p])}
         for s in holders:
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
@@ -250,6 +256,9 @@ def _temporaries(
     held = () if inp.lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
     remade = _remade(graph, part, lay, inp.res, inp.layer_stored, m, phase) if inp.remat else ()
     bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
+    # A split backward (ZB-H1) runs B and W as programs of their own: the larger's.
+    wgt = temporaries(graph, part, lay.inv, m, Phase.WGT, program, held)
+    bwd = [max(b, w) for b, w in zip(bwd, wgt, strict=True)]
     for s, b in enumerate(bwd):
         out[s]["activations"] += b
     at_bwd = [dict(d) for d in out]  # each stage's backward peak, before the update's
@@ -317,7 +326,7 @@ def running_sums(
     return [
         (int(part.op_stage[p]), t, graph.tensors[t].nbytes * lay.inv[t])
         for t in part.accumulated
-        if (p := graph.tensors[t].producer) is not None and phase[p] in (Phase.FWD, Phase.BWD)
+        if (p := graph.tensors[t].producer) is not None and phase[p] in _PER_MB
     ]
 
 
@@ -376,10 +385,11 @@ def temporaries(
     for i in ops:
         for t in graph.ops[i].inputs:
             last[t] = i
-    if held and which == Phase.BWD:
-        end = {int(stage[i]): i for i in ops}  # each stage's last backward op
+    if held and which in _BACKWARD:
+        end = {int(stage[i]): i for i in ops}  # each stage's last op of its B (or W)
         for t in held:
-            last[t] = end[int(stage[graph.tensors[t].producer])]
+            if phase[p := graph.tensors[t].producer] == which:
+                last[t] = end[int(stage[p])]
     peak = [0.0] * part.n_stages
     held_now = [0.0] * part.n_stages  # bytes alive now, per stage
     live: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
@@ -399,7 +409,7 @@ def temporaries(
             )
             if written and t not in skip:
                 b = graph.tensors[t].nbytes * inv[t]
-                live[s][t] = b / m if t in part.batched and which == Phase.BWD else b
+                live[s][t] = b / m if t in part.batched and which in _BACKWARD else b
                 held_now[s] += live[s][t]
             elif kept and t in kept:  # an output held apart: never freed in the phase
                 held_now[s] += kept[t]
@@ -427,7 +437,7 @@ def held_gradients(
     out = set()
     for t in part.accumulated:
         p = graph.tensors[t].producer
-        if p is None or phase[p] != Phase.BWD:
+        if p is None or phase[p] not in _BACKWARD:
             continue
         op = graph.ops[p]
         while op.primitive in _LAYOUT and graph.tensors[op.inputs[0]].producer is not None:
@@ -560,14 +570,14 @@ def sends(
         p, ps = t.producer, int(stage[t.producer])
         for q in sorted({int(stage[c]) for c in readers} - {ps}):
             q_phases = {int(phase[c]) for c in readers if stage[c] == q}
-            if phase[p] in (Phase.FWD, Phase.BWD) and q_phases & {Phase.FWD, Phase.BWD}:
+            if phase[p] in _PER_MB and q_phases & set(_PER_MB):
                 mb = b / m if t.id in part.batched else b
                 if q > ps:  # arrives for the forward of stage q, across the cut before it
                     fwd[q - 1] += send(mb, ps, m)
                 else:  # arrives for the backward of stage q, across the cut after it
                     bwd[q] += send(mb, ps, m)
             else:
-                late = phase[p] in (Phase.FWD, Phase.BWD, Phase.POST) and Phase.POST in q_phases
+                late = phase[p] in (*_PER_MB, Phase.POST) and Phase.POST in q_phases
                 (post if late else pre)[q] += send(b, ps)
     floats = (tuple(float(x) for x in a) for a in (fwd, bwd, pre, post, sent))
     return Sends(*floats, tuple(int(c) for c in count), tuple(float(x) for x in busy))

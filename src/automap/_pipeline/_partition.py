@@ -103,10 +103,11 @@ def once_programs(
 
 
 def op_programs(graph: Graph, part: Partition) -> list[int]:
-    """Per op, the program it runs in: F and B are one program per stage (negative ids);
-    PRE and POST ops as `once_programs` groups them."""
+    """Per op, the program it runs in: F, B (and W, where the backward is split) are one
+    program per stage (negative ids); PRE and POST ops as `once_programs` groups them."""
+    per_mb = {Phase.FWD: 0, Phase.BWD: 1, Phase.WGT: 2}
     out = [
-        -1 - 2 * s - (ph is Phase.BWD) for s, ph in zip(part.op_stage, part.op_phase, strict=True)
+        -1 - 3 * s - per_mb.get(ph, 0) for s, ph in zip(part.op_stage, part.op_phase, strict=True)
     ]
     n = 0
     for phase in (Phase.PRE, Phase.POST):

@@ -1,6 +1,7 @@
 """The phases of a pipelined training step: one name for each, read by every part.
 
-The partition gives each op a phase, the schedule orders the per-microbatch phases' work,
+The partition gives each op a phase (`_split.split_backward` moves a stage's weight-
+gradient ops from BWD to WGT for schedules that run them apart), the schedule orders the per-microbatch phases' work,
 the cost model indexes its per-phase arrays by it, the runtime labels its programs with
 it, and the report colours its units by it. An `IntEnum` so that the cost model's numpy
 arrays of phases compare and index with the members directly (`phase == Phase.FWD`,
@@ -21,6 +22,11 @@ class Phase(enum.IntEnum):
     # accumulated tensors' partial sums (the runtime's reduce program). No op is partitioned
     # into it; the cost model moves the batch-axis reductions of accumulated tensors here.
     REDUCE = 4
+    # Once per microbatch on schedules that split the backward (ZB-H1): the backward ops
+    # that make only weight gradients (`_split.split_backward`), run as a program of
+    # their own after BWD, which then computes only what the stage sends upstream and
+    # what these read. No op has it unless a schedule splits the backward.
+    WGT = 5
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -28,4 +34,10 @@ class Phase(enum.IntEnum):
     @property
     def per_microbatch(self) -> bool:
         """Runs once per microbatch (the schedule's units), not once per step."""
-        return self in (Phase.FWD, Phase.BWD)
+        return self in (Phase.FWD, Phase.BWD, Phase.WGT)
+
+    @property
+    def backward(self) -> bool:
+        """Part of a microbatch's backward: the whole of it (BWD), or its weight-gradient
+        share where a schedule splits it (WGT)."""
+        return self in (Phase.BWD, Phase.WGT)

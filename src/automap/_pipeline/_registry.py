@@ -21,8 +21,9 @@ from ._gpipe import GPipe
 from ._interleaved import Interleaved
 from ._one_f_one_b import OneFOneB
 from ._schedule import PipelineSchedule
+from ._zero_bubble import ZeroBubbleH1
 
-_BUILT_IN: tuple[PipelineSchedule, ...] = (GPipe(), OneFOneB(), Interleaved())
+_BUILT_IN: tuple[PipelineSchedule, ...] = (GPipe(), OneFOneB(), Interleaved(), ZeroBubbleH1())
 _SCHEDULES: dict[str, PipelineSchedule] = {s.name: s for s in _BUILT_IN}
 
 
@@ -45,8 +46,22 @@ def pipeline_schedule(name: str, chunks: int | None = None) -> PipelineSchedule:
 
 
 def plan_schedule(plan: Plan) -> PipelineSchedule:
-    """The schedule a plan runs: its name, with the plan's virtual stages per device."""
-    return pipeline_schedule(plan.schedule, plan.virtual_stages)
+    """The schedule a plan runs: its name, with the plan's virtual stages per device (a
+    PlanError where the schedule cannot run the plan's recomputation)."""
+    schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
+    check_remat(schedule, plan.remat)
+    return schedule
+
+
+def check_remat(schedule: PipelineSchedule, remat: bool) -> None:
+    """A one-line PlanError where `schedule` splits the backward and `remat` recomputes:
+    a recomputed layer's values would have to outlive its B program for its W (not built)."""
+    if remat and schedule.splits_backward:
+        raise PlanError(
+            f"pipeline schedule {schedule.name!r} splits each backward into B and W programs, "
+            "which recomputation does not run yet; use remat none with it, or schedule "
+            "'1f1b' to recompute."
+        )
 
 
 def register_schedule(schedule: PipelineSchedule) -> PipelineSchedule:

@@ -24,7 +24,9 @@ stages. A plan then lists S * v stages (`Plan.stages`), virtual stage p = chunk 
 device group s, so every reader that walks a plan's stages walks virtual stages: `stages`
 below is always the device groups S, while `simulate`'s times and sends, and the units of
 `simulate` and `global_order`, are per virtual stage (the same thing when v = 1). A
-schedule with other phases (ZB-H1's weight-gradient pass) overrides `depends_on`.
+schedule may split each backward in two (`splits_backward`: ZB-H1, `_zero_bubble.py`): its
+tasks then hold a WGT task per microbatch besides FWD and BWD, which reads its stage's
+BWD of the same microbatch, and `simulate` times it apart.
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ class PipelineSchedule(abc.ABC):
     #: Model chunks each device holds (interleaved schedules: its virtual stages); an
     #: instance's own (`with_chunks`).
     chunks: int = 1
+    #: Runs each microbatch's weight gradients (WGT) apart from the rest of its backward
+    #: (BWD): the runtime and the cost model split the partition (`_split.split_backward`).
+    splits_backward: ClassVar[bool] = False
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The per-microbatch phases its tasks run: FWD and BWD, and WGT if it splits."""
+        return (Phase.FWD, Phase.BWD, Phase.WGT) if self.splits_backward else (Phase.FWD, Phase.BWD)
 
     def with_chunks(self, chunks: int) -> PipelineSchedule:
         """This schedule run with `chunks` model chunks per device (a plan's
@@ -126,6 +136,31 @@ class PipelineSchedule(abc.ABC):
                 out[self.virtual_stage(s, task, stages)] += 1
         return tuple(out)
 
+    def live_counts(
+        self, stages: int, microbatches: int
+    ) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per stage, after each of its tasks: (microbatches whose forward is done and
+        backward not, those whose backward is done and weight gradients not). The second
+        is always 0 unless the schedule splits the backward: what a deferred W holds."""
+        out = []
+        for tasks in self.stage_tasks(stages, microbatches):
+            fwd: set[tuple[int, int]] = set()
+            bwd: set[tuple[int, int]] = set()
+            counts = []
+            for task in tasks:
+                key = (task.microbatch, task.chunk)
+                if task.phase is Phase.FWD:
+                    fwd.add(key)
+                elif task.phase is Phase.BWD:
+                    fwd.discard(key)
+                    if self.splits_backward:
+                        bwd.add(key)
+                else:
+                    bwd.discard(key)
+                counts.append((len(fwd), len(bwd)))
+            out.append(tuple(counts))
+        return tuple(out)
+
     def bubble(self, stages: int, microbatches):
         """The share of a step a stage idles on equal stages with free sends: the textbook
         (S - 1) / (m + S - 1) for GPipe and 1F1B. `microbatches` may be a numpy array."""
@@ -135,8 +170,11 @@ class PipelineSchedule(abc.ABC):
     def depends_on(self, stage: int, task: Task, stages: int) -> Unit | None:
         """The unit whose result `task` on device group `stage` reads across stages (None:
         none), by virtual stage p: a forward reads virtual stage p - 1's forward, a
-        backward p + 1's backward, and the last virtual stage's backward its own forward."""
+        backward p + 1's backward, and the last virtual stage's backward its own forward;
+        a weight-gradient task (WGT) its own stage's backward of the microbatch."""
         p, last = self.virtual_stage(stage, task, stages), stages * self.chunks - 1
+        if task.phase is Phase.WGT:
+            return Unit(p, Phase.BWD, task.microbatch)
         if task.phase is Phase.FWD:
             return Unit(p - 1, Phase.FWD, task.microbatch) if p > 0 else None
         if p < last:
@@ -147,7 +185,7 @@ class PipelineSchedule(abc.ABC):
         self,
         stages: int,
         microbatches: int,
-        times: Sequence[tuple[float, float]],
+        times: Sequence[tuple[float, ...]],
         send_s: Sequence[float] | None = None,
         reduce_s: Sequence[float] | None = None,
     ) -> list[Timed]:
@@ -155,7 +193,9 @@ class PipelineSchedule(abc.ABC):
 
         `stages` is the device groups S; the rest is per virtual stage p (= stage s when
         one chunk per device): `times[p]` is its (forward, backward) seconds per
-        microbatch; `send_s[p]` the point-to-point time to pass a microbatch's activations
+        microbatch, or (forward, backward, weight gradients) where the backward is split:
+        a schedule that splits runs the third as its WGT units (0 when not given), one
+        that does not adds it to its backward; `send_s[p]` the point-to-point time to pass a microbatch's activations
         (or their gradients) across the cut between virtual stage p and p + 1 (0 when not
         given). A unit starts when its device group is free and the unit it `depends_on`
         has ended, plus the send across the cut between them. Units name virtual stages.
@@ -196,7 +236,7 @@ class PipelineSchedule(abc.ABC):
                     lag = 0.0 if dep is None or dep.stage == p else sends[min(p, dep.stage)]
                     ready = 0.0 if dep is None else done[dep] + lag
                     start = max(free[s], ready)
-                    end = start + times[p][0 if task.phase is Phase.FWD else 1]
+                    end = start + self._unit_s(times[p], task.phase)
                     done[Unit(p, task.phase, task.microbatch)], free[s] = end, end
                     out.append(Timed(p, task.phase, task.microbatch, start, end))
                     if last[p] == (s, ptr[s]) and reduce[p] > 0:
@@ -211,12 +251,22 @@ class PipelineSchedule(abc.ABC):
                 )
         return out + sorted(reductions, key=lambda u: u.stage)
 
+    def _unit_s(self, t: Sequence[float], phase: Phase) -> float:
+        """A unit's seconds from its virtual stage's `simulate` times."""
+        w = float(t[2]) if len(t) > 2 else 0.0
+        if phase is Phase.FWD:
+            return float(t[0])
+        if phase is Phase.WGT:
+            return w
+        return float(t[1]) + (0.0 if self.splits_backward else w)
+
     def global_order(self, stages: int, microbatches: int) -> list[Unit]:
         """One sequence of all the work that respects every dependency and every stage's
         own order: the order a single controller dispatches it in (stages then run
         concurrently, as JAX dispatch is asynchronous). Units are ordered by their start
-        time in a simulation with unit times, ties by stage; they name virtual stages."""
-        timed = self.simulate(stages, microbatches, [(1.0, 2.0)] * (stages * self.chunks))
+        time in a simulation with unit times, ties by stage; they name virtual stages. (A
+        backward twice a forward, half of it weight gradients where the schedule splits it.)"""
+        timed = self.simulate(stages, microbatches, [(1.0, 1.0, 1.0)] * (stages * self.chunks))
         return [Unit(*u[:3]) for u in sorted(timed, key=lambda u: (u.start, u.stage))]
 
     def __repr__(self) -> str:

@@ -77,7 +77,7 @@ def pipeline_ops(
     stages: int,
     microbatches: int,
     schedule: str,
-    times: Sequence[tuple[float, float]],
+    times: Sequence[tuple[float, ...]],
     chunks: int = 1,
 ) -> list[Timed]:
     """The schedule named `schedule` simulated in time, (stage, phase, microbatch, start,
@@ -88,12 +88,12 @@ def pipeline_ops(
     return run.simulate(stages // chunks, microbatches, times)
 
 
-def stage_times(plan: Plan) -> tuple[list[tuple[float, float]], str]:
+def stage_times(plan: Plan) -> tuple[list[tuple[float, ...]], str]:
     n = len(plan.stages)
     given = plan.decisions.get("stage_times")
     if given and len(given) == n:
-        pairs = [
-            (float(t[0]), float(t[1]))
+        pairs = [  # (fwd, bwd), or (fwd, B, W) where the schedule splits the backward
+            tuple(float(x) for x in t)
             if isinstance(t, Sequence)
             else (float(t) / 3, 2 * float(t) / 3)
             for t in given
@@ -184,7 +184,8 @@ def stage_rows(plan: Plan) -> list[tuple[str, ...]]:
         fwd = bwd = mem = ""
         if len(times) == len(plan.stages):
             t = times[s]
-            f, b = (t[0], t[1]) if isinstance(t, Sequence) else (t / 3, 2 * t / 3)
+            # (fwd, B, W) where the backward is split: its backward is B + W
+            f, b = (t[0], sum(t[1:])) if isinstance(t, Sequence) else (t / 3, 2 * t / 3)
             fwd, bwd = human_time(float(f)), human_time(float(b))
         if len(memory) == len(plan.stages):
             mem = human_bytes(sum(float(v) for v in memory[s].values()))

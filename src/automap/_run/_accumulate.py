@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
-from .._pipeline import SUMS, Phase
+from .._pipeline import SUMS
 from ._segments import batch_dim
 
 
@@ -73,7 +73,7 @@ class Accumulation:
         accumulated = set(part.accumulated)
         out: dict[int, tuple[str, ...]] = {}
         for op in graph.ops:
-            if part.op_phase[op.index] not in (Phase.FWD, Phase.BWD):
+            if not part.op_phase[op.index].per_microbatch:
                 continue
             if op.primitive not in SUMS or not accumulated.intersection(op.outputs):
                 continue

@@ -57,7 +57,7 @@ from .._groups import (
     unzero_spec,
     zero_mismatch,
 )
-from .._pipeline import Unit, partition, plan_schedule
+from .._pipeline import Unit, partition, plan_schedule, split_backward
 from .._plan import Plan
 from .._remat import plan_recompute
 from ._accumulate import Accumulation, axes_entry, without_axes
@@ -173,6 +173,8 @@ class _Pipeline(Accumulation):
         self.plan = plan = sequence_as_recorded(full, groups, plan)
         bounds = [(s.op_start, s.op_stop) for s in plan.stages]
         part = partition(full, groups, bounds, m)
+        if plan_schedule(plan).splits_backward:  # ZB-H1: each backward as B and W programs
+            part = split_backward(full, part)
         micro = full if m == 1 else capture(fn, *micro_args(full, groups, part, abstract, m))
         if micro is not full:
             check_same_program(full, micro, groups, m)

@@ -115,8 +115,9 @@ def micro_consts(full: Graph, micro: Graph) -> dict[int, Any]:
 
 
 def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment], list[Segment]]:
-    """(pre runs, per-microbatch segments, post runs). The per-microbatch list holds an "F"
-    and a "B" segment for every stage (possibly without ops: the schedule still runs them)."""
+    """(pre runs, per-microbatch segments, post runs). The per-microbatch list holds an "F",
+    a "B" and a "W" segment for every stage (possibly without ops: the schedule still runs
+    them; W has ops only where `_pipeline.split_backward` split the partition)."""
     consumers = graph.consumers()
     step_outputs = {leaf.tensor for leaf in graph.outputs}
 
@@ -141,7 +142,7 @@ def segments(graph: Graph, part: Partition) -> tuple[list[Segment], list[Segment
     micro = [
         make(s, phase, list(part.ops(s, phase)))
         for s in range(part.n_stages)
-        for phase in (Phase.FWD, Phase.BWD)
+        for phase in (Phase.FWD, Phase.BWD, Phase.WGT)
     ]
     return runs(Phase.PRE), micro, runs(Phase.POST)
 
@@ -180,6 +181,8 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
             made = {t for i in f.ops for t in graph.ops[i].outputs}
             outputs = tuple(dict.fromkeys(kept + [t for t in b_inputs if t in made]))
             out.append(dataclasses.replace(seg, outputs=outputs))
+        else:  # W: without ops, as the split backward is refused with recomputation
+            out.append(seg)
     return out
 
 

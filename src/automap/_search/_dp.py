@@ -82,6 +82,12 @@ def one_chunk(schedule: PipelineSchedule) -> None:
             "v = 2 or 3), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
+    if schedule.splits_backward:  # its tables price one backward per stage, not B and W
+        raise PlanError(
+            f"the pipeline search's stage DP prices each stage's backward whole; schedule "
+            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b', or "
+            "price it with am.Recipe(schedule='zb-h1') or `automap estimate --schedule zb-h1`."
+        )
 
 
 def search_dp(

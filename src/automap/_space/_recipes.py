@@ -27,6 +27,7 @@ from .._errors import PlanError
 from .._graph import Graph, Role
 from .._groups import Groups, plan_from_assignment, sequence_parallel
 from .._pipeline import (
+    check_remat,
     cut_runs,
     forward_ops,
     pipeline_plan,
@@ -58,7 +59,9 @@ class Recipe:
     gradient accumulation over them."""
     schedule: str = "1f1b"
     """Pipeline schedule, by its registered name (`_pipeline.schedule_names`): "1f1b"
-    (Megatron's), "gpipe" or "interleaved" (Megatron's virtual pipeline)."""
+    (Megatron's), "gpipe", "interleaved" (Megatron's virtual pipeline) or "zb-h1" (Qi et al.'s
+    zero-bubble 1F1B: each backward split into B and W, W deferred into the bubble; not
+    with remat)."""
     virtual_stages: int = 1
     """Model chunks per pipeline stage (interleaved 1F1B's v, Megatron's virtual pipeline
     size): the layers split into pp × v chunks of equal layers (else as `pp` says), chunk k
@@ -189,7 +192,7 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
             "or more, or virtual_stages 1."
         )
     # A registered name able to run v chunks per stage, or one line saying why not.
-    pipeline_schedule(recipe.schedule, v)
+    schedule = pipeline_schedule(recipe.schedule, v)
     if recipe.sequence_parallel and recipe.tp == 1:
         raise PlanError(
             "sequence parallelism splits the residual stream over the tensor-parallel "
@@ -197,6 +200,7 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
         )
     if recipe.remat not in REMAT:
         raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
+    check_remat(schedule, recipe.remat != "none")  # ZB-H1's split backward: not with remat
     _check_remat_layers(recipe)
     if recipe.zero not in (0, 1, 2, 3):
         raise PlanError(f"zero {recipe.zero!r}: use 0, 1, 2 or 3.")
