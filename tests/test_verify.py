@@ -219,9 +219,16 @@ def test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes(expe
     plan = am.expert_plans(step, *args, cluster=a100)[expert]
     report = verify(step, plan, *args)
     grads = capture(step, *args).role_bytes(am.Role.PARAM)
-    assert report.xla_memory_breakdown["temporaries"] == pytest.approx(2 * grads, rel=0.02)
+    temporaries = report.xla_memory_breakdown["temporaries"]
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
-    assert report.predicted_memory_breakdown["grads"] == pytest.approx(2 * grads)
+    if expert == "zero3":
+        # ... but ZeRO-3 reduces them layer by layer (`_fsdp.py`): the largest layer's and
+        # its copy at once, and the shards of the rest (1.26x the gradients, not 2x).
+        assert temporaries < 1.3 * grads
+        assert report.predicted_memory_breakdown["grads"] < 1.4 * grads
+    else:
+        assert temporaries == pytest.approx(2 * grads, rel=0.02)
+        assert report.predicted_memory_breakdown["grads"] == pytest.approx(2 * grads)
     if expert != "zero3":  # whose busiest moment is the backward's, parameters gathered
         copy = 1.0 if expert == "data_parallel" else 1 / 8
         assert plan.predicted.memory_breakdown["grads"] == pytest.approx((1 + copy) * grads)

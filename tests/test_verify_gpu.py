@@ -89,7 +89,9 @@ def _mlp():
         (_mlp, am.Recipe(tp=8)),
         (_mlp, am.Recipe(dp=8)),
         (_gpt, am.Recipe(dp=8, zero=2)),
-        pytest.param(_gpt, am.Recipe(dp=8, zero=3, remat="full"), marks=LAYER_REMAT_GAP),
+        # ZeRO-3 with remat: since its gradients are reduced layer by layer (`_fsdp.py`),
+        # within 10% (it was priced 1.10-1.16x, `LAYER_REMAT_GAP`, when all were held)
+        (_gpt, am.Recipe(dp=8, zero=3, remat="full")),
     ],
 )
 def test_a_gpu_step_peaks_at_one_moment(model, recipe):

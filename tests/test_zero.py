@@ -127,8 +127,9 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
     # parameters: with 16-bit gradients the float32 gather moves twice their bytes).
     # ZeRO-3 gathers again for the backward, one gather per leaf: FSDP's 1.5x. A model
     # large enough for bandwidth, not latency, to set the time (abstract: nothing is
-    # allocated; ZeRO-3 measured 1.58x here: its 19 backward gathers' latencies and one
-    # forward gather per layer, which XLA can no longer combine into one, included).
+    # allocated; ZeRO-3 measured 1.60x here: its 19 backward gathers' latencies, one
+    # forward gather per layer, which XLA can no longer combine into one, and one
+    # reduce-scatter per backward layer (FSDP's, `_fsdp.py`) included).
     spec = get_model("gpt-1.3b", layers=2, hidden=2048, heads=16, seq=64, batch=16,
                      vocab=512, dtype="float32")  # fmt: skip
     g = capture(spec.step_fn, *spec.abstract_args())
@@ -149,7 +150,7 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
         assert kinds.get(("all-reduce", "data"), 0.0) < 0.01 * grads  # the loss, no gradient
         # an all-reduce is a reduce-scatter and an all-gather of the same bytes
         ratio = (grads + gathered) / (2 * grads)
-        assert z.comm_s == pytest.approx(ratio * dp.comm_s, rel=0.06)
+        assert z.comm_s == pytest.approx(ratio * dp.comm_s, rel=0.08 if stage == 3 else 0.06)
         assert z.memory_breakdown["opt_state"] == pytest.approx(
             dp.memory_breakdown["opt_state"] / 8, rel=0.01
         )
@@ -170,7 +171,12 @@ def test_zero3_on_a_flax_model():
     assert again > 0.5 * g.role_bytes(Role.PARAM)  # the kernels, read by the backward
     gathered = g.role_bytes(Role.PARAM) + again
     assert report.xla_comm_bytes["all-gather@data"] == pytest.approx(gathered)
-    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+    # Memory: with its gradients reduced layer by layer the CPU step peaks in the backward,
+    # where the CPU's price holds every residual the jaxpr keeps, more than XLA's CPU
+    # keeps (1.33x its buffers here; it peaked at the end, within 15%, when one reduction
+    # held every gradient): priced above XLA, not below.
+    xla = report.xla_memory_bytes
+    assert xla <= report.predicted_memory_bytes < 1.4 * xla
     assert report.numerics_ok, report.summary()
 
 

@@ -35,8 +35,10 @@ from ._terms import SetCoefs as SetCoefs
 from ._terms import compute_time as compute_time
 from ._terms import early_outputs as early_outputs
 from ._terms import gathers as gathers
+from ._terms import gradient_trips as gradient_trips
 from ._terms import memory_terms as memory_terms
 from ._terms import moments_held as moments_held
+from ._terms import reduction_shares as reduction_shares
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
 from ._zero import zero_leaves as zero_leaves

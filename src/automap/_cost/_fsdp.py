@@ -9,6 +9,11 @@ gathers each parameter once more at its first backward read (under remat, at its
 recompute, which the copy serves too) and frees it after its last. A parameter read by
 several forward layers (a tied embedding, a norm a cut candidate splits) is gathered by
 each of them.
+
+The gradients are reduce-scattered layer by layer (`_remat.Reduction`): a gradient's local
+copy lives from its maker to its backward layer's reduction, its shard from there to the
+update (`reduction_shares`), and the step's gradient reduce-scatter is one collective per
+backward layer (and one at the end, for the layers the last reduction leaves).
 """
 
 from __future__ import annotations
@@ -122,6 +127,11 @@ class GatherCoefs:
     # [n_sets] bytes of the values made from parameters alone (a weight's cast) that remat
     # keeps as its layers' inputs: ZeRO-3 gathers them again at the recompute instead
     remat_kept: np.ndarray
+    # the gradients' reduce-scatters layer by layer (`reduction_shares`): how many, the
+    # largest share of the gradients' bytes one reduces, and the share the last one does
+    reductions: int = 1
+    largest: float = 1.0
+    tail: float = 1.0
 
     def sub(self, sets: np.ndarray) -> GatherCoefs:
         """The coefficients of some sets only (a scope's own, `_search/_mesh_terms.py`);
@@ -134,6 +144,9 @@ class GatherCoefs:
             self.remat_coef[sets],
             self.remat_leaves[sets],
             self.remat_kept[sets],
+            self.reductions,
+            self.largest,
+            self.tail,
         )
 
 
@@ -145,10 +158,11 @@ def gather_coefs(
     n_sets: int,
     recomputed: Collection[int],
     saved_remat: Collection[int],
+    gradients: Collection[int] = (),
 ) -> GatherCoefs:
     """`GatherCoefs` of `graph` (`set_of`: a tensor's set; `recomputed`: the ops remat runs
     again, whose parameters the backward's gather serves as well; `saved_remat`: what
-    remat keeps for the backward)."""
+    remat keeps for the backward; `gradients`: the step's, `_groups.update_region`'s)."""
     root = roots(graph, lg)
     bwd = set(backward_reads(graph, lg))
     again = {p for i in recomputed for t in graph.ops[i].inputs for p in root.get(t, ())}
@@ -174,4 +188,20 @@ def gather_coefs(
         # casts (read on compile-only A100s; the CPU widens a 16-bit gather anyway)
         *coefs(sorted(bwd | again), whole=again),
         kept,
+        *reduction_shares(graph, lg, gradients),
     )
+
+
+def reduction_shares(graph: Graph, lg: LayerGathers, gradients: Collection[int]):
+    """(reductions, largest, tail) of the gradients' reduce-scatters layer by layer: how
+    many collectives (one per `LayerGathers.reductions`, one at the end), and the largest
+    share of the `gradients`' bytes one of them reduces, and the end's (unsplit bytes: the
+    shares a plan's split gradients keep, as `_liveness.Moments.held` does)."""
+    at: dict[int | None, float] = {}
+    for t in gradients:
+        key = lg.reduced_at(graph.tensors[t].producer)
+        at[key] = at.get(key, 0.0) + graph.tensors[t].nbytes
+    total = sum(at.values())
+    if not total:
+        return 1, 1.0, 1.0
+    return len(at), max(at.values()) / total, at.get(None, 0.0) / total

@@ -22,7 +22,8 @@ highest moments under a fixed set of probe splittings (seeded, so the same graph
 gives the same candidates), and a plan's peak is the largest of their sums under its own.
 Gradients a collective reduces are held past their update, until the step's combined
 reduction at the end of the backward (`held`: the share of the gradients' bytes made and
-past their update at each moment); ZeRO-3's gathered parameters are priced per moment
+past their update at each moment), or with ZeRO-3 until their backward layer's reduction,
+then as shards (`unreduced`, `reduced`); ZeRO-3's gathered parameters are priced per moment
 apart (`gathered`), as only that stage gathers them."""
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class Moments:
     # [3, k, n_sets] the step's outputs held apart from its arguments made by then (a step
     # that donates nothing: `_outputs.held_outputs`, a row per kind), None where none is.
     outputs: np.ndarray | None = None
+    # ZeRO-3 reduce-scatters the gradients layer by layer (`_remat.Reduction`): per moment,
+    # the share of the gradients' bytes past their last reader and not reduced yet (held
+    # whole), and the share reduced by then (held as shards); None where it does not.
+    unreduced: np.ndarray | None = None
+    reduced: np.ndarray | None = None
 
 
 NO_BLOCKS = np.zeros((0, 3), dtype=np.int64)
@@ -119,11 +125,15 @@ def step_moments(
 ) -> Moments:
     """The candidate moments of `buffers` and ZeRO-3's `gathered` parameters (`nbytes`,
     `tensor_set` per tensor; `set_groups` the groups of each set, padded with `n_groups`).
-    `gradients`: (last reader, bytes) of each gradient a collective may reduce. `outputs`:
+    `gradients`: (last reader, bytes) of each gradient a collective may reduce, and the op
+    before which ZeRO-3's layer-by-layer reduction reduces it (where it does). `outputs`:
     the outputs held apart from the arguments (`_outputs.held_outputs`), alive from their
     op to the end: the program's last op, where all are made, is a candidate too."""
     n_sets = len(set_groups)
-    grads = np.array(gradients, dtype=float).reshape(-1, 2)
+    rows = [tuple(g) for g in gradients]
+    layered = bool(rows) and all(len(g) == 3 for g in rows)
+    grads = np.array([g[:2] for g in rows], dtype=float).reshape(-1, 2)
+    due = np.array([g[2] for g in rows] if layered else [], dtype=np.int64)
 
     def curve(per_set: np.ndarray, zero: bool) -> np.ndarray:
         ev = np.zeros(n_ops + 2)
@@ -133,8 +143,11 @@ def step_moments(
             np.add.at(ev, buf.death + 1, -w)
         out = np.cumsum(ev)[:n_ops]
         if zero:
-            # every gradient reduced, held from its last reader to the end
+            # every gradient reduced, held from its last reader to the end (or, layer by
+            # layer, whole to its layer's reduction and an eighth from there)
             past = np.bincount(grads[:, 0].astype(np.int64) + 1, grads[:, 1], minlength=n_ops + 2)
+            if zero == "layered":
+                past -= np.bincount(due, grads[:, 1] * 7 / 8, minlength=n_ops + 2)
             out = out + np.cumsum(past)[:n_ops]
         return out
 
@@ -146,7 +159,7 @@ def step_moments(
     picked: set[int] = set()
     for per_set in probes:
         # as data parallel holds the gradients, ZeRO-3 its gathered parameters too
-        for zero in (False, True):
+        for zero in (False, True, "layered") if layered else (False, True):
             picked.update(_highest_peaks(curve(per_set, zero), PER_PROBE))
     # and each recomputed layer's recompute, where its combined all-reduces copy
     picked.update(int(b) for b in buffers.blocks[:, 2])
@@ -165,6 +178,8 @@ def step_moments(
         outputs=np.stack([_alive(b, at, nbytes, tensor_set, n_sets) for b in outputs])
         if held
         else None,
+        unreduced=held_at(at, grads, due) if layered else None,
+        reduced=held_at(at, np.column_stack([due - 1, grads[:, 1]])) if layered else None,
     )
 
 
@@ -205,12 +220,15 @@ def _alive(buf: Buffers, at: np.ndarray, nbytes, tensor_set, n_sets: int) -> np.
     return out
 
 
-def held_at(at: np.ndarray, grads: np.ndarray) -> np.ndarray:
-    """Per moment, the share of the gradients' bytes made and past their last reader."""
+def held_at(at: np.ndarray, grads: np.ndarray, due: np.ndarray | None = None) -> np.ndarray:
+    """Per moment, the share of the gradients' bytes made and past their last reader (and,
+    with `due`, not yet reduced: before the op each is reduced at)."""
     if not grads[:, 1].sum():
         return np.zeros(len(at))
-    past = (grads[None, :, 0] < at[:, None]).astype(float)
-    return past @ grads[:, 1] / grads[:, 1].sum()
+    past = grads[None, :, 0] < at[:, None]
+    if due is not None:
+        past &= at[:, None] < due[None, :]
+    return past.astype(float) @ grads[:, 1] / grads[:, 1].sum()
 
 
 def _highest_peaks(curve: np.ndarray, k: int) -> list[int]:

@@ -41,7 +41,8 @@ numpy operations over those tables:
 - memory: parameters, gradients, optimizer state and inputs by their layouts (ZeRO shards
   the optimizer state, and with ZeRO-3 the stored parameters, whose gathered copies live
   about two layers (`_fsdp.py`) and whose casts are not kept for the backward; the local
-  gradients are whole until their reduce-scatter, in every stage, as XLA compiles them),
+  gradients are whole until their reduce-scatter, in every stage, as XLA compiles them:
+  at the end of the backward, but with ZeRO-3 layer by layer, as the runtime ties them),
   plus activations kept for backward (`_capture/_residuals.py`) by their layouts, / microbatches.
   With rematerialization (`_remat/_recompute.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
@@ -97,8 +98,10 @@ from ._terms import (
     compute_time,
     early_outputs,
     gathers,
+    gradient_trips,
     memory_terms,
     moments_held,
+    reduction_shares,
     step_moments,
 )
 from ._tiles import TileShares, TileTable, tile_shares, tile_table
@@ -490,7 +493,7 @@ class CostModel:
             float(g.nbytes),
             count,
             self.cluster.lowering,
-            self.tables.combine_trips,
+            gradient_trips(self.coefs, L, self.tables.combine_trips),
         )
         collectives = tuple(
             Collective(
@@ -513,8 +516,10 @@ class CostModel:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
             # second copy of what it reduces, alive beside the local gradients at the end
             # of the backward, when the activations are gone: a second peak.
+            # (Reduced layer by layer, one layer's copy at a time.)
             in_place = self.cluster.lowering.all_reduce_in_place
-            reduced = 0.0 if in_place else reduced_gradients(st.sums, ac)
+            largest, _ = reduction_shares(self.coefs, L)
+            reduced = 0.0 if in_place else largest * reduced_gradients(st.sums, ac)
             return update_peak(float(mem.grads), acts, reduced, outputs)
         reduced = reduced_gradients(st.sums, ac)
         share, const = reduction_copy(
@@ -528,7 +533,10 @@ class CostModel:
             at = at - shrink * (part.live @ L.inv) / L.microbatches
         moments = step_moments(self.coefs, L)
         early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0
-        return busiest_moment(made, at, out, reduced + copy, early)
+        # At the end: the local gradients the last reduction reduces (all, but layer by
+        # layer), and what it writes.
+        _, last = reduction_shares(self.coefs, L)
+        return busiest_moment(made, at, out, last * reduced + copy, early)
 
     def _too_big(self, parts: Mapping[str, float], total: float) -> str:
         """Why a plan does not fit: its memory parts against the cluster's limit."""

@@ -41,14 +41,20 @@ def moment_bytes(
     microbatches: int = 1,
     copies: np.ndarray | None = None,
     outputs: np.ndarray | None = None,
+    shard: float | None = None,
 ):
     """(gradients, all, outputs) of what a scheduled step holds besides its arguments at
     each candidate moment (`_liveness.py`), [moments, ...] (`inv`: [sets, ...]): what is
     alive, with the `reduced` gradients' share made by then held for their reduction (and
     `copies`, per moment, of a recomputed layer's partial sums: `_buffers.combined_copies`;
     `outputs`, per moment, the outputs held apart from the arguments made by then:
-    `_outputs.py`; `gathered`, per set, ZeRO-3's gathered parameters' share)."""
-    made = np.multiply.outer(moments.held, reduced)
+    `_outputs.py`; `gathered`, per set, ZeRO-3's gathered parameters' share; `shard`:
+    where ZeRO-3 reduces the gradients layer by layer, the share of a reduced one kept,
+    the rest held whole only until their layer's reduction: `Moments.unreduced`)."""
+    held = moments.held
+    if shard is not None and moments.unreduced is not None:
+        held = moments.unreduced + shard * moments.reduced
+    made = np.multiply.outer(held, reduced)
     at = moments.live @ inv / microbatches + made
     if copies is not None:
         at = at + copies / microbatches

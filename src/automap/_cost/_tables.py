@@ -233,6 +233,11 @@ def _moment_columns(
     graph, consumers = inp.graph, inp.consumers
     last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
     grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in partial if r.grad]
+    if inp.layers is not None and inp.layers.reductions:
+        # ZeRO-3 reduces each backward layer's gradients before the next (`_remat/_fsdp.py`)
+        n_ops = len(graph.ops)
+        due = [inp.layers.reduced_at(r.op) for r in partial if r.grad]
+        grads = [(*g, n_ops if d is None else d) for g, d in zip(grads, due, strict=True)]
     step = dict(
         gathered=gathered,
         grads=grads,

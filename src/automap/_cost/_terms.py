@@ -98,6 +98,8 @@ def _sub_moments(m: Moments | None, sets: np.ndarray) -> Moments | None:
         at=m.at,
         regathered=None if m.regathered is None else m.regathered[:, sets],
         outputs=None if m.outputs is None else m.outputs[:, :, sets],
+        unreduced=m.unreduced,
+        reduced=m.reduced,
     )
 
 
@@ -157,11 +159,38 @@ def compute_time(c: SetCoefs, L: Layout) -> float | np.ndarray:
     return t
 
 
+def layered(c: SetCoefs, L: Layout) -> bool:
+    """Whether the plan's gradients are reduce-scattered layer by layer: ZeRO-3 over a data
+    axis, in a step with a loss (FSDP as the runtime runs it, `_fsdp.py`)."""
+    return L.zero and L.zero_stage >= 3 and c.regather.layers is not None
+
+
+def reduction_shares(c: SetCoefs, L: Layout) -> tuple[float, float]:
+    """(largest, last): the largest share of the gradients' bytes whose local copies one
+    reduction reduces at once, and the share the step's last one does, at the end: all of
+    them, for one combined reduction, or layer by layer one layer's (`_fsdp.py`)."""
+    if not layered(c, L):
+        return 1.0, 1.0
+    return c.regather.layers.largest, c.regather.layers.tail
+
+
+def gradient_trips(c: SetCoefs, L: Layout, trips: np.ndarray) -> np.ndarray:
+    """Per combine slot, the collectives its gradients are reduced in (`Tables.combine_trips`:
+    one for the step's, slot 0), but one per backward layer where ZeRO-3 reduces them layer
+    by layer (`_fsdp.py`)."""
+    if not layered(c, L) or not len(trips):
+        return trips
+    out = np.array(trips, dtype=float)
+    out[0] = c.regather.layers.reductions
+    return out
+
+
 def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     """The memory parts by their layouts: ZeRO shards the optimizer state (stage >= 1)
     and the stored parameters (stage 3); the local gradients are whole until their
     reduce-scatter, in every stage, as XLA compiles them (it combines the reductions into
-    one at the end of the backward); the activations kept for the backward (under remat:
+    one at the end of the backward), but where ZeRO-3 reduces them layer by layer: then
+    one layer's are whole at once, and the shards of the rest; the activations kept for the backward (under remat:
     the layers' inputs, the residuals made outside them, one layer's) per microbatch,
     less the forward's gathered copies ZeRO-3 makes again in the backward (or, under
     remat, in the recompute)."""
@@ -177,9 +206,10 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
         # ... and under remat, gathering layer by layer, the recompute makes a weight's
         # cast again from its own gather: remat's layers do not keep it (`_fsdp.py`).
         acts = acts - c.regather.layers.remat_kept @ (L.inv * L.free) / L.microbatches
+    largest, _ = reduction_shares(c, L)
     return Memory(
         params=zeroed[0] if L.zero_stage >= 3 else plain[0],
-        grads=plain[0],
+        grads=plain[0] * (largest + 1 / L.data_size) if layered(c, L) else plain[0],
         opt=zeroed[1] if L.zero_stage >= 1 else plain[1],
         acts=acts,
         other=plain[4],
@@ -214,7 +244,8 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
         made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage)
     gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
     inv = L.inv if L.tiles is None else L.inv * L.tiles.made
-    return moment_bytes(moments, inv, reduced, gathered, L.microbatches, copies, made)
+    shard = 1 / L.data_size if layered(c, L) else None  # reduced layer by layer
+    return moment_bytes(moments, inv, reduced, gathered, L.microbatches, copies, made, shard)
 
 
 def early_outputs(c: SetCoefs, L: Layout):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._capture import loss_boundary
 from .._graph import Graph, Role
-from .._groups import Groups, Regather
+from .._groups import Groups, Regather, update_region
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
 from .._remat import layer_gathers
@@ -123,7 +123,10 @@ def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> Regath
     layers = None
     if loss_boundary(graph) is not None:
         lg = layer_gathers(graph, groups)
-        layers = gather_coefs(graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat)
+        grads = update_region(graph, groups)[0]
+        layers = gather_coefs(
+            graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads
+        )
     return RegatherCoefs(coef, leaves, acts, layers)
 
 

@@ -13,6 +13,7 @@ from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
 from ._layouts import state_inputs as state_inputs
 from ._layouts import unzero_spec as unzero_spec
+from ._layouts import update_region as update_region
 from ._layouts import zero_mismatch as zero_mismatch
 from ._layouts import zero_region as zero_region
 from ._layouts import zero_spec as zero_spec

@@ -22,11 +22,25 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 
 from .._graph import Graph, Role, TensorKind
-from .._groups import Groups, Regather, regather_plan
+from .._groups import Groups, Regather, regather_plan, zero_region
 from .._pipeline import cut_candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One backward layer's gradients reduce-scattered before the next layer runs."""
+
+    # the next layer's first backward op reading a floating value the backward made: its
+    # such inputs wait for the reduction (and with them the rest of the backward)
+    at: int
+    # the sharded tensors they wait for: the ends, made before `at` (and after the previous
+    # reduction's), of the gradients' update ops (a transpose, a cast): these meet the ZeRO
+    # layout, so the gradients' reduce-scatters lie before them
+    tied: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +54,24 @@ class LayerGathers:
     # per layer: the activation whose arrival lets its gathers start (the previous layer's
     # input), None where there is none (the first two layers: their gathers go first)
     anchor: tuple[int | None, ...]
+    # ZeRO-3's gradients reduced layer by layer, in program order; those made after the
+    # last `Reduction.after` are reduced at the end, with the update
+    reductions: tuple[Reduction, ...] = ()
+
+    @functools.cached_property
+    def _reduction_ops(self) -> list[int]:
+        return [r.at for r in self.reductions]
+
+    def reduction(self, op: int) -> Reduction | None:
+        """The reduction due before op `op`, None where there is none."""
+        k = bisect.bisect_left(self._reduction_ops, op)
+        hit = k < len(self.reductions) and self.reductions[k].at == op
+        return self.reductions[k] if hit else None
+
+    def reduced_at(self, op: int) -> int | None:
+        """The op before which a gradient made by `op` is reduced (None: at the end)."""
+        k = bisect.bisect_right(self._reduction_ops, op)
+        return self.reductions[k].at if k < len(self.reductions) else None
 
     def layer(self, op: int) -> int:
         """The layer of a forward op (0: before the first cut candidate)."""
@@ -59,7 +91,68 @@ def layer_gathers(graph: Graph, groups: Groups) -> LayerGathers:
     lazy = frozenset(params | remade)
     inputs = _layer_inputs(graph, cuts, lazy, rg.boundary)
     anchor = (None, *inputs[:-1])
-    return LayerGathers(rg, cuts, lazy, frozenset(rg.remake), anchor)
+    lg = LayerGathers(rg, cuts, lazy, frozenset(rg.remake), anchor)
+    return dataclasses.replace(lg, reductions=_reductions(graph, groups, lg))
+
+
+def _reductions(graph: Graph, groups: Groups, lg: LayerGathers) -> tuple[Reduction, ...]:
+    """Where each backward layer's gradients are reduced (`Reduction`). A backward layer
+    starts at the first backward op reading a parameter (or its cast) that a forward layer
+    reads: the backward runs the layers in reverse, so those starts, sorted, cut it into
+    layers (two forward layers starting at one op, a tied embedding read by the head, make
+    one)."""
+    rg = lg.regather
+    read_by: dict[int, set[int]] = {}
+    for op in graph.ops[: rg.boundary + 1]:
+        if op.index not in lg.remake:
+            for t in set(op.inputs) & lg.lazy:
+                read_by.setdefault(t, set()).add(lg.layer(op.index))
+    backward = sorted(rg.backward)
+    first: dict[int, int] = {}
+    for i in backward:
+        for t in set(graph.ops[i].inputs) & lg.lazy:
+            for layer in read_by.get(t, ()):
+                first.setdefault(layer, i)
+    _, update = zero_region(graph, groups)
+    consumers = graph.consumers()
+    out: list[Reduction] = []
+    done = 0  # update ops before this are tied already
+    updates = sorted(update)
+    for after in sorted(set(first.values())):
+        at = _first_backward_reader(graph, rg.boundary, backward, lg.lazy, after)
+        if at is None or (out and out[-1].at == at):
+            continue
+        ends = [
+            t
+            for u in updates[bisect.bisect_left(updates, done) : bisect.bisect_left(updates, at)]
+            for t in graph.ops[u].outputs
+            if graph.tensors[t].ndim
+            and graph.tensors[t].dtype.startswith(("float", "bfloat"))
+            and not any(c in update and c < at for c in consumers[t])
+        ]
+        if ends:
+            out.append(Reduction(at, tuple(ends)))
+            done = at
+    return tuple(out)
+
+
+def _first_backward_reader(
+    graph: Graph, boundary: int, backward: list[int], lazy: frozenset[int], start: int
+) -> int | None:
+    """The first of the `backward` ops (sorted) from `start` on that reads a floating value
+    the backward made (not a parameter's), None where there is none."""
+    for i in backward[bisect.bisect_left(backward, start) :]:
+        for t in graph.ops[i].inputs:
+            x = graph.tensors[t]
+            if (
+                t not in lazy
+                and x.producer is not None
+                and x.producer > boundary
+                and x.dtype.startswith(("float", "bfloat"))
+                and x.size
+            ):
+                return i
+    return None
 
 
 def _layer_inputs(

@@ -7,6 +7,7 @@ that cannot apply here (each refusal names the problem and the fix).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,9 +30,9 @@ from .._groups import (
     zero_mismatch,
 )
 from .._plan import Plan, Spec
-from .._remat import LayerGathers, Recompute, layer_gathers, plan_recompute
+from .._remat import Recompute, layer_gathers, plan_recompute
 from ._distributed import Feed
-from ._fsdp import Gather, eval_layerwise
+from ._fsdp import Layerwise, eval_layerwise
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
 from ._recompute import eval_recomputing
@@ -202,10 +203,11 @@ def _regathers(plan: Plan) -> bool:
     return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1
 
 
-def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> tuple[LayerGathers, Gather]:
-    """ZeRO-3's layers (`_remat.layer_gathers`) and its gather: a sharded parameter made
+def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Layerwise:
+    """ZeRO-3's layers (`_remat.layer_gathers`), its gather: a sharded parameter made
     whole over data after its anchors (`_tied`), so that XLA gathers it where the layer
-    needs it, not all at the start of the step."""
+    needs it, not all at the start of the step; and its gradients' tie (`_after_shards`),
+    so that it reduces them layer by layer, not all at the end."""
     # The anchors' layouts, where the plan says them (a plan read back from specs alone
     # does not: its gathers are then kept apart from each other, not ordered).
     lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
@@ -220,12 +222,13 @@ def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> tuple[Laye
             x = _tied(x, spec, anchors, lay, mesh)  # would be gathered beside it)
         return jax.lax.with_sharding_constraint(x, _sharding(mesh, whole))
 
-    return layer_gathers(graph, groups), gather
+    def tie(grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]]) -> list[Any]:
+        return _after_shards(grads, anchors, plan.constraints, lay, mesh)
+
+    return Layerwise(layer_gathers(graph, groups), gather, tie)
 
 
-def _regathering(
-    graph: Any, layerwise: tuple[LayerGathers, Gather], constrain: Callable, bind: dict
-) -> Callable:
+def _regathering(graph: Any, layerwise: Layerwise, constrain: Callable, bind: dict) -> Callable:
     """The captured program re-run with ZeRO-3's gathers layer by layer (FSDP): each layer
     reads its own gathered copies, the backward gathers them again (`_fsdp.py`)."""
     wanted = [leaf.tensor for leaf in graph.outputs]
@@ -235,7 +238,7 @@ def _regathering(
             leaf.tensor: x
             for leaf, x in zip(graph.inputs, jax.tree_util.tree_leaves(args), strict=True)
         }
-        outs = eval_layerwise(graph, layerwise[0], env, wanted, layerwise[1], constrain, bind)
+        outs = eval_layerwise(graph, layerwise, env, wanted, constrain, bind)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run
@@ -267,12 +270,51 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
     )(x, a)
 
 
+def _after_shards(
+    grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]], constraints, lay, mesh
+) -> list[Any]:
+    """The `anchors`' values, made to depend on the sharded `grads` (the same bits): what
+    reads them waits for the gradients' reduce-scatters, and no later gradient's can be
+    combined with those. As `_tied`, each device selects on an element of its own block
+    of each gradient's shard, so the tie moves nothing between devices. Left as they are
+    where the plan says no layouts (a plan read back from specs alone) or no gradient or
+    anchor can carry a tie."""
+    grads = [(t, g) for t, g in grads if t in constraints and g.ndim and g.size]
+    floats = [
+        k for k, (_, a) in enumerate(anchors) if jnp.issubdtype(a.dtype, jnp.floating) and a.size
+    ]
+    out = [a for _, a in anchors]
+    if not grads or not floats or lay is None:
+        return out
+
+    def local(*blocks: Any) -> list[Any]:
+        firsts = [b.reshape(-1)[0] for b in blocks[: len(grads)]]
+        keep = functools.reduce(jnp.logical_and, [(s == s) | (s != s) for s in firsts])
+        return [jnp.where(keep, a, jnp.zeros_like(a)) for a in blocks[len(grads) :]]
+
+    specs = [PartitionSpec(*lay[anchors[k][0]]) for k in floats]
+    values = [
+        jax.lax.with_sharding_constraint(anchors[k][1], NamedSharding(mesh, spec))
+        for k, spec in zip(floats, specs, strict=True)
+    ]
+    tied = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(*(PartitionSpec(*constraints[t]) for t, _ in grads), *specs),
+        out_specs=specs,
+        check_vma=False,
+    )(*(g for _, g in grads), *values)
+    for k, value in zip(floats, tied, strict=True):
+        out[k] = value
+    return out
+
+
 def _recomputing(
     graph: Any,
     rc: Recompute,
     constrain: Callable,
     bind: dict[int, Callable],
-    layerwise: tuple[LayerGathers, Gather] | None = None,
+    layerwise: Layerwise | None = None,
 ) -> Callable:
     """The captured program re-run with the plan's recompute units (`rc`: layers, or their
     attention cores; `_remat/`) made again in the backward, fixing the plan's internal

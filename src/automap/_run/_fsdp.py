@@ -1,14 +1,15 @@
 """Run a captured program with ZeRO-3's parameters gathered layer by layer (FSDP): each
 forward layer reads its own gathered copies, made once the previous layer's input has
 arrived, and the backward (with the recomputation, under remat) gathers them once more
-after its layer's gradient arrives. `_remat/_fsdp.py` says where the layers are and why
-XLA needs the ties.
+after its layer's gradient arrives; each backward layer's gradients are reduce-scattered
+before the next backward layer starts. `_remat/_fsdp.py` says where the layers are and
+why XLA needs the ties.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -18,6 +19,17 @@ from ._interpret import Constrain, run_op
 
 # gather(parameter, its sharded value, anchors as (tensor, value) pairs) -> whole value
 Gather = Callable[[int, Any, Sequence[tuple[int, Any]]], Any]
+# tie(sharded gradients, anchors, both as (tensor, value) pairs) -> the anchors' values,
+# made to wait for the gradients' reductions
+Tie = Callable[[Sequence[tuple[int, Any]], Sequence[tuple[int, Any]]], list[Any]]
+
+
+class Layerwise(NamedTuple):
+    """ZeRO-3 as FSDP runs it: where its layers are, its gather, and its gradients' tie."""
+
+    lg: LayerGathers
+    gather: Gather
+    tie: Tie
 
 
 class GatheredReads:
@@ -80,22 +92,39 @@ def backward_anchors(graph: Graph, op: int, values: Mapping[int, Any], boundary:
     return [(t, values[t]) for t in graph.ops[op].inputs if made_after(graph, t, boundary)]
 
 
+def reduce_before(graph: Graph, layerwise: Layerwise, values: dict[int, Any], i: int) -> None:
+    """Before op `i`: where a backward layer's gradients are due (`_remat.Reduction`), the
+    op's floating inputs the backward made, in `values`, are replaced by the same values
+    made to wait for the layer's sharded gradients (`Layerwise.tie`): the reduce-scatters
+    run before the next backward layer, each layer's alone."""
+    r = layerwise.lg.reduction(i)
+    if r is None:
+        return
+    anchors = backward_anchors(graph, i, values, layerwise.lg.regather.boundary)
+    anchors = [(t, a) for t, a in anchors if t not in layerwise.lg.lazy]
+    tied = layerwise.tie([(t, values[t]) for t in r.tied if t in values], anchors)
+    values.update(zip((t for t, _ in anchors), tied, strict=True))
+
+
 def eval_layerwise(
     graph: Graph,
-    lg: LayerGathers,
+    layerwise: Layerwise,
     env: Mapping[int, Any],
     wanted: Sequence[int],
-    gather: Gather,
     constrain: Constrain | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
 ) -> list[Any]:
     """The whole program with ZeRO-3's gathers layer by layer (`LayerGathers`): forward ops
     read their layer's gathered copies, backward ops the second gather, the update the
-    shards. `bind[i]` computes op i in place of its primitive, as in `eval_ops`."""
+    shards; each backward layer's gradients are reduced before the next one runs
+    (`reduce_before`). `bind[i]` computes op i in place of its primitive, as in
+    `eval_ops`."""
+    lg = layerwise.lg
     values: dict[int, Any] = dict(graph.const_values)
     values.update(env)
-    reads = GatheredReads(graph, lg, values, gather, constrain, bind)
+    reads = GatheredReads(graph, lg, values, layerwise.gather, constrain, bind)
     for i in range(len(graph.ops)):
+        reduce_before(graph, layerwise, values, i)
         read = layer_read(graph, lg, reads, values, i)
         if read is None:
             continue  # made where it is read, from the gathered parameters

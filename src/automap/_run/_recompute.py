@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import Graph
-from .._remat import LayerGathers, Recompute, made_in_forward
-from ._fsdp import Gather, GatheredReads, backward_anchors, layer_read, outputs
+from .._remat import Recompute, made_in_forward
+from ._fsdp import GatheredReads, Layerwise, backward_anchors, layer_read, outputs, reduce_before
 from ._interpret import Constrain, run_op
 
 
@@ -26,7 +26,7 @@ def eval_recomputing(
     constrain: Constrain | None = None,
     consts: Mapping[int, Any] | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
-    layerwise: tuple[LayerGathers, Gather] | None = None,
+    layerwise: Layerwise | None = None,
 ) -> list[Any]:
     """`_interpret.eval_ops`, except that a backward op (after `rc.boundary`) reading a
     tensor of a recomputed layer reads its recomputed value, made just before the first
@@ -40,8 +40,8 @@ def eval_recomputing(
     done: set[int] = set()
     lg, reads = None, None
     if layerwise is not None:
-        lg = layerwise[0]
-        reads = GatheredReads(graph, lg, values, layerwise[1], constrain, bind)
+        lg = layerwise.lg
+        reads = GatheredReads(graph, lg, values, layerwise.gather, constrain, bind)
 
     def base(i: int) -> Callable[[int], Any] | None:
         return values.__getitem__ if reads is None else layer_read(graph, lg, reads, values, i)
@@ -82,6 +82,9 @@ def eval_recomputing(
 
     for i in ops:
         op = graph.ops[i]
+        if layerwise is not None and i > rc.boundary:
+            # before the gathers and the recompute, which wait for what the op reads
+            reduce_before(graph, layerwise, values, i)
         read = base(i)
         if read is None:
             continue  # made from the parameters alone: where a layer reads it (`_fsdp.py`)

@@ -66,10 +66,12 @@ from .._cost import (
     compute_time,
     early_outputs,
     gathers,
+    gradient_trips,
     memory_terms,
     moments_held,
     partial_slots,
     reduction_copy,
+    reduction_shares,
     set_axes,
 )
 from .._lowering import Lowering
@@ -269,7 +271,7 @@ class MeshTerms:
         points = memory_points(self.space.cluster.lowering, self.T)
         blocks = _Blocks(self.ac, [len(OPTIONS)] * self.n_units, points)
         self._add_scopes(blocks, zero_stage, zero)
-        self._add_gradients(blocks, zero)
+        self._add_gradients(blocks, zero, zero_stage)
         if zero:
             self._add_gathers(blocks, zero_stage)
         if self.space.pruning.masks:
@@ -296,7 +298,7 @@ class MeshTerms:
                 # `_cost/_peaks.busiest_moment`: one point per moment, and the reduction's
                 _, at, _ = moments_held(sc.coefs, L, sc.reduced)
                 base = mem.params + mem.opt + mem.other
-                end = base + sc.reduced * (1.0 + share)
+                end = base + sc.reduced * (reduction_shares(sc.coefs, L)[1] + share)
                 if sc.coefs.moments.outputs is not None:  # beside the outputs no update makes
                     end = end + early_outputs(sc.coefs, L)
                 blocks.add(sc.units, sc.configs, time, (*(base[None, :] + at), end))
@@ -306,7 +308,7 @@ class MeshTerms:
             # is a copy, the update's where the step holds outputs apart.
             peaks = [state + mem.acts]
             if not lowering.all_reduce_in_place:
-                peaks.append(state + sc.reduced)
+                peaks.append(state + reduction_shares(sc.coefs, L)[0] * sc.reduced)
             if self.T.output_coef.any():
                 peaks.append(state - mem.grads + mem.outputs)
             blocks.add(sc.units, sc.configs, time, tuple(peaks))
@@ -315,13 +317,16 @@ class MeshTerms:
             ends[-1] = const
             blocks.add((), None, np.zeros(1), tuple(ends[:, None]))
 
-    def _add_gradients(self, blocks: _Blocks, zero: bool) -> None:
+    def _add_gradients(self, blocks: _Blocks, zero: bool, zero_stage: int) -> None:
         """The gradients' collectives, combined per (slot, kind, axis mask).
 
         With ZeRO the gradients' all-reduce over data is a reduce-scatter where the
         backend has one (`_cost/_kernel.totals`): one combined collective either way.
-        A loop body's gradients are combined per trip, inside the loop (its slot's trips)."""
+        A loop body's gradients are combined per trip, inside the loop (its slot's trips);
+        ZeRO-3 reduces the step's layer by layer (`_cost/_terms.gradient_trips`)."""
         ac = self.ac
+        layout = Layout(np.ones(0), np.ones(0, dtype=bool), self.D if zero else 1.0, zero_stage)
+        combine_trips = gradient_trips(self.coefs, layout, self.T.combine_trips)
         by_kind: dict[tuple[int, int, int], list] = {}
         for key in np.flatnonzero(np.any([sc.grad_any.any(axis=0) for sc in self.scopes], axis=0)):
             slot, rest = divmod(int(key), len(KINDS) * ac.masks)
@@ -334,7 +339,7 @@ class MeshTerms:
                 if sc.grad_any[:, key].any()
             )
         for (slot, kind, mask), parts in by_kind.items():
-            trips = float(self.T.combine_trips[slot])
+            trips = float(combine_trips[slot])
             blocks.combined(kind, mask, parts, indicator=True, trips=trips)
 
     def _add_gathers(self, blocks: _Blocks, zero_stage: int) -> None:
