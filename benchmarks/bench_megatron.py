@@ -36,6 +36,16 @@ peak on the a100 preset; at that rate the 7.5B row's matmuls alone, recompute in
 take about 2.6 s of the published 3.7 s step). Neither the data-parallel all-reduce nor the
 tensor-parallel ones overlap compute, in Megatron-LM of the paper (local DDP) as in XLA
 without its latency-hiding scheduler (off by default).
+
+Since full recomputation runs by transformer layer (`_remat/_units.py`) the 7.5B row is
+0.83 again (4.44 s a step): the recompute now runs the attention output projection and
+its all-reduce once more a layer, as Megatron's does. That is not an over-count: per
+layer and sequence the model charges the forward's matmuls (24sh^2(1 + s/6h), 0.893
+TFLOP), the backward's (twice that) and the recompute's (0.619 TFLOP: all but the second
+MLP matmul, whose output no backward op reads, so XLA drops it, where Megatron's
+checkpointed forward runs it), 3.30 TFLOP against the paper's 96sh^2(1 + s/6h) = 3.57
+(0.92); the recompute adds one tensor-parallel all-reduce a layer to the four of
+forward and backward, where Megatron's adds two.
 """
 
 from __future__ import annotations

@@ -42,9 +42,10 @@ def step_buffers(
     first = np.array([min((x for x in c if x > res.boundary), default=-1) for c in consumers])
 
     remade = lowering.remakes_residuals
-    stored = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
+    once = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
+    again = stand_in_map(graph, consumers, lowering, recomputed=True) if remade else once
 
-    def stand_ins(saved: Iterable[int]) -> set[int]:
+    def stand_ins(saved: Iterable[int], stored=once) -> set[int]:
         out: set[int] = set()
         for r in saved:
             for t in stored(r):
@@ -59,13 +60,13 @@ def step_buffers(
     recomputed: list[int] = []
     blocks = []
     for ts in res.layer_saved if remat else ():
-        again = sorted(stand_ins(ts) - kept)
-        reads = first[again][first[again] >= 0]
+        mine = sorted(stand_ins(ts, again) - kept)
+        reads = first[mine][first[mine] >= 0]
         if len(reads):
-            birth[again] = reads.min()
+            birth[mine] = reads.min()
             made = [graph.tensors[t].producer for t in ts]
             blocks.append((min(made), max(made), reads.min()))
-        recomputed += again
+        recomputed += mine
     in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
     outputs = {leaf.tensor for leaf in graph.outputs}
     ids = [

@@ -157,7 +157,7 @@ class CostModel:
         once (a 1T GPT's Megatron expert prices some 40 partitions of 128 layers)."""
         consumers = self.graph.consumers()
         return tuple(
-            stored_residuals(self.graph, ts, self.cluster.lowering, consumers)
+            stored_residuals(self.graph, ts, self.cluster.lowering, consumers, recomputed=True)
             for ts in self.residuals.layer_saved
         )
 

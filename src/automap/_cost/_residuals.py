@@ -3,7 +3,8 @@
 The jaxpr says what the backward reads from the forward (`Residuals`); XLA stores less: a
 residual its fusion can make again cheaply in each reader (an elementwise chain's result)
 is never written, and the operands it is made from are stored in its place
-(`stored_residuals`). The activations a plan keeps, and the buffers it holds
+(`stored_residuals`); on a GPU, so is a recomputed layer's expensive elementwise result
+(GELU's tanh). The activations a plan keeps, and the buffers it holds
 (`_buffers.step_buffers`), are those stored ones (`kept_residuals`), read on compile-only
 A100s; tests/test_residual_memory.py holds the rules.
 """
@@ -20,7 +21,11 @@ from ._fusion import EXPENSIVE, FUSIBLE, walk_back
 
 
 def stored_residuals(
-    graph: Graph, saved: Iterable[int], lowering: Lowering, consumers=None
+    graph: Graph,
+    saved: Iterable[int],
+    lowering: Lowering,
+    consumers=None,
+    recomputed: bool = False,
 ) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
@@ -32,12 +37,18 @@ def stored_residuals(
     expensive results and reductions stay stored. With `lowering.remakes_residuals` (XLA's
     GPU pipeline), a row normalization's expensive results are made again too
     (`_normalizes`), and a residual converted back to the type it was narrowed from is read
-    as its wider source (`_widened_source`), which is stored or made again in turn."""
+    as its wider source (`_widened_source`), which is stored or made again in turn.
+    `recomputed`: the residuals are a recomputed layer's, made again in its backward
+    (`_remade_from`)."""
     consumers = graph.consumers() if consumers is None else consumers
     start = list(saved)
     if lowering.remakes_residuals:
         start += [u for t in start if (u := _widened_source(graph, consumers, t)) is not None]
-    return tuple(sorted(walk_back(start, lambda t: _remade_from(graph, consumers, t, lowering))))
+
+    def remade_from(t: int) -> list[int] | None:
+        return _remade_from(graph, consumers, t, lowering, recomputed)
+
+    return tuple(sorted(walk_back(start, remade_from)))
 
 
 def kept_residuals(
@@ -48,21 +59,23 @@ def kept_residuals(
     With `lowering.remakes_residuals` (XLA's GPU pipeline) the residuals XLA
     stores (`stored_residuals`) of the jaxpr's: of every residual without remat; with it,
     of those no layer recomputes and the layer inputs, and of the largest layer's (made
-    again by its recompute, alive in its backward). Without, the jaxpr's sets."""
+    again by its recompute, alive in its backward: `recomputed`). Without, the jaxpr's
+    sets."""
     if not lowering.remakes_residuals:
         return res.saved, res.saved_remat
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]
     remat = set(stored_residuals(graph, once, lowering, consumers))
-    remat |= set(stored_residuals(graph, again, lowering, consumers))
+    remat |= set(stored_residuals(graph, again, lowering, consumers, recomputed=True))
     return stored_residuals(graph, res.saved, lowering, consumers), tuple(sorted(remat))
 
 
-def stand_in_map(graph: Graph, consumers, lowering: Lowering):
+def stand_in_map(graph: Graph, consumers, lowering: Lowering, recomputed: bool = False):
     """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
     in its place (r itself, or the operands it is made again from; and its wider source's
-    where a reader converts it back, `_widened_source`)."""
+    where a reader converts it back, `_widened_source`). `recomputed`: of a recomputed
+    layer's residuals."""
     memo: dict[int, frozenset[int]] = {}
 
     def stored(r: int) -> frozenset[int]:
@@ -72,7 +85,7 @@ def stand_in_map(graph: Graph, consumers, lowering: Lowering):
             if t in memo:
                 todo.pop()
                 continue
-            further = _remade_from(graph, consumers, t, lowering)
+            further = _remade_from(graph, consumers, t, lowering, recomputed)
             if further is None:
                 memo[t] = frozenset((t,))
             elif all(i in memo for i in further):
@@ -93,8 +106,19 @@ def stand_in_map(graph: Graph, consumers, lowering: Lowering):
 _CHEAP = ELEMENTWISE | FREE
 
 
-def _remade_from(graph: Graph, consumers, t: int, lowering: Lowering) -> list[int] | None:
-    """The operands XLA makes residual t again from (`stored_residuals`), or None: stored."""
+def _remade_from(
+    graph: Graph, consumers, t: int, lowering: Lowering, recomputed: bool = False
+) -> list[int] | None:
+    """The operands XLA makes residual t again from (`stored_residuals`), or None: stored.
+
+    With `lowering.remakes_residuals` an expensive elementwise result is made again too
+    where it is part of a row normalization (`_normalizes`), or where it is a recomputed
+    layer's (`recomputed`): the first forward makes it in the kernel that feeds its next
+    matmul and keeps it there for the backward (GELU's tanh, stored), but the recompute
+    runs only what the backward reads, so no forward kernel makes it and XLA fuses it
+    into its backward readers, which make it again from the matmul output (read on
+    compile-only A100s: a recomputed GELU's tanh is in no buffer; the backward's one
+    multi-output kernel makes the GELU for the weight gradient and the input gradient)."""
     p = graph.tensors[t].producer
     if p is None:
         return []  # a step input: stored as such, not an activation
@@ -102,7 +126,8 @@ def _remade_from(graph: Graph, consumers, t: int, lowering: Lowering) -> list[in
     remade = (
         op.primitive in _CHEAP
         and (
-            op.primitive not in EXPENSIVE or (lowering.remakes_residuals and _normalizes(graph, t))
+            op.primitive not in EXPENSIVE
+            or (lowering.remakes_residuals and (recomputed or _normalizes(graph, t)))
         )
         and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
     )
