@@ -173,3 +173,18 @@ def test_zero3_reduces_layer_by_layer_on_a100s_as_priced():
     report = verify(spec.step_fn, plan_of(g, groups), *args, target="a100")
     assert report.collectives_match, report.summary()
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
+
+
+def test_a_plan_from_specs_alone_is_reduced_layer_by_layer_as_it_is_priced():
+    # A plan that records no assignment (written by hand, or by another tool) is priced by
+    # the one read back from its specs; the runtime ties its layers by that one too, so it
+    # reduces layer by layer as priced (it reduced everything at the end before).
+    spec, args, g, groups = gpt()
+    bare = dataclasses.replace(plan_of(g, groups), assignment=None)
+    text = compile_plan(spec.step_fn, bare, args, graph=g)[1].as_text()
+    assert (
+        reduction_operands_alive(text)[0] == reduction_operands_alive(compiled(False).as_text())[0]
+    )
+    cpu = Cluster.preset("cpu", devices=8)
+    priced = CostModel(g, cpu, groups)
+    assert priced.estimate(bare).memory_bytes == priced.estimate(plan_of(g, groups)).memory_bytes

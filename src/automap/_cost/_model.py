@@ -77,8 +77,8 @@ import numpy as np
 
 from .._axes import DATA
 from .._cluster import Cluster
-from .._graph import Graph, Role
-from .._groups import Groups, build_groups, regather_plan, rule
+from .._graph import Graph
+from .._groups import Groups, assignment_from_specs, build_groups, regather_plan, rule
 from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
@@ -262,27 +262,8 @@ class CostModel:
         return np.where(ok, codes, 0)
 
     def assignment_from_specs(self, plan: Plan, data_axis: str = DATA) -> dict[int, str]:
-        """Propagate the axes named in a plan's specs and constraints to their groups (the
-        data axis ZeRO adds to parameters and optimizer state is not a group decision)."""
-        out: dict[int, str] = {}
-        role = {leaf.path: leaf.role for leaf in self.graph.inputs}
-        sources = [
-            (leaf.tensor, plan.specs.get(leaf.path), role[leaf.path]) for leaf in self.graph.inputs
-        ]
-        sources += [(t, spec, None) for t, spec in plan.constraints.items()]
-        for t, spec, r in sources:
-            if spec is None or t >= len(self.graph.tensors):
-                continue
-            zero = (r == Role.OPT_STATE and plan.zero_stage >= 1) or (
-                r == Role.PARAM and plan.zero_stage >= 3
-            )
-            for d, e in enumerate(spec[: self.graph.tensors[t].ndim]):
-                axes = [e] if isinstance(e, str) else list(e or ())
-                if zero:
-                    axes = [a for a in axes if a != data_axis]
-                if axes:
-                    out.setdefault(self.groups.of(t, d), axes[0])
-        return out
+        """`_groups.assignment_from_specs` of this model's program."""
+        return assignment_from_specs(self.graph, self.groups, plan, data_axis)
 
     # ---- the kernel -------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ tensor and the Plan (`plan_from_assignment`). DESIGN.md, "Linkage groups".
 """
 
 from ._layouts import Regather as Regather
+from ._layouts import assignment_from_specs as assignment_from_specs
 from ._layouts import expand_classes as expand_classes
 from ._layouts import layouts as layouts
 from ._layouts import lookups as lookups

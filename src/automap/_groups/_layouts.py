@@ -420,3 +420,32 @@ def zero_spec(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int], data_
         if e is not None and shape[d] % (n * math.prod(mesh[a] for a in axes)) == 0:
             return (*spec[:d], (*axes, data_axis), *spec[d + 1 :])
     return spec
+
+
+def assignment_from_specs(
+    graph: Graph, groups: Groups, plan: Plan, data_axis: str = DATA
+) -> dict[int, str]:
+    """A plan's assignment {group: axis} read back from its specs and constraints, for a
+    plan that records none (written by hand, or by another tool): the axes its specs name,
+    propagated to their groups. The data axis ZeRO adds to parameters and optimizer state,
+    and to the gradients and updates its constraints shard, is not a group decision (the
+    batch's is read from the inputs). The cost model prices such a plan by it and the
+    runtime lays ZeRO-3's layer-by-layer ties by it, so both read the plan alike."""
+    out: dict[int, str] = {}
+    role = {leaf.path: leaf.role for leaf in graph.inputs}
+    sources = [(leaf.tensor, plan.specs.get(leaf.path), role[leaf.path]) for leaf in graph.inputs]
+    sources += [(t, spec, None) for t, spec in plan.constraints.items()]
+    for t, spec, r in sources:
+        if spec is None or t >= len(graph.tensors):
+            continue
+        zero = (r == Role.OPT_STATE and plan.zero_stage >= 1) or (
+            r == Role.PARAM and plan.zero_stage >= 3
+        )
+        zero |= r is None and plan.zero_stage >= 1  # a constraint: ZeRO's shards
+        for d, e in enumerate(spec[: graph.tensors[t].ndim]):
+            axes = [e] if isinstance(e, str) else list(e or ())
+            if zero:
+                axes = [a for a in axes if a != data_axis]
+            if axes:
+                out.setdefault(groups.of(t, d), axes[0])
+    return out

@@ -22,6 +22,7 @@ from .._errors import ApplyError, PlanError
 from .._graph import Role
 from .._groups import (
     Groups,
+    assignment_from_specs,
     build_groups,
     layouts,
     lookups,
@@ -208,9 +209,12 @@ def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Layerwise:
     whole over data after its anchors (`_tied`), so that XLA gathers it where the layer
     needs it, not all at the start of the step; and its gradients' tie (`_after_shards`),
     so that it reduces them layer by layer, not all at the end."""
-    # The anchors' layouts, where the plan says them (a plan read back from specs alone
-    # does not: its gathers are then kept apart from each other, not ordered).
-    lay = None if plan.assignment is None else layouts(graph, groups, plan.assignment)
+    # The anchors' layouts: the plan's assignment, or for a plan that records none (from
+    # specs alone) the one the cost model prices it by, read back from its specs.
+    assignment = plan.assignment
+    if assignment is None:
+        assignment = assignment_from_specs(graph, groups, plan)
+    lay = layouts(graph, groups, assignment)
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
@@ -252,7 +256,7 @@ def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mes
     tie moves nothing between devices; `a == a | a != a` holds for every float (NaN too),
     and XLA cannot fold it."""
     floats = [(t, a) for t, a in anchors if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
-    if not floats or lay is None:
+    if not floats:
         return jnp.where((x == x) | (x != x), x, jnp.zeros_like(x))  # apart, if not after
     t, a = floats[0]
     a = jax.lax.with_sharding_constraint(a, _sharding(mesh, lay[t]))  # as the plan lays it
@@ -277,14 +281,13 @@ def _after_shards(
     reads them waits for the gradients' reduce-scatters, and no later gradient's can be
     combined with those. As `_tied`, each device selects on an element of its own block
     of each gradient's shard, so the tie moves nothing between devices. Left as they are
-    where the plan says no layouts (a plan read back from specs alone) or no gradient or
-    anchor can carry a tie."""
+    where no gradient or anchor can carry a tie."""
     grads = [(t, g) for t, g in grads if t in constraints and g.ndim and g.size]
     floats = [
         k for k, (_, a) in enumerate(anchors) if jnp.issubdtype(a.dtype, jnp.floating) and a.size
     ]
     out = [a for _, a in anchors]
-    if not grads or not floats or lay is None:
+    if not grads or not floats:
         return out
 
     def local(*blocks: Any) -> list[Any]:
