@@ -188,7 +188,7 @@ class CostModel:
         # (gradient accumulation) run through the staged runtime, priced above.
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
-        cost = self._finish(st, plan.zero_stage, None, True, split)
+        cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)
         if terms is None:
             return cost
         axis = str(plan.sequence_parallel)
@@ -398,22 +398,35 @@ class CostModel:
         )
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
-    def _layout(self, st: K.State, zero_stage: int, data_axis: str | None) -> tuple[Layout, int]:
+    def _layout(
+        self, st: K.State, zero_stage: int, data_axis: str | None, zero_gather: str = "compute"
+    ) -> tuple[Layout, int]:
         """The plan's layout per set (`_terms.Layout`) and the axis code ZeRO shards over:
-        `data_axis` (default: the mesh's data axis; 0 where there is none)."""
+        `data_axis` (default: the mesh's data axis; 0 where there is none). `zero_gather`:
+        the plan's (`Plan.zero_gather`); what plans are made with, "compute", otherwise
+        (on the mesh's data axis: `plan_from_assignment` keeps masters on no other)."""
         mesh = st.mesh
         if data_axis is None:
             data_axis = DATA if DATA in mesh else None
         d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
         D = self._costs_for(mesh).sizes[d] if d else 1.0
         free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
-        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches), d
+        compute = zero_gather == "compute" and data_axis == DATA
+        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches, compute), d
 
-    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False, split=None) -> Cost:
+    def _finish(
+        self,
+        st: K.State,
+        zero_stage,
+        data_axis,
+        detail: bool = False,
+        split=None,
+        zero_gather: str = "compute",
+    ) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
         combined collectives, and the memory at its busiest moment (`split`: sequence
         parallelism's (`SplitMemory`, 1 - 1/t), its stream tensors held 1/t)."""
-        L, d = self._layout(st, zero_stage, data_axis)
+        L, d = self._layout(st, zero_stage, data_axis, zero_gather)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
         mem = memory_terms(self.coefs, L)
@@ -465,7 +478,7 @@ class CostModel:
             sums,
             ac,
             zero_mask,
-            float(g.nbytes),
+            float(g.total_bytes),
             count,
             self.cluster.lowering,
             self.tables.combine_trips,

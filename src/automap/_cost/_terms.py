@@ -44,6 +44,7 @@ class SetCoefs:
     memory: np.ndarray  # [5, sets] params, opt, acts, remat acts, other
     param: np.ndarray  # [sets] parameter bytes
     gather: np.ndarray  # [sets] what ZeRO-3's gather moves (`Tables.gather_coef`)
+    master: np.ndarray  # [3, sets] masters ZeRO-1/2 may keep on shards (`Tables.master_coef`)
     param_leaves: np.ndarray  # [sets] parameter leaves of rank >= 1
     output: np.ndarray  # [3, sets] outputs held apart (`Tables.output_coef`)
     early_output: np.ndarray  # [3, sets] of those, the ones no update op makes
@@ -61,6 +62,7 @@ class SetCoefs:
             T.memory_coef,
             T.param_coef,
             T.gather_coef,
+            T.master_coef,
             T.param_leaves,
             T.output_coef,
             T.early_output_coef,
@@ -78,6 +80,7 @@ class SetCoefs:
             self.memory[:, sets],
             self.param[sets],
             self.gather[sets],
+            self.master[:, sets],
             self.param_leaves[sets],
             self.output[:, sets],
             self.early_output[:, sets],
@@ -110,6 +113,9 @@ class Layout:
     zero_stage: int = 0
     remat: bool = False
     microbatches: int = 1
+    # ZeRO-1/2 gathers a mixed-precision step's compute-dtype copies, its float32 masters
+    # on shards (`Plan.zero_gather` "compute", what plans are made with; `_groups/_mixed.py`)
+    gathers_compute: bool = True
 
     @property
     def zero(self) -> bool:
@@ -120,6 +126,11 @@ class Layout:
     def zinv(self) -> np.ndarray:
         """`inv` also divided by the data axis where it is not on the set (ZeRO's shard)."""
         return self.inv / np.where(self.free, self.data_size, 1.0)
+
+    @property
+    def sharded_masters(self) -> bool:
+        """ZeRO-1/2 keeps the masters of `SetCoefs.master` on shards."""
+        return self.zero and self.zero_stage < 3 and self.gathers_compute
 
     @property
     def regathers(self) -> bool:
@@ -163,6 +174,9 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     remat, in the recompute)."""
     plain = c.memory @ L.inv
     zeroed = c.memory[:2] @ L.zinv if L.zero else plain
+    params = zeroed[0] if L.zero_stage >= 3 else plain[0]
+    if L.sharded_masters:  # a mixed-precision step's masters on shards (`_mixed.py`)
+        params = params - c.master[0] @ (L.inv - L.zinv)
     acts = (plain[3] if L.remat else plain[2]) / L.microbatches
     if L.regathers:
         acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
@@ -171,7 +185,7 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
         # cast again from its own gather: remat's layers do not keep it (`_fsdp.py`).
         acts = acts - c.regather.layers.remat_kept @ (L.inv * L.free) / L.microbatches
     return Memory(
-        params=zeroed[0] if L.zero_stage >= 3 else plain[0],
+        params=params,
         grads=plain[0],
         opt=zeroed[1] if L.zero_stage >= 1 else plain[1],
         acts=acts,
@@ -185,9 +199,11 @@ def gathers(c: SetCoefs, L: Layout) -> Gathers:
     """ZeRO's all-gathers of the parameters (`_zero.zero_gathers`); none without ZeRO."""
     if not L.zero:
         return Gathers(0.0, 0.0, 0.0)
+    masters = c.master if L.sharded_masters else None
     return zero_gathers(
-        c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat
-    )
+        c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat,
+        masters,
+    )  # fmt: skip
 
 
 def step_moments(c: SetCoefs, L: Layout) -> Moments | None:
