@@ -220,6 +220,10 @@ def test_a_plan_whose_zero_stage_was_edited_is_refused_where_it_is_priced_or_run
     seven = zero_mismatch(g, groups, dataclasses.replace(zero_plan(2), zero_stage=7))
     assert "which is no ZeRO stage (0, 1, 2 or 3)" in seven and "back to 1." in seven
     assert "zero=7" not in seven
+    # So is a mixed-precision plan whose zero_gather was edited: priced gathering float32
+    # weights, it would run gathering their bf16 casts.
+    params = zero_mismatch(g, groups, dataclasses.replace(zero_plan(2), zero_gather="params"))
+    assert "zero_gather='params' but its shardings gather 'compute'" in params
 
 
 def test_estimate_warns_of_zero_over_a_data_axis_the_batch_is_not_on():

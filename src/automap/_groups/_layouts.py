@@ -215,15 +215,22 @@ def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
         return ""
     mesh = {a: n for a, n in plan.mesh.items() if a != PIPE}  # a pipeline's stage mesh
 
-    def shardings(stage: int) -> tuple:
+    def shardings(stage: int, gather: str = plan.zero_gather) -> tuple:
         made = plan_from_assignment(
-            graph, groups, mesh, plan.assignment, zero_stage=stage, zero_gather=plan.zero_gather
+            graph, groups, mesh, plan.assignment, zero_stage=stage, zero_gather=gather
         )
         return dict(made.specs), dict(made.constraints)
 
     own = dict(plan.specs), dict(plan.constraints)
     if shardings(plan.zero_stage) == own:
         return ""
+    other = "params" if plan.zero_gather == "compute" else "compute"
+    if plan.zero_stage in range(4) and shardings(plan.zero_stage, other) == own:
+        return (
+            f"the plan says zero_gather={plan.zero_gather!r} but its shardings gather "
+            f"{other!r} (was it edited?), so it would be priced gathering one and run "
+            f"gathering the other: set zero_gather back to {other!r}."
+        )
     made_at = [k for k in range(4) if k != plan.zero_stage and shardings(k) == own]
     if not made_at:
         return ""  # edited otherwise (specs by hand): nothing to say about ZeRO
