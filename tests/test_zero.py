@@ -264,6 +264,11 @@ def test_zero2_of_a_mixed_precision_step_keeps_its_masters_on_shards_and_gathers
     gathered = {c.kind: c.bytes for c in new.collectives}["all-gather"]
     assert gathered < 0.7 * {c.kind: c.bytes for c in old.collectives}["all-gather"]
     assert new.memory_breakdown["params"] < old.memory_breakdown["params"]
+    # This step donates nothing: its new masters, held beside the old, are shards too
+    # (gathering float32 weights it peaked at the update, holding them whole).
+    masters = sum(g.tensors[t].nbytes for t in cm.tables.masters)
+    held = old.memory_breakdown["outputs"] - new.memory_breakdown["outputs"]
+    assert held >= masters * 7 / 8 and new.memory_bytes < old.memory_bytes
     # The CPU's compile gathers it as priced (16-bit collectives widened to float32 there).
     report = verify(spec.step_fn, plan, *args)
     assert report.collectives_match, report.summary()

@@ -79,10 +79,10 @@ class Tables:
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
-    # [3, n_sets] the outputs held apart from the arguments (a step that donates nothing):
-    # new parameters, new optimizer state, the rest (`_outputs.held_outputs`).
+    # [4, n_sets] the outputs held apart from the arguments (a step that donates nothing):
+    # new parameters, new optimizer state, the rest, new masters (`_outputs.held_outputs`).
     output_coef: np.ndarray
-    # [3, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
+    # [4, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
     early_output_coef: np.ndarray
     # The step's candidate peak moments, without and with rematerialization, where the
     # backend frees each buffer at its last reader (`Lowering.frees_at_last_use`), else None.
@@ -211,7 +211,7 @@ def _memory_columns(inp: TableInputs, n_sets: int) -> dict[str, np.ndarray]:
     other_coef = _by_set(inp, other, n_sets)
     saved, saved_remat = kept_residuals(graph, inp.res, inp.lowering, inp.consumers)
     act_coef, act_remat_coef = _by_set(inp, saved, n_sets), _by_set(inp, saved_remat, n_sets)
-    held = held_outputs(graph)
+    held = held_outputs(graph, narrow_params(graph, inp.update))
     tensor_set = np.array(inp.tset, dtype=np.int64)
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
     return dict(
@@ -251,7 +251,7 @@ def _moment_columns(
         tensor_set=np.array(inp.tset, dtype=np.int64),
         nbytes=np.array([t.nbytes for t in graph.tensors], dtype=float),
         sets=sets,
-        held=held_outputs(graph),
+        held=held_outputs(graph, narrow_params(graph, inp.update)),
     )
     moments = _moments(inp, remat=False, **step)[1]
     again, moments_remat = _moments(inp, remat=True, **step)

@@ -46,8 +46,8 @@ class SetCoefs:
     gather: np.ndarray  # [sets] what ZeRO-3's gather moves (`Tables.gather_coef`)
     master: np.ndarray  # [3, sets] masters ZeRO-1/2 may keep on shards (`Tables.master_coef`)
     param_leaves: np.ndarray  # [sets] parameter leaves of rank >= 1
-    output: np.ndarray  # [3, sets] outputs held apart (`Tables.output_coef`)
-    early_output: np.ndarray  # [3, sets] of those, the ones no update op makes
+    output: np.ndarray  # [4, sets] outputs held apart (`Tables.output_coef`)
+    early_output: np.ndarray  # [4, sets] of those, the ones no update op makes
     regather: RegatherCoefs
     moments: Moments | None
     moments_remat: Moments | None
@@ -191,7 +191,9 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
         acts=acts,
         other=plain[4],
         # The outputs no donated input becomes (`_outputs.py`): made at the update.
-        outputs=held_bytes(c.output, L.inv, L.zinv if L.zero else None, L.zero_stage),
+        outputs=held_bytes(
+            c.output, L.inv, L.zinv if L.zero else None, L.zero_stage, L.sharded_masters
+        ),
     )
 
 
@@ -220,11 +222,12 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
     zinv = L.zinv if L.zero else None
     made = None
     if moments.outputs is not None:
-        made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage)
+        made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage, L.sharded_masters)
     gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
     return moment_bytes(moments, L.inv, reduced, gathered, L.microbatches, copies, made)
 
 
 def early_outputs(c: SetCoefs, L: Layout):
     """The held outputs no update op makes (a loss): alive at the gradients' reduction."""
-    return held_bytes(c.early_output, L.inv, L.zinv if L.zero else None, L.zero_stage)
+    zinv = L.zinv if L.zero else None
+    return held_bytes(c.early_output, L.inv, zinv, L.zero_stage, L.sharded_masters)
