@@ -7,6 +7,7 @@ import pytest
 
 import automap as am
 from automap._bench import compare
+from automap._groups import unzero_spec
 from automap._zoo import get_model
 
 
@@ -49,7 +50,9 @@ def test_vgg_optimum_is_the_one_weird_trick():
     params = {p: s for p, s in specs.items() if p.startswith("[0]") and p.endswith("['kernel']")}
     convs = {p: s for p, s in params.items() if len(s) == 4}
     dense = {p: s for p, s in params.items() if len(s) == 2}
-    assert convs and not any(any(s) for s in convs.values())
+    # The convolutions' float32 masters sit on ZeRO-2's data shards (a bf16 VGG: they are
+    # read only through their casts), their layout splits nothing.
+    assert convs and not any(any(unzero_spec(s, "data")) for s in convs.values())
     assert len(dense) == 3 and all("data" in s for s in dense.values())
 
 

@@ -140,11 +140,17 @@ def test_memory_decreases_with_sharding_and_zero():
     assert casts == pytest.approx((params + again) / 2, rel=0.05)
     # gathered layer by layer: a parameter read by two layers (the tied embedding) twice
     casts += sum(model.tables.gathered[p] * (n - 1) for p, n in layers_reading(g, groups).items())
+    # ZeRO-1/2 of this bf16 step keeps the float32 masters on shards and gathers their
+    # casts (each: the tied table's two), the rest (LayerNorm's, read in float32) whole.
+    masters = model.tables.masters
+    rest = sum(g.tensors[x.tensor].nbytes for x in g.leaves(Role.PARAM) if x.tensor not in masters)
+    cast = sum(model.tables.gathered[t] * n for t, n in masters.items())
+    assert cast + rest < 0.6 * params
     grads = by_key(zero[0])[("all-reduce", "data")].bytes
     for stage in (1, 2, 3):
         k = by_key(zero[stage])
         assert k[("reduce-scatter", "data")].bytes == pytest.approx(grads, rel=0.01)
-        gathered = casts if stage == 3 else params
+        gathered = casts if stage == 3 else cast + rest
         assert k[("all-gather", "data")].bytes == pytest.approx(gathered)
     # Data parallel peaks at the gradients' reduction (the activations are gone by then);
     # unsplit, nothing is reduced and the peak is the activations'.

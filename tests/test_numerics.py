@@ -50,6 +50,7 @@ QUICK = [
     ("mlp", "bfloat16", "gpipe_uniform"),  # a pipeline: microbatches summed per stage
     ("bert-base", "float32", "data_parallel"),  # attention key biases: true gradient 0
     ("gpt2-xl", "bfloat16", "megatron"),
+    ("gpt2-xl", "bfloat16", "zero2"),  # float32 masters on shards, bf16 casts gathered
 ]
 
 

@@ -176,3 +176,16 @@ def test_a_plan_built_in_code_is_held_to_the_same_sizes(field, value):
     """am.apply on such a plan failed with ZeroDivisionError or an empty NamedSharding."""
     with pytest.raises(am.PlanError, match=rf"^the plan: {field}.* must be a whole number"):
         dataclasses.replace(_plan(), **{field: value})
+
+
+def test_zero_gather_is_saved_and_a_version_1_file_reads_as_gathering_the_parameters():
+    raw = _plan().to_dict()
+    assert raw["schema_version"] == 2 and raw["zero_gather"] == "params"
+    assert am.Plan.from_dict(dict(raw, zero_gather="compute")).zero_gather == "compute"
+    # A file saved before the field ran ZeRO-1/2 gathering the float32 parameters.
+    old = {k: v for k, v in raw.items() if k != "zero_gather"} | {"schema_version": 1}
+    assert am.Plan.from_dict(old).zero_gather == "params"
+    with pytest.raises(am.PlanError, match="zero_gather must be 'params' or 'compute'"):
+        am.Plan.from_dict(dict(raw, zero_gather="bf16"))
+    with pytest.raises(am.PlanError, match="zero_gather must be"):
+        dataclasses.replace(_plan(), zero_gather="")

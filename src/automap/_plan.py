@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from ._axes import PIPE
 from ._errors import PlanError
-from ._version import PLAN_SCHEMA_VERSION, __version__
+from ._version import PLAN_SCHEMA_VERSION, READABLE_PLAN_SCHEMAS, __version__
 
 # One entry per tensor dimension: the mesh axis that splits it, several axes, or None.
 SpecEntry = str | tuple[str, ...] | None
@@ -130,6 +130,13 @@ class Plan:
     microbatches: int = 1
     schedule: str = "1f1b"  # a registered schedule's name (`_pipeline.pipeline_schedule`)
     zero_stage: int = 0
+    # What ZeRO-1/2's data axis gathers after the update on shards (`ZERO_GATHERS`):
+    # "params", the new parameters, whose float32 masters every device holds whole;
+    # "compute", as DeepSpeed runs a mixed-precision step, the compute-dtype copies of the
+    # parameters the step reads only through a narrowing cast (their float32 masters stay
+    # on the shards, in and out of the step; `_groups.narrow_params`), the rest as
+    # "params". Ignored by ZeRO-0 and ZeRO-3 (which gathers its casts already).
+    zero_gather: str = "params"
     remat: bool = False  # recompute in the backward; what, by the two fields below
     # "full": each layer's forward (Megatron's full recomputation); "selective": only the
     # attention core of each layer (Korthikanti et al.). Read only when `remat` is set.
@@ -158,6 +165,7 @@ class Plan:
         # a zero or negative size would fail deep inside apply, or draw nothing.
         _check_sizes(self.mesh, self.microbatches, "the plan")
         _check_remat(self.remat_policy, self.remat_layers, "the plan")
+        _check_zero_gather(self.zero_gather, "the plan")
         # Plans built in code the old way, with the assignment among the decisions.
         if "assignment" in self.decisions:
             decisions = dict(self.decisions)
@@ -236,6 +244,7 @@ class Plan:
             "microbatches": self.microbatches,
             "schedule": self.schedule,
             "zero_stage": self.zero_stage,
+            "zero_gather": self.zero_gather,
             "remat": self.remat,
             "remat_policy": self.remat_policy,
             "remat_layers": self.remat_layers,
@@ -250,10 +259,10 @@ class Plan:
         if not isinstance(d, Mapping):
             raise PlanError(f"{source} is not a plan: expected a JSON object at the top level.")
         version = d.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
+        if version not in READABLE_PLAN_SCHEMAS:
             raise PlanError(
                 f"{source} has plan schema version {version!r}; this automap ({__version__}) "
-                f"reads version {PLAN_SCHEMA_VERSION}. Re-create the plan with `automap plan`."
+                f"reads versions {', '.join(map(str, READABLE_PLAN_SCHEMAS))}. Re-create the plan with `automap plan`."
             )
         _check_fields(d, source)
         try:
@@ -276,6 +285,8 @@ class Plan:
                 microbatches=int(d.get("microbatches", 1)),
                 schedule=str(d.get("schedule", "1f1b")),
                 zero_stage=int(d.get("zero_stage", 0)),
+                # Plans saved before the field (version 1) gathered the parameters.
+                zero_gather=str(d.get("zero_gather", "params")),
                 remat=d.get("remat", False),
                 # Plans saved before the policies recomputed every layer in full.
                 remat_policy=str(d.get("remat_policy", "full")),
@@ -358,6 +369,7 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
             f"{source}: zero_stage must be 0, 1, 2 or 3, got {zero!r}; set one of them, "
             f"{_RECREATE}."
         )
+    _check_zero_gather(d.get("zero_gather", "params"), source)
     remat = d.get("remat", False)
     if not isinstance(remat, bool):
         raise PlanError(
@@ -371,6 +383,20 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
             f'write the tensor-parallel axis (e.g. "model") or null, {_RECREATE}.'
         )
     _check_remat(d.get("remat_policy", "full"), d.get("remat_layers"), source)
+
+
+#: What ZeRO-1/2 may gather after the update (`Plan.zero_gather`).
+ZERO_GATHERS = ("params", "compute")
+
+
+def _check_zero_gather(value: Any, source: str) -> None:
+    if value not in ZERO_GATHERS:
+        raise PlanError(
+            f"{source}: zero_gather must be "
+            f'{" or ".join(repr(g) for g in ZERO_GATHERS)}, got {value!r}; write "params" '
+            f'(gather the new parameters) or "compute" (their compute-dtype copies), '
+            f"{_RECREATE}."
+        )
 
 
 #: What a remat plan may recompute (`_remat.plan_recompute` reads them).

@@ -195,7 +195,7 @@ class CostModel:
         # (gradient accumulation) run through the staged runtime, priced above.
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
-        cost = self._finish(st, plan.zero_stage, None, True, split)
+        cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)
         if terms is None:
             return cost
         axis = str(plan.sequence_parallel)
@@ -386,9 +386,13 @@ class CostModel:
         )
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
 
-    def _layout(self, st: K.State, zero_stage: int, data_axis: str | None) -> tuple[Layout, int]:
+    def _layout(
+        self, st: K.State, zero_stage: int, data_axis: str | None, zero_gather: str = "compute"
+    ) -> tuple[Layout, int]:
         """The plan's layout per set (`_terms.Layout`) and the axis code ZeRO shards over:
-        `data_axis` (default: the mesh's data axis; 0 where there is none)."""
+        `data_axis` (default: the mesh's data axis; 0 where there is none). `zero_gather`:
+        the plan's (`Plan.zero_gather`); what plans are made with, "compute", otherwise
+        (on the mesh's data axis: `plan_from_assignment` keeps masters on no other)."""
         mesh = st.mesh
         if data_axis is None:
             data_axis = DATA if DATA in mesh else None
@@ -398,7 +402,11 @@ class CostModel:
         tiles = None
         if self.cluster.lowering.tile_padding:
             tiles = self._tiles(st.codes, mesh, d if zero_stage >= 1 and D > 1 else 0)
-        return Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles), d
+        compute = zero_gather == "compute" and data_axis == DATA
+        layout = Layout(
+            st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles, gathers_compute=compute
+        )
+        return layout, d
 
     def _tiles(self, codes: np.ndarray, mesh: Mapping[str, int], zero_axis: int) -> TileShares:
         """`_tiles.tile_shares` of a layout, once per layout (searchers revisit them)."""
@@ -415,11 +423,19 @@ class CostModel:
     def _tile_table(self) -> TileTable:
         return tile_table(self.graph, self.groups, self.tables.splittable, len(self.tables.sets))
 
-    def _finish(self, st: K.State, zero_stage, data_axis, detail: bool = False, split=None) -> Cost:
+    def _finish(
+        self,
+        st: K.State,
+        zero_stage,
+        data_axis,
+        detail: bool = False,
+        split=None,
+        zero_gather: str = "compute",
+    ) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
         combined collectives, and the memory at its busiest moment (`split`: sequence
         parallelism's (`SplitMemory`, 1 - 1/t), its stream tensors held 1/t)."""
-        L, d = self._layout(st, zero_stage, data_axis)
+        L, d = self._layout(st, zero_stage, data_axis, zero_gather)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
         mem = memory_terms(self.coefs, L)
@@ -471,7 +487,7 @@ class CostModel:
             sums,
             ac,
             zero_mask,
-            float(g.nbytes),
+            float(g.total_bytes),
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),

@@ -21,6 +21,7 @@ parameter from stage 3 (ZeRO-1/2 gather the new parameters whole after the updat
 from __future__ import annotations
 
 import collections
+from collections.abc import Collection
 
 import numpy as np
 
@@ -28,8 +29,9 @@ from .._graph import Graph, Role
 from .._groups import state_inputs
 from ._liveness import NO_BLOCKS, Buffers
 
-#: Rows of `output_coef` and of `Moments.outputs`: what ZeRO does to each.
-NEW_PARAMS, NEW_OPT_STATE, OTHER_OUTPUTS = range(3)
+#: Rows of `output_coef` and of `Moments.outputs`: what ZeRO does to each. NEW_MASTERS:
+#: the new parameters whose float32 masters ZeRO-1/2 may keep on shards (`Tables.masters`).
+NEW_PARAMS, NEW_OPT_STATE, OTHER_OUTPUTS, NEW_MASTERS = range(4)
 _ROW = {Role.PARAM: NEW_PARAMS, Role.OPT_STATE: NEW_OPT_STATE}
 
 
@@ -54,13 +56,14 @@ def aliased_outputs(graph: Graph) -> set[int]:
     return taken
 
 
-def held_outputs(graph: Graph) -> tuple[Buffers, Buffers, Buffers]:
+def held_outputs(graph: Graph, masters: Collection[int] = ()) -> tuple[Buffers, ...]:
     """The outputs held apart from the arguments, as buffers from the op that makes each to
-    the program's last op: (new parameters, new optimizer state, other outputs)."""
+    the program's last op: (new parameters, new optimizer state, other outputs, new
+    parameters of the `masters`)."""
     aliased = aliased_outputs(graph)
     state = state_inputs(graph)
     last = len(graph.ops) - 1
-    rows: list[list[int]] = [[], [], []]
+    rows: list[list[int]] = [[], [], [], []]
     seen: set[int] = set()
     for i, leaf in enumerate(graph.outputs):
         t = graph.tensors[leaf.tensor]
@@ -68,7 +71,8 @@ def held_outputs(graph: Graph) -> tuple[Buffers, Buffers, Buffers]:
             continue
         seen.add(t.id)
         same = state.get(leaf.path)
-        rows[_ROW.get(same.role, OTHER_OUTPUTS) if same else OTHER_OUTPUTS].append(t.id)
+        row = _ROW.get(same.role, OTHER_OUTPUTS) if same else OTHER_OUTPUTS
+        rows[NEW_MASTERS if same and same.tensor in masters else row].append(t.id)
     return tuple(
         Buffers(
             tensor=np.array(ts, dtype=np.int64),
@@ -84,7 +88,7 @@ def held_outputs(graph: Graph) -> tuple[Buffers, Buffers, Buffers]:
 def output_coef(
     held: tuple[Buffers, ...], nbytes: np.ndarray, tensor_set, n_sets: int, before=None
 ):
-    """[3, n_sets] bytes of the held outputs by group set, a row per `held` kind; with
+    """[4, n_sets] bytes of the held outputs by group set, a row per `held` kind; with
     `before` (op indices: the update's), only those made by an op not in it (a loss, a
     BatchNorm's statistics), alive already when the gradients are reduced."""
     rows = []
@@ -95,21 +99,31 @@ def output_coef(
     return np.stack(rows)
 
 
-def held_bytes(coef: np.ndarray, inv: np.ndarray, zinv: np.ndarray | None, zero_stage: int):
-    """Bytes per device of the held outputs under a plan (`coef`: [3, ..., n_sets], as
+def held_bytes(
+    coef: np.ndarray,
+    inv: np.ndarray,
+    zinv: np.ndarray | None,
+    zero_stage: int,
+    sharded_masters: bool = False,
+):
+    """Bytes per device of the held outputs under a plan (`coef`: [4, ..., n_sets], as
     `output_coef` or `Moments.outputs`; `inv` per set, `zinv` the same also divided by
-    the data axis where ZeRO shards, None without ZeRO): a number, or one per moment."""
-    zeroed = None if zinv is None else coef[:2] @ zinv
-    return held_by_kind(coef @ inv, zeroed, zero_stage)
+    the data axis where ZeRO shards, None without ZeRO): a number, or one per moment.
+    `sharded_masters`: ZeRO-1/2 keeps the masters on shards (`_terms.Layout`)."""
+    zeroed = None if zinv is None else coef @ zinv
+    return held_by_kind(coef @ inv, zeroed, zero_stage, sharded_masters)
 
 
-def held_by_kind(plain: np.ndarray, zeroed: np.ndarray | None, zero_stage: int):
-    """The held outputs' bytes from their kinds' (`plain`: [3, ...] as the plan splits
-    them; `zeroed`: [2, ...] new parameters and optimizer state also divided by the data
-    axis, None without ZeRO): ZeRO shards a new moment from stage 1, a new parameter
-    from stage 3. What the shard ILP sums per scope (`_search/_shard_ilp.py`)."""
-    params = zeroed[NEW_PARAMS] if zeroed is not None and zero_stage >= 3 else plain[NEW_PARAMS]
-    state = (
-        zeroed[NEW_OPT_STATE] if zeroed is not None and zero_stage >= 1 else plain[NEW_OPT_STATE]
-    )
-    return params + state + plain[OTHER_OUTPUTS]
+def held_by_kind(
+    plain: np.ndarray, zeroed: np.ndarray | None, zero_stage: int, sharded_masters: bool = False
+):
+    """The held outputs' bytes from their kinds' (`plain`: [4, ...] as the plan splits
+    them; `zeroed`: the same also divided by the data axis, None without ZeRO): ZeRO
+    shards a new moment from stage 1, a new parameter from stage 3, a new master from
+    stage 1 where it keeps the masters on shards, else from stage 3."""
+    on = zeroed is not None
+    params = zeroed[NEW_PARAMS] if on and zero_stage >= 3 else plain[NEW_PARAMS]
+    state = zeroed[NEW_OPT_STATE] if on and zero_stage >= 1 else plain[NEW_OPT_STATE]
+    sharded = on and (zero_stage >= 3 or (zero_stage >= 1 and sharded_masters))
+    masters = zeroed[NEW_MASTERS] if sharded else plain[NEW_MASTERS]
+    return params + state + plain[OTHER_OUTPUTS] + masters

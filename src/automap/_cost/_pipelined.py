@@ -189,7 +189,8 @@ def op_costs(
         # ZeRO's shards, as for one stage (`_terms.compute_time`).
         compute = op_compute(T, st.inv, zero=(st.P, d, lay.data_size))
         key = zero_gradient_keys(model.cluster.lowering, ac, row_grad, key, zero_mask)
-        zero_comm = zero_op_gathers(model, lay, ac, zero_mask, zero_stage, remat)
+        # One program (not `staged`) gathers a mixed-precision step's casts (`_terms.py`).
+        zero_comm = zero_op_gathers(model, lay, ac, zero_mask, zero_stage, remat, not staged)
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))

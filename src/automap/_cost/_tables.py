@@ -18,7 +18,7 @@ import numpy as np
 from .._capture import Residuals, loss_boundary
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, zero_region
+from .._groups import Groups, narrow_params, zero_region
 from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, combined_copies, step_buffers
@@ -69,15 +69,20 @@ class Tables:
     # (`gathered_bytes`), and those summed by set.
     gathered: Mapping[int, float]
     gather_coef: np.ndarray  # [n_sets]
+    # [3, n_sets] the masters ZeRO-1/2 keeps on shards where it gathers compute-dtype
+    # copies (`_groups.narrow_params`): their bytes, what their casts' gathers move
+    # (`gathered`, once per cast: the runtime gathers each), their leaves. Zero for a step computing in its parameters' dtype.
+    master_coef: np.ndarray
+    masters: Mapping[int, int]  # those parameters (tensor id): how many casts each
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
     act_remat_coef: np.ndarray  # same under rematerialization
     memory_coef: np.ndarray  # [5, n_sets] param, opt, act, act_remat, other coefs stacked
-    # [3, n_sets] the outputs held apart from the arguments (a step that donates nothing):
-    # new parameters, new optimizer state, the rest (`_outputs.held_outputs`).
+    # [4, n_sets] the outputs held apart from the arguments (a step that donates nothing):
+    # new parameters, new optimizer state, the rest, new masters (`_outputs.held_outputs`).
     output_coef: np.ndarray
-    # [3, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
+    # [4, n_sets] of those, the ones no update op makes (a loss): alive at the reduction
     early_output_coef: np.ndarray
     # The step's candidate peak moments, without and with rematerialization, where the
     # backend frees each buffer at its last reader (`Lowering.frees_at_last_use`), else None.
@@ -166,6 +171,11 @@ def build_tables(
     gathered = gathered_bytes(graph, inp.consumers, update, lowering.collective_float_bytes)
     gather_coef = np.zeros(n_sets)
     np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
+    narrow = narrow_params(graph, update)
+    master_coef, masters = np.zeros((3, n_sets)), {t: len(c) for t, c in narrow.items()}
+    for t, casts in narrow.items():  # each cast is gathered (a tied table's two, say)
+        moved = gathered[t] * len(casts)
+        np.add.at(master_coef, (slice(None), tset[t]), (graph.tensors[t].nbytes, moved, 1))
     table = sets.table(ng)
     return Tables(
         sets=table,
@@ -175,6 +185,8 @@ def build_tables(
         **_memory_columns(inp, n_sets),
         gathered=gathered,
         gather_coef=gather_coef,
+        master_coef=master_coef,
+        masters=masters,
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
         **_row_columns(partial, rows, compute.recomputed),
         staged_partial_full=row_table(staged, ng, rows.empty),
@@ -199,7 +211,7 @@ def _memory_columns(inp: TableInputs, n_sets: int) -> dict[str, np.ndarray]:
     other_coef = _by_set(inp, other, n_sets)
     saved, saved_remat = kept_residuals(graph, inp.res, inp.lowering, inp.consumers)
     act_coef, act_remat_coef = _by_set(inp, saved, n_sets), _by_set(inp, saved_remat, n_sets)
-    held = held_outputs(graph)
+    held = held_outputs(graph, narrow_params(graph, inp.update))
     tensor_set = np.array(inp.tset, dtype=np.int64)
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
     return dict(
@@ -244,7 +256,7 @@ def _moment_columns(
         tensor_set=np.array(inp.tset, dtype=np.int64),
         nbytes=np.array([t.nbytes for t in graph.tensors], dtype=float),
         sets=sets,
-        held=held_outputs(graph),
+        held=held_outputs(graph, narrow_params(graph, inp.update)),
     )
     moments = _moments(inp, remat=False, **step)[1]
     again, moments_remat = _moments(inp, remat=True, **step)

@@ -45,9 +45,10 @@ class SetCoefs:
     memory: np.ndarray  # [5, sets] params, opt, acts, remat acts, other
     param: np.ndarray  # [sets] parameter bytes
     gather: np.ndarray  # [sets] what ZeRO-3's gather moves (`Tables.gather_coef`)
+    master: np.ndarray  # [3, sets] masters ZeRO-1/2 may keep on shards (`Tables.master_coef`)
     param_leaves: np.ndarray  # [sets] parameter leaves of rank >= 1
-    output: np.ndarray  # [3, sets] outputs held apart (`Tables.output_coef`)
-    early_output: np.ndarray  # [3, sets] of those, the ones no update op makes
+    output: np.ndarray  # [4, sets] outputs held apart (`Tables.output_coef`)
+    early_output: np.ndarray  # [4, sets] of those, the ones no update op makes
     regather: RegatherCoefs
     moments: Moments | None
     moments_remat: Moments | None
@@ -62,6 +63,7 @@ class SetCoefs:
             T.memory_coef,
             T.param_coef,
             T.gather_coef,
+            T.master_coef,
             T.param_leaves,
             T.output_coef,
             T.early_output_coef,
@@ -79,6 +81,7 @@ class SetCoefs:
             self.memory[:, sets],
             self.param[sets],
             self.gather[sets],
+            self.master[:, sets],
             self.param_leaves[sets],
             self.output[:, sets],
             self.early_output[:, sets],
@@ -116,6 +119,9 @@ class Layout:
     # Where the backend lays arrays in tiles (`Lowering.tile_padding`), the bytes each
     # set's arrays take per byte of their shards in this layout (`_tiles.tile_shares`).
     tiles: TileShares | None = None
+    # ZeRO-1/2 gathers a mixed-precision step's compute-dtype copies, its float32 masters
+    # on shards (`Plan.zero_gather` "compute", what plans are made with; `_groups/_mixed.py`)
+    gathers_compute: bool = True
 
     @property
     def zero(self) -> bool:
@@ -126,6 +132,11 @@ class Layout:
     def zinv(self) -> np.ndarray:
         """`inv` also divided by the data axis where it is not on the set (ZeRO's shard)."""
         return self.inv / np.where(self.free, self.data_size, 1.0)
+
+    @property
+    def sharded_masters(self) -> bool:
+        """ZeRO-1/2 keeps the masters of `SetCoefs.master` on shards."""
+        return self.zero and self.zero_stage < 3 and self.gathers_compute
 
     @property
     def regathers(self) -> bool:
@@ -199,6 +210,9 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
     zeroed = plain
     if L.zero:
         zeroed = (c.memory[:2] if L.tiles is None else c.memory[:2] * L.tiles.zero) @ L.zinv
+    params = zeroed[0] if L.zero_stage >= 3 else plain[0]
+    if L.sharded_masters:  # a mixed-precision step's masters on shards (`_mixed.py`)
+        params = params - c.master[0] @ (L.inv - L.zinv)
     acts = (plain[3] if L.remat else plain[2]) / L.microbatches
     if L.regathers:
         acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
@@ -208,13 +222,15 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
         acts = acts - c.regather.layers.remat_kept @ (L.inv * L.free) / L.microbatches
     largest, _ = reduction_shares(c, L)
     return Memory(
-        params=zeroed[0] if L.zero_stage >= 3 else plain[0],
+        params=params,
         grads=plain[0] * (largest + 1 / L.data_size) if layered(c, L) else plain[0],
         opt=zeroed[1] if L.zero_stage >= 1 else plain[1],
         acts=acts,
         other=plain[4],
         # The outputs no donated input becomes (`_outputs.py`): made at the update.
-        outputs=held_bytes(c.output, L.inv, L.zinv if L.zero else None, L.zero_stage),
+        outputs=held_bytes(
+            c.output, L.inv, L.zinv if L.zero else None, L.zero_stage, L.sharded_masters
+        ),
     )
 
 
@@ -222,9 +238,11 @@ def gathers(c: SetCoefs, L: Layout) -> Gathers:
     """ZeRO's all-gathers of the parameters (`_zero.zero_gathers`); none without ZeRO."""
     if not L.zero:
         return Gathers(0.0, 0.0, 0.0)
+    masters = c.master if L.sharded_masters else None
     return zero_gathers(
-        c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat
-    )
+        c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat,
+        masters,
+    )  # fmt: skip
 
 
 def step_moments(c: SetCoefs, L: Layout) -> Moments | None:
@@ -241,7 +259,7 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
     zinv = L.zinv if L.zero else None
     made = None
     if moments.outputs is not None:
-        made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage)
+        made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage, L.sharded_masters)
     gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
     inv = L.inv if L.tiles is None else L.inv * L.tiles.made
     shard = 1 / L.data_size if layered(c, L) else None  # reduced layer by layer
@@ -250,4 +268,5 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
 
 def early_outputs(c: SetCoefs, L: Layout):
     """The held outputs no update op makes (a loss): alive at the gradients' reduction."""
-    return held_bytes(c.early_output, L.inv, L.zinv if L.zero else None, L.zero_stage)
+    zinv = L.zinv if L.zero else None
+    return held_bytes(c.early_output, L.inv, zinv, L.zero_stage, L.sharded_masters)

@@ -40,7 +40,7 @@ from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
 from ._deferred import deferred_weight_bytes
 from ._fusion import FUSIBLE
-from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
+from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
@@ -309,6 +309,7 @@ def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> di
     new state is written beside the old and kept until the step returns."""
     kinds = held_outputs(graph)
     on = {NEW_PARAMS: zero_stage >= 3, NEW_OPT_STATE: zero_stage >= 1, OTHER_OUTPUTS: False}
+    on[NEW_MASTERS] = on[NEW_PARAMS]  # a pipeline's stages gather the new parameters
     return {
         int(t): zeroed(int(t), on[k])
         for k, b in enumerate(kinds)

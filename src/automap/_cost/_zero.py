@@ -137,21 +137,39 @@ class Gathers:
     in `combined` collectives where there are any (XLA's all-gather combiner joins the
     gathers that wait for the same value: one for the whole step, or one per forward layer
     when ZeRO-3 gathers layer by layer); `calls` more collectives, one per leaf, that
-    ZeRO-3 gathers again (in the backward, or a recompute)."""
+    ZeRO-3 gathers again (in the backward, or a recompute). ZeRO-1/2 keeping a
+    mixed-precision step's masters on shards gathers their casts apart, where the step
+    starts: `cast_nbytes` in one more collective where `cast_leaves` are left to gather."""
 
     nbytes: float | np.ndarray
     leaves: float | np.ndarray
     calls: float | np.ndarray
     combined: float = 1.0
+    cast_nbytes: float | np.ndarray = 0.0
+    cast_leaves: float | np.ndarray = 0.0
 
     @property
     def count(self) -> float | np.ndarray:
-        """The collectives in all: `combined` where a leaf is left to gather, and `calls`."""
-        return self.combined * (self.leaves > 0) + self.calls
+        """The collectives in all: `combined` where a leaf is left to gather, one more
+        where a master's cast is, and `calls`."""
+        return self.combined * (self.leaves > 0) + (self.cast_leaves > 0) + self.calls
+
+    @property
+    def total_bytes(self) -> float | np.ndarray:
+        """The bytes of every gather."""
+        return self.nbytes + self.cast_nbytes
 
 
 def zero_gathers(
-    param_coef, gather_coef, param_leaves, rg: RegatherCoefs, inv, free, zero_stage: int, remat
+    param_coef,
+    gather_coef,
+    param_leaves,
+    rg: RegatherCoefs,
+    inv,
+    free,
+    zero_stage: int,
+    remat,
+    masters=None,
 ) -> Gathers:
     """ZeRO's gathers under a layout (`inv`: per set, 1 / divisor; `free`: per set, not
     split on data; both [sets, ...]). Parameters not already split on data are gathered:
@@ -159,9 +177,14 @@ def zero_gathers(
     layer by layer where the step has a loss (`_fsdp.py`: each forward layer's, one
     combined collective per layer, and once more each in the backward, one per leaf,
     under remat serving the recompute too), else once for use (what the step reads, a
-    cast say: `gather_coef`)."""
+    cast say: `gather_coef`). `masters` ([3, sets], `Tables.master_coef`), where ZeRO-1/2
+    keeps a mixed-precision step's masters on shards: those are gathered at their casts'
+    width where the step starts, in a combined collective of their own."""
     free_inv = inv * free
     G = rg.layers
+    if zero_stage < 3 and masters is not None:
+        rest = (param_coef - masters[0]) @ free_inv, (param_leaves - masters[2]) @ free
+        return Gathers(*rest, 0.0, 1.0, masters[1] @ free_inv, masters[2] @ free)
     if zero_stage < 3:
         return Gathers(param_coef @ free_inv, param_leaves @ free, 0.0)
     if G is None:
@@ -195,16 +218,35 @@ def zero_leaves(graph, lay: Layouts, gathered: Mapping[int, float] | None = None
             yield t, whole * lay.inv[t], int(graph.tensors[t].ndim > 0)
 
 
-def zero_op_gathers(model, lay, ac, zero_mask: int, zero_stage: int, remat: bool):
+def zero_op_gathers(
+    model, lay, ac, zero_mask: int, zero_stage: int, remat: bool, masters: bool = False
+):
     """[n_ops] seconds of ZeRO's all-gathers, on the first op reading each parameter. Each
     parameter not already split on data is gathered once per step: after its sharded
     update (ZeRO-1/2) or, whole batch in one program, where it is first used (ZeRO-3;
     `stage_costs` charges every program that reads it). One program gathers them all in
     one combined collective, shared by bytes. Under remat the recompute gathers again, one
-    by one, what its ops read (ZeRO-3: `add_zero_gathers`, and the one-stage model)."""
-    graph = model.graph
+    by one, what its ops read (ZeRO-3: `add_zero_gathers`, and the one-stage model).
+    `masters`: ZeRO-1/2 of one program keeps a mixed-precision step's masters on shards
+    (`Tables.masters`): their casts are gathered apart, as `zero_gathers` prices them."""
+    graph, T = model.graph, model.tables
+    if masters and zero_stage < 3 and T.masters:
+        out = np.zeros(len(graph.ops))
+        readers = graph.consumers()
+        for kept in (False, True):  # the rest, then the masters' casts: two collectives
+            leaves = [
+                (t, b, c)
+                for t, b, c in zero_leaves(graph, lay, T.gathered)
+                if (t in T.masters) == kept
+            ]
+            if kept:  # each cast of a master is gathered (`Tables.master_coef`)
+                leaves = [(t, b * T.masters[t], c) for t, b, c in leaves]
+            else:  # the rest is gathered at its own width
+                leaves = [(t, graph.tensors[t].nbytes * lay.inv[t], c) for t, _, c in leaves]
+            out += _shared(leaves, readers, ac, zero_mask, len(graph.ops))
+        return out
     out = np.zeros(len(graph.ops))
-    gathered = model.tables.gathered if zero_stage >= 3 else None
+    gathered = T.gathered if zero_stage >= 3 else None
     readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
     recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
     again = [(t, b) for t, b, c in leaves if c and any(i in recomputed for i in readers[t])]
@@ -212,6 +254,19 @@ def zero_op_gathers(model, lay, ac, zero_mask: int, zero_stage: int, remat: bool
     if total and any(c for *_, c in leaves):
         seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
         for t, b in [(t, b) for t, b, _ in leaves] + again:
+            out[(readers[t] or (0,))[0]] += seconds * b / total
+    return out
+
+
+def _shared(leaves, readers, ac, zero_mask: int, n_ops: int) -> np.ndarray:
+    """[n_ops] one combined all-gather of `leaves` ((tensor, bytes, rank >= 1)), its
+    seconds shared by bytes among each leaf's first reader; none without a leaf of rank
+    >= 1 (as `_kernel.totals` counts it)."""
+    out = np.zeros(n_ops)
+    total = sum(b for _, b, _ in leaves)
+    if total and any(c for *_, c in leaves):
+        seconds = ac.time1(C.AG, zero_mask, total, 1)
+        for t, b, _ in leaves:
             out[(readers[t] or (0,))[0]] += seconds * b / total
     return out
 

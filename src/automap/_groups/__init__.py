@@ -22,6 +22,9 @@ from ._linkage import Group as Group
 from ._linkage import Groups as Groups
 from ._linkage import build_groups as build_groups
 from ._linkage import group_partners as group_partners
+from ._mixed import cast_shards as cast_shards
+from ._mixed import gathers_compute as gathers_compute
+from ._mixed import narrow_params as narrow_params
 from ._rules import ARG_REDUCE as ARG_REDUCE
 from ._rules import ELEMENTWISE as ELEMENTWISE
 from ._rules import FREE as FREE

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from .._axes import DATA, PIPE
 from .._capture import find_residuals, loss_boundary
 from .._graph import Graph, InputLeaf, Role, TensorKind
 from .._plan import Plan, Spec
 from ._linkage import Groups
+from ._mixed import gathers_compute, narrow_params
 
 #: An input or output path's leading argument position (`[1]` of `[1]['mu']...`).
 _POSITION = re.compile(r"^\[\d+\]")
@@ -63,22 +64,31 @@ def plan_from_assignment(
     name: str = "",
     zero_stage: int = 0,
     data_axis: str = DATA,
+    zero_gather: str = "compute",
 ) -> Plan:
     """The plan that realizes an assignment: input/output specs and internal constraints.
     With ZeRO, the gradients and the optimizer update are pinned to the ZeRO layout (one
-    stage and pipeline stages alike)."""
+    stage and pipeline stages alike). `zero_gather` (`Plan.zero_gather`): what ZeRO-1/2
+    gathers where the step is mixed-precision; the plan records "compute" only where that
+    changes anything (`_mixed.py`)."""
     assignment = _takeable(groups, mesh, assignment)
     lay = layouts(graph, groups, assignment)
-    specs = _input_specs(graph, lay, mesh, zero_stage, data_axis)
+    narrow: dict[int, tuple[int, ...]] = {}
+    if data_axis == DATA and gathers_compute(zero_stage, mesh, zero_gather):
+        narrow = narrow_params(graph, zero_region(graph, groups)[1])
+    specs = _input_specs(graph, lay, mesh, zero_stage, data_axis, set(narrow))
     constraints = _anchors(graph, groups, lay, mesh, assignment, zero_stage)
     if zero_stage >= 1 and mesh.get(data_axis, 1) > 1:
         constraints.update(_zero_constraints(graph, groups, lay, mesh, data_axis))
+    # The casts of masters kept on shards are gathered whole (their layout's).
+    constraints.update((c, lay[c]) for casts in narrow.values() for c in casts)
     return Plan(
         mesh=dict(mesh),
         specs=specs,
         out_specs=_output_specs(graph, lay, specs),
         constraints=constraints,
         zero_stage=zero_stage,
+        zero_gather="compute" if narrow else "params",
         name=name,
         assignment={int(g): a for g, a in sorted(assignment.items())},
     )
@@ -99,15 +109,21 @@ def _takeable(
 
 
 def _input_specs(
-    graph: Graph, lay: tuple[Spec, ...], mesh: Mapping[str, int], zero_stage: int, data_axis: str
+    graph: Graph,
+    lay: tuple[Spec, ...],
+    mesh: Mapping[str, int],
+    zero_stage: int,
+    data_axis: str,
+    masters: Collection[int] = (),
 ) -> dict[str, Spec]:
-    """Each input leaf's spec: its layout, sharded over data as ZeRO's stage asks."""
+    """Each input leaf's spec: its layout, sharded over data as ZeRO's stage asks (and
+    the float32 `masters` ZeRO-1/2 keeps on shards, `_mixed.py`)."""
     specs: dict[str, Spec] = {}
     for leaf in graph.inputs:
         spec = lay[leaf.tensor]
         shape = graph.tensors[leaf.tensor].shape
         zero = (leaf.role == Role.OPT_STATE and zero_stage >= 1) or (
-            leaf.role == Role.PARAM and zero_stage >= 3
+            leaf.role == Role.PARAM and (zero_stage >= 3 or leaf.tensor in masters)
         )
         if zero and data_axis in mesh and mesh[data_axis] > 1:
             spec = zero_spec(spec, shape, mesh, data_axis)
@@ -199,13 +215,22 @@ def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
         return ""
     mesh = {a: n for a, n in plan.mesh.items() if a != PIPE}  # a pipeline's stage mesh
 
-    def shardings(stage: int) -> tuple:
-        made = plan_from_assignment(graph, groups, mesh, plan.assignment, zero_stage=stage)
+    def shardings(stage: int, gather: str = plan.zero_gather) -> tuple:
+        made = plan_from_assignment(
+            graph, groups, mesh, plan.assignment, zero_stage=stage, zero_gather=gather
+        )
         return dict(made.specs), dict(made.constraints)
 
     own = dict(plan.specs), dict(plan.constraints)
     if shardings(plan.zero_stage) == own:
         return ""
+    other = "params" if plan.zero_gather == "compute" else "compute"
+    if plan.zero_stage in range(4) and shardings(plan.zero_stage, other) == own:
+        return (
+            f"the plan says zero_gather={plan.zero_gather!r} but its shardings gather "
+            f"{other!r} (was it edited?), so it would be priced gathering one and run "
+            f"gathering the other: set zero_gather back to {other!r}."
+        )
     made_at = [k for k in range(4) if k != plan.zero_stage and shardings(k) == own]
     if not made_at:
         return ""  # edited otherwise (specs by hand): nothing to say about ZeRO

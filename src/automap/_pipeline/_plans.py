@@ -178,10 +178,12 @@ def pipeline_plan(
         raise PlanError(f"pipeline cuts {list(cuts)} must be ascending and after op 0.")
     # With ZeRO, as for one stage: the gradients and the update pinned to the ZeRO layout.
     # A stage sums its gradients whole over the microbatches and its "reduce" program
-    # reduce-scatters them into that layout once per step (`_run/_accumulate.py`).
+    # reduce-scatters them into that layout once per step (`_run/_accumulate.py`). Its
+    # POST program gathers the new parameters (`Plan.zero_gather` "compute" is one stage's).
     inner = plan_from_assignment(
-        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage
-    )
+        graph, groups, stage_mesh, assignment, name=name, zero_stage=zero_stage,
+        zero_gather="params",
+    )  # fmt: skip
     per = math.prod(stage_mesh.values()) if stage_mesh else 1
     stops = [*cuts, len(graph.ops)]
     groups = len(starts) // virtual_stages

@@ -24,11 +24,13 @@ from .._groups import (
     Groups,
     assignment_from_specs,
     build_groups,
+    cast_shards,
     layouts,
     lookups,
     sequence_as_recorded,
     unzero_spec,
     zero_mismatch,
+    zero_region,
 )
 from .._plan import Plan, Spec
 from .._remat import Recompute, layer_gathers, plan_recompute
@@ -166,8 +168,17 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
             )
         check_divisible(f"internal tensor {tid}", graph.tensors[tid].shape, spec, plan.mesh)
     shardings = {tid: _sharding(mesh, spec) for tid, spec in plan.constraints.items()}
+    # ZeRO-1/2 gathering compute-dtype copies (`_groups.cast_shards`): each cast made on
+    # the master's shard, then gathered; pinned whole alone, XLA's GPU compiler gathers
+    # the float32 weight a matmul reads and casts it after (twice the bytes).
+    shards = {
+        t: _sharding(mesh, spec)
+        for t, spec in cast_shards(graph, plan, zero_region(graph, groups)[1]).items()
+    }
 
     def constrain(tid: int, value: Any) -> Any:
+        if tid in shards:
+            value = jax.lax.with_sharding_constraint(value, shards[tid])
         s = shardings.get(tid)
         return value if s is None else jax.lax.with_sharding_constraint(value, s)
 

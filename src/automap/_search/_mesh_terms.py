@@ -346,12 +346,15 @@ class MeshTerms:
         """ZeRO's all-gathers of the parameters, combined into one (ZeRO-3: one per forward
         layer, `Gathers.combined`, the step's whichever scope); with ZeRO-3 also the
         backward's, one per leaf (`_cost/_zero.zero_gathers`)."""
-        parts, trips = [], 1.0
+        parts, casts, trips = [], [], 1.0
         for sc in self.scopes:
             g = gathers(sc.coefs, sc.layout(self.D, zero_stage))
             parts.append((sc, (g.leaves > 0).astype(float), g.nbytes, g.calls))
             trips = g.combined
+            casts.append((sc, np.asarray(g.cast_leaves > 0, dtype=float), g.cast_nbytes, 0.0))
         blocks.combined(AG, int(self.ac.bit[self.d]), parts, indicator=True, trips=trips)
+        if any(np.any(c[1]) for c in casts):  # ZeRO-1/2's masters' casts: their own gather
+            blocks.combined(AG, int(self.ac.bit[self.d]), casts, indicator=True)
 
     def _add_masks(self, blocks: _Blocks) -> None:
         """The pairwise masks as infinite time: one mesh axis twice in one tensor, and a
