@@ -70,14 +70,16 @@ def test_masks_keep_stages_non_empty_and_priced_as_estimate_pipeline(gpt):
     rng = np.random.default_rng(0)
     for _ in range(12):
         decisions = _random_episode(process, rng)
-        cuts = process._cuts
-        assert len(cuts) == process._stages - 1
+        _, _, cuts, chunks = process._point()  # interleaved (chunks > 1): no cut decided
+        assert len(cuts) == process._stages * chunks - 1
+        assert len(process._cuts) == (process._stages - 1 if chunks == 1 else 0)
         # Stage s covers segments cuts[s-1]+1 .. cuts[s]; the last one ends at n_cands.
         pairs = zip([-1, *cuts], [*cuts, n_cands], strict=True)
         assert all(a < b for a, b in pairs)
         time_s, feasible, _ = process.result()
         plan = process.to_plan(decisions)
-        assert plan.mesh["pipe"] == len(plan.stages) == len(cuts) + 1
+        assert plan.mesh["pipe"] * chunks == len(plan.stages) == len(cuts) + 1
+        assert plan.virtual_stages == chunks
         assert plan.predicted.step_time_s == pytest.approx(time_s, rel=1e-12)
         assert estimate_pipeline(problem.cost_model, plan).cost.feasible == feasible
 

@@ -244,8 +244,7 @@ def _dqn_pipeline(
         # Each stage count with its quick-picked stages, the most microbatches, balanced cuts.
         for k, S in enumerate(process.stage_choices):
             if S & (S - 1) == 0:
-                m = len(process.micro_choices(process.intra(S), S)) - 1
-                seeds.append((k, m, *(2,) * (S - 1)))
+                seeds.append(process.seed(k))
     else:
         for mesh, assignment, zero in expert_assignments(
             space.graph, space.groups, space.cluster
