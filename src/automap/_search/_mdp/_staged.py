@@ -216,15 +216,24 @@ class StagedProcess(abc.ABC):
 class PipelineProcess(StagedProcess):
     """DecisionProcess of the pipeline task (see the module doc)."""
 
-    def __init__(self, pricer: PipelinePricer, baseline_time: float, stage_choices=None):
+    def __init__(
+        self,
+        pricer: PipelinePricer,
+        baseline_time: float,
+        stage_choices=None,
+        techniques: bool = True,
+    ):
         devices = pricer.model.cluster.devices
         choices = stage_choices or stage_counts(devices, len(pricer.cands))
         super().__init__(pricer, baseline_time, choices)
+        # False: the 2021 space (no recomputation, sequence parallelism or interleaving),
+        # to measure what the agent learns of the microbatches and cuts alone.
+        self.techniques = techniques
         self._intra: dict[int, Intra] = {}
         self.reset()
 
     def fresh(self) -> PipelineProcess:
-        return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices)
+        return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices, self.techniques)
 
     def reset(self) -> None:
         self._actions: list[int] = []
@@ -242,6 +251,8 @@ class PipelineProcess(StagedProcess):
             return STAGES
         if self._m is None:
             return MICRO
+        if not self.techniques:
+            return _CUT
         technique = self._technique_phase(self.intra(self._stages), self._stages, self._m)
         return _CUT if technique is None else technique
 
