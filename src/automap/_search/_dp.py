@@ -79,8 +79,8 @@ def one_chunk(schedule: PipelineSchedule) -> None:
         raise PlanError(
             f"the pipeline search's stage DP cuts one stage per device group; schedule "
             f"{schedule.name!r} runs {schedule.chunks} chunks per group: search with "
-            "schedule '1f1b' (the dp searcher then tries interleaving its best pipelines, "
-            "v = 2 or 3), or price an interleaved configuration with am.Recipe(schedule="
+            "schedule '1f1b' (the dp and dqn searchers then try interleaving, v = 2 or 3, "
+            "on chunks of equal layers), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
 
