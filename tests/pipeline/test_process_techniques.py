@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._axes import DATA, MODEL
 from automap._cost import estimate_pipeline
 from automap._search import (
     PipelinePricer,
@@ -28,6 +27,7 @@ from automap._space import ShardSpace, axis_assignment, batch_groups, block_grou
 from automap._zoo import get_model
 
 SMALL = dict(layers=4, hidden=64, heads=4, batch=16, seq=16)
+DATA, MODEL = "data", "model"  # the mesh axes a plan names
 REMAT_CHOICES = {0: (False, "full"), 1: (True, "selective"), 2: (True, "full")}
 
 
