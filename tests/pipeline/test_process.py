@@ -70,14 +70,16 @@ def test_masks_keep_stages_non_empty_and_priced_as_estimate_pipeline(gpt):
     rng = np.random.default_rng(0)
     for _ in range(12):
         decisions = _random_episode(process, rng)
-        cuts = process._cuts
-        assert len(cuts) == process._stages - 1
+        _, _, cuts, chunks = process._point()  # interleaved (chunks > 1): no cut decided
+        assert len(cuts) == process._stages * chunks - 1
+        assert len(process._cuts) == (process._stages - 1 if chunks == 1 else 0)
         # Stage s covers segments cuts[s-1]+1 .. cuts[s]; the last one ends at n_cands.
         pairs = zip([-1, *cuts], [*cuts, n_cands], strict=True)
         assert all(a < b for a, b in pairs)
         time_s, feasible, _ = process.result()
         plan = process.to_plan(decisions)
-        assert plan.mesh["pipe"] == len(plan.stages) == len(cuts) + 1
+        assert plan.mesh["pipe"] * chunks == len(plan.stages) == len(cuts) + 1
+        assert plan.virtual_stages == chunks
         assert plan.predicted.step_time_s == pytest.approx(time_s, rel=1e-12)
         assert estimate_pipeline(problem.cost_model, plan).cost.feasible == feasible
 
@@ -140,10 +142,10 @@ def test_dqn_finds_the_two_stage_optimum_at_least_as_often_as_random(gpt):
     """Two stages: the optimum over every microbatch count and every cut is enumerated;
     over 8 seeds and 8 episodes each the DQN reaches it at least as often as uniform
     random valid actions. (At this budget the agent has not trained yet: the two tie,
-    4 of 8 each; see the note.)"""
+    4 of 8 each; see the note.) The 2021 space: the microbatches and the cuts alone."""
     _, problem, _, base = gpt
     pricer = PipelinePricer(problem.cost_model)
-    process = PipelineProcess(pricer, base, stage_choices=(2,))
+    process = PipelineProcess(pricer, base, stage_choices=(2,), techniques=False)
     intra = process.intra(2)
     optimum = min(
         pricer.price(intra, m, (i,)).cost.step_time_s

@@ -40,6 +40,7 @@ from .._cost import (
 )
 from .._errors import PlanError
 from .._graph import Graph
+from .._groups import sequence_parallel
 from .._pipeline import (
     PipelineSchedule,
     cut_candidates,
@@ -78,8 +79,8 @@ def one_chunk(schedule: PipelineSchedule) -> None:
         raise PlanError(
             f"the pipeline search's stage DP cuts one stage per device group; schedule "
             f"{schedule.name!r} runs {schedule.chunks} chunks per group: search with "
-            "schedule '1f1b' (the dp searcher then tries interleaving its best pipelines, "
-            "v = 2 or 3), or price an interleaved configuration with am.Recipe(schedule="
+            "schedule '1f1b' (the dp and dqn searchers then try interleaving, v = 2 or 3, "
+            "on chunks of equal layers), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
     if schedule.splits_backward:  # its tables price one backward per stage, not B and W
@@ -306,9 +307,15 @@ def polish_cuts(
 ) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
     whole pipeline model says the step gets faster (the intra-stage plan fixed), until
-    `deadline` (a `time.perf_counter()` value) passes or `work` is spent."""
+    `deadline` (a `time.perf_counter()` value) passes or `work` is spent. The plan's
+    recomputation, sequence parallelism and chunks per device group are kept; under full
+    recomputation `cands` should be the cuts between layers (as the DP's grid)."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
-    oc, schedule = plan_op_costs(model, plan), pipeline_schedule(plan.schedule, plan.virtual_stages)
+    # A selective recompute is priced on the cost model's variant for it, the same for any
+    # cuts; a full one on the base model, its cuts between layers.
+    priced_on = model.for_plan(plan) if plan.remat and plan.remat_policy == "selective" else model
+    oc = plan_op_costs(priced_on, plan)
+    schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
     index = {c: k for k, c in enumerate(cands)}
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
@@ -332,7 +339,7 @@ def polish_cuts(
                 if work is not None:  # a partition and its stage costs
                     work.add(2 * len(model.graph.ops))
                 part = partition(model.graph, model.groups, bounds, plan.microbatches)
-                pc = stage_costs(model, part, oc, plan.microbatches, schedule)
+                pc = stage_costs(priced_on, part, oc, plan.microbatches, schedule)
                 if pc.cost.feasible and pc.cost.step_time_s < best_time * (1 - 1e-9):
                     cuts, best_time, best_pc, improved = trial, pc.cost.step_time_s, pc, True
     if best_pc is None:
@@ -347,10 +354,15 @@ def polish_cuts(
         plan.schedule,
         name=plan.name,
         zero_stage=plan.zero_stage,
+        virtual_stages=plan.virtual_stages,
     )
+    if plan.sequence_parallel:
+        new = sequence_parallel(model.graph, model.groups, new, plan.sequence_parallel)
     return dataclasses.replace(
         new,
         remat=plan.remat,
+        remat_policy=plan.remat_policy,
+        remat_layers=plan.remat_layers,
         predicted=best_pc.cost,
         decisions={**plan.decisions, **new.decisions, **pipeline_decisions(best_pc)},
     )

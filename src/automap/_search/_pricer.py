@@ -13,6 +13,13 @@ almost everything, so the pricer caches at every level:
   commute with a monotone map), so it costs an index lookup instead of a `partition` call;
 - the full pipeline cost (`stage_costs`) of each point priced.
 
+An intra-stage plan (`Intra`) carries the decisions of Megatron's 2022 recipe too, so that
+the agent chooses them as actions: the recomputation policy (a selective one is priced on
+the cost model's variant for it, `CostModel.for_plan`), sequence parallelism (the op costs
+of `plan_op_costs` on a plan with the residual stream split) and, per point, the chunks per
+device group: interleaved 1F1B with v > 1 runs on `layer_cuts`' S x v chunks of equal
+layers (Megatron's virtual pipeline), as the dp searcher's techniques polish tries it.
+
 Cuts are candidate indices here: cut i starts a stage at `cands[i]` (the segment i + 1 of
 the finest partition).
 """
@@ -24,24 +31,30 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .._axes import MODEL
 from .._cost import (
     PipelineCost,
     estimate_pipeline,
     op_costs,
     pipeline_decisions,
+    plan_op_costs,
     stage_costs,
 )
 from .._errors import AutomapError, PlanError
+from .._groups import sequence_parallel
 from .._pipeline import (
     Partition,
+    PipelineSchedule,
     cut_candidates,
     partition,
     pipeline_plan,
     pipeline_schedule,
 )
 from .._plan import Plan
-from .._space import Point
+from .._remat import aligned_cuts, layer_spans
+from .._space import Point, layer_cuts
 from ._dp import one_chunk, optimal_cuts
+from ._techniques import CHUNKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +65,8 @@ class Intra:
     assignment: tuple[tuple[int, str], ...]  # group -> axis; groups kept whole left out
     zero_stage: int = 0
     remat: bool = False
+    remat_policy: str = "full"  # what `remat` recomputes: "full" or "selective"
+    sequence_parallel: bool = False  # the residual stream split on the model axis
 
     @classmethod
     def of(
@@ -60,9 +75,21 @@ class Intra:
         assignment: Mapping[int, str | None],
         zero_stage: int = 0,
         remat: bool = False,
+        remat_policy: str = "full",
+        sequence_parallel: bool = False,
     ) -> Intra:
         split = tuple(sorted((g, a) for g, a in assignment.items() if a is not None))
-        return cls(tuple(mesh.items()), split, int(zero_stage), bool(remat))
+        policy = remat_policy if remat else "full"  # one key for every plan without remat
+        return cls(
+            tuple(mesh.items()), split, int(zero_stage), bool(remat), policy,
+            bool(sequence_parallel),
+        )  # fmt: skip
+
+    def with_techniques(self, remat: bool, remat_policy: str, sequence_parallel: bool) -> Intra:
+        """This plan with another recomputation and sequence parallelism."""
+        return Intra.of(
+            self.stage_mesh, self.assign, self.zero_stage, remat, remat_policy, sequence_parallel
+        )
 
     @property
     def stage_mesh(self) -> dict[str, int]:
@@ -92,7 +119,7 @@ class PipelinePricer:
     def __init__(self, model, schedule: str = "1f1b"):
         graph, groups = model.graph, model.groups
         self.model, self.schedule = model, pipeline_schedule(schedule)
-        one_chunk(pipeline_schedule(schedule))
+        one_chunk(self.schedule)  # the agent's and the DP's cuts: one chunk per group
         self.cands = cut_candidates(graph, groups) if groups.batch_size is not None else ()
         if not self.cands:
             raise AutomapError(
@@ -106,34 +133,88 @@ class PipelinePricer:
         except PlanError:
             self.fine = partition(graph, groups, bounds, 1)
             self.microbatching = False
+        # Under full recomputation stages start between layers only (the dp searcher's
+        # grid): a cut inside a layer splits its recompute unit, which the cost model prices
+        # on a model of its own per cut set.
+        whole = set(aligned_cuts(self.cands, layer_spans(graph, groups)))
+        self.aligned = tuple(i for i, c in enumerate(self.cands) if c in whole)
         self.batch = groups.batch_size
         self._seg = np.asarray(self.fine.op_stage)
         self._per_mb = np.array([p.per_microbatch for p in self.fine.op_phase])
         self._oc: dict[Intra, object] = {}
+        self._templates: dict[Intra, Plan | None] = {}
         self._tables: dict[tuple[Intra, int], PipelineTables] = {}
-        self._priced: dict[tuple[Intra, int, tuple[int, ...]], PipelineCost] = {}
+        self._priced: dict[tuple, PipelineCost] = {}
         self._optimal: dict[tuple[Intra, int, int], tuple[int, ...] | None] = {}
+        self._chunk_cuts: dict[tuple[int, int], tuple[int, ...] | None] = {}
+        self._aligned_fine: Partition | None = None
 
     @property
     def n_segments(self) -> int:
         return self.fine.n_stages
 
+    # ---- the techniques of an intra-stage plan ----------------------------------------
+
+    def _template(self, intra: Intra) -> Plan | None:
+        """A two-stage plan of `intra` (its recomputation and sequence parallelism), what
+        the cost model reads them from; None where sequence parallelism does not apply
+        (no model axis in use, a sequence the tp does not divide, no residual stream)."""
+        if intra not in self._templates:
+            graph, groups = self.model.graph, self.model.groups
+            plan = pipeline_plan(
+                graph, groups, self.cands[:1], intra.stage_mesh, intra.assign, 1,
+                self.schedule.name, zero_stage=intra.zero_stage,
+            )  # fmt: skip
+            plan = dataclasses.replace(plan, remat=intra.remat, remat_policy=intra.remat_policy)
+            try:
+                if intra.sequence_parallel:
+                    plan = sequence_parallel(graph, groups, plan, MODEL)
+            except PlanError:
+                plan = None
+            self._templates[intra] = plan
+        return self._templates[intra]
+
+    def sequence_parallel_applies(self, intra: Intra) -> bool:
+        """Whether `intra` can split its residual stream over its model axis."""
+        on = intra.with_techniques(intra.remat, intra.remat_policy, True)
+        return intra.stage_mesh.get(MODEL, 1) > 1 and self._template(on) is not None
+
+    def model_for(self, intra: Intra):
+        """The cost model whose `remat=True` prices `intra`'s recomputation: the base one
+        for full recomputation, its variant for a selective one (built once)."""
+        if not intra.remat or intra.remat_policy == "full":
+            return self.model
+        return self.model.for_plan(self._template(intra.with_techniques(True, "selective", False)))
+
     def op_costs(self, intra: Intra):
         if intra not in self._oc:
-            self._oc[intra] = op_costs(
-                self.model,
-                intra.assign,
-                intra.stage_mesh,
-                zero_stage=intra.zero_stage,
-                remat=intra.remat,
-            )
+            model = self.model_for(intra)
+            if intra.sequence_parallel:
+                template = self._template(intra)
+                if template is None:
+                    raise PlanError(
+                        "sequence parallelism does not apply to this intra-stage plan: ask "
+                        "`sequence_parallel_applies` first."
+                    )
+                self._oc[intra] = plan_op_costs(model, template)
+            else:
+                self._oc[intra] = op_costs(
+                    model, intra.assign, intra.stage_mesh,
+                    zero_stage=intra.zero_stage, remat=intra.remat,
+                )  # fmt: skip
         return self._oc[intra]
+
+    # ---- tables and prices --------------------------------------------------------------
 
     def tables(self, intra: Intra, microbatches: int) -> PipelineTables:
         key = (intra, microbatches)
         if key not in self._tables:
             pc = stage_costs(
-                self.model, self.fine, self.op_costs(intra), microbatches, self.schedule
+                self.model_for(intra),
+                self.fine,
+                self.op_costs(intra),
+                microbatches,
+                self.schedule,
             )
             L = self.n_segments
             run = np.where(self._per_mb, pc.op_run_s + pc.op_remat_s, 0.0)
@@ -153,43 +234,99 @@ class PipelinePricer:
             self.fine, n_stages=len(cuts) + 1, op_stage=tuple(int(s) for s in stage)
         )
 
-    def price(self, intra: Intra, microbatches: int, cuts: Sequence[int]) -> PipelineCost:
-        key = (intra, microbatches, tuple(cuts))
+    def schedule_for(self, chunks: int) -> PipelineSchedule:
+        """The schedule of `chunks` model chunks per device group (interleaved past one)."""
+        return self.schedule if chunks == 1 else pipeline_schedule("interleaved", chunks)
+
+    def price(
+        self, intra: Intra, microbatches: int, cuts: Sequence[int], chunks: int = 1
+    ) -> PipelineCost:
+        """The pipeline cost of a point; `chunks` > 1: `cuts` are the S x v chunks'."""
+        key = (intra, microbatches, tuple(cuts), chunks)
         if key not in self._priced:
             self._priced[key] = stage_costs(
-                self.model,
+                self.model_for(intra),
                 self.coarse(cuts),
                 self.op_costs(intra),
                 microbatches,
-                self.schedule,
+                self.schedule_for(chunks),
             )
         return self._priced[key]
 
+    # ---- interleaving -------------------------------------------------------------------
+
+    def chunk_cuts(self, stages: int, chunks: int) -> tuple[int, ...] | None:
+        """The cuts (candidate indices) of S x v chunks of equal layers (`layer_cuts`),
+        or None where the layers do not split so."""
+        key = (stages, chunks)
+        if key not in self._chunk_cuts:
+            index = {c: i for i, c in enumerate(self.cands)}
+            try:
+                cuts = layer_cuts(self.model.graph, self.model.groups, stages, chunks)
+            except PlanError:
+                cuts = None
+            if cuts is not None and all(c in index for c in cuts):
+                self._chunk_cuts[key] = tuple(index[c] for c in cuts)
+            else:
+                self._chunk_cuts[key] = None
+        return self._chunk_cuts[key]
+
+    def chunk_choices(self, stages: int, microbatches: int) -> tuple[int, ...]:
+        """Chunks per device group a point may take: one, and 2 or 3 (`CHUNKS`) where the
+        search is 1F1B's, the microbatches come in whole rounds of S and the layers split
+        into S x v equal chunks (as the dp searcher's techniques polish)."""
+        out = [1]
+        if stages > 1 and self.schedule.name == "1f1b" and microbatches % stages == 0:
+            out += [v for v in CHUNKS[1:] if self.chunk_cuts(stages, v) is not None]
+        return tuple(out)
+
     # ---- where cuts go ------------------------------------------------------------------
 
-    def cut_range(self, stages: int, cuts: Sequence[int]) -> tuple[int, int]:
-        """Candidate indices the next cut may take so that this stage and every one after
-        it keeps at least one segment."""
+    def pool(self, intra: Intra) -> tuple[int, ...] | None:
+        """The candidates `intra`'s stages may start at: between layers under full
+        recomputation, anywhere (None) otherwise."""
+        return self.aligned if intra.remat and intra.remat_policy == "full" else None
+
+    def cut_choices(
+        self, stages: int, cuts: Sequence[int], pool: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """Candidate indices the next cut may take (ascending) so that this stage and every
+        one after it keeps at least one segment; within `pool` (with a pool element for
+        each later cut) where given."""
         first = cuts[-1] + 1 if cuts else 0  # the first segment of the current stage
         after = stages - 1 - len(cuts)  # stages after the current one
-        return first, self.n_segments - 1 - after
+        if pool is None:
+            return np.arange(first, self.n_segments - after)
+        inside = np.asarray([i for i in pool if i >= first], dtype=int)
+        return inside[: max(len(inside) - (after - 1), 0)]
 
-    def balanced_cut(self, tables: PipelineTables, stages: int, cuts: Sequence[int]) -> int:
+    def balanced_cut(
+        self,
+        tables: PipelineTables,
+        stages: int,
+        cuts: Sequence[int],
+        pool: Sequence[int] | None = None,
+    ) -> int:
         """The next cut that gives the current stage an equal share of the remaining
         per-microbatch time."""
-        lo, hi = self.cut_range(stages, cuts)
+        choices = self.cut_choices(stages, cuts, pool)
+        lo = cuts[-1] + 1 if cuts else 0
         done = np.concatenate([[0.0], np.cumsum(tables.time)])  # [L+1]
         target = (done[-1] - done[lo]) / (stages - len(cuts))
-        own = done[lo + 1 : hi + 2] - done[lo]  # the stage's time if cut at lo..hi
-        return lo + int(np.argmin(np.abs(own - target)))
+        own = done[choices + 1] - done[lo]  # the stage's time if cut at each choice
+        return int(choices[np.argmin(np.abs(own - target))])
 
     def balanced(
-        self, tables: PipelineTables, stages: int, cuts: Sequence[int] = ()
+        self,
+        tables: PipelineTables,
+        stages: int,
+        cuts: Sequence[int] = (),
+        pool: Sequence[int] | None = None,
     ) -> tuple[int, ...]:
         """`cuts` completed with balanced cuts."""
         out = list(cuts)
         while len(out) < stages - 1:
-            out.append(self.balanced_cut(tables, stages, out))
+            out.append(self.balanced_cut(tables, stages, out, pool))
         return tuple(out)
 
     def stage_memory(
@@ -201,17 +338,40 @@ class PipelinePricer:
         return tables.span(tables.state, first, cut) + copies * tables.span(tables.act, first, cut)
 
     def optimal(self, intra: Intra, stages: int, microbatches: int) -> tuple[int, ...] | None:
-        """The stage DP's cuts (candidate indices) for one point; None when none fits."""
+        """The stage DP's cuts (candidate indices) for one point, between layers under full
+        recomputation (`pool`); None when none fits."""
         key = (intra, stages, microbatches)
         if key not in self._optimal:
             point = Point(stages, intra.stage_mesh, microbatches, "dqn")
-            oc = self.op_costs(intra)
-            found = optimal_cuts(self.model, self.fine, self.cands, oc, point, self.schedule)
+            oc, model = self.op_costs(intra), self.model_for(intra)
+            fine, cands = self.fine, self.cands
+            if self.pool(intra) is not None:
+                fine, cands = (
+                    self._fine_between_layers(),
+                    tuple(self.cands[i] for i in self.aligned),
+                )
+            found = (
+                optimal_cuts(model, fine, cands, oc, point, self.schedule)
+                if len(cands) >= stages - 1
+                else None
+            )
             index = {c: i for i, c in enumerate(self.cands)}
             self._optimal[key] = None if found is None else tuple(index[c] for c in found)
         return self._optimal[key]
 
-    def plan(self, intra: Intra, microbatches: int, cuts: Sequence[int], name: str) -> Plan:
+    def _fine_between_layers(self) -> Partition:
+        """The finest partition whose segments start between layers only."""
+        if self._aligned_fine is None:
+            graph = self.model.graph
+            starts = [self.cands[i] for i in self.aligned]
+            bounds = list(zip((0, *starts), (*starts, len(graph.ops)), strict=True))
+            m = 2 if self.microbatching else 1
+            self._aligned_fine = partition(graph, self.model.groups, bounds, m)
+        return self._aligned_fine
+
+    def plan(
+        self, intra: Intra, microbatches: int, cuts: Sequence[int], name: str, chunks: int = 1
+    ) -> Plan:
         """The Plan of a point, priced by the pipeline cost model from scratch."""
         model = self.model
         plan = pipeline_plan(
@@ -221,11 +381,14 @@ class PipelinePricer:
             intra.stage_mesh,
             intra.assign,
             microbatches,
-            self.schedule.name,
+            self.schedule_for(chunks).name,
             name=name,
             zero_stage=intra.zero_stage,
+            virtual_stages=chunks,
         )
-        plan = dataclasses.replace(plan, remat=intra.remat)
+        plan = dataclasses.replace(plan, remat=intra.remat, remat_policy=intra.remat_policy)
+        if intra.sequence_parallel:
+            plan = sequence_parallel(model.graph, model.groups, plan, MODEL)
         return priced(model, plan)
 
 

@@ -32,6 +32,7 @@ from ._leanest import Leanest, search_leanest
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
 from ._problem import Problem
 from ._shard_ilp import search_ilp
+from ._techniques import polish_techniques
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
@@ -244,8 +245,7 @@ def _dqn_pipeline(
         # Each stage count with its quick-picked stages, the most microbatches, balanced cuts.
         for k, S in enumerate(process.stage_choices):
             if S & (S - 1) == 0:
-                m = len(process.micro_choices(process.intra(S), S)) - 1
-                seeds.append((k, m, *(2,) * (S - 1)))
+                seeds.append(process.seed(k))
     else:
         for mesh, assignment, zero in expert_assignments(
             space.graph, space.groups, space.cluster
@@ -260,7 +260,22 @@ def _dqn_pipeline(
             f"the budget ran out before the dqn search found a feasible {task} plan "
             f"({stats['evaluated']} episodes)."
         )
-    return process.to_plan(decisions, name="dqn"), stats
+    plan = process.to_plan(decisions, name="dqn")
+    polished = _polished(process, plan)
+    stats["techniques_polished"] = polished is not plan
+    return polished, stats
+
+
+def _polished(process, plan: Plan) -> Plan:
+    """The DQN's best pipeline through the dp searcher's last step (`polish_techniques`).
+    The techniques are actions of the agent's episodes, but a search of a few dozen
+    episodes seldom tries each on its best point (one on/off among a dozen decisions, a
+    fraction of a percent of the step on small models): the polish tries them all there,
+    in a fixed order, and keeps the plan where none prices faster."""
+    if len(plan.stages) < 2:
+        return plan
+    pricer = process.pricer
+    return polish_techniques(process.model, plan, tuple(pricer.cands[i] for i in pricer.aligned))
 
 
 def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:

@@ -1,9 +1,12 @@
 """The hybrid task as a sequential decision process, for the DQN (`automap.rl`).
 
 hybrid: S (1 included), then the shard task's decisions for one stage (mesh data x model,
-one option per unit, ZeRO) on `cluster.with_devices(devices // S)`, then m and
-rematerialization. The cuts are not decisions: the exact stage DP (`optimal_cuts`) places
-them inside the reward. Given the rest of the point the DP's cuts are optimal in its
+one option per unit, ZeRO) on `cluster.with_devices(devices // S)`, then m and Megatron's
+2022 techniques as the pipeline task has them (`_staged.py`): recomputation none, selective
+or full, sequence parallelism where the stage splits a model axis, and v chunks per device
+group. The cuts are not decisions: the exact stage DP (`optimal_cuts`, between layers under
+full recomputation) places them inside the reward; with v > 1 they are the S x v chunks of
+equal layers. Given the rest of the point the DP's cuts are optimal in its
 objective and cost one pass over the tables the reward needs anyway, so the agent spends
 its episodes on the choices no exact solver makes for it. S = 1 is the plain shard task.
 
@@ -23,7 +26,7 @@ from ..._space import ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
 from .._pricer import Intra, PipelinePricer
 from ._shard_process import ShardProcess, cost_summary
-from ._staged import MICRO, REMAT, SHARD, STAGES, PipelineProcess, StagedProcess
+from ._staged import MICRO, SHARD, STAGES, PipelineProcess, StagedProcess
 
 
 class HybridProcess(StagedProcess):
@@ -58,31 +61,37 @@ class HybridProcess(StagedProcess):
         self._actions: list[int] = []
         self._stages: int | None = None
         self._m: int | None = None
-        self._remat: bool | None = None
+        self._reset_techniques()
 
     def episode_length(self) -> int:
-        return 1 + len(self.space.units) + 2
+        return 1 + len(self.space.units) + 1 + 3  # S, the units, m, at most 3 techniques
 
     def phase(self) -> int:
         if self._stages is None:
             return STAGES
         if not self.sub(self._stages).done():
             return SHARD
-        return MICRO if self._m is None else REMAT
+        if self._m is None:
+            return MICRO
+        technique = self._technique_phase(self._base(), self._stages, self._m)
+        return SHARD if technique is None else technique  # SHARD: nothing left (done)
 
     def done(self) -> bool:
         if self._stages is None or not self.sub(self._stages).done():
             return False
-        return self._stages == 1 or self._remat is not None
+        return self._stages == 1 or (self._m is not None and self.phase() == SHARD)
 
     def decisions(self) -> tuple[int, ...]:
         return tuple(self._actions)
 
-    def _intra(self) -> Intra:
+    def _base(self) -> Intra:
+        """The stage's shard plan, with no technique."""
         sub = self.sub(self._stages)
         mesh, options, zero = sub.to_point(sub.decisions())
-        assignment = sub.space.assignment(options)
-        return Intra.of(sub.space.meshes[mesh], assignment, zero, bool(self._remat))
+        return Intra.of(sub.space.meshes[mesh], sub.space.assignment(options), zero)
+
+    def _intra(self) -> Intra:
+        return self._with_techniques(self._base())
 
     def _mb_choices(self) -> list[int]:
         sub = self.sub(self._stages)
@@ -94,13 +103,15 @@ class HybridProcess(StagedProcess):
         phase = self.phase()
         if phase == STAGES:
             mask[:] = True
+        elif self.done():
+            pass
         elif phase == SHARD:
             inner = self.sub(self._stages).action_mask()
             mask[: len(inner)] = inner
         elif phase == MICRO:
             mask[: len(self._mb_choices())] = True
-        elif not self.done():
-            mask[:2] = True  # rematerialization off, on
+        else:
+            mask = self._technique_mask(phase, self._stages, self._m)
         return mask
 
     def step(self, action: int) -> None:
@@ -113,14 +124,18 @@ class HybridProcess(StagedProcess):
         elif phase == MICRO:
             self._m = self._mb_choices()[action]
         else:
-            self._remat = bool(action)
+            self._technique_step(phase, action)
         self._actions.append(action)
 
     def _cuts(self, intra: Intra) -> tuple[int, ...]:
-        """The stage DP's cuts; balanced ones when no partition fits (priced over memory)."""
+        """The S x v chunks' cuts when interleaved; else the stage DP's, balanced ones when
+        no partition fits (priced over memory)."""
+        if self._chunks > 1:
+            return self.pricer.chunk_cuts(self._stages, self._chunks)
         cuts = self.pricer.optimal(intra, self._stages, self._m)
         if cuts is None:
-            cuts = self.pricer.balanced(self.pricer.tables(intra, self._m), self._stages)
+            tables = self.pricer.tables(intra, self._m)
+            cuts = self.pricer.balanced(tables, self._stages, (), self.pricer.pool(intra))
         return cuts
 
     def running(self) -> tuple[float, bool, float]:
@@ -140,7 +155,8 @@ class HybridProcess(StagedProcess):
         if self._stages == 1:
             return self.shard_top.result()
         intra = self._intra()
-        return cost_summary(self.pricer.price(intra, self._m, self._cuts(intra)).cost)
+        cost = self.pricer.price(intra, self._m, self._cuts(intra), self._chunks).cost
+        return cost_summary(cost)
 
     def observation(self) -> np.ndarray:
         phase = self.phase()
@@ -148,35 +164,36 @@ class HybridProcess(StagedProcess):
             return self._stage_features()
         if phase == SHARD:
             return self.sub(self._stages).observation()
-        sub = self.sub(self._stages)
-        mesh = sub.space.meshes[sub.to_point(sub.decisions())[0]]
+        mesh = self._base().stage_mesh
         if phase == MICRO:
             return self._micro_features(mesh, self._stages, self._mb_choices())
-        # Rematerialization: the plan so far's memory over the limit says whether it pays.
-        over = self.running()[2]
-        return self._features(REMAT, mesh, self._stages, self._m, [0.0, 1.0], [over, over])
+        return self._technique_features(phase, mesh, self._stages, self._m)
 
     def to_plan(self, decisions: Sequence[int], name: str = "dqn") -> Plan:
-        """The priced Plan of a finished decision sequence; pipeline cuts polished against
-        the whole pipeline model as the dp searcher does (it only ever gets faster)."""
+        """The priced Plan of a finished decision sequence; one-chunk pipeline cuts
+        polished against the whole pipeline model as the dp searcher does (it only ever
+        gets faster; the S x v chunks of an interleaved one are kept equal, as there)."""
         self.reset()
         for a in decisions:
             self.step(a)
         try:
             if self._stages == 1:
                 return self.space.to_plan(*self.shard_top.to_point(decisions[1:]), name=name)
-            intra = self._intra()
-            plan = self.pricer.plan(intra, self._m, self._cuts(intra), f"{name} (hybrid)")
-            return (
-                polish_cuts(self.model, plan, self.pricer.cands)
-                if plan.predicted.feasible
-                else plan
+            intra, chunks = self._intra(), self._chunks
+            plan = self.pricer.plan(
+                intra, self._m, self._cuts(intra), f"{name} (hybrid)", chunks=chunks
             )
+            if chunks > 1 or not plan.predicted.feasible:
+                return plan
+            pool = self.pricer.pool(intra)
+            cands = self.pricer.cands if pool is None else [self.pricer.cands[i] for i in pool]
+            return polish_cuts(self.model, plan, tuple(cands))
         finally:
             self.reset()
 
     def decisions_for(self, stages: int, mesh, assignment, zero: int, m: int) -> tuple | None:
-        """The decisions of a point given as an assignment (an expert's), if in the space."""
+        """The decisions of a point given as an assignment (an expert's), if in the space;
+        no technique."""
         if stages not in self.stage_choices:
             return None
         inner = self.sub(stages).decisions_for(mesh, assignment, zero)
@@ -185,15 +202,18 @@ class HybridProcess(StagedProcess):
         if stages == 1:
             return (0, *inner)
         self.reset()
-        for a in (self.stage_choices.index(stages), *inner):
-            self.step(a)
-        choices = self._mb_choices()
-        self.reset()
-        return (
-            (self.stage_choices.index(stages), *inner, choices.index(m), 0)
-            if m in choices
-            else None
-        )
+        try:
+            for a in (self.stage_choices.index(stages), *inner):
+                self.step(a)
+            choices = self._mb_choices()
+            if m not in choices:
+                return None
+            self.step(choices.index(m))
+            while not self.done():
+                self.step(0)  # recomputation none, sequence parallelism off, one chunk
+            return self.decisions()
+        finally:
+            self.reset()
 
 
 class _NoPipeline:

@@ -52,7 +52,7 @@ class StagedSlot(enum.IntEnum):
     LOG_MODEL = 5  # log2 of its model axis, of the devices
     LOG_STAGES = 6  # log2 S, of the devices
     RUNNING_TIME = 7  # (step time / the baseline's + over the limit), clipped at 10, / 10
-    PHASE = 8  # (1 + phase) / 4: stages, microbatches, remat, cut
+    PHASE = 8  # (1 + phase) / 7: stages, microbatches, remat, cut, -, sequence par., chunks
     LOG_MICRO = 9  # log2 microbatches / 11
     PER_ACTION_A = 10  # [10:18] a first feature of each action (see each phase)
     PER_ACTION_B = 18  # [18:26] a second feature of each action

@@ -3,13 +3,23 @@
 Both use the shard task's conventions (`_observation.py`: OBS_DIM features, N_ACTIONS
 actions, every first action valid) so that one network serves every task.
 
-pipeline: the stage count S, the microbatch count m, then the S - 1 cuts one by one. The
-intra-stage plan is fixed per S: data parallel over the stage's devices, or Megatron x data
-(tensor parallel inside the node), whichever the quick evaluation (balanced cuts, the most
-microbatches) prices faster. A cut action is relative to where the cut would balance the
-remaining time: offsets -2..+2 candidates from that balanced cut, the first or the last
-candidate that still leaves every later stage a segment, or the candidate in range with the
-cheapest send. Candidates outside [first, last] are masked: no stage is ever empty.
+pipeline: the stage count S, the microbatch count m, Megatron's 2022 techniques (below),
+then the S - 1 cuts one by one. The intra-stage plan is fixed per S: data parallel over the
+stage's devices, or Megatron x data (tensor parallel inside the node), whichever the quick
+evaluation (balanced cuts, the most microbatches) prices faster. A cut action is relative to
+where the cut would balance the remaining time: offsets -2..+2 candidates from that balanced
+cut, the first or the last candidate that still leaves every later stage a segment, or the
+candidate in range with the cheapest send. Candidates outside [first, last] are masked: no
+stage is ever empty.
+
+The techniques (issue 26), decided after m by both staged tasks, each only where it has a
+choice: recomputation none, selective (the attention cores) or full (stages then start
+between layers: full is masked where too few such cuts exist); sequence parallelism off or
+on, where the stage mesh has a model axis the plan splits and the sequence divides by it;
+and the chunks per device group v = 1, 2 or 3, v > 1 being interleaved 1F1B on S x v chunks
+of equal layers (no cut decisions then), where the microbatches come in whole rounds of S
+and the layers divide. Real actions rather than a polish after the search: three small
+decisions, each priced in the reward, and the agent learns which pay on which program.
 
 Reward (through `rl.plan_reward`): minus the simulated pipeline step time relative to data
 parallelism; an over-memory stage is penalized by how far over.
@@ -30,10 +40,14 @@ from ..._graph import Role
 from ..._plan import Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
+from .._techniques import CHUNKS, REMATS
 from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
 from ._shard_process import cost_summary
 
-STAGES, MICRO, REMAT, _CUT, SHARD = range(5)
+STAGES, MICRO, REMAT, _CUT, SHARD, SEQPAR, CHUNK = range(7)
+#: The decisions' kinds by number, for a reader (`StagedProcess.phase_name`).
+PHASE_NAMES = ("stages", "microbatches", "remat", "cut", "shard", "sequence_parallel", "chunks")
+N_PHASES = len(PHASE_NAMES)
 OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut
 _FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
 
@@ -53,6 +67,10 @@ class StagedProcess(abc.ABC):
     @abc.abstractmethod
     def phase(self) -> int:
         """The next decision's kind: STAGES, MICRO, REMAT, a cut, or SHARD."""
+
+    def phase_name(self) -> str:
+        """The next decision's kind in words (`PHASE_NAMES`)."""
+        return PHASE_NAMES[self.phase()]
 
     @abc.abstractmethod
     def episode_length(self) -> int:
@@ -83,6 +101,69 @@ class StagedProcess(abc.ABC):
         state = 2 * graph.role_bytes(Role.PARAM) + graph.role_bytes(Role.OPT_STATE)
         self._state_per_limit = state / self.cluster.memory_limit
 
+    # ---- the techniques: recomputation, sequence parallelism, chunks -------------------
+
+    def _reset_techniques(self) -> None:
+        self._remat: int | None = None  # an index into REMATS
+        self._sp: bool | None = None
+        self._v: int | None = None
+
+    def _technique_phase(self, base: Intra, stages: int, m: int) -> int | None:
+        """The next technique decision of a point whose stages, intra-stage plan and
+        microbatches are chosen; None when every one with a choice is made."""
+        if self._remat is None:
+            return REMAT
+        if self._sp is None and self.pricer.sequence_parallel_applies(base):
+            return SEQPAR
+        if self._v is None and len(self.pricer.chunk_choices(stages, m)) > 1:
+            return CHUNK
+        return None
+
+    def _with_techniques(self, base: Intra) -> Intra:
+        """`base` with the recomputation and sequence parallelism chosen (none, off while
+        undecided)."""
+        remat, policy = REMATS[self._remat or 0]
+        return base.with_techniques(remat, policy, bool(self._sp))
+
+    @property
+    def _chunks(self) -> int:
+        return self._v or 1
+
+    def _technique_mask(self, phase: int, stages: int, m: int) -> np.ndarray:
+        mask = np.zeros(self.n_actions, bool)
+        if phase == REMAT:
+            # Full recomputation starts stages between layers: it needs S - 1 such cuts.
+            full_ok = len(self.pricer.aligned) >= stages - 1
+            mask[: len(REMATS)] = [not r or p != "full" or full_ok for r, p in REMATS]
+        elif phase == SEQPAR:
+            mask[:2] = True
+        else:
+            choices = self.pricer.chunk_choices(stages, m)
+            mask[: len(CHUNKS)] = [v in choices for v in CHUNKS]
+        return mask
+
+    def _technique_step(self, phase: int, action: int) -> None:
+        if phase == REMAT:
+            self._remat = action
+        elif phase == SEQPAR:
+            self._sp = bool(action)
+        else:
+            self._v = CHUNKS[action]
+
+    def _technique_features(self, phase: int, mesh, stages: int, m: int) -> np.ndarray:
+        """Per action: recomputation, the share of the forward run again (0, about 0.2
+        for the attention cores, 1); sequence parallelism, off / on; chunks, the bubble
+        share of the step on equal stages, and v / 3. The second feature of the first two:
+        how far over the memory limit the plan so far is (what they trade time for)."""
+        over = self.running()[2]
+        if phase == REMAT:
+            return self._features(phase, mesh, stages, m, [0.0, 0.2, 1.0], [over] * 3)
+        if phase == SEQPAR:
+            return self._features(phase, mesh, stages, m, [0.0, 1.0], [over] * 2)
+        v = np.array(CHUNKS, float)
+        idle = (stages - 1) / v
+        return self._features(phase, mesh, stages, m, idle / (m + idle), v / 3)
+
     def _checked(self, action: int) -> tuple[int, int]:
         """(action, phase) for a step; a masked action is a caller's error."""
         action = int(action)
@@ -101,7 +182,7 @@ class StagedProcess(abc.ABC):
         obs[StagedSlot.LOG_STAGES] = math.log2(stages) / self._log_devices
         time_s, _, over = self.running()
         obs[StagedSlot.RUNNING_TIME] = min(time_s / self.baseline_time + over, 10.0) / 10.0
-        obs[StagedSlot.PHASE] = (1 + phase) / 4.0
+        obs[StagedSlot.PHASE] = (1 + phase) / N_PHASES
         obs[StagedSlot.LOG_MICRO] = math.log2(m) / 11.0 if m else 0.0
         a_at, b_at = StagedSlot.PER_ACTION_A, StagedSlot.PER_ACTION_B
         obs[a_at : a_at + len(a)] = np.clip(a, 0.0, 1.0)[:8]
@@ -135,35 +216,57 @@ class StagedProcess(abc.ABC):
 class PipelineProcess(StagedProcess):
     """DecisionProcess of the pipeline task (see the module doc)."""
 
-    def __init__(self, pricer: PipelinePricer, baseline_time: float, stage_choices=None):
+    def __init__(
+        self,
+        pricer: PipelinePricer,
+        baseline_time: float,
+        stage_choices=None,
+        techniques: bool = True,
+    ):
         devices = pricer.model.cluster.devices
         choices = stage_choices or stage_counts(devices, len(pricer.cands))
         super().__init__(pricer, baseline_time, choices)
+        # False: the 2021 space (no recomputation, sequence parallelism or interleaving),
+        # to measure what the agent learns of the microbatches and cuts alone.
+        self.techniques = techniques
         self._intra: dict[int, Intra] = {}
         self.reset()
 
     def fresh(self) -> PipelineProcess:
-        return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices)
+        return PipelineProcess(self.pricer, self.baseline_time, self.stage_choices, self.techniques)
 
     def reset(self) -> None:
         self._actions: list[int] = []
         self._stages: int | None = None
         self._m: int | None = None
         self._cuts: list[int] = []
+        self._reset_techniques()
 
     def episode_length(self) -> int:
-        return 2 + (self._stages or 2) - 1
+        cuts = (self._stages or 2) - 1 if self._chunks == 1 else 0
+        return 2 + 3 + cuts  # S, m, at most three techniques, the cuts
 
     def phase(self) -> int:
         if self._stages is None:
             return STAGES
-        return MICRO if self._m is None else _CUT
+        if self._m is None:
+            return MICRO
+        if not self.techniques:
+            return _CUT
+        technique = self._technique_phase(self.intra(self._stages), self._stages, self._m)
+        return _CUT if technique is None else technique
 
     def done(self) -> bool:
-        return self._stages is not None and len(self._cuts) == self._stages - 1
+        if self.phase() != _CUT:
+            return False
+        return self._chunks > 1 or len(self._cuts) == self._stages - 1
 
     def decisions(self) -> tuple[int, ...]:
         return tuple(self._actions)
+
+    def effective(self) -> Intra:
+        """The intra-stage plan of the chosen S with the techniques chosen so far."""
+        return self._with_techniques(self.intra(self._stages))
 
     def intra(self, stages: int) -> Intra:
         """The intra-stage plan of S stages: data parallel or Megatron x data, whichever
@@ -199,14 +302,16 @@ class PipelineProcess(StagedProcess):
 
     def _targets(self) -> list[int | None]:
         """The candidate index of each cut action, None where masked."""
-        tables = self.pricer.tables(self.intra(self._stages), self._m)
-        lo, hi = self.pricer.cut_range(self._stages, self._cuts)
-        mid = self.pricer.balanced_cut(tables, self._stages, self._cuts)
-        cheapest = lo + int(np.argmin(tables.send[lo : hi + 1]))
+        intra = self.effective()
+        tables = self.pricer.tables(intra, self._m)
+        choices = self.pricer.cut_choices(self._stages, self._cuts, self.pricer.pool(intra))
+        mid = self.pricer.balanced_cut(tables, self._stages, self._cuts, self.pricer.pool(intra))
+        at = int(np.searchsorted(choices, mid))  # its position among the choices
+        cheapest = int(np.argmin(tables.send[choices]))
         out: list[int | None] = []
-        for i in [mid + o for o in OFFSETS] + [lo, hi, cheapest]:
-            ok = lo <= i <= hi and i not in out  # an alias of an earlier action is masked
-            out.append(i if ok else None)
+        for k in [at + o for o in OFFSETS] + [0, len(choices) - 1, cheapest]:
+            i = int(choices[k]) if 0 <= k < len(choices) else None
+            out.append(i if i not in out else None)  # an alias of an earlier action is masked
         return out + [None] * (self.n_actions - len(out))
 
     def action_mask(self) -> np.ndarray:
@@ -216,6 +321,8 @@ class PipelineProcess(StagedProcess):
             mask[:] = True
         elif phase == MICRO:
             mask[: len(self.micro_choices(self.intra(self._stages), self._stages))] = True
+        elif phase != _CUT:
+            mask = self._technique_mask(phase, self._stages, self._m)
         elif not self.done():
             mask[:] = [t is not None for t in self._targets()]
         return mask
@@ -226,16 +333,22 @@ class PipelineProcess(StagedProcess):
             self._stages = self._stage_action(action)
         elif phase == MICRO:
             self._m = self.micro_choices(self.intra(self._stages), self._stages)[action]
+        elif phase != _CUT:
+            self._technique_step(phase, action)
         else:
             self._cuts.append(self._targets()[action])
         self._actions.append(action)
 
-    def _point(self) -> tuple[Intra, int, tuple[int, ...]]:
-        """The plan so far: undecided microbatches the most, undecided cuts balanced."""
-        intra = self.intra(self._stages)
+    def _point(self) -> tuple[Intra, int, tuple[int, ...], int]:
+        """The plan so far: undecided microbatches the most, techniques none, undecided
+        cuts balanced; (intra-stage plan, m, cuts, chunks per device group)."""
+        intra = self.effective()
         m = self._m or self.micro_choices(intra, self._stages)[-1]
-        cuts = self.pricer.balanced(self.pricer.tables(intra, m), self._stages, self._cuts)
-        return intra, m, cuts
+        if self._chunks > 1:
+            return intra, m, self.pricer.chunk_cuts(self._stages, self._chunks), self._chunks
+        tables = self.pricer.tables(intra, m)
+        cuts = self.pricer.balanced(tables, self._stages, self._cuts, self.pricer.pool(intra))
+        return intra, m, cuts, 1
 
     def running(self) -> tuple[float, bool, float]:
         """(step time s, fits, over-ratio) of the plan so far (`_point`); the baseline
@@ -247,16 +360,31 @@ class PipelineProcess(StagedProcess):
     def result(self) -> tuple[float, bool, float]:
         return self.running()
 
+    def seed(self, stage_index: int) -> tuple[int, ...]:
+        """The decisions of the expert recipe at stage count `stage_choices[stage_index]`:
+        its quick-picked stages, the most microbatches, no technique, balanced cuts."""
+        self.reset()
+        self.step(stage_index)
+        self.step(len(self.micro_choices(self.intra(self._stages), self._stages)) - 1)
+        while not self.done():
+            self.step(2 if self.phase() == _CUT else 0)  # offset 0: the balanced cut
+        decisions = self.decisions()
+        self.reset()
+        return decisions
+
     def observation(self) -> np.ndarray:
         phase = self.phase()
         if phase == STAGES:
             return self._stage_features()
-        intra = self.intra(self._stages)
+        base = self.intra(self._stages)
         if phase == MICRO:
-            choices = self.micro_choices(intra, self._stages)
-            return self._micro_features(intra.stage_mesh, self._stages, choices)
+            choices = self.micro_choices(base, self._stages)
+            return self._micro_features(base.stage_mesh, self._stages, choices)
+        if phase != _CUT:
+            return self._technique_features(phase, base.stage_mesh, self._stages, self._m)
         # Per cut action: the current stage's time per microbatch (its send included) over
         # an equal share, and its memory per device over the limit.
+        intra = self.effective()
         tables, S = self.pricer.tables(intra, self._m), self._stages
         first = self._cuts[-1] + 1 if self._cuts else 0
         share = tables.time[first:].sum() / (S - len(self._cuts)) or 1.0
@@ -273,6 +401,7 @@ class PipelineProcess(StagedProcess):
         self.reset()
         for a in decisions:
             self.step(a)
-        point = self._point()
+        intra, m, cuts, chunks = self._point()
         self.reset()
-        return self.pricer.plan(*point, name=f"{name} ({point[0].stage_mesh}, pipeline)")
+        label = f"{name} ({intra.stage_mesh}, pipeline)"
+        return self.pricer.plan(intra, m, cuts, name=label, chunks=chunks)
