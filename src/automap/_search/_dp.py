@@ -85,7 +85,8 @@ def one_chunk(schedule: PipelineSchedule) -> None:
     if schedule.splits_backward:  # its tables price one backward per stage, not B and W
         raise PlanError(
             f"the pipeline search's stage DP prices each stage's backward whole; schedule "
-            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b', or "
+            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b' (the dp "
+            "searcher then tries ZB-H1 on its best pipelines), or "
             "price it with am.Recipe(schedule='zb-h1') or `automap estimate --schedule zb-h1`."
         )
 
