@@ -129,14 +129,16 @@ def test_the_techniques_polish_is_deterministic():
     assert first.to_dict() == second.to_dict()
 
 
-@pytest.mark.slow  # a searched pipeline with sequence parallelism compiled and run
+@pytest.mark.slow  # a searched ZB-H1 pipeline with sequence parallelism compiled and run
 def test_a_sequence_parallel_dp_plan_runs_with_the_same_numbers():
     """Priced on free links (collectives cost nothing, so splitting the residual stream
-    only saves work), the tiny GPT's dp plan is sequence parallel; it runs on the 8 CPU
-    devices with the unsharded step's numbers."""
+    only saves work, and sends cost nothing, so only the bubble is left to shrink), the
+    tiny GPT's dp plan is sequence parallel and ZB-H1; it runs on the 8 CPU devices (B and
+    W programs apart) with the unsharded step's numbers."""
     spec, pb = _problem(FREE_LINKS, **TINY)
     plan, _ = search_dp(pb, budget_s=30)
     assert plan.sequence_parallel == "model" and len(plan.stages) >= 2
+    assert plan.schedule == "zb-h1" and not plan.remat
     # Free links price microbatches of one sequence best, and this zoo GPT traces
     # differently at a batch of one (the runtime refuses it, in one line): run the same
     # plan with microbatches of two sequences.
