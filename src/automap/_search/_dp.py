@@ -15,7 +15,7 @@ Exact within a point in the DP's objective (per-microbatch stage time plus its s
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
 whole model, one cut moved at a time, and then tried with the decisions the DP does not
-make (sequence parallelism, selective recomputation, interleaving: `_techniques.py`). The
+make (sequence parallelism, selective recomputation, interleaving, ZB-H1: `_techniques.py`). The
 outer enumeration is complete unless the budget runs out (the stats say so); the
 intra-stage plan is the same on every stage (Alpa's per-stage ILP, `optimal_two_level`,
 is not used here).
@@ -153,7 +153,7 @@ def search_dp(
                 break
             plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             # Then the decisions the DP does not make: sequence parallelism, selective
-            # recomputation, interleaving (`_techniques.py`).
+            # recomputation, interleaving, ZB-H1 (`_techniques.py`).
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
