@@ -18,6 +18,7 @@ from automap._errors import AutomapError
 from automap._pipeline import Phase
 from automap._plan import Provenance
 from automap._report import (
+    PHASE_COLORS,
     memory_bars,
     mesh_layout,
     pipeline_ops,
@@ -205,6 +206,54 @@ def test_simulated_schedules_respect_dependencies_and_bubble(schedule):
         assert all(e <= a2 for (_, e), (a2, _) in itertools.pairwise(spans))
     # Equal stages: both schedules take (m + s - 1) slots of forward + backward.
     assert max(e for *_, e in ops) == pytest.approx((m + s - 1) * (f + b))
+
+
+def test_a_split_backward_has_b_and_w_times():
+    """ZB-H1's stages run (forward, B, W): the cost model's triples as given, a backward
+    given whole shared equally between B and W, as are the predicted compute's shares."""
+    plan = _pipeline_plan(
+        "zb-h1", stage_times=[[0.002, 0.003, 0.001], [0.002, 0.004], 0.006, 0.003]
+    )
+    times, unit = stage_times(plan)
+    assert unit == "ms" and times[0] == (0.002, 0.003, 0.001)
+    assert times[1] == (0.002, 0.002, 0.002)
+    assert times[2] == pytest.approx((0.002, 0.002, 0.002))  # 1/3 forward, 2/3 backward
+    assert stage_times(_pipeline_plan("zb-h1"))[0] == [pytest.approx((0.04 / 24,) * 3)] * 4
+    ops = pipeline_ops(4, 8, "zb-h1", times)
+    w = [(st, e - a) for st, kind, _, a, e in ops if kind is Phase.WGT]
+    assert len(w) == 4 * 8 and min(width for _, width in w) > 0
+    assert all(width == pytest.approx(times[st][2]) for st, width in w)
+
+
+def _schedule_png(page: str) -> Image.Image:
+    section = page.split('<section id="pipeline">', 1)[1].split("</section>", 1)[0]
+    (data,) = re.findall(r'src="data:image/png;base64,([^"]+)"', section)
+    return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+
+
+def _pixels_near(img: Image.Image, color: str, tolerance: int = 8) -> int:
+    want = tuple(int(color[i : i + 2], 16) for i in (1, 3, 5))
+    return sum(
+        n
+        for n, rgb in img.getcolors(img.width * img.height)
+        if all(abs(a - b) <= tolerance for a, b in zip(rgb, want, strict=True))
+    )
+
+
+def test_a_zero_bubble_schedule_draws_w_in_its_own_colour():
+    """The W units (weight gradients) of ZB-H1 are drawn apart from B, in a colour no
+    1F1B drawing has, and the note and legend name B and W."""
+    times = [[0.002, 0.002, 0.002]] * 4
+    zb = render_report(_pipeline_plan("zb-h1", stage_times=times))
+    flat = render_report(_pipeline_plan("1f1b", stage_times=[[0.002, 0.004]] * 4))
+    w_color = PHASE_COLORS[Phase.WGT]
+    assert w_color not in (PHASE_COLORS[Phase.FWD], PHASE_COLORS[Phase.BWD])
+    zb_png, flat_png = _schedule_png(zb), _schedule_png(flat)
+    # 32 W bars as wide as the B bars: a large share of the drawing, none in 1F1B's.
+    assert _pixels_near(zb_png, w_color) > 0.2 * _pixels_near(zb_png, PHASE_COLORS[Phase.BWD])
+    assert _pixels_near(flat_png, w_color) == 0
+    assert "ZB-H1: 4 stages × 8 microbatches" in zb
+    assert "forward, B (input gradients) and W (weight gradients) of each stage" in zb
 
 
 def test_curve_reader_tolerates_missing_columns_and_dqn_names(tmp_path):

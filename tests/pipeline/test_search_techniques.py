@@ -1,5 +1,5 @@
 """The dp searcher chooses Megatron's 2022 techniques (issue 26): after its stage DP, it
-tries sequence parallelism, selective recomputation and interleaved 1F1B on its best
+tries sequence parallelism, selective recomputation, interleaved 1F1B and ZB-H1 on its best
 pipelines and keeps what the whole pipeline model prices faster; `megatron_3d` follows the
 2022 recipe. Choices are checked priced-only on GPTs large enough for the bubble and the
 collectives to matter; the run on a tiny GPT on the 8 CPU devices of conftest."""
@@ -39,24 +39,48 @@ def _without_techniques(monkeypatch, pb, budget_s):
     return plan
 
 
-def test_dp_interleaves_where_the_bubble_matters(monkeypatch):
+BUBBLE = dict(layers=8, hidden=2048, heads=16, batch=8, seq=1024)
+
+
+def _as_1f1b(pb, plan):
+    """`plan` (one chunk per device group) run in 1F1B: the same stages, sizes and
+    techniques, each stage's backward whole."""
+    return pb.estimate(dataclasses.replace(plan, schedule="1f1b", predicted=None))
+
+
+def test_dp_chooses_zb_h1_where_the_bubble_matters(monkeypatch):
     """Eight wide layers and a batch of 8 on 8 A100s: few microbatches per stage, so the
-    bubble is a large part of the step and interleaving (v chunks of equal layers per
-    device group) divides it by v for sends that are small beside a layer's work."""
-    _, pb = _problem(layers=8, hidden=2048, heads=16, batch=8, seq=1024)
+    bubble is a large part of the step. ZB-H1 (each backward split into B and W, the W's
+    deferred into the bubble, 1F1B's in-flight microbatches) on the DP's cuts prices
+    fastest: faster than the same plan in 1F1B, and than the best the polish finds
+    without it (interleaving, which divides the bubble by v for more sends and more
+    microbatches in flight; before ZB-H1 this problem's plan, see below)."""
+    _, pb = _problem(**BUBBLE)
     plan, stats = search_dp(pb, budget_s=60)
     assert stats["complete"] and plan is not None and plan.predicted.feasible
+    assert plan.schedule == "zb-h1" and plan.virtual_stages == 1 and not plan.remat
+    assert len(plan.stages) == plan.mesh["pipe"] >= 2
+    assert plan.predicted.memory_bytes <= pb.cluster.memory_limit
+    assert len(plan.decisions["stage_times"][0]) == 3  # (forward, B, W) for the report
+    again = estimate_pipeline(pb.cost_model, plan).cost
+    assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert plan.predicted.step_time_s < _as_1f1b(pb, plan).step_time_s
+    monkeypatch.setattr("automap._search._techniques.SPLIT_SCHEDULES", ())
+    without, _ = search_dp(pb, budget_s=60)
+    monkeypatch.undo()
+    assert without.schedule != "zb-h1"
+    assert plan.predicted.step_time_s < without.predicted.step_time_s
+    _check_interleaved(pb, without)
+
+
+def _check_interleaved(pb, plan):
+    """The bubble problem's plan where ZB-H1 is not offered (and this test's expectations
+    before it was): interleaved, v chunks of equal layers per device group in whole
+    rounds of S, and faster than the same sizes and cuts one chunk per group (1F1B)."""
     S, v = plan.mesh["pipe"], plan.virtual_stages
     assert plan.schedule == "interleaved" and v in (2, 3) and len(plan.stages) == S * v
     assert plan.microbatches % S == 0  # whole rounds of S
     assert tuple(plan.decisions["cuts"]) == layer_cuts(pb.graph, pb.groups, S, v)
-    again = estimate_pipeline(pb.cost_model, plan).cost
-    assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
-    # Faster than the stage DP's own plan, and than the same sizes and cuts of equal
-    # layers run one chunk per device group (1F1B).
-    dp_only = _without_techniques(monkeypatch, pb, 60)
-    assert dp_only.virtual_stages == 1
-    assert plan.predicted.step_time_s < dp_only.predicted.step_time_s
     stage_mesh = {k: n for k, n in plan.mesh.items() if k != "pipe"}
     flat = pipeline_plan(
         pb.graph, pb.groups, layer_cuts(pb.graph, pb.groups, S), stage_mesh,
@@ -105,14 +129,16 @@ def test_the_techniques_polish_is_deterministic():
     assert first.to_dict() == second.to_dict()
 
 
-@pytest.mark.slow  # a searched pipeline with sequence parallelism compiled and run
+@pytest.mark.slow  # a searched ZB-H1 pipeline with sequence parallelism compiled and run
 def test_a_sequence_parallel_dp_plan_runs_with_the_same_numbers():
     """Priced on free links (collectives cost nothing, so splitting the residual stream
-    only saves work), the tiny GPT's dp plan is sequence parallel; it runs on the 8 CPU
-    devices with the unsharded step's numbers."""
+    only saves work, and sends cost nothing, so only the bubble is left to shrink), the
+    tiny GPT's dp plan is sequence parallel and ZB-H1; it runs on the 8 CPU devices (B and
+    W programs apart) with the unsharded step's numbers."""
     spec, pb = _problem(FREE_LINKS, **TINY)
     plan, _ = search_dp(pb, budget_s=30)
     assert plan.sequence_parallel == "model" and len(plan.stages) >= 2
+    assert plan.schedule == "zb-h1" and not plan.remat
     # Free links price microbatches of one sequence best, and this zoo GPT traces
     # differently at a batch of one (the runtime refuses it, in one line): run the same
     # plan with microbatches of two sequences.

@@ -16,6 +16,7 @@ from ._format import human_time as human_time
 from ._format import spec_text as spec_text
 from ._page import render_report as render_report
 from ._page import write_report as write_report
+from ._plots import PHASE_COLORS as PHASE_COLORS
 from ._plots import mesh_layout as mesh_layout
 from ._text import answer_line as answer_line
 from ._text import capture_summary as capture_summary

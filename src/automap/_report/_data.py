@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .._cluster import Cluster
-from .._errors import ClusterError
+from .._errors import ClusterError, PlanError
 from .._pipeline import Timed, pipeline_schedule
 from .._plan import Cost, Plan, Spec
 from ._format import human_bytes, human_time
@@ -89,20 +89,37 @@ def pipeline_ops(
 
 
 def stage_times(plan: Plan) -> tuple[list[tuple[float, ...]], str]:
+    """Per stage, seconds per microbatch of (forward, backward), or of (forward, B, W) where
+    the plan's schedule splits the backward (ZB-H1), and the unit: the cost model's, from
+    `plan.decisions["stage_times"]`, else shares of the predicted compute, else units."""
     n = len(plan.stages)
+    split = _splits_backward(plan)
     given = plan.decisions.get("stage_times")
     if given and len(given) == n:
-        pairs = [  # (fwd, bwd), or (fwd, B, W) where the schedule splits the backward
-            tuple(float(x) for x in t)
-            if isinstance(t, Sequence)
-            else (float(t) / 3, 2 * float(t) / 3)
-            for t in given
-        ]
-        return pairs, "ms"
+        parts = [tuple(float(x) for x in t) if isinstance(t, Sequence) else float(t) for t in given]
+        return [_phase_times(t, split) for t in parts], "ms"
     if plan.predicted is not None and plan.predicted.compute_s > 0:
         tau = plan.predicted.compute_s / max(1, plan.microbatches)
-        return [(tau / 3, 2 * tau / 3)] * n, "ms"
-    return [(1.0, 2.0)] * n, "units"
+        return [_phase_times(tau, split)] * n, "ms"
+    return [_phase_times(3.0, split)] * n, "units"
+
+
+def _splits_backward(plan: Plan) -> bool:
+    try:
+        return pipeline_schedule(plan.schedule, plan.virtual_stages).splits_backward
+    except PlanError:  # a schedule not registered here: the drawing names it in one line
+        return False
+
+
+def _phase_times(t: float | tuple[float, ...], split: bool) -> tuple[float, ...]:
+    """One stage's times as the schedule runs them. One number is forward + backward, split
+    1:2 (a backward costs about two forwards); a split backward's B and W are taken equal
+    (Qi et al.'s assumption) where only their sum is given. A triple kept as it is."""
+    if not isinstance(t, tuple):
+        t = (t / 3, 2 * t / 3)
+    if split and len(t) == 2:
+        return (t[0], t[1] / 2, t[1] / 2)
+    return t
 
 
 def memory_bars(plan: Plan) -> list[tuple[str, dict[str, float]]]:

@@ -10,8 +10,10 @@ say so.
 Plan fields read beyond the dataclass (all optional, in `plan.decisions`):
 - "arg_roles": {arg index: role}, as `am.plan` writes it: which arguments are parameters.
 - "stage_times": per pipeline stage, seconds per microbatch, either one number (forward +
-  backward, split 1:2 since a backward pass costs about two forwards) or a [forward,
-  backward] pair. Without it every stage gets an equal share of `predicted.compute_s`.
+  backward, split 1:2 since a backward pass costs about two forwards), a [forward,
+  backward] pair, or [forward, B, W] where the schedule splits the backward (ZB-H1; its
+  B and W are drawn in colours of their own, taken equal where only the backward is
+  given). Without it every stage gets an equal share of `predicted.compute_s`.
 - "stage_memory": per stage, a memory breakdown {"params": bytes, ...}: one bar each.
 """
 
@@ -283,16 +285,15 @@ def _schedule_fig(plan: Plan, fig: Any = None) -> tuple[Any | None, str]:
     )
     plots.draw_schedule(fig, ops, n, title, unit)
     given = plan.decisions.get("stage_times")
+    split = any(len(t) == 3 for t in times)  # the schedule splits the backward: B and W
     if given and len(given) == n:
-        pairs = all(isinstance(t, Sequence) for t in given)
-        source = "the cost model's forward and backward of each stage per microbatch"
-        source += " (plan.decisions['stage_times'])" + (
-            "" if pairs else "; a single number is drawn as 1/3 forward, 2/3 backward"
-        )
+        source = _times_source(given, split)
     elif unit == "ms":
         source = "equal shares of the predicted compute; backward drawn as twice the forward"
     else:
         source = "unit times (no prediction in this plan); backward twice the forward"
+    if split and not (given and len(given) == n):
+        source += ", split into equal B and W"
     note = f"{title} (simulated from the stage times: {source})."
     if cost is not None:
         # The drawing is the microbatch phase alone; the cost model's step also holds what
@@ -303,6 +304,21 @@ def _schedule_fig(plan: Plan, fig: Any = None) -> tuple[Any | None, str]:
             f"stages; its bubble (idle time of the busiest stage): {human_time(cost.bubble_s)}."
         )
     return fig, note
+
+
+def _times_source(given: Sequence[Any], split: bool) -> str:
+    """What the drawn stage times are: the cost model's, and how a backward given whole
+    (or a stage given as one number) was shared out."""
+    whole = (
+        "forward, B (input gradients) and W (weight gradients)" if split else "forward and backward"
+    )
+    source = f"the cost model's {whole} of each stage per microbatch"
+    source += " (plan.decisions['stage_times'])"
+    if not all(isinstance(t, Sequence) for t in given):
+        source += "; a single number is drawn as 1/3 forward, 2/3 backward"
+    if split and not all(isinstance(t, Sequence) and len(t) == 3 for t in given):
+        source += "; a backward given whole is drawn as equal B and W"
+    return source
 
 
 STAGE_HEAD = (

@@ -35,6 +35,9 @@ MEMORY_COLORS = {
     "other": "#A0A0A0",
     "outputs": "#C44E52",  # the new state a step that donates nothing holds apart
 }
+#: A pipeline unit's colour by phase: the weight gradients (W) of a schedule that splits
+#: the backward (ZB-H1) apart from the rest of it (B), so the bubble they fill shows.
+PHASE_COLORS = {Phase.FWD: "#4C72B0", Phase.BWD: "#DD8452", Phase.WGT: "#55A868"}
 COMM_COLORS = ("#55A868", "#8172B3", "#C44E52", "#937860", "#DA8BC3", "#8C8C8C")
 MS = 1e3
 
@@ -248,7 +251,8 @@ def draw_schedule(
     title: str,
     unit: str,
 ) -> None:
-    """Stages × time: forward and backward of each microbatch, idle time hatched as bubble."""
+    """Stages × time: forward and backward of each microbatch (B and W in colours of their
+    own where the schedule splits the backward), idle time hatched as bubble."""
     from matplotlib.patches import Patch
 
     ax = fig.add_subplot()
@@ -260,7 +264,7 @@ def draw_schedule(
         )
     for stage, kind, mb, start, stop in ops:
         width = (stop - start) * scale
-        color = "#4C72B0" if kind is Phase.FWD else "#DD8452"
+        color = PHASE_COLORS[kind]
         ax.broken_barh(
             [(start * scale, width)], (stage - 0.4, 0.8), facecolor=color, edgecolor="white", lw=0.6
         )
@@ -280,11 +284,25 @@ def draw_schedule(
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title, fontsize=11)
     handles = [
-        Patch(facecolor="#4C72B0", label="forward"),
-        Patch(facecolor="#DD8452", label="backward"),
-        Patch(facecolor="#F4F4F4", edgecolor="#BBBBBB", hatch="//", label="bubble (idle)"),
+        Patch(facecolor=PHASE_COLORS[phase], label=label)
+        for phase, label in phase_labels(kind for _, kind, *_ in ops)
     ]
+    handles.append(
+        Patch(facecolor="#F4F4F4", edgecolor="#BBBBBB", hatch="//", label="bubble (idle)")
+    )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+
+
+def phase_labels(kinds: Any) -> list[tuple[Phase, str]]:
+    """The legend of the drawn phases: forward and backward, or forward, B and W where
+    some unit is a weight-gradient one (the backward is split)."""
+    if Phase.WGT in set(kinds):
+        return [
+            (Phase.FWD, "forward"),
+            (Phase.BWD, "backward B (input gradients)"),
+            (Phase.WGT, "backward W (weight gradients)"),
+        ]
+    return [(Phase.FWD, "forward"), (Phase.BWD, "backward")]
 
 
 def draw_single_stage(fig: Any, parts: Sequence[tuple[str, float, str]], title: str) -> None:

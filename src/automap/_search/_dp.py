@@ -15,7 +15,7 @@ Exact within a point in the DP's objective (per-microbatch stage time plus its s
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
 whole model, one cut moved at a time, and then tried with the decisions the DP does not
-make (sequence parallelism, selective recomputation, interleaving: `_techniques.py`). The
+make (sequence parallelism, selective recomputation, interleaving, ZB-H1: `_techniques.py`). The
 outer enumeration is complete unless the budget runs out (the stats say so); the
 intra-stage plan is the same on every stage (Alpa's per-stage ILP, `optimal_two_level`,
 is not used here).
@@ -86,7 +86,8 @@ def one_chunk(schedule: PipelineSchedule) -> None:
     if schedule.splits_backward:  # its tables price one backward per stage, not B and W
         raise PlanError(
             f"the pipeline search's stage DP prices each stage's backward whole; schedule "
-            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b', or "
+            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b' (the dp "
+            "searcher then tries ZB-H1 on its best pipelines), or "
             "price it with am.Recipe(schedule='zb-h1') or `automap estimate --schedule zb-h1`."
         )
 
@@ -153,7 +154,7 @@ def search_dp(
                 break
             plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             # Then the decisions the DP does not make: sequence parallelism, selective
-            # recomputation, interleaving (`_techniques.py`).
+            # recomputation, interleaving, ZB-H1 (`_techniques.py`).
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s

@@ -13,7 +13,13 @@ fits kept:
   layers (a cut inside one would split its recompute unit);
 - interleaved 1F1B with v = 2 or 3 chunks per device group, re-cut into S x v chunks of
   equal layers (`layer_cuts`, Megatron's virtual pipeline), where the layers divide and
-  the microbatches come in whole rounds of S.
+  the microbatches come in whole rounds of S;
+- ZB-H1 (Qi et al. 2024) on the plan's own cuts: each backward split into B and W, the
+  W's deferred into 1F1B's bubble at 1F1B's in-flight count. The stage DP cannot choose
+  it (its tables price a stage's backward whole, `one_chunk`); priced here by the same
+  whole-pipeline model, which splits each stage's backward. Without recomputation only:
+  the split backward does not recompute (`check_remat`), so a plan the DP had to
+  recompute gets it only where dropping recomputation still fits.
 
 A polish step rather than more DP dimensions: selective recomputation as one more stage-DP
 memory saver tripled the DP's work and ran a tight-memory search out of its budget. The
@@ -26,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .._axes import MODEL, PIPE
 from .._cost import estimate_pipeline, pipeline_decisions
 from .._errors import PlanError
 from .._groups import sequence_parallel
-from .._pipeline import pipeline_plan
+from .._pipeline import pipeline_plan, pipeline_schedule
 from .._plan import Plan
 from .._space import layer_cuts
 from ._work import Work
@@ -41,24 +48,38 @@ from ._work import Work
 CHUNKS = (1, 2, 3)
 #: Recomputation tried, as (remat, remat_policy).
 REMATS = ((False, "full"), (True, "selective"), (True, "full"))
+#: Schedules tried on the DP's own cuts of a 1F1B plan, besides 1F1B itself.
+SPLIT_SCHEDULES = ("zb-h1",)
+
+
+class Layout(NamedTuple):
+    """A way to run the plan's stages: the schedule, chunks per device group and cuts."""
+
+    schedule: str
+    chunks: int
+    cuts: tuple[int, ...]
 
 
 def polish_techniques(model, plan: Plan, aligned: Sequence[int], work: Work | None = None) -> Plan:
     """The fastest feasible of `plan` and its variants with sequence parallelism,
-    recomputation policy and interleaving (module doc); `aligned`: the cut candidates
-    between layers, where a recomputing plan's stages may start."""
+    recomputation policy, interleaving and ZB-H1 (module doc); `aligned`: the cut
+    candidates between layers, where a recomputing plan's stages may start."""
     best, best_time = plan, _time_of(plan)
-    for v, cuts in _cut_sets(model, plan, aligned).items():
+    for layout in _layouts(model, plan):
         for sp, (remat, policy) in itertools.product(_sp_options(model, plan), REMATS):
-            if v == 1 and remat and not set(cuts) <= set(aligned):
+            if remat and pipeline_schedule(layout.schedule).splits_backward:
+                continue  # a split backward does not recompute (`check_remat`)
+            if layout.chunks == 1 and remat and not set(layout.cuts) <= set(aligned):
                 continue  # the DP's cuts split a layer: no recomputation on them
-            if (v, sp, remat, policy) == (1, False, plan.remat, plan.remat_policy):
+            if (layout.schedule, layout.chunks, sp, remat, policy) == (
+                plan.schedule, 1, False, plan.remat, plan.remat_policy,
+            ):  # fmt: skip
                 continue  # the plan itself
             if work is not None:
                 if work.spent():
                     return best
                 work.add(3 * len(model.graph.ops))  # op costs, a partition, its prices
-            trial = _variant(model, plan, cuts, v, sp, remat, policy)
+            trial = _variant(model, plan, layout, sp, remat, policy)
             if trial is not None and trial.predicted.step_time_s < best_time * (1 - 1e-9):
                 best, best_time = trial, trial.predicted.step_time_s
     return best
@@ -69,17 +90,22 @@ def _time_of(plan: Plan) -> float:
     return cost.step_time_s if cost is not None and cost.feasible else float("inf")
 
 
-def _cut_sets(model, plan: Plan, aligned: Sequence[int]) -> dict[int, tuple[int, ...]]:
-    """Chunks per device group -> the cuts: the plan's own for one, equal-layer chunks for
-    more, where the layers split so, the microbatches make whole rounds and the plan is
-    1F1B (a GPipe search asked for GPipe)."""
-    out = {1: tuple(plan.decisions["cuts"])}
+def _layouts(model, plan: Plan) -> list[Layout]:
+    """The plan's own schedule and cuts; on a 1F1B plan (a GPipe search asked for GPipe)
+    of two stages or more, ZB-H1 on the same cuts, and interleaving: equal-layer chunks,
+    where the layers split so and the microbatches make whole rounds. In this order, so
+    that a tie keeps the earlier (the simpler schedule)."""
+    cuts = tuple(plan.decisions["cuts"])
+    out = [Layout(plan.schedule, 1, cuts)]
     S = plan.mesh.get(PIPE, 1)
-    if S < 2 or plan.microbatches % S or plan.schedule != "1f1b":
+    if S < 2 or plan.schedule != "1f1b":
+        return out
+    out += [Layout(name, 1, cuts) for name in SPLIT_SCHEDULES]
+    if plan.microbatches % S:
         return out
     for v in CHUNKS[1:]:
         try:
-            out[v] = layer_cuts(model.graph, model.groups, S, v)
+            out.append(Layout("interleaved", v, layer_cuts(model.graph, model.groups, S, v)))
         except PlanError:  # the layers do not split into S x v equal chunks
             continue
     return out
@@ -93,16 +119,16 @@ def _sp_options(model, plan: Plan) -> tuple[bool, ...]:
     return (False,)
 
 
-def _variant(model, plan: Plan, cuts, v: int, sp: bool, remat: bool, policy: str) -> Plan | None:
-    """`plan` re-cut into `cuts` (v chunks per group) with these techniques, priced; None
+def _variant(model, plan: Plan, layout: Layout, sp: bool, remat: bool, policy: str) -> Plan | None:
+    """`plan` re-cut and scheduled as `layout` says, with these techniques, priced; None
     where it does not apply (a sequence tp does not divide, no residual stream) or fit."""
     graph, groups = model.graph, model.groups
     stage_mesh = {k: n for k, n in plan.mesh.items() if k != PIPE}
     try:
         new = pipeline_plan(
-            graph, groups, cuts, stage_mesh, model.plan_assignment(plan), plan.microbatches,
-            "interleaved" if v > 1 else plan.schedule, name=plan.name,
-            zero_stage=plan.zero_stage, virtual_stages=v,
+            graph, groups, layout.cuts, stage_mesh, model.plan_assignment(plan),
+            plan.microbatches, layout.schedule, name=plan.name, zero_stage=plan.zero_stage,
+            virtual_stages=layout.chunks,
         )  # fmt: skip
         new = dataclasses.replace(new, remat=remat, remat_policy=policy)
         if sp:
