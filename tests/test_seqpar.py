@@ -316,13 +316,17 @@ def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatc
             0.45,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="issue 26, open: priced without the recomputed GELU's float32 tanh "
-                "(XLA's A100 program makes it again in the backward, never stores it), "
-                "the split plan's busiest activation moment is below its gradients' "
-                "reduction (31.5 MB), so the split no longer sets its price. XLA peaks in "
-                "the last layer's MLP backward, holding three all-gathered stream tensors "
-                "whole (bf16[8,512,512], 4 MB each) from the recompute on; which term the "
-                "model misses there is not found yet.",
+                reason="issue 26, open: the split plan's busiest activation moment is "
+                "below its gradients' reduction (31.5 MB). Found in XLA's A100 buffer "
+                "assignment, unpriced: (1) the split plan holds each stream tensor a "
+                "matmul reads as a whole all-gathered copy from its gather to its last "
+                "matmul reader (the recompute's norms' outputs to their weight gradients, "
+                "3 x 4 MB at its peak; under selective, from the forward to the backward); "
+                "(2) the plain plan (0.79x XLA) peaks at a layer norm's backward, one "
+                "fusion writing three float32 stream tensors (its cotangent, kept float32, "
+                "and the scale's and bias's column-reduction operands) beside the last "
+                "one's float32 cotangent: 33.5 MB priced as bf16 or not at all. Pricing "
+                "(1) alone lowers the priced saving to 7.1 MB: (2) must come with it.",
             ),
         ),
     ],
