@@ -38,6 +38,7 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
+from .._remat import generated, remake_residuals
 from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 
@@ -97,6 +98,11 @@ class StageMemoryInputs:
         """Device groups: a pipeline of S stages has S / chunks of them when its stages
         are virtual (interleaved 1F1B), S otherwise."""
         return self.part.n_stages // self.schedule.chunks
+
+    @functools.cached_property
+    def generated(self) -> dict[int, tuple[int, ...]]:
+        """Per-step values each per-microbatch program makes itself (`_remat.generated`)."""
+        return generated(self.graph, self.part)
 
     @functools.cached_property
     def m(self) -> int:
@@ -191,6 +197,8 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
             continue
         for t in op.outputs:
             late = [c for c in consumers[t] if phase[c] != Phase.PRE]
+            if t in inp.generated and all(phase[c] in (Phase.FWD, Phase.BWD) for c in late):
+                continue  # made in each program that reads it (`_remat.generated`)
             if late:
                 # Read by the update alone: ZeRO pins it to the update's sharded layout.
                 update = all(phase[c] == Phase.POST for c in late)
@@ -206,34 +214,69 @@ def _residuals(
     """The activations kept for backward, per microbatch, times the microbatches each
     stage holds in flight (`PipelineSchedule.stage_in_flight`: interleaved stages, each
     its microbatches live at its device group's peak); returns those bytes per stage.
-    Every residual as the jaxpr has
-    it: a stage's F program hands its B program all it reads (program outputs, each a
-    buffer), where one program would let XLA fuse the cheap ones into their backward
-    readers (`stored_residuals`, the one-stage tables)."""
-    graph, part, res, phase, stage = inp.graph, inp.part, inp.res, inp.phase, inp.stage
+    A stage's F program hands its B program what `_remat.remake_residuals` keeps of the
+    residuals its backward reads (each an output, a buffer): the runtime's B makes the
+    cheap elementwise ones again (`_run/_segments.remake_segments`)."""
+    graph, part, phase = inp.graph, inp.part, inp.phase
     copies = inp.schedule.stage_in_flight(inp.groups, inp.m)
     held_act = np.zeros(part.n_stages)  # residuals held per stage at its device's peak
-    layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
-    recomputed = set(res.recomputed) if inp.remat else set()
-    for t in res.saved_remat if inp.remat else res.saved:
-        if t in layered:
-            continue  # made again in its layer's backward: `_remade`
-        p = graph.tensors[t].producer
-        b = graph.tensors[t].nbytes * inp.lay.inv[t]
-        per_mb = phase[p] == Phase.FWD
-        if per_mb and t in part.batched:
-            b /= inp.m
-        # Held by the stages that read it in a backward, or in a layer the backward
-        # recomputes (its input); the stage that made it and only sends it on frees it
-        # once sent (`_run/_pipelined.py`).
-        holders = {
-            int(stage[c]) for c in inp.consumers[t] if phase[c] == Phase.BWD or c in recomputed
-        } or {int(stage[p])}
-        for s in holders:
+    counted: set[int] = set()
+    for s, kept in enumerate(stage_residuals(inp)):
+        for t in kept:
+            p = graph.tensors[t].producer
+            b = graph.tensors[t].nbytes * inp.lay.inv[t]
+            per_mb = phase[p] == Phase.FWD
+            if per_mb and t in part.batched:
+                b /= inp.m
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
             held_act[s] += b * (copies[s] if per_mb else 1)
-        op_act[p] += b
+            if t not in counted:
+                op_act[p] += b
+                counted.add(t)
     return held_act
+
+
+def stage_residuals(inp: StageMemoryInputs) -> list[tuple[int, ...]]:
+    """Per stage, the activations its B program reads from a forward (intermediates made
+    in a forward): the jaxpr's residuals (under remat, the layers' inputs and what no
+    layer recomputes) held by the stages that read them in a backward, or in a layer the
+    backward recomputes (the stage that made one and only sends it on frees it once sent,
+    `_run/_pipelined.py`), less what its B makes again (`remake_residuals`)."""
+    graph, res, phase, stage = inp.graph, inp.res, inp.phase, inp.stage
+    layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
+    recomputed = set(res.recomputed) if inp.remat else set()
+    held: list[set[int]] = [set() for _ in range(inp.part.n_stages)]
+    for t in res.saved_remat if inp.remat else res.saved:
+        if t in layered or t in inp.generated:
+            continue  # made again in its layer's backward (`_remade`), or in the B itself
+        holders = {
+            int(stage[c]) for c in inp.consumers[t] if phase[c] == Phase.BWD or c in recomputed
+        } or {int(stage[graph.tensors[t].producer])}
+        for s in holders:
+            held[s].add(t)
+    reads = [set(ts) for ts in held]
+    # What else a B program reads from outside its stage's forward (gradients, weight
+    # casts): kept whatever it makes again, so free to make a residual from.
+    for op in graph.ops:
+        s = int(stage[op.index])
+        if phase[op.index] == Phase.BWD or op.index in recomputed:
+            reads[s].update(t for t in op.inputs if not _made_in(inp, t, s, Phase.FWD))
+    out = []
+    for s, ts in enumerate(reads):
+        rm = remake_residuals(graph, inp.part, s, ts, inp.consumers)
+        # The residuals kept, and what they are made again from where a forward made it.
+        out.append(tuple(t for t in rm.stored if t in held[s] or _made_in_forward(inp, t)))
+    return out
+
+
+def _made_in_forward(inp: StageMemoryInputs, t: int) -> bool:
+    p = inp.graph.tensors[t].producer
+    return p is not None and inp.phase[p] == Phase.FWD
+
+
+def _made_in(inp: StageMemoryInputs, t: int, s: int, which: Phase) -> bool:
+    p = inp.graph.tensors[t].producer
+    return p is not None and int(inp.stage[p]) == s and inp.phase[p] == which
 
 
 def _temporaries(
