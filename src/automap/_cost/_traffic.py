@@ -38,9 +38,10 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
-from .._remat import generated, remake_residuals
+from .._remat import generated
 from ._fusion import FUSIBLE
 from ._outputs import NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
+from ._residuals import stage_residuals
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
@@ -221,7 +222,10 @@ def _residuals(
     copies = inp.schedule.stage_in_flight(inp.groups, inp.m)
     held_act = np.zeros(part.n_stages)  # residuals held per stage at its device's peak
     counted: set[int] = set()
-    for s, kept in enumerate(stage_residuals(inp)):
+    kept_per_stage = stage_residuals(
+        graph, part, inp.res, inp.consumers, inp.remat, set(inp.generated)
+    )
+    for s, kept in enumerate(kept_per_stage):
         for t in kept:
             p = graph.tensors[t].producer
             b = graph.tensors[t].nbytes * inp.lay.inv[t]
@@ -234,49 +238,6 @@ def _residuals(
                 op_act[p] += b
                 counted.add(t)
     return held_act
-
-
-def stage_residuals(inp: StageMemoryInputs) -> list[tuple[int, ...]]:
-    """Per stage, the activations its B program reads from a forward (intermediates made
-    in a forward): the jaxpr's residuals (under remat, the layers' inputs and what no
-    layer recomputes) held by the stages that read them in a backward, or in a layer the
-    backward recomputes (the stage that made one and only sends it on frees it once sent,
-    `_run/_pipelined.py`), less what its B makes again (`remake_residuals`)."""
-    graph, res, phase, stage = inp.graph, inp.res, inp.phase, inp.stage
-    layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
-    recomputed = set(res.recomputed) if inp.remat else set()
-    held: list[set[int]] = [set() for _ in range(inp.part.n_stages)]
-    for t in res.saved_remat if inp.remat else res.saved:
-        if t in layered or t in inp.generated:
-            continue  # made again in its layer's backward (`_remade`), or in the B itself
-        holders = {
-            int(stage[c]) for c in inp.consumers[t] if phase[c] == Phase.BWD or c in recomputed
-        } or {int(stage[graph.tensors[t].producer])}
-        for s in holders:
-            held[s].add(t)
-    reads = [set(ts) for ts in held]
-    # What else a B program reads from outside its stage's forward (gradients, weight
-    # casts): kept whatever it makes again, so free to make a residual from.
-    for op in graph.ops:
-        s = int(stage[op.index])
-        if phase[op.index] == Phase.BWD or op.index in recomputed:
-            reads[s].update(t for t in op.inputs if not _made_in(inp, t, s, Phase.FWD))
-    out = []
-    for s, ts in enumerate(reads):
-        rm = remake_residuals(graph, inp.part, s, ts, inp.consumers)
-        # The residuals kept, and what they are made again from where a forward made it.
-        out.append(tuple(t for t in rm.stored if t in held[s] or _made_in_forward(inp, t)))
-    return out
-
-
-def _made_in_forward(inp: StageMemoryInputs, t: int) -> bool:
-    p = inp.graph.tensors[t].producer
-    return p is not None and inp.phase[p] == Phase.FWD
-
-
-def _made_in(inp: StageMemoryInputs, t: int, s: int, which: Phase) -> bool:
-    p = inp.graph.tensors[t].producer
-    return p is not None and int(inp.stage[p]) == s and inp.phase[p] == which
 
 
 def _temporaries(
