@@ -174,7 +174,10 @@ def test_a_single_stage_is_one_program_or_gradient_accumulation():
     assert accum.compute_s == pytest.approx(before.compute_s, rel=0.02)
     acts = lambda c: c.memory_breakdown["activations"]  # noqa: E731
     whole = estimate_pipeline(cm, stage_plan("gpt2-xl", 1, 1)).cost
-    assert acts(whole) / 2 <= acts(accum) < acts(whole) * 0.8
+    # Since a stage's B remakes the cheap residuals (`_remat.remake_residuals`) what halves
+    # is a smaller part (7.0 MB of 10.3 here, was 17.3 of 20.6), and the microbatch's own
+    # gradient buffers (1.6 MB) take back most of what halving it saves.
+    assert acts(whole) / 2 <= acts(accum) < acts(whole)
 
 
 #: One program's ZeRO-3 gathers layer by layer, and again in the backward (`_cost/_fsdp.py`,

@@ -177,10 +177,12 @@ def test_the_model_times_the_runtimes_order_and_its_memory_is_what_the_runtime_h
     held = run.memory(*spec.abstract_args())
     for predicted, xla in zip(pc.stage_memory_bytes, held, strict=True):
         assert predicted == pytest.approx(xla, rel=0.15)
-    # The same cuts under 1F1B: the first stage holds as much; later ones less, as their
-    # W's are not deferred; the split backward's B and W add up to 1F1B's backward.
+    # The same cuts under 1F1B: the first stage holds at least as much (W reads F's
+    # residuals as they are, where 1F1B's B makes the cheap ones again: `_remat/_remake.py`);
+    # later ones less, as their W's are not deferred; the split backward's B and W add up
+    # to 1F1B's backward.
     one = estimate_pipeline(CostModel(graph, CPU), _plan(graph, groups, S, m, "1f1b"))
-    assert pc.stage_memory_bytes[0] == pytest.approx(one.stage_memory_bytes[0])
+    assert pc.stage_memory_bytes[0] >= one.stage_memory_bytes[0]
     assert all(
         z > o for z, o in zip(pc.stage_memory_bytes[1:], one.stage_memory_bytes[1:], strict=True)
     )

@@ -6,7 +6,9 @@ is never written, and the operands it is made from are stored in its place
 (`stored_residuals`); on a GPU, so is a recomputed layer's expensive elementwise result
 (GELU's tanh). The activations a plan keeps, and the buffers it holds
 (`_buffers.step_buffers`), are those stored ones (`kept_residuals`), read on compile-only
-A100s; tests/test_residual_memory.py holds the rules.
+A100s; tests/test_residual_memory.py holds the rules. A pipeline stage's forward and
+backward are two programs, so there the runtime chooses what its backward makes again
+(`_remat.remake_residuals`) and `stage_residuals` prices that.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from .._capture import Residuals
 from .._graph import Graph
 from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
 from .._lowering import Lowering
+from .._pipeline import Partition, Phase
+from .._remat import remake_residuals
 from ._fusion import EXPENSIVE, FUSIBLE, walk_back
 
 
@@ -180,3 +184,63 @@ def _widened_source(graph: Graph, consumers, t: int) -> int | None:
 
 def _is_float(dtype: str) -> bool:
     return dtype.startswith("float") or dtype == "bfloat16"
+
+
+def stage_residuals(
+    graph: Graph,
+    part: Partition,
+    res: Residuals,
+    consumers,
+    remat: bool,
+    generated,
+    remakes: bool = True,
+) -> list[tuple[int, ...]]:
+    """Per pipeline stage, the activations its B program reads from a forward: the
+    jaxpr's residuals (under `remat`, the layers' inputs and what no layer recomputes),
+    held by the stages that read them in a backward or in a layer the backward recomputes
+    (the stage that made one and only sends it on frees it once sent,
+    `_run/_pipelined.py`), less what its B makes again (`_remat.remake_residuals`) or
+    makes itself (`generated`: a causal mask), plus what it makes them from. Not
+    `remakes` (a backward split into B and W, whose W reads F's residuals as they are):
+    every residual read in a backward, as the jaxpr has it."""
+    phase, stage = part.op_phase, part.op_stage
+    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
+    recomputed = set(res.recomputed) if remat else set()
+    held: list[set[int]] = [set() for _ in range(part.n_stages)]
+    for t in res.saved_remat if remat else res.saved:
+        if t in layered or t in generated:
+            continue  # made again in its layer's backward (`_traffic._remade`), or in the B
+        holders = {stage[c] for c in consumers[t] if phase[c] in _BACKWARD or c in recomputed} or {
+            stage[graph.tensors[t].producer]
+        }
+        for s in holders:
+            held[s].add(t)
+    if not remakes:
+        return [tuple(sorted(ts)) for ts in held]
+    # What else a B program reads from outside its stage's forward (gradients, weight
+    # casts): kept whatever it makes again, so free to make a residual from.
+    reads = [set(ts) for ts in held]
+    for op in graph.ops:
+        s = stage[op.index]
+        if phase[op.index] is Phase.BWD or op.index in recomputed:
+            reads[s].update(t for t in op.inputs if not _made_in(part, graph, t, s))
+    out = []
+    for s, ts in enumerate(reads):
+        rm = remake_residuals(graph, part, s, ts, consumers)
+        out.append(tuple(t for t in rm.stored if t in held[s] or _forward_made(part, graph, t)))
+    return out
+
+
+#: A microbatch's backward, whole (B) or split into B and W (ZB-H1).
+_BACKWARD = (Phase.BWD, Phase.WGT)
+
+
+def _made_in(part: Partition, graph: Graph, t: int, s: int) -> bool:
+    """Whether stage s's forward made t."""
+    p = graph.tensors[t].producer
+    return p is not None and part.op_stage[p] == s and part.op_phase[p] is Phase.FWD
+
+
+def _forward_made(part: Partition, graph: Graph, t: int) -> bool:
+    p = graph.tensors[t].producer
+    return p is not None and part.op_phase[p] is Phase.FWD

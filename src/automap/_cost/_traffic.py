@@ -38,9 +38,11 @@ from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
+from .._remat import generated
 from ._deferred import deferred_weight_bytes
 from ._fusion import FUSIBLE
 from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
+from ._residuals import stage_residuals
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
@@ -100,6 +102,11 @@ class StageMemoryInputs:
         """Device groups: a pipeline of S stages has S / chunks of them when its stages
         are virtual (interleaved 1F1B), S otherwise."""
         return self.part.n_stages // self.schedule.chunks
+
+    @functools.cached_property
+    def generated(self) -> dict[int, tuple[int, ...]]:
+        """Per-step values each per-microbatch program makes itself (`_remat.generated`)."""
+        return generated(self.graph, self.part)
 
     @functools.cached_property
     def m(self) -> int:
@@ -197,6 +204,8 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
             continue
         for t in op.outputs:
             late = [c for c in consumers[t] if phase[c] != Phase.PRE]
+            if t in inp.generated and all(phase[c] in (Phase.FWD, Phase.BWD) for c in late):
+                continue  # made in each program that reads it (`_remat.generated`)
             if late:
                 # Read by the update alone: ZeRO pins it to the update's sharded layout.
                 update = all(phase[c] == Phase.POST for c in late)
@@ -212,33 +221,30 @@ def _residuals(
     """The activations kept for backward, per microbatch, times the microbatches each
     stage holds in flight (`PipelineSchedule.stage_in_flight`: interleaved stages, each
     its microbatches live at its device group's peak); returns those bytes per stage.
-    Every residual as the jaxpr has
-    it: a stage's F program hands its B program all it reads (program outputs, each a
-    buffer), where one program would let XLA fuse the cheap ones into their backward
-    readers (`stored_residuals`, the one-stage tables)."""
-    graph, part, res, phase, stage = inp.graph, inp.part, inp.res, inp.phase, inp.stage
+    A stage's F program hands its B program what `_remat.remake_residuals` keeps of the
+    residuals its backward reads (each an output, a buffer): the runtime's B makes the
+    cheap elementwise ones again (`_run/_segments.remake_segments`)."""
+    graph, part, phase = inp.graph, inp.part, inp.phase
     copies = inp.schedule.stage_in_flight(inp.groups, inp.m)
     held_act = np.zeros(part.n_stages)  # residuals held per stage at its device's peak
-    layered = {t for ts in res.layer_saved for t in ts} if inp.remat else set()
-    recomputed = set(res.recomputed) if inp.remat else set()
-    for t in res.saved_remat if inp.remat else res.saved:
-        if t in layered:
-            continue  # made again in its layer's backward: `_remade`
-        p = graph.tensors[t].producer
-        b = graph.tensors[t].nbytes * inp.lay.inv[t]
-        per_mb = phase[p] == Phase.FWD
-        if per_mb and t in part.batched:
-            b /= inp.m
-        # Held by the stages that read it in a backward, or in a layer the backward
-        # recomputes (its input); the stage that made it and only sends it on frees it
-        # once sent (`_run/_pipelined.py`).
-        holders = {
-            int(stage[c]) for c in inp.consumers[t] if phase[c] in _BACKWARD or c in recomputed
-        } or {int(stage[p])}
-        for s in holders:
+    counted: set[int] = set()
+    # A split backward's W programs read F's residuals as they are: nothing is remade.
+    remakes = not inp.schedule.splits_backward
+    kept_per_stage = stage_residuals(
+        graph, part, inp.res, inp.consumers, inp.remat, set(inp.generated), remakes
+    )
+    for s, kept in enumerate(kept_per_stage):
+        for t in kept:
+            p = graph.tensors[t].producer
+            b = graph.tensors[t].nbytes * inp.lay.inv[t]
+            per_mb = phase[p] == Phase.FWD
+            if per_mb and t in part.batched:
+                b /= inp.m
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
             held_act[s] += b * (copies[s] if per_mb else 1)
-        op_act[p] += b
+            if t not in counted:
+                op_act[p] += b
+                counted.add(t)
     return held_act
 
 

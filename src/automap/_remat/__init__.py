@@ -22,6 +22,9 @@ from ._recompute import made_in_forward as made_in_forward
 from ._recompute import recompute_plan as recompute_plan
 from ._recompute import recompute_units as recompute_units
 from ._recompute import remat_residuals as remat_residuals
+from ._remake import Remake as Remake
+from ._remake import generated as generated
+from ._remake import remake_residuals as remake_residuals
 from ._selective import attention_cores as attention_cores
 from ._units import block_ops as block_ops
 from ._units import layer_ops as layer_ops

@@ -69,10 +69,12 @@ from ._segments import (
     Segment,
     batch_dim,
     check_same_program,
+    generate_in_readers,
     micro_args,
     micro_consts,
     readers,
     recompute_segments,
+    remake_segments,
     segments,
 )
 from ._shared import (
@@ -182,6 +184,11 @@ class _Pipeline(Accumulation):
         self.pre, self.micro, self.post = segments(full, part)
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
             self.micro = recompute_segments(full, self.micro, plan_recompute(full, groups, plan))
+        # Each B makes the cheap residuals again from those its F keeps (`_remat/_remake.py`);
+        # not where W programs read F's residuals too (a split backward).
+        if not plan_schedule(plan).splits_backward:
+            self.micro = remake_segments(full, part, self.micro)
+        self.pre, self.micro = generate_in_readers(full, part, self.pre, self.micro, self.post)
         self.readers = readers(self.micro)
         self.read_on: dict[int, list[int]] = {}  # tensor -> stages whose segments read it
         for t, s in self.readers:

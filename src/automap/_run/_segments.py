@@ -26,6 +26,7 @@ from .._errors import PlanError
 from .._graph import Graph, TensorKind
 from .._groups import Groups
 from .._pipeline import Partition, Phase, once_programs
+from .._remat import generated, remake_residuals
 from ._shared import leaf_dtype, leaf_shape
 
 
@@ -184,6 +185,72 @@ def recompute_segments(graph: Graph, micro: list[Segment], rc: Any) -> list[Segm
         else:  # W: without ops, as the split backward is refused with recomputation
             out.append(seg)
     return out
+
+
+def remake_segments(graph: Graph, part: Partition, micro: list[Segment]) -> list[Segment]:
+    """The per-microbatch segments with each "B" making the cheap elementwise residuals
+    again from the ones its "F" keeps (`_remat.remake_residuals`): its "F" hands it fewer
+    outputs, each held per microbatch in flight. A "B" that recomputes layers
+    (`recompute_segments`) reads the layers' inputs: those are what it sees as residuals."""
+    consumers = graph.consumers()
+    step_outputs = {leaf.tensor for leaf in graph.outputs}
+    by_unit = {(seg.stage, seg.kind): seg for seg in micro}
+    out = []
+    for seg in micro:
+        f, b = by_unit[(seg.stage, Phase.FWD)], by_unit[(seg.stage, Phase.BWD)]
+        rm = remake_residuals(graph, part, seg.stage, b.inputs, consumers)
+        if not rm.ops:
+            out.append(seg)
+            continue
+        again = set(rm.remade)
+        b_inputs = tuple(
+            dict.fromkeys(
+                [t for t in b.inputs if t not in again]
+                + [t for t in rm.stored if t not in b.inputs]
+            )
+        )
+        if seg.kind is Phase.BWD:
+            ops = tuple(sorted({*rm.ops, *seg.ops}))
+            out.append(dataclasses.replace(seg, ops=ops, inputs=b_inputs))
+            continue
+        pair = {*f.ops, *b.ops, *(b.recompute.ops if b.recompute is not None else ())}
+        kept = [
+            t
+            for t in f.outputs
+            if t in b_inputs or t in step_outputs or any(c not in pair for c in consumers[t])
+        ]
+        made = {t for i in f.ops for t in graph.ops[i].outputs}
+        outputs = tuple(dict.fromkeys(kept + [t for t in b_inputs if t in made]))
+        out.append(dataclasses.replace(seg, outputs=outputs))
+    return out
+
+
+def generate_in_readers(
+    graph: Graph, part: Partition, pre: list[Segment], micro: list[Segment], post: list[Segment]
+) -> tuple[list[Segment], list[Segment]]:
+    """(pre, micro) with each per-microbatch segment making the per-step values made from
+    nothing the step reads (`_remat.generated`: a causal mask) itself, and the pre
+    segments no longer handing out those no other segment reads: a mask per layer is not
+    held all step for the backward."""
+    gen = generated(graph, part)
+    out = []
+    for seg in micro:
+        need = [t for t in seg.inputs if t in gen]
+        if not need:
+            out.append(seg)
+            continue
+        ops = tuple(sorted({*seg.ops, *(i for t in need for i in gen[t])}))
+        inputs = tuple(t for t in seg.inputs if t not in gen)
+        out.append(dataclasses.replace(seg, ops=ops, inputs=inputs))
+    step_outputs = {leaf.tensor for leaf in graph.outputs}
+    read = {t for seg in (*pre, *out, *post) for t in seg.inputs}
+    pre = [
+        dataclasses.replace(
+            seg, outputs=tuple(t for t in seg.outputs if t in read or t in step_outputs)
+        )
+        for seg in pre
+    ]
+    return pre, out
 
 
 def readers(micro: list[Segment]) -> Mapping[tuple[int, int], int]:
