@@ -100,8 +100,9 @@ def search_dp(
     """The best pipeline plan of the hybrid space (None when no point fits) and stats.
 
     `budget_s` is counted as work (`OPS_PER_SECOND`): the same budget gives the same plan
-    on any machine; the search stops after the outer point that spends it (the stats say
-    `complete` False), or at the wall-clock safety stop."""
+    on any machine; the search stops after the outer point, or the polish step, that spends
+    it, or at the wall-clock safety stop: then the stats say `complete` False (never True
+    for a search cut short: with no plan, that would read as a proof that none fits)."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
     the_schedule = pipeline_schedule(schedule)
     one_chunk(pipeline_schedule(schedule))
@@ -149,7 +150,6 @@ def search_dp(
         # the whole model by moving one cut at a time to a neighbouring candidate.
         for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
             if work.spent():
-                stats["complete"] = False
                 break
             plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             # Then the decisions the DP does not make: sequence parallelism, selective
@@ -157,6 +157,8 @@ def search_dp(
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
+        if work.spent():  # the polish stopped on it, between plans or inside a step
+            stats["complete"] = False
     except KeyboardInterrupt:
         # Ctrl-C keeps the best pipeline so far.
         if best is None:
@@ -186,6 +188,11 @@ def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work
             if mesh.get(MODEL, 1) > cluster.devices_per_node:
                 continue  # tensor parallel across nodes: never worth it
             if work is not None and work.spent():
+                # Stopped before this mesh's points were made: the search loop never
+                # sees them, so the stop is recorded here (a search with no plan that
+                # said complete would read as a proof that nothing fits).
+                if stats is not None:
+                    stats["complete"] = False
                 return
             for intra, assignment in _intra_plans(space, mesh_index, mesh, work, stats).items():
                 for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
@@ -214,6 +221,9 @@ def _intra_plans(
             work.add(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND)
         limit = 60.0 if work is None else max(work.wall_left(), 0.01)  # a safety stop
         solution = solve_ilp(terms.problem(0, np.inf), time_limit_s=limit)
+        if not (solution.optimal or solution.status == "infeasible") and stats is not None:
+            # HiGHS's time limit (a safety stop) ended it: not the stage mesh's optimum.
+            stats["complete"] = False
         if solution.feasible:
             out["ilp"] = space.assignment(solution.choices[: len(space.units)])
     expert = {
@@ -302,14 +312,12 @@ def optimal_cuts(
     return tuple(cands[i - 1] for i, _ in sol.stages[1:])
 
 
-def polish_cuts(
-    model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf, work: Work | None = None
-) -> Plan:
+def polish_cuts(model, plan: Plan, cands: tuple[int, ...], work: Work | None = None) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
-    whole pipeline model says the step gets faster (the intra-stage plan fixed), until
-    `deadline` (a `time.perf_counter()` value) passes or `work` is spent. The plan's
-    recomputation, sequence parallelism and chunks per device group are kept; under full
-    recomputation `cands` should be the cuts between layers (as the DP's grid)."""
+    whole pipeline model says the step gets faster (the intra-stage plan fixed), until no
+    move helps or `work` is spent (counted, not timed: the same cuts on any machine). The
+    plan's recomputation, sequence parallelism and chunks per device group are kept; under
+    full recomputation `cands` should be the cuts between layers (as the DP's grid)."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     # A selective recompute is priced on the cost model's variant for it, the same for any
     # cuts; a full one on the base model, its cuts between layers.
@@ -320,7 +328,7 @@ def polish_cuts(
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
     improved = True
-    while improved and _time.perf_counter() < deadline and not (work and work.spent()):
+    while improved and not (work and work.spent()):
         improved = False
         for k in range(len(cuts)):
             for step in (-1, 1):
