@@ -51,7 +51,7 @@ from .._pipeline import (
 )
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
-from .._solvers import optimal_partition, solve_ilp
+from .._solvers import Solution, optimal_partition, solve_ilp
 from .._space import (
     Point,
     ShardSpace,
@@ -217,13 +217,9 @@ def _intra_plans(
             stats["complete"] = False
             stats.setdefault("ilp_skipped", []).append(dict(mesh))
     if terms is not None:
-        if work is not None:
-            work.add(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND)
-        limit = 60.0 if work is None else max(work.wall_left(), 0.01)  # a safety stop
-        solution = solve_ilp(terms.problem(0, np.inf), time_limit_s=limit)
+        solution = _stage_optimum(terms, work)
         if not (solution.optimal or solution.status == "infeasible") and stats is not None:
-            # HiGHS's time limit (a safety stop) ended it: not the stage mesh's optimum.
-            stats["complete"] = False
+            stats["complete"] = False  # the budget (or the safety stop) ended it first
         if solution.feasible:
             out["ilp"] = space.assignment(solution.choices[: len(space.units)])
     expert = {
@@ -233,6 +229,25 @@ def _intra_plans(
     if expert != {g: a for g, a in out.get("ilp", {}).items() if a is not None}:
         out["megatron_dp"] = expert
     return out
+
+
+def _stage_optimum(terms: MeshTerms, work: Work | None) -> Solution:
+    """The stage mesh's time optimum by its MILP, in counted work: its tables and root node
+    cost its columns (at `COLUMNS_PER_SECOND`), each further node as much, and HiGHS gets
+    the nodes the budget has left, so the same budget gives the same intra-stage plan on
+    any machine (as `_leanest.py` counts its MILPs). HiGHS's wall-time limit is the safety
+    stop only. Every zoo model's stage MILPs solve at the root, in tens of milliseconds."""
+    problem = terms.problem(0, np.inf)
+    if work is None:
+        return solve_ilp(problem, time_limit_s=60.0)
+    per_node = max(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND, 1.0)
+    work.add(per_node)
+    left = work.limit - work.done
+    nodes = 1 + max(int(left // per_node), 0) if np.isfinite(left) else None  # inf: no cap
+    limit = max(work.wall_left(), 0.01)
+    solution = solve_ilp(problem, time_limit_s=limit, max_nodes=nodes)
+    work.add(per_node * max(solution.explored - 1, 0))
+    return solution
 
 
 def _solve_point(
