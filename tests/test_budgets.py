@@ -263,6 +263,40 @@ def test_dp_gives_the_same_plan_for_the_same_budget_on_a_slowed_machine(monkeypa
     assert stats["points"] == stats_again["points"] == stats_slowed["points"]
 
 
+@pytest.mark.parametrize("memory", [None, 1e4], ids=["fits", "nothing-fits"])
+def test_a_dp_search_the_budget_cuts_short_never_says_complete(memory):
+    """A complete search with no plan reads as a proof that nothing fits, and one with a
+    plan as the best the search can do: a search the budget stopped part way must say it
+    is not complete. The budget was once noticed spent between two stage meshes (where
+    the points are made, not tried), or inside the last polish step, and not recorded:
+    a search stopped there with no plan said complete."""
+    step, args = _accumulation_step()
+    # With 10 kB a device, every point is tried with every memory saver, and none fits.
+    cluster = A100X8 if memory is None else dataclasses.replace(A100X8, hbm_bytes=memory)
+    problem = Problem.build(step, args, cluster)
+    plan, full = search_dp(problem, 60.0)
+    assert full["complete"] and full["points"] >= 3 and (plan is None) == (memory is not None)
+    # Work is counted in a fixed order: a search that did less than the whole one's was
+    # stopped part way. Each budget ends just past the last search's work, one step
+    # further each time, so the budget runs out at every place the search checks it.
+    # (Should the wall-clock safety stop end one first on a loaded machine, it doubles.)
+    budget, stops = 0.01, []
+    while True:
+        plan, stats = search_dp(problem, budget)
+        assert plan is None or memory is None
+        if stats["work"] >= full["work"]:
+            break
+        assert stats["complete"] is False, stats
+        if memory is not None:  # the caller says the budget ran out, not that none fits
+            with pytest.raises(am.InfeasibleError, match="budget ran out") as failed:
+                run_searcher(problem, "dp", budget, 0, task="pipeline")
+            assert not failed.value.proved
+        stops.append(stats["work"])
+        longer = (stats["work"] + 1) / OPS_PER_SECOND
+        budget = longer if longer > budget else 2 * budget
+    assert stops == sorted(stops) and len(stops) >= full["points"] - 1
+
+
 # ---- a sampling searcher that finds nothing: whether a larger budget helps, in budget --
 
 

@@ -51,7 +51,7 @@ from .._pipeline import (
 )
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
-from .._solvers import optimal_partition, solve_ilp
+from .._solvers import Solution, optimal_partition, solve_ilp
 from .._space import (
     Point,
     ShardSpace,
@@ -101,8 +101,9 @@ def search_dp(
     """The best pipeline plan of the hybrid space (None when no point fits) and stats.
 
     `budget_s` is counted as work (`OPS_PER_SECOND`): the same budget gives the same plan
-    on any machine; the search stops after the outer point that spends it (the stats say
-    `complete` False), or at the wall-clock safety stop."""
+    on any machine; the search stops after the outer point, or the polish step, that spends
+    it, or at the wall-clock safety stop: then the stats say `complete` False (never True
+    for a search cut short: with no plan, that would read as a proof that none fits)."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
     the_schedule = pipeline_schedule(schedule)
     one_chunk(pipeline_schedule(schedule))
@@ -150,7 +151,6 @@ def search_dp(
         # the whole model by moving one cut at a time to a neighbouring candidate.
         for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
             if work.spent():
-                stats["complete"] = False
                 break
             plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             # Then the decisions the DP does not make: sequence parallelism, selective
@@ -158,6 +158,8 @@ def search_dp(
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
+        if work.spent():  # the polish stopped on it, between plans or inside a step
+            stats["complete"] = False
     except KeyboardInterrupt:
         # Ctrl-C keeps the best pipeline so far.
         if best is None:
@@ -187,6 +189,11 @@ def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work
             if mesh.get(MODEL, 1) > cluster.devices_per_node:
                 continue  # tensor parallel across nodes: never worth it
             if work is not None and work.spent():
+                # Stopped before this mesh's points were made: the search loop never
+                # sees them, so the stop is recorded here (a search with no plan that
+                # said complete would read as a proof that nothing fits).
+                if stats is not None:
+                    stats["complete"] = False
                 return
             for intra, assignment in _intra_plans(space, mesh_index, mesh, work, stats).items():
                 for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
@@ -211,10 +218,9 @@ def _intra_plans(
             stats["complete"] = False
             stats.setdefault("ilp_skipped", []).append(dict(mesh))
     if terms is not None:
-        if work is not None:
-            work.add(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND)
-        limit = 60.0 if work is None else max(work.wall_left(), 0.01)  # a safety stop
-        solution = solve_ilp(terms.problem(0, np.inf), time_limit_s=limit)
+        solution = _stage_optimum(terms, work)
+        if not (solution.optimal or solution.status == "infeasible") and stats is not None:
+            stats["complete"] = False  # the budget (or the safety stop) ended it first
         if solution.feasible:
             out["ilp"] = space.assignment(solution.choices[: len(space.units)])
     expert = {
@@ -224,6 +230,25 @@ def _intra_plans(
     if expert != {g: a for g, a in out.get("ilp", {}).items() if a is not None}:
         out["megatron_dp"] = expert
     return out
+
+
+def _stage_optimum(terms: MeshTerms, work: Work | None) -> Solution:
+    """The stage mesh's time optimum by its MILP, in counted work: its tables and root node
+    cost its columns (at `COLUMNS_PER_SECOND`), each further node as much, and HiGHS gets
+    the nodes the budget has left, so the same budget gives the same intra-stage plan on
+    any machine (as `_leanest.py` counts its MILPs). HiGHS's wall-time limit is the safety
+    stop only. Every zoo model's stage MILPs solve at the root, in tens of milliseconds."""
+    problem = terms.problem(0, np.inf)
+    if work is None:
+        return solve_ilp(problem, time_limit_s=60.0)
+    per_node = max(terms.columns * OPS_PER_SECOND / COLUMNS_PER_SECOND, 1.0)
+    work.add(per_node)
+    left = work.limit - work.done
+    nodes = 1 + max(int(left // per_node), 0) if np.isfinite(left) else None  # inf: no cap
+    limit = max(work.wall_left(), 0.01)
+    solution = solve_ilp(problem, time_limit_s=limit, max_nodes=nodes)
+    work.add(per_node * max(solution.explored - 1, 0))
+    return solution
 
 
 def _solve_point(
@@ -303,14 +328,12 @@ def optimal_cuts(
     return tuple(cands[i - 1] for i, _ in sol.stages[1:])
 
 
-def polish_cuts(
-    model, plan: Plan, cands: tuple[int, ...], deadline: float = np.inf, work: Work | None = None
-) -> Plan:
+def polish_cuts(model, plan: Plan, cands: tuple[int, ...], work: Work | None = None) -> Plan:
     """Hill-climb on the cuts: move one cut to the next candidate either way while the
-    whole pipeline model says the step gets faster (the intra-stage plan fixed), until
-    `deadline` (a `time.perf_counter()` value) passes or `work` is spent. The plan's
-    recomputation, sequence parallelism and chunks per device group are kept; under full
-    recomputation `cands` should be the cuts between layers (as the DP's grid)."""
+    whole pipeline model says the step gets faster (the intra-stage plan fixed), until no
+    move helps or `work` is spent (counted, not timed: the same cuts on any machine). The
+    plan's recomputation, sequence parallelism and chunks per device group are kept; under
+    full recomputation `cands` should be the cuts between layers (as the DP's grid)."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
     # A selective recompute is priced on the cost model's variant for it, the same for any
     # cuts; a full one on the base model, its cuts between layers.
@@ -321,7 +344,7 @@ def polish_cuts(
     cuts = [index[c] for c in plan.decisions["cuts"]]
     best_time, best_pc = plan.predicted.step_time_s, None
     improved = True
-    while improved and _time.perf_counter() < deadline and not (work and work.spent()):
+    while improved and not (work and work.spent()):
         improved = False
         for k in range(len(cuts)):
             for step in (-1, 1):
