@@ -18,7 +18,7 @@ import numpy as np
 from .._capture import Residuals, loss_boundary
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, narrow_params, zero_region
+from .._groups import Groups, distinct_casts, narrow_params, zero_region
 from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, combined_copies, step_buffers
@@ -71,9 +71,11 @@ class Tables:
     gather_coef: np.ndarray  # [n_sets]
     # [3, n_sets] the masters ZeRO-1/2 keeps on shards where it gathers compute-dtype
     # copies (`_groups.narrow_params`): their bytes, what their casts' gathers move
-    # (`gathered`, once per cast: the runtime gathers each), their leaves. Zero for a step computing in its parameters' dtype.
+    # (`gathered`, once per dtype cast to: the runtime gathers one copy of each,
+    # `_groups.distinct_casts`), their leaves. Zero for a step computing in its
+    # parameters' dtype.
     master_coef: np.ndarray
-    masters: Mapping[int, int]  # those parameters (tensor id): how many casts each
+    masters: Mapping[int, int]  # those parameters (tensor id): how many copies each gathers
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
@@ -172,9 +174,11 @@ def build_tables(
     gather_coef = np.zeros(n_sets)
     np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
     narrow = narrow_params(graph, update)
-    master_coef, masters = np.zeros((3, n_sets)), {t: len(c) for t, c in narrow.items()}
-    for t, casts in narrow.items():  # each cast is gathered (a tied table's two, say)
-        moved = gathered[t] * len(casts)
+    # one gather per dtype cast to: a tied table's two bf16 casts share one (`_mixed.py`)
+    masters = {t: len(distinct_casts(graph, c)) for t, c in narrow.items()}
+    master_coef = np.zeros((3, n_sets))
+    for t in narrow:
+        moved = gathered[t] * masters[t]
         np.add.at(master_coef, (slice(None), tset[t]), (graph.tensors[t].nbytes, moved, 1))
     table = sets.table(ng)
     return Tables(

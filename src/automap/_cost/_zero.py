@@ -239,7 +239,7 @@ def zero_op_gathers(
                 for t, b, c in zero_leaves(graph, lay, T.gathered)
                 if (t in T.masters) == kept
             ]
-            if kept:  # each cast of a master is gathered (`Tables.master_coef`)
+            if kept:  # one copy per dtype cast to (`Tables.master_coef`)
                 leaves = [(t, b * T.masters[t], c) for t, b, c in leaves]
             else:  # the rest is gathered at its own width
                 leaves = [(t, graph.tensors[t].nbytes * lay.inv[t], c) for t, _, c in leaves]
