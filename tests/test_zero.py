@@ -318,3 +318,74 @@ def test_zero2_gathering_casts_computes_what_the_plain_step_does():
     report = verify(spec.step_fn, plan, *args)
     assert report.numerics_ok is True, report.summary()
     assert report.collectives_match, report.summary()
+
+
+def _odd_bias_step():
+    """A bf16-compute step whose output bias (6 wide) no dim of 8 data shards divides."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    opt = optax.adam(1e-3)
+
+    def loss(p, x, y):
+        h = jnp.tanh(x.astype(jnp.bfloat16) @ p["w1"].astype(jnp.bfloat16))
+        out = h @ p["w2"].astype(jnp.bfloat16) + p["b2"].astype(jnp.bfloat16)
+        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+    def step(p, s, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    p = {
+        "w1": jax.random.normal(k1, (64, 128)) * 0.1,
+        "w2": jax.random.normal(k2, (128, 6)) * 0.1,
+        "b2": jnp.zeros((6,)),
+    }
+    x, y = jax.random.normal(k3, (32, 64)), jnp.ones((32, 6))
+    return step, (p, opt.init(p), x, y)
+
+
+def test_a_master_no_dim_of_which_the_data_axis_divides_is_priced_whole_and_not_gathered():
+    # ZeRO-1/2 keeps a mixed-precision step's masters on shards, but a 6-wide bias has no
+    # dim 8 divides: the runtime holds its master whole and gathers nothing of it. The
+    # price says so (before: its master a shard, its cast gathered), estimate and ILP.
+    import numpy as np
+
+    from automap._search import MeshTerms, options_of
+    from automap._solvers import evaluate_batch
+    from automap._space import ShardSpace
+
+    step, args = _odd_bias_step()
+    g = capture(step, *args)
+    groups = build_groups(g)
+    plan = plan_from_assignment(g, groups, MESH, {groups.batch_groups[0]: "data"}, zero_stage=2)
+    assert plan.zero_gather == "compute"
+    assert "data" in plan.specs["[0]['w1']"] and "data" not in plan.specs["[0]['b2']"]
+    text = compile_plan(step, plan, args, graph=g)[1].as_text()
+    assert not re.search(r"= \w+\[6\][^\n]* all-gather\(", text)
+    cm = CostModel(g, Cluster.preset("cpu", devices=8), groups)
+    cost = cm.estimate(plan)
+    xla = comm_bytes(parse_collectives(text), MESH)["all-gather@data"]
+    assert {c.kind: c.bytes for c in cost.collectives}["all-gather"] == pytest.approx(xla, 1e-6)
+    size = {leaf.path: g.tensors[leaf.tensor].nbytes for leaf in g.leaves(Role.PARAM)}
+    held = (size["[0]['w1']"] + size["[0]['w2']"]) / 8 + size["[0]['b2']"]
+    assert cost.memory_breakdown["params"] == pytest.approx(held, rel=1e-9)
+    # The shard ILP's factors give the same price (`_cost/_terms.py`, stated once).
+    space = ShardSpace(g, groups, cm.cluster, cm)
+    rng = np.random.default_rng(0)
+    (m,) = [i for i, mesh in enumerate(space.meshes) if dict(mesh) == MESH]
+    options = next(o for o in (options_of(space, m, rng) for _ in range(200))
+                   if 2 in space.zero_options(space.meshes[m], o))  # fmt: skip
+    terms = MeshTerms(space, m)
+    problem = terms.problem(2)
+    n_aux = problem.n_options[terms.n_units :]
+    rows = np.array([[*options, *a] for a in np.ndindex(*n_aux)]).reshape(
+        -1, len(problem.n_options)
+    )
+    time, peak, _ = evaluate_batch(problem, rows)
+    priced = space.evaluate(m, options, zero_stage=2)
+    assert time.min() == pytest.approx(priced.step_time_s, rel=1e-9)
+    assert peak[np.argmin(time)] == pytest.approx(priced.memory_bytes, rel=1e-9)

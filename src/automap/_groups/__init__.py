@@ -12,6 +12,7 @@ from ._layouts import layouts as layouts
 from ._layouts import lookups as lookups
 from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
+from ._layouts import shardable as shardable
 from ._layouts import state_inputs as state_inputs
 from ._layouts import unzero_spec as unzero_spec
 from ._layouts import update_region as update_region
