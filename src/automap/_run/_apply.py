@@ -208,7 +208,10 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
 
     def fresh(*args: Any) -> Any:
         made.clear()
-        return step(*args)
+        try:
+            return step(*args)
+        finally:
+            made.clear()  # no tracer outlives its trace
 
     return fresh
 
