@@ -141,7 +141,8 @@ def test_memory_decreases_with_sharding_and_zero():
     # gathered layer by layer: a parameter read by two layers (the tied embedding) twice
     casts += sum(model.tables.gathered[p] * (n - 1) for p, n in layers_reading(g, groups).items())
     # ZeRO-1/2 of this bf16 step keeps the float32 masters on shards and gathers their
-    # casts (each: the tied table's two), the rest (LayerNorm's, read in float32) whole.
+    # casts (one copy per dtype: the tied table's two bf16 casts share one gather), the
+    # rest (LayerNorm's, read in float32) whole.
     masters = model.tables.masters
     rest = sum(g.tensors[x.tensor].nbytes for x in g.leaves(Role.PARAM) if x.tensor not in masters)
     cast = sum(model.tables.gathered[t] * n for t, n in masters.items())

@@ -18,7 +18,7 @@ import numpy as np
 from .._capture import Residuals, loss_boundary
 from .._cluster import Cluster
 from .._graph import Graph, Role
-from .._groups import Groups, narrow_params, zero_region
+from .._groups import Groups, distinct_casts, narrow_params, zero_region
 from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, combined_copies, step_buffers
@@ -37,7 +37,7 @@ from ._rows import (
     summed_partials,
 )
 from ._sets import SetIndex
-from ._zero import gathered_bytes, zero_ops
+from ._zero import MasterCoefs, gathered_bytes, zero_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +69,13 @@ class Tables:
     # (`gathered_bytes`), and those summed by set.
     gathered: Mapping[int, float]
     gather_coef: np.ndarray  # [n_sets]
-    # [3, n_sets] the masters ZeRO-1/2 keeps on shards where it gathers compute-dtype
-    # copies (`_groups.narrow_params`): their bytes, what their casts' gathers move
-    # (`gathered`, once per cast: the runtime gathers each), their leaves. Zero for a step computing in its parameters' dtype.
-    master_coef: np.ndarray
-    masters: Mapping[int, int]  # those parameters (tensor id): how many casts each
+    # The masters ZeRO-1/2 keeps on shards where it gathers compute-dtype copies
+    # (`_groups.narrow_params`): their bytes, what their casts' gathers move (`gathered`,
+    # once per dtype cast to: the runtime gathers one copy of each,
+    # `_groups.distinct_casts`), their leaves; by set for a data axis' size (`at`).
+    # Empty for a step computing in its parameters' dtype.
+    master_coef: MasterCoefs
+    masters: Mapping[int, int]  # those parameters (tensor id): how many copies each gathers
     opt_coef: np.ndarray  # [n_sets] bytes of optimizer-state leaves
     other_coef: np.ndarray  # [n_sets] bytes of other inputs (batch, ...)
     act_coef: np.ndarray  # [n_sets] bytes of activations kept for backward
@@ -172,10 +174,16 @@ def build_tables(
     gather_coef = np.zeros(n_sets)
     np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
     narrow = narrow_params(graph, update)
-    master_coef, masters = np.zeros((3, n_sets)), {t: len(c) for t, c in narrow.items()}
-    for t, casts in narrow.items():  # each cast is gathered (a tied table's two, say)
-        moved = gathered[t] * len(casts)
-        np.add.at(master_coef, (slice(None), tset[t]), (graph.tensors[t].nbytes, moved, 1))
+    # one gather per dtype cast to: a tied table's two bf16 casts share one (`_mixed.py`)
+    masters = {t: len(distinct_casts(graph, c)) for t, c in narrow.items()}
+    master_coef = MasterCoefs(
+        np.array([(graph.tensors[t].nbytes, gathered[t] * n, 1) for t, n in masters.items()])
+        .reshape(-1, 3)
+        .T,
+        np.array([tset[t] for t in masters], dtype=np.int64),
+        tuple(graph.tensors[t].shape for t in masters),
+        n_sets,
+    )
     table = sets.table(ng)
     return Tables(
         sets=table,

@@ -31,7 +31,7 @@ from ._liveness import Moments
 from ._outputs import held_bytes
 from ._peaks import moment_bytes
 from ._tiles import TileShares
-from ._zero import Gathers, RegatherCoefs, zero_gathers
+from ._zero import Gathers, MasterCoefs, RegatherCoefs, zero_gathers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SetCoefs:
     memory: np.ndarray  # [5, sets] params, opt, acts, remat acts, other
     param: np.ndarray  # [sets] parameter bytes
     gather: np.ndarray  # [sets] what ZeRO-3's gather moves (`Tables.gather_coef`)
-    master: np.ndarray  # [3, sets] masters ZeRO-1/2 may keep on shards (`Tables.master_coef`)
+    master: MasterCoefs  # masters ZeRO-1/2 may keep on shards (`Tables.master_coef`)
     param_leaves: np.ndarray  # [sets] parameter leaves of rank >= 1
     output: np.ndarray  # [4, sets] outputs held apart (`Tables.output_coef`)
     early_output: np.ndarray  # [4, sets] of those, the ones no update op makes
@@ -81,7 +81,7 @@ class SetCoefs:
             self.memory[:, sets],
             self.param[sets],
             self.gather[sets],
-            self.master[:, sets],
+            self.master.sub(sets),
             self.param_leaves[sets],
             self.output[:, sets],
             self.early_output[:, sets],
@@ -212,7 +212,7 @@ def memory_terms(c: SetCoefs, L: Layout) -> Memory:
         zeroed = (c.memory[:2] if L.tiles is None else c.memory[:2] * L.tiles.zero) @ L.zinv
     params = zeroed[0] if L.zero_stage >= 3 else plain[0]
     if L.sharded_masters:  # a mixed-precision step's masters on shards (`_mixed.py`)
-        params = params - c.master[0] @ (L.inv - L.zinv)
+        params = params - c.master.at(L.data_size)[0] @ (L.inv - L.zinv)
     acts = (plain[3] if L.remat else plain[2]) / L.microbatches
     if L.regathers:
         acts = acts - c.regather.act_coef @ (L.inv * L.free) / L.microbatches
@@ -238,7 +238,10 @@ def gathers(c: SetCoefs, L: Layout) -> Gathers:
     """ZeRO's all-gathers of the parameters (`_zero.zero_gathers`); none without ZeRO."""
     if not L.zero:
         return Gathers(0.0, 0.0, 0.0)
-    masters = c.master if L.sharded_masters else None
+    masters = None
+    if L.sharded_masters:  # those the data axis shards, and the rest (whole: `MasterCoefs`)
+        kept = c.master.at(L.data_size)
+        masters = kept, c.master.at(1) - kept
     return zero_gathers(
         c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat,
         masters,

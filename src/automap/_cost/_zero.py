@@ -20,7 +20,7 @@ import numpy as np
 
 from .._capture import loss_boundary
 from .._graph import Graph, Role
-from .._groups import Groups, Regather, update_region
+from .._groups import Groups, Regather, shardable, update_region
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
 from .._remat import layer_gathers
@@ -160,6 +160,44 @@ class Gathers:
         return self.nbytes + self.cast_nbytes
 
 
+@dataclasses.dataclass(frozen=True)
+class MasterCoefs:
+    """The float32 masters ZeRO-1/2 keeps on shards where it gathers a mixed-precision
+    step's casts (`_groups.narrow_params`), per master: its bytes, what its casts' gathers
+    move (`Tables.gathered`, one copy per dtype cast to), 1 (a leaf); its group set and
+    shape. `at(size)` sums them by set, leaving out a master no dim of which a data axis
+    of that size divides: the runtime holds it whole, updates it whole and gathers
+    nothing of it (`_groups.shardable`), and so does the price."""
+
+    coef: np.ndarray  # [3, masters]
+    sets: np.ndarray  # [masters] each one's group set
+    shapes: tuple[tuple[int, ...], ...]
+    n_sets: int
+    # `at`'s sums by data size: searchers price many plans per mesh
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def at(self, data_size: float) -> np.ndarray:
+        """[3, n_sets] the masters a data axis of `data_size` shards, summed by set."""
+        size = int(data_size)
+        if size not in self.cache:
+            kept = np.array([shardable(s, size) for s in self.shapes], dtype=bool)
+            out = np.zeros((3, self.n_sets))
+            np.add.at(out, (slice(None), self.sets[kept]), self.coef[:, kept])
+            self.cache[size] = out
+        return self.cache[size]
+
+    def sub(self, sets: np.ndarray) -> MasterCoefs:
+        """The masters of `sets` only, renumbered as their positions there."""
+        where = {int(s): i for i, s in enumerate(np.asarray(sets).ravel())}
+        mine = [k for k, s in enumerate(self.sets) if int(s) in where]
+        return MasterCoefs(
+            self.coef[:, mine],
+            np.array([where[int(self.sets[k])] for k in mine], dtype=np.int64),
+            tuple(self.shapes[k] for k in mine),
+            len(where),
+        )
+
+
 def zero_gathers(
     param_coef,
     gather_coef,
@@ -177,14 +215,17 @@ def zero_gathers(
     layer by layer where the step has a loss (`_fsdp.py`: each forward layer's, one
     combined collective per layer, and once more each in the backward, one per leaf,
     under remat serving the recompute too), else once for use (what the step reads, a
-    cast say: `gather_coef`). `masters` ([3, sets], `Tables.master_coef`), where ZeRO-1/2
-    keeps a mixed-precision step's masters on shards: those are gathered at their casts'
-    width where the step starts, in a combined collective of their own."""
+    cast say: `gather_coef`). `masters` ([3, sets] each, `MasterCoefs.at`), where ZeRO-1/2
+    keeps a mixed-precision step's masters on shards: those the data axis shards and those
+    it cannot. The first are gathered at their casts' width where the step starts, in a
+    combined collective of their own; the others are whole, gathered by nobody."""
     free_inv = inv * free
     G = rg.layers
     if zero_stage < 3 and masters is not None:
-        rest = (param_coef - masters[0]) @ free_inv, (param_leaves - masters[2]) @ free
-        return Gathers(*rest, 0.0, 1.0, masters[1] @ free_inv, masters[2] @ free)
+        kept, whole = masters
+        param_coef, param_leaves = param_coef - whole[0], param_leaves - whole[2]
+        rest = (param_coef - kept[0]) @ free_inv, (param_leaves - kept[2]) @ free
+        return Gathers(*rest, 0.0, 1.0, kept[1] @ free_inv, kept[2] @ free)
     if zero_stage < 3:
         return Gathers(param_coef @ free_inv, param_leaves @ free, 0.0)
     if G is None:
@@ -233,13 +274,15 @@ def zero_op_gathers(
     if masters and zero_stage < 3 and T.masters:
         out = np.zeros(len(graph.ops))
         readers = graph.consumers()
+        # a master the data axis cannot shard is whole: nobody gathers it (`MasterCoefs`)
+        whole = {t for t in T.masters if not shardable(graph.tensors[t].shape, lay.data_size)}
         for kept in (False, True):  # the rest, then the masters' casts: two collectives
             leaves = [
                 (t, b, c)
                 for t, b, c in zero_leaves(graph, lay, T.gathered)
-                if (t in T.masters) == kept
+                if (t in T.masters) == kept and t not in whole
             ]
-            if kept:  # each cast of a master is gathered (`Tables.master_coef`)
+            if kept:  # one copy per dtype cast to (`Tables.master_coef`)
                 leaves = [(t, b * T.masters[t], c) for t, b, c in leaves]
             else:  # the rest is gathered at its own width
                 leaves = [(t, graph.tensors[t].nbytes * lay.inv[t], c) for t, _, c in leaves]

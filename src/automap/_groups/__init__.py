@@ -12,6 +12,7 @@ from ._layouts import layouts as layouts
 from ._layouts import lookups as lookups
 from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
+from ._layouts import shardable as shardable
 from ._layouts import state_inputs as state_inputs
 from ._layouts import unzero_spec as unzero_spec
 from ._layouts import update_region as update_region
@@ -23,8 +24,10 @@ from ._linkage import Groups as Groups
 from ._linkage import build_groups as build_groups
 from ._linkage import group_partners as group_partners
 from ._mixed import cast_shards as cast_shards
+from ._mixed import distinct_casts as distinct_casts
 from ._mixed import gathers_compute as gathers_compute
 from ._mixed import narrow_params as narrow_params
+from ._mixed import repeated_casts as repeated_casts
 from ._rules import ARG_REDUCE as ARG_REDUCE
 from ._rules import ELEMENTWISE as ELEMENTWISE
 from ._rules import FREE as FREE

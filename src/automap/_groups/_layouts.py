@@ -447,6 +447,13 @@ def zero_spec(spec: Spec, shape: tuple[int, ...], mesh: Mapping[str, int], data_
     return spec
 
 
+def shardable(shape: tuple[int, ...], size: int) -> bool:
+    """Whether a data axis of `size` divides some dim of `shape`: if none, `zero_spec`
+    leaves the tensor whole on every layout (a float32 master of a bias of 6, say, is
+    then held whole, updated whole and gathered by nobody)."""
+    return any(n % size == 0 for n in shape)
+
+
 def assignment_from_specs(
     graph: Graph, groups: Groups, plan: Plan, data_axis: str = DATA
 ) -> dict[int, str]:

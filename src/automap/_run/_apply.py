@@ -27,6 +27,7 @@ from .._groups import (
     cast_shards,
     layouts,
     lookups,
+    repeated_casts,
     sequence_as_recorded,
     unzero_spec,
     zero_mismatch,
@@ -171,16 +172,24 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
     # ZeRO-1/2 gathering compute-dtype copies (`_groups.cast_shards`): each cast made on
     # the master's shard, then gathered; pinned whole alone, XLA's GPU compiler gathers
     # the float32 weight a matmul reads and casts it after (twice the bytes).
-    shards = {
-        t: _sharding(mesh, spec)
-        for t, spec in cast_shards(graph, plan, zero_region(graph, groups)[1]).items()
-    }
+    update = zero_region(graph, groups)[1]
+    shards = {t: _sharding(mesh, spec) for t, spec in cast_shards(graph, plan, update).items()}
+    # A later cast to the same dtype (a tied table's head) reads the first's gathered copy:
+    # XLA merges the two casts but gathers each (`_groups.repeated_casts`). `made` holds
+    # the copies of one call of the step (one trace), cleared as each call starts.
+    reuse = {t: c for t, c in repeated_casts(graph, update).items() if c in shards}
+    made: dict[int, Any] = {}
 
     def constrain(tid: int, value: Any) -> Any:
-        if tid in shards:
+        if tid in reuse:
+            value = made[reuse[tid]]
+        elif tid in shards:
             value = jax.lax.with_sharding_constraint(value, shards[tid])
         s = shardings.get(tid)
-        return value if s is None else jax.lax.with_sharding_constraint(value, s)
+        value = value if s is None else jax.lax.with_sharding_constraint(value, s)
+        if tid in shards:
+            made.setdefault(tid, value)
+        return value
 
     def run(*args: Any) -> Any:
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
@@ -189,10 +198,22 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
     layerwise = _layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
     if plan.remat:
         rc = plan_recompute(graph, groups, plan)
-        return _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh), layerwise)
-    if layerwise is not None:
-        return _regathering(graph, layerwise, constrain, _lookups(graph, plan, mesh))
-    return run
+        step = _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh), layerwise)
+    elif layerwise is not None:
+        step = _regathering(graph, layerwise, constrain, _lookups(graph, plan, mesh))
+    else:
+        step = run
+    if not reuse:
+        return step
+
+    def fresh(*args: Any) -> Any:
+        made.clear()
+        try:
+            return step(*args)
+        finally:
+            made.clear()  # no tracer outlives its trace
+
+    return fresh
 
 
 def _lookups(graph: Any, plan: Plan, mesh: Mesh) -> dict[int, Callable]:
