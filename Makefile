@@ -29,16 +29,17 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 
-# Every test at the full count of generated cases (tests/_cases.py): what CI runs.
-# One process: pytest-xdist's -n 2 ran a heavy subset 21% slower than one process on the
-# shared two-core machine, under a load of 9-13 (not measured on an idle one).
+# Every test at the full count of generated cases (tests/_cases.py): what CI runs. Two
+# pytest-xdist workers, one per core, a test file to a worker (its module fixtures are
+# built once); the slowest tests are listed at the end, to keep the suite in its budget.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 test: $(STAMP) lint
-	AUTOMAP_TEST_CASES=full $(BIN)/python -m pytest -q
+	AUTOMAP_TEST_CASES=full $(PYTEST) --durations=30
 
 # The development tier, a few minutes: no `slow` test (pyproject's markers), a few of each
 # test's generated cases. `make test` still runs everything.
 test-fast: $(STAMP) lint
-	AUTOMAP_TEST_CASES=quick $(BIN)/python -m pytest -q -m "not slow"
+	AUTOMAP_TEST_CASES=quick $(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
