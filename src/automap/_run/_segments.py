@@ -213,6 +213,9 @@ def remake_segments(graph: Graph, part: Partition, micro: list[Segment]) -> list
             ops = tuple(sorted({*rm.ops, *seg.ops}))
             out.append(dataclasses.replace(seg, ops=ops, inputs=b_inputs))
             continue
+        if seg.kind is not Phase.FWD:  # W: empty where the backward is not split (and the
+            out.append(seg)  # split one is not remade: `_run/_pipelined.py`)
+            continue
         pair = {*f.ops, *b.ops, *(b.recompute.ops if b.recompute is not None else ())}
         kept = [
             t
