@@ -16,6 +16,15 @@ from automap._verify import compare_outputs
 from automap._zoo import get_model
 
 TINY = dict(layers=2, hidden=32, heads=2, batch=8, seq=16, vocab=64, dtype="float32")
+#: The four-layer GPT the schedules' recipe and command-line tests plan (one layer a chunk).
+SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="float32")
+
+
+@functools.cache
+def small():
+    """`SMALL`'s zoo spec and captured graph."""
+    spec = get_model("gpt-1.3b", **SMALL)
+    return spec, capture(spec.step_fn, *spec.abstract_args())
 
 
 @functools.cache

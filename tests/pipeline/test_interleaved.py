@@ -33,7 +33,7 @@ from automap._space import batch_groups, layer_cuts
 from automap._verify import verify
 from automap._zoo import get_model
 
-from ._models import TINY, assert_same, flax_args, flax_graph, flax_step
+from ._models import SMALL, TINY, assert_same, flax_args, flax_graph, flax_step, small
 
 CPU = Cluster.preset("cpu", devices=8)
 FREE_LINKS = Cluster.preset("a100", devices=16, intra_bandwidth=math.inf, inter_bandwidth=math.inf)
@@ -172,14 +172,7 @@ def test_interleaving_trades_the_bubble_for_sends():
     assert two.step_time_s > one.step_time_s
 
 
-SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="float32")
 A100_8 = Cluster.preset("a100", devices=8)
-
-
-@functools.cache
-def small():
-    spec = get_model("gpt-1.3b", **SMALL)
-    return spec, capture(spec.step_fn, *spec.abstract_args())
 
 
 def test_a_recipe_interleaves_equal_layers_over_repeating_device_groups():

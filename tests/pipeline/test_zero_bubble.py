@@ -33,7 +33,7 @@ from automap._space import batch_groups
 from automap._verify import verify
 from automap._zoo import get_model
 
-from ._models import assert_same, flax_args, flax_graph, flax_step
+from ._models import SMALL, assert_same, flax_args, flax_graph, flax_step, small
 
 ZB, ONE = pipeline_schedule("zb-h1"), pipeline_schedule("1f1b")
 CPU = Cluster.preset("cpu", devices=8)
@@ -211,14 +211,7 @@ def test_verify_holds_a_zero_bubble_plan_against_its_compiled_stages():
 
 # ---- recipes and the command line --------------------------------------------------------
 
-SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="float32")
 A100_8 = Cluster.preset("a100", devices=8)
-
-
-@functools.cache
-def small():
-    spec = get_model("gpt-1.3b", **SMALL)
-    return spec, capture(spec.step_fn, *spec.abstract_args())
 
 
 def test_a_recipe_runs_zb_h1():
