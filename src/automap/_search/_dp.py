@@ -158,8 +158,8 @@ def search_dp(
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
-        if work.spent():  # the polish stopped on it, between plans or inside a step
-            stats["complete"] = False
+        if found and work.spent():  # the polish stopped on it, between plans or in a step
+            stats["complete"] = False  # (with nothing found there was nothing to polish)
     except KeyboardInterrupt:
         # Ctrl-C keeps the best pipeline so far.
         if best is None:
