@@ -57,10 +57,12 @@ def test_vgg_optimum_is_the_one_weird_trick():
 
 
 @pytest.mark.slow  # resnet50 searched
-def test_resnet_data_parallel_is_the_optimum_with_its_update_on_zero_shards():
+def test_resnet_the_optimum_is_data_parallel_with_its_update_on_zero_shards():
     found = rows("resnet50", "v100", 8, "expert,ilp")
     assert found["zero2"].step_time_s == pytest.approx(found["ilp"].step_time_s, rel=1e-9)
-    assert found["data_parallel"].step_time_s <= 1.07 * found["ilp"].step_time_s
+    # A bf16 resnet: ZeRO-2 runs the update on shards and gathers the bf16 casts, half
+    # the float32 parameters' bytes (`_groups/_mixed.py`), so it beats plain data parallel.
+    assert found["ilp"].step_time_s < found["data_parallel"].step_time_s
 
 
 @pytest.mark.slow  # gpt-6.7b captured and searched

@@ -127,10 +127,14 @@ def test_zero_adds_the_data_axis_to_optimizer_state_and_params():
     g, groups = gpt()
     mesh = {"data": 2, "model": 4}
     ff = groups.of(leaf(g, "layer_0']['mlp']['wi']['kernel']"), 1)
-    z1 = plan_from_assignment(g, groups, mesh, {ff: "model"}, zero_stage=1)
+    z1 = plan_from_assignment(g, groups, mesh, {ff: "model"}, zero_stage=1, zero_gather="params")
     z3 = plan_from_assignment(g, groups, mesh, {ff: "model"}, zero_stage=3)
     kernel = "[0]['params']['layer_0']['mlp']['wi']['kernel']"
     assert z1.specs[kernel] == (None, "model") and z3.specs[kernel] == ("data", "model")
+    # This GPT computes in bf16 from float32 parameters: by default ZeRO-1 keeps its float32
+    # masters on the data shards too and gathers the bf16 casts (`_groups/_mixed.py`).
+    mixed = plan_from_assignment(g, groups, mesh, {ff: "model"}, zero_stage=1)
+    assert mixed.zero_gather == "compute" and mixed.specs[kernel] == ("data", "model")
     opt = [x.path for x in g.leaves(Role.OPT_STATE) if g.tensors[x.tensor].ndim == 2]
     assert opt and all("data" in z1.specs[p] for p in opt)
     assert zero_spec((None,), (3,), mesh, "data") == (None,)  # nothing divisible: left alone

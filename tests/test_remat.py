@@ -14,11 +14,11 @@ import pytest
 import automap as am
 from automap._capture import capture
 from automap._cluster import Cluster
-from automap._cost import CostModel, estimate_pipeline
+from automap._cost import CostModel, estimate_pipeline, stage_residuals
 from automap._groups import build_groups, plan_from_assignment
 from automap._pipeline import Phase, pipeline_plan, uniform_cuts
 from automap._plan import Plan
-from automap._remat import recompute_plan
+from automap._remat import generated, recompute_plan
 from automap._remat import remat_residuals as residuals
 from automap._space import batch_groups, block_groups
 from automap._verify import comm_bytes, parse_collectives
@@ -197,6 +197,10 @@ def test_cost_model_charges_every_recomputed_op_and_keeps_what_the_runtime_keeps
         for t in graph.ops[i].outputs
     }
     handed = {t for seg in pipe.micro if seg.kind is Phase.BWD for t in seg.inputs if t in made}
+    # The jaxpr's residuals less the recomputed layers' own, the cheap ones B makes again
+    # (`_remat/_remake.py`) swapped for what they are made from: as the stage price counts.
     res = residuals(graph, groups)
-    layered = {t for ts in res.layer_saved for t in ts}
-    assert handed == {t for t in res.saved_remat if t in made and t not in layered}
+    kept = stage_residuals(
+        graph, pipe.part, res, graph.consumers(), True, set(generated(graph, pipe.part))
+    )
+    assert handed == {t for ts in kept for t in ts if t in made}

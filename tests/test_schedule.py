@@ -125,6 +125,14 @@ def test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices():
     assert all(overlapped == 0.0 for overlapped, _ in hidden.values()), hidden
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="since pipeline stages make their causal masks and cheap residuals in each reading "
+    "program (_remat/_remake.py, merged after this test), XLA's A100 scheduler puts no compute "
+    "inside this two-stage FSDP GPT's gathers (bisected: 860ec64 overlaps 144 kB on stage 0, "
+    "fb3ac75 none), so the per-stage sum is empty and the reader goes unexercised on pipelines; "
+    "it needs a pipeline case XLA overlaps (issue 27 item 5)",
+)
 @pytest.mark.slow  # a two-stage pipeline's programs compiled for 8 A100s: ~100 s
 @pytest.mark.gpu_compile
 def test_verify_reads_each_pipeline_programs_schedule_per_stage():

@@ -28,6 +28,7 @@ from ._pipelined import op_costs as op_costs
 from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
+from ._residuals import stage_residuals as stage_residuals
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
 from ._terms import Layout as Layout
