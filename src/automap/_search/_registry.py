@@ -242,8 +242,8 @@ def _with_leanest(problem: Problem, failure: InfeasibleError) -> InfeasibleError
     least = min(plans, key=lambda p: p.predicted.memory_bytes)
     need, limit = least.predicted.memory_bytes, problem.cluster.memory_limit
     return InfeasibleError(
-        f"{failure} The leanest plan ({least.name}) needs {need / 1e9:.1f} GB per device; "
-        f"the limit is {limit / 1e9:.1f} GB.",
+        f"{failure} The leanest plan ({least.name}) needs {_size(need)} per device; "
+        f"the limit is {_size(limit)}.",
         proved=True,
     )
 
