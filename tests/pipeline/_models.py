@@ -21,6 +21,17 @@ SMALL = dict(layers=4, hidden=32, heads=4, batch=8, seq=16, vocab=64, dtype="flo
 
 
 @functools.cache
+def gpt4():
+    """A float32 GPT of four layers (room for four chunks of whole layers), its graph and
+    groups: the schedules' runtime and cost tests run it."""
+    spec = get_model(
+        "gpt-1.3b", layers=4, hidden=64, heads=4, batch=16, seq=32, vocab=128, dtype="float32"
+    )
+    graph = capture(spec.step_fn, *spec.abstract_args())
+    return spec, graph, build_groups(graph)
+
+
+@functools.cache
 def small():
     """`SMALL`'s zoo spec and captured graph."""
     spec = get_model("gpt-1.3b", **SMALL)

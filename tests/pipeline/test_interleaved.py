@@ -4,7 +4,6 @@ priced by the cost model: the bubble (S - 1) / v slots, more sends, and per stag
 memory its devices hold within 15% of what the runtime holds (`run.memory`)."""
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -34,6 +33,7 @@ from automap._verify import verify
 from automap._zoo import get_model
 
 from ._models import SMALL, TINY, assert_same, flax_args, flax_graph, flax_step, small
+from ._models import gpt4 as gpt
 
 CPU = Cluster.preset("cpu", devices=8)
 FREE_LINKS = Cluster.preset("a100", devices=16, intra_bandwidth=math.inf, inter_bandwidth=math.inf)
@@ -44,16 +44,6 @@ def _plan(graph, groups, S, v, mesh, m, schedule="interleaved"):
     batch = {g.id: "data" for g in batch_groups(groups)} if "data" in mesh else {}
     cuts = uniform_cuts(graph, groups, S * v)
     return pipeline_plan(graph, groups, cuts, mesh, batch, m, schedule, virtual_stages=v)
-
-
-@functools.cache
-def gpt():
-    """A float32 GPT of four layers: room for four chunks of whole layers."""
-    spec = get_model(
-        "gpt-1.3b", layers=4, hidden=64, heads=4, batch=16, seq=32, vocab=128, dtype="float32"
-    )
-    graph = capture(spec.step_fn, *spec.abstract_args())
-    return spec, graph, build_groups(graph)
 
 
 def _check_trace(run, plan, S, m):

@@ -5,7 +5,6 @@ W as programs of their own with the unsharded step's numerics in the schedule's 
 and the cost model's bubble, split backward and memory per stage against `run.memory`."""
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -15,11 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 import automap as am
-from automap._capture import capture
 from automap._cli import app
 from automap._cluster import Cluster
 from automap._cost import CostModel, estimate_pipeline
-from automap._groups import build_groups
 from automap._pipeline import (
     Phase,
     partition,
@@ -31,9 +28,9 @@ from automap._pipeline import (
 from automap._search import PipelinePricer
 from automap._space import batch_groups
 from automap._verify import verify
-from automap._zoo import get_model
 
 from ._models import SMALL, assert_same, flax_args, flax_graph, flax_step, small
+from ._models import gpt4 as gpt
 
 ZB, ONE = pipeline_schedule("zb-h1"), pipeline_schedule("1f1b")
 CPU = Cluster.preset("cpu", devices=8)
@@ -45,16 +42,6 @@ def _plan(graph, groups, S, m, schedule="zb-h1", data=2):
     batch = {g.id: "data" for g in batch_groups(groups)}
     cuts = uniform_cuts(graph, groups, S)
     return pipeline_plan(graph, groups, cuts, {"data": data}, batch, m, schedule)
-
-
-@functools.cache
-def gpt():
-    """A float32 GPT of four layers."""
-    spec = get_model(
-        "gpt-1.3b", layers=4, hidden=64, heads=4, batch=16, seq=32, vocab=128, dtype="float32"
-    )
-    graph = capture(spec.step_fn, *spec.abstract_args())
-    return spec, graph, build_groups(graph)
 
 
 # ---- the schedule ------------------------------------------------------------------------
