@@ -20,6 +20,7 @@ from ._classic import SAFETY
 from ._mesh_terms import (
     COLUMNS_PER_SECOND,
     MAX_COLUMNS,
+    MILP_SETUP,
     MIN_COLUMNS,
     MeshTerms,
     TooLarge,
@@ -27,11 +28,6 @@ from ._mesh_terms import (
 )
 
 _log = logging.getLogger("automap")
-
-#: HiGHS's own set-up per MILP, in joint options at `COLUMNS_PER_SECOND`: 8 to 13 ms
-#: measured on a 134-column MILP (bert-large's 8 x 2 mesh) on the shared 2-core machine,
-#: whatever the MILP's size.
-MILP_SETUP = 200
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,11 @@ import numpy as np
 
 from .._solvers import solve_ilp
 from .._space import ShardSpace
+from ._classic import SAFETY
 from ._mesh_terms import (
     COLUMNS_PER_SECOND,
     MAX_COLUMNS,
+    MILP_SETUP,
     MIN_COLUMNS,
     MeshTerms,
     TooLarge,
@@ -54,9 +56,12 @@ def search_ilp(
     plan so far is skipped; one whose fastest unlimited optimum fits in memory is solved
     by it; otherwise stages 0, 2 and 3 are solved under the limit (stage 1: module doc).
 
-    `time_limit_s` is the whole search's: each MILP gets what is left of it over the
-    MILPs that may still come, a mesh too large for its share (`COLUMNS_PER_SECOND`) is
-    skipped, and the search stops when the time is spent. Then `stats["cut_short"]` is
+    `time_limit_s` is the whole search's budget, counted in work as `_leanest.py` counts
+    it (`COLUMNS_PER_SECOND` joint options a second): a mesh costs its columns, each MILP
+    `MILP_SETUP` plus its columns per branch-and-bound node, and HiGHS gets the nodes left.
+    So the same budget gives the same plan on a fast or a slow machine; SAFETY x the budget
+    of wall time is a safety stop only. A mesh too large for its share of the budget is
+    skipped, and the search stops when the work is spent. Then `stats["cut_short"]` is
     True and the best point is the best found, not a proven optimum (None when none was:
     the caller falls back). `on_solve(point, cost, best time)` follows each MILP."""
     run = _Run(space, time_limit_s, on_solve)
@@ -66,7 +71,7 @@ def search_ilp(
     try:
         for mesh_index, mesh in enumerate(space.meshes):
             run.mesh(mesh_index)
-            if run.left() <= 0:
+            if run.spent():
                 run.cut_short = True
                 break
             try:
@@ -77,6 +82,7 @@ def search_ilp(
                 run.skipped.append(dict(mesh))
                 run.optimal, run.cut_short = False, True
                 continue
+            run.tables(terms)
             # Without a memory limit, stage 0 and stage 2 (ZeRO's compute on shards but
             # none of stage 3's second gathers): the faster bounds every stage.
             stages = [z for z in space.zero_options(mesh) if z != 1]
@@ -101,7 +107,9 @@ class _Run:
     """The MILPs of one search: the best point so far and the figures for the stats."""
 
     def __init__(self, space: ShardSpace, time_limit_s: float, on_solve):
-        self.space, self.time_limit_s, self.on_solve = space, time_limit_s, on_solve
+        self.space, self.on_solve = space, on_solve
+        self.limit, self.work = time_limit_s * COLUMNS_PER_SECOND, 0.0
+        self.wall_s = SAFETY * time_limit_s
         self.start = _time.perf_counter()
         self.best, self.best_time, self.time_to_best = None, np.inf, 0.0
         self.curve, self.gaps, self.errors, self.sizes = [], [0.0], [0.0], [(0, 0)]
@@ -112,14 +120,25 @@ class _Run:
     def mesh(self, mesh_index: int) -> None:
         self.mesh_index, self.mesh_solves = mesh_index, 0
 
-    def left(self) -> float:
-        return self.time_limit_s - (_time.perf_counter() - self.start)
+    def wall_left(self) -> float:
+        return self.wall_s - (_time.perf_counter() - self.start)
 
-    def slot(self) -> float:
-        """This MILP's time limit: what is left over the MILPs that may still come."""
-        meshes_after = len(self.space.meshes) - self.mesh_index - 1
-        coming = SOLVES_PER_MESH * meshes_after + max(SOLVES_PER_MESH - self.mesh_solves, 1)
-        return self.left() / coming
+    def spent(self) -> bool:
+        """The budget's work is done, or the wall-clock safety stop is reached."""
+        return self.work >= self.limit or self.wall_left() <= 0
+
+    def tables(self, terms: MeshTerms) -> None:
+        """A mesh's tables cost its joint options."""
+        self.work += terms.columns
+
+    def nodes(self, columns: int) -> int | None:
+        """The branch-and-bound nodes a MILP of `columns` gets: what the work left pays
+        for, the root at least (so a spent budget still ends on a point, then stops);
+        None (no cap) on an unlimited budget."""
+        self.work += MILP_SETUP
+        if not np.isfinite(self.limit):
+            return None
+        return max(int((self.limit - self.work) // max(columns, 1)), 1)
 
     def solve(self, terms: MeshTerms, zero: int, limit: float):
         """Solve one MILP; returns its solution and the cost model's cost of its point (None
@@ -128,9 +147,12 @@ class _Run:
         self.mesh_solves += 1
         for _ in range(3):
             problem = terms.problem(zero, limit)
-            self.sizes.append(problem_size(problem))
-            # HiGHS wants a positive limit; a spent budget gets a token one and stops next.
-            solution = solve_ilp(problem, time_limit_s=max(self.slot(), 0.01))
+            size = problem_size(problem)
+            self.sizes.append(size)
+            nodes = self.nodes(size[1])
+            # HiGHS wants a positive time limit: the safety stop, never the budget.
+            solution = solve_ilp(problem, time_limit_s=max(self.wall_left(), 0.01), max_nodes=nodes)
+            self.work += size[1] * max(solution.explored, 1)
             self.solve_time += solution.solve_time_s
             if not solution.feasible:
                 cost = None
@@ -141,8 +163,8 @@ class _Run:
                 break
             # Over the limit by a rounding of the factor sums: ask again a hair below.
             limit *= 1.0 - 1e-9
-        if solution.status == "time limit reached":
-            self.cut_short = True
+        if solution.status not in ("optimal", "infeasible"):
+            self.cut_short = True  # the node cap (the budget) or the safety stop ended it
         if cost is None:
             # Proven infeasible is still a proof; a time-out without a plan is not.
             self.optimal &= solution.status == "infeasible"
@@ -180,6 +202,7 @@ class _Run:
             "factors": max(f for f, _ in self.sizes),
             "variables": max(v for _, v in self.sizes),
             "objective_error": float(max(self.errors)),
+            "work": self.work,  # in joint options (`COLUMNS_PER_SECOND` a second)
             "curve": self.curve,
             # The budget ended the search before its proof: a mesh too large for its share
             # was skipped, a MILP hit its time limit, or the time ran out.
