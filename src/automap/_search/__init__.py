@@ -16,11 +16,14 @@ from ._classic import random_point as random_point
 from ._classic import search_exhaustive as search_exhaustive
 from ._classic import search_mcmc as search_mcmc
 from ._classic import search_random as search_random
-from ._dp import optimal_cuts as optimal_cuts
+from ._cut_tables import fill_weight as fill_weight
+from ._cut_tables import optimal_cuts as optimal_cuts
+from ._cut_tables import segment_tables as segment_tables
 from ._dp import polish_cuts as polish_cuts
 from ._dp import search_dp as search_dp
 from ._leanest import Leanest as Leanest
 from ._leanest import search_leanest as search_leanest
+from ._mdp import SPLIT_ACTION as SPLIT_ACTION
 from ._mdp import HybridProcess as HybridProcess
 from ._mdp import PipelineProcess as PipelineProcess
 from ._mdp import ShardProcess as ShardProcess

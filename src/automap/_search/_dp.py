@@ -9,13 +9,16 @@ and the inner level, where the cuts go, is the exact stage DP (`_solvers/_pipeli
 over the cut candidates, with per-segment tables read from the pipeline cost model. Every
 partition the DP returns is priced again by the full pipeline model, which is what ranks
 them. ZeRO and rematerialization only trade time for memory, so they are tried only where
-the plain point has no partition that fits.
+the plain point has no partition that fits. A 1F1B search cuts each point for ZB-H1 too
+(each backward split into B and W, the W's deferred into the drain: `dp_schedules`), the
+DP's tables then timing F, B and W apart (`_cut_tables.py`), and keeps the faster.
 
 Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
 whole model, one cut moved at a time, and then tried with the decisions the DP does not
-make (sequence parallelism, selective recomputation, interleaving, ZB-H1: `_techniques.py`). The
+make (sequence parallelism, selective recomputation, interleaving, ZB-H1 on 1F1B's
+cuts: `_techniques.py`). The
 outer enumeration is complete unless the budget runs out (the stats say so); the
 intra-stage plan is the same on every stage (Alpa's per-stage ILP, `optimal_two_level`,
 is not used here).
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +54,7 @@ from .._pipeline import (
 )
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
-from .._solvers import Solution, optimal_partition, solve_ilp
+from .._solvers import Solution, solve_ilp
 from .._space import (
     Point,
     ShardSpace,
@@ -62,8 +65,9 @@ from .._space import (
     microbatch_counts,
     stage_counts,
 )
+from ._cut_tables import optimal_cuts
 from ._mesh_terms import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
-from ._techniques import polish_techniques
+from ._techniques import dp_schedules, polish_techniques
 from ._work import OPS_PER_SECOND, Work
 
 #: How many of the best points' partitions are polished against the whole model.
@@ -83,13 +87,6 @@ def one_chunk(schedule: PipelineSchedule) -> None:
             "on chunks of equal layers), or price an interleaved configuration with am.Recipe(schedule="
             "'interleaved', virtual_stages=V) or `automap estimate --virtual-stages V`."
         )
-    if schedule.splits_backward:  # its tables price one backward per stage, not B and W
-        raise PlanError(
-            f"the pipeline search's stage DP prices each stage's backward whole; schedule "
-            f"{schedule.name!r} splits it into B and W: search with schedule '1f1b' (the dp "
-            "searcher then tries ZB-H1 on its best pipelines), or "
-            "price it with am.Recipe(schedule='zb-h1') or `automap estimate --schedule zb-h1`."
-        )
 
 
 def search_dp(
@@ -106,7 +103,8 @@ def search_dp(
     for a search cut short: with no plan, that would read as a proof that none fits)."""
     graph, groups, model = problem.graph, problem.groups, problem.cost_model
     the_schedule = pipeline_schedule(schedule)
-    one_chunk(pipeline_schedule(schedule))
+    one_chunk(the_schedule)
+    schedules = dp_schedules(the_schedule)
     start = _time.perf_counter()
     work = Work(budget_s)
     cands = cut_candidates(graph, groups)
@@ -139,7 +137,7 @@ def search_dp(
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, grids, point, assignment, the_schedule, work=work)
+            plan = _solve_point(model, grids, point, assignment, schedules, work=work)
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -256,76 +254,62 @@ def _solve_point(
     grids,
     point: Point,
     assignment,
-    schedule: PipelineSchedule,
+    schedules: Sequence[PipelineSchedule],
     work: Work | None = None,
 ) -> Plan | None:
-    """Cuts for one outer point by the exact DP, priced by the pipeline model; memory
-    savers (ZeRO, remat) only when the plain point has no partition that fits. `grids`:
-    (finest partition, cut candidates) without and with remat."""
+    """Cuts for one outer point by the exact DP for each of `schedules` (1F1B and ZB-H1 in
+    a 1F1B search), each priced by the pipeline model, the fastest that fits kept; memory
+    savers (ZeRO, remat) only when the plain point has no partition that fits (remat not
+    under a split backward, `check_remat`). `grids`: (finest partition, cut candidates)
+    without and with remat."""
     found = None
     for zero, remat in MEMORY_SAVERS:
         if zero and point.stage_mesh.get(DATA, 1) == 1:
             continue
         fine, cands = grids[remat]
-        if work is not None:  # op_costs, the segment tables, and the plan's pricing
-            work.add(3 * len(model.graph.ops))
+        if work is not None:  # op_costs
+            work.add(len(model.graph.ops))
         oc = op_costs(model, assignment, point.stage_mesh, zero_stage=zero, remat=remat)
-        cuts = optimal_cuts(model, fine, cands, oc, point, schedule)
-        if cuts is None:
-            continue
-        plan = pipeline_plan(
-            model.graph,
-            model.groups,
-            cuts,
-            point.stage_mesh,
-            assignment,
-            point.microbatches,
-            schedule.name,
-            name=f"dp ({point.intra}, {point.stages} stages)",
-            zero_stage=zero,
-        )
-        plan = dataclasses.replace(plan, remat=remat)
-        pc = estimate_pipeline(model, plan)
-        plan = dataclasses.replace(
-            plan,
-            predicted=pc.cost,
-            decisions={**plan.decisions, **pipeline_decisions(pc), "intra": point.intra},
-        )
-        if pc.cost.feasible:
-            if found is None or pc.cost.step_time_s < found.predicted.step_time_s:
+        for schedule in schedules:
+            if remat and schedule.splits_backward:
+                continue
+            if work is not None:  # the segment tables, and the plan's pricing
+                work.add(2 * len(model.graph.ops))
+            plan = _priced_cuts(model, fine, cands, oc, point, assignment, schedule)
+            if plan is not None and (
+                found is None or plan.predicted.step_time_s < found.predicted.step_time_s
+            ):
                 found = plan
-            if (zero, remat) == (0, False):
-                return found  # the savers only add time
+        if found is not None and (zero, remat) == (0, False):
+            return found  # the savers only add time
     return found
 
 
-def optimal_cuts(
-    model, fine, cands, oc, point: Point, schedule: PipelineSchedule
-) -> tuple[int, ...] | None:
-    """Segment tables of the finest partition (every candidate a boundary) summed into
-    (stage, first segment, last segment) tables, then the exact stage DP."""
-    m, S = point.microbatches, point.stages
-    pc = stage_costs(model, fine, oc, m, schedule)
-    seg = np.asarray(fine.op_stage)
-    per_mb = np.array([p.per_microbatch for p in fine.op_phase])
-    L = fine.n_stages
-    t = np.bincount(seg, np.where(per_mb, pc.op_run_s + pc.op_remat_s, 0.0), minlength=L)
-    state = np.bincount(seg, pc.op_state_bytes, minlength=L)
-    act = np.bincount(seg, pc.op_act_bytes, minlength=L)
-    send = np.append(np.asarray(pc.send_s, dtype=float), 0.0)  # (L,): none after the last
-
-    def range_sums(x):  # (L, L): sum of x[i..j]
-        prefix = np.concatenate([[0.0], np.cumsum(x)])
-        return prefix[None, 1:] - prefix[:-1, None]
-
-    last = np.arange(S) == S - 1
-    time = range_sums(t)[None] + np.where(last[:, None, None], 0.0, send[None, None, :])
-    copies = np.asarray(schedule.in_flight(S, m), dtype=float)
-    memory = range_sums(state)[None] + copies[:, None, None] * range_sums(act)[None]
-    sol = optimal_partition(time, m, stage_memory=memory, memory_limit=model.cluster.memory_limit)
-    if not sol.feasible:
+def _priced_cuts(model, fine, cands, oc, point: Point, assignment, schedule) -> Plan | None:
+    """The DP's cuts for `schedule` as a Plan priced by the whole pipeline model (`oc`'s
+    ZeRO stage and recomputation), None where no partition fits."""
+    cuts = optimal_cuts(model, fine, cands, oc, point, schedule)
+    if cuts is None:
         return None
-    return tuple(cands[i - 1] for i, _ in sol.stages[1:])
+    plan = pipeline_plan(
+        model.graph,
+        model.groups,
+        cuts,
+        point.stage_mesh,
+        assignment,
+        point.microbatches,
+        schedule.name,
+        name=f"dp ({point.intra}, {point.stages} stages)",
+        zero_stage=oc.zero_stage,
+    )
+    plan = dataclasses.replace(plan, remat=oc.remat)
+    pc = estimate_pipeline(model, plan)
+    plan = dataclasses.replace(
+        plan,
+        predicted=pc.cost,
+        decisions={**plan.decisions, **pipeline_decisions(pc), "intra": point.intra},
+    )
+    return plan if pc.cost.feasible else None
 
 
 def polish_cuts(model, plan: Plan, cands: tuple[int, ...], work: Work | None = None) -> Plan:

@@ -18,7 +18,9 @@ the agent chooses them as actions: the recomputation policy (a selective one is 
 the cost model's variant for it, `CostModel.for_plan`), sequence parallelism (the op costs
 of `plan_op_costs` on a plan with the residual stream split) and, per point, the chunks per
 device group: interleaved 1F1B with v > 1 runs on `layer_cuts`' S x v chunks of equal
-layers (Megatron's virtual pipeline), as the dp searcher's techniques polish tries it.
+layers (Megatron's virtual pipeline), as the dp searcher's techniques polish tries it, or
+ZB-H1 (`split`: each backward split into B and W, the W's deferred into the drain) on one
+chunk, its cuts the agent's or the stage DP's cut for it.
 
 Cuts are candidate indices here: cut i starts a stage at `cands[i]` (the segment i + 1 of
 the finest partition).
@@ -53,8 +55,9 @@ from .._pipeline import (
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
 from .._space import Point, layer_cuts
-from ._dp import one_chunk, optimal_cuts
-from ._techniques import CHUNKS
+from ._cut_tables import optimal_cuts
+from ._dp import one_chunk
+from ._techniques import CHUNKS, SPLIT_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,13 @@ class PipelinePricer:
         graph, groups = model.graph, model.groups
         self.model, self.schedule = model, pipeline_schedule(schedule)
         one_chunk(self.schedule)  # the agent's and the DP's cuts: one chunk per group
+        if self.schedule.splits_backward:  # remat actions and chunks assume 1F1B's pricer
+            raise PlanError(
+                f"the DQN's pipeline search chooses schedule {self.schedule.name!r} itself, as "
+                "an action of a '1f1b' search (without recomputation): search with schedule "
+                "'1f1b', or price a ZB-H1 configuration with am.Recipe(schedule='zb-h1') or "
+                "`automap estimate --schedule zb-h1`."
+            )
         self.cands = cut_candidates(graph, groups) if groups.batch_size is not None else ()
         if not self.cands:
             raise AutomapError(
@@ -234,22 +244,36 @@ class PipelinePricer:
             self.fine, n_stages=len(cuts) + 1, op_stage=tuple(int(s) for s in stage)
         )
 
-    def schedule_for(self, chunks: int) -> PipelineSchedule:
-        """The schedule of `chunks` model chunks per device group (interleaved past one)."""
+    def schedule_for(self, chunks: int, split: bool = False) -> PipelineSchedule:
+        """The schedule of `chunks` model chunks per device group (interleaved past one);
+        `split`: ZB-H1, one chunk with each backward split into B and W."""
+        if split:
+            return pipeline_schedule(SPLIT_SCHEDULES[0])
         return self.schedule if chunks == 1 else pipeline_schedule("interleaved", chunks)
 
+    def split_applies(self, stages: int, intra: Intra) -> bool:
+        """Whether a point of `stages` stages and `intra` may run ZB-H1: a 1F1B search's
+        pipeline, without recomputation (a split backward does not recompute)."""
+        return stages > 1 and self.schedule.name == "1f1b" and not intra.remat
+
     def price(
-        self, intra: Intra, microbatches: int, cuts: Sequence[int], chunks: int = 1
+        self,
+        intra: Intra,
+        microbatches: int,
+        cuts: Sequence[int],
+        chunks: int = 1,
+        split: bool = False,
     ) -> PipelineCost:
-        """The pipeline cost of a point; `chunks` > 1: `cuts` are the S x v chunks'."""
-        key = (intra, microbatches, tuple(cuts), chunks)
+        """The pipeline cost of a point; `chunks` > 1: `cuts` are the S x v chunks';
+        `split`: run in ZB-H1 (`schedule_for`)."""
+        key = (intra, microbatches, tuple(cuts), chunks, split)
         if key not in self._priced:
             self._priced[key] = stage_costs(
                 self.model_for(intra),
                 self.coarse(cuts),
                 self.op_costs(intra),
                 microbatches,
-                self.schedule_for(chunks),
+                self.schedule_for(chunks, split),
             )
         return self._priced[key]
 
@@ -337,10 +361,12 @@ class PipelinePricer:
         copies = self.schedule.in_flight(stages, microbatches)[len(cuts)]
         return tables.span(tables.state, first, cut) + copies * tables.span(tables.act, first, cut)
 
-    def optimal(self, intra: Intra, stages: int, microbatches: int) -> tuple[int, ...] | None:
+    def optimal(
+        self, intra: Intra, stages: int, microbatches: int, split: bool = False
+    ) -> tuple[int, ...] | None:
         """The stage DP's cuts (candidate indices) for one point, between layers under full
-        recomputation (`pool`); None when none fits."""
-        key = (intra, stages, microbatches)
+        recomputation (`pool`), cut for ZB-H1 where `split`; None when none fits."""
+        key = (intra, stages, microbatches, split)
         if key not in self._optimal:
             point = Point(stages, intra.stage_mesh, microbatches, "dqn")
             oc, model = self.op_costs(intra), self.model_for(intra)
@@ -351,7 +377,7 @@ class PipelinePricer:
                     tuple(self.cands[i] for i in self.aligned),
                 )
             found = (
-                optimal_cuts(model, fine, cands, oc, point, self.schedule)
+                optimal_cuts(model, fine, cands, oc, point, self.schedule_for(1, split))
                 if len(cands) >= stages - 1
                 else None
             )
@@ -370,7 +396,13 @@ class PipelinePricer:
         return self._aligned_fine
 
     def plan(
-        self, intra: Intra, microbatches: int, cuts: Sequence[int], name: str, chunks: int = 1
+        self,
+        intra: Intra,
+        microbatches: int,
+        cuts: Sequence[int],
+        name: str,
+        chunks: int = 1,
+        split: bool = False,
     ) -> Plan:
         """The Plan of a point, priced by the pipeline cost model from scratch."""
         model = self.model
@@ -381,7 +413,7 @@ class PipelinePricer:
             intra.stage_mesh,
             intra.assign,
             microbatches,
-            self.schedule_for(chunks).name,
+            self.schedule_for(chunks, split).name,
             name=name,
             zero_stage=intra.zero_stage,
             virtual_stages=chunks,

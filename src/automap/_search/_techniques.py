@@ -15,11 +15,12 @@ fits kept:
   equal layers (`layer_cuts`, Megatron's virtual pipeline), where the layers divide and
   the microbatches come in whole rounds of S;
 - ZB-H1 (Qi et al. 2024) on the plan's own cuts: each backward split into B and W, the
-  W's deferred into 1F1B's bubble at 1F1B's in-flight count. The stage DP cannot choose
-  it (its tables price a stage's backward whole, `one_chunk`); priced here by the same
-  whole-pipeline model, which splits each stage's backward. Without recomputation only:
-  the split backward does not recompute (`check_remat`), so a plan the DP had to
-  recompute gets it only where dropping recomputation still fits.
+  W's deferred into 1F1B's bubble at 1F1B's in-flight count. The stage DP also cuts for
+  it (`dp_schedules`, its tables timing F, B and W apart: `_cut_tables.py`); this tries
+  it on 1F1B's cuts too, which may fit where the DP's ZB-H1 cuts do not (the deferred
+  W's hold more than the DP's tables count). Without recomputation only: the split
+  backward does not recompute (`check_remat`), so a plan the DP had to recompute gets
+  it only where dropping recomputation still fits.
 
 A polish step rather than more DP dimensions: selective recomputation as one more stage-DP
 memory saver tripled the DP's work and ran a tight-memory search out of its budget. The
@@ -38,7 +39,7 @@ from .._axes import MODEL, PIPE
 from .._cost import estimate_pipeline, pipeline_decisions
 from .._errors import PlanError
 from .._groups import sequence_parallel
-from .._pipeline import pipeline_plan, pipeline_schedule
+from .._pipeline import PipelineSchedule, pipeline_plan, pipeline_schedule
 from .._plan import Plan
 from .._space import layer_cuts
 from ._work import Work
@@ -48,8 +49,17 @@ from ._work import Work
 CHUNKS = (1, 2, 3)
 #: Recomputation tried, as (remat, remat_policy).
 REMATS = ((False, "full"), (True, "selective"), (True, "full"))
-#: Schedules tried on the DP's own cuts of a 1F1B plan, besides 1F1B itself.
+#: Schedules a 1F1B search tries besides 1F1B itself: the stage DP cuts for each
+#: (`dp_schedules`), and the polish tries each on a 1F1B plan's own cuts.
 SPLIT_SCHEDULES = ("zb-h1",)
+
+
+def dp_schedules(schedule: PipelineSchedule) -> tuple[PipelineSchedule, ...]:
+    """The schedules the stage DP cuts for in a search asked for `schedule`: 1F1B's adds
+    `SPLIT_SCHEDULES` (read at each call, so a test may take them away); any other, itself."""
+    if schedule.name != "1f1b" or schedule.chunks != 1:
+        return (schedule,)
+    return (schedule, *(pipeline_schedule(name) for name in SPLIT_SCHEDULES))
 
 
 class Layout(NamedTuple):

@@ -31,6 +31,15 @@ and no B yields a value below the true cost of the partition it finds, so this i
 Candidates run in increasing order, batched in numpy, and stop once (M - 1) * B plus the
 unconstrained least sum cannot beat the best found.
 
+Schedules whose bubble is not S - 1 slots (ZB-H1: each backward split into B and W, the
+W's deferred into the drain, `_pipeline/_zero_bubble.py`) weigh the sum by kappa =
+(1 + idle) / S, idle the schedule's `idle_slots`: with equal stages the objective is then
+(M + idle) tau, the schedule's own step (kappa = 1 for GPipe and 1F1B). On unequal
+stages ZB-H1's step depends on how each stage's time splits into F, B and W, which no
+closed form in tau holds, so the caller may `rescore` the few best partitions by the
+schedule's simulation of their per-phase times, then move one boundary at a time while
+that says the step gets faster: exact for each partition timed, a local search among them.
+
 `optimal_partition` takes any (S, L, L) table of stage times; `optimal_two_level` fills it
 with the optimal intra-stage plan of every (stage, layer range) (Alpa's two levels: the
 ILP inside a stage, this DP across stages). Exact too: stages do not share decisions, and
@@ -47,6 +56,11 @@ import numpy as np
 
 from ._factor import FactorProblem, Solution
 from ._ilp import solve_ilp
+
+#: Partitions a `rescore` times (the best by the closed-form objective): ZB-H1's step on
+#: unequal stages is within about 10% of the objective (kappa from its bubble), so the
+#: fastest by its own simulation is among the few best by the objective.
+RESCORED = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +91,11 @@ class PipelineSolution:
         return tuple(stop - 1 for _, stop in self.stages[:-1])
 
 
-def pipeline_step_time(stage_times, n_microbatches: int) -> float:
-    """sum_s tau_s + (M - 1) * max_s tau_s: the formula the DP minimizes."""
+def pipeline_step_time(stage_times, n_microbatches: int, fill_weight: float = 1.0) -> float:
+    """kappa sum_s tau_s + (M - 1) * max_s tau_s: the formula the DP minimizes (kappa =
+    `fill_weight`, 1 for GPipe and 1F1B)."""
     stage_times = np.asarray(stage_times, dtype=np.float64)
-    return float(stage_times.sum() + (n_microbatches - 1) * stage_times.max())
+    return float(fill_weight * stage_times.sum() + (n_microbatches - 1) * stage_times.max())
 
 
 def stage_tables(
@@ -172,6 +187,9 @@ def optimal_partition(
     stage_memory=None,
     memory_limit: float = np.inf,
     chunk_elements: int = 1 << 20,
+    fill_weight: float = 1.0,
+    rescore: Callable[[tuple[tuple[int, int], ...]], float] | None = None,
+    rescored: int = RESCORED,
 ) -> PipelineSolution:
     """Exact least-step-time contiguous partition, from per-(stage, range) tables.
 
@@ -180,6 +198,13 @@ def optimal_partition(
         n_microbatches: M >= 1.
         stage_memory: optional (S, L, L) bytes of the same; entries over `memory_limit`
             (or infinite) make that stage placement infeasible.
+        fill_weight: kappa in the objective (M - 1) max_s tau_s + kappa sum_s tau_s
+            (`fill_weight`: 1 for GPipe and 1F1B, the module formula).
+        rescore: where the schedule's step time is not that closed form (ZB-H1), a
+            function of a partition's stages giving its step time: the `rescored` best
+            partitions by the objective (each the least sum under one bottleneck bound)
+            are timed by it, the fastest improved by moving one boundary at a time, and
+            returned with the rescore's `time`.
     """
     start = _time.perf_counter()
     cost = np.array(stage_time, dtype=np.float64)
@@ -188,48 +213,30 @@ def optimal_partition(
         raise ValueError(f"n_stages must be >= 1, got {n_stages}")
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if not fill_weight > 0:
+        raise ValueError(f"fill_weight must be > 0, got {fill_weight}")
     memory = None if stage_memory is None else np.asarray(stage_memory, dtype=np.float64)
     # A range must hold at least one layer, whatever the caller's table says below the diagonal.
     cost[:, ~np.triu(np.ones((L, L), dtype=bool))] = np.inf
     if memory is not None:
         cost[~(np.isfinite(memory) & (memory <= memory_limit))] = np.inf
-
-    unconstrained, _ = _dp(cost, np.array([np.inf]))
-    explored = 1
-    best_value, best_bound = float(unconstrained[0]), np.inf
-    if n_microbatches > 1 and np.isfinite(best_value):
-        # Below the least achievable bottleneck every DP is infinite; above the bound where
-        # (M - 1) * B alone, plus the least sum, exceeds a known plan, none can win.
-        least_bottleneck = _least_bottleneck(cost)
-        sums, _ = _dp(cost, np.array([least_bottleneck]))
-        best_value = (n_microbatches - 1) * least_bottleneck + float(sums[0])
-        best_bound = least_bottleneck
-        explored += 1
-        ceiling = (best_value - unconstrained[0]) / (n_microbatches - 1)
-        candidates = np.unique(cost[(cost > least_bottleneck) & (cost <= ceiling)])
-        chunk = max(1, chunk_elements // max(1, L * L))
-        for lo in range(0, candidates.size, chunk):
-            bounds = candidates[lo : lo + chunk]  # ascending
-            # Any bound >= this one costs at least (M - 1) * B + the unconstrained sum.
-            if (n_microbatches - 1) * bounds[0] + unconstrained[0] >= best_value:
-                break
-            sums, _ = _dp(cost, bounds)
-            explored += bounds.size
-            values = (n_microbatches - 1) * bounds + sums
-            i = int(np.argmin(values))
-            if values[i] < best_value:
-                best_value, best_bound = float(values[i]), float(bounds[i])
-
-    if not np.isfinite(best_value):
+    values, bounds = _explore(cost, n_microbatches, fill_weight, chunk_elements)
+    explored = values.size + (n_microbatches > 1)  # the unconstrained DP ran too
+    if not np.isfinite(values).any():
         return PipelineSolution((), np.inf, (), (), False, _time.perf_counter() - start, explored)
-    _, starts = _dp(cost, np.array([best_bound]), trace=True)
-    stages = []
-    stop = L
-    for s in range(n_stages - 1, -1, -1):
-        first = int(starts[s, 0, stop - 1]) if s else 0
-        stages.append((first, stop))
-        stop = first
-    stages.reverse()
+    order = np.argsort(values, kind="stable")  # ties keep the smaller bound, found first
+    keep = 1 if rescore is None else max(1, rescored)
+    options = []
+    for k in order[:keep]:
+        if np.isfinite(values[k]):
+            stages = _trace(cost, float(bounds[k]))
+            if stages not in (o[1] for o in options):
+                options.append((float(values[k]), stages))
+    if rescore is not None:
+        options = [(float(rescore(stages)), stages) for _, stages in options]
+    value, stages = min(options, key=lambda o: o[0])
+    if rescore is not None:
+        value, stages = _climb(cost, stages, value, rescore)
     times = tuple(float(cost[s, i, j - 1]) for s, (i, j) in enumerate(stages))
     mem = (
         ()
@@ -237,14 +244,86 @@ def optimal_partition(
         else tuple(float(memory[s, i, j - 1]) for s, (i, j) in enumerate(stages))
     )
     return PipelineSolution(
-        stages=tuple(stages),
-        time=pipeline_step_time(times, n_microbatches),
+        stages=stages,
+        time=value
+        if rescore is not None
+        else pipeline_step_time(times, n_microbatches, fill_weight),
         stage_times=times,
         stage_memory=mem,
         feasible=True,
         solve_time_s=_time.perf_counter() - start,
         explored=explored,
     )
+
+
+def _explore(
+    cost: np.ndarray, n_microbatches: int, fill_weight: float, chunk_elements: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(objective value, bottleneck bound) of every bound the DP ran for (module doc), in
+    increasing order of bound, stopping once none further can beat the best found."""
+    L = cost.shape[1]
+    M1, kappa = n_microbatches - 1, fill_weight
+    unconstrained, _ = _dp(cost, np.array([np.inf]))
+    if n_microbatches == 1 or not np.isfinite(unconstrained[0]):  # no bottleneck term
+        return np.array([kappa * float(unconstrained[0])]), np.array([np.inf])
+    # Below the least achievable bottleneck every DP is infinite; above the bound where
+    # (M - 1) * B alone, plus the least sum, exceeds a known plan, none can win.
+    least_bottleneck = _least_bottleneck(cost)
+    sums, _ = _dp(cost, np.array([least_bottleneck]))
+    values = [M1 * least_bottleneck + kappa * float(sums[0])]
+    bounds = [least_bottleneck]
+    best = values[0]
+    ceiling = (best - kappa * unconstrained[0]) / M1
+    candidates = np.unique(cost[(cost > least_bottleneck) & (cost <= ceiling)])
+    chunk = max(1, chunk_elements // max(1, L * L))
+    for lo in range(0, candidates.size, chunk):
+        batch = candidates[lo : lo + chunk]  # ascending
+        # Any bound >= this one costs at least (M - 1) * B + the unconstrained sum.
+        if M1 * batch[0] + kappa * unconstrained[0] >= best:
+            break
+        sums, _ = _dp(cost, batch)
+        found = M1 * batch + kappa * sums
+        values.extend(found.tolist())
+        bounds.extend(batch.tolist())
+        best = min(best, float(found.min()))
+    return np.array(values), np.array(bounds)
+
+
+def _climb(cost: np.ndarray, stages, value: float, rescore) -> tuple[float, tuple]:
+    """Move one stage boundary a layer either way while `rescore` says the step gets
+    faster (every stage kept non-empty and allowed): repeated layers make many
+    partitions tie in the objective, and the DP traces only one of each tie."""
+    L = cost.shape[1]
+    starts = [i for i, _ in stages]
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(starts)):
+            for step in (-1, 1):
+                trial = [*starts[:k], starts[k] + step, *starts[k + 1 :]]
+                stops = [*trial[1:], L]
+                if not all(i < j for i, j in zip(trial, stops, strict=True)):
+                    continue
+                placed = tuple(zip(trial, stops, strict=True))
+                if not all(np.isfinite(cost[s, i, j - 1]) for s, (i, j) in enumerate(placed)):
+                    continue
+                found = float(rescore(placed))
+                if found < value * (1 - 1e-12):
+                    starts, value, stages, improved = trial, found, placed, True
+    return value, stages
+
+
+def _trace(cost: np.ndarray, bound: float) -> tuple[tuple[int, int], ...]:
+    """The stages of the least-sum partition with every stage time <= `bound`."""
+    n_stages, L, _ = cost.shape
+    _, starts = _dp(cost, np.array([bound]), trace=True)
+    stages = []
+    stop = L
+    for s in range(n_stages - 1, -1, -1):
+        first = int(starts[s, 0, stop - 1]) if s else 0
+        stages.append((first, stop))
+        stop = first
+    return tuple(reversed(stages))
 
 
 def optimal_pipeline(

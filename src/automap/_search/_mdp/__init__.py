@@ -10,4 +10,5 @@ from ._factory import planning_env as planning_env
 from ._hybrid import HybridProcess as HybridProcess
 from ._hybrid import make_pipeline_process as make_pipeline_process
 from ._shard_process import ShardProcess as ShardProcess
+from ._staged import SPLIT_ACTION as SPLIT_ACTION
 from ._staged import PipelineProcess as PipelineProcess

@@ -4,9 +4,10 @@ hybrid: S (1 included), then the shard task's decisions for one stage (mesh data
 one option per unit, ZeRO) on `cluster.with_devices(devices // S)`, then m and Megatron's
 2022 techniques as the pipeline task has them (`_staged.py`): recomputation none, selective
 or full, sequence parallelism where the stage splits a model axis, and v chunks per device
-group. The cuts are not decisions: the exact stage DP (`optimal_cuts`, between layers under
-full recomputation) places them inside the reward; with v > 1 they are the S x v chunks of
-equal layers. Given the rest of the point the DP's cuts are optimal in its
+group or ZB-H1. The cuts are not decisions: the exact stage DP (`optimal_cuts`, between
+layers under full recomputation, cut for ZB-H1 under it) places them inside the reward;
+with v > 1 they are the S x v chunks of equal layers. Given the rest of the point the
+DP's cuts are optimal in its
 objective and cost one pass over the tables the reward needs anyway, so the agent spends
 its episodes on the choices no exact solver makes for it. S = 1 is the plain shard task.
 
@@ -90,6 +91,9 @@ class HybridProcess(StagedProcess):
         mesh, options, zero = sub.to_point(sub.decisions())
         return Intra.of(sub.space.meshes[mesh], sub.space.assignment(options), zero)
 
+    def _base_intra(self) -> Intra:
+        return self._base()
+
     def _intra(self) -> Intra:
         return self._with_techniques(self._base())
 
@@ -132,7 +136,7 @@ class HybridProcess(StagedProcess):
         no partition fits (priced over memory)."""
         if self._chunks > 1:
             return self.pricer.chunk_cuts(self._stages, self._chunks)
-        cuts = self.pricer.optimal(intra, self._stages, self._m)
+        cuts = self.pricer.optimal(intra, self._stages, self._m, self._split)
         if cuts is None:
             tables = self.pricer.tables(intra, self._m)
             cuts = self.pricer.balanced(tables, self._stages, (), self.pricer.pool(intra))
@@ -155,7 +159,8 @@ class HybridProcess(StagedProcess):
         if self._stages == 1:
             return self.shard_top.result()
         intra = self._intra()
-        cost = self.pricer.price(intra, self._m, self._cuts(intra), self._chunks).cost
+        cuts = self._cuts(intra)
+        cost = self.pricer.price(intra, self._m, cuts, self._chunks, self._split).cost
         return cost_summary(cost)
 
     def observation(self) -> np.ndarray:
@@ -181,7 +186,7 @@ class HybridProcess(StagedProcess):
                 return self.space.to_plan(*self.shard_top.to_point(decisions[1:]), name=name)
             intra, chunks = self._intra(), self._chunks
             plan = self.pricer.plan(
-                intra, self._m, self._cuts(intra), f"{name} (hybrid)", chunks=chunks
+                intra, self._m, self._cuts(intra), f"{name} (hybrid)", chunks, self._split
             )
             if chunks > 1 or not plan.predicted.feasible:
                 return plan

@@ -18,8 +18,11 @@ between layers: full is masked where too few such cuts exist); sequence parallel
 on, where the stage mesh has a model axis the plan splits and the sequence divides by it;
 and the chunks per device group v = 1, 2 or 3, v > 1 being interleaved 1F1B on S x v chunks
 of equal layers (no cut decisions then), where the microbatches come in whole rounds of S
-and the layers divide. Real actions rather than a polish after the search: three small
-decisions, each priced in the reward, and the agent learns which pay on which program.
+and the layers divide; or ZB-H1 (the chunks decision's last action: one chunk, each
+backward split into B and W, the W's deferred into the drain), where the recomputation
+chosen is none (a split backward does not recompute). Real actions rather than a polish
+after the search: three small decisions, each priced in the reward, and the agent learns
+which pay on which program.
 
 Reward (through `rl.plan_reward`): minus the simulated pipeline step time relative to data
 parallelism; an over-memory stage is penalized by how far over.
@@ -37,10 +40,11 @@ import numpy as np
 
 from ..._axes import DATA, MODEL
 from ..._graph import Role
+from ..._pipeline import pipeline_schedule
 from ..._plan import Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
-from .._techniques import CHUNKS, REMATS
+from .._techniques import CHUNKS, REMATS, SPLIT_SCHEDULES
 from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
 from ._shard_process import cost_summary
 
@@ -50,6 +54,9 @@ PHASE_NAMES = ("stages", "microbatches", "remat", "cut", "shard", "sequence_para
 N_PHASES = len(PHASE_NAMES)
 OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut
 _FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
+#: The chunks decision's last action: ZB-H1 (one chunk, each backward split into B and W).
+SPLIT_ACTION = len(CHUNKS)
+SPLIT = pipeline_schedule(SPLIT_SCHEDULES[0])
 
 
 class StagedProcess(abc.ABC):
@@ -107,6 +114,7 @@ class StagedProcess(abc.ABC):
         self._remat: int | None = None  # an index into REMATS
         self._sp: bool | None = None
         self._v: int | None = None
+        self._split = False  # ZB-H1: the chunks action past CHUNKS (`SPLIT_ACTION`)
 
     def _technique_phase(self, base: Intra, stages: int, m: int) -> int | None:
         """The next technique decision of a point whose stages, intra-stage plan and
@@ -115,9 +123,15 @@ class StagedProcess(abc.ABC):
             return REMAT
         if self._sp is None and self.pricer.sequence_parallel_applies(base):
             return SEQPAR
-        if self._v is None and len(self.pricer.chunk_choices(stages, m)) > 1:
+        if self._v is None and (
+            len(self.pricer.chunk_choices(stages, m)) > 1 or self._split_ok(base, stages)
+        ):
             return CHUNK
         return None
+
+    def _split_ok(self, base: Intra, stages: int) -> bool:
+        """ZB-H1 is a choice: the recomputation chosen is none (`split_applies`)."""
+        return self.pricer.split_applies(stages, self._with_techniques(base))
 
     def _with_techniques(self, base: Intra) -> Intra:
         """`base` with the recomputation and sequence parallelism chosen (none, off while
@@ -140,28 +154,36 @@ class StagedProcess(abc.ABC):
         else:
             choices = self.pricer.chunk_choices(stages, m)
             mask[: len(CHUNKS)] = [v in choices for v in CHUNKS]
+            mask[SPLIT_ACTION] = self._split_ok(self._base_intra(), stages)
         return mask
+
+    @abc.abstractmethod
+    def _base_intra(self) -> Intra:
+        """The chosen stages' intra-stage plan before the techniques."""
 
     def _technique_step(self, phase: int, action: int) -> None:
         if phase == REMAT:
             self._remat = action
         elif phase == SEQPAR:
             self._sp = bool(action)
+        elif action == SPLIT_ACTION:
+            self._v, self._split = 1, True
         else:
             self._v = CHUNKS[action]
 
     def _technique_features(self, phase: int, mesh, stages: int, m: int) -> np.ndarray:
         """Per action: recomputation, the share of the forward run again (0, about 0.2
         for the attention cores, 1); sequence parallelism, off / on; chunks, the bubble
-        share of the step on equal stages, and v / 3. The second feature of the first two:
-        how far over the memory limit the plan so far is (what they trade time for)."""
+        share of the step on equal stages (ZB-H1's last), and v / 3. The second feature
+        of the first two: how far over the memory limit the plan so far is (what they
+        trade time for)."""
         over = self.running()[2]
         if phase == REMAT:
             return self._features(phase, mesh, stages, m, [0.0, 0.2, 1.0], [over] * 3)
         if phase == SEQPAR:
             return self._features(phase, mesh, stages, m, [0.0, 1.0], [over] * 2)
-        v = np.array(CHUNKS, float)
-        idle = (stages - 1) / v
+        v = np.array([*CHUNKS, 1], float)  # the last: ZB-H1, one chunk
+        idle = np.append((stages - 1) / v[:-1], SPLIT.idle_slots(stages, m))
         return self._features(phase, mesh, stages, m, idle / (m + idle), v / 3)
 
     def _checked(self, action: int) -> tuple[int, int]:
@@ -264,6 +286,9 @@ class PipelineProcess(StagedProcess):
     def decisions(self) -> tuple[int, ...]:
         return tuple(self._actions)
 
+    def _base_intra(self) -> Intra:
+        return self.intra(self._stages)
+
     def effective(self) -> Intra:
         """The intra-stage plan of the chosen S with the techniques chosen so far."""
         return self._with_techniques(self.intra(self._stages))
@@ -339,16 +364,17 @@ class PipelineProcess(StagedProcess):
             self._cuts.append(self._targets()[action])
         self._actions.append(action)
 
-    def _point(self) -> tuple[Intra, int, tuple[int, ...], int]:
+    def _point(self) -> tuple[Intra, int, tuple[int, ...], int, bool]:
         """The plan so far: undecided microbatches the most, techniques none, undecided
-        cuts balanced; (intra-stage plan, m, cuts, chunks per device group)."""
+        cuts balanced; (intra-stage plan, m, cuts, chunks per device group, ZB-H1)."""
         intra = self.effective()
         m = self._m or self.micro_choices(intra, self._stages)[-1]
         if self._chunks > 1:
-            return intra, m, self.pricer.chunk_cuts(self._stages, self._chunks), self._chunks
+            cuts = self.pricer.chunk_cuts(self._stages, self._chunks)
+            return intra, m, cuts, self._chunks, False
         tables = self.pricer.tables(intra, m)
         cuts = self.pricer.balanced(tables, self._stages, self._cuts, self.pricer.pool(intra))
-        return intra, m, cuts, 1
+        return intra, m, cuts, 1, self._split
 
     def running(self) -> tuple[float, bool, float]:
         """(step time s, fits, over-ratio) of the plan so far (`_point`); the baseline
@@ -401,7 +427,7 @@ class PipelineProcess(StagedProcess):
         self.reset()
         for a in decisions:
             self.step(a)
-        intra, m, cuts, chunks = self._point()
+        intra, m, cuts, chunks, split = self._point()
         self.reset()
         label = f"{name} ({intra.stage_mesh}, pipeline)"
-        return self.pricer.plan(intra, m, cuts, name=label, chunks=chunks)
+        return self.pricer.plan(intra, m, cuts, name=label, chunks=chunks, split=split)
