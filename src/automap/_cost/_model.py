@@ -84,6 +84,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
+from ._overlap import gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
@@ -99,6 +100,7 @@ from ._terms import (
     early_outputs,
     gathers,
     gradient_trips,
+    hidden_time,
     memory_terms,
     moments_held,
     reduction_shares,
@@ -140,7 +142,10 @@ class CostModel:
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals, rg)
         # Every term's coefficients per set: what a plan's layout multiplies (`_terms.py`).
-        self.coefs = SetCoefs.of(self.tables, self.regather)
+        prefetch = None
+        if cluster.lowering.overlaps_prefetch:  # ZeRO-3's prefetch beside compute
+            prefetch = step_prefetch(graph, self.groups, self.tables)
+        self.coefs = SetCoefs.of(self.tables, self.regather, prefetch)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
@@ -438,6 +443,8 @@ class CostModel:
         L, d = self._layout(st, zero_stage, data_axis, zero_gather)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
+        # what of it runs beside compute (ZeRO-3's prefetch, `_overlap.py`): off the path
+        comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
         mem = memory_terms(self.coefs, L)
         grads, acts, outputs = self._peak(st, L, mem, split)
         parts = {
@@ -499,6 +506,11 @@ class CostModel:
             for i in np.nonzero((calls > 0) & (aa > 0))[0]
         )
         return float(time.sum()), collectives
+
+    def _gather_beta(self, st: K.State, d: int) -> float:
+        """Seconds per byte of ZeRO's gathers over the data axis (code `d`; 0 where none)."""
+        ac = self._costs_for(st.mesh)
+        return gather_beta(ac, int(ac.bit[d])) if d else 0.0
 
     def _peak(self, st: K.State, L: Layout, mem: Memory, split=None) -> tuple[float, float, float]:
         """(gradients, activations, outputs) at the step's peak: its busiest candidate
