@@ -8,7 +8,7 @@ import pytest
 import automap as am
 from automap._capture import capture
 from automap._cost import AG, AxisCosts, CostModel, gather_beta
-from automap._cost._fsdp import forward_reads
+from automap._graph import Role
 from automap._groups import build_groups
 from automap._remat import layer_gathers
 from automap._zoo import get_model
@@ -27,8 +27,20 @@ def _pairs(graph, groups, per_op, beta):
     layers (`_remat.layer_gathers`) and the plan's per-op compute: layer L >= 2 waits for
     layer L-1's input, so its gather may run while layer L-1 computes."""
     lg = layer_gathers(graph, groups)
+    # the parameters each forward op reads, itself or through a value made from them alone
+    root = {leaf.tensor: {leaf.tensor} for leaf in graph.leaves(Role.PARAM)}
+    for i in sorted(lg.remake):
+        made = set().union(*(root.get(t, set()) for t in graph.ops[i].inputs))
+        root.update((t, made) for t in graph.ops[i].outputs)
+    read = {
+        (lg.layer(op.index), p)
+        for op in graph.ops[: lg.regather.boundary + 1]
+        if op.index not in lg.remake
+        for t in op.inputs
+        for p in root.get(t, ())
+    }
     gathered: dict[int, float] = {}
-    for (layer, p), _ in forward_reads(graph, lg).items():
+    for layer, p in read:
         if lg.anchor[layer] is not None and graph.tensors[p].ndim:
             gathered[layer] = gathered.get(layer, 0.0) + graph.tensors[p].nbytes
     compute = {}

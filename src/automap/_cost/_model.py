@@ -55,8 +55,9 @@ collectives, places the peak and assembles the `Cost`.
 
 Time is compute + communication (no overlap: what XLA's TPU compiler compiles at its
 default flags, every collective synchronous; XLA's GPU compiler hides part of an FSDP
-step's gathers behind matmuls, where this is an upper bound: `_verify/_schedule.py` reads
-it, DESIGN.md "Collectives overlapped with compute"). The data-parallel gradient
+step's gathers behind compute, where this is an upper bound: `_verify/_schedule.py` reads
+it, DESIGN.md "Collectives overlapped with compute"), less ZeRO-3's prefetch beside the
+previous layer's compute where the lowering overlaps it (`_overlap.py`, off by default). The data-parallel gradient
 all-reduce is not overlapped with the backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
 (`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
 are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
@@ -443,8 +444,8 @@ class CostModel:
         L, d = self._layout(st, zero_stage, data_axis, zero_gather)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
-        # what of it runs beside compute (ZeRO-3's prefetch, `_overlap.py`): off the path
-        comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
+        if self.coefs.prefetch is not None:  # ZeRO-3's beside compute: off the path
+            comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
         mem = memory_terms(self.coefs, L)
         grads, acts, outputs = self._peak(st, L, mem, split)
         parts = {
