@@ -115,6 +115,17 @@ class Lowering:
     chips (the 64-wide zoo models' state priced at 0.46-0.99x of XLA's arguments, now
     equal); held by tests/test_tiles.py and
     tests/test_verify_tpu.py::test_a_tpu_holds_its_state_in_tiles_as_priced."""
+    overlaps_prefetch: bool = False
+    """Whether the scheduler runs ZeRO-3's forward gather of layer L while layer L-1
+    computes (the prefetch window the runtime's ties open, `_cost/_overlap.py`): each such
+    pair then costs max(gather, compute), not the sum. False on every backend as XLA
+    compiles: its TPU runs every collective synchronously (libtpu 0.0.42.1); its GPU makes
+    each an asynchronous pair but schedules about half this price's compute inside (0.8%
+    and 3.6% of two FSDP GPTs' steps, where this price takes off 1.9% and 6.7%; the
+    latency-hiding scheduler alike): its all-gather combiner joins two layers' gathers,
+    closing the earlier one's window. Charging each collective in full is the upper bound. Read on compile-only A100s (`_verify/_schedule.py`); held by
+    tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices.
+    True is a what-if, priced alike by the estimate and the shard ILP."""
 
     # ---- presets ----------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ class Cost:
 
     step_time_s: float
     compute_s: float
+    # seconds of communication on the critical path: the collectives' `time_s`, less what
+    # the backend runs beside compute (`Lowering.overlaps_prefetch`, `_cost/_overlap.py`)
     comm_s: float
     bubble_s: float
     memory_bytes: float  # peak per device

@@ -9,6 +9,7 @@ from _cases import seeds
 from automap._solvers import (
     Factor,
     FactorProblem,
+    Overlap,
     evaluate,
     evaluate_batch,
     leanest_problem,
@@ -45,6 +46,63 @@ def test_ilp_matches_exhaustive(seed):
     time, memory, feasible = evaluate(problem, ilp.choices)
     assert feasible and (time, memory) == (ilp.time, ilp.memory)
     assert memory <= problem.memory_limit * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", seeds(full=30, quick=6))
+def test_overlapped_seconds_are_taken_off_once_by_every_solver(seed):
+    # A collective beside compute costs max(comm, compute): the time factors charge both,
+    # each Overlap takes min(comm, compute) off. The ILP's continuous column for the min
+    # finds the exhaustive optimum, though the objective is no longer a sum of factors.
+    rng = np.random.default_rng(seed)
+    problem = random_problem(
+        rng,
+        n_units=int(rng.integers(2, 7)),
+        n_time_factors=int(rng.integers(1, 6)),
+        n_points=int(rng.integers(0, 2)),
+        memory_tightness=_TIGHTNESS[seed % 4],
+        n_overlaps=int(rng.integers(1, 4)),
+    )
+    exact = solve_exhaustive(problem)
+    ilp = solve_ilp(problem, time_limit_s=20.0)
+    assert ilp.feasible == exact.feasible
+    if exact.feasible:
+        assert ilp.optimal
+        assert ilp.time == pytest.approx(exact.time, rel=1e-9, abs=1e-12)
+    # evaluate: the plain sum less each overlap's min, on every assignment of the space
+    plain = dataclasses.replace(problem, overlaps=())
+    rows = np.stack(np.meshgrid(*map(np.arange, problem.n_options), indexing="ij"), -1)
+    rows = rows.reshape(-1, problem.n_units)
+    time, _, _ = evaluate_batch(problem, rows)
+    full, _, _ = evaluate_batch(plain, rows)
+    shared = np.zeros(len(rows))
+    for o in problem.overlaps:
+        comm = sum(f.table[tuple(rows[:, u] for u in f.units)] for f in o.comm)
+        compute = sum(f.table[tuple(rows[:, u] for u in f.units)] for f in o.compute)
+        shared += np.minimum(comm, compute)
+    finite = np.isfinite(full)
+    assert np.allclose(time[finite], full[finite] - shared[finite], rtol=1e-12)
+    assert shared.any()  # the overlaps took something off somewhere
+
+
+def test_an_overlap_over_a_constant_and_a_pair_prices_its_min():
+    # Unit 0 picks the collective's bytes (2 or 5 s), units (0, 1) the compute beside it
+    # (a table), a constant 1 s of compute more: the best plan is the one whose
+    # comm + compute - min(comm, compute) = max is least, not whose sum is.
+    comm = Factor((0,), np.array([2.0, 5.0]))
+    compute = Factor((0, 1), np.array([[4.0, 0.5], [3.5, 0.0]]))
+    problem = FactorProblem(
+        n_options=(2, 2),
+        allowed=(np.ones(2, bool), np.ones(2, bool)),
+        time_factors=(comm, compute, Factor((), np.array(1.0))),
+        overlaps=(Overlap((comm,), (compute, Factor((), np.array(1.0)))),),
+    )
+    # max(2, 4 + 1) = 5, max(2, 0.5 + 1) = 2, max(5, 3.5 + 1) = 5, max(5, 0 + 1) = 5
+    assert evaluate(problem, (0, 1))[0] == pytest.approx(2.0)
+    assert evaluate(problem, (1, 0))[0] == pytest.approx(5.0)
+    for solve in (solve_exhaustive, solve_ilp):
+        assert solve(problem).choices == (0, 1)
+    with pytest.raises(ValueError, match="finite, non-negative"):
+        Overlap((Factor((0,), np.array([1.0, np.inf])),), ())
 
 
 def test_ilp_handles_arity_four_and_repeated_unit_sets():

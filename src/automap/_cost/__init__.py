@@ -21,6 +21,7 @@ from ._kernel import partial_slots as partial_slots
 from ._kernel import set_axes as set_axes
 from ._model import CostModel as CostModel
 from ._outputs import held_by_kind as held_by_kind
+from ._overlap import gather_beta as gather_beta
 from ._peaks import reduction_copy as reduction_copy
 from ._pipelined import PipelineCost as PipelineCost
 from ._pipelined import estimate_pipeline as estimate_pipeline
@@ -39,6 +40,7 @@ from ._terms import gathers as gathers
 from ._terms import gradient_trips as gradient_trips
 from ._terms import memory_terms as memory_terms
 from ._terms import moments_held as moments_held
+from ._terms import prefetch_sides as prefetch_sides
 from ._terms import reduction_shares as reduction_shares
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links

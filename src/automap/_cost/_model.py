@@ -55,8 +55,9 @@ collectives, places the peak and assembles the `Cost`.
 
 Time is compute + communication (no overlap: what XLA's TPU compiler compiles at its
 default flags, every collective synchronous; XLA's GPU compiler hides part of an FSDP
-step's gathers behind matmuls, where this is an upper bound: `_verify/_schedule.py` reads
-it, DESIGN.md "Collectives overlapped with compute"). The data-parallel gradient
+step's gathers behind compute, where this is an upper bound: `_verify/_schedule.py` reads
+it, DESIGN.md "Collectives overlapped with compute"), less ZeRO-3's prefetch beside the
+previous layer's compute where the lowering overlaps it (`_overlap.py`, off by default). The data-parallel gradient
 all-reduce is not overlapped with the backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
 (`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
 are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
@@ -84,6 +85,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
+from ._overlap import gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
@@ -99,6 +101,7 @@ from ._terms import (
     early_outputs,
     gathers,
     gradient_trips,
+    hidden_time,
     memory_terms,
     moments_held,
     reduction_shares,
@@ -140,7 +143,10 @@ class CostModel:
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals, rg)
         # Every term's coefficients per set: what a plan's layout multiplies (`_terms.py`).
-        self.coefs = SetCoefs.of(self.tables, self.regather)
+        prefetch = None
+        if cluster.lowering.overlaps_prefetch:  # ZeRO-3's prefetch beside compute
+            prefetch = step_prefetch(graph, self.groups, self.tables)
+        self.coefs = SetCoefs.of(self.tables, self.regather, prefetch)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
@@ -438,6 +444,8 @@ class CostModel:
         L, d = self._layout(st, zero_stage, data_axis, zero_gather)
         compute = float(compute_time(self.coefs, L))
         comm, collectives = self._communication(st, L, d)
+        if self.coefs.prefetch is not None:  # ZeRO-3's beside compute: off the path
+            comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
         mem = memory_terms(self.coefs, L)
         grads, acts, outputs = self._peak(st, L, mem, split)
         parts = {
@@ -499,6 +507,11 @@ class CostModel:
             for i in np.nonzero((calls > 0) & (aa > 0))[0]
         )
         return float(time.sum()), collectives
+
+    def _gather_beta(self, st: K.State, d: int) -> float:
+        """Seconds per byte of ZeRO's gathers over the data axis (code `d`; 0 where none)."""
+        ac = self._costs_for(st.mesh)
+        return gather_beta(ac, int(ac.bit[d])) if d else 0.0
 
     def _peak(self, st: K.State, L: Layout, mem: Memory, split=None) -> tuple[float, float, float]:
         """(gradients, activations, outputs) at the step's peak: its busiest candidate

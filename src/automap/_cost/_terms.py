@@ -14,7 +14,9 @@ of a few decision units at once. So:
   and the ZeRO terms they charge per program are ZeRO's (`_zero.py`).
 
 A feature adds its terms in its own module: ZeRO's in `_zero.py` (its compute shares,
-gathers and second gathers; ZeRO-3's layer by layer in `_fsdp.py`), and
+gathers and second gathers; ZeRO-3's layer by layer in `_fsdp.py`, its prefetch's overlap
+with compute in `_overlap.py`: `hidden_time`, the one term not linear, a min of two linear
+sums, which the ILP prices with `FactorProblem.overlaps`), and
 rematerialization's in `_remat_terms.py` (the recompute's collectives and copies) and the tables' remat coefficients
 (`Tables.remat_coef`, `act_remat_coef`, `moments_remat`), picked here by `Layout.remat`. The collectives' per-row terms are the kernel's (`_kernel.py`), which
 both callers run; the busiest moment's per-moment bytes are `_peaks.moment_bytes`.
@@ -29,6 +31,7 @@ import numpy as np
 
 from ._liveness import Moments
 from ._outputs import held_bytes
+from ._overlap import Prefetch
 from ._peaks import moment_bytes
 from ._tiles import TileShares
 from ._zero import Gathers, MasterCoefs, RegatherCoefs, zero_gathers
@@ -52,9 +55,11 @@ class SetCoefs:
     regather: RegatherCoefs
     moments: Moments | None
     moments_remat: Moments | None
+    # ZeRO-3's prefetched pairs (`_overlap.py`), where the backend overlaps them, else None
+    prefetch: Prefetch | None = None
 
     @classmethod
-    def of(cls, T, regather: RegatherCoefs) -> SetCoefs:
+    def of(cls, T, regather: RegatherCoefs, prefetch: Prefetch | None = None) -> SetCoefs:
         """The coefficients of every set of the tables `T`."""
         return cls(
             T.compute_coef,
@@ -70,6 +75,7 @@ class SetCoefs:
             regather,
             T.moments,
             T.moments_remat,
+            prefetch,
         )
 
     def sub(self, sets: np.ndarray) -> SetCoefs:
@@ -88,6 +94,7 @@ class SetCoefs:
             self.regather.sub(sets),
             _sub_moments(self.moments, sets),
             _sub_moments(self.moments_remat, sets),
+            None if self.prefetch is None else self.prefetch.sub(sets),
         )
 
 
@@ -194,6 +201,27 @@ def gradient_trips(c: SetCoefs, L: Layout, trips: np.ndarray) -> np.ndarray:
     out = np.array(trips, dtype=float)
     out[0] = c.regather.layers.reductions
     return out
+
+
+def prefetch_sides(c: SetCoefs, L: Layout, beta: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """([pairs, ...], [pairs, ...]): per pair of ZeRO-3's prefetch (`_overlap.py`), the
+    seconds layer L's gather moves its bytes in (`beta`: seconds per byte over the data
+    axis, `_overlap.gather_beta`) and layer L-1's forward computes; None where nothing
+    overlaps (no prefetch priced, or ZeRO-3 not gathering layer by layer). Both linear in
+    the layout: the shard ILP sums them over its scopes (`FactorProblem.overlaps`)."""
+    p = c.prefetch
+    if p is None or not p.pairs or not layered(c, L):
+        return None
+    gather = beta * (p.gather @ (L.inv * L.free))
+    compute = (p.compute_remat if L.remat else p.compute) @ L.inv
+    return gather, compute
+
+
+def hidden_time(c: SetCoefs, L: Layout, beta: float) -> float | np.ndarray:
+    """Seconds of ZeRO-3's forward gathers hidden behind the previous layer's compute: a
+    pair costs max(gather, compute), so the step saves min(gather, compute) of each."""
+    sides = prefetch_sides(c, L, beta)
+    return 0.0 if sides is None else np.minimum(*sides).sum(axis=0)
 
 
 def memory_terms(c: SetCoefs, L: Layout) -> Memory:

@@ -13,7 +13,7 @@ estimate and the shard ILP read these through `_terms.py`, the one statement of 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -101,16 +101,22 @@ class RegatherCoefs:
         )
 
 
-def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
-    """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
-    `build_tables` keys them: a tensor's splittable groups, sorted), and of its gathers
-    layer by layer where the step has a loss (`_fsdp.gather_coefs`)."""
+def tensor_sets(groups: Groups, T) -> Callable[[int], int]:
+    """A tensor's group set as `build_tables` keys them: its splittable groups, sorted."""
     ng = len(groups.groups)
     index = {tuple(int(g) for g in row if g < ng): i for i, row in enumerate(T.sets)}
 
     def set_of(t: int) -> int:
         return index[tuple(sorted({g for g in groups.tensor_groups[t] if T.splittable[g]}))]
 
+    return set_of
+
+
+def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
+    """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
+    `build_tables` keys them: a tensor's splittable groups, sorted), and of its gathers
+    layer by layer where the step has a loss (`_fsdp.gather_coefs`)."""
+    set_of = tensor_sets(groups, T)
     n = len(T.sets)
     coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
     for t in rg.params:  # gathered as the forward gathers them (a cast, say)

@@ -38,6 +38,11 @@ at once. Two parts are not separable, and are made exact with auxiliary units:
   forward layer (`Gathers.combined`, a count of the step's); its second gathers, in the
   backward, are one collective per parameter leaf: linear, their latencies per scope.
 
+Where the backend overlaps ZeRO-3's prefetch (`Lowering.overlaps_prefetch`), each pair's
+max(gather, compute) is the one term that is not a sum: per pair, one `Overlap` of the
+scopes' shares of both sides (`_cost/_terms.prefetch_sides`), whose min the ILP takes off
+with a continuous column (`_solvers/_ilp.py`).
+
 The masks become unary `allowed` masks (axis present, divides the unit) and pairwise
 factors that forbid one axis on two units sharing a tensor, or a seam's dense side on an
 axis its convolutions do not take.
@@ -65,17 +70,19 @@ from .._cost import (
     combine_slots,
     compute_time,
     early_outputs,
+    gather_beta,
     gathers,
     gradient_trips,
     memory_terms,
     moments_held,
     partial_slots,
+    prefetch_sides,
     reduction_copy,
     reduction_shares,
     set_axes,
 )
 from .._lowering import Lowering
-from .._solvers import MEMORY_RTOL, Factor, FactorProblem
+from .._solvers import MEMORY_RTOL, Factor, FactorProblem, Overlap
 from .._space import OPTIONS, ShardSpace
 
 OFF = np.inf  # an auxiliary "off" entry when a row of the scope is active
@@ -278,6 +285,7 @@ class MeshTerms:
         self._add_gradients(blocks, zero, zero_stage)
         if zero:
             self._add_gathers(blocks, zero_stage)
+            self._add_prefetch(blocks, zero_stage)
         if self.space.pruning.masks:
             self._add_masks(blocks)
         return self._assemble(blocks, zero, memory_limit)
@@ -360,6 +368,22 @@ class MeshTerms:
         if any(np.any(c[1]) for c in casts):  # ZeRO-1/2's masters' casts: their own gather
             blocks.combined(AG, int(self.ac.bit[self.d]), casts, indicator=True)
 
+    def _add_prefetch(self, blocks: _Blocks, zero_stage: int) -> None:
+        """ZeRO-3's prefetch beside compute (`_cost/_terms.hidden_time`): per pair, one
+        `Overlap` of the scopes' shares of its gather's seconds and of the previous layer's
+        compute, which the time factors charge in full."""
+        beta = gather_beta(self.ac, int(self.ac.bit[self.d]))
+        shares = []
+        for sc in self.scopes:
+            sides = prefetch_sides(sc.coefs, sc.layout(self.D, zero_stage), beta)
+            if sides is not None:
+                shares.append((sc, *sides))
+        pairs = max((len(g) for _, g, _ in shares), default=0)
+        for p in range(pairs):
+            comm = tuple(blocks.factor(sc.units, sc.configs, g[p]) for sc, g, _ in shares)
+            compute = tuple(blocks.factor(sc.units, sc.configs, c[p]) for sc, _, c in shares)
+            blocks.overlaps.append(Overlap(comm, compute))
+
     def _add_masks(self, blocks: _Blocks) -> None:
         """The pairwise masks as infinite time: one mesh axis twice in one tensor, and a
         seam's dense side on an axis its convolutions do not take."""
@@ -399,6 +423,7 @@ class MeshTerms:
             # The cost model's test is memory <= limit; the factor test adds MEMORY_RTOL.
             memory_limit=limit / (1.0 + MEMORY_RTOL),
             constant_time=float(const[0]),
+            overlaps=tuple(blocks.overlaps),
         )
 
 
@@ -409,6 +434,17 @@ class _Blocks:
     def __init__(self, ac: AxisCosts, n_options: list[int], points: int):
         self.ac, self.n_options, self.points = ac, n_options, points
         self.tables: dict[tuple, list] = {}  # scope -> [time table, one memory table per point]
+        self.overlaps: list[Overlap] = []  # seconds two sums share (`FactorProblem.overlaps`)
+
+    def factor(self, units, configs, values) -> Factor:
+        """A table over `units`' options holding `values` at the joint options `configs`
+        (0 elsewhere: options no scope row takes, which the masks forbid anyway)."""
+        table = np.zeros(tuple(self.n_options[u] for u in units))
+        if units:
+            table[tuple(configs.T)] = values
+        else:
+            table = np.asarray(np.sum(values), dtype=float)
+        return Factor(units, table)
 
     def blank(self, shape) -> list:
         return [np.zeros(shape) for _ in range(1 + self.points)]

@@ -8,6 +8,7 @@ from ._exhaustive import solve_exhaustive as solve_exhaustive
 from ._factor import MEMORY_RTOL as MEMORY_RTOL
 from ._factor import Factor as Factor
 from ._factor import FactorProblem as FactorProblem
+from ._factor import Overlap as Overlap
 from ._factor import Solution as Solution
 from ._factor import evaluate as evaluate
 from ._factor import evaluate_batch as evaluate_batch

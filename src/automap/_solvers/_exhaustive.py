@@ -89,6 +89,8 @@ class _DenseSpace:
     """The memory limit with the solvers' shared tolerance."""
     add_peak: bool
     """Whether the score adds the peak memory (`minimize == "peak"`)."""
+    overlaps: list[tuple[list[_Table], list[_Table]]] = dataclasses.field(default_factory=list)
+    """Per `Overlap`, its comm and compute factors: min(comm, compute) off the time."""
 
     @property
     def suffix(self) -> tuple[int, ...]:
@@ -113,6 +115,10 @@ class _DenseSpace:
             constant_time=float(problem.constant_time),
             limit=problem.memory_limit * (1.0 + MEMORY_RTOL),
             add_peak=problem.minimize == "peak",
+            overlaps=[
+                ([restricted(f) for f in o.comm], [restricted(f) for f in o.compute])
+                for o in problem.overlaps
+            ],
         )
 
     def dense(self, units: tuple[int, ...], table: np.ndarray, prefix: tuple[int, ...]):
@@ -134,6 +140,12 @@ class _DenseSpace:
         peak = np.zeros(suffix)
         for units, table in self.time_factors:
             time += self.dense(units, table, prefix)
+        for comm, compute in self.overlaps:
+            sides = [np.zeros(suffix), np.zeros(suffix)]
+            for side, factors in zip(sides, (comm, compute), strict=True):
+                for units, table in factors:
+                    side += self.dense(units, table, prefix)
+            time -= np.minimum(*sides)
         for point in self.memory_factors:
             memory = np.zeros(suffix)
             for units, table in point:

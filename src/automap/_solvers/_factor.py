@@ -46,6 +46,25 @@ class Factor:
 
 
 @dataclasses.dataclass(frozen=True)
+class Overlap:
+    """Seconds two sums of factors share: a collective in flight while compute runs costs
+    max(comm, compute) = comm + compute - min(comm, compute), so the step time (whose
+    time factors charge both in full) is lowered by min(sum of `comm`, sum of `compute`).
+    The tables hold finite, non-negative seconds; the ILP prices the min exactly with one
+    continuous column bounded by both sums (minimizing, it rises to the smaller)."""
+
+    comm: tuple[Factor, ...]
+    compute: tuple[Factor, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "comm", tuple(self.comm))
+        object.__setattr__(self, "compute", tuple(self.compute))
+        for f in self.comm + self.compute:
+            if not np.all(np.isfinite(f.table)) or np.any(f.table < 0):
+                raise ValueError("an overlap's tables hold finite, non-negative seconds")
+
+
+@dataclasses.dataclass(frozen=True)
 class FactorProblem:
     """A plan space with additive costs: choose one allowed option per unit.
 
@@ -60,6 +79,7 @@ class FactorProblem:
         minimize: "time", or "peak": the objective is the peak memory over the points plus
             the time sum, whose factors then only forbid (0 or `np.inf`: `leanest_problem`
             over several points, where a peak is not a sum).
+        overlaps: seconds the time sum charges twice, each `Overlap`'s min taken off it.
     """
 
     n_options: tuple[int, ...]
@@ -69,6 +89,7 @@ class FactorProblem:
     memory_limit: float = np.inf
     constant_time: float = 0.0
     minimize: str = "time"
+    overlaps: tuple[Overlap, ...] = ()
 
     def __post_init__(self) -> None:
         if self.minimize not in ("time", "peak"):
@@ -86,7 +107,9 @@ class FactorProblem:
         object.__setattr__(self, "allowed", allowed)
         object.__setattr__(self, "time_factors", tuple(self.time_factors))
         object.__setattr__(self, "memory_factors", tuple(tuple(p) for p in self.memory_factors))
-        for factor in self.all_factors():
+        object.__setattr__(self, "overlaps", tuple(self.overlaps))
+        overlapped = tuple(f for o in self.overlaps for f in o.comm + o.compute)
+        for factor in self.all_factors() + overlapped:
             expected = tuple(n_options[u] for u in factor.units)
             if factor.table.shape != expected:
                 raise ValueError(
@@ -166,6 +189,12 @@ def evaluate_batch(
     time = np.full(n, float(problem.constant_time))  # (n,)
     for factor in problem.time_factors:
         time += factor.table[tuple(safe[:, u] for u in factor.units)]
+    for overlap in problem.overlaps:
+        sides = [np.zeros(n), np.zeros(n)]
+        for side, factors in zip(sides, (overlap.comm, overlap.compute), strict=True):
+            for factor in factors:
+                side += factor.table[tuple(safe[:, u] for u in factor.units)]
+        time -= np.minimum(*sides)
     memory = np.zeros((len(problem.memory_factors), n))  # (points, n)
     for p, point in enumerate(problem.memory_factors):
         for factor in point:
@@ -275,6 +304,7 @@ def random_problem(
     inf_fraction: float = 0.05,
     mask_fraction: float = 0.15,
     memory_tightness: float | None = 0.5,
+    n_overlaps: int = 0,
 ) -> FactorProblem:
     """A random FactorProblem.
 
@@ -287,6 +317,8 @@ def random_problem(
         mask_fraction: share of options masked off (each unit keeps at least one).
         memory_tightness: where the limit falls between the smallest and largest possible
             memory sum (0 tight, 1 loose); None for no limit.
+        n_overlaps: `Overlap`s, each of two random time factors' finite entries (a
+            collective and the compute beside it), each also among the time factors.
     """
     n_options = tuple(int(n) for n in rng.integers(2, max_options + 1, size=n_units))
     allowed = []
@@ -316,6 +348,11 @@ def random_problem(
         low = max(sum(f.table.min() for f in point) for point in memory_factors)
         high = max(sum(f.table.max() for f in point) for point in memory_factors)
         limit = float(low + memory_tightness * (high - low))
+    overlaps = []
+    for _ in range(n_overlaps):  # none drawn at 0: the other problems stay as they were
+        comm, compute = factor(1e-3, 0.0), factor(1e-3, 0.0)
+        overlaps.append(Overlap((comm,), (compute,)))
+        time_factors += (comm, compute)  # charged in full, the shared part taken off
     return FactorProblem(
         n_options=n_options,
         allowed=tuple(allowed),
@@ -323,4 +360,5 @@ def random_problem(
         memory_factors=memory_factors,
         memory_limit=limit,
         constant_time=float(rng.random()),
+        overlaps=tuple(overlaps),
     )

@@ -19,6 +19,9 @@ Objective: sum of time entries times x or y, plus constant_time; divided by the 
     coefficient so that HiGHS's absolute gap tolerance means the same on any time scale.
     With `minimize="peak"` one more column z, the peak memory, joins the objective and
     every memory row (sum - z <= -constant: z bounds each point; z <= the limit, if any).
+    Each `Overlap` adds a continuous column h >= 0 at cost -1 and two rows, h <= its comm
+    sum and h <= its compute sum (entries times x or y): minimizing, h rises to the
+    smaller, so the objective takes min(comm, compute) off exactly.
 
 The model is exact for the factor model: every assignment's cost is the sum of its factor
 entries, and the ILP's feasible integral points are exactly the feasible assignments.
@@ -95,6 +98,7 @@ class _Milp:
         self.upper: list[np.ndarray] = []
         self.n_rows = 0
         self.x_col: list[np.ndarray] = []  # per unit: option -> column id, -1 where masked
+        self.y_cols: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # configs, ids
         # Memory rows in units of `ref` bytes: the limit, or for a peak objective without
         # one the largest entry, so that HiGHS's absolute tolerances mean the same on any
         # size.
@@ -166,6 +170,7 @@ class _Milp:
             return False
         index = tuple(configs.T)
         ids = self.cols.add(time[index], np.ones(len(configs)), integer=False)
+        self.y_cols[units] = (configs, ids)
         for axis, u in enumerate(units):
             # One marginal row per allowed option of u: sum of y with c_u = o, minus x[u, o].
             opts = np.flatnonzero(allowed[u])
@@ -176,6 +181,28 @@ class _Milp:
             self.add_entries(base + np.arange(opts.size), self.x_col[u][opts], -np.ones(opts.size))
         self.add_memory(ids, [m[index] for m in memory])
         return True
+
+    def add_overlaps(self) -> None:
+        """Per overlap, h >= 0 at cost -1, bounded by each of its two sums."""
+        for sides in self.tables.overlaps:
+            (h,) = self.cols.add(np.array([-1.0]), np.array([_INF]), integer=False)
+            for side in sides:
+                const = float(side.get((), 0.0))
+                r = self.add_rows(1, -_INF, const)
+                self.add_entries([r], [h], [1.0])
+                for units, table in side.items():
+                    if units:
+                        cols, values = self._entries(units, table)
+                        self.add_entries(np.full(cols.size, r), cols, -values)
+
+    def _entries(self, units: tuple[int, ...], table: np.ndarray):
+        """(columns, table values) of a unit set's x (one unit) or y (several)."""
+        if len(units) == 1:
+            mapping = self.x_col[units[0]]
+            opts = np.flatnonzero(mapping >= 0)
+            return mapping[opts], table[opts]
+        configs, ids = self.y_cols[units]
+        return ids, table[tuple(configs.T)]
 
     def add_peak(self) -> None:
         """The peak objective's column z, in every memory row."""
@@ -212,7 +239,12 @@ class _Tables:
         self.n_options = problem.n_options
         self.time = merge_factors(problem.time_factors)
         self.memory = [merge_factors(point) for point in problem.memory_factors]
-        self.keys = set(self.time).union(*self.memory)
+        # Per overlap, its comm and its compute factors merged on their unit sets: each
+        # set gets its x or y columns even where no time or memory factor has it.
+        self.overlaps = [
+            (merge_factors(o.comm), merge_factors(o.compute)) for o in problem.overlaps
+        ]
+        self.keys = set(self.time).union(*self.memory, *(k for o in self.overlaps for k in o))
         self.constant_time = float(problem.constant_time) + float(self.time.pop((), 0.0))
         # (points,)
         self.constant_memory = np.array([float(m.pop((), 0.0)) for m in self.memory])
@@ -252,6 +284,7 @@ def _build(problem: FactorProblem):
         return None
     if tables.peak:
         milp.add_peak()
+    milp.add_overlaps()
     return milp.arrays()
 
 

@@ -32,7 +32,14 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
-from ._hlo import HloCollective, Instruction, axis_of, computations, parse_collectives
+from ._hlo import (
+    HloCollective,
+    Instruction,
+    axis_of,
+    computations,
+    parse_collectives,
+    shape_bytes,
+)
 
 # Instructions that move or name data without computing: they hide no collective's time.
 _NOT_COMPUTE = frozenset(
@@ -66,6 +73,7 @@ class ScheduledCollective:
     between: int = 0  # compute instructions scheduled between its start and its done
     matmuls: int = 0  # of those, matmuls and convolutions (or fusions holding one)
     flops: float = 0.0  # the dots' FLOPs among them (convolutions and library calls: 0)
+    written: float = 0.0  # bytes their results hold (an elementwise op's traffic is ~2x)
 
     @property
     def overlapped(self) -> bool:
@@ -85,7 +93,7 @@ def scheduled_collectives(
     with_matmul = {
         c for c, ins in comps.items() if flops[c] or any(i[2] in _MATMUL_OPS for i in ins)
     }
-    spans: dict[str, tuple[int, int, float]] = {}
+    spans: dict[str, tuple[int, int, float, float]] = {}
     for instrs in comps.values():
         index = {ins[0]: k for k, ins in enumerate(instrs)}
         shapes = {ins[0]: ins[1] for ins in instrs}
@@ -102,13 +110,14 @@ def scheduled_collectives(
                     _own_flops(ins, shapes) + sum(flops[c] for c in _callees(ins, comps))
                     for ins in work
                 ),
+                sum(shape_bytes(ins[1]) for ins in work),
             )
             spans[name] = span  # `kind-done`: parse_collectives names the pair by it
             for callee in _callees(instrs[s], comps):  # `async-start`: by what it calls
                 for inner in comps[callee]:
                     spans[inner[0]] = span
     return [
-        ScheduledCollective(c, c.name in spans, *spans.get(c.name, (0, 0, 0.0)))
+        ScheduledCollective(c, c.name in spans, *spans.get(c.name, (0, 0, 0.0, 0.0)))
         for c in parse_collectives(hlo_text, num_devices)
     ]
 
