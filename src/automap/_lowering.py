@@ -115,6 +115,18 @@ class Lowering:
     chips (the 64-wide zoo models' state priced at 0.46-0.99x of XLA's arguments, now
     equal); held by tests/test_tiles.py and
     tests/test_verify_tpu.py::test_a_tpu_holds_its_state_in_tiles_as_priced."""
+    scatter_least_elements: int = 0
+    """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
+    enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
+    whole_reduced_bytes`): a shard of at least this many elements per torus dimension the
+    data axis' group spans, of rank 2 or more, at least 128 lanes and 16 rows in its minor
+    two dimensions, over a group spanning fewer than three torus dimensions. XLA's TPU
+    compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
+    [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
+    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
+    the whole 2x2x2 cube up to f32[8192, 1024]); 0: every ZeRO gradient is
+    reduce-scattered (GPUs). docs/DESIGN.md, "TPU slices"; held by
+    tests/test_verify_tpu.py::test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole."""
 
     # ---- presets ----------------------------------------------------------------------
 
@@ -127,7 +139,7 @@ class Lowering:
     def tpu(cls) -> Lowering:
         """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites and
         scheduling, its arrays laid out in tiles."""
-        return cls(tile_padding=True)
+        return cls(tile_padding=True, scatter_least_elements=2048)
 
     @classmethod
     def cpu(cls) -> Lowering:

@@ -42,5 +42,6 @@ from ._terms import moments_held as moments_held
 from ._terms import reduction_shares as reduction_shares
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
+from ._torus import axis_torus_dims as axis_torus_dims
 from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

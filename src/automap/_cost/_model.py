@@ -104,7 +104,8 @@ from ._terms import (
     reduction_shares,
     step_moments,
 )
-from ._tiles import TileShares, TileTable, tile_shares, tile_table
+from ._tiles import TileShares, TileTable, tile_shares, tile_table, whole_reduced_bytes
+from ._torus import axis_torus_dims
 from ._zero import regather_coefs
 
 _log = logging.getLogger("automap")
@@ -419,6 +420,16 @@ class CostModel:
                 self._tile_cache[key] = hit
         return hit
 
+    def _kept_whole(self, st: K.State, d: int) -> float:
+        """Bytes of the ZeRO gradients over the data axis (code `d`) that the backend
+        all-reduces whole (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
+        least = self.cluster.lowering.scatter_least_elements
+        if not least:
+            return 0.0
+        spans = axis_torus_dims(self.cluster, st.mesh).get(list(st.mesh)[d - 1], 0)
+        sizes = self._costs_for(st.mesh).sizes
+        return whole_reduced_bytes(self._tile_table, st.codes, sizes, d, spans, least)
+
     @functools.cached_property
     def _tile_table(self) -> TileTable:
         return tile_table(self.graph, self.groups, self.tables.splittable, len(self.tables.sets))
@@ -491,6 +502,7 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
+            self._kept_whole(st, d) if zero_mask else 0.0,
         )
         collectives = tuple(
             Collective(
