@@ -148,6 +148,7 @@ class CostModel:
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
         self._split_cache: dict[tuple[frozenset[int], bool], SplitMemory] = {}
         self._tile_cache: dict[tuple, TileShares] = {}
+        self._whole_cache: dict[tuple, float] = {}
 
     # ---- public -----------------------------------------------------------------------
 
@@ -421,14 +422,19 @@ class CostModel:
         return hit
 
     def _kept_whole(self, st: K.State, d: int) -> float:
-        """Bytes of the ZeRO gradients over the data axis (code `d`) that the backend
-        all-reduces whole (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
-        least = self.cluster.lowering.scatter_least_elements
-        if not least:
+        """Bytes of the ZeRO gradients over data (code `d`) all-reduced whole, not scattered
+        (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`); once a layout."""
+        if not (least := self.cluster.lowering.scatter_least_elements):
             return 0.0
-        spans = axis_torus_dims(self.cluster, st.mesh).get(list(st.mesh)[d - 1], 0)
-        sizes = self._costs_for(st.mesh).sizes
-        return whole_reduced_bytes(self._tile_table, st.codes, sizes, d, spans, least)
+        key = (st.codes.tobytes(), tuple(st.mesh.items()), d)
+        hit = self._whole_cache.get(key)
+        if hit is None:
+            spans = axis_torus_dims(self.cluster, st.mesh).get(list(st.mesh)[d - 1], 0)
+            sizes = self._costs_for(st.mesh).sizes
+            hit = whole_reduced_bytes(self._tile_table, st.codes, sizes, d, spans, least)
+            if len(self._whole_cache) < 4096:
+                self._whole_cache[key] = hit
+        return hit
 
     @functools.cached_property
     def _tile_table(self) -> TileTable:
