@@ -58,14 +58,22 @@ bert`, 4 min): collectives matched on 4 of 12 plans, memory within 15% on 0 of 1
 (0.08-0.47x), FLOPs on 12 of 12. With arrays priced in XLA's TPU tiles
 (`Lowering.tpu()`, `automap._cost._tiles`), at ce6da51, the same draw: memory 1 of 12
 (0.14-0.92x), collectives 4 of 12, FLOPs 12 of 12; the priced parameters + optimizer state
-+ batch now equal XLA's arguments on all 12 plans (0.46-0.99x before). What is left is
-XLA's temporaries, 1.1-11.7x the priced gradients + activations on these 64-wide models,
-and not understood (docs/DESIGN.md, "TPU slices": `temp_size_in_bytes` is not the step's
-live temporaries, the buffer assignment packs them at 16 KiB offsets, and
-`peak_memory_in_bytes` is 0.44-1.27x the priced total). The 8 collective mismatches: XLA
-all-reduces whole some ZeRO gradients the cost model reduce-scatters (1-D arrays always,
-the rest by size and group: DESIGN.md), and three tensor-parallel plans' small all-gathers
-and collective-permutes, not examined. At 256 wide (tests/test_verify_tpu.py) tensor,
++ batch now equal XLA's arguments on all 12 plans (0.46-0.99x before). What is left of
+memory is not arrays: XLA's TPU temp allocation gives each tuple value (async copies,
+multi-output fusions, combined collectives) a 16 KiB slot of its own (64 to 512 slots,
+1-8 MiB, on these plans), and `temp_size_in_bytes` counts about them twice; the arrays
+span 0.25-4.75 MiB (docs/DESIGN.md, "TPU slices"). Collectives: with the ZeRO gradients
+XLA all-reduces whole priced so (`Lowering.scatter_least_elements`, after b668f39, the
+same draw): still 4 of 12 plans match, but the ZeRO plans' reduce-scatter@data is
+XLA's on three of five (predicted / XLA, KiB: mlp ZeRO-1 512 / 512, was 556; bert ZeRO-3
+192 / 192, was 481; gpt ZeRO-3 192 / 192, was 398; bert ZeRO-1 128 / 192, was 384; bert
+ZeRO-2 256 / 168, was 352) and their all-reduce@data is 3-47% under XLA's (was -100%).
+What keeps them apart: bert's tied word table, its gradient reduce-scattered once per
+use; XLA laying a gradient as its matmul makes it (a [256, 64] scattered on its 64);
+ZeRO-3's forward gathers kept for the backward (gpt's 860 / 496 KiB of all-gathers);
+biases all-reduced twice (mlp, 3 KiB); and plans that put the hidden dim on "data" (gpt's
+data 2 x model 4: +5.8% all-reduce@data) or tensor parallel ones whose small all-gathers
+and collective-permutes were not examined. At 256 wide (tests/test_verify_tpu.py) tensor,
 data and ZeRO-1 plans and a pipeline match.
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two

@@ -61,18 +61,18 @@ def test_bad_cluster_files(tmp_path):
 
 def test_a_cluster_carries_its_compilers_lowering():
     # Every GPU preset compiles as XLA's GPU pipeline does, every TPU preset as its TPU
-    # pipeline (the GPU's, its arrays in tiles), the cpu preset as its CPU pipeline: one
-    # object, each switch off on the CPU.
+    # pipeline (the GPU's, its arrays in tiles, small ZeRO gradients all-reduced whole),
+    # the cpu preset as its CPU pipeline: one object, each switch off on the CPU.
     for name in ("v100", "a100", "h100", "h200"):
         assert am.Cluster.preset(name).lowering == am.Lowering.gpu()
-    tpu = dataclasses.replace(am.Lowering.gpu(), tile_padding=True)
+    tpu = dataclasses.replace(am.Lowering.gpu(), tile_padding=True, scatter_least_elements=2048)
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
     assert am.Lowering.preset("TPU") == tpu
     cpu = am.Cluster.preset("cpu").lowering
     assert cpu == am.Lowering.preset("cpu") != am.Lowering.gpu()
     assert cpu.collective_float_bytes == 4
-    numbers = {"collective_float_bytes", "all_reduce_combine_bytes"}
+    numbers = {"collective_float_bytes", "all_reduce_combine_bytes", "scatter_least_elements"}
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # a what-if on every backend: no schedule XLA compiles fills ZeRO-3's prefetch window

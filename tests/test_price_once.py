@@ -209,7 +209,10 @@ def test_with_remat_the_pipelines_per_op_prices_are_the_one_stage_estimate(name,
     reason="issue 27, open: on a TPU the estimate prices every array in XLA's tiles "
     "(`Lowering.tile_padding`, `_cost/_tiles.py`) but the ILP's factors are its shards' "
     "bytes: a tensor's tiles depend on its whole layout, which no one unit's options fix. "
-    "The ILP searches untiled, and its plan is then priced tiled by the cost model.",
+    "So does which ZeRO gradients XLA's TPU compiler reduce-scatters rather than "
+    "all-reduces whole (`Lowering.scatter_least_elements`, by the shard's shape): the ILP "
+    "prices them all reduce-scattered. The ILP searches untiled, and its plan is then "
+    "priced tiled by the cost model.",
 )
 def test_on_a_tpu_the_ilp_prices_tiles_as_the_cost_model():
     test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model("mlp", "tpu-v5p", 0)

@@ -80,3 +80,35 @@ def test_a_tpu_prices_the_state_in_the_tiles_of_its_shards(recipe):
         assert tiled[part] == pytest.approx(tiles)
         # (ZeRO's bytes count a fourth of the step count's 4, which a tile holds whole)
         assert plain.memory_breakdown[part] == pytest.approx(raw, abs=4)
+
+
+def _reductions(graph, cluster, plan) -> dict[str, float]:
+    cost = CostModel(graph, cluster).estimate(plan)
+    return {f"{c.kind}@{c.axis}": c.bytes for c in cost.collectives if "reduce" in c.kind}
+
+
+def test_a_tpu_reduce_scatters_only_the_zero_gradients_whose_shards_fit_its_rule():
+    # ZeRO-1 of data 4 x model 2 on a v5p 2x2x2 (data's groups span two torus dims): XLA's
+    # TPU compiler reduce-scatters the three 256-wide kernels' [256, 128] shards (384 KiB,
+    # read from its HLO) and all-reduces whole the biases, the 64-wide first kernel's
+    # [64, 128] (a [16, 128] shard is under 2 x 2048 elements) and the head's [256, 8].
+    graph, v5p, plan = _mlp_plan(am.Recipe(dp=4, tp=2, zero=1))
+    assert v5p.lowering.scatter_least_elements
+    tpu = _reductions(graph, v5p, plan)
+    assert tpu["reduce-scatter@data"] == 3 * 256 * 128 * 4
+    small = 64 * 128 * 4 + 256 * 8 * 4
+    biases = (8 + 128 + 256 + 128 + 256) * 4  # their local shards, 1-D: never scattered
+    assert tpu["all-reduce@data"] == pytest.approx(small + biases, abs=8)
+    # Where every ZeRO gradient is reduce-scattered (a GPU's rule), all of them are.
+    gpu = _reductions(graph, v5p.with_lowering(scatter_least_elements=0), plan)
+    assert "all-reduce@data" not in gpu or gpu["all-reduce@data"] < 8
+    total = tpu["reduce-scatter@data"] + tpu["all-reduce@data"]
+    assert gpu["reduce-scatter@data"] == pytest.approx(total, abs=8)
+
+
+def test_a_tpu_cube_all_reduces_every_zero_gradient():
+    # Data over all 8 chips of a 2x2x2 spans three torus dimensions: XLA all-reduces every
+    # gradient whole and slices it, however large.
+    graph, v5p, plan = _mlp_plan(am.Recipe(dp=8, zero=1))
+    tpu = _reductions(graph, v5p, plan)
+    assert "reduce-scatter@data" not in tpu and tpu["all-reduce@data"] > 500 * 1024

@@ -8,7 +8,14 @@ from typer.testing import CliRunner
 
 import automap as am
 from automap._cli import app
-from automap._cost import AR, AxisCosts, axis_links, ring_allreduce_time, tree_allreduce_time
+from automap._cost import (
+    AR,
+    AxisCosts,
+    axis_links,
+    axis_torus_dims,
+    ring_allreduce_time,
+    tree_allreduce_time,
+)
 
 GB = 1e9
 
@@ -79,3 +86,15 @@ def test_the_cli_prices_a_slice_and_slices_over_dcn():
     assert comm("--slices", "2", "--devices", "128") > 3 * comm("--topology", "4x4x8")
     out = CliRunner().invoke(app, ["estimate", "--model", "mlp", "--topology", "4x4x4"])
     assert out.exit_code != 0 and "cluster preset a100 is no TPU" in out.output
+
+
+def test_an_axis_counts_the_torus_dimensions_its_groups_span():
+    # As JAX lays the mesh on a v5p 2x2x2 cube: 8 on data spans all three dimensions, the
+    # 4 of (4, 2) two and its 2 one; across slices an axis spans none of one slice's.
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    assert axis_torus_dims(v5p, {"data": 8}) == {"data": 3}
+    assert axis_torus_dims(v5p, {"data": 4, "model": 2}) == {"data": 2, "model": 1}
+    assert axis_torus_dims(v5p, {"data": 2, "model": 4}) == {"data": 1, "model": 2}
+    two = am.Cluster.preset("tpu-v5p", topology="2x2x2", slices=2)
+    assert axis_torus_dims(two, {"data": 2, "model": 8}) == {"data": 0, "model": 3}
+    assert axis_torus_dims(am.Cluster.preset("a100", devices=8), {"data": 8}) == {"data": 0}

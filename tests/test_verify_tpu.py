@@ -66,6 +66,25 @@ def test_zero1_gradients_are_reduce_scattered_on_a_tpu():
     assert report.xla_comm_bytes["reduce-scatter@data"] > 1e6
 
 
+@pytest.mark.slow  # compiled for 8 v5p chips: ~25 s on two loaded cores
+def test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole():
+    # ZeRO-1 over all 8 chips of a v5p 2x2x2 cube: XLA's TPU compiler all-reduces every
+    # gradient whole and slices it (6.7 MB here), as `Lowering.scatter_least_elements`
+    # prices a group spanning three torus dimensions; priced as a GPU's, every gradient
+    # would be reduce-scattered and the collectives would not match.
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8, zero=1), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    assert report.xla_comm_bytes["all-reduce@data"] > 1e6
+    assert "reduce-scatter@data" not in report.xla_comm_bytes
+    assert "reduce-scatter@data" not in report.predicted_comm_bytes
+
+
 @pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~55 s on two loaded cores
 def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
     # A bfloat16 GPT in 2 stages x data 2 x model 2 on a v5p 2x2x2 slice, each stage's

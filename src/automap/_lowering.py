@@ -123,9 +123,22 @@ class Lowering:
     each an asynchronous pair but schedules about half this price's compute inside (0.8%
     and 3.6% of two FSDP GPTs' steps, where this price takes off 1.9% and 6.7%; the
     latency-hiding scheduler alike): its all-gather combiner joins two layers' gathers,
-    closing the earlier one's window. Charging each collective in full is the upper bound. Read on compile-only A100s (`_verify/_schedule.py`); held by
+    closing the earlier one's window. Charging each collective in full is the upper bound.
+    Read on compile-only A100s (`_verify/_schedule.py`); held by
     tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices.
     True is a what-if, priced alike by the estimate and the shard ILP."""
+    scatter_least_elements: int = 0
+    """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
+    enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
+    whole_reduced_bytes`): a shard of at least this many elements per torus dimension the
+    data axis' group spans, of rank 2 or more, at least 128 lanes and 16 rows in its minor
+    two dimensions, over a group spanning fewer than three torus dimensions. XLA's TPU
+    compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
+    [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
+    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
+    the whole 2x2x2 cube up to f32[8192, 1024]); 0: every ZeRO gradient is
+    reduce-scattered (GPUs). docs/DESIGN.md, "TPU slices"; held by
+    tests/test_verify_tpu.py::test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole."""
 
     # ---- presets ----------------------------------------------------------------------
 
@@ -138,7 +151,7 @@ class Lowering:
     def tpu(cls) -> Lowering:
         """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites and
         scheduling, its arrays laid out in tiles."""
-        return cls(tile_padding=True)
+        return cls(tile_padding=True, scatter_least_elements=2048)
 
     @classmethod
     def cpu(cls) -> Lowering:

@@ -44,6 +44,7 @@ from ._terms import prefetch_sides as prefetch_sides
 from ._terms import reduction_shares as reduction_shares
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
+from ._torus import axis_torus_dims as axis_torus_dims
 from ._traffic import pipe_link as pipe_link
 from ._traffic import sends as sends
 from ._zero import zero_leaves as zero_leaves

@@ -196,6 +196,7 @@ def totals(
     zero_count: int,
     lowering: Lowering,
     trips: np.ndarray | None = None,
+    kept_whole: float = 0.0,
 ):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
     step's once, each loop body's once per trip: `trips` per combine slot).
@@ -204,13 +205,20 @@ def totals(
     over the data axis' `zero_mask` becomes a reduce-scatter of the same buffer (where the
     backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
-    layout: a body's are reduced inside the loop, per trip."""
+    layout: a body's are reduced inside the loop, per trip. `kept_whole`: the bytes of
+    those gradients the backend all-reduces whole all the same
+    (`_tiles.whole_reduced_bytes`)."""
     n = len(ac.keys)
     s = s.copy()
     if zero_mask and lowering.reduce_scatter:
         ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0
+        kept = min(kept_whole, s[3, rs])
+        if kept > 0:
+            s[3, [rs, ar]] += (-kept, kept)
+            s[4, ar] = 1.0
+            s[4, rs] = float(s[3, rs] > 0)
     trips = np.ones(1) if trips is None else trips
     g_time, g_bytes, calls = combined_times(s, ac, trips)
     time = s[0, :n] + g_time.sum(axis=0)

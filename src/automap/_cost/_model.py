@@ -107,7 +107,8 @@ from ._terms import (
     reduction_shares,
     step_moments,
 )
-from ._tiles import TileShares, TileTable, tile_shares, tile_table
+from ._tiles import TileMemo, tile_table
+from ._torus import axis_torus_dims
 from ._zero import regather_coefs
 
 _log = logging.getLogger("automap")
@@ -152,7 +153,12 @@ class CostModel:
         self._param_bytes = float(self.tables.param_coef.sum())
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
         self._split_cache: dict[tuple[frozenset[int], bool], SplitMemory] = {}
-        self._tile_cache: dict[tuple, TileShares] = {}
+        self._tile_memo = TileMemo(
+            functools.partial(
+                tile_table, graph, self.groups, self.tables.splittable, len(self.tables.sets)
+            ),
+            cluster.lowering.scatter_least_elements,
+        )
 
     # ---- public -----------------------------------------------------------------------
 
@@ -407,27 +413,23 @@ class CostModel:
         free = ~st.P[:, d] if d else np.ones(len(st.inv), dtype=bool)
         tiles = None
         if self.cluster.lowering.tile_padding:
-            tiles = self._tiles(st.codes, mesh, d if zero_stage >= 1 and D > 1 else 0)
+            sizes = self._costs_for(mesh).sizes
+            tiles = self._tile_memo.shares(
+                st.codes, mesh, sizes, d if zero_stage >= 1 and D > 1 else 0
+            )
         compute = zero_gather == "compute" and data_axis == DATA
         layout = Layout(
             st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles, gathers_compute=compute
         )
         return layout, d
 
-    def _tiles(self, codes: np.ndarray, mesh: Mapping[str, int], zero_axis: int) -> TileShares:
-        """`_tiles.tile_shares` of a layout, once per layout (searchers revisit them)."""
-        key = (codes.tobytes(), tuple(mesh.items()), zero_axis)
-        hit = self._tile_cache.get(key)
-        if hit is None:
-            sizes = self._costs_for(mesh).sizes
-            hit = tile_shares(self._tile_table, codes, sizes, zero_axis)
-            if len(self._tile_cache) < 4096:
-                self._tile_cache[key] = hit
-        return hit
-
-    @functools.cached_property
-    def _tile_table(self) -> TileTable:
-        return tile_table(self.graph, self.groups, self.tables.splittable, len(self.tables.sets))
+    def _kept_whole(self, st: K.State, d: int) -> float:
+        """Bytes of the ZeRO gradients over data (code `d`) all-reduced whole, not scattered
+        (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
+        axis = list(st.mesh)[d - 1]
+        spans = lambda: axis_torus_dims(self.cluster, st.mesh).get(axis, 0)  # noqa: E731
+        sizes = self._costs_for(st.mesh).sizes
+        return self._tile_memo.kept_whole(st.codes, st.mesh, sizes, d, spans)
 
     def _finish(
         self,
@@ -499,6 +501,7 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
+            self._kept_whole(st, d) if zero_mask else 0.0,
         )
         collectives = tuple(
             Collective(

@@ -22,6 +22,8 @@ cluster's lowering pads (`Lowering.tile_padding`: TPUs).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -160,3 +162,76 @@ def _ratio(table: TileTable, tiled: np.ndarray, raw: np.ndarray, kind: int) -> n
     num = np.bincount(sets, tiled[pick], minlength=table.n_sets)
     den = np.bincount(sets, raw[pick], minlength=table.n_sets)
     return np.where(den > 0, num / np.where(den > 0, den, 1), 1.0)
+
+
+def whole_reduced_bytes(
+    table: TileTable, codes: np.ndarray, sizes: np.ndarray, data: int, spans: int, least: int
+) -> float:
+    """Bytes per device of the ZeRO gradients XLA's TPU compiler all-reduces whole rather
+    than reduce-scatters (`Lowering.scatter_least_elements`, `least`): a parameter the
+    data axis (code `data`, its groups spanning `spans` torus dimensions) does not split,
+    whose ZeRO shard (`_zero_local`) is 1-D, has no dim of 128 lanes with another of 16
+    rows (XLA lays a gradient as it pads least: f32[128, 64] shards of [128, 256] are
+    laid {0,1} and reduce-scattered), or is under `least` elements per dimension spanned;
+    every one where the group spans three dimensions (a cube's all-reduce)."""
+    if not (data and least and spans):
+        return 0.0
+    local = _local(table, codes, sizes)
+    zlocal = _zero_local(table, local, codes, sizes[data], data)
+    free = (table.kind == PARAM) & ~(codes[table.groups] == data).any(axis=1)
+    real = np.arange(zlocal.shape[1])[None, :] < table.rank[:, None]
+    # Laid as it pads least (a step's own buffer): some dim on the lanes, another on rows.
+    lanes = (real & (zlocal >= LANES)).any(axis=1)
+    rows = (real & (zlocal >= 2 * ROWS)).sum(axis=1) >= 2
+    scattered = (
+        (table.rank >= 2)
+        & lanes
+        & rows
+        & (zlocal.prod(axis=1) >= least * spans)
+        & (spans < 3)
+        & (zlocal.prod(axis=1) < local.prod(axis=1))  # a shard exists: data divides a dim
+    )
+    whole = free & ~scattered
+    return float((local.prod(axis=1) * table.itemsize)[whole].sum())
+
+
+class TileMemo:
+    """A graph's `tile_shares` and `whole_reduced_bytes` per layout, each computed once
+    (the searchers revisit layouts); the `TileTable` is made on first use, as only TPU
+    lowerings read it."""
+
+    LIMIT = 4096  # layouts kept per figure: a long search's memory stays bounded
+
+    def __init__(self, make_table: Callable[[], TileTable], least: int):
+        self._make_table, self.least = make_table, least
+        self._shares: dict[tuple, TileShares] = {}
+        self._whole: dict[tuple, float] = {}
+
+    @functools.cached_property
+    def table(self) -> TileTable:
+        return self._make_table()
+
+    def shares(self, codes: np.ndarray, mesh, sizes: np.ndarray, data: int) -> TileShares:
+        """`tile_shares` of the layout (`codes` over `mesh`, ZeRO's axis code `data`)."""
+        key = (codes.tobytes(), tuple(mesh.items()), data)
+        hit = self._shares.get(key)
+        if hit is None:
+            hit = tile_shares(self.table, codes, sizes, data)
+            if len(self._shares) < self.LIMIT:
+                self._shares[key] = hit
+        return hit
+
+    def kept_whole(
+        self, codes: np.ndarray, mesh, sizes: np.ndarray, data: int, spans: Callable[[], int]
+    ) -> float:
+        """`whole_reduced_bytes` of the layout (0 where the lowering scatters every ZeRO
+        gradient); `spans()`: the torus dimensions the data axis' groups span."""
+        if not self.least:
+            return 0.0
+        key = (codes.tobytes(), tuple(mesh.items()), data)
+        hit = self._whole.get(key)
+        if hit is None:
+            hit = whole_reduced_bytes(self.table, codes, sizes, data, spans(), self.least)
+            if len(self._whole) < self.LIMIT:
+                self._whole[key] = hit
+        return hit

@@ -75,6 +75,21 @@ def axis_links(cluster: Cluster, mesh: Mapping[str, int]) -> dict[str, Link]:
     return out
 
 
+def axis_torus_dims(cluster: Cluster, mesh: Mapping[str, int]) -> dict[str, int]:
+    """How many torus dimensions each mesh axis' groups span on the cluster's slice (as
+    `axis_links` lays the mesh); 0 for an axis that crosses slices or where the cluster
+    has no torus."""
+    sizes = tuple(mesh.values())
+    on = cluster if math.prod(sizes or (1,)) == cluster.devices else _fitting(cluster, sizes)
+    if not cluster.topology or not mesh or on is None or not on.topology:
+        return {name: 0 for name in mesh}
+    gen = generation(on.name) or ("v5p" if len(on.topology) == 3 else "v5e")
+    spans = _spans(gen, on.topology, on.slices, sizes, dims=True)
+    if spans is None:
+        return {name: 0 for name in mesh}
+    return {name: 0 if dcn > 1 else n for name, (dcn, n) in zip(mesh, spans, strict=True)}
+
+
 def _fitting(cluster: Cluster, sizes: tuple[int, ...]) -> Cluster | None:
     """The cluster cut to the mesh's devices (a pipeline stage's sub-slice), if it cuts."""
     try:
@@ -85,10 +100,10 @@ def _fitting(cluster: Cluster, sizes: tuple[int, ...]) -> Cluster | None:
 
 @functools.lru_cache(maxsize=4096)
 def _spans(
-    gen: str, topology: tuple[int, ...], slices: int, sizes: tuple[int, ...]
+    gen: str, topology: tuple[int, ...], slices: int, sizes: tuple[int, ...], dims: bool = False
 ) -> tuple[tuple[int, int], ...] | None:
     """Per mesh axis: (its DCN part, the links each way its collectives use on the torus,
-    0 where it spans no torus dimension)."""
+    0 where it spans no torus dimension; with `dims`, the torus dimensions it spans)."""
     dcn = _dcn_parts(sizes, slices)
     if dcn is None:
         return None
@@ -102,7 +117,7 @@ def _spans(
         for dim, size in enumerate(topology):
             span = len(set(line[:, dim].tolist()))
             if span > 1:
-                whole = span == size and wraps(size, gen)
+                whole = span == size and wraps(size, gen) and not dims
                 lanes += 2 if whole else 1
         out.append((d, lanes))
     return tuple(out)
