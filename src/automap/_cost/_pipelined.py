@@ -25,7 +25,7 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
   F and B program that reads one gathers it (`_zero.add_zero_gathers`). Rematerialized forward ops
   run again in B.
-- sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
+- sends (`_sends.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
@@ -68,14 +68,12 @@ from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
+from ._sends import Sends, pipe_link, sends
 from ._seqpar import stage_sequence_parallel
 from ._traffic import (
     Layouts,
-    Sends,
     StageMemoryInputs,
     phase_codes,
-    pipe_link,
-    sends,
     stage_layouts,
     stage_memory,
 )
