@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -70,6 +70,7 @@ from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
 from ._sends import Sends, pipe_link, sends
 from ._seqpar import stage_sequence_parallel
+from ._stage_comm import N_PHASES, phase_collectives
 from ._traffic import (
     Layouts,
     StageMemoryInputs,
@@ -77,7 +78,7 @@ from ._traffic import (
     stage_layouts,
     stage_memory,
 )
-from ._zero import add_zero_gathers, zero_gradient_keys, zero_op_gathers
+from ._zero import zero_gradient_keys, zero_op_gathers
 
 
 class StageModel(Protocol):
@@ -98,12 +99,6 @@ class StageModel(Protocol):
     def plan_assignment(self, plan: Plan) -> dict[int, str]: ...
 
     def for_plan(self, plan: Plan) -> Any: ...
-
-
-#: Per-(stage, phase) arrays have a column per phase: PRE, FWD, BWD, POST and REDUCE, a
-#: stage's once-per-step reduction of its accumulated tensors' partial sums, run after its
-#: last backward (the runtime's reduce program).
-N_PHASES = len(Phase)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,7 +137,7 @@ class OpCosts:
     row_again: np.ndarray | None = None
     # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
     # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
-    # stage's reduce program scatters it all the same (`_rows_by_phase`).
+    # stage's reduce program scatters it all the same (`_stage_comm.rows_by_phase`).
     row_narrow: np.ndarray | None = None
 
     @property
@@ -314,7 +309,7 @@ def stage_costs(
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
     op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
-    comm = _phase_collectives(model, part, oc, per_mb, m)
+    comm = phase_collectives(model, part, oc, per_mb, m)
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)
     compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
@@ -379,52 +374,6 @@ def stage_costs(
             comm.per_step(oc.axis_costs, np.arange(S) == s, runs) for s in range(S)
         ),
     )
-
-
-class _PhaseComm(NamedTuple):
-    """A pipeline's collectives per (stage, phase, key) per run, and per op."""
-
-    time: np.ndarray  # [S, N_PHASES, keys] seconds
-    nbytes: np.ndarray  # [S, N_PHASES, keys]
-    count: np.ndarray  # [S, N_PHASES, keys]
-    op: np.ndarray  # [n_ops] seconds per run of each op's collectives, in its own call
-    op_reduce: np.ndarray  # [n_ops] its share of its stage's once-per-step REDUCE
-
-    def per_step(self, ac: C.AxisCosts, mine, runs: np.ndarray) -> tuple[Collective, ...]:
-        """The collectives per device per step of the stages `mine` (a boolean mask: one
-        stage, or a device group's virtual stages); `runs`: runs per step of a phase."""
-        t, nb, c = (a[mine].sum(axis=0) for a in (self.time, self.nbytes, self.count))
-        return _collectives(ac, runs @ t, runs @ nb, runs @ c)
-
-
-def _phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m: int):
-    """Collectives per run of each (stage, phase): one bucket per key, the gradients of
-    one program combined (shared among their ops by bytes), ZeRO's gathers per program
-    (`_zero.add_zero_gathers`)."""
-    graph, ac = model.graph, oc.axis_costs
-    S, nk, stage = part.n_stages, len(ac.keys), np.array(part.op_stage)
-    r, r_phase, r_key, r_count, grad, r_bytes = _rows_by_phase(graph, part, oc, per_mb, m)
-    on = r_count > 0
-    r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
-    bucket = (stage[r] * N_PHASES + r_phase) * nk + r_key
-    nb = S * N_PHASES * nk
-    g = grad & on
-    g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
-    g_any = np.bincount(bucket[g], minlength=nb) > 0
-    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * N_PHASES), g_bytes, g_any * 1.0), 0.0)
-    time = np.bincount(bucket, r_time, minlength=nb) + g_time
-    nbytes = np.bincount(bucket[~grad], r_bytes[~grad], minlength=nb) + g_bytes
-    count = np.bincount(bucket[~grad], r_count[~grad], minlength=nb) + g_any
-    time, nbytes, count = (a.reshape(S, N_PHASES, nk) for a in (time, nbytes, count))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
-    once = r_phase == Phase.REDUCE
-    op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
-    op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
-    if oc.zero_mask:
-        recomputed = set(model.residuals.recomputed) if oc.remat else set()
-        add_zero_gathers(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
-    return _PhaseComm(time, nbytes, count, op_comm, op_reduce)
 
 
 def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> StageMemoryInputs:
@@ -527,55 +476,3 @@ def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
         "stage_times": [list(t) for t in pc.stage_times],
         "stage_memory": [dict(d) for d in pc.stage_memory],
     }
-
-
-# ---- helpers ----------------------------------------------------------------------------
-
-
-def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
-    """Every collective row with the phase it runs in: (op, phase, key, count, combined
-    with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
-    makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
-    what is left of its axes stays in its own call, and the row is idle there when
-    nothing is left (see the module doc)."""
-    r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
-    phase = phase_codes(part)
-    # A recomputed op's collectives run again in the backward that recomputes it.
-    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
-    accumulated = np.zeros(len(phase), dtype=bool)
-    if m > 1:
-        accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
-    kind, mask = np.divmod(key, ac.masks)
-    moved = mask & oc.batch_mask
-    deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
-    left = np.where(deferred, mask & ~oc.batch_mask, mask)
-    d = np.nonzero(deferred)[0]
-    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
-    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
-    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
-    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
-    rows = np.concatenate([r, r[d]])
-    scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
-    return (
-        rows,
-        np.concatenate([row_phase, np.full(len(d), Phase.REDUCE)]),
-        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
-        np.concatenate([np.where(left > 0, count, 0), count[d]]),
-        # One program reduces them all: XLA combines every one (the loss sum with the
-        # gradients), as it combines the gradient reductions of one call.
-        np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
-        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
-    )
-
-
-def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:
-    return tuple(
-        Collective(
-            C.KINDS[ac.key_kind[i]],
-            ac.names[ac.key_mask[i]],
-            float(nbytes[i]),
-            round(count[i]),
-            float(time[i]),
-        )
-        for i in np.nonzero((count > 0) & (ac.key_mask > 0))[0]
-    )
