@@ -22,9 +22,10 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   `simulate`. What is left of that reduction (axes that are not the batch's) stays in its call.
   With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
   layout (where the backend has one), the POST update runs on shards and gathers each
-  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
-  F and B program that reads one gathers it (`_zero.add_zero_gathers`). Rematerialized forward ops
-  run again in B.
+  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded, a PRE program
+  gathers what it reads, and F and B gather layer by layer as one program does
+  (`_zero.add_zero_gathers`, `_fsdp.program_gathers`). Rematerialized forward ops run
+  again in B.
 - sends (`_sends.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
@@ -91,6 +92,7 @@ class StageModel(Protocol):
     cluster: Any
     groups: Any
     tables: Any
+    regather: Any  # ZeRO-3's gathers and reductions layer by layer (`RegatherCoefs`)
 
     def op_state(
         self, assignment: Any, mesh: Mapping[str, int], staged: bool = False
@@ -107,9 +109,9 @@ class OpCosts:
 
     `compute + remat_compute + comm + grad_comm + zero_comm`, summed over ops, is what
     `CostModel.evaluate` predicts for the same plan without stages (compute_s + comm_s),
-    at ZeRO 0-2 (tests/test_price_once.py). Not at ZeRO-3: `zero_comm` gathers each
-    parameter once, on its first reader, and `stage_costs` charges the other programs
-    that read it (`_zero.add_zero_gathers`), where one program gathers again per leaf.
+    ZeRO-3's gathers layer by layer included (`_fsdp.program_gathers`, on each gather's
+    first reader; tests/test_price_once.py, tests/pipeline/test_cost.py); `stage_costs`
+    charges each stage's programs their own (`_zero.add_zero_gathers`).
     The row arrays keep each collective apart, so `stage_costs` can time them exactly on
     a microbatch's bytes and combine gradient reductions per stage.
     """
@@ -188,7 +190,8 @@ def op_costs(
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
     g_any = np.bincount(key[g], minlength=len(ac.keys)) > 0
-    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+    trips = g_any * _reductions(model, zero_mask, zero_stage, staged)
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, trips), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(g, st.nbytes / g_bytes[key] * g_time[key], 0.0)
     oc = OpCosts(
@@ -216,6 +219,17 @@ def op_costs(
         row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
+
+
+def _reductions(model: StageModel, zero_mask: int, zero_stage: int, staged: bool) -> float:
+    """The collectives each gradient reduction is made in: one for the step, but one per
+    backward layer where one program's ZeRO-3 reduces them layer by layer (as
+    `_terms.gradient_trips`, from `_fsdp.reduction_shares`). A pipeline stage sums its
+    gradients over the microbatches and reduces them once per step (`_accumulate.py`)."""
+    layers = model.regather.layers
+    if staged or not zero_mask or zero_stage < 3 or layers is None:
+        return 1.0
+    return float(layers.reductions)
 
 
 def _narrow_ops(graph) -> np.ndarray:
@@ -389,6 +403,8 @@ def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> St
         remat=oc.remat,
         lowering=model.cluster.lowering,
         layer_stored=model.layer_stored if oc.remat else (),
+        layers=model.tables.layers,
+        gathered=model.tables.gathered,
     )
 
 

@@ -71,7 +71,17 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
     op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
     if oc.zero_mask:
         recomputed = set(model.residuals.recomputed) if oc.remat else set()
-        add_zero_gathers(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
+        add_zero_gathers(
+            graph,
+            part,
+            oc,
+            time,
+            nbytes,
+            count,
+            recomputed,
+            model.tables.gathered,
+            model.tables.layers,
+        )
     return PhaseComm(time, nbytes, count, op_comm, op_reduce)
 
 

@@ -32,8 +32,9 @@ from .._capture import Residuals
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
-from .._remat import generated
+from .._remat import LayerGathers, generated
 from ._deferred import deferred_weight_bytes
+from ._fsdp import programs_gathered_peak
 from ._fusion import FUSIBLE
 from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 from ._residuals import stage_residuals
@@ -90,6 +91,15 @@ class StageMemoryInputs:
     # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`
     # (`CostModel.layer_stored`, made once).
     layer_stored: Sequence[tuple[int, ...]] = ()
+    # ZeRO-3's layers (`Tables.layers`, None without a loss) and what its gather of each
+    # parameter moves (`Tables.gathered`): F and B gather layer by layer (`_fsdp.py`)
+    layers: LayerGathers | None = None
+    gathered: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def layerwise(self) -> bool:
+        """ZeRO-3 over a data axis, gathering layer by layer (`_run/_pipelined.py`)."""
+        return self.zero_stage >= 3 and self.lay.data_size > 1 and self.layers is not None
 
     @functools.cached_property
     def groups(self) -> int:
@@ -138,6 +148,7 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
     op_state = np.zeros(len(inp.graph.ops))
     op_act = np.zeros(len(inp.graph.ops))
     _leaves(inp, out, op_state)
+    _gathered_layers(inp, out)
     sums = running_sums(inp.graph, inp.part, inp.lay, inp.phase) if inp.m > 1 else []
     if inp.m > 1:
         # The runtime holds the running sums it adds each microbatch's into, at their own
@@ -165,12 +176,12 @@ def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.nd
         if not readers:
             continue
         if leaf.role == Role.PARAM:
-            # ZeRO-3 keeps a parameter sharded between programs, but each F and B program
-            # gathers the ones it reads at its start (`_run/_pipelined.py`: nothing makes
-            # XLA gather layer by layer), so at a stage's peak they are whole.
-            per_mb = any(phase[c] in PER_MICROBATCH for c in readers)
+            # ZeRO-3 keeps a parameter sharded between programs; F and B gather a layer's
+            # as it runs (`_gathered_layers`), or without layers the ones they read at
+            # their start, so at a stage's peak they are whole.
+            whole = any(phase[c] in PER_MICROBATCH for c in readers) and not inp.layerwise
             part_bytes = {
-                "params": zeroed(t, inp.zero_stage >= 3 and not per_mb),
+                "params": zeroed(t, inp.zero_stage >= 3 and not whole),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
                 # local gradients whole and reduce-scatters them once per step. One copy:
                 # a B call adds its own into the donated running sums.
@@ -185,6 +196,24 @@ def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.nd
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
+
+
+def _gathered_layers(inp: StageMemoryInputs, out: list[dict[str, float]]) -> None:
+    """ZeRO-3 layer by layer: each stage holds, besides its shards, the most of its
+    backward's gathered copies alive at once (`_fsdp.programs_gathered_peak`: about a
+    layer's parameters). A stage's peak is its backward's (`_temporaries`), when its F's
+    copies (about two layers', the next one's prefetched) are dead; under remat its B
+    runs each layer's forward again and gathers as F does (read in the CPU's programs,
+    `tests/test_fsdp.py`), so F's pattern prices it."""
+    if not inp.layerwise:
+        return
+    per_device = np.where(inp.lay.on_data, 0.0, inp.lay.inv)
+    phases = (*_BACKWARD, Phase.FWD) if inp.remat else _BACKWARD
+    for s in range(inp.part.n_stages):
+        programs = [inp.part.ops(s, ph) for ph in phases]
+        out[s]["params"] += programs_gathered_peak(
+            inp.graph, inp.layers, programs, inp.gathered, per_device
+        )
 
 
 def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.ndarray) -> None:

@@ -9,6 +9,7 @@ program's, or a pipeline stage's).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -78,7 +79,7 @@ class GatheredReads:
             return self.values[t]
         if (key, t) not in self._made:
             p = graph.tensors[t].producer
-            if p is not None and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
+            if p in self.lg.remake:  # else a program's input (a pipeline's pre cast)
                 made: dict[int, Any] = {}
 
                 def read(s: int) -> Any:
@@ -91,6 +92,15 @@ class GatheredReads:
             else:
                 self._made[(key, t)] = self._gather(t, self.values[t], anchors)
         return self._made[(key, t)]
+
+
+def within(layerwise: Layerwise, ops: Sequence[int]) -> Layerwise:
+    """`layerwise` for a program that runs `ops` only (a pipeline stage's F or B): a value
+    made from parameters alone outside them (a weight's cast in the stage's pre program)
+    is one of its inputs, gathered where its layer reads it as a parameter is."""
+    return layerwise._replace(
+        lg=dataclasses.replace(layerwise.lg, remake=layerwise.lg.remake & set(ops))
+    )
 
 
 def backward_anchors(graph: Graph, op: int, values: Mapping[int, Any], boundary: int):
@@ -120,17 +130,19 @@ def eval_layerwise(
     wanted: Sequence[int],
     constrain: Constrain | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
+    ops: Sequence[int] | None = None,
+    consts: Mapping[int, Any] | None = None,
 ) -> list[Any]:
-    """The whole program with ZeRO-3's gathers layer by layer (`LayerGathers`): forward ops
-    read their layer's gathered copies, backward ops the second gather, the update the
-    shards; each backward layer's gradients are reduced before the next one runs
-    (`reduce_before`). `bind[i]` computes op i in place of its primitive, as in
-    `eval_ops`."""
+    """The program (or its `ops` only: a pipeline stage's, `within`) with ZeRO-3's gathers
+    layer by layer (`LayerGathers`): forward ops read their layer's gathered copies,
+    backward ops the second gather, the update the shards; each backward layer's gradients
+    are reduced before the next one runs (`reduce_before`). `bind[i]` computes op i in
+    place of its primitive and `consts` are the constants, as in `eval_ops`."""
     lg = layerwise.lg
-    values: dict[int, Any] = dict(graph.const_values)
+    values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
     reads = GatheredReads(graph, lg, values, layerwise.gather, constrain, bind)
-    for i in range(len(graph.ops)):
+    for i in range(len(graph.ops)) if ops is None else ops:
         reduce_before(graph, layerwise, values, i)
         read = layer_read(graph, lg, reads, values, i)
         if read is None:
@@ -189,8 +201,9 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
-        spec = spec_of[t]
-        whole = unzero_spec(spec, DATA)
+        # a parameter's spec, or a pipeline stage's input made from one (a cast) as pinned
+        spec = spec_of.get(t, plan.constraints.get(t))
+        whole = None if spec is None else unzero_spec(spec, DATA)
         if whole == spec:  # not sharded by ZeRO (no dim divides): nothing to gather
             return x
         if anchors:  # else a first layer's: nothing to wait for (and a select's mask
