@@ -180,18 +180,7 @@ def test_a_single_stage_is_one_program_or_gradient_accumulation():
     assert acts(whole) / 2 <= acts(accum) < acts(whole)
 
 
-#: One program's ZeRO-3 gathers layer by layer, and again in the backward (`_cost/_fsdp.py`,
-#: `_run/_fsdp.py`); a pipeline stage's programs still gather what they read once each
-#: (issue 27: FSDP in pipeline stages not built), so their communication differs there.
-PIPELINES_GATHER_PER_PROGRAM = pytest.mark.xfail(
-    strict=True, reason="pipeline stages do not gather layer by layer yet (issue 27)"
-)
-
-
-@pytest.mark.parametrize(
-    ("zero", "remat"),
-    [(0, False), (1, False), pytest.param(3, True, marks=PIPELINES_GATHER_PER_PROGRAM)],
-)
+@pytest.mark.parametrize(("zero", "remat"), [(0, False), (1, False), (3, True), (3, False)])
 def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
     # ZeRO-3 in float32: a mixed-precision stage gathers its weights' bf16 casts (made in
     # its pre program), where one program under remat gathers the float32 parameters
@@ -205,8 +194,9 @@ def test_per_op_costs_add_up_to_the_whole_step(zero, remat):
     # two stages reduce each (`staged`): held against one stage's cost, one program's.
     oc = op_costs(cm, assignment, mesh, zero_stage=zero, remat=remat, staged=False)
     assert (oc.compute + oc.remat_compute).sum() == pytest.approx(whole.compute_s)
-    # With ZeRO, as for one stage: the gradients reduce-scattered, each parameter gathered
-    # once (tests/test_zero.py).
+    # With ZeRO, as for one stage: the gradients reduce-scattered (ZeRO-3: layer by
+    # layer), each parameter gathered once (ZeRO-3: per forward layer and again in the
+    # backward, `_fsdp.program_gathers`, as a pipeline stage's F and B do; tests/test_zero.py).
     assert (oc.comm + oc.grad_comm + oc.zero_comm).sum() == pytest.approx(whole.comm_s)
     # Cut in stages at one microbatch, every op still runs once: compute is conserved.
     plan = stage_plan("gpt2-xl", 4, 1, dtype=dtype)

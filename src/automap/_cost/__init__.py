@@ -32,6 +32,8 @@ from ._pipelined import stage_costs as stage_costs
 from ._residuals import stage_residuals as stage_residuals
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
+from ._sends import pipe_link as pipe_link
+from ._sends import sends as sends
 from ._terms import Layout as Layout
 from ._terms import SetCoefs as SetCoefs
 from ._terms import compute_time as compute_time
@@ -45,7 +47,5 @@ from ._terms import reduction_shares as reduction_shares
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
 from ._torus import axis_torus_dims as axis_torus_dims
-from ._traffic import pipe_link as pipe_link
-from ._traffic import sends as sends
 from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -62,6 +63,47 @@ def backward_reads(graph: Graph, lg: LayerGathers) -> dict[int, list[int]]:
     for i in sorted(lg.regather.backward):
         for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
             out.setdefault(p, []).append(i)
+    return out
+
+
+class Gathered(NamedTuple):
+    """One parameter gathered by ZeRO-3 in one program (`program_gathers`)."""
+
+    # the collective it is gathered in: ("layer", l) combined with forward layer l's
+    # others (they wait for one anchor), ("leaf", p) alone (the backward's, one per leaf)
+    collective: tuple[str, int]
+    param: int
+    reader: int  # the program's first op reading it there (a per-op price charges it)
+    whole: bool  # read through a recompute's barrier: the parameter gathered, not its cast
+
+
+def program_gathers(
+    graph: Graph, lg: LayerGathers, ops: Collection[int], recomputed: Collection[int] = ()
+) -> list[Gathered]:
+    """ZeRO-3's gathers in a program running `ops` (every op of one program, or a pipeline
+    stage's F or B) with the `recomputed` forward ops run again in it, as the runtime
+    makes them (`_run/_fsdp.py`): per forward layer, the parameters its ops read, in one
+    collective; in the backward, each parameter its ops or the recompute read, one by
+    one (the recompute's copy serves the layer's backward too). A value made from
+    parameters alone outside `ops` (a pipeline's pre cast) is an input the program reads
+    as it is, gathered where it is made (`_run/_fsdp.within`). `gather_coefs` prices the
+    one program by the same reads."""
+    mine = set(ops)
+    lg = dataclasses.replace(lg, remake=lg.remake & mine)
+    out = []
+    for (layer, p), readers in sorted(forward_reads(graph, lg).items()):
+        if here := [i for i in readers if i in mine]:
+            out.append(Gathered(("layer", layer), p, min(here), False))
+    root = roots(graph, lg)
+    again: dict[int, int] = {}
+    for i in sorted(recomputed):
+        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
+            again.setdefault(p, i)
+    first = {
+        p: min(here) for p, rs in backward_reads(graph, lg).items() if (here := mine & set(rs))
+    }
+    for p in sorted(first.keys() | again.keys()):
+        out.append(Gathered(("leaf", p), p, first.get(p, again.get(p)), p in again))
     return out
 
 
@@ -109,6 +151,32 @@ def layer_gathered_parameters(
     return Buffers(
         tensor=t, birth=b, death=d, width=np.array(widths, dtype=float), blocks=NO_BLOCKS
     )
+
+
+def programs_gathered_peak(
+    graph: Graph,
+    lg: LayerGathers,
+    programs: Sequence[Collection[int]],
+    gathered: Mapping[int, float],
+    per_device: np.ndarray,
+) -> float:
+    """The most bytes of ZeRO-3's gathered copies alive at once in any of `programs` (each
+    its ops: a pipeline stage's F, B and W), placed as `layer_gathered_parameters` places
+    them in one program, each program's own (`program_gathers`: a value made from
+    parameters alone outside them is gathered where it is made). `per_device`: per tensor,
+    a device's bytes of it per byte (0 where ZeRO gathers nothing of it)."""
+    mine = set().union(*programs)
+    rows = layer_gathered_parameters(
+        graph, dataclasses.replace(lg, remake=lg.remake & mine), gathered
+    )
+    nbytes = np.array([graph.tensors[t].nbytes * per_device[t] for t in rows.tensor]) * rows.width
+    peak = 0.0
+    for ops in programs:
+        inside = np.isin(rows.death, np.fromiter(ops, dtype=np.int64))
+        birth, death, b = rows.birth[inside], rows.death[inside], nbytes[inside]
+        for x in np.unique(birth):
+            peak = max(peak, float(b[(birth <= x) & (death >= x)].sum()))
+    return peak
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,11 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   `simulate`. What is left of that reduction (axes that are not the batch's) stays in its call.
   With ZeRO >= 1 that reduction of the gradients is a reduce-scatter into the ZeRO
   layout (where the backend has one), the POST update runs on shards and gathers each
-  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded and every PRE,
-  F and B program that reads one gathers it (`_zero.add_zero_gathers`). Rematerialized forward ops
-  run again in B.
-- sends (`_traffic.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
+  new parameter once (ZeRO-1/2); with ZeRO-3 the parameters stay sharded, a PRE program
+  gathers what it reads, and F and B gather layer by layer as one program does
+  (`_zero.add_zero_gathers`, `_fsdp.program_gathers`). Rematerialized forward ops run
+  again in B.
+- sends (`_sends.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
   overlapped with compute: they delay the receiver (a lag in `simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
@@ -47,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -68,18 +69,17 @@ from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
+from ._sends import Sends, pipe_link, sends
 from ._seqpar import stage_sequence_parallel
+from ._stage_comm import N_PHASES, phase_collectives
 from ._traffic import (
     Layouts,
-    Sends,
     StageMemoryInputs,
     phase_codes,
-    pipe_link,
-    sends,
     stage_layouts,
     stage_memory,
 )
-from ._zero import add_zero_gathers, zero_gradient_keys, zero_op_gathers
+from ._zero import zero_gradient_keys, zero_op_gathers
 
 
 class StageModel(Protocol):
@@ -92,6 +92,7 @@ class StageModel(Protocol):
     cluster: Any
     groups: Any
     tables: Any
+    regather: Any  # ZeRO-3's gathers and reductions layer by layer (`RegatherCoefs`)
 
     def op_state(
         self, assignment: Any, mesh: Mapping[str, int], staged: bool = False
@@ -102,21 +103,15 @@ class StageModel(Protocol):
     def for_plan(self, plan: Plan) -> Any: ...
 
 
-#: Per-(stage, phase) arrays have a column per phase: PRE, FWD, BWD, POST and REDUCE, a
-#: stage's once-per-step reduction of its accumulated tensors' partial sums, run after its
-#: last backward (the runtime's reduce program).
-N_PHASES = len(Phase)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpCosts:
     """Per-op seconds of an intra-stage plan, the whole batch run once, on the stage mesh.
 
     `compute + remat_compute + comm + grad_comm + zero_comm`, summed over ops, is what
     `CostModel.evaluate` predicts for the same plan without stages (compute_s + comm_s),
-    at ZeRO 0-2 (tests/test_price_once.py). Not at ZeRO-3: `zero_comm` gathers each
-    parameter once, on its first reader, and `stage_costs` charges the other programs
-    that read it (`_zero.add_zero_gathers`), where one program gathers again per leaf.
+    ZeRO-3's gathers layer by layer included (`_fsdp.program_gathers`, on each gather's
+    first reader; tests/test_price_once.py, tests/pipeline/test_cost.py); `stage_costs`
+    charges each stage's programs their own (`_zero.add_zero_gathers`).
     The row arrays keep each collective apart, so `stage_costs` can time them exactly on
     a microbatch's bytes and combine gradient reductions per stage.
     """
@@ -144,7 +139,7 @@ class OpCosts:
     row_again: np.ndarray | None = None
     # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
     # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
-    # stage's reduce program scatters it all the same (`_rows_by_phase`).
+    # stage's reduce program scatters it all the same (`_stage_comm.rows_by_phase`).
     row_narrow: np.ndarray | None = None
 
     @property
@@ -195,7 +190,8 @@ def op_costs(
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
     g_any = np.bincount(key[g], minlength=len(ac.keys)) > 0
-    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, g_any.astype(float)), 0.0)
+    trips = g_any * _reductions(model, zero_mask, zero_stage, staged)
+    g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, trips), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(g, st.nbytes / g_bytes[key] * g_time[key], 0.0)
     oc = OpCosts(
@@ -223,6 +219,17 @@ def op_costs(
         row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
+
+
+def _reductions(model: StageModel, zero_mask: int, zero_stage: int, staged: bool) -> float:
+    """The collectives each gradient reduction is made in: one for the step, but one per
+    backward layer where one program's ZeRO-3 reduces them layer by layer (as
+    `_terms.gradient_trips`, from `_fsdp.reduction_shares`). A pipeline stage sums its
+    gradients over the microbatches and reduces them once per step (`_accumulate.py`)."""
+    layers = model.regather.layers
+    if staged or not zero_mask or zero_stage < 3 or layers is None:
+        return 1.0
+    return float(layers.reductions)
 
 
 def _narrow_ops(graph) -> np.ndarray:
@@ -316,7 +323,7 @@ def stage_costs(
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
     op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
-    comm = _phase_collectives(model, part, oc, per_mb, m)
+    comm = phase_collectives(model, part, oc, per_mb, m)
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)
     compute = compute.reshape(S, N_PHASES)
     compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
@@ -383,52 +390,6 @@ def stage_costs(
     )
 
 
-class _PhaseComm(NamedTuple):
-    """A pipeline's collectives per (stage, phase, key) per run, and per op."""
-
-    time: np.ndarray  # [S, N_PHASES, keys] seconds
-    nbytes: np.ndarray  # [S, N_PHASES, keys]
-    count: np.ndarray  # [S, N_PHASES, keys]
-    op: np.ndarray  # [n_ops] seconds per run of each op's collectives, in its own call
-    op_reduce: np.ndarray  # [n_ops] its share of its stage's once-per-step REDUCE
-
-    def per_step(self, ac: C.AxisCosts, mine, runs: np.ndarray) -> tuple[Collective, ...]:
-        """The collectives per device per step of the stages `mine` (a boolean mask: one
-        stage, or a device group's virtual stages); `runs`: runs per step of a phase."""
-        t, nb, c = (a[mine].sum(axis=0) for a in (self.time, self.nbytes, self.count))
-        return _collectives(ac, runs @ t, runs @ nb, runs @ c)
-
-
-def _phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m: int):
-    """Collectives per run of each (stage, phase): one bucket per key, the gradients of
-    one program combined (shared among their ops by bytes), ZeRO's gathers per program
-    (`_zero.add_zero_gathers`)."""
-    graph, ac = model.graph, oc.axis_costs
-    S, nk, stage = part.n_stages, len(ac.keys), np.array(part.op_stage)
-    r, r_phase, r_key, r_count, grad, r_bytes = _rows_by_phase(graph, part, oc, per_mb, m)
-    on = r_count > 0
-    r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
-    bucket = (stage[r] * N_PHASES + r_phase) * nk + r_key
-    nb = S * N_PHASES * nk
-    g = grad & on
-    g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
-    g_any = np.bincount(bucket[g], minlength=nb) > 0
-    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * N_PHASES), g_bytes, g_any * 1.0), 0.0)
-    time = np.bincount(bucket, r_time, minlength=nb) + g_time
-    nbytes = np.bincount(bucket[~grad], r_bytes[~grad], minlength=nb) + g_bytes
-    count = np.bincount(bucket[~grad], r_count[~grad], minlength=nb) + g_any
-    time, nbytes, count = (a.reshape(S, N_PHASES, nk) for a in (time, nbytes, count))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
-    once = r_phase == Phase.REDUCE
-    op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
-    op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
-    if oc.zero_mask:
-        recomputed = set(model.residuals.recomputed) if oc.remat else set()
-        add_zero_gathers(graph, part, oc, time, nbytes, count, recomputed, model.tables.gathered)
-    return _PhaseComm(time, nbytes, count, op_comm, op_reduce)
-
-
 def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> StageMemoryInputs:
     """What `stage_memory` reads of a pipeline priced with `oc`'s intra-stage plan."""
     return StageMemoryInputs(
@@ -442,6 +403,8 @@ def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> St
         remat=oc.remat,
         lowering=model.cluster.lowering,
         layer_stored=model.layer_stored if oc.remat else (),
+        layers=model.tables.layers,
+        gathered=model.tables.gathered,
     )
 
 
@@ -529,55 +492,3 @@ def pipeline_decisions(pc: PipelineCost) -> dict[str, Any]:
         "stage_times": [list(t) for t in pc.stage_times],
         "stage_memory": [dict(d) for d in pc.stage_memory],
     }
-
-
-# ---- helpers ----------------------------------------------------------------------------
-
-
-def _rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
-    """Every collective row with the phase it runs in: (op, phase, key, count, combined
-    with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
-    makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
-    what is left of its axes stays in its own call, and the row is idle there when
-    nothing is left (see the module doc)."""
-    r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
-    phase = phase_codes(part)
-    # A recomputed op's collectives run again in the backward that recomputes it.
-    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
-    accumulated = np.zeros(len(phase), dtype=bool)
-    if m > 1:
-        accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
-    kind, mask = np.divmod(key, ac.masks)
-    moved = mask & oc.batch_mask
-    deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
-    left = np.where(deferred, mask & ~oc.batch_mask, mask)
-    d = np.nonzero(deferred)[0]
-    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
-    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
-    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
-    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
-    rows = np.concatenate([r, r[d]])
-    scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
-    return (
-        rows,
-        np.concatenate([row_phase, np.full(len(d), Phase.REDUCE)]),
-        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
-        np.concatenate([np.where(left > 0, count, 0), count[d]]),
-        # One program reduces them all: XLA combines every one (the loss sum with the
-        # gradients), as it combines the gradient reductions of one call.
-        np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
-        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
-    )
-
-
-def _collectives(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:
-    return tuple(
-        Collective(
-            C.KINDS[ac.key_kind[i]],
-            ac.names[ac.key_mask[i]],
-            float(nbytes[i]),
-            round(count[i]),
-            float(time[i]),
-        )
-        for i in np.nonzero((count > 0) & (ac.key_mask > 0))[0]
-    )

@@ -109,6 +109,9 @@ class Tables:
     # [slots] occurrences per step of each combined collective slot: 1 for slot 0 (the
     # step's gradients), a loop body's trips for its own slot (`RowTable.combine`).
     combine_trips: np.ndarray
+    # where ZeRO-3 gathers layer by layer (`_remat.layer_gathers`), None without a loss:
+    # per program, for pipeline stages (`_fsdp.program_gathers`)
+    layers: LayerGathers | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +201,7 @@ def build_tables(
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
         **_row_columns(partial, rows, compute.recomputed),
         staged_partial_full=row_table(staged, ng, rows.empty),
+        layers=layers,
     )
 
 

@@ -1,6 +1,6 @@
-"""What each pipeline stage holds and sends: memory per device and point-to-point traffic.
+"""What each pipeline stage holds: memory per device (what it sends: `_sends.py`).
 
-Both are functions of the tensors alone (their layouts on the stage mesh, the stage and
+It is a function of the tensors alone (their layouts on the stage mesh, the stage and
 phase of the ops that make and read them), kept apart from the timing in `_pipelined.py`.
 
 - memory of stage s, per device: the input leaves its ops read (parameters, their
@@ -16,11 +16,6 @@ phase of the ops that make and read them), kept apart from the timing in `_pipel
   one microbatch's residuals of its largest layer, which its backward makes again. A
   tied parameter (read on two stages) lives on both. A step that donates nothing holds
   the new state its update makes beside the old until the step returns ("outputs").
-- sends: every tensor made on one stage and read on another, once per receiving stage,
-  by the sender's layout (each device sends its shard to its counterpart). Between two
-  per-microbatch ops (activations forward, their gradients and crossing residuals
-  backward) it moves every microbatch; anything else (a weight cast once, a gradient
-  handed to the stage owning the update, a tied parameter's copy) once per step.
 """
 
 from __future__ import annotations
@@ -34,19 +29,19 @@ from typing import NamedTuple
 import numpy as np
 
 from .._capture import Residuals
-from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, PipelineSchedule, op_programs
-from .._remat import generated
+from .._remat import LayerGathers, generated
 from ._deferred import deferred_weight_bytes
+from ._fsdp import programs_gathered_peak
 from ._fusion import FUSIBLE
 from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 from ._residuals import stage_residuals
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
-_PER_MB = (Phase.FWD, Phase.BWD, Phase.WGT)  # the phases run once per microbatch
+PER_MICROBATCH = (Phase.FWD, Phase.BWD, Phase.WGT)  # the phases run once per microbatch
 _BACKWARD = (Phase.BWD, Phase.WGT)  # a microbatch's backward, split in two or not
 
 
@@ -96,6 +91,15 @@ class StageMemoryInputs:
     # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`
     # (`CostModel.layer_stored`, made once).
     layer_stored: Sequence[tuple[int, ...]] = ()
+    # ZeRO-3's layers (`Tables.layers`, None without a loss) and what its gather of each
+    # parameter moves (`Tables.gathered`): F and B gather layer by layer (`_fsdp.py`)
+    layers: LayerGathers | None = None
+    gathered: Mapping[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def layerwise(self) -> bool:
+        """ZeRO-3 over a data axis, gathering layer by layer (`_run/_pipelined.py`)."""
+        return self.zero_stage >= 3 and self.lay.data_size > 1 and self.layers is not None
 
     @functools.cached_property
     def groups(self) -> int:
@@ -144,6 +148,7 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
     op_state = np.zeros(len(inp.graph.ops))
     op_act = np.zeros(len(inp.graph.ops))
     _leaves(inp, out, op_state)
+    _gathered_layers(inp, out)
     sums = running_sums(inp.graph, inp.part, inp.lay, inp.phase) if inp.m > 1 else []
     if inp.m > 1:
         # The runtime holds the running sums it adds each microbatch's into, at their own
@@ -171,12 +176,12 @@ def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.nd
         if not readers:
             continue
         if leaf.role == Role.PARAM:
-            # ZeRO-3 keeps a parameter sharded between programs, but each F and B program
-            # gathers the ones it reads at its start (`_run/_pipelined.py`: nothing makes
-            # XLA gather layer by layer), so at a stage's peak they are whole.
-            per_mb = any(phase[c] in _PER_MB for c in readers)
+            # ZeRO-3 keeps a parameter sharded between programs; F and B gather a layer's
+            # as it runs (`_gathered_layers`), or without layers the ones they read at
+            # their start, so at a stage's peak they are whole.
+            whole = any(phase[c] in PER_MICROBATCH for c in readers) and not inp.layerwise
             part_bytes = {
-                "params": zeroed(t, inp.zero_stage >= 3 and not per_mb),
+                "params": zeroed(t, inp.zero_stage >= 3 and not whole),
                 # Whole per device at any ZeRO stage: the runtime sums each microbatch's
                 # local gradients whole and reduce-scatters them once per step. One copy:
                 # a B call adds its own into the donated running sums.
@@ -191,6 +196,24 @@ def _leaves(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.nd
                 out[s][k] += b
         if leaf.role in _ROLE_KEY:
             op_state[readers[0]] += sum(part_bytes.values())
+
+
+def _gathered_layers(inp: StageMemoryInputs, out: list[dict[str, float]]) -> None:
+    """ZeRO-3 layer by layer: each stage holds, besides its shards, the most of its
+    backward's gathered copies alive at once (`_fsdp.programs_gathered_peak`: about a
+    layer's parameters). A stage's peak is its backward's (`_temporaries`), when its F's
+    copies (about two layers', the next one's prefetched) are dead; under remat its B
+    runs each layer's forward again and gathers as F does (read in the CPU's programs,
+    `tests/test_fsdp.py`), so F's pattern prices it."""
+    if not inp.layerwise:
+        return
+    per_device = np.where(inp.lay.on_data, 0.0, inp.lay.inv)
+    phases = (*_BACKWARD, Phase.FWD) if inp.remat else _BACKWARD
+    for s in range(inp.part.n_stages):
+        programs = [inp.part.ops(s, ph) for ph in phases]
+        out[s]["params"] += programs_gathered_peak(
+            inp.graph, inp.layers, programs, inp.gathered, per_device
+        )
 
 
 def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np.ndarray) -> None:
@@ -333,7 +356,7 @@ def running_sums(
     return [
         (int(part.op_stage[p]), t, graph.tensors[t].nbytes * lay.inv[t])
         for t in part.accumulated
-        if (p := graph.tensors[t].producer) is not None and phase[p] in _PER_MB
+        if (p := graph.tensors[t].producer) is not None and phase[p] in PER_MICROBATCH
     ]
 
 
@@ -508,86 +531,6 @@ def _remade(
         )
         out.append(Remade(s, min(reads), max(reads), b))
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Sends:
-    """Point-to-point traffic of one partition, in seconds."""
-
-    fwd_s: tuple[float, ...]  # per cut c (stage c to c + 1): per microbatch, forward
-    bwd_s: tuple[float, ...]  # per cut c (stage c + 1 to c): per microbatch, backward
-    pre_s: tuple[float, ...]  # per receiving stage: once per step, before the microbatches
-    post_s: tuple[float, ...]  # per receiving stage: once per step, after them
-    sent_bytes: tuple[float, ...]  # per sending stage: bytes per device per step
-    sent_count: tuple[int, ...]  # per sending stage: messages per step
-    sent_s: tuple[float, ...]  # per sending stage: seconds of its messages per step
-
-    @property
-    def sent(self) -> tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]]:
-        """(bytes, messages, seconds) per sending stage per step."""
-        return self.sent_bytes, self.sent_count, self.sent_s
-
-
-def pipe_link(cluster: Cluster, stage_mesh: Mapping[str, int], stages: int) -> Link:
-    """The link between consecutive stages: "pipe" is the outermost mesh axis, as
-    `Cluster.axis_links` places it, so it crosses nodes once a stage fills a node. Unlike
-    `axis_links` this does not need the whole mesh to fit the cluster (a stage DP asks
-    about the finest partition, one stage per cut candidate)."""
-    stride = math.prod(stage_mesh.values()) if stage_mesh else 1
-    if stages <= 1 or stride * stages <= cluster.devices_per_node:
-        return Link(cluster.intra_bandwidth, cluster.intra_latency, "intra")
-    kind = "inter" if stride >= cluster.devices_per_node else "mixed"
-    return Link(cluster.inter_bandwidth, cluster.inter_latency, kind)
-
-
-def sends(
-    graph: Graph, part: Partition, lay: Layouts, link: Link, efficiency: float, microbatches: int
-) -> Sends:
-    """Every tensor crossing stages, timed alpha-beta on the pipe link (one message per
-    tensor and receiving stage, sent one after another over the link)."""
-    S, m = part.n_stages, max(1, microbatches)
-    stage, phase = np.array(part.op_stage), phase_codes(part)
-    consumers = graph.consumers()
-    fwd, bwd = np.zeros(max(S - 1, 0)), np.zeros(max(S - 1, 0))
-    pre, post = np.zeros(S), np.zeros(S)
-    sent, count, busy = np.zeros(S), np.zeros(S, dtype=np.int64), np.zeros(S)
-    bw = link.bandwidth * efficiency
-    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
-
-    def send(nbytes: float, sender: int, times: int = 1) -> float:
-        seconds = link.latency + nbytes / bw
-        sent[sender] += nbytes * times
-        count[sender] += times
-        busy[sender] += seconds * times
-        return seconds
-
-    for t in graph.tensors:
-        readers = consumers[t.id]
-        if not readers:
-            continue
-        b = t.nbytes * lay.inv[t.id]
-        if t.producer is None:
-            # An input is handed to every stage that reads it; a parameter read on several
-            # stages (tied embeddings) is updated on one and copied to the others each step.
-            if t.id in params:
-                to = sorted({int(stage[c]) for c in readers})
-                for q in to[1:]:
-                    pre[q] += send(b, to[0])
-            continue
-        p, ps = t.producer, int(stage[t.producer])
-        for q in sorted({int(stage[c]) for c in readers} - {ps}):
-            q_phases = {int(phase[c]) for c in readers if stage[c] == q}
-            if phase[p] in _PER_MB and q_phases & set(_PER_MB):
-                mb = b / m if t.id in part.batched else b
-                if q > ps:  # arrives for the forward of stage q, across the cut before it
-                    fwd[q - 1] += send(mb, ps, m)
-                else:  # arrives for the backward of stage q, across the cut after it
-                    bwd[q] += send(mb, ps, m)
-            else:
-                late = phase[p] in (*_PER_MB, Phase.POST) and Phase.POST in q_phases
-                (post if late else pre)[q] += send(b, ps)
-    floats = (tuple(float(x) for x in a) for a in (fwd, bwd, pre, post, sent))
-    return Sends(*floats, tuple(int(c) for c in count), tuple(float(x) for x in busy))
 
 
 def phase_codes(part: Partition) -> np.ndarray:

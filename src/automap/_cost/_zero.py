@@ -13,7 +13,7 @@ estimate and the shard ILP read these through `_terms.py`, the one statement of 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,9 +23,9 @@ from .._graph import Graph, Role
 from .._groups import Groups, Regather, shardable, update_region
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
-from .._remat import layer_gathers
+from .._remat import LayerGathers, layer_gathers
 from . import _collectives as C
-from ._fsdp import GatherCoefs, gather_coefs
+from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers
 from ._traffic import Layouts, phase_codes
 
 if TYPE_CHECKING:
@@ -269,11 +269,12 @@ def zero_op_gathers(
     model, lay, ac, zero_mask: int, zero_stage: int, remat: bool, masters: bool = False
 ):
     """[n_ops] seconds of ZeRO's all-gathers, on the first op reading each parameter. Each
-    parameter not already split on data is gathered once per step: after its sharded
-    update (ZeRO-1/2) or, whole batch in one program, where it is first used (ZeRO-3;
-    `stage_costs` charges every program that reads it). One program gathers them all in
-    one combined collective, shared by bytes. Under remat the recompute gathers again, one
-    by one, what its ops read (ZeRO-3: `add_zero_gathers`, and the one-stage model).
+    parameter not already split on data is gathered once per step after its sharded
+    update (ZeRO-1/2), in one combined collective, shared by bytes. ZeRO-3 in a step with
+    a loss gathers layer by layer, each gather on its first reader, as one program does
+    (`_fsdp.program_gathers`, the same bytes and collectives as `zero_gathers`;
+    `stage_costs` charges each stage's programs theirs); without a loss, once where each
+    parameter is first used, and under remat again, one by one, for the recompute.
     `masters`: ZeRO-1/2 of one program keeps a mixed-precision step's masters on shards
     (`Tables.masters`): their casts are gathered apart, as `zero_gathers` prices them."""
     graph, T = model.graph, model.tables
@@ -295,6 +296,16 @@ def zero_op_gathers(
             out += _shared(leaves, readers, ac, zero_mask, len(graph.ops))
         return out
     out = np.zeros(len(graph.ops))
+    if zero_stage >= 3 and T.layers is not None:  # layer by layer, as `zero_gathers`
+        recomputed = model.residuals.recomputed if remat else ()
+        gs = program_gathers(graph, T.layers, range(len(graph.ops)), recomputed)
+        charged, n = gather_bytes(graph, lay, T.gathered, gs)
+        total = sum(b for _, b in charged)
+        if total and n:
+            seconds = ac.time1(C.AG, zero_mask, total, n)
+            for reader, b in charged:
+                out[reader] += seconds * b / total
+        return out
     gathered = T.gathered if zero_stage >= 3 else None
     readers, leaves = graph.consumers(), list(zero_leaves(graph, lay, gathered))
     recomputed = set(model.residuals.recomputed) if zero_stage >= 3 and remat else set()
@@ -305,6 +316,23 @@ def zero_op_gathers(
         for t, b in [(t, b) for t, b, _ in leaves] + again:
             out[(readers[t] or (0,))[0]] += seconds * b / total
     return out
+
+
+def gather_bytes(
+    graph, lay: Layouts, gathered: Mapping[int, float], gs: Sequence[Gathered]
+) -> tuple[list[tuple[int, float]], int]:
+    """(reader, bytes per device) of each of ZeRO-3's gathers `gs` (`program_gathers`) of
+    a parameter the layout does not already split on data, and the collectives they take
+    (those holding a leaf of rank >= 1, as `Gathers.count`)."""
+    charged, collectives = [], set()
+    for g in gs:
+        if lay.on_data[g.param]:
+            continue
+        nbytes = graph.tensors[g.param].nbytes
+        charged.append((g.reader, (nbytes if g.whole else gathered[g.param]) * lay.inv[g.param]))
+        if graph.tensors[g.param].ndim:
+            collectives.add(g.collective)
+    return charged, len(collectives)
 
 
 def _shared(leaves, readers, ac, zero_mask: int, n_ops: int) -> np.ndarray:
@@ -329,20 +357,26 @@ def add_zero_gathers(
     count,
     recomputed: set[int],
     gathered: Mapping[int, float],
+    layers: LayerGathers | None = None,
 ) -> None:
     """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
     parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
     the POST program that updates a parameter on shards gathers the new one. ZeRO-3: the
     parameter stays sharded and every PRE, F and B program that reads it gathers it for
-    use. A program gathers its parameters in one combined collective (XLA's all-gather
+    use (with `layers`, F and B layer by layer: `per_layer_gathers`). A program gathers its parameters in one combined collective (XLA's all-gather
     combiner); PRE and POST run as `_pipeline.once_programs` groups them. A parameter read on two stages (tied embeddings,
     a layer cut mid-way) is updated on only one of them. Under remat a B program
     gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
     no gather behind the recompute's barrier with the backward's own). `gathered`: what
-    a ZeRO-3 gather of each parameter moves (`Tables.gathered`)."""
+    a ZeRO-3 gather of each parameter moves (`Tables.gathered`). With `layers` (a step
+    with a loss), ZeRO-3's F, B and W programs gather layer by layer instead, as one
+    program does (`per_layer_gathers`)."""
     ac, consumers = oc.axis_costs, graph.consumers()
     key = C.AG * ac.masks + oc.zero_mask
     phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
+    if oc.zero_stage >= 3 and layers is not None:
+        per_layer_gathers(graph, part, oc, (time, nbytes, count), recomputed, gathered, layers)
+        phases = (Phase.PRE,)
     phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
     programs: dict[tuple[int, int], set[int]] = {}
@@ -353,7 +387,7 @@ def add_zero_gathers(
             if ph in phases and c:
                 moved[(s, ph)] = moved.get((s, ph), 0.0) + b
                 programs.setdefault((s, ph), set()).add(prog)
-        if oc.zero_stage >= 3 and c:
+        if oc.zero_stage >= 3 and c and Phase.BWD in phases:
             for s in {part.op_stage[i] for i in consumers[t] if i in recomputed}:
                 moved[(s, Phase.BWD)] = moved.get((s, Phase.BWD), 0.0) + b
     for (s, ph), b in moved.items():
@@ -361,3 +395,31 @@ def add_zero_gathers(
         time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
         nbytes[s, ph, key] += b
         count[s, ph, key] += n
+
+
+def per_layer_gathers(
+    graph,
+    part: Partition,
+    oc,
+    into: tuple[np.ndarray, np.ndarray, np.ndarray],
+    recomputed: set[int],
+    gathered: Mapping[int, float],
+    layers: LayerGathers,
+) -> None:
+    """ZeRO-3's gathers of each stage's F, B and W programs, layer by layer as the runtime
+    makes them (`_fsdp.program_gathers`: a combined collective per forward layer, one per
+    leaf in the backward, B's recompute served by its backward's copies), added `into`
+    (seconds, bytes, collectives) per (stage, phase, key)."""
+    time, nbytes, count = into
+    ac, key = oc.axis_costs, C.AG * oc.axis_costs.masks + oc.zero_mask
+    for s in range(part.n_stages):
+        forward = set(part.ops(s, Phase.FWD))
+        for ph in (Phase.FWD, Phase.BWD, Phase.WGT):
+            again = recomputed & forward if ph is Phase.BWD else ()
+            gs = program_gathers(graph, layers, part.ops(s, ph), again)
+            charged, n = gather_bytes(graph, oc.layouts, gathered, gs)
+            b = sum(b for _, b in charged)
+            if b and n:
+                time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
+                nbytes[s, ph, key] += b
+                count[s, ph, key] += n

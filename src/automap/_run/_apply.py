@@ -7,12 +7,10 @@ that cannot apply here (each refusal names the problem and the fix).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -22,10 +20,8 @@ from .._errors import ApplyError, PlanError
 from .._graph import Role
 from .._groups import (
     Groups,
-    assignment_from_specs,
     build_groups,
     cast_shards,
-    layouts,
     lookups,
     repeated_casts,
     sequence_as_recorded,
@@ -34,9 +30,9 @@ from .._groups import (
     zero_region,
 )
 from .._plan import Plan, Spec
-from .._remat import Recompute, layer_gathers, plan_recompute
+from .._remat import Recompute, plan_recompute
 from ._distributed import Feed
-from ._fsdp import Layerwise, eval_layerwise
+from ._fsdp import Layerwise, eval_layerwise, plan_layerwise
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
 from ._recompute import eval_recomputing
@@ -195,7 +191,7 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
         outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
-    layerwise = _layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
+    layerwise = plan_layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
     if plan.remat:
         rc = plan_recompute(graph, groups, plan)
         step = _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh), layerwise)
@@ -236,34 +232,6 @@ def _regathers(plan: Plan) -> bool:
     return plan.zero_stage >= 3 and plan.mesh.get(DATA, 1) > 1
 
 
-def _layerwise(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Layerwise:
-    """ZeRO-3's layers (`_remat.layer_gathers`), its gather: a sharded parameter made
-    whole over data after its anchors (`_tied`), so that XLA gathers it where the layer
-    needs it, not all at the start of the step; and its gradients' tie (`_after_shards`),
-    so that it reduces them layer by layer, not all at the end."""
-    # The anchors' layouts: the plan's assignment, or for a plan that records none (from
-    # specs alone) the one the cost model prices it by, read back from its specs.
-    assignment = plan.assignment
-    if assignment is None:
-        assignment = assignment_from_specs(graph, groups, plan)
-    lay = layouts(graph, groups, assignment)
-    spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
-
-    def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
-        spec = spec_of[t]
-        whole = unzero_spec(spec, DATA)
-        if whole == spec:  # not sharded by ZeRO (no dim divides): nothing to gather
-            return x
-        if anchors:  # else a first layer's: nothing to wait for (and a select's mask
-            x = _tied(x, spec, anchors, lay, mesh)  # would be gathered beside it)
-        return jax.lax.with_sharding_constraint(x, _sharding(mesh, whole))
-
-    def tie(grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]]) -> list[Any]:
-        return _after_shards(grads, anchors, plan.constraints, lay, mesh)
-
-    return Layerwise(layer_gathers(graph, groups), gather, tie)
-
-
 def _regathering(graph: Any, layerwise: Layerwise, constrain: Callable, bind: dict) -> Callable:
     """The captured program re-run with ZeRO-3's gathers layer by layer (FSDP): each layer
     reads its own gathered copies, the backward gathers them again (`_fsdp.py`)."""
@@ -278,70 +246,6 @@ def _regathering(graph: Any, layerwise: Layerwise, constrain: Callable, bind: di
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     return run
-
-
-def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mesh) -> Any:
-    """The sharded parameter `x`, made to depend on a backward value (the same bits): its
-    second gather can then neither merge with the forward's (CSE) nor run before the
-    backward reaches its layer (XLA's CPU pipeline expands optimization barriers before
-    scheduling). Each device selects on an element of its own block of the anchor, so the
-    tie moves nothing between devices; `a == a | a != a` holds for every float (NaN too),
-    and XLA cannot fold it."""
-    floats = [(t, a) for t, a in anchors if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
-    if not floats:
-        return jnp.where((x == x) | (x != x), x, jnp.zeros_like(x))  # apart, if not after
-    t, a = floats[0]
-    a = jax.lax.with_sharding_constraint(a, _sharding(mesh, lay[t]))  # as the plan lays it
-
-    def local(xs: Any, block: Any) -> Any:
-        s = block.reshape(-1)[0]
-        return jnp.where((s == s) | (s != s), xs, jnp.zeros_like(xs))
-
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(PartitionSpec(*spec), PartitionSpec(*lay[t])),
-        out_specs=PartitionSpec(*spec),
-        check_vma=False,
-    )(x, a)
-
-
-def _after_shards(
-    grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]], constraints, lay, mesh
-) -> list[Any]:
-    """The `anchors`' values, made to depend on the sharded `grads` (the same bits): what
-    reads them waits for the gradients' reduce-scatters, and no later gradient's can be
-    combined with those. As `_tied`, each device selects on an element of its own block
-    of each gradient's shard, so the tie moves nothing between devices. Left as they are
-    where no gradient or anchor can carry a tie."""
-    grads = [(t, g) for t, g in grads if t in constraints and g.ndim and g.size]
-    floats = [
-        k for k, (_, a) in enumerate(anchors) if jnp.issubdtype(a.dtype, jnp.floating) and a.size
-    ]
-    out = [a for _, a in anchors]
-    if not grads or not floats:
-        return out
-
-    def local(*blocks: Any) -> list[Any]:
-        firsts = [b.reshape(-1)[0] for b in blocks[: len(grads)]]
-        keep = functools.reduce(jnp.logical_and, [(s == s) | (s != s) for s in firsts])
-        return [jnp.where(keep, a, jnp.zeros_like(a)) for a in blocks[len(grads) :]]
-
-    specs = [PartitionSpec(*lay[anchors[k][0]]) for k in floats]
-    values = [
-        jax.lax.with_sharding_constraint(anchors[k][1], NamedSharding(mesh, spec))
-        for k, spec in zip(floats, specs, strict=True)
-    ]
-    tied = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(*(PartitionSpec(*constraints[t]) for t, _ in grads), *specs),
-        out_specs=specs,
-        check_vma=False,
-    )(*(g for _, g in grads), *values)
-    for k, value in zip(floats, tied, strict=True):
-        out[k] = value
-    return out
 
 
 def _recomputing(

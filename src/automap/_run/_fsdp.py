@@ -3,18 +3,26 @@ forward layer reads its own gathered copies, made once the previous layer's inpu
 arrived, and the backward (with the recomputation, under remat) gathers them once more
 after its layer's gradient arrives; each backward layer's gradients are reduce-scattered
 before the next backward layer starts. `_remat/_fsdp.py` says where the layers are and
-why XLA needs the ties.
+why XLA needs the ties; `plan_layerwise` makes a plan's gather and tie on a mesh (one
+program's, or a pipeline stage's).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._graph import Graph, TensorKind
-from .._remat import LayerGathers, made_after
+from .._axes import DATA
+from .._graph import Graph, Role, TensorKind
+from .._groups import Groups, assignment_from_specs, layouts, unzero_spec
+from .._plan import Plan, Spec
+from .._remat import LayerGathers, layer_gathers, made_after
 from ._interpret import Constrain, run_op
 
 # gather(parameter, its sharded value, anchors as (tensor, value) pairs) -> whole value
@@ -71,7 +79,7 @@ class GatheredReads:
             return self.values[t]
         if (key, t) not in self._made:
             p = graph.tensors[t].producer
-            if p is not None and graph.tensors[t].kind is TensorKind.INTERMEDIATE:
+            if p in self.lg.remake:  # else a program's input (a pipeline's pre cast)
                 made: dict[int, Any] = {}
 
                 def read(s: int) -> Any:
@@ -84,6 +92,15 @@ class GatheredReads:
             else:
                 self._made[(key, t)] = self._gather(t, self.values[t], anchors)
         return self._made[(key, t)]
+
+
+def within(layerwise: Layerwise, ops: Sequence[int]) -> Layerwise:
+    """`layerwise` for a program that runs `ops` only (a pipeline stage's F or B): a value
+    made from parameters alone outside them (a weight's cast in the stage's pre program)
+    is one of its inputs, gathered where its layer reads it as a parameter is."""
+    return layerwise._replace(
+        lg=dataclasses.replace(layerwise.lg, remake=layerwise.lg.remake & set(ops))
+    )
 
 
 def backward_anchors(graph: Graph, op: int, values: Mapping[int, Any], boundary: int):
@@ -113,17 +130,19 @@ def eval_layerwise(
     wanted: Sequence[int],
     constrain: Constrain | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
+    ops: Sequence[int] | None = None,
+    consts: Mapping[int, Any] | None = None,
 ) -> list[Any]:
-    """The whole program with ZeRO-3's gathers layer by layer (`LayerGathers`): forward ops
-    read their layer's gathered copies, backward ops the second gather, the update the
-    shards; each backward layer's gradients are reduced before the next one runs
-    (`reduce_before`). `bind[i]` computes op i in place of its primitive, as in
-    `eval_ops`."""
+    """The program (or its `ops` only: a pipeline stage's, `within`) with ZeRO-3's gathers
+    layer by layer (`LayerGathers`): forward ops read their layer's gathered copies,
+    backward ops the second gather, the update the shards; each backward layer's gradients
+    are reduced before the next one runs (`reduce_before`). `bind[i]` computes op i in
+    place of its primitive and `consts` are the constants, as in `eval_ops`."""
     lg = layerwise.lg
-    values: dict[int, Any] = dict(graph.const_values)
+    values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
     reads = GatheredReads(graph, lg, values, layerwise.gather, constrain, bind)
-    for i in range(len(graph.ops)):
+    for i in range(len(graph.ops)) if ops is None else ops:
         reduce_before(graph, layerwise, values, i)
         read = layer_read(graph, lg, reads, values, i)
         if read is None:
@@ -163,3 +182,101 @@ def layer_read(
         anchors = backward_anchors(graph, i, values, rg.boundary)
         return lambda t: reads.backward(t, anchors) if t in lg.lazy else values[t]
     return lambda t: reads.sharded(t) if t in lg.lazy else values[t]
+
+
+# ---- the gather and the tie of a plan on a mesh (one program, or a pipeline stage's) ----
+
+
+def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Layerwise:
+    """ZeRO-3's layers (`_remat.layer_gathers`), its gather: a sharded parameter made
+    whole over data after its anchors (`_tied`), so that XLA gathers it where the layer
+    needs it, not all at the start of the step; and its gradients' tie (`_after_shards`),
+    so that it reduces them layer by layer, not all at the end."""
+    # The anchors' layouts: the plan's assignment, or for a plan that records none (from
+    # specs alone) the one the cost model prices it by, read back from its specs.
+    assignment = plan.assignment
+    if assignment is None:
+        assignment = assignment_from_specs(graph, groups, plan)
+    lay = layouts(graph, groups, assignment)
+    spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
+
+    def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
+        # a parameter's spec, or a pipeline stage's input made from one (a cast) as pinned
+        spec = spec_of.get(t, plan.constraints.get(t))
+        whole = None if spec is None else unzero_spec(spec, DATA)
+        if whole == spec:  # not sharded by ZeRO (no dim divides): nothing to gather
+            return x
+        if anchors:  # else a first layer's: nothing to wait for (and a select's mask
+            x = _tied(x, spec, anchors, lay, mesh)  # would be gathered beside it)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*whole)))
+
+    def tie(grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]]) -> list[Any]:
+        return _after_shards(grads, anchors, plan.constraints, lay, mesh)
+
+    return Layerwise(layer_gathers(graph, groups), gather, tie)
+
+
+def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mesh) -> Any:
+    """The sharded parameter `x`, made to depend on a backward value (the same bits): its
+    second gather can then neither merge with the forward's (CSE) nor run before the
+    backward reaches its layer (XLA's CPU pipeline expands optimization barriers before
+    scheduling). Each device selects on an element of its own block of the anchor, so the
+    tie moves nothing between devices; `a == a | a != a` holds for every float (NaN too),
+    and XLA cannot fold it."""
+    floats = [(t, a) for t, a in anchors if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
+    if not floats:
+        return jnp.where((x == x) | (x != x), x, jnp.zeros_like(x))  # apart, if not after
+    t, a = floats[0]
+    a = jax.lax.with_sharding_constraint(
+        a, NamedSharding(mesh, PartitionSpec(*lay[t]))
+    )  # as the plan lays it
+
+    def local(xs: Any, block: Any) -> Any:
+        s = block.reshape(-1)[0]
+        return jnp.where((s == s) | (s != s), xs, jnp.zeros_like(xs))
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(*spec), PartitionSpec(*lay[t])),
+        out_specs=PartitionSpec(*spec),
+        check_vma=False,
+    )(x, a)
+
+
+def _after_shards(
+    grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]], constraints, lay, mesh
+) -> list[Any]:
+    """The `anchors`' values, made to depend on the sharded `grads` (the same bits): what
+    reads them waits for the gradients' reduce-scatters, and no later gradient's can be
+    combined with those. As `_tied`, each device selects on an element of its own block
+    of each gradient's shard, so the tie moves nothing between devices. Left as they are
+    where no gradient or anchor can carry a tie."""
+    grads = [(t, g) for t, g in grads if t in constraints and g.ndim and g.size]
+    floats = [
+        k for k, (_, a) in enumerate(anchors) if jnp.issubdtype(a.dtype, jnp.floating) and a.size
+    ]
+    out = [a for _, a in anchors]
+    if not grads or not floats:
+        return out
+
+    def local(*blocks: Any) -> list[Any]:
+        firsts = [b.reshape(-1)[0] for b in blocks[: len(grads)]]
+        keep = functools.reduce(jnp.logical_and, [(s == s) | (s != s) for s in firsts])
+        return [jnp.where(keep, a, jnp.zeros_like(a)) for a in blocks[len(grads) :]]
+
+    specs = [PartitionSpec(*lay[anchors[k][0]]) for k in floats]
+    values = [
+        jax.lax.with_sharding_constraint(anchors[k][1], NamedSharding(mesh, spec))
+        for k, spec in zip(floats, specs, strict=True)
+    ]
+    tied = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(*(PartitionSpec(*constraints[t]) for t, _ in grads), *specs),
+        out_specs=specs,
+        check_vma=False,
+    )(*(g for _, g in grads), *values)
+    for k, value in zip(floats, tied, strict=True):
+        out[k] = value
+    return out

@@ -63,6 +63,7 @@ from .._remat import plan_recompute
 from ._accumulate import Accumulation, axes_entry, without_axes
 from ._distributed import Feed, check_stages, gather
 from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram
+from ._fsdp import Layerwise, eval_layerwise, plan_layerwise, within
 from ._interpret import eval_ops
 from ._recompute import eval_recomputing
 from ._segments import (
@@ -218,6 +219,7 @@ class _Pipeline(Accumulation):
         self.partial = self.partial_ops() if m > 1 else {}
         self.deferred = {t: i for i in self.partial for t in full.ops[i].outputs}
         consts = micro_consts(full, micro)
+        self.layerwise: dict[Mesh, Layerwise] = {}
         bodies = {
             id(seg): self._compile(seg, micro if seg.kind.per_microbatch else full, consts)
             for seg in (*self.pre, *self.micro, *self.post)
@@ -308,11 +310,18 @@ class _Pipeline(Accumulation):
             if t in self.out_spec and self.out_spec[t] != wanted.get(t)
         }
 
+        # ZeRO-3: F and B gather each layer's parameters as it runs, as one program does.
+        lw = self._layerwise(seg, mesh)
+
         def body(*values: Any) -> tuple[Any, ...]:
             env = dict(zip(seg.inputs, values, strict=True))
             if seg.recompute is not None:
-                rc = seg.recompute
-                outs = eval_recomputing(graph, rc, seg.ops, env, seg.outputs, constrain, use, bind)
+                rc, out = seg.recompute, seg.outputs
+                outs = eval_recomputing(graph, rc, seg.ops, env, out, constrain, use, bind, lw)
+            elif lw is not None:
+                outs = eval_layerwise(
+                    graph, lw, env, seg.outputs, constrain, bind, seg.ops, use
+                )  # fmt: skip
             else:
                 outs = eval_ops(graph, seg.ops, env, seg.outputs, constrain, use, bind)
             return tuple(
@@ -321,6 +330,20 @@ class _Pipeline(Accumulation):
             )
 
         return body
+
+    def _layerwise(self, seg: Segment, mesh: Mesh) -> Layerwise | None:
+        """ZeRO-3 over a data axis of 2 or more: F's and B's (and W's) gathers layer by
+        layer (`_fsdp.py`), restricted to the segment's ops; None otherwise. The gradients
+        stay as they are: summed whole over the microbatches, reduced once per step."""
+        if self.plan.zero_stage < 3 or mesh.shape.get(DATA, 1) < 2:
+            return None
+        if not seg.kind.per_microbatch:
+            return None
+        if mesh not in self.layerwise:  # one per stage mesh: its layers are the step's
+            self.layerwise[mesh] = plan_layerwise(self.graph, self.groups, self.plan, mesh)
+        return within(
+            self.layerwise[mesh], (*seg.ops, *(seg.recompute.ops if seg.recompute else ()))
+        )
 
     def _lookups(self, graph, ops: Sequence[int], mesh: Mesh) -> dict[int, Callable]:
         """ZeRO-3: the lookups among `ops` (gathers indexing a parameter) made to read the

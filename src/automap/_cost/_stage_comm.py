@@ -1,0 +1,134 @@
+"""The collectives of a pipeline's stage programs: per (stage, phase, key) per run, and
+per op, from the per-op rows of an intra-stage plan (`_pipelined.OpCosts`).
+
+An op of a per-microbatch phase runs its rows on a microbatch's bytes where the tensor
+carries the batch; the gradients of one program are combined per key (XLA's combiner),
+shared among their ops by bytes; an accumulated tensor's reduction over the batch's axes
+moves to its stage's once-per-step REDUCE program (`_run/_accumulate.py`); ZeRO's gathers
+are charged per program (`_zero.add_zero_gathers`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from .._pipeline import Partition, Phase
+from .._plan import Collective
+from . import _collectives as C
+from ._traffic import phase_codes
+from ._zero import add_zero_gathers
+
+if TYPE_CHECKING:
+    from ._pipelined import OpCosts, StageModel
+
+#: Per-(stage, phase) arrays have a column per phase: PRE, FWD, BWD, POST and REDUCE, a
+#: stage's once-per-step reduction of its accumulated tensors' partial sums, run after its
+#: last backward (the runtime's reduce program).
+N_PHASES = len(Phase)
+
+
+class PhaseComm(NamedTuple):
+    """A pipeline's collectives per (stage, phase, key) per run, and per op."""
+
+    time: np.ndarray  # [S, N_PHASES, keys] seconds
+    nbytes: np.ndarray  # [S, N_PHASES, keys]
+    count: np.ndarray  # [S, N_PHASES, keys]
+    op: np.ndarray  # [n_ops] seconds per run of each op's collectives, in its own call
+    op_reduce: np.ndarray  # [n_ops] its share of its stage's once-per-step REDUCE
+
+    def per_step(self, ac: C.AxisCosts, mine, runs: np.ndarray) -> tuple[Collective, ...]:
+        """The collectives per device per step of the stages `mine` (a boolean mask: one
+        stage, or a device group's virtual stages); `runs`: runs per step of a phase."""
+        t, nb, c = (a[mine].sum(axis=0) for a in (self.time, self.nbytes, self.count))
+        return collectives_of(ac, runs @ t, runs @ nb, runs @ c)
+
+
+def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m: int):
+    """Collectives per run of each (stage, phase): one bucket per key, the gradients of
+    one program combined (shared among their ops by bytes), ZeRO's gathers per program
+    (`_zero.add_zero_gathers`)."""
+    graph, ac = model.graph, oc.axis_costs
+    S, nk, stage = part.n_stages, len(ac.keys), np.array(part.op_stage)
+    r, r_phase, r_key, r_count, grad, r_bytes = rows_by_phase(graph, part, oc, per_mb, m)
+    on = r_count > 0
+    r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
+    bucket = (stage[r] * N_PHASES + r_phase) * nk + r_key
+    nb = S * N_PHASES * nk
+    g = grad & on
+    g_bytes = np.bincount(bucket[g], r_bytes[g], minlength=nb)
+    g_any = np.bincount(bucket[g], minlength=nb) > 0
+    g_time = np.where(g_any, ac.by_key(np.tile(ac.keys, S * N_PHASES), g_bytes, g_any * 1.0), 0.0)
+    time = np.bincount(bucket, r_time, minlength=nb) + g_time
+    nbytes = np.bincount(bucket[~grad], r_bytes[~grad], minlength=nb) + g_bytes
+    count = np.bincount(bucket[~grad], r_count[~grad], minlength=nb) + g_any
+    time, nbytes, count = (a.reshape(S, N_PHASES, nk) for a in (time, nbytes, count))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.nan_to_num(np.where(g, r_bytes / g_bytes[bucket] * g_time[bucket], 0.0))
+    once = r_phase == Phase.REDUCE
+    op_comm = np.bincount(r[~once], (r_time + share)[~once], minlength=len(graph.ops))
+    op_reduce = np.bincount(r[once], (r_time + share)[once], minlength=len(graph.ops))
+    if oc.zero_mask:
+        recomputed = set(model.residuals.recomputed) if oc.remat else set()
+        add_zero_gathers(
+            graph,
+            part,
+            oc,
+            time,
+            nbytes,
+            count,
+            recomputed,
+            model.tables.gathered,
+            model.tables.layers,
+        )
+    return PhaseComm(time, nbytes, count, op_comm, op_reduce)
+
+
+def rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
+    """Every collective row with the phase it runs in: (op, phase, key, count, combined
+    with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
+    makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
+    what is left of its axes stays in its own call, and the row is idle there when
+    nothing is left (see the module doc)."""
+    r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
+    phase = phase_codes(part)
+    # A recomputed op's collectives run again in the backward that recomputes it.
+    row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
+    accumulated = np.zeros(len(phase), dtype=bool)
+    if m > 1:
+        accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
+    kind, mask = np.divmod(key, ac.masks)
+    moved = mask & oc.batch_mask
+    deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
+    left = np.where(deferred, mask & ~oc.batch_mask, mask)
+    d = np.nonzero(deferred)[0]
+    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
+    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
+    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
+    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
+    rows = np.concatenate([r, r[d]])
+    scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
+    return (
+        rows,
+        np.concatenate([row_phase, np.full(len(d), Phase.REDUCE)]),
+        np.concatenate([kind * ac.masks + left, kind[d] * ac.masks + moved[d]]),
+        np.concatenate([np.where(left > 0, count, 0), count[d]]),
+        # One program reduces them all: XLA combines every one (the loss sum with the
+        # gradients), as it combines the gradient reductions of one call.
+        np.concatenate([oc.row_grad, np.ones(len(d), dtype=bool)]),
+        np.concatenate([np.where(left > 0, oc.row_bytes * scale, 0.0), oc.row_bytes[d]]),
+    )
+
+
+def collectives_of(ac: C.AxisCosts, time, nbytes, count) -> tuple[Collective, ...]:
+    return tuple(
+        Collective(
+            C.KINDS[ac.key_kind[i]],
+            ac.names[ac.key_mask[i]],
+            float(nbytes[i]),
+            round(count[i]),
+            float(time[i]),
+        )
+        for i in np.nonzero((count > 0) & (ac.key_mask > 0))[0]
+    )
