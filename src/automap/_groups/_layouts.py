@@ -164,6 +164,10 @@ def _anchors(
     # A seam's result is pinned too: left free, XLA may keep the batch split through the
     # flatten (and all-reduce the dense layers' gradients) where the plan has it whole.
     seams = {s.op for s in groups.seams}
+    # A microbatch split is pinned: left free, XLA keeps the input's block layout through
+    # the reshape (microbatches split, each one's examples less so) and gathers the
+    # scanned dim for the loop, which leaves devices computing the same examples.
+    seams.update(groups.microbatch_splits)
     for op in graph.ops:
         dropped = any(
             _dropped(lay[t], groups.tensor_groups[t], assignment) for t in (*op.inputs, *op.outputs)
