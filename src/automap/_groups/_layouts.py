@@ -266,11 +266,14 @@ def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[i
             zeroed = zero_spec(lay[t], shape, mesh, data_axis)
             dims = [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b]
             want.setdefault(out.tensor, set()).update(groups.of(out.tensor, d) for d in dims)
+    # A tensor passes on only groups it has: through a scalar (clip_by_global_norm's
+    # scale, read by every gradient) each gradient took every other one's groups, and a
+    # transposed gradient was pinned on its other dim (an all-to-all at the transpose).
     for i in sorted(update, reverse=True):
         op = graph.ops[i]
         w = set().union(*(want.get(t, set()) for t in op.outputs))
         for t in op.inputs:
-            want.setdefault(t, set()).update(w)
+            want.setdefault(t, set()).update(w.intersection(groups.tensor_groups[t]))
     return want
 
 
