@@ -19,6 +19,7 @@ from .._graph import Graph, InputLeaf, Role, TensorKind
 from .._plan import Plan, Spec
 from ._linkage import Groups
 from ._mixed import gathers_compute, narrow_params
+from ._rules import dim_ties
 
 #: An input or output path's leading argument position (`[1]` of `[1]['mu']...`).
 _POSITION = re.compile(r"^\[\d+\]")
@@ -194,6 +195,7 @@ def _zero_constraints(
     constraints: dict[int, Spec] = {}
     pinned, update = zero_region(graph, groups)
     wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
+    dims = _zero_dims(graph, groups, lay, mesh, data_axis, update)
     for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
         spec = _on_groups(
             lay[t],
@@ -202,6 +204,7 @@ def _zero_constraints(
             wanted.get(t, ()),
             mesh,
             data_axis,
+            dims.get(t, ()),
         )
         if spec is not None:
             constraints[t] = spec
@@ -277,12 +280,40 @@ def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[i
     return want
 
 
-def _on_groups(spec: Spec, shape, tgroups, wanted, mesh, data_axis: str) -> Spec | None:
-    """`spec` with the data axis added on its first dim in a `wanted` group (None: no such
-    dim can take it)."""
+def _zero_dims(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
+    """Per tensor of the update, the dims (not groups) the new state's ZeRO split reaches
+    through the update ops' ties, read back from its end: where two dims of a tensor
+    share a group (a square weight on the residual width), the group cannot tell which
+    one a transposed gradient must split, and the wrong one cost an all-to-all per
+    weight (a 200-layer residual model)."""
+    want: dict[int, set[int]] = {}
+    state = state_inputs(graph)
+    for out in graph.outputs:
+        leaf = state.get(out.path)
+        if leaf is not None:
+            t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
+            zeroed = zero_spec(lay[t], shape, mesh, data_axis)
+            found = {d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b}
+            want.setdefault(out.tensor, set()).update(found)
+    for i in sorted(update, reverse=True):
+        op = graph.ops[i]
+        for a, b in dim_ties(op, graph):
+            for (t, d), (u, e) in ((a, b), (b, a)):
+                if t in op.outputs and u in op.inputs and d in want.get(t, ()):
+                    want.setdefault(u, set()).add(e)
+    return want
+
+
+def _on_groups(
+    spec: Spec, shape, tgroups, wanted, mesh, data_axis: str, dims: Collection[int] = ()
+) -> Spec | None:
+    """`spec` with the data axis added on its first dim in a `wanted` group, `dims` (the
+    dims tied to the state's split) first (None: no such dim can take it)."""
     if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
         return None
-    for d, (e, g) in enumerate(zip(spec, tgroups, strict=True)):
+    order = sorted(range(len(spec)), key=lambda d: d not in dims)
+    for d in order:
+        e, g = spec[d], tgroups[d]
         axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
         if g in wanted and shape[d] % (mesh[data_axis] * math.prod(mesh[a] for a in axes)) == 0:
             new = data_axis if not axes else (*axes, data_axis)
