@@ -11,5 +11,6 @@ them, so that `automap --help` lists the search commands first.
 from ._main import app as app
 from ._main import main as main
 from ._app import choose_devices as choose_devices
+from ._app import sigterm_as_interrupt as sigterm_as_interrupt
 from . import _tools  # noqa: F401  (registers the tool commands on the app, after _main's)
 # isort: on

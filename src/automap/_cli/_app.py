@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -304,15 +306,29 @@ TERMINATED = 143
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
     """SIGTERM (a scheduler's time limit, `kill`) stops a search as Ctrl-C does, so the
-    best plan so far is kept; the yielded dict's "terminated" says which signal it was.
+    best plan so far is kept; the yielded dict's "terminated" says which signal it was,
+    and "interrupted" that Ctrl-C was pressed even where the raise it made was lost.
     The handler is the main thread's only (Python delivers signals there) and is undone
     on exit."""
     from .._search import STOP
 
-    seen = {"terminated": False}
+    seen = {"terminated": False, "interrupted": False}
     if threading.current_thread() is not threading.main_thread():
         yield seen
         return
+
+    def ctrl_c(signum: int, frame: Any) -> None:
+        # Python's own Ctrl-C, plus STOP. A KeyboardInterrupt raised inside a garbage-
+        # collection callback (JAX has one; Ctrl-C during a capture landed there) is
+        # printed as ignored and dropped, and the run went on to plan and exit 0: there
+        # the signal is sent again a moment later, to land outside it. The sampling
+        # searchers poll STOP, and the caller reads "interrupted" after the search.
+        seen["interrupted"] = True
+        STOP.set()
+        if _in_gc_callback(frame):
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        raise KeyboardInterrupt
 
     def handler(signum: int, frame: Any) -> None:
         seen["terminated"] = True
@@ -324,11 +340,32 @@ def sigterm_as_interrupt() -> Iterator[dict[str, bool]]:
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, handler)
+    previous_int = signal.signal(signal.SIGINT, ctrl_c)
     try:
         yield seen
     finally:
+        signal.signal(signal.SIGINT, previous_int)
         signal.signal(signal.SIGTERM, previous)
         STOP.clear()
+
+
+def _in_gc_callback(frame: Any) -> bool:
+    """Whether `frame` runs inside one of `gc.callbacks`, where Python drops exceptions."""
+    codes = {getattr(callback, "__code__", None) for callback in gc.callbacks} - {None}
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def leave_now(code: int) -> NoReturn:
+    """Exit with `code` without the interpreter's teardown (`main`): what was printed is
+    flushed first, so the one-line message is never lost."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager

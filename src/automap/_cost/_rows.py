@@ -149,6 +149,10 @@ class RowBuilder:
     # dim, never takes the axis from it as another of the op's groups would).
     after: Mapping[tuple[int, int], int]  # (op, group before the seam) -> group after it
     empty: int  # the empty set's id
+    # A microbatch split (`Groups.microbatch_splits`) -> the batch groups: the batch its
+    # input holds in blocks goes on as each microbatch's examples, which XLA reaches with
+    # an all-to-all over the batch's axis (`_microbatch_row`).
+    microbatch: Mapping[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     partial: list[CandidateRow] = dataclasses.field(default_factory=list)
     # a top-level op's output -> its partial-sum row
     partial_row: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -249,6 +253,9 @@ def _reshard_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, it: set[int], looped
         for d, h in enumerate(tgs[u]):
             if not split[h] or (u, d) in bound:
                 continue
+            if h in rb.microbatch.get(op.index, ()) and not at.scope:
+                _microbatch_row(rb, op, g, tsets, (u, d, h), ugs, at)
+                continue
             # A dim no body sees is a scan's stacked dim, sliced per trip: XLA gathers
             # it whole for the loop even when a result (the stacked gradient) keeps it.
             untied = h not in it or bool(looped)
@@ -287,6 +294,32 @@ def _reshard_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, it: set[int], looped
                 )
             if at.row_op in rb.recomputed:
                 rb.reshard_again.setdefault(key, rb.reshard[key])
+
+
+def _microbatch_row(rb: RowBuilder, op, g: Graph, tsets, dim, ugs: set[int], at: At):
+    """The all-to-all of a microbatch split's input batch dim `d` (group `h`): its block
+    layout (device i holds examples [i*B/n, (i+1)*B/n)) is not the split of each
+    microbatch's examples the reshape's result keeps, so XLA moves the input's shard
+    (seen on the CPU: an all-to-all, and with microbatches fewer than the axis a
+    collective-permute of the same bytes beside it). `dim`: (tensor, dim, its group)."""
+    u, d, h = dim
+    key = (at.scope, u, d, "microbatch")
+    if key in rb.reshard:
+        return
+    sid = rb.sets.of
+    rb.reshard[key] = CandidateRow(
+        group=[h],
+        small=[rb.empty],
+        tset=tsets[u],
+        tsmall=sid(x for x in ugs if x < h),
+        other=sid((h,)),  # h itself holds the axis: the kernel's all-to-all
+        untied=True,
+        nbytes=comm_bytes(g, u, rb.wide) * at.scale,
+        grad=False,
+        op=at.row_op,
+        peer=rb.empty,
+        count=at.scale,
+    )
 
 
 def _body_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, looped, at: At) -> None:

@@ -157,6 +157,7 @@ def build_tables(
         recomputed=compute.recomputed,
         after={(s.op, s.before): s.after for s in groups.seams},
         empty=sets.of(()),
+        microbatch={op: frozenset(groups.batch_groups) for op in groups.microbatch_splits},
     )
     entries = ComputeEntries()
     params = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}

@@ -19,6 +19,7 @@ from .._graph import Graph, InputLeaf, Role, TensorKind
 from .._plan import Plan, Spec
 from ._linkage import Groups
 from ._mixed import gathers_compute, narrow_params
+from ._rules import dim_ties
 
 #: An input or output path's leading argument position (`[1]` of `[1]['mu']...`).
 _POSITION = re.compile(r"^\[\d+\]")
@@ -164,6 +165,10 @@ def _anchors(
     # A seam's result is pinned too: left free, XLA may keep the batch split through the
     # flatten (and all-reduce the dense layers' gradients) where the plan has it whole.
     seams = {s.op for s in groups.seams}
+    # A microbatch split is pinned: left free, XLA keeps the input's block layout through
+    # the reshape (microbatches split, each one's examples less so) and gathers the
+    # scanned dim for the loop, which leaves devices computing the same examples.
+    seams.update(groups.microbatch_splits)
     for op in graph.ops:
         dropped = any(
             _dropped(lay[t], groups.tensor_groups[t], assignment) for t in (*op.inputs, *op.outputs)
@@ -190,6 +195,7 @@ def _zero_constraints(
     constraints: dict[int, Spec] = {}
     pinned, update = zero_region(graph, groups)
     wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
+    dims = _zero_dims(graph, groups, lay, mesh, data_axis, update)
     for t in (*pinned, *(t for i in sorted(update) for t in graph.ops[i].outputs)):
         spec = _on_groups(
             lay[t],
@@ -198,6 +204,7 @@ def _zero_constraints(
             wanted.get(t, ()),
             mesh,
             data_axis,
+            dims.get(t, ()),
         )
         if spec is not None:
             constraints[t] = spec
@@ -262,20 +269,51 @@ def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[i
             zeroed = zero_spec(lay[t], shape, mesh, data_axis)
             dims = [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b]
             want.setdefault(out.tensor, set()).update(groups.of(out.tensor, d) for d in dims)
+    # A tensor passes on only groups it has: through a scalar (clip_by_global_norm's
+    # scale, read by every gradient) each gradient took every other one's groups, and a
+    # transposed gradient was pinned on its other dim (an all-to-all at the transpose).
     for i in sorted(update, reverse=True):
         op = graph.ops[i]
         w = set().union(*(want.get(t, set()) for t in op.outputs))
         for t in op.inputs:
-            want.setdefault(t, set()).update(w)
+            want.setdefault(t, set()).update(w.intersection(groups.tensor_groups[t]))
     return want
 
 
-def _on_groups(spec: Spec, shape, tgroups, wanted, mesh, data_axis: str) -> Spec | None:
-    """`spec` with the data axis added on its first dim in a `wanted` group (None: no such
-    dim can take it)."""
+def _zero_dims(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
+    """Per tensor of the update, the dims (not groups) the new state's ZeRO split reaches
+    through the update ops' ties, read back from its end: where two dims of a tensor
+    share a group (a square weight on the residual width), the group cannot tell which
+    one a transposed gradient must split, and the wrong one cost an all-to-all per
+    weight (a 200-layer residual model)."""
+    want: dict[int, set[int]] = {}
+    state = state_inputs(graph)
+    for out in graph.outputs:
+        leaf = state.get(out.path)
+        if leaf is not None:
+            t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
+            zeroed = zero_spec(lay[t], shape, mesh, data_axis)
+            found = {d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b}
+            want.setdefault(out.tensor, set()).update(found)
+    for i in sorted(update, reverse=True):
+        op = graph.ops[i]
+        for a, b in dim_ties(op, graph):
+            for (t, d), (u, e) in ((a, b), (b, a)):
+                if t in op.outputs and u in op.inputs and d in want.get(t, ()):
+                    want.setdefault(u, set()).add(e)
+    return want
+
+
+def _on_groups(
+    spec: Spec, shape, tgroups, wanted, mesh, data_axis: str, dims: Collection[int] = ()
+) -> Spec | None:
+    """`spec` with the data axis added on its first dim in a `wanted` group, `dims` (the
+    dims tied to the state's split) first (None: no such dim can take it)."""
     if any(e == data_axis or (isinstance(e, tuple) and data_axis in e) for e in spec):
         return None
-    for d, (e, g) in enumerate(zip(spec, tgroups, strict=True)):
+    order = sorted(range(len(spec)), key=lambda d: d not in dims)
+    for d in order:
+        e, g = spec[d], tgroups[d]
         axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
         if g in wanted and shape[d] % (mesh[data_axis] * math.prod(mesh[a] for a in axes)) == 0:
             new = data_axis if not axes else (*axes, data_axis)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .._graph import Graph, Op, Role
-from ._rules import minor_factors, rule
+from ._rules import minor_factors, reshape_blocks, rule
 
 _DIGITS = re.compile(r"\d+")
 
@@ -59,6 +59,10 @@ class Groups:
     groups: tuple[Group, ...]
     tensor_groups: tuple[tuple[int, ...], ...]  # per tensor id: the group id of each dim
     seams: tuple[Seam, ...] = ()
+    # Reshapes that split the batch into microbatches ([B, ...] -> [M, B/M, ...]) or merge
+    # them back (`_microbatch_ties`): the batch goes on with the per-microbatch dim, which
+    # the block layout of the input does not give, so the plan pins their results.
+    microbatch_splits: tuple[int, ...] = ()
 
     def of(self, tensor: int, dim: int) -> int:
         return self.tensor_groups[tensor][dim]
@@ -128,6 +132,9 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     ]
     find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
+    splits = _microbatch_ties(graph, offsets, flat_ties, find, batch_dims)
+    if splits:
+        find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     cuts = _cut_seams(graph, offsets, flat_ties, find, batch_dims) if seams else _Cuts()
     if cuts.batch_flat:  # every part of a cut batch group is a batch group
         batch_dims = {
@@ -139,7 +146,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
     flat_gid = _group_ids(cuts.find or find, int(offsets[-1]))
     members = _members(graph, offsets, flat_gid)
     groups = _group_fields(
-        graph, members, flat_gid, _RuleDims.of(graph, rules, offsets), batch_dims
+        graph, members, flat_gid, _RuleDims.of(graph, rules, offsets, splits), batch_dims
     )
     classes = _layer_classes(graph, groups, layer_grouping)
     tensor_groups = tuple(
@@ -154,6 +161,7 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
         tuple(Group(layer_class=c, **g) for g, c in zip(groups, classes, strict=True)),
         tensor_groups,
         found,
+        tuple(sorted(splits)),
     )
 
 
@@ -192,7 +200,7 @@ class _RuleDims:
     """Per op, every dim of the tensors it reads or writes."""
 
     @classmethod
-    def of(cls, graph: Graph, rules: list, offsets: np.ndarray) -> _RuleDims:
+    def of(cls, graph: Graph, rules: list, offsets: np.ndarray, splits: set[int]) -> _RuleDims:
         reduced: set[int] = set()
         whole: set[int] = set()
         minor: list[tuple[int, int]] = []
@@ -203,6 +211,7 @@ class _RuleDims:
             minor += [
                 (int(offsets[a[0]]) + a[1], int(offsets[b[0]]) + b[1])
                 for a, b in minor_factors(op, graph)
+                if op.index not in splits  # the batch goes on with the minor factor
             ]
             touched = [*op.inputs, *op.outputs]
             op_dims.append(
@@ -295,6 +304,41 @@ def _cut_seams(graph: Graph, offsets, flat_ties, find, batch_dims) -> _Cuts:
             return _Cuts(cut, on_conv, cut_find, batch)
         cut = parting
     return _Cuts()
+
+
+def _microbatch_ties(graph: Graph, offsets, flat_ties, find, batch_dims) -> set[int]:
+    """Re-ties, in `flat_ties` (in place), the batch at each reshape that splits it into
+    microbatches ([B, ...] -> [M, B/M, ...], gradient accumulation written as a reshape
+    and a scan or vmap over M) or merges them back: the reshape rule ties B to the major
+    factor M (a block split: `reshape_ties`), but the program goes on with B/M examples
+    per trip, so B is tied to that factor and M is a dim of its own. Only a dim of the
+    batch leaves' own size counts, so that [B, S] -> [B*S] (batch and sequence merged)
+    keeps its tie. Returns the ops re-tied."""
+    rows = graph.batch_rows
+    roots = {find(int(offsets[t])) for t, d in batch_dims if graph.tensors[t].ndim}
+    if rows is None or rows <= 1 or not roots:
+        return set()
+    found = set()
+    for op in graph.ops:
+        if op.primitive != "reshape" or op.params.get("dimensions") is not None:
+            continue
+        (t,), (o,) = op.inputs, op.outputs
+        a, b = graph.tensors[t].shape, graph.tensors[o].shape
+        for ia, jb in reshape_blocks(a, b):
+            for (one, whole, shape), (many, parts, pshape) in (
+                ((t, ia, a), (o, jb, b)),
+                ((o, jb, b), (t, ia, a)),
+            ):
+                x = int(offsets[one]) + whole[0]
+                if len(whole) != 1 or len(parts) < 2 or shape[whole[0]] != rows:
+                    continue
+                if find(x) not in roots or pshape[parts[1]] <= 1:
+                    continue
+                major, minor = int(offsets[many]) + parts[0], int(offsets[many]) + parts[1]
+                ties = flat_ties[op.index]
+                ties[:] = [(p, q) for p, q in ties if {p, q} != {x, major}] + [(x, minor)]
+                found.add(op.index)
+    return found
 
 
 def _union(n: int, ties) -> Callable[[int], int]:

@@ -33,6 +33,7 @@ import numpy as np
 from .._axes import DATA, PIPE
 from .._cost import CostModel, zero_shares
 from .._graph import Graph, Op
+from .._groups import body_tensor_groups, rule
 from .._pipeline import partition
 from .._plan import Plan
 
@@ -104,7 +105,43 @@ def op_divisors(model: CostModel, plan: Plan, mesh: dict[str, int]) -> np.ndarra
     share = state.inv[model.tables.op_set]
     if plan.zero_stage >= 1 and mesh.get(DATA, 1) > 1:
         share = share * zero_shares(model.tables, state.P, list(mesh).index(DATA) + 1, mesh[DATA])
+    # A loop's own set is empty (its bodies' ops carry its compute, each on its own
+    # split): its share is its bodies' ops' shares, weighted by their FLOPs.
+    for op in model.graph.ops:
+        if op.primitive in LOOP_PRIMITIVES and model.graph.bodies.get(op.index):
+            share[op.index] = _loop_share(model, op, state.inv)
     return share
+
+
+def _loop_share(model: CostModel, op: Op, inv: np.ndarray) -> float:
+    """The share of loop op's FLOPs one device runs: its priced bodies' ops (nested loops
+    through theirs), each divided by the split of its iteration set, as XLA counts them."""
+    T, ng = model.tables, len(model.groups.groups)
+    index = {tuple(sorted(int(g) for g in row if g < ng)): i for i, row in enumerate(T.sets)}
+    split = T.splittable
+
+    def walk(op: Op, g: Graph, tgs) -> tuple[float, float]:
+        run = total = 0.0
+        bodies = g.bodies[op.index]
+        priced = [b.priced for b in bodies]
+        for body, btg in zip(bodies, body_tensor_groups(op, g, tgs, ng), strict=True):
+            if not body.priced and any(priced):
+                continue
+            for bop in body.graph.ops:
+                if bop.primitive in LOOP_PRIMITIVES and body.graph.bodies.get(bop.index):
+                    r, t = walk(bop, body.graph, btg)
+                else:
+                    r_ = rule(bop, body.graph)
+                    outs = {x for o in bop.outputs for x in btg[o] if split[x]}
+                    red = {x for t_, d in r_.reduced if split[x := btg[t_][d]]} - outs
+                    key = tuple(sorted(outs | red))
+                    t = bop.flops
+                    r = t * (inv[index[key]] if key in index else 1.0)
+                run, total = run + r, total + t
+        return run, total
+
+    run, total = walk(op, model.graph, model.groups.tensor_groups)
+    return run / total if total else 1.0
 
 
 def op_runs(model: CostModel, plan: Plan) -> np.ndarray:

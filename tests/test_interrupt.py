@@ -1,0 +1,78 @@
+"""Ctrl-C while a step is captured (issue 28): the command ends with its one line and
+exit code 130, every time. Two ways it went wrong: the KeyboardInterrupt landed in JAX's
+garbage-collection callback, where Python drops it, and the run planned on and exited 0;
+and the interpreter's teardown after an interrupted JAX call crashed (a segfault after
+the message, 3 runs in 10)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from automap._cli import sigterm_as_interrupt
+
+STEP = """\
+from pathlib import Path
+from automap._zoo import get_model
+
+def make_step():
+    Path("marker").write_text("x")
+    spec = get_model("gpt-1.3b", layers=4, hidden=64, heads=4, batch=8, seq=32, vocab=128,
+                     dtype="float32")
+    return spec.step_fn, spec.concrete_args(0)
+"""
+
+
+def test_ctrl_c_inside_a_gc_callback_is_not_lost():
+    fired: list[int] = []
+
+    def callback(phase, info):
+        if phase == "start" and not fired:
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)  # handled here, inside the callback
+
+    with sigterm_as_interrupt() as seen:
+        gc.callbacks.append(callback)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                gc.collect()
+                time.sleep(5)  # the signal, sent again, lands here
+        finally:
+            gc.callbacks.remove(callback)
+    assert fired and seen["interrupted"]
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.5])
+def test_ctrl_c_during_capture_exits_130_with_one_line(tmp_path, delay):
+    (tmp_path / "user_step_int.py").write_text(STEP)
+    path = [p for p in sys.path if not p.endswith(("gpu-compile", "tpu-compile"))]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path)}
+    args = ["plan", "--fn", "user_step_int:make_step", "--cluster", "cpu", "--devices", "8"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from automap._cli import main; main()", *args, "--budget", "60"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        marker = Path(tmp_path / "marker")
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)  # inside the model's build or the capture
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stdout == ""
+    assert stderr.strip() == "interrupted before any feasible plan was found; nothing saved."
