@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._api import plan_recipe
-from .._plan import Plan
-from .._space import Recipe
+from .._plan import Cost
+from .._search import Problem
+from .._space import Recipe, recipe_plan
 from ._isolated import PlanJob, planner_columns, train_step
 from ._megatron import MegatronRow, job_of
 
@@ -92,14 +92,17 @@ def recipe_of(row: KorthikantiRow, modern: bool) -> Recipe:
     )
 
 
-def price_row(row: KorthikantiRow, modern: bool) -> Plan:
+def price_row(row: KorthikantiRow) -> tuple[Cost, Cost]:
+    """Both columns' predicted costs (full recomputation; SP + selective), priced on one
+    captured program: the row's model is captured and its cost tables built once."""
     job = row.job()
-    spec = job.spec()
-    return plan_recipe(
-        train_step(spec),
-        *spec.abstract_args(),
-        recipe=recipe_of(row, modern),
-        cluster=job.cluster_of(),
+    spec, cluster = job.spec(), job.cluster_of()
+    problem = Problem.build(train_step(spec), spec.abstract_args(), cluster)
+    return tuple(  # type: ignore[return-value]
+        problem.priced(
+            recipe_plan(problem.graph, problem.groups, cluster, recipe_of(row, m))
+        ).predicted
+        for m in (False, True)
     )
 
 
@@ -107,7 +110,7 @@ def korthikanti_record(row: KorthikantiRow, plan_s: float = 0.0, searcher: str =
     """One row: published figures, both columns priced, and with `plan_s` > 0 the
     planner's plan found in that budget, against the modern column's predicted step."""
     start = time.perf_counter()
-    full, modern = (price_row(row, m).predicted for m in (False, True))
+    full, modern = price_row(row)
     record = {
         **dataclasses.asdict(row),
         "full_pred_s": full.step_time_s,
