@@ -31,9 +31,8 @@ as three kernels (row max; exp and its row sum; normalize) with float32 exponent
 written between them, where Megatron's kernel reads the scores once and writes the
 probabilities once; its layer norms, residual adds and GELU are separate
 fused kernels rather than Megatron's fused bias-GELU/bias-dropout-add (and it has no
-dropout, which Megatron's runs had), and matmuls run at the cluster's `matmul_efficiency` (0.6 of
-peak on the a100 preset; at that rate the 7.5B row's matmuls alone, recompute included,
-take about 2.6 s of the published 3.7 s step). Neither the data-parallel all-reduce nor the
+dropout, which Megatron's runs had), and matmuls ran at a flat 0.6 of peak then (the 7.5B
+row's matmuls alone, recompute included, took about 2.6 s of the published 3.7 s step). Neither the data-parallel all-reduce nor the
 tensor-parallel ones overlap compute, in Megatron-LM of the paper (local DDP) as in XLA
 without its latency-hiding scheduler (off by default).
 
@@ -46,6 +45,14 @@ MLP matmul, whose output no backward op reads, so XLA drops it, where Megatron's
 checkpointed forward runs it), 3.30 TFLOP against the paper's 96sh^2(1 + s/6h) = 3.57
 (0.92); the recompute adds one tensor-parallel all-reduce a layer to the four of
 forward and backward, where Megatron's adds two.
+
+Since matmuls are priced by shape (`_cost/_gemm.py`: tile quantization under an HBM
+roofline, at the A100's published maximum achievable matmul rate, 0.859 of peak, where a
+flat 0.6 was) the one-stage rows are 0.99-1.05 of the published figure and the pipelined
+ones 1.13-1.17 (39.1B to 1008B: predicted faster). What the pipelined rows still lack is
+not known; wave quantization (tiles over whole waves of 108 SMs, on the per-device shape
+a plan gives) would take some 4-11% off these rows' GEMM rate and is not modelled; the
+memory-bound kernels, priced as XLA fuses them, weigh most on the small rows.
 """
 
 from __future__ import annotations
