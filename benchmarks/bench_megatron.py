@@ -49,10 +49,29 @@ forward and backward, where Megatron's adds two.
 Since matmuls are priced by shape (`_cost/_gemm.py`: tile quantization under an HBM
 roofline, at the A100's published maximum achievable matmul rate, 0.859 of peak, where a
 flat 0.6 was) the one-stage rows are 0.99-1.05 of the published figure and the pipelined
-ones 1.13-1.17 (39.1B to 1008B: predicted faster). What the pipelined rows still lack is
-not known; wave quantization (tiles over whole waves of 108 SMs, on the per-device shape
-a plan gives) would take some 4-11% off these rows' GEMM rate and is not modelled; the
-memory-bound kernels, priced as XLA fuses them, weigh most on the small rows.
+ones 1.13-1.17 (39.1B to 1008B: predicted faster). Three mechanisms were measured against
+that gap (`bench_breakdown.py sc21:39.1 sc21:1008 waves`); none closes it:
+- wave quantization (not priced: it depends on the per-device shape a plan gives): a
+  layer's GEMMs at microbatch 1 keep 0.82-0.89 of their rate on the one-stage rows and
+  0.88-0.97 on the pipelined ones in 256 x 128 tiles over 108 SMs (128 x 128: 0.91-0.95
+  and 0.94-0.98). It would slow the rows that fit more than those that do not.
+- the sends between stages: this runtime's are `device_put`s dispatched asynchronously
+  (`_run/_pipelined.py`), priced as the receiver's lag (`_cost/_pipelined.py`), 7.9 ms a
+  cut on 1008B (each device sends the whole replicated activation: no scatter/gather).
+  Megatron's are synchronous, but with its scatter/gather (SC'21 sec. 4.1) two of about
+  1 ms a microbatch would add about 1% to the 152 ms of 1008B's slowest stage.
+- the data-parallel all-reduce: a ring over the nodes at 25 GB/s per GPU (a node's eight
+  200 Gb/s HCAs shared by its eight GPUs), x0.8: 0.48 s of 39.1B's 12.8 s step, 0.36 s of
+  1008B's 88 s; the 18.4B row, which fits, reduces as many bytes per GPU (0.46 s).
+The published tables disagree instead: Korthikanti et al. (`bench_korthikanti.py`) ran
+the 1T model on the same Selene A100s in the 1008B row's configuration (TP 8, PP 64,
+microbatch 1, full recomputation, 1F1B, 512 microbatches a pipeline; only DP 6 differs)
+at 177 TFLOP/s per GPU by this count, where this table has 163; their 175B (PP 8,
+interleaved in 3) at 162 against 145.6B's 148; their one-stage 22B (h 6144, TP 8) at 134
+against 18.4B's 135. The two agree on one stage and differ by 9-10% on pipelines, so one
+model of both, which prices 1T at 0.93 of Korthikanti's time (87.7 s), is 1.17 on the
+SC'21 row (88.1 s); both bands (15%, 10%) hold only for a step of 89.2-103.9 s there
+(published 102.6 and 94.4).
 """
 
 from __future__ import annotations
