@@ -54,7 +54,11 @@ class Cluster:
     inter_latency: float = 15e-6
     """Seconds per step of a collective across nodes."""
     matmul_efficiency: float = 0.6
-    """Fraction of peak that large matmuls and convolutions reach."""
+    """Fraction of peak that the largest well-shaped matmuls reach (a measured maximum
+    where the preset cites one); a product's shape can only lower it (`matmul_tile`)."""
+    matmul_tile: int = 1
+    """Elements a matmul's M, N and K are tiled by on the matrix units: a product runs as
+    if each were rounded up to it (`_cost/_gemm.py`); 1: no tiling."""
     memory_efficiency: float = 0.8
     """Fraction of HBM bandwidth that memory-bound ops reach."""
     comm_efficiency: float = 0.8
@@ -291,6 +295,7 @@ _FIELD_RULES = (
     _Rule("memory_reserve", float, 0.0, high=0.99),
     _Rule("ici_link_bandwidth", float, 0.0, unit="bytes/s"),
     _Rule("ici_ports", int, 0),
+    _Rule("matmul_tile", int, 1),
     _Rule("slices", int, 1),
 )
 # The lowering's numbers (its other fields are true or false).
@@ -436,6 +441,19 @@ def _example(name: str) -> Any:
 
 # Public figures from the brief; per-direction link bandwidths are half the
 # both-directions NVLink figure; network per device is the node's NICs / 8 GPUs.
+#
+# Matmuls on GPUs: `matmul_efficiency` is the maximum achievable matmul FLOP/s (MAMF) a
+# brute-force search of bf16 GEMM shapes measured, over the dense peak (S. Bekman,
+# "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
+# Matmul FLOPS comparison table", mamf-finder.py): A100 SXM 267.9 of 312 TFLOP/s
+# (0.859), H100 SXM 792.1 of 989 (0.801), GH200 (the H200's die and HBM3e) 821.0 of 989
+# (0.830); no V100 figure is given, so it keeps the default. OpenXLA's GPU cost model
+# measured the same on H100 (`xla/service/gpu/model/matmul_interpolator_data.h`, sm_90:
+# a bf16 4096^3 product at 783 TFLOP/s, 0.79 of peak). `matmul_tile`: Tensor Cores
+# are used most efficiently at multiples of 8 fp16 elements, on A100 and later of 64
+# (128 bytes) (NVIDIA, "Matrix Multiplication Background User's Guide", Tensor Core
+# requirements).
+_GPU_TILE = 64
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100": dict(
         peak_flops=125e12,
@@ -443,6 +461,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         hbm_bandwidth=0.9e12,
         intra_bandwidth=150 * GB,
         inter_bandwidth=4 * 100e9 / 8 / 8,
+        matmul_tile=8,
     ),
     "a100": dict(
         peak_flops=312e12,
@@ -450,6 +469,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         hbm_bandwidth=2.0e12,
         intra_bandwidth=300 * GB,
         inter_bandwidth=8 * 200e9 / 8 / 8,
+        matmul_efficiency=0.859,
+        matmul_tile=_GPU_TILE,
     ),
     "h100": dict(
         peak_flops=989e12,
@@ -457,6 +478,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         hbm_bandwidth=3.35e12,
         intra_bandwidth=450 * GB,
         inter_bandwidth=8 * 400e9 / 8 / 8,
+        matmul_efficiency=0.801,
+        matmul_tile=_GPU_TILE,
     ),
     "h200": dict(
         peak_flops=989e12,
@@ -464,6 +487,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         hbm_bandwidth=4.8e12,
         intra_bandwidth=450 * GB,
         inter_bandwidth=8 * 400e9 / 8 / 8,
+        matmul_efficiency=0.830,
+        matmul_tile=_GPU_TILE,
     ),
     # TPUs: one slice is one "node" (its chips talk over ICI, a 2-D or 3-D torus; see
     # `_cost/_torus.py` for how a mesh axis is priced on it); `inter_bandwidth` is the

@@ -14,6 +14,10 @@ from ._collectives import RS as RS
 from ._collectives import AxisCosts as AxisCosts
 from ._collectives import ring_allreduce_time as ring_allreduce_time
 from ._collectives import tree_allreduce_time as tree_allreduce_time
+from ._gemm import GemmShape as GemmShape
+from ._gemm import gemm_shape as gemm_shape
+from ._gemm import matmul_seconds as matmul_seconds
+from ._gemm import tile_efficiency as tile_efficiency
 from ._kernel import collective_rows as collective_rows
 from ._kernel import combine_slots as combine_slots
 from ._kernel import combined_times as combined_times

@@ -21,6 +21,7 @@ from .._graph import Graph
 from .._groups import LOOPS, Groups, body_tensor_groups, rule
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, fused_bytes
+from ._gemm import matmul_seconds
 from ._sets import SetIndex
 from ._zero import shares, zero_shares
 
@@ -32,13 +33,15 @@ if TYPE_CHECKING:
 class Rates:
     flop: float  # FLOP/s a matmul sustains (peak x matmul efficiency)
     byte: float  # HBM bytes/s a memory-bound kernel sustains
+    tile: int = 1  # elements a matmul's M, N and K are tiled by (`_gemm.tile_efficiency`)
 
 
-def compute_seconds(op, compute: str, fused: np.ndarray, rates: Rates) -> float:
-    """Unsharded seconds of one op, top-level or a loop body's, whose rule computes as
-    `compute` (`_groups.rule`); `fused`: its graph's `fused_bytes`."""
+def compute_seconds(op, graph: Graph, compute: str, fused: np.ndarray, rates: Rates) -> float:
+    """Unsharded seconds of one op of `graph`, top-level or a loop body's, whose rule
+    computes as `compute` (`_groups.rule`); `fused`: its graph's `fused_bytes`. A matmul:
+    by its shape (`_gemm.matmul_seconds`)."""
     if compute == "matmul":
-        return op.flops / rates.flop
+        return matmul_seconds(op, graph, rates.flop, rates.byte, rates.tile)
     if compute == "loop":  # a body of matmuls or of memory traffic: the slower
         return max(op.flops / rates.flop, (op.bytes_read + op.bytes_written) / rates.byte)
     if op.primitive in FUSIBLE:
@@ -138,7 +141,7 @@ def add_op_compute(out: ComputeEntries, inp: ComputeInputs, op) -> bool:
         add_body_compute(out, inp, op, graph, tg, 1.0, op.index)
         coef = 0.0  # its bodies' ops carry it
     else:
-        coef = compute_seconds(op, r.compute, inp.fused, inp.rates)
+        coef = compute_seconds(op, graph, r.compute, inp.fused, inp.rates)
     if op.index not in inp.live:
         out.op_coef.append(0.0)
         out.remat.append(0.0)
@@ -175,7 +178,7 @@ def add_body_compute(
             red = {x for t, d in r.reduced if split[x := btg[t][d]]} - outs
             out.body_op.append(owner)
             out.body_set.append(inp.sets.of(outs | red))
-            out.body_coef.append(times * compute_seconds(bop, r.compute, fused, inp.rates))
+            out.body_coef.append(times * compute_seconds(bop, bg, r.compute, fused, inp.rates))
             out.body_zero.append(bool(zeroed.intersection(bop.outputs)))
 
 

@@ -147,6 +147,7 @@ def build_tables(
     rates = Rates(
         flop=cluster.peak_flops * cluster.matmul_efficiency,
         byte=cluster.hbm_bandwidth * cluster.memory_efficiency,
+        tile=cluster.matmul_tile,
     )
     pinned, update = zero_region(graph, groups)
     compute = compute_inputs(graph, groups, res, rates, lowering, sets, pinned)
