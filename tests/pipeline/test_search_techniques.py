@@ -70,7 +70,13 @@ def test_dp_chooses_zb_h1_where_the_bubble_matters(monkeypatch):
     monkeypatch.undo()
     assert without.schedule != "zb-h1"
     assert plan.predicted.step_time_s < without.predicted.step_time_s
-    _check_interleaved(pb, without)
+    # Without ZB-H1 the best plan was interleaved while matmuls ran at a flat 0.6 of peak;
+    # priced by shape (`_cost/_gemm.py`) it is the DP's own 1F1B (pipe 2 x data 2 x
+    # model 2, 37.0 ms), the bubble being a smaller part of a faster step. Whichever wins,
+    # an interleaved answer must be the real thing.
+    assert without.schedule in ("1f1b", "interleaved")
+    if without.schedule == "interleaved":
+        _check_interleaved(pb, without)
 
 
 def _check_interleaved(pb, plan):
