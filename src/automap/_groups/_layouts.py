@@ -257,18 +257,27 @@ def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
     )
 
 
-def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
-    """Per tensor of the update, the groups of the dims that ZeRO splits over data in the
-    new parameters and optimizer state it flows into (read back from the update's end)."""
-    want: dict[int, set[int]] = {}
+def _state_zeroed(graph, lay, mesh, data_axis):
+    """(output tensor, dims ZeRO splits over data) for each new parameter and optimizer
+    state the step returns: the dims its `zero_spec` adds to the state input's layout."""
     state = state_inputs(graph)
     for out in graph.outputs:
         leaf = state.get(out.path)
         if leaf is not None:
             t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
             zeroed = zero_spec(lay[t], shape, mesh, data_axis)
-            dims = [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b]
-            want.setdefault(out.tensor, set()).update(groups.of(out.tensor, d) for d in dims)
+            yield (
+                out.tensor,
+                [d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b],
+            )
+
+
+def _zero_groups(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int]]:
+    """Per tensor of the update, the groups of the dims that ZeRO splits over data in the
+    new parameters and optimizer state it flows into (read back from the update's end)."""
+    want: dict[int, set[int]] = {}
+    for out, dims in _state_zeroed(graph, lay, mesh, data_axis):
+        want.setdefault(out, set()).update(groups.of(out, d) for d in dims)
     # A tensor passes on only groups it has: through a scalar (clip_by_global_norm's
     # scale, read by every gradient) each gradient took every other one's groups, and a
     # transposed gradient was pinned on its other dim (an all-to-all at the transpose).
@@ -287,14 +296,8 @@ def _zero_dims(graph, groups, lay, mesh, data_axis, update) -> dict[int, set[int
     one a transposed gradient must split, and the wrong one cost an all-to-all per
     weight (a 200-layer residual model)."""
     want: dict[int, set[int]] = {}
-    state = state_inputs(graph)
-    for out in graph.outputs:
-        leaf = state.get(out.path)
-        if leaf is not None:
-            t, shape = leaf.tensor, graph.tensors[leaf.tensor].shape
-            zeroed = zero_spec(lay[t], shape, mesh, data_axis)
-            found = {d for d, (a, b) in enumerate(zip(zeroed, lay[t], strict=True)) if a != b}
-            want.setdefault(out.tensor, set()).update(found)
+    for out, dims in _state_zeroed(graph, lay, mesh, data_axis):
+        want.setdefault(out, set()).update(dims)
     for i in sorted(update, reverse=True):
         op = graph.ops[i]
         for a, b in dim_ties(op, graph):
