@@ -194,6 +194,11 @@ def _zero_constraints(
     data, but for ZeRO-3). A tensor there takes the data axis on the dim linked to the one
     the state it becomes takes it on: a transposed or reshaped gradient then needs no
     all-to-all."""
+    return _zero_pins(graph, groups, lay, mesh, data_axis)
+
+
+def _zero_pins(graph, groups, lay, mesh, data_axis) -> dict[int, Spec]:
+    """`_zero_constraints` under the layouts `lay`: {tensor: its spec with the data axis}."""
     constraints: dict[int, Spec] = {}
     pinned, update = zero_region(graph, groups)
     wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
@@ -211,6 +216,16 @@ def _zero_constraints(
         if spec is not None:
             constraints[t] = spec
     return constraints
+
+
+def zero_pinned_dims(graph: Graph, groups: Groups, data_size: int) -> dict[int, int]:
+    """Per tensor ZeRO pins (gradients and the update's results), the dim its constraint
+    puts a data axis of `data_size` on, in a plan that splits no other dim of it (data
+    parallelism's, where ZeRO is offered): what the update's own sums run over (the cost
+    model's `_zero.UpdateReductions`). A tensor not listed is not pinned."""
+    lay = tuple((None,) * t.ndim for t in graph.tensors)
+    pins = _zero_pins(graph, groups, lay, {DATA: data_size}, DATA)
+    return {t: spec.index(DATA) for t, spec in pins.items()}
 
 
 def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
