@@ -57,19 +57,35 @@ def find_residuals(graph: Graph) -> Residuals:
 
 
 def loss_boundary(graph: Graph) -> int | None:
+    """The op that makes the loss: of the step's float scalar outputs (not state), the
+    first one made from the batch inputs (any, where none is), None where there is none.
+    Not the first in output order: a metrics dict flattens by key, and `grad_norm` sorts
+    before `loss`, but is made after the backward, which then counted as forward (ZeRO-3's
+    backward gathers went unrun and were priced all the same, 2x XLA's gathers). A metric
+    of the parameters alone (`param_norm`) is not made from the batch, wherever it is."""
     state = {leaf.path for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)}
-    for leaf in graph.outputs:
-        t = graph.tensors[leaf.tensor]
-        if (
-            t.ndim == 0
-            and t.producer is not None
-            and leaf.path not in state
-            and np.issubdtype(
-                np.dtype(t.dtype if t.dtype != "bfloat16" else "float16"), np.floating
-            )
-        ):
-            return t.producer
-    return None
+    made = {
+        graph.tensors[leaf.tensor].producer
+        for leaf in graph.outputs
+        if _scalar_float(graph.tensors[leaf.tensor]) and leaf.path not in state
+    }
+    if not made:
+        return None
+    batched = {leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH}
+    for op in graph.ops[: max(made) + 1]:
+        if batched.intersection(op.inputs):
+            batched.update(op.outputs)
+            if op.index in made:
+                return op.index
+    return min(made)
+
+
+def _scalar_float(t) -> bool:
+    return (
+        t.ndim == 0
+        and t.producer is not None
+        and np.issubdtype(np.dtype(t.dtype if t.dtype != "bfloat16" else "float16"), np.floating)
+    )
 
 
 def _liveness_peak(graph: Graph, last_use: np.ndarray) -> int:

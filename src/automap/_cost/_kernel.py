@@ -197,6 +197,7 @@ def totals(
     lowering: Lowering,
     trips: np.ndarray | None = None,
     kept_whole: float = 0.0,
+    update_bytes: float = 0.0,
 ):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
     step's once, each loop body's once per trip: `trips` per combine slot).
@@ -207,7 +208,8 @@ def totals(
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
     layout: a body's are reduced inside the loop, per trip. `kept_whole`: the bytes of
     those gradients the backend all-reduces whole all the same
-    (`_tiles.whole_reduced_bytes`)."""
+    (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
+    split all-reduce over it (`_terms.update_reductions`), one more collective."""
     n = len(ac.keys)
     s = s.copy()
     if zero_mask and lowering.reduce_scatter:
@@ -229,4 +231,9 @@ def totals(
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
+    if zero_mask and update_bytes > 0:
+        i = C.AR * ac.masks + zero_mask
+        time[i] += ac.time1(C.AR, zero_mask, update_bytes, 1)
+        nbytes[i] += update_bytes
+        count[i] += 1
     return time, nbytes, count, ac.key_kind, ac.key_mask

@@ -106,10 +106,11 @@ from ._terms import (
     moments_held,
     reduction_shares,
     step_moments,
+    update_reductions,
 )
 from ._tiles import TileMemo, tile_table
 from ._torus import axis_torus_dims
-from ._zero import regather_coefs
+from ._zero import regather_coefs, update_sums
 
 _log = logging.getLogger("automap")
 _warned: set[str] = set()
@@ -147,7 +148,8 @@ class CostModel:
         prefetch = None
         if cluster.lowering.overlaps_prefetch:  # ZeRO-3's prefetch beside compute
             prefetch = step_prefetch(graph, self.groups, self.tables)
-        self.coefs = SetCoefs.of(self.tables, self.regather, prefetch)
+        reductions = update_sums(graph, self.groups, self.tables)
+        self.coefs = SetCoefs.of(self.tables, self.regather, prefetch, reductions)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
@@ -502,6 +504,7 @@ class CostModel:
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
             self._kept_whole(st, d) if zero_mask else 0.0,
+            float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
         )
         collectives = tuple(
             Collective(

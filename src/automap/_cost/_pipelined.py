@@ -79,7 +79,7 @@ from ._traffic import (
     stage_layouts,
     stage_memory,
 )
-from ._zero import zero_gradient_keys, zero_op_gathers
+from ._zero import zero_gradient_keys, zero_op_gathers, zero_op_sums
 
 
 class StageModel(Protocol):
@@ -93,6 +93,7 @@ class StageModel(Protocol):
     groups: Any
     tables: Any
     regather: Any  # ZeRO-3's gathers and reductions layer by layer (`RegatherCoefs`)
+    coefs: Any  # every term's coefficients per set (`_terms.SetCoefs`)
 
     def op_state(
         self, assignment: Any, mesh: Mapping[str, int], staged: bool = False
@@ -186,6 +187,9 @@ def op_costs(
         key = zero_gradient_keys(model.cluster.lowering, ac, row_grad, key, zero_mask)
         # One program (not `staged`) gathers a mixed-precision step's casts (`_terms.py`).
         zero_comm = zero_op_gathers(model, lay, ac, zero_mask, zero_stage, remat, not staged)
+        zero_comm = zero_comm + zero_op_sums(
+            model.graph, model.coefs.reductions, lay, ac, zero_mask
+        )
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
     g = row_grad & (st.count > 0)
     g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))

@@ -34,7 +34,7 @@ from ._outputs import held_bytes
 from ._overlap import Prefetch
 from ._peaks import moment_bytes
 from ._tiles import TileShares
-from ._zero import Gathers, MasterCoefs, RegatherCoefs, zero_gathers
+from ._zero import Gathers, MasterCoefs, RegatherCoefs, UpdateReductions, zero_gathers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +57,17 @@ class SetCoefs:
     moments_remat: Moments | None
     # ZeRO-3's prefetched pairs (`_overlap.py`), where the backend overlaps them, else None
     prefetch: Prefetch | None = None
+    # the update's sums over ZeRO's split, all-reduced over data (`_zero.UpdateReductions`)
+    reductions: UpdateReductions | None = None
 
     @classmethod
-    def of(cls, T, regather: RegatherCoefs, prefetch: Prefetch | None = None) -> SetCoefs:
+    def of(
+        cls,
+        T,
+        regather: RegatherCoefs,
+        prefetch: Prefetch | None = None,
+        reductions: UpdateReductions | None = None,
+    ) -> SetCoefs:
         """The coefficients of every set of the tables `T`."""
         return cls(
             T.compute_coef,
@@ -76,6 +84,7 @@ class SetCoefs:
             T.moments,
             T.moments_remat,
             prefetch,
+            reductions,
         )
 
     def sub(self, sets: np.ndarray) -> SetCoefs:
@@ -95,6 +104,7 @@ class SetCoefs:
             _sub_moments(self.moments, sets),
             _sub_moments(self.moments_remat, sets),
             None if self.prefetch is None else self.prefetch.sub(sets),
+            None if self.reductions is None else self.reductions.sub(sets),
         )
 
 
@@ -274,6 +284,16 @@ def gathers(c: SetCoefs, L: Layout) -> Gathers:
         c.param, c.gather, c.param_leaves, c.regather, L.inv, L.free, L.zero_stage, L.remat,
         masters,
     )  # fmt: skip
+
+
+def update_reductions(c: SetCoefs, L: Layout) -> float | np.ndarray:
+    """Bytes per device ZeRO's update all-reduces over data: its sums over the dim ZeRO
+    splits (`_zero.UpdateReductions`), each result as the plan splits it; none without
+    ZeRO, or where the data axis is on the result already (a sum the plan's own rows
+    price)."""
+    if not L.zero or c.reductions is None:
+        return 0.0
+    return c.reductions.at(L.data_size) @ (L.inv * L.free)
 
 
 def step_moments(c: SetCoefs, L: Layout) -> Moments | None:

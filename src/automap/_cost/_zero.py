@@ -1,5 +1,6 @@
 """ZeRO's terms of a plan's price: which ops ZeRO's layout makes run on a device's data
-shard, the bytes ZeRO-3's gather of each parameter moves, and the gathers a step makes.
+shard, the bytes ZeRO-3's gather of each parameter moves, the gathers a step makes, and
+the all-reduce of the update's own sums over ZeRO's split (`UpdateReductions`).
 
 Under ZeRO a gradient is made where it meets its sharded optimizer state, and the update
 runs on the shard (`_groups.zero_region`): those ops' compute is divided over the data
@@ -20,7 +21,17 @@ import numpy as np
 
 from .._capture import loss_boundary
 from .._graph import Graph, Role
-from .._groups import Groups, Regather, shardable, update_region
+from .._groups import (
+    REDUCE_SUM_LIKE,
+    Groups,
+    Regather,
+    dim_ties,
+    reduced_dims,
+    shardable,
+    update_region,
+    zero_pinned_dims,
+    zero_region,
+)
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
 from .._remat import LayerGathers, layer_gathers
@@ -134,6 +145,80 @@ def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> Regath
             graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads
         )
     return RegatherCoefs(coef, leaves, acts, layers)
+
+
+#: The update's ops whose sum over a split dim XLA completes with an all-reduce.
+_SUMS = REDUCE_SUM_LIKE | {"dot_general"}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateReductions:
+    """The optimizer's own sums over a ZeRO-split dim: a contraction or reduction in the
+    update (a preconditioner's g^T g, a global norm) whose summed dim is the one ZeRO
+    splits its operand on leaves each device a partial sum, which XLA all-reduces over
+    data (on 8 CPU devices, an `eigh` preconditioner's 256 x 256 g^T g per weight: 544 of
+    the step's 800 KiB). Per data size (ZeRO's dims depend on what it divides), the bytes
+    of those results summed by their set (`at`), and per result (`per_tensor`).
+
+    Priced where a plan splits no other dim of the parameters (data parallelism's layout,
+    where the searchers offer ZeRO): a parameter dim split on another axis may move ZeRO's
+    dim (`_groups.zero_spec`), which the sets' layout cannot tell."""
+
+    results: Callable[[int], Mapping[int, float]]  # data size -> {result: bytes whole}
+    tset: np.ndarray  # [tensors] each tensor's set
+    n_sets: int
+    sets: np.ndarray | None = None  # the sets kept (`sub`), None for all
+    # `results` by data size, shared by every `sub`: searchers price many plans per mesh
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def per_tensor(self, data_size: float) -> Mapping[int, float]:
+        """{result tensor: its bytes whole} of the sums a data axis of `data_size` splits."""
+        size = int(data_size)
+        if size not in self.cache:
+            self.cache[size] = self.results(size)
+        return self.cache[size]
+
+    def at(self, data_size: float) -> np.ndarray:
+        """[n_sets] (or the kept sets') the bytes of those results, summed by set."""
+        out = np.zeros(self.n_sets)
+        for t, b in self.per_tensor(data_size).items():
+            out[self.tset[t]] += b
+        return out if self.sets is None else out[self.sets]
+
+    def sub(self, sets: np.ndarray) -> UpdateReductions:
+        """The sums of `sets` only, as their positions there."""
+        kept = np.asarray(sets).ravel() if self.sets is None else self.sets[sets]
+        return dataclasses.replace(self, sets=kept)
+
+
+def update_sums(graph: Graph, groups: Groups, T) -> UpdateReductions:
+    """The update's sums over ZeRO's split (`UpdateReductions`), sets as `T` keys them."""
+    set_of = tensor_sets(groups, T)
+    tset = np.array([set_of(t.id) for t in graph.tensors], dtype=np.int64)
+    return UpdateReductions(lambda size: split_sums(graph, groups, size), tset, len(T.sets))
+
+
+def split_sums(graph: Graph, groups: Groups, data_size: int) -> dict[int, float]:
+    """{result: bytes} of the update's sums whose summed dim carries ZeRO's split over a
+    data axis of `data_size`. A tensor ZeRO pins is split where its constraint says
+    (`_groups.zero_pinned_dims`); one it does not pin, where its operand's split reaches
+    it through the op's ties (XLA's propagation). A sum's result is whole (all-reduced)."""
+    _, update = zero_region(graph, groups)
+    if data_size <= 1 or not update:
+        return {}
+    split = zero_pinned_dims(graph, groups, data_size)
+    out: dict[int, float] = {}
+    for i in sorted(update):
+        op = graph.ops[i]
+        summed = set(reduced_dims(op, graph)) if op.primitive in _SUMS else set()
+        if any((t, split.get(t)) in summed for t in op.inputs):
+            out.update((t, float(graph.tensors[t].nbytes)) for t in op.outputs)
+            continue
+        for (t, d), (u, e) in dim_ties(op, graph):
+            for (a, x), (b, y) in (((t, d), (u, e)), ((u, e), (t, d))):
+                if a in op.inputs and b in op.outputs and split.get(a) == x:
+                    split.setdefault(b, y)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +400,23 @@ def zero_op_gathers(
         seconds = ac.time1(C.AG, zero_mask, total, 1 + len(again))
         for t, b in [(t, b) for t, b, _ in leaves] + again:
             out[(readers[t] or (0,))[0]] += seconds * b / total
+    return out
+
+
+def zero_op_sums(graph, reductions: UpdateReductions | None, lay: Layouts, ac, zero_mask: int):
+    """[n_ops] seconds of the all-reduce of the update's sums over ZeRO's split
+    (`_terms.update_reductions`: one collective), shared by bytes among the ops making
+    them."""
+    out = np.zeros(len(graph.ops))
+    if reductions is None:
+        return out
+    made = reductions.per_tensor(lay.data_size).items()
+    charged = [(graph.tensors[t].producer, b * lay.inv[t]) for t, b in made if not lay.on_data[t]]
+    total = sum(b for _, b in charged)
+    if total > 0:
+        seconds = ac.time1(C.AR, zero_mask, total, 1)
+        for op, b in charged:
+            out[op] += seconds * b / total
     return out
 
 

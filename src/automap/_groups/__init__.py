@@ -17,6 +17,7 @@ from ._layouts import state_inputs as state_inputs
 from ._layouts import unzero_spec as unzero_spec
 from ._layouts import update_region as update_region
 from ._layouts import zero_mismatch as zero_mismatch
+from ._layouts import zero_pinned_dims as zero_pinned_dims
 from ._layouts import zero_region as zero_region
 from ._layouts import zero_spec as zero_spec
 from ._linkage import Group as Group

@@ -169,13 +169,15 @@ def _anchors(
     # the reshape (microbatches split, each one's examples less so) and gathers the
     # scanned dim for the loop, which leaves devices computing the same examples.
     seams.update(groups.microbatch_splits)
+    shards = _shard_readers(graph, groups) if zero_stage >= 3 else frozenset()
     for op in graph.ops:
         dropped = any(
             _dropped(lay[t], groups.tensor_groups[t], assignment) for t in (*op.inputs, *op.outputs)
         )
         # ZeRO-3: a parameter is gathered where it is first used (its cast to the compute
-        # dtype); unconstrained, XLA would split the matmul over data.
-        gathers = zero_stage >= 3 and params.intersection(op.inputs)
+        # dtype); unconstrained, XLA would split the matmul over data. Not where the step
+        # reads the shards (a metric of the parameters): pinned whole, XLA gathered it.
+        gathers = zero_stage >= 3 and params.intersection(op.inputs) and op.index not in shards
         if op.primitive in _ANCHORS or dropped or op.index in seams or gathers:
             for t in op.outputs:
                 if graph.tensors[t].ndim:
@@ -192,6 +194,11 @@ def _zero_constraints(
     data, but for ZeRO-3). A tensor there takes the data axis on the dim linked to the one
     the state it becomes takes it on: a transposed or reshaped gradient then needs no
     all-to-all."""
+    return _zero_pins(graph, groups, lay, mesh, data_axis)
+
+
+def _zero_pins(graph, groups, lay, mesh, data_axis) -> dict[int, Spec]:
+    """`_zero_constraints` under the layouts `lay`: {tensor: its spec with the data axis}."""
     constraints: dict[int, Spec] = {}
     pinned, update = zero_region(graph, groups)
     wanted = _zero_groups(graph, groups, lay, mesh, data_axis, update)
@@ -209,6 +216,16 @@ def _zero_constraints(
         if spec is not None:
             constraints[t] = spec
     return constraints
+
+
+def zero_pinned_dims(graph: Graph, groups: Groups, data_size: int) -> dict[int, int]:
+    """Per tensor ZeRO pins (gradients and the update's results), the dim its constraint
+    puts a data axis of `data_size` on, in a plan that splits no other dim of it (data
+    parallelism's, where ZeRO is offered): what the update's own sums run over (the cost
+    model's `_zero.UpdateReductions`). A tensor not listed is not pinned."""
+    lay = tuple((None,) * t.ndim for t in graph.tensors)
+    pins = _zero_pins(graph, groups, lay, {DATA: data_size}, DATA)
+    return {t: spec.index(DATA) for t, spec in pins.items()}
 
 
 def zero_mismatch(graph: Graph, groups: Groups, plan: Plan) -> str:
@@ -424,7 +441,7 @@ def regather_plan(graph: Graph, groups: Groups) -> Regather:
     if loss_boundary(graph) is None:
         return Regather(len(graph.ops), frozenset(), (), frozenset(), ())
     boundary = find_residuals(graph).boundary
-    _, update = update_region(graph, groups)
+    gradients, update = update_region(graph, groups)
     roots: dict[int, frozenset[int]] = {
         leaf.tensor: frozenset({leaf.tensor}) for leaf in graph.leaves(Role.PARAM)
     }
@@ -435,10 +452,36 @@ def regather_plan(graph: Graph, groups: Groups) -> Regather:
             remake.append(op.index)
             made = frozenset().union(*(roots[t] for t in ins))
             roots.update((t, made) for t in op.outputs)
-    backward = frozenset(op.index for op in graph.ops[boundary + 1 :] if op.index not in update)
+    backward = _making(graph, gradients, boundary + 1, update)
     tensors = frozenset(t for i in backward for t in graph.ops[i].inputs if t in roots)
     params = sorted(frozenset().union(*(roots[t] for t in tensors)))
     return Regather(boundary, backward, tuple(remake), tensors, tuple(params))
+
+
+def _shard_readers(graph: Graph, groups: Groups) -> frozenset[int]:
+    """The ops past the forward that ZeRO-3's runtime runs on the parameters' shards: all
+    but the backward (`regather_plan`), so the update and what reads the parameters
+    beside it (a metric of them, AdamW's weight decay)."""
+    rg = regather_plan(graph, groups)
+    return frozenset(range(rg.boundary + 1, len(graph.ops))) - rg.backward
+
+
+def _making(graph: Graph, gradients: Collection[int], start: int, update: Collection[int]):
+    """The ops from `start` on, outside the `update`, that the `gradients` are made from:
+    the backward. Not a metric of the parameters (`optax.global_norm(params)` returned
+    beside the state) nor the update's own reads (AdamW's weight decay): those read the
+    shards, as the update does, where gathered again they cost a gather per parameter
+    (XLA merged the first layer's with the forward's, and the price counted it). All of
+    them where no gradient is known (a step without a batch dimension)."""
+    later = [op for op in graph.ops[start:] if op.index not in update]
+    if not gradients:
+        return frozenset(op.index for op in later)
+    wanted, out = set(gradients), set()
+    for op in reversed(later):
+        if wanted.intersection(op.outputs):
+            out.add(op.index)
+            wanted.update(op.inputs)
+    return frozenset(out)
 
 
 def lookups(graph: Graph) -> dict[int, int]:

@@ -80,6 +80,7 @@ from .._cost import (
     reduction_copy,
     reduction_shares,
     set_axes,
+    update_reductions,
 )
 from .._lowering import Lowering
 from .._solvers import MEMORY_RTOL, Factor, FactorProblem, Overlap
@@ -286,6 +287,7 @@ class MeshTerms:
         if zero:
             self._add_gathers(blocks, zero_stage)
             self._add_prefetch(blocks, zero_stage)
+            self._add_update_reductions(blocks, zero_stage)
         if self.space.pruning.masks:
             self._add_masks(blocks)
         return self._assemble(blocks, zero, memory_limit)
@@ -367,6 +369,17 @@ class MeshTerms:
         blocks.combined(AG, int(self.ac.bit[self.d]), parts, indicator=True, trips=trips)
         if any(np.any(c[1]) for c in casts):  # ZeRO-1/2's masters' casts: their own gather
             blocks.combined(AG, int(self.ac.bit[self.d]), casts, indicator=True)
+
+    def _add_update_reductions(self, blocks: _Blocks, zero_stage: int) -> None:
+        """The update's sums over ZeRO's split, all-reduced over data in one more
+        collective (`_cost/_terms.update_reductions`)."""
+        parts = []
+        for sc in self.scopes:
+            nbytes = np.asarray(update_reductions(sc.coefs, sc.layout(self.D, zero_stage)))
+            if nbytes.any():
+                parts.append((sc, (nbytes > 0).astype(float), nbytes, 0.0))
+        if parts:
+            blocks.combined(AR, int(self.ac.bit[self.d]), parts, indicator=True)
 
     def _add_prefetch(self, blocks: _Blocks, zero_stage: int) -> None:
         """ZeRO-3's prefetch beside compute (`_cost/_terms.hidden_time`): per pair, one
