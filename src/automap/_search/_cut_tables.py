@@ -48,6 +48,11 @@ class SegmentTables:
         """[L] seconds per microbatch, every phase."""
         return self.phase_s.sum(axis=1)
 
+    @staticmethod
+    def span(x: np.ndarray, first: int, last: int) -> float:
+        """The sum of a per-segment column over segments first..last."""
+        return float(x[first : last + 1].sum())
+
     def stage_phase_s(self, n_stages: int) -> np.ndarray:
         """[S, L, L, P] seconds per microbatch of each phase of stage s holding segments
         i..j (inf where j < i; the first stage's backward all W where the schedule splits
