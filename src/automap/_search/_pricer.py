@@ -5,8 +5,9 @@ almost everything, so the pricer caches at every level:
 
 - the per-op costs of an intra-stage plan (`op_costs`), once per plan;
 - the finest partition (every cut candidate a boundary) and its per-segment tables (time
-  per microbatch, state and activation bytes, the send lag after the segment), once per
-  (plan, microbatches): what the stage DP reads, and what the agent's features are made of;
+  per microbatch, state and activation bytes, the send lag after the segment on the link
+  between S stages), once per (plan, microbatches, S): the stage DP's own
+  (`segment_tables`), what the agent's features are made of;
 - a coarse partition is the finest one with its segments merged: the stage of every op is
   a monotone function of the stage it has in the finest partition (forward ops by range,
   backward ops by the lowest stage they read, updates by their largest input, all of which
