@@ -10,7 +10,8 @@ import pytest
 
 import automap as am
 import automap._search._classic as classic
-from automap._search import Problem, leanest_point
+from automap._graph import Role
+from automap._search import Problem, leanest_point, priced_experts, run_searcher
 from automap._zoo import get_model
 
 # A vocabulary small enough that the embedding does not outweigh the layers: there
@@ -97,3 +98,51 @@ def test_a_budget_that_runs_out_says_so(gpt, monkeypatch):
         am.plan(spec.step_fn, *spec.abstract_args(), cluster=A100x8, searcher="random", budget_s=1)
     assert not e.value.proved and "the budget ran out" in str(e.value)
     assert "the ilp searcher finds one" in str(e.value)
+
+
+def _dp_finds_nothing(monkeypatch):
+    """The stage DP, complete, with no plan: what it answers when none of the points it
+    tries fits (ZeRO and recomputation on the time-optimal and Megatron intra-stage
+    plans), which is no proof that no pipeline does."""
+    monkeypatch.setattr(
+        "automap._search._registry.search_dp",
+        lambda problem, budget, on_point=None: (None, {"complete": True, "points": 30}),
+    )
+
+
+def _with_limit(limit: float) -> am.Cluster:
+    return dataclasses.replace(A100x8, hbm_bytes=limit / (1.0 - A100x8.memory_reserve))
+
+
+def test_a_complete_dp_with_nothing_falls_back_to_the_experts(gpt, monkeypatch):
+    """A pipeline search whose DP found nothing hands back the best pipelined expert plan
+    that fits, named so, rather than saying no pipeline fits (it once did, as proved)."""
+    spec, _ = gpt
+    _dp_finds_nothing(monkeypatch)
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), A100x8)
+    plan = run_searcher(problem, "dp", 10.0, 0, task="pipeline")
+    pipelined = [p for p in priced_experts(problem, pipelines=True).values() if p.pipelined]
+    best = min(p.predicted.step_time_s for p in pipelined if p.predicted.feasible)
+    assert plan.pipelined and plan.predicted.feasible and plan.name.startswith("dp found none")
+    assert plan.predicted.step_time_s == pytest.approx(best, rel=1e-12)
+    assert "found no plan" in plan.decisions["fallback"]
+
+
+def test_nothing_found_is_said_proved_only_where_the_state_alone_overflows(gpt, monkeypatch):
+    """No expert pipeline fits either: under the memory of the parameters and optimizer
+    state spread over every device, no plan can (proved); above it, with every expert
+    over, the answer is that none was found, and a leaner pipeline may exist."""
+    spec, _ = gpt
+    _dp_finds_nothing(monkeypatch)
+    graph = Problem.build(spec.step_fn, spec.abstract_args(), A100x8).graph
+    state = (graph.role_bytes(Role.PARAM) + graph.role_bytes(Role.OPT_STATE)) / A100x8.devices
+    for limit, proved in ((state * 0.9, True), (state * 2.0, False)):
+        problem = Problem.build(spec.step_fn, spec.abstract_args(), _with_limit(limit))
+        pipelined = priced_experts(problem, pipelines=True).values()
+        assert not any(p.predicted.feasible for p in pipelined if p.pipelined)
+        with pytest.raises(am.InfeasibleError) as e:
+            run_searcher(problem, "dp", 10.0, 0, task="pipeline")
+        assert e.value.proved == proved, str(e.value)
+        text = str(e.value)
+        assert ("no plan of this space fits" in text) == proved
+        assert ("no plan found" in text) == (not proved) and "larger budget" not in text

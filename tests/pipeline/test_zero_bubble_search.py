@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._cost import estimate_pipeline, op_costs
+from automap._cost import CostModel, deferred_weight_bytes, estimate_pipeline, op_costs
 from automap._pipeline import (
     Phase,
     cut_candidates,
@@ -21,6 +21,7 @@ from automap._pipeline import (
     pipeline_plan,
     pipeline_schedule,
     schedule_names,
+    split_backward,
 )
 from automap._search import (
     SPLIT_ACTION,
@@ -109,6 +110,61 @@ def test_the_dp_cuts_stages_for_zb_h1(bubble):
     assert for_zb is not None and for_one is not None and len(for_zb) == 3
     assert priced(for_zb).feasible
     assert priced(for_zb).step_time_s <= priced(for_one).step_time_s
+
+
+def _ranges(cuts, n_segments: int):
+    """(first, last) segment of each stage of candidate-index `cuts`."""
+    return list(zip((0, *(c + 1 for c in cuts)), (*cuts, n_segments - 1), strict=True))
+
+
+@pytest.mark.parametrize(
+    "S, m, cuts",
+    # (0, ...): the embedding alone on the first stage, whose gradient the next stage
+    # makes: the second stage then sends nothing upstream and runs no B, all W.
+    [(4, 8, (0, 9, 13)), (4, 8, (2, 7, 12)), (4, 2, (5, 10, 15)), (3, 5, (1, 10))],
+)
+def test_the_tables_hold_and_time_each_stage_as_the_pipeline_model_does(bubble, S, m, cuts):
+    """On a ZB-H1 stage of any layer range the DP's tables hold, beyond the in-flight
+    microbatches, what its deferred W's hold as the whole model counts it on that stage
+    (`deferred_weight_bytes`: they once held nothing there, so the DP could keep a
+    partition that does not fit as its best), and time F, B and W as it times them (a
+    stage after the embedding alone was timed with a B it does not run)."""
+    _, pb = bubble
+    fine, cands, oc, _, assignment = _point(pb, S, 2, m)
+    tables = segment_tables(pb.cost_model, fine, oc, m, ZB, S)
+    extra, per_phase = tables.deferred_memory(S), tables.stage_phase_s(S)
+    plan = pipeline_plan(
+        pb.graph, pb.groups, tuple(cands[c] for c in cuts), {"model": 2}, assignment, m, "zb-h1"
+    )
+    bounds = [(st.op_start, st.op_stop) for st in plan.stages]
+    split = split_backward(pb.graph, partition(pb.graph, pb.groups, bounds, m))
+    held = deferred_weight_bytes(pb.graph, split, oc.layouts.inv, pb.cost_model.residuals, ZB, m)
+    priced = estimate_pipeline(pb.cost_model, plan)
+    assert max(held) > 0
+    for s, (i, j) in enumerate(_ranges(cuts, fine.n_stages)):
+        assert extra[s, i, j] == pytest.approx(held[s], rel=1e-9, abs=1.0)
+        np.testing.assert_allclose(per_phase[s, i, j], priced.stage_times[s], rtol=1e-6)
+
+
+def test_the_dps_zb_h1_partition_fits_where_the_whole_model_says_one_does(bubble):
+    """Two stages of tp 4, 8 microbatches: under device limits from just below the
+    leanest ZB-H1 partition's memory (by the whole model) to well above it, the DP finds
+    a partition exactly where one fits, and the one it finds fits. Without the deferred
+    W's in its tables it kept a partition 8% over the limit where none fits."""
+    _, pb = bubble
+    fine, cands, oc, point, assignment = _point(pb, 2, 4, 8)
+    memory = {}
+    for c in range(len(cands)):
+        plan = pipeline_plan(pb.graph, pb.groups, (cands[c],), {"model": 4}, assignment, 8, "zb-h1")
+        memory[cands[c]] = estimate_pipeline(pb.cost_model, plan).cost.memory_bytes
+    least = min(memory.values())
+    for scale in (0.97, 1.25, 2.0):
+        limit = least * scale
+        device = dataclasses.replace(A100, hbm_bytes=limit / (1.0 - A100.memory_reserve))
+        model = CostModel(pb.graph, device, pb.groups)
+        cuts = optimal_cuts(model, fine, cands, oc, point, ZB)
+        assert (cuts is None) == (scale < 1), scale
+        assert cuts is None or memory[cuts[0]] <= limit
 
 
 def _without_polish(monkeypatch):

@@ -15,10 +15,74 @@ this is what the deferred W's add at the stage's fullest moment.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 from .._capture import Residuals
 from .._graph import Graph
 from .._pipeline import Partition, Phase, PipelineSchedule
+
+
+class Held(NamedTuple):
+    """A value each microbatch holds for its backward, on a stage that runs one of its
+    `readers` (and its `maker` too, where given): per device, per microbatch."""
+
+    nbytes: float
+    for_w: bool  # W's share (held from B to W); else one of all the residuals (F to B)
+    readers: tuple[int, ...]  # op indices
+    maker: int | None = None
+
+
+def deferred_holds(
+    graph: Graph, part: Partition, inv: Sequence[float], res: Residuals, m: int
+) -> tuple[Held, ...]:
+    """What a split backward's microbatches hold (`part` split, `_split.split_backward`):
+    each residual a forward makes, among all the residuals of every stage whose backward
+    (B or W) reads it and in W's share of every stage whose W reads it; and each value a B
+    makes that a W of the same stage reads, in W's share. The stage DP sums these over
+    layer segments (`_search/_cut_tables.py`), the pipeline model per stage: one list."""
+    phase, consumers = part.op_phase, graph.consumers()
+
+    def per_mb(t: int) -> float:
+        b = graph.tensors[t].nbytes * inv[t]
+        return b / m if t in part.batched else b
+
+    out: list[Held] = []
+    for t in res.saved:
+        if phase[graph.tensors[t].producer] is not Phase.FWD:
+            continue  # made once per step, held once (`_traffic._residuals`)
+        back = tuple(c for c in consumers[t] if phase[c] in (Phase.BWD, Phase.WGT))
+        wgt = tuple(c for c in back if phase[c] is Phase.WGT)
+        if back:
+            out.append(Held(per_mb(t), False, back))
+        if wgt:
+            out.append(Held(per_mb(t), True, wgt))
+    for op in graph.ops:  # B's values that its stage's W reads
+        if phase[op.index] is Phase.BWD:
+            for t in op.outputs:
+                wgt = tuple(c for c in consumers[t] if phase[c] is Phase.WGT)
+                if wgt:
+                    out.append(Held(per_mb(t), True, wgt, op.index))
+    return tuple(out)
+
+
+def deferred_beyond(
+    schedule: PipelineSchedule, stages: int, m: int, whole: Sequence, for_w: Sequence
+) -> list:
+    """Per stage s, what its deferred W's hold at its fullest moment beyond its residuals
+    at `schedule.stage_in_flight` microbatches, from `whole[s]` (a microbatch's residuals)
+    and `for_w[s]` (W's share), read off the schedule's `live_counts`. `whole[s]` and
+    `for_w[s]` may be arrays (a stage DP's every layer range): so is each result."""
+    in_flight = schedule.stage_in_flight(stages, m)
+    out = []
+    for s, counts in enumerate(schedule.live_counts(stages, m)):
+        fullest = None
+        for f, w in sorted(set(counts)):
+            held = f * whole[s] + w * for_w[s]
+            fullest = held if fullest is None else np.maximum(fullest, held)
+        out.append(np.maximum(0.0, fullest - in_flight[s] * whole[s]))
+    return out
 
 
 def deferred_weight_bytes(
@@ -35,31 +99,12 @@ def deferred_weight_bytes(
     S = part.n_stages
     if not schedule.splits_backward:
         return [0.0] * S
-    phase, stage, consumers = part.op_phase, part.op_stage, graph.consumers()
-
-    def per_mb(t: int) -> float:
-        b = graph.tensors[t].nbytes * inv[t]
-        return b / m if t in part.batched else b
-
-    def readers(t: int, phases: tuple[Phase, ...]) -> set[int]:
-        return {stage[c] for c in consumers[t] if phase[c] in phases}
-
-    whole, for_w = [0.0] * S, [0.0] * S  # per microbatch: all residuals, W's share
-    for t in res.saved:
-        if phase[graph.tensors[t].producer] is not Phase.FWD:
-            continue  # made once per step, held once (`_traffic._residuals`)
-        for s in readers(t, (Phase.BWD, Phase.WGT)):
-            whole[s] += per_mb(t)
-        for s in readers(t, (Phase.WGT,)):
-            for_w[s] += per_mb(t)
-    for op in graph.ops:  # B's values that its stage's W reads
-        if phase[op.index] is Phase.BWD:
-            for t in op.outputs:
-                if stage[op.index] in readers(t, (Phase.WGT,)):
-                    for_w[stage[op.index]] += per_mb(t)
-    in_flight = schedule.stage_in_flight(S, m)
-    out = []
-    for s, counts in enumerate(schedule.live_counts(S, m)):
-        fullest = max(f * whole[s] + w * for_w[s] for f, w in counts)
-        out.append(max(0.0, fullest - in_flight[s] * whole[s]))
-    return out
+    whole, for_w = np.zeros(S), np.zeros(S)
+    stage = part.op_stage
+    for held in deferred_holds(graph, part, inv, res, m):
+        on = {stage[c] for c in held.readers}
+        if held.maker is not None:
+            on &= {stage[held.maker]}
+        for s in on:
+            (for_w if held.for_w else whole)[s] += held.nbytes
+    return [float(b) for b in deferred_beyond(schedule, S, m, whole, for_w)]

@@ -5,8 +5,9 @@ almost everything, so the pricer caches at every level:
 
 - the per-op costs of an intra-stage plan (`op_costs`), once per plan;
 - the finest partition (every cut candidate a boundary) and its per-segment tables (time
-  per microbatch, state and activation bytes, the send lag after the segment), once per
-  (plan, microbatches): what the stage DP reads, and what the agent's features are made of;
+  per microbatch, state and activation bytes, the send lag after the segment on the link
+  between S stages), once per (plan, microbatches, S): the stage DP's own
+  (`segment_tables`), what the agent's features are made of;
 - a coarse partition is the finest one with its segments merged: the stage of every op is
   a monotone function of the stage it has in the finest partition (forward ops by range,
   backward ops by the lowest stage they read, updates by their largest input, all of which
@@ -55,7 +56,7 @@ from .._pipeline import (
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
 from .._space import Point, layer_cuts
-from ._cut_tables import optimal_cuts
+from ._cut_tables import SegmentTables, optimal_cuts, segment_tables
 from ._dp import one_chunk
 from ._techniques import CHUNKS, SPLIT_SCHEDULES
 
@@ -103,19 +104,6 @@ class Intra:
         return dict(self.assignment)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class PipelineTables:
-    """Per segment of the finest partition, for one intra-stage plan and microbatch count."""
-
-    time: np.ndarray  # [L] seconds per microbatch (forward + backward + remat)
-    state: np.ndarray  # [L] parameter, gradient and optimizer bytes per device
-    act: np.ndarray  # [L] activation bytes per device per microbatch held for backward
-    send: np.ndarray  # [L] lag of a microbatch crossing the boundary after it (0 after last)
-
-    def span(self, x: np.ndarray, first: int, last: int) -> float:
-        return float(x[first : last + 1].sum())
-
-
 class PipelinePricer:
     """Prices pipelines of one program on one cost model (see the module doc)."""
 
@@ -150,10 +138,9 @@ class PipelinePricer:
         self.aligned = tuple(i for i, c in enumerate(self.cands) if c in whole)
         self.batch = groups.batch_size
         self._seg = np.asarray(self.fine.op_stage)
-        self._per_mb = np.array([p.per_microbatch for p in self.fine.op_phase])
         self._oc: dict[Intra, object] = {}
         self._templates: dict[Intra, Plan | None] = {}
-        self._tables: dict[tuple[Intra, int], PipelineTables] = {}
+        self._tables: dict[tuple[Intra, int, int], SegmentTables] = {}
         self._priced: dict[tuple, PipelineCost] = {}
         self._optimal: dict[tuple[Intra, int, int], tuple[int, ...] | None] = {}
         self._chunk_cuts: dict[tuple[int, int], tuple[int, ...] | None] = {}
@@ -216,23 +203,20 @@ class PipelinePricer:
 
     # ---- tables and prices --------------------------------------------------------------
 
-    def tables(self, intra: Intra, microbatches: int) -> PipelineTables:
-        key = (intra, microbatches)
+    def tables(self, intra: Intra, microbatches: int, stages: int) -> SegmentTables:
+        """The finest partition's segment tables for a pipeline of `stages` stages: the
+        stage DP's own (`segment_tables`), so that the agent's features and the DP read
+        one price, sends timed on the link between S stages (not the finest partition's,
+        which crosses nodes where S stages may not)."""
+        key = (intra, microbatches, stages)
         if key not in self._tables:
-            pc = stage_costs(
+            self._tables[key] = segment_tables(
                 self.model_for(intra),
                 self.fine,
                 self.op_costs(intra),
                 microbatches,
                 self.schedule,
-            )
-            L = self.n_segments
-            run = np.where(self._per_mb, pc.op_run_s + pc.op_remat_s, 0.0)
-            self._tables[key] = PipelineTables(
-                time=np.bincount(self._seg, run, minlength=L),
-                state=np.bincount(self._seg, pc.op_state_bytes, minlength=L),
-                act=np.bincount(self._seg, pc.op_act_bytes, minlength=L),
-                send=np.append(np.asarray(pc.send_s, dtype=float), 0.0),
+                stages,
             )
         return self._tables[key]
 
@@ -326,7 +310,7 @@ class PipelinePricer:
 
     def balanced_cut(
         self,
-        tables: PipelineTables,
+        tables: SegmentTables,
         stages: int,
         cuts: Sequence[int],
         pool: Sequence[int] | None = None,
@@ -342,7 +326,7 @@ class PipelinePricer:
 
     def balanced(
         self,
-        tables: PipelineTables,
+        tables: SegmentTables,
         stages: int,
         cuts: Sequence[int] = (),
         pool: Sequence[int] | None = None,
@@ -354,7 +338,7 @@ class PipelinePricer:
         return tuple(out)
 
     def stage_memory(
-        self, tables: PipelineTables, stages: int, microbatches: int, cuts, cut
+        self, tables: SegmentTables, stages: int, microbatches: int, cuts, cut
     ) -> float:
         """Bytes per device of the current stage if it ends at candidate `cut`."""
         first = cuts[-1] + 1 if cuts else 0

@@ -18,7 +18,7 @@ from .._capture import capture
 from .._cluster import Cluster
 from .._cost import CostModel
 from .._errors import AutomapError, InfeasibleError
-from .._graph import Graph
+from .._graph import Graph, Role
 from .._groups import Groups, build_groups
 from .._plan import Cost, Plan
 from .._space import expert_plans_for, pipeline_experts
@@ -123,6 +123,21 @@ def best_expert(problem: Problem, task: str = "shard") -> Plan:
     if not feasible:
         raise InfeasibleError(infeasible_message(problem, plans))
     return min(feasible, key=lambda p: p.predicted.step_time_s if p.predicted else math.inf)
+
+
+def memory_floor(problem: Problem) -> float:
+    """Bytes per device no plan of any kind holds less of: the parameters and optimizer
+    state its step reads, each at least once somewhere, spread evenly over every device
+    (no layout, ZeRO stage or pipeline divides a tensor by more than the device count).
+    Above the memory limit it proves that nothing fits, whatever a search tried."""
+    graph, consumers = problem.graph, problem.graph.consumers()
+    state = sum(
+        graph.tensors[leaf.tensor].nbytes
+        for role in (Role.PARAM, Role.OPT_STATE)
+        for leaf in graph.leaves(role)
+        if consumers[leaf.tensor]
+    )
+    return state / problem.cluster.devices
 
 
 def no_worse_than_experts(problem: Problem, plan: Plan, stats: dict, task: str) -> Plan:

@@ -22,7 +22,14 @@ from .._plan import Plan, Provenance
 from .._version import __version__
 from ._classic import SAFETY
 from ._dp import pipeline_notes, search_dp
-from ._problem import Problem, arg_roles, best_expert, no_worse_than_experts, priced_experts
+from ._problem import (
+    Problem,
+    arg_roles,
+    best_expert,
+    memory_floor,
+    no_worse_than_experts,
+    priced_experts,
+)
 from ._runner import (
     DQNFiles,
     SearchProgress,
@@ -188,18 +195,7 @@ def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
             except InfeasibleError:
                 raise KeyboardInterrupt from None
     if not candidates:
-        if one_stage_proved and stats.get("complete", False):
-            raise InfeasibleError(
-                f"no plan of this space fits in memory on {problem.cluster.devices} "
-                f"{problem.cluster.name} devices, with or without pipeline stages (ZeRO and "
-                "rematerialization tried). Use more devices, a smaller batch, or a device "
-                "with more memory.",
-                proved=True,
-            )
-        raise InfeasibleError(
-            "the budget ran out before a feasible plan was found (the one-stage ILP or the "
-            "pipeline search was cut short): give it a larger budget."
-        )
+        return _found_none(problem, request, stats, one_stage_proved)
     best = min(candidates, key=lambda p: p.predicted.step_time_s)
     best = with_stats(best, stats, {"arg_roles": arg_roles(problem.graph)})
     if best.decisions.get("interrupted"):
@@ -207,6 +203,47 @@ def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
     elif best.decisions.get("complete") is False:  # the budget cut it short
         best = no_worse_than_experts(problem, best, {"complete": False}, request.task)
     return best
+
+
+def _found_none(
+    problem: Problem, request: Request, stats: dict[str, Any], one_stage_proved: bool
+) -> Plan:
+    """Neither the one-stage ILP nor the stage DP found a plan that fits. A complete DP is
+    no proof that no pipeline fits: it tries ZeRO and recomputation on two intra-stage
+    assignments of each stage mesh (the time optimum and Megatron x data), not on the
+    leanest. So the expert plans are tried, and that nothing fits is said only where it
+    is proved: the state alone overflows every device (`memory_floor`)."""
+    try:
+        expert = best_expert(problem, request.task)
+    except InfeasibleError:
+        expert = None
+    if expert is not None:
+        found = {**stats, "fallback": f"the dp search found no plan; expert {expert.name}"}
+        named = dataclasses.replace(expert, name=f"dp found none ({expert.name})")
+        return with_stats(named, found, {"arg_roles": arg_roles(problem.graph)})
+    cluster = problem.cluster
+    where = f"on {cluster.devices} {cluster.name} devices"
+    if not stats.get("complete", False):
+        raise InfeasibleError(
+            "the budget ran out before a feasible plan was found (the one-stage ILP or the "
+            "pipeline search was cut short): give it a larger budget."
+        )
+    floor = memory_floor(problem)
+    if floor > cluster.memory_limit:
+        raise InfeasibleError(
+            f"no plan of this space fits in memory {where}, with or without pipeline "
+            f"stages: its parameters and optimizer state alone need {_size(floor)} per "
+            "device spread over every device. Use more devices, a smaller batch, or a "
+            "device with more memory.",
+            proved=True,
+        )
+    one_stage = "none fits on one stage (proved by the ILP); " if one_stage_proved else ""
+    raise InfeasibleError(
+        f"no plan found that fits in memory {where}: {one_stage}the stage DP (ZeRO and "
+        "rematerialization on the time-optimal and Megatron intra-stage plans) and the "
+        "expert plans found no pipeline that fits, though a leaner one may. Use more "
+        "devices, a smaller batch, or a device with more memory."
+    )
 
 
 def _auto(problem: Problem, request: Request) -> Plan:

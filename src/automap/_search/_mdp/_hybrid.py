@@ -138,7 +138,7 @@ class HybridProcess(StagedProcess):
             return self.pricer.chunk_cuts(self._stages, self._chunks)
         cuts = self.pricer.optimal(intra, self._stages, self._m, self._split)
         if cuts is None:
-            tables = self.pricer.tables(intra, self._m)
+            tables = self.pricer.tables(intra, self._m, self._stages)
             cuts = self.pricer.balanced(tables, self._stages, (), self.pricer.pool(intra))
         return cuts
 

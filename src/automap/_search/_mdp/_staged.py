@@ -312,7 +312,7 @@ class PipelineProcess(StagedProcess):
 
             def quick(intra: Intra):
                 m = self.micro_choices(intra, stages)[-1]
-                tables = self.pricer.tables(intra, m)
+                tables = self.pricer.tables(intra, m, stages)
                 time_s, fits, over = cost_summary(
                     self.pricer.price(intra, m, self.pricer.balanced(tables, stages)).cost
                 )
@@ -328,7 +328,7 @@ class PipelineProcess(StagedProcess):
     def _targets(self) -> list[int | None]:
         """The candidate index of each cut action, None where masked."""
         intra = self.effective()
-        tables = self.pricer.tables(intra, self._m)
+        tables = self.pricer.tables(intra, self._m, self._stages)
         choices = self.pricer.cut_choices(self._stages, self._cuts, self.pricer.pool(intra))
         mid = self.pricer.balanced_cut(tables, self._stages, self._cuts, self.pricer.pool(intra))
         at = int(np.searchsorted(choices, mid))  # its position among the choices
@@ -372,7 +372,7 @@ class PipelineProcess(StagedProcess):
         if self._chunks > 1:
             cuts = self.pricer.chunk_cuts(self._stages, self._chunks)
             return intra, m, cuts, self._chunks, False
-        tables = self.pricer.tables(intra, m)
+        tables = self.pricer.tables(intra, m, self._stages)
         cuts = self.pricer.balanced(tables, self._stages, self._cuts, self.pricer.pool(intra))
         return intra, m, cuts, 1, self._split
 
@@ -411,7 +411,8 @@ class PipelineProcess(StagedProcess):
         # Per cut action: the current stage's time per microbatch (its send included) over
         # an equal share, and its memory per device over the limit.
         intra = self.effective()
-        tables, S = self.pricer.tables(intra, self._m), self._stages
+        S = self._stages
+        tables = self.pricer.tables(intra, self._m, S)
         first = self._cuts[-1] + 1 if self._cuts else 0
         share = tables.time[first:].sum() / (S - len(self._cuts)) or 1.0
         a, b = np.zeros(self.n_actions), np.zeros(self.n_actions)
