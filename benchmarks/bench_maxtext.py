@@ -29,8 +29,12 @@ tensor-parallel chip, 7.6 GB a layer; MaxText's `minimal` keeps the layer's inpu
 the projections' outputs and splits the stream 4 ways, 1.8 GB a layer. The 32B row's
 other 10.5 GB of activations (of 68.6) are the head's and the one layer the backward
 recomputes at a time, its float32 scores and softmax written out (flash attention, not
-modelled, would hold none of them).
-Stated, not tuned:
+modelled, would hold none of them). With `--rows 32B --plan 120` (the cores shared with
+other work: 444 s of wall time, capture and experts included) the planner returned a
+plan that fits, pipelined (4 stages of 1F1B, 48 microbatches, data × model 8 × 2,
+recomputation), predicted at 1.05 times MaxText's configuration's step: the searchers
+choose among none, selective and full recomputation, not "projections". Stated, not
+tuned:
 
 - Matmuls run at the preset's `matmul_efficiency`, 0.6 of the v5p's 459 TFLOP/s (no
   measured TPU matmul rate is published that we found: `_cluster.py`), where MaxText's
