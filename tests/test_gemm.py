@@ -80,6 +80,9 @@ def test_the_cost_model_prices_matmuls_by_shape():
 
 def test_a_cluster_file_gives_the_tile_and_refuses_a_bad_one():
     assert Cluster.preset("a100").matmul_tile == 64
+    # A TPU's MXU: 128 x 128, Trillium's 256 x 256.
+    tiles = {n: Cluster.preset(n).matmul_tile for n in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")}
+    assert tiles == {"tpu-v4": 128, "tpu-v5e": 128, "tpu-v5p": 128, "tpu-v6e": 256}
     assert Cluster.from_dict({"preset": "cpu", "matmul_tile": 32}).matmul_tile == 32
     with pytest.raises(ClusterError, match="matmul_tile must be an integer"):
         Cluster.from_dict({"preset": "cpu", "matmul_tile": 0})

@@ -76,7 +76,10 @@ BAD = [
     ),
     (dict(tp=1, pp=1, dp=8, microbatch_size=3), "microbatch size 3 does not divide the 1"),
     (dict(tp=2, pp=2, dp=2, microbatches=3), "3 microbatches do not divide the 4"),
-    (dict(tp=2, pp=2, dp=2, remat="some"), "remat 'some': use one of none, selective, full"),
+    (
+        dict(tp=2, pp=2, dp=2, remat="some"),
+        "remat 'some': use one of none, selective, projections, full",
+    ),
     (dict(tp=2, pp=2, dp=2, schedule="zb"), "schedule 'zb'"),
     (dict(tp=2, pp=2, dp=2, remat="full", remat_layers=True), "a whole number >= 1"),
     (dict(tp=2, pp=2, dp=2, remat="none", remat_layers=1), "use remat='full'"),

@@ -161,3 +161,29 @@ def test_a_tpu_holds_its_state_in_tiles_as_priced():
     bytes_only = CostModel(am.capture(step, *args), v5p.with_lowering(tile_padding=False))
     plain = bytes_only.estimate(plan).memory_breakdown
     assert plain["params"] + plain["opt_state"] + plain["other"] < 0.6 * held
+
+
+@pytest.mark.slow  # two policies compiled for 4 v5p chips: ~5 min on two loaded cores
+def test_projections_keeps_less_than_selective_in_a_tpus_buffer_assignment():
+    # MaxText's `minimal` ("projections": each layer recomputed but its projections) on
+    # a reduced Llama at data 2 x model 2 on a v5p 2x2x1: XLA's TPU compiler inserts the
+    # collectives priced for it and for selective, and holds less for it than for
+    # selective, as the cost model does (measured: XLA 375 against 468 MB, priced 305
+    # against 515; the model overstates the saving: at the recomputed layer's backward
+    # XLA holds more bf16 [b, h, s, s] buffers at once than it prices. With hidden 512,
+    # sequence 128, batch 128 and 8 layers, XLA reduce-scatters and all-gathers over
+    # model the partial sums priced as all-reduced under projections: not yet modelled.)
+    spec = get_model("llama", layers=4, hidden=256, heads=4, kv_heads=4, head_dim=128,
+                     ffn=512, seq=512, batch=64, vocab=512)  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    reports = {}
+    for remat in ("selective", "projections"):
+        recipe = am.Recipe(tp=2, dp=2, remat=remat)
+        plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+        reports[remat] = report = verify(step, plan, *args, target="v5p:2x2x1")
+        assert report.collectives_match, (remat, report.mismatches)
+    xla = {k: r.xla_memory_breakdown["temporaries"] for k, r in reports.items()}
+    priced = {k: r.predicted_memory_breakdown["activations"] for k, r in reports.items()}
+    assert xla["projections"] < 0.9 * xla["selective"], xla
+    assert priced["projections"] < 0.9 * priced["selective"], priced

@@ -454,6 +454,14 @@ def _example(name: str) -> Any:
 # (128 bytes) (NVIDIA, "Matrix Multiplication Background User's Guide", Tensor Core
 # requirements).
 _GPU_TILE = 64
+# Matmuls on TPUs: `matmul_tile` is the MXU's systolic array, 128 x 128 on v4, v5e and
+# v5p, 256 x 256 on v6e (J. Austin et al., "How to Scale Your Model", part 2, "How to
+# Think About TPUs": the MXU multiplies bf16[8,128] @ bf16[128,128] every 8 cycles).
+# `matmul_efficiency` stays the generic 0.6 on TPUs: no measured matmul rate over peak is
+# published for them that we found (Bekman's MAMF table has no TPU; the scaling book's
+# profiling part times one matmul at its peak, on a TPU v2; Google's
+# accelerator-microbenchmarks publish Ironwood's only).
+_TPU_MXU = 128
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100": dict(
         peak_flops=125e12,
@@ -515,6 +523,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 45 * GB,
         inter_bandwidth=25 * GB,
         devices_per_node=4096,
+        matmul_tile=_TPU_MXU,
         lowering=Lowering.tpu(),
     ),
     # v5e: 197 TFLOP/s, 16 GB at 819 GB/s, 2-D torus, 4 ports, 400 GB/s bidirectional ICI
@@ -529,6 +538,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 50 * GB,
         inter_bandwidth=2 * 100e9 / 8 / 8,
         devices_per_node=256,
+        matmul_tile=_TPU_MXU,
         lowering=Lowering.tpu(),
     ),
     # v5p: 459 TFLOP/s, 95 GiB at 2765 GB/s, 3-D torus, 6 ports, 1200 GB/s bidirectional
@@ -542,6 +552,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 100 * GB,
         inter_bandwidth=50e9 / 8,
         devices_per_node=8960,
+        matmul_tile=_TPU_MXU,
         lowering=Lowering.tpu(),
     ),
     # v6e (Trillium): 918 TFLOP/s, 32 GB at 1638 GB/s, 2-D torus, 4 ports, 800 GB/s
@@ -556,6 +567,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 100 * GB,
         inter_bandwidth=2 * 100e9 / 8 / 8,
         devices_per_node=256,
+        matmul_tile=2 * _TPU_MXU,
         lowering=Lowering.tpu(),
     ),
     # The local CPU (virtual devices): modest figures, recalibrate with `automap calibrate`.

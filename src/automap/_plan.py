@@ -141,7 +141,9 @@ class Plan:
     zero_gather: str = "params"
     remat: bool = False  # recompute in the backward; what, by the two fields below
     # "full": each layer's forward (Megatron's full recomputation); "selective": only the
-    # attention core of each layer (Korthikanti et al.). Read only when `remat` is set.
+    # attention core of each layer (Korthikanti et al.); "projections": all of each layer
+    # but its projections, whose outputs are kept (MaxText's `minimal`). Read only when
+    # `remat` is set.
     remat_policy: str = "full"
     # Full recomputation of the first k layers of each stage (the rest keep their
     # activations), Megatron's "block" method; None: every layer.
@@ -184,8 +186,8 @@ class Plan:
 
     @property
     def remat_label(self) -> str:
-        """What the plan recomputes, in words: none, selective, full, or full over k
-        layers per stage."""
+        """What the plan recomputes, in words: none, selective, projections, full, or full
+        over k layers per stage."""
         if not self.remat:
             return "none"
         if self.remat_layers is not None:
@@ -402,7 +404,7 @@ def _check_zero_gather(value: Any, source: str) -> None:
 
 
 #: What a remat plan may recompute (`_remat.plan_recompute` reads them).
-REMAT_POLICIES = ("selective", "full")
+REMAT_POLICIES = ("selective", "projections", "full")
 
 
 def _check_remat(policy: Any, layers: Any, source: str) -> None:

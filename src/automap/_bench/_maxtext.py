@@ -13,16 +13,22 @@ Each row is priced with MaxText's configuration as a `Recipe`:
 - FSDP on the axis that carries the batch is ZeRO-3 on the data axis: parameters,
   gradients and Adam moments split over it, parameters gathered where used.
 - `ici_tensor_parallelism` is tensor parallelism on the `model` axis.
-- `remat_policy=minimal` is our "selective". MaxText's `minimal` is
+- MaxText's activation sharding rule `['activation_embed', 'tensor']` (`base.yml`'s
+  `logical_axis_rules`, e.g. at 000e9355) splits the residual stream between the layers'
+  matmuls (norms, residual adds, each layer's input) over `tensor` by its width: our
+  sequence parallelism on the `model` axis, which splits it by sequence. Both hold the
+  stream 1/tensor per chip and make the same collectives, an all-gather before the
+  column-parallel projections and a reduce-scatter after the row-parallel ones.
+- `remat_policy=minimal` is our "projections". MaxText's `minimal` is
   `save_only_these_names` over every projection's output (query, key, value, attention
   out, the MLP's two input projections and its output; `decoders.py`, `minimal_policy`):
-  the attention core between the projections (scores, softmax, context) and the
-  elementwise work (norms, rotary, the SwiGLU product) are recomputed in the backward,
-  no weight matmul is. Ours are "none", "selective" (recompute each layer's attention
-  core, Korthikanti et al.) and "full" (recompute the whole layer forward); "selective"
-  is the one that recomputes the attention core and no projection. (MaxText's December
-  2023 `minimal`, `checkpoint_dots_with_no_batch_dims`, saves the same matmuls: the
-  projections' weights have no batch dimension, the attention's two products do.)
+  with the scanned layer's input, which the scan keeps, that is what stays alive; the
+  attention core between the projections (scores, softmax, context) and the elementwise
+  work (norms, rotary, the SwiGLU product, the residual adds) are recomputed in the
+  backward, no weight matmul is. Ours, "projections", recomputes each layer but its
+  projections (`_remat.projection_gaps`). (MaxText's December 2023 `minimal`,
+  `checkpoint_dots_with_no_batch_dims`, saves the same matmuls: the projections' weights
+  have no batch dimension, the attention's two products do.)
 - bf16 compute, float32 parameters and optimizer state: the zoo's Llama as it is.
 
 TFLOP/s per chip is counted as MaxText counts it: `calculate_tflops_training_per_device`
@@ -55,7 +61,7 @@ from ._isolated import PlanJob, plan_shape, planner_columns, train_step
 SEQ, VOCAB, HEAD_DIM = 2048, 32000, 128
 SWIGLU = 2  # MaxText's mlp_activations ["silu", "linear"]: two input projections
 CLUSTER = "tpu-v5p"
-REMAT = "selective"  # MaxText's remat_policy=minimal (see the module's docstring)
+REMAT = "projections"  # MaxText's remat_policy=minimal (see the module's docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +142,17 @@ def job_of(row: MaxTextRow) -> PlanJob:
 
 
 def recipe_of(row: MaxTextRow) -> Recipe:
-    """MaxText's configuration: FSDP as ZeRO-3 on `data`, tensor parallel on `model`,
-    the whole per-replica batch in one step (MaxText accumulates no gradients here)."""
-    return Recipe(dp=row.fsdp, tp=row.tensor, zero=3, remat=REMAT, name=f"maxtext-{row.name}")
+    """MaxText's configuration: FSDP as ZeRO-3 on `data`, tensor parallel on `model` with
+    the residual stream split over it (`activation_embed`: sequence parallelism), the
+    whole per-replica batch in one step (MaxText accumulates no gradients here)."""
+    return Recipe(
+        dp=row.fsdp,
+        tp=row.tensor,
+        zero=3,
+        remat=REMAT,
+        sequence_parallel=True,
+        name=f"maxtext-{row.name}",
+    )
 
 
 def price_row(row: MaxTextRow) -> Plan:
@@ -208,7 +222,8 @@ def _head(section: dict) -> str:
         "MaxText's TPU v5p table (`configs/v5p/README.md`; Llama-style decoder, sequence "
         "2048, vocabulary 32,000, heads of 128, bf16, `remat_policy=minimal`, flash "
         "attention, one slice). Predicted: MaxText's configuration (ICI fsdp as ZeRO-3 on "
-        f"the data axis, tensor parallel on the model axis, remat `{section['remat']}`) "
+        "the data axis, tensor parallel on the model axis with the residual stream split "
+        f"over it, remat `{section['remat']}`) "
         "priced by the cost model on the slice's torus, in TFLOP/s per chip by MaxText's "
         "count (`calculate_tflops_training_per_device`, maxtext e591f30c); ratio: "
         "predicted over published; fits: within the chip's HBM by the memory model. "

@@ -418,7 +418,11 @@ def estimate_cmd(
         ),
     ] = 1,
     remat: Annotated[
-        str, typer.Option(help="Recomputation: none, selective (attention cores) or full.")
+        str,
+        typer.Option(
+            help="Recomputation: none, selective (attention cores), projections (all but "
+            "the projections: MaxText's minimal) or full."
+        ),
     ] = "none",
     remat_layers: Annotated[
         int | None,

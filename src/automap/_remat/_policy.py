@@ -6,6 +6,8 @@
   whole forward of a plan without stages). A layer is the program's repeating unit
   (`_units.py`): a transformer layer.
 - "selective": only each block's attention core (`_selective.py`).
+- "projections": each layer but its projections (`_selective.projection_gaps`): the layer's
+  input and its projections' outputs are kept, MaxText's `minimal`.
 
 A pipeline stage cut inside a layer (the stage DP may cut between a layer's attention and
 MLP blocks) splits it: each stage recomputes its part from the part's own input, which that
@@ -24,7 +26,7 @@ from .._groups import Groups
 from .._pipeline import Phase, partition
 from .._plan import Plan
 from ._recompute import Recompute, recompute_units
-from ._selective import attention_cores
+from ._selective import attention_cores, projection_gaps
 from ._units import block_ops, layer_ops
 
 
@@ -32,7 +34,10 @@ def plan_recompute(graph: Graph, groups: Groups, plan: Plan) -> Recompute:
     """What `plan` recomputes in `graph` (its remat is on)."""
     if plan.remat_policy == "selective":
         return recompute_units(graph, attention_cores(graph, block_ops(graph, groups)))
-    full = recompute_units(graph, split_at_stages(layer_ops(graph, groups), stage_starts(plan)))
+    layers = split_at_stages(layer_ops(graph, groups), stage_starts(plan))
+    if plan.remat_policy == "projections":
+        return recompute_units(graph, projection_gaps(graph, layers))
+    full = recompute_units(graph, layers)
     if plan.remat_layers is None:
         return full
     return full.only(first_layers(full, stage_forwards(graph, groups, plan), plan.remat_layers))

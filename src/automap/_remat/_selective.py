@@ -9,6 +9,15 @@ core is the two matmuls, the ops on the paths between them (mask, scale, softmax
 dropout), and what feeds only those paths inside the layer (the causal mask, the dropout
 bits), but not what makes Q, K or V. A layer without that pattern (an MLP) has no core,
 so a program without attention recomputes nothing under this policy.
+
+The "projections" policy (`projection_gaps`) recomputes the complement of the matmuls with
+a weight: per layer, every op on activations that is not a projection (norms, rotary, the
+attention core, the MLP's activation and product, the residual adds), so that only the
+layer's input and its projections' outputs stay alive. It is MaxText's `remat_policy=
+minimal` (`save_only_these_names` over the query, key, value, attention-out and MLP
+projections' outputs; `decoders.py`, `minimal_policy`) and JAX's
+`checkpoint_policies.dots_with_no_batch_dims_saveable` on a transformer layer: a
+projection's weight has no batch dimension, the attention's two products do.
 """
 
 from __future__ import annotations
@@ -24,6 +33,29 @@ def attention_cores(graph: Graph, layers: Sequence[Sequence[int]]) -> tuple[tupl
     """Per layer, the ops of its attention core(s) in program order (empty: none)."""
     data = _from_data(graph, max((i for layer in layers for i in layer), default=-1))
     return tuple(_cores(graph, layer, data) for layer in layers)
+
+
+def projection_gaps(graph: Graph, layers: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Per layer, its ops other than projections and what makes their weights, in program
+    order: what the "projections" policy recomputes (the module's docstring). A projection
+    is a matmul with an operand made from parameters alone; the ops on parameters alone
+    that make such an operand (a weight's cast) are left to the projections, which read
+    them, while those feeding the rest (a causal mask, rotary angles) are made again with
+    it, as selective recomputation makes the mask with the core."""
+    data = _from_data(graph, max((i for layer in layers for i in layer), default=-1))
+    return tuple(_gaps(graph, layer, data) for layer in layers)
+
+
+def _gaps(graph: Graph, layer: Sequence[int], data: set[int]) -> tuple[int, ...]:
+    producer = {t: i for i in layer for t in graph.ops[i].outputs}
+    projections = {
+        i
+        for i in layer
+        if graph.ops[i].primitive == DOT and not all(t in data for t in graph.ops[i].inputs)
+    }
+    weights = [t for i in projections for t in graph.ops[i].inputs if t not in data]
+    fenced = _ancestors(graph, weights, producer, set())
+    return tuple(i for i in layer if i not in projections and i not in fenced)
 
 
 def _from_data(graph: Graph, last: int) -> set[int]:

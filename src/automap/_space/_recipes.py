@@ -38,7 +38,7 @@ from .._plan import Plan
 from .._remat import stage_layer_counts
 from ._experts import axis_assignment, batch_groups, block_groups
 
-REMAT = ("none", "selective", "full")
+REMAT = ("none", "selective", "projections", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +69,9 @@ class Recipe:
     More than 1 needs schedule "interleaved", pp > 1 and microbatches a multiple of pp."""
     remat: str = "none"
     """Activation recomputation: "none", "selective" (recompute only each layer's
-    attention core, Korthikanti et al.), or "full" (keep each layer's input, recompute
-    its forward inside the backward)."""
+    attention core, Korthikanti et al.), "projections" (keep each layer's input and its
+    projections' outputs, recompute the rest of it: MaxText's `minimal`), or "full" (keep
+    each layer's input, recompute its forward inside the backward)."""
     remat_layers: int | None = None
     """With remat "full": recompute only the first k transformer layers of each stage and
     keep the others' activations (Megatron's "recompute k layers"); None: all of them."""
