@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 import automap as am
+from _child import child_env
 from automap._cli import app
 from automap._zoo import get_model
 
@@ -436,10 +437,7 @@ def test_sigterm_keeps_the_best_plan_as_ctrl_c_does(tmp_path):
     command = "from automap._cli import main; main()"
     args = ["plan", "--fn", "user_step_term:make_step", "--cluster", "cpu", "--searcher"]
     args += ["random", "--budget", "3600", "-o", str(out)]
-    # This process's path, less the compile-only plugins a GPU or TPU verify test in it may
-    # have added (JAX would load them in the child and log to its stderr).
-    path = [p for p in sys.path if not p.endswith(("gpu-compile", "tpu-compile"))]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-c", command, *args],
         cwd=tmp_path,

@@ -6,7 +6,6 @@ the message, 3 runs in 10)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from _child import child_env
 
 STEP = """\
 from pathlib import Path
@@ -56,8 +57,7 @@ def test_ctrl_c_inside_a_gc_callback_is_not_lost():
     # unraisable exception, which pytest's own hook would count against whichever test
     # runs when it is collected (and the re-sent signal may land in a weakref callback of
     # the test runner's own objects).
-    path = [p for p in sys.path if not p.endswith(("gpu-compile", "tpu-compile"))]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-c", GC_CALLBACK], env=env, capture_output=True, text=True, timeout=120
     )
@@ -67,8 +67,7 @@ def test_ctrl_c_inside_a_gc_callback_is_not_lost():
 @pytest.mark.parametrize("delay", [0.0, 1.5])
 def test_ctrl_c_during_capture_exits_130_with_one_line(tmp_path, delay):
     (tmp_path / "user_step_int.py").write_text(STEP)
-    path = [p for p in sys.path if not p.endswith(("gpu-compile", "tpu-compile"))]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     args = ["plan", "--fn", "user_step_int:make_step", "--cluster", "cpu", "--devices", "8"]
     proc = subprocess.Popen(
         [sys.executable, "-c", "from automap._cli import main; main()", *args, "--budget", "60"],
