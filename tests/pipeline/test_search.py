@@ -13,7 +13,7 @@ from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
 from automap._pipeline import cut_candidates, partition, pipeline_plan, pipeline_schedule
 from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
-from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan
+from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan, stage_counts
 from automap._zoo import get_model
 from test_auto import SMALL as SMALL_VOCAB
 from test_auto import leanest_one_stage
@@ -33,6 +33,24 @@ def test_microbatch_counts_divide_the_batch_over_data():
     assert microbatch_counts(16, 2, 2, True) == [2, 4, 8]
     assert microbatch_counts(16, 2, 4, False) == [1]
     assert microbatch_counts(8, 8, 4, True) == [1]  # nothing >= S divides: the largest
+
+
+def test_stages_fill_whole_nodes_or_divide_one():
+    # 280 GPUs in nodes of 8 (Korthikanti's 530B row): 2 or 4 stages would split a node;
+    # 5 stages of 7 nodes or 35 of one node do not. A single partial node splits freely.
+    assert stage_counts(280, 300, 8) == [5, 7, 35, 70, 140, 280]
+    assert stage_counts(6, 10, 8) == [2, 3, 6]
+
+
+def test_the_dp_plans_a_cluster_whose_halves_split_a_node():
+    # 24 A100s (3 nodes): 2 stages of 12 devices would each hold a node and a half. The
+    # search skips that stage count instead of failing on it ("12 devices do not fill
+    # whole nodes of 8").
+    spec = get_model("gpt2-xl", **SMALL)
+    pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 24))
+    plan, stats = search_dp(pb, budget_s=30)
+    assert stats["points"] > 0 and plan is not None and plan.predicted.feasible
+    assert all(len(s.devices) % 8 == 0 or 8 % len(s.devices) == 0 for s in plan.stages)
 
 
 def test_dp_cuts_are_the_best_of_every_cut_set(gpt):

@@ -180,7 +180,7 @@ def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work
     """The outer level, (point, intra-stage assignment) by stage count, stage mesh,
     intra-stage plan and microbatch count."""
     graph, groups, cluster = model.graph, model.groups, model.cluster
-    for S in stage_counts(cluster.devices, len(cands)):
+    for S in stage_counts(cluster.devices, len(cands), cluster.devices_per_node):
         per_stage = cluster.devices // S
         space = ShardSpace(graph, groups, cluster.with_devices(per_stage), model)
         for mesh_index, mesh in enumerate(candidate_meshes(per_stage)):

@@ -188,7 +188,11 @@ def _node_tps(groups: Groups, cluster: Cluster) -> list[int]:
 def _gpipe(graph, groups, cluster, estimate, cands, batch) -> Plan | None:
     """GPipe: uniform stages, data parallel inside, the most microbatches."""
     leanest: Plan | None = None
-    for S in (s for s in stage_counts(cluster.devices, len(cands)) if s & (s - 1) == 0):
+    for S in (
+        s
+        for s in stage_counts(cluster.devices, len(cands), cluster.devices_per_node)
+        if s & (s - 1) == 0
+    ):
         data = cluster.devices // S
         counts = microbatch_counts(batch, data, S, allowed=True)
         if not counts:  # the batch does not divide over this data axis: skip it

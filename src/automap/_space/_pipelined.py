@@ -21,9 +21,21 @@ class Point:
     intra: str  # where the intra-stage assignment comes from: "ilp" or "megatron_dp"
 
 
-def stage_counts(devices: int, candidates: int) -> list[int]:
-    """S >= 2 dividing the devices, with enough cut candidates for S - 1 cuts."""
-    return [s for s in range(2, devices + 1) if devices % s == 0 and s - 1 <= candidates]
+def stage_counts(devices: int, candidates: int, per_node: int) -> list[int]:
+    """S >= 2 dividing the devices, with enough cut candidates for S - 1 cuts, whose stages
+    fill whole nodes or divide one where the devices span several: 280 GPUs in 2 stages of
+    140 would split a node of 8 between two stages (and a stage of 140 is no cluster)."""
+    return [
+        s
+        for s in range(2, devices + 1)
+        if devices % s == 0
+        and s - 1 <= candidates
+        and _node_aligned(devices // s, devices, per_node)
+    ]
+
+
+def _node_aligned(per_stage: int, devices: int, per_node: int) -> bool:
+    return devices <= per_node or per_stage % per_node == 0 or per_node % per_stage == 0
 
 
 def microbatch_counts(batch: int, data: int, stages: int, allowed: bool) -> list[int]:

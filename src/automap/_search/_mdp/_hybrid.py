@@ -36,8 +36,12 @@ class HybridProcess(StagedProcess):
     def __init__(self, pricer: PipelinePricer | None, shard: ShardProcess):
         self.shard_top = shard  # the S = 1 process: the plain shard task
         self.space = shard.space
-        devices = self.space.cluster.devices
-        pipes = stage_counts(devices, len(pricer.cands)) if pricer is not None else []
+        cluster = self.space.cluster
+        pipes = (
+            stage_counts(cluster.devices, len(pricer.cands), cluster.devices_per_node)
+            if pricer is not None
+            else []
+        )
         if pricer is None:  # no cut candidates: the hybrid space is the shard task's
             pricer = _NoPipeline(shard.space.cost_model)
         super().__init__(pricer, shard.baseline_time, [1, *pipes])

@@ -245,8 +245,10 @@ class PipelineProcess(StagedProcess):
         stage_choices=None,
         techniques: bool = True,
     ):
-        devices = pricer.model.cluster.devices
-        choices = stage_choices or stage_counts(devices, len(pricer.cands))
+        cluster = pricer.model.cluster
+        choices = stage_choices or stage_counts(
+            cluster.devices, len(pricer.cands), cluster.devices_per_node
+        )
         super().__init__(pricer, baseline_time, choices)
         # False: the 2021 space (no recomputation, sequence parallelism or interleaving),
         # to measure what the agent learns of the microbatches and cuts alone.
