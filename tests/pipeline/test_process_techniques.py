@@ -15,6 +15,7 @@ import pytest
 import automap as am
 from automap._cost import estimate_pipeline
 from automap._search import (
+    REMATS,
     PipelinePricer,
     PipelineProcess,
     Problem,
@@ -28,7 +29,8 @@ from automap._zoo import get_model
 
 SMALL = dict(layers=4, hidden=64, heads=4, batch=16, seq=16)
 DATA, MODEL = "data", "model"  # the mesh axes a plan names
-REMAT_CHOICES = {0: (False, "full"), 1: (True, "selective"), 2: (True, "full")}
+REMAT_CHOICES = dict(enumerate(REMATS))  # the remat actions: none, then each policy
+FULL = REMATS.index((True, "full"))  # the remat action for full recomputation
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +104,7 @@ def test_hybrid_offers_each_technique_and_prices_it_as_the_plan(gpt):
         else:
             assert plan.predicted.step_time_s <= time_s * (1 + 1e-9)
         seen.add((plan.remat_label, plan.sequence_parallel, plan.virtual_stages))
-    assert len(seen) == 12  # every combination a distinct plan
+    assert len(seen) == 4 * len(REMATS)  # every combination a distinct plan
     # v = 3 would need 6 chunks of the 4 layers: masked.
     hybrid.reset()
     for a in prefix:
@@ -124,9 +126,14 @@ def test_techniques_change_the_price_they_should(gpt):
         _play(hybrid, prefix, choices)
         return hybrid.to_plan(hybrid.decisions()).predicted
 
-    plain, selective, full = (cost(remat=r) for r in (0, 1, 2))
-    assert plain.step_time_s < selective.step_time_s < full.step_time_s
-    assert full.memory_bytes <= selective.memory_bytes <= plain.memory_bytes
+    plain, selective, projections, full = (
+        cost(remat=REMATS.index(r))
+        for r in ((False, "full"), (True, "selective"), (True, "projections"), (True, "full"))
+    )
+    times = [c.step_time_s for c in (plain, selective, projections, full)]
+    assert times == sorted(times) and len(set(times)) == 4
+    assert full.memory_bytes <= projections.memory_bytes <= selective.memory_bytes
+    assert selective.memory_bytes <= plain.memory_bytes
     assert full.memory_bytes < plain.memory_bytes
     interleaved = cost(chunks=1)
     assert interleaved.bubble_s < plain.bubble_s
@@ -147,7 +154,7 @@ def test_pipeline_task_cuts_between_layers_under_full_recomputation(gpt):
         while not process.done():
             if process.phase_name() == "remat":
                 # Full where S - 1 cuts between layers exist (masked otherwise).
-                action = 2 if process.action_mask()[2] else 0
+                action = FULL if process.action_mask()[FULL] else 0
             elif process.phase_name() == "chunks":
                 action = 0  # one chunk: the agent's own cuts
             else:

@@ -62,4 +62,5 @@ from ._runner import with_stats as with_stats
 from ._shard_ilp import SOLVES_PER_MESH as SOLVES_PER_MESH
 from ._shard_ilp import fine_space as fine_space
 from ._shard_ilp import search_ilp as search_ilp
+from ._techniques import REMATS as REMATS
 from ._work import OPS_PER_SECOND as OPS_PER_SECOND

@@ -319,9 +319,12 @@ def polish_cuts(model, plan: Plan, cands: tuple[int, ...], work: Work | None = N
     plan's recomputation, sequence parallelism and chunks per device group are kept; under
     full recomputation `cands` should be the cuts between layers (as the DP's grid)."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
-    # A selective recompute is priced on the cost model's variant for it, the same for any
-    # cuts; a full one on the base model, its cuts between layers.
-    priced_on = model.for_plan(plan) if plan.remat and plan.remat_policy == "selective" else model
+    # The base model's `remat=True` prices every layer recomputed in full; any other
+    # policy (selective, projections) recomputes less, priced on the cost model's variant
+    # for it (`CostModel.for_plan`), the same for any cuts that keep its units whole. A full
+    # one on the base model, its cuts between layers.
+    partial = plan.remat and plan.remat_policy != "full"
+    priced_on = model.for_plan(plan) if partial else model
     oc = plan_op_costs(priced_on, plan)
     schedule = pipeline_schedule(plan.schedule, plan.virtual_stages)
     index = {c: k for k, c in enumerate(cands)}

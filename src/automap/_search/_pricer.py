@@ -15,8 +15,8 @@ almost everything, so the pricer caches at every level:
 - the full pipeline cost (`stage_costs`) of each point priced.
 
 An intra-stage plan (`Intra`) carries the decisions of Megatron's 2022 recipe too, so that
-the agent chooses them as actions: the recomputation policy (a selective one is priced on
-the cost model's variant for it, `CostModel.for_plan`), sequence parallelism (the op costs
+the agent chooses them as actions: the recomputation policy (one other than full is priced
+on the cost model's variant for it, `CostModel.for_plan`), sequence parallelism (the op costs
 of `plan_op_costs` on a plan with the residual stream split) and, per point, the chunks per
 device group: interleaved 1F1B with v > 1 runs on `layer_cuts`' S x v chunks of equal
 layers (Megatron's virtual pipeline), as the dp searcher's techniques polish tries it, or
@@ -58,7 +58,7 @@ from .._remat import aligned_cuts, layer_spans
 from .._space import Point, layer_cuts
 from ._cut_tables import SegmentTables, optimal_cuts, segment_tables
 from ._dp import one_chunk
-from ._techniques import CHUNKS, SPLIT_SCHEDULES
+from ._techniques import CHUNKS, LAYER_UNITS, SPLIT_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Intra:
     assignment: tuple[tuple[int, str], ...]  # group -> axis; groups kept whole left out
     zero_stage: int = 0
     remat: bool = False
-    remat_policy: str = "full"  # what `remat` recomputes: "full" or "selective"
+    remat_policy: str = "full"  # what `remat` recomputes: one of `REMAT_POLICIES`
     sequence_parallel: bool = False  # the residual stream split on the model axis
 
     @classmethod
@@ -158,8 +158,12 @@ class PipelinePricer:
         (no model axis in use, a sequence the tp does not divide, no residual stream)."""
         if intra not in self._templates:
             graph, groups = self.model.graph, self.model.groups
+            # The cost model's variant for a policy recomputing whole layers less than in
+            # full is built on this plan's cuts: one between layers keeps its units whole.
+            whole = intra.remat and intra.remat_policy in LAYER_UNITS and self.aligned
+            first = self.aligned[0] if whole and intra.remat_policy != "full" else 0
             plan = pipeline_plan(
-                graph, groups, self.cands[:1], intra.stage_mesh, intra.assign, 1,
+                graph, groups, self.cands[first : first + 1], intra.stage_mesh, intra.assign, 1,
                 self.schedule.name, zero_stage=intra.zero_stage,
             )  # fmt: skip
             plan = dataclasses.replace(plan, remat=intra.remat, remat_policy=intra.remat_policy)
@@ -178,10 +182,11 @@ class PipelinePricer:
 
     def model_for(self, intra: Intra):
         """The cost model whose `remat=True` prices `intra`'s recomputation: the base one
-        for full recomputation, its variant for a selective one (built once)."""
+        for full recomputation, its variant for any other policy (built once per policy)."""
         if not intra.remat or intra.remat_policy == "full":
             return self.model
-        return self.model.for_plan(self._template(intra.with_techniques(True, "selective", False)))
+        template = self._template(intra.with_techniques(True, intra.remat_policy, False))
+        return self.model.for_plan(template)
 
     def op_costs(self, intra: Intra):
         if intra not in self._oc:
@@ -292,8 +297,9 @@ class PipelinePricer:
 
     def pool(self, intra: Intra) -> tuple[int, ...] | None:
         """The candidates `intra`'s stages may start at: between layers under full
-        recomputation, anywhere (None) otherwise."""
-        return self.aligned if intra.remat and intra.remat_policy == "full" else None
+        recomputation or any policy whose unit is a layer (`LAYER_UNITS`), anywhere (None)
+        otherwise."""
+        return self.aligned if intra.remat and intra.remat_policy in LAYER_UNITS else None
 
     def cut_choices(
         self, stages: int, cuts: Sequence[int], pool: Sequence[int] | None = None

@@ -9,8 +9,10 @@ fits kept:
 
 - sequence parallelism (Korthikanti et al. 2022), where the stage mesh has a model axis
   the plan splits: the residual stream split on the sequence over it (`_groups/_seqpar.py`);
-- recomputation: none, selective (the attention core only) and full, on cuts between
-  layers (a cut inside one would split its recompute unit);
+- recomputation: none and each of the plan's policies (`REMAT_POLICIES`: selective, the
+  attention core only; projections, each layer but its weight matmuls' outputs, MaxText's
+  `minimal`; full), on cuts between layers (a cut inside one would split its recompute
+  unit);
 - interleaved 1F1B with v = 2 or 3 chunks per device group, re-cut into S x v chunks of
   equal layers (`layer_cuts`, Megatron's virtual pipeline), where the layers divide and
   the microbatches come in whole rounds of S;
@@ -40,15 +42,20 @@ from .._cost import estimate_pipeline, pipeline_decisions
 from .._errors import PlanError
 from .._groups import sequence_parallel
 from .._pipeline import PipelineSchedule, pipeline_plan, pipeline_schedule
-from .._plan import Plan
+from .._plan import REMAT_POLICIES, Plan
 from .._space import layer_cuts
 from ._work import Work
 
 #: Virtual stages per device group tried (1: the DP's own cuts). Megatron-LM's runs use
 #: 2 to 4; past 3 the chunks of a small model are single layers and the sends dominate.
 CHUNKS = (1, 2, 3)
-#: Recomputation tried, as (remat, remat_policy).
-REMATS = ((False, "full"), (True, "selective"), (True, "full"))
+#: Recomputation tried, as (remat, remat_policy): none, then every policy a plan may name,
+#: cheapest recompute first (a tie keeps the earlier).
+REMATS = ((False, "full"), *((True, policy) for policy in REMAT_POLICIES))
+#: The policies whose recompute unit is a whole layer: their stages start between layers.
+#: (The cost model's variant for "projections" is built once per policy, on whole layers;
+#: a selective unit, an attention core, sits inside one block and no cut splits it.)
+LAYER_UNITS = ("projections", "full")
 #: Schedules a 1F1B search tries besides 1F1B itself: the stage DP cuts for each
 #: (`dp_schedules`), and the polish tries each on a 1F1B plan's own cuts.
 SPLIT_SCHEDULES = ("zb-h1",)

@@ -44,7 +44,7 @@ from ..._pipeline import pipeline_schedule
 from ..._plan import Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
-from .._techniques import CHUNKS, REMATS, SPLIT_SCHEDULES
+from .._techniques import CHUNKS, LAYER_UNITS, REMATS, SPLIT_SCHEDULES
 from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
 from ._shard_process import cost_summary
 
@@ -54,6 +54,10 @@ PHASE_NAMES = ("stages", "microbatches", "remat", "cut", "shard", "sequence_para
 N_PHASES = len(PHASE_NAMES)
 OFFSETS = (-2, -1, 0, 1, 2)  # cut actions 0..4: candidates from the balanced cut
 _FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
+#: Per recomputation policy, about the share of the forward it runs again (an agent's
+#: feature, not a price): the attention cores; those and each layer's elementwise ops
+#: between its projections; every op.
+RERUN = {"selective": 0.2, "projections": 0.3, "full": 1.0}
 #: The chunks decision's last action: ZB-H1 (one chunk, each backward split into B and W).
 SPLIT_ACTION = len(CHUNKS)
 SPLIT = pipeline_schedule(SPLIT_SCHEDULES[0])
@@ -146,9 +150,10 @@ class StagedProcess(abc.ABC):
     def _technique_mask(self, phase: int, stages: int, m: int) -> np.ndarray:
         mask = np.zeros(self.n_actions, bool)
         if phase == REMAT:
-            # Full recomputation starts stages between layers: it needs S - 1 such cuts.
-            full_ok = len(self.pricer.aligned) >= stages - 1
-            mask[: len(REMATS)] = [not r or p != "full" or full_ok for r, p in REMATS]
+            # A policy recomputing whole layers starts stages between them: it needs S - 1
+            # such cuts.
+            whole_ok = len(self.pricer.aligned) >= stages - 1
+            mask[: len(REMATS)] = [not r or p not in LAYER_UNITS or whole_ok for r, p in REMATS]
         elif phase == SEQPAR:
             mask[:2] = True
         else:
@@ -172,14 +177,15 @@ class StagedProcess(abc.ABC):
             self._v = CHUNKS[action]
 
     def _technique_features(self, phase: int, mesh, stages: int, m: int) -> np.ndarray:
-        """Per action: recomputation, the share of the forward run again (0, about 0.2
-        for the attention cores, 1); sequence parallelism, off / on; chunks, the bubble
+        """Per action: recomputation, the share of the forward run again (0, then
+        `RERUN` per policy); sequence parallelism, off / on; chunks, the bubble
         share of the step on equal stages (ZB-H1's last), and v / 3. The second feature
         of the first two: how far over the memory limit the plan so far is (what they
         trade time for)."""
         over = self.running()[2]
         if phase == REMAT:
-            return self._features(phase, mesh, stages, m, [0.0, 0.2, 1.0], [over] * 3)
+            again = [RERUN[p] if r else 0.0 for r, p in REMATS]
+            return self._features(phase, mesh, stages, m, again, [over] * len(REMATS))
         if phase == SEQPAR:
             return self._features(phase, mesh, stages, m, [0.0, 1.0], [over] * 2)
         v = np.array([*CHUNKS, 1], float)  # the last: ZB-H1, one chunk
