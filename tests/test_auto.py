@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import time
 
 import jax
 import pytest
@@ -12,7 +14,19 @@ import pytest
 import automap as am
 import automap._search._classic as classic
 from automap._graph import Role
-from automap._search import Problem, leanest_point, priced_experts, run_searcher
+from automap._groups import plan_from_assignment, sequence_parallel
+from automap._search import (
+    OPS_PER_SECOND,
+    VARIANT_WORK,
+    OneStagePolish,
+    Problem,
+    Work,
+    leanest_point,
+    one_stage_ilp,
+    priced_experts,
+    run_searcher,
+    technique_options,
+)
 from automap._zoo import get_model
 
 # A vocabulary small enough that the embedding does not outweigh the layers: there
@@ -195,3 +209,60 @@ def test_the_recomputing_one_stage_plan_runs_with_the_unsharded_numbers(llama_ti
     report = am.verify(spec.step_fn, plan, *spec.concrete_args(0))
     assert report.numerics_ok is True, report.summary()
     assert report.collectives_match is True, report.mismatches
+
+
+def _every_variant(problem, points) -> tuple[float, int]:
+    """The fastest feasible of every variant of every point (each ZeRO stage the walk
+    tries, each of `technique_options`), priced one by one, and how many there are: what
+    the one-stage walk's pruning must not lose."""
+    graph, groups, model = problem.graph, problem.groups, problem.cost_model
+    best, count = math.inf, 0
+    for point in points:
+        zeros = [point.zero_stage]
+        if point.zero_stage == 2 and point.mesh.get("data", 1) > 1:
+            zeros.append(3)  # ZeRO-3 on a ZeRO-2 point
+        for zero in zeros:
+            base = plan_from_assignment(
+                graph, groups, dict(point.mesh), dict(point.assignment), zero_stage=zero
+            )
+            for sp, (remat, policy) in technique_options(model, base):
+                count += 1
+                plan = dataclasses.replace(base, remat=remat, remat_policy=policy)
+                try:
+                    plan = sequence_parallel(graph, groups, plan, "model") if sp else plan
+                except am.PlanError:  # the sequence does not divide
+                    continue
+                cost = model.estimate(plan)
+                if cost.feasible:
+                    best = min(best, cost.step_time_s)
+    return best, count
+
+
+def test_the_one_stage_walk_loses_nothing_and_stops_where_its_work_ends(llama_tight, monkeypatch):
+    spec, tight, plan = llama_tight
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), tight)
+    _, _, points = one_stage_ilp(problem, 10.0)
+    assert points and not any(p.cost.feasible for p in points)  # none fits as the ILP prices
+    whole = OneStagePolish(problem.cost_model, Work(math.inf))
+    best = whole.run(points)
+    # Its pruning (the leanest variant's fit, the best so far) keeps the fastest that fits
+    # of every variant of every point, in fewer variants priced.
+    fastest, variants = _every_variant(problem, points)
+    assert best.predicted.step_time_s == pytest.approx(fastest, rel=1e-12)
+    assert 0 < whole.priced < variants
+    assert plan.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
+    # A budget that affords part of it stops after as many variants as it pays for, and
+    # the same on a machine three times slower (the count, not the clock, stops it).
+    each = VARIANT_WORK * len(problem.graph.ops) / OPS_PER_SECOND
+    monkeypatch.setattr("automap._search._work.SAFETY", 1e6)
+
+    def part():
+        walk = OneStagePolish(problem.cost_model, Work(2.5 * each))
+        found = walk.run(points)
+        return walk.priced, found and found.to_dict()
+
+    normal = part()
+    real = time.perf_counter
+    origin = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: origin + 3.0 * (real() - origin))
+    assert part() == normal and normal[0] == 3

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from .._axes import DATA, MODEL
@@ -76,6 +76,7 @@ class OneStagePolish:
     model: object  # the CostModel
     work: Work
     best: Plan | None = None
+    on_variant: Callable[..., None] | None = None  # (best_time=...) after each variant
     priced: int = 0  # variants priced
     _seen: dict = dataclasses.field(default_factory=dict)  # variant key -> plan or None
 
@@ -146,6 +147,8 @@ class OneStagePolish:
         except PlanError:
             plan = None
         self._seen[key] = plan
+        if self.on_variant is not None:
+            self.on_variant(best_time=self.best_time)
         return plan
 
 

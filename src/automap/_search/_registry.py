@@ -222,10 +222,13 @@ def _one_stage(
     if stats.get("interrupted"):
         return found, stats
     left = max(budget_s - stats.get("work", 0.0) / COLUMNS_PER_SECOND, 0.0)
-    polish = OneStagePolish(problem.cost_model, Work(left))
     with SearchProgress(progress, f"{label}: one stage (techniques)") as bar:
-        bar.start(0)
-        polished = polish.run(points)
+        bar.start(0)  # the variants are not counted ahead
+        polish = OneStagePolish(problem.cost_model, Work(left), on_variant=bar.advance)
+        try:
+            polished = polish.run(points)
+        except KeyboardInterrupt:  # Ctrl-C keeps the best so far, and stops the search
+            polished, stats = polish.best, {**stats, "interrupted": True}
     stats = {**stats, "one_stage_variants": polish.priced}
     options = [p for p in (found, polished) if p is not None]
     if not options:
