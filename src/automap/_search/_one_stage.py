@@ -118,6 +118,9 @@ class OneStagePolish:
             fastest = self._variant(base, sp, remats[0])
             if fastest is None or fastest.predicted.step_time_s >= self.best_time * (1 - 1e-9):
                 return
+            if fastest.predicted.feasible:  # faster and it fits: the chain's best
+                self.best = fastest
+                return
         leanest = self._variant(base, sp, remats[-1])
         if leanest is None or not leanest.predicted.feasible:
             return  # the leanest does not fit: no variant of the chain does
