@@ -29,12 +29,17 @@ tensor-parallel chip, 7.6 GB a layer; MaxText's `minimal` keeps the layer's inpu
 the projections' outputs and splits the stream 4 ways, 1.8 GB a layer. The 32B row's
 other 10.5 GB of activations (of 68.6) are the head's and the one layer the backward
 recomputes at a time, its float32 scores and softmax written out (flash attention, not
-modelled, would hold none of them). With `--rows 32B --plan 120` (the cores shared with
-other work: 444 s of wall time, capture and experts included) the planner returned a
-plan that fits, pipelined (4 stages of 1F1B, 48 microbatches, data × model 8 × 2,
-recomputation), predicted at 1.05 times MaxText's configuration's step: the searchers
-choose among none, selective and full recomputation, not "projections". Stated, not
-tuned:
+modelled, would hold none of them). With `--rows R --plan 120`, one row at a time
+on the 2 shared cores (busy with other work: wall times of 155 to 490 s, capture and
+experts included), the planner returns a one-stage plan that fits and is predicted
+faster than MaxText's configuration: 32B, FSDP over all 64 chips (ZeRO-3, `projections`)
+at 10.82 s, 0.93 of MaxText's 11.58 s (76.2 GB); 64B, the same at 11.40 s, 0.97 of
+11.71 s (77.5 GB); 128B, data 32 × model 4 with the stream split (ZeRO-3,
+`projections`) at 7.78 s, 0.98 of 7.98 s (50.7 GB). 28, 15 and 15 one-stage variants
+priced. Before the one-stage plans got recomputation and the split stream
+(`_search/_one_stage.py`: the ILP's shard space has neither, so it proved that no
+one-stage plan fits), it returned pipelines at 1.05, 1.09 and 1.05 times MaxText's step.
+Stated, not tuned:
 
 - Matmuls run at the preset's `matmul_efficiency`, 0.6 of the v5p's 459 TFLOP/s (no
   measured TPU matmul rate is published that we found: `_cluster.py`), where MaxText's

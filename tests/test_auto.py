@@ -4,6 +4,9 @@ infeasible answer that says what was proved."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+import time
 
 import jax
 import pytest
@@ -11,7 +14,19 @@ import pytest
 import automap as am
 import automap._search._classic as classic
 from automap._graph import Role
-from automap._search import Problem, leanest_point, priced_experts, run_searcher
+from automap._groups import plan_from_assignment, sequence_parallel
+from automap._search import (
+    OPS_PER_SECOND,
+    VARIANT_WORK,
+    OneStagePolish,
+    Problem,
+    Work,
+    leanest_point,
+    one_stage_ilp,
+    priced_experts,
+    run_searcher,
+    technique_options,
+)
 from automap._zoo import get_model
 
 # A vocabulary small enough that the embedding does not outweigh the layers: there
@@ -146,3 +161,108 @@ def test_nothing_found_is_said_proved_only_where_the_state_alone_overflows(gpt, 
         text = str(e.value)
         assert ("no plan of this space fits" in text) == proved
         assert ("no plan found" in text) == (not proved) and "larger budget" not in text
+
+
+# A Llama whose one-stage plans fit on `_tight`'s device only by recomputing: there the
+# fastest plan is one stage, ZeRO over 8 with a recomputation policy (0.11 ms predicted,
+# where the stage DP's best pipeline is 0.45 ms), which the ILP's space (no recomputation)
+# does not hold: the planner returned a pipeline before the one-stage polish.
+LLAMA = dict(layers=4, hidden=128, heads=4, kv_heads=4, ffn=256, seq=64, batch=16, vocab=128)
+
+
+@pytest.fixture(scope="module")
+def llama_tight():
+    spec = get_model("llama", **LLAMA)
+    tight = _tight(spec)  # 10% under every one-stage plan without recomputation
+    plan = am.plan(spec.step_fn, *spec.abstract_args(), cluster=tight, budget_s=10)
+    return spec, tight, plan
+
+
+def test_one_stage_plans_recompute_where_that_is_fastest_and_fits(llama_tight):
+    spec, tight, plan = llama_tight
+    args = spec.abstract_args()
+    assert not plan.pipelined and plan.remat and plan.decisions["one_stage_variants"] > 0
+    assert plan.predicted.feasible and plan.predicted.memory_bytes <= tight.memory_limit
+    # Priced as the cost model prices the plan itself.
+    again = am.estimate(spec.step_fn, *args, plan=plan, cluster=tight)
+    assert plan.predicted.step_time_s == pytest.approx(again.step_time_s, rel=1e-12)
+    assert plan.predicted.memory_bytes == pytest.approx(again.memory_bytes, rel=1e-12)
+    # No slower than any hand-written one-stage configuration that fits: data x tensor
+    # parallel, ZeRO-2 or 3, each recomputation, the stream split where tp > 1.
+    fitting = []
+    for dp, tp, zero, remat in itertools.product(
+        (8, 4), (1, 2), (2, 3), ("none", "selective", "projections", "full")
+    ):
+        for sp in {False, tp > 1}:
+            if dp * tp != 8:
+                continue
+            recipe = am.Recipe(dp=dp, tp=tp, zero=zero, remat=remat, sequence_parallel=sp)
+            priced = am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=tight).predicted
+            if priced.feasible:
+                fitting.append(priced.step_time_s)
+    assert fitting and plan.predicted.step_time_s <= min(fitting) * (1 + 1e-9)
+
+
+@pytest.mark.slow  # compiled and run on 8 devices
+def test_the_recomputing_one_stage_plan_runs_with_the_unsharded_numbers(llama_tight):
+    spec, _, plan = llama_tight
+    report = am.verify(spec.step_fn, plan, *spec.concrete_args(0))
+    assert report.numerics_ok is True, report.summary()
+    assert report.collectives_match is True, report.mismatches
+
+
+def _every_variant(problem, points) -> tuple[float, int]:
+    """The fastest feasible of every variant of every point (each ZeRO stage the walk
+    tries, each of `technique_options`), priced one by one, and how many there are: what
+    the one-stage walk's pruning must not lose."""
+    graph, groups, model = problem.graph, problem.groups, problem.cost_model
+    best, count = math.inf, 0
+    for point in points:
+        zeros = [point.zero_stage]
+        if point.zero_stage == 2 and point.mesh.get("data", 1) > 1:
+            zeros.append(3)  # ZeRO-3 on a ZeRO-2 point
+        for zero in zeros:
+            base = plan_from_assignment(
+                graph, groups, dict(point.mesh), dict(point.assignment), zero_stage=zero
+            )
+            for sp, (remat, policy) in technique_options(model, base):
+                count += 1
+                plan = dataclasses.replace(base, remat=remat, remat_policy=policy)
+                try:
+                    plan = sequence_parallel(graph, groups, plan, "model") if sp else plan
+                except am.PlanError:  # the sequence does not divide
+                    continue
+                cost = model.estimate(plan)
+                if cost.feasible:
+                    best = min(best, cost.step_time_s)
+    return best, count
+
+
+def test_the_one_stage_walk_loses_nothing_and_stops_where_its_work_ends(llama_tight, monkeypatch):
+    spec, tight, plan = llama_tight
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), tight)
+    _, _, points = one_stage_ilp(problem, 10.0)
+    assert points and not any(p.cost.feasible for p in points)  # none fits as the ILP prices
+    whole = OneStagePolish(problem.cost_model, Work(math.inf))
+    best = whole.run(points)
+    # Its pruning (the leanest variant's fit, the best so far) keeps the fastest that fits
+    # of every variant of every point, in fewer variants priced.
+    fastest, variants = _every_variant(problem, points)
+    assert best.predicted.step_time_s == pytest.approx(fastest, rel=1e-12)
+    assert 0 < whole.priced < variants
+    assert plan.predicted.step_time_s == pytest.approx(best.predicted.step_time_s, rel=1e-12)
+    # A budget that affords part of it stops after as many variants as it pays for, and
+    # the same on a machine three times slower (the count, not the clock, stops it).
+    each = VARIANT_WORK * len(problem.graph.ops) / OPS_PER_SECOND
+    monkeypatch.setattr("automap._search._work.SAFETY", 1e6)
+
+    def part():
+        walk = OneStagePolish(problem.cost_model, Work(2.5 * each))
+        found = walk.run(points)
+        return walk.priced, found and found.to_dict()
+
+    normal = part()
+    real = time.perf_counter
+    origin = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: origin + 3.0 * (real() - origin))
+    assert part() == normal and normal[0] == 3

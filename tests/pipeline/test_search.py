@@ -99,8 +99,8 @@ def test_search_dp_returns_a_priced_feasible_pipeline(gpt):
 
 
 def test_pipelines_make_a_model_fit_that_one_stage_cannot(gpt):
-    """Under a memory limit below every one-stage plan, the dp searcher still finds a plan,
-    with stages, and the expert pipelines are there too."""
+    """Under a memory limit below every one-stage plan without recomputation, the dp
+    searcher's pipelines fit, and the expert pipelines are there too."""
     _, pb = gpt
     spec = get_model("gpt2-xl", **SMALL_VOCAB)
     # A training loop's step, donating its state: a step that donates nothing also holds
@@ -114,9 +114,15 @@ def test_pipelines_make_a_model_fit_that_one_stage_cannot(gpt):
     limit = leanest_one_stage(step, spec.abstract_args(), pb.cluster) * 0.9
     tight = dataclasses.replace(pb.cluster, hbm_bytes=limit / (1.0 - pb.cluster.memory_reserve))
     assert tight.memory_limit == pytest.approx(limit)
-    plan = am.plan(step, *spec.abstract_args(), cluster=tight, searcher="dp", budget_s=60)
-    assert len(plan.stages) >= 2 and plan.predicted.feasible
-    assert plan.predicted.memory_bytes <= limit
+    args = spec.abstract_args()
+    piped = am.plan(step, *args, cluster=tight, searcher="dp", tasks=("pipeline",), budget_s=60)
+    assert len(piped.stages) >= 2 and piped.predicted.feasible
+    assert piped.predicted.memory_bytes <= limit
+    # The hybrid search also tries one stage with recomputation (`_search/_one_stage.py`),
+    # which here fits too and is faster: either way its answer fits.
+    plan = am.plan(step, *args, cluster=tight, searcher="dp", budget_s=60)
+    assert plan.predicted.feasible and plan.predicted.memory_bytes <= limit
+    assert plan.pipelined or plan.remat
 
 
 def test_megatron_3d_puts_tensor_parallel_inside_the_node():

@@ -56,10 +56,13 @@ def train_step(spec: ModelSpec) -> Callable:
 
 
 def plan_shape(found: Plan) -> str:
-    """A plan in a few words: its mesh, microbatches, recomputation and ZeRO stage."""
+    """A plan in a few words: its mesh, microbatches and schedule, sequence parallelism,
+    recomputation policy and ZeRO stage."""
     mesh = " × ".join(f"{k} {v}" for k, v in found.mesh.items())
     extra = [f"{found.microbatches} mb"] if found.pipelined else []
-    extra += ["remat"] if found.remat else []
+    extra += [found.schedule] if found.pipelined and found.schedule != "1f1b" else []
+    extra += ["SP"] if found.sequence_parallel else []
+    extra += [f"remat {found.remat_policy}"] if found.remat else []
     extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []
     return mesh + (f" ({', '.join(extra)})" if extra else "")
 
@@ -84,6 +87,10 @@ def plan_job(job: PlanJob, budget_s: float, searcher: str = "auto") -> dict[str,
         "plan_feasible": bool(cost.feasible),
         "plan_memory_gb": cost.memory_bytes / 1e9,
         "plan_wall_s": wall,
+        # The search's counted work (the stage DP's, in ops) and the one-stage variants
+        # it priced: what its budget bought, machine-independent.
+        "plan_work": found.decisions.get("work"),
+        "plan_one_stage_variants": found.decisions.get("one_stage_variants"),
         # ru_maxrss is in KiB on Linux.
         "plan_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
     }

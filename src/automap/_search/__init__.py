@@ -34,6 +34,8 @@ from ._mdp import planning_env as planning_env
 from ._mesh_terms import COLUMNS_PER_SECOND as COLUMNS_PER_SECOND
 from ._mesh_terms import MIN_COLUMNS as MIN_COLUMNS
 from ._mesh_terms import MeshTerms as MeshTerms
+from ._one_stage import OneStagePoint as OneStagePoint
+from ._one_stage import OneStagePolish as OneStagePolish
 from ._pricer import PipelinePricer as PipelinePricer
 from ._problem import Problem as Problem
 from ._problem import arg_roles as arg_roles
@@ -55,6 +57,7 @@ from ._runner import SearchProgress as SearchProgress
 from ._runner import expert_seeds as expert_seeds
 from ._runner import expert_start as expert_start
 from ._runner import leanest_point as leanest_point
+from ._runner import one_stage_ilp as one_stage_ilp
 from ._runner import run_space_searcher as run_space_searcher
 from ._runner import search_dqn as search_dqn
 from ._runner import space_of as space_of
@@ -63,4 +66,7 @@ from ._shard_ilp import SOLVES_PER_MESH as SOLVES_PER_MESH
 from ._shard_ilp import fine_space as fine_space
 from ._shard_ilp import search_ilp as search_ilp
 from ._techniques import REMATS as REMATS
+from ._techniques import VARIANT_WORK as VARIANT_WORK
+from ._techniques import technique_options as technique_options
 from ._work import OPS_PER_SECOND as OPS_PER_SECOND
+from ._work import Work as Work

@@ -22,6 +22,9 @@ from .._plan import Plan, Provenance
 from .._version import __version__
 from ._classic import SAFETY
 from ._dp import pipeline_notes, search_dp
+from ._mesh_terms import COLUMNS_PER_SECOND
+from ._one_stage import NAME as ONE_STAGE_NAME
+from ._one_stage import OneStagePolish
 from ._problem import (
     Problem,
     arg_roles,
@@ -34,9 +37,11 @@ from ._runner import (
     DQNFiles,
     SearchProgress,
     leanest_point,
+    one_stage_ilp,
     run_space_searcher,
     with_stats,
 )
+from ._work import Work
 
 #: The exploration tasks a user can ask for (`tasks=`); "hybrid" is shard and pipeline.
 TASKS = ("shard", "replicate", "pipeline")
@@ -162,16 +167,13 @@ def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
     one_stage_proved = request.task == "pipeline"  # nothing to prove there
     try:
         if request.task != "pipeline":
-            try:
-                found, one = run_space_searcher(
-                    problem, "ilp", budget_s / 2, 0, request.progress, "shard",
-                    label=f"{label}: one stage (ilp)",
-                )  # fmt: skip
-            except InfeasibleError as e:
-                found, one = None, {}  # nothing fits on one stage: pipelines may
-                one_stage_proved = e.proved
-            if found is not None and found.predicted is not None and found.predicted.feasible:
-                candidates.append(dataclasses.replace(found, name="dp (one stage, ilp)"))
+            found, one = _one_stage(problem, budget_s / 2, request.progress, label)
+            if found is not None:
+                candidates.append(found)
+            else:  # nothing fits on one stage: pipelines may
+                one_stage_proved = bool(one.get("optimal"))
+            # The one-stage variants priced (`_one_stage.py`), beside the DP's stats.
+            stats["one_stage_variants"] = one.get("one_stage_variants", 0)
             if one.get("interrupted"):  # Ctrl-C came during the ILP: stop here too
                 raise KeyboardInterrupt
         # Half the budget each when the ILP ran: counted work, not the wall time left, so
@@ -179,9 +181,10 @@ def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
         dp_budget = budget_s if request.task == "pipeline" else budget_s / 2
         with SearchProgress(request.progress, f"{label}: pipelines") as bar:
             bar.start(0)  # the DP's points are not counted ahead
-            piped, stats = search_dp(
+            piped, dp_stats = search_dp(
                 problem, dp_budget, on_point=lambda plan, best: bar.advance(best_time=best)
             )
+        stats = {**stats, **dp_stats}
         if piped is not None:
             candidates.append(piped)
     except KeyboardInterrupt:
@@ -203,6 +206,35 @@ def _dp(problem: Problem, request: Request, label: str = "dp") -> Plan:
     elif best.decisions.get("complete") is False:  # the budget cut it short
         best = no_worse_than_experts(problem, best, {"complete": False}, request.task)
     return best
+
+
+def _one_stage(
+    problem: Problem, budget_s: float, progress: bool, label: str
+) -> tuple[Plan | None, dict[str, Any]]:
+    """The one-stage candidate: the ILP's optimum of the shard space, and the fastest
+    feasible variant of the points it priced with recomputation, sequence parallelism
+    and ZeRO-3 (`_one_stage.py`), over `budget_s` of counted work: the ILP's first, the
+    variants what it leaves. None where neither fits; the ILP's stats (its "optimal"
+    proves that nothing fits without recomputation)."""
+    found, stats, points = one_stage_ilp(problem, budget_s, progress, f"{label}: one stage (ilp)")
+    if found is not None and not (found.predicted is not None and found.predicted.feasible):
+        found = None
+    if stats.get("interrupted"):
+        return found, stats
+    left = max(budget_s - stats.get("work", 0.0) / COLUMNS_PER_SECOND, 0.0)
+    with SearchProgress(progress, f"{label}: one stage (techniques)") as bar:
+        bar.start(0)  # the variants are not counted ahead
+        polish = OneStagePolish(problem.cost_model, Work(left), on_variant=bar.advance)
+        try:
+            polished = polish.run(points)
+        except KeyboardInterrupt:  # Ctrl-C keeps the best so far, and stops the search
+            polished, stats = polish.best, {**stats, "interrupted": True}
+    stats = {**stats, "one_stage_variants": polish.priced}
+    options = [p for p in (found, polished) if p is not None]
+    if not options:
+        return None, stats
+    best = min(options, key=lambda p: p.predicted.step_time_s)  # a tie keeps the ILP's
+    return dataclasses.replace(best, name=ONE_STAGE_NAME), stats
 
 
 def _found_none(

@@ -30,6 +30,7 @@ from ..rl import search as dqn_search
 from ._classic import COUNTED, SAFETY, Tracker, search_exhaustive, search_mcmc, search_random
 from ._leanest import Leanest, search_leanest
 from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_process
+from ._one_stage import OneStagePoint
 from ._problem import Problem
 from ._shard_ilp import search_ilp
 from ._techniques import polish_techniques
@@ -162,12 +163,38 @@ def _classic(space: ShardSpace, name: str, budget_s: float, seed: int, bar: Sear
     return tracker.best, stats
 
 
-def _ilp(space: ShardSpace, budget_s: float, bar: SearchProgress):
+def one_stage_ilp(
+    problem: Problem, budget_s: float, progress: bool = False, label: str = "ilp"
+) -> tuple[Plan | None, dict[str, Any], list[OneStagePoint]]:
+    """The ILP over the shard space, for the dp searcher: its plan (None where it found
+    none: `stats["optimal"]` then proves that no plan of the space fits), its stats, and
+    every point it priced, feasible or not (the one-stage polish starts from them)."""
+    space = space_of(problem, "shard")
+    priced: list[OneStagePoint] = []
+
+    def keep(point, cost) -> None:
+        mesh, assignment = space.meshes[point[0]], space.assignment(point[1])
+        priced.append(OneStagePoint(mesh, assignment, point[2], cost))
+
+    with SearchProgress(progress, label) as bar:
+        point, stats = _ilp(space, budget_s, bar, keep)
+    plan = None if point is None else space.to_plan(*point, name="ilp")
+    return plan, stats, priced
+
+
+def _ilp(space: ShardSpace, budget_s: float, bar: SearchProgress, on_priced=None):
     """The ILP over the whole budget. Cut short before any feasible point (a time-out that
     proved nothing, meshes too large for the budget), it falls back to the best expert
-    point of the space, and at worst to the replicated plan when that fits."""
+    point of the space, and at worst to the replicated plan when that fits.
+    `on_priced(point, cost)` follows each point the ILP priced, feasible or not."""
+
+    def solved(point, cost, best_time) -> None:
+        bar.advance(point, cost, best_time)
+        if point is not None and on_priced is not None:
+            on_priced(point, cost)
+
     bar.start(sum(len([z for z in space.zero_options(m) if z != 1]) for m in space.meshes))
-    point, stats = search_ilp(space, time_limit_s=budget_s, on_solve=bar.advance)
+    point, stats = search_ilp(space, time_limit_s=budget_s, on_solve=solved)
     if point is None and stats.get("cut_short"):
         replicated = (0, (0,) * len(space.units), 0)
         for fallback, name in ((expert_start(space), "expert"), (replicated, "replicated")):

@@ -24,6 +24,9 @@ fits kept:
   backward does not recompute (`check_remat`), so a plan the DP had to recompute gets
   it only where dropping recomputation still fits.
 
+The one-stage plans the ILP priced get the same variants (`technique_options`, with ZeRO-3
+besides: `_one_stage.py`), priced by `CostModel.estimate`.
+
 A polish step rather than more DP dimensions: selective recomputation as one more stage-DP
 memory saver tripled the DP's work and ran a tight-memory search out of its budget. The
 variants are enumerated in a fixed order, so the result is deterministic for a budget;
@@ -56,6 +59,9 @@ REMATS = ((False, "full"), *((True, policy) for policy in REMAT_POLICIES))
 #: (The cost model's variant for "projections" is built once per policy, on whole layers;
 #: a selective unit, an attention core, sits inside one block and no cut splits it.)
 LAYER_UNITS = ("projections", "full")
+#: Work counted per variant priced, in passes over the program's ops (`Work`): its op
+#: costs, its partition or layouts, and its price.
+VARIANT_WORK = 3
 #: Schedules a 1F1B search tries besides 1F1B itself: the stage DP cuts for each
 #: (`dp_schedules`), and the polish tries each on a 1F1B plan's own cuts.
 SPLIT_SCHEDULES = ("zb-h1",)
@@ -83,7 +89,7 @@ def polish_techniques(model, plan: Plan, aligned: Sequence[int], work: Work | No
     candidates between layers, where a recomputing plan's stages may start."""
     best, best_time = plan, _time_of(plan)
     for layout in _layouts(model, plan):
-        for sp, (remat, policy) in itertools.product(_sp_options(model, plan), REMATS):
+        for sp, (remat, policy) in technique_options(model, plan):
             if remat and pipeline_schedule(layout.schedule).splits_backward:
                 continue  # a split backward does not recompute (`check_remat`)
             if layout.chunks == 1 and remat and not set(layout.cuts) <= set(aligned):
@@ -95,7 +101,7 @@ def polish_techniques(model, plan: Plan, aligned: Sequence[int], work: Work | No
             if work is not None:
                 if work.spent():
                     return best
-                work.add(3 * len(model.graph.ops))  # op costs, a partition, its prices
+                work.add(VARIANT_WORK * len(model.graph.ops))
             trial = _variant(model, plan, layout, sp, remat, policy)
             if trial is not None and trial.predicted.step_time_s < best_time * (1 - 1e-9):
                 best, best_time = trial, trial.predicted.step_time_s
@@ -128,8 +134,14 @@ def _layouts(model, plan: Plan) -> list[Layout]:
     return out
 
 
-def _sp_options(model, plan: Plan) -> tuple[bool, ...]:
-    """Sequence parallelism off, and on where the stage mesh has a model axis in use."""
+def technique_options(model, plan: Plan) -> list[tuple[bool, tuple[bool, str]]]:
+    """The variants of `plan` both polishes try, as (sequence parallel, (remat, policy)):
+    each of `sp_options` with each of `REMATS`, in that order (a tie keeps the earlier)."""
+    return list(itertools.product(sp_options(model, plan), REMATS))
+
+
+def sp_options(model, plan: Plan) -> tuple[bool, ...]:
+    """Sequence parallelism off, and on where the (stage) mesh has a model axis in use."""
     assignment = model.plan_assignment(plan)
     if plan.mesh.get(MODEL, 1) > 1 and MODEL in assignment.values():
         return (False, True)
