@@ -67,7 +67,7 @@ def make_step(
         )
         return loss, trainable, non_trainable, optimizer_vars
 
-    tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, SMALL["vocabulary_size"])
+    tokens = jax.random.randint(jax.random.key(seed), (batch, seq + 1), 0, backbone.vocabulary_size)
     data = {
         "token_ids": tokens[:, :-1],
         "padding_mask": jax.numpy.ones((batch, seq), bool),
