@@ -17,10 +17,20 @@ A100 = am.Cluster.preset("a100", devices=8)
 # Smaller than the examples' defaults, to keep each test to seconds.
 TINY = {
     "examples.hf_bert": dict(
-        batch=16, seq=32, vocab_size=256, hidden_size=64, intermediate_size=128
+        batch=16,
+        seq=32,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
     ),
     "examples.keras_gpt2": dict(
-        batch=16, seq=32, vocabulary_size=256, hidden_dim=64, intermediate_dim=128
+        batch=16,
+        seq=32,
+        vocabulary_size=256,
+        hidden_dim=64,
+        intermediate_dim=128,
+        num_layers=1,
     ),
 }
 
@@ -37,12 +47,12 @@ def test_a_third_party_step_plans_and_computes_what_it_computes_unsharded(module
     graph = am.capture(step, *args)
     roles = {leaf.arg_index: leaf.role for leaf in graph.inputs}
     assert roles[0] == am.Role.PARAM and roles[len(args) - 1] == am.Role.BATCH
-    experts = am.expert_plans(step, *args, cluster=CPU8)
-    for name in ("data_parallel", "megatron_dp"):
-        report = verify(step, experts[name], *args)
-        assert report.numerics_ok, (name, report.max_abs_err)
-        if name == "data_parallel":  # the gradients' all-reduce, as the CPU runs it
-            assert report.collectives_match, report.mismatches
+    # Megatron x data (4 x 2): the batch split and the blocks' heads, MLP and vocabulary
+    # split, the partial sums all-reduced; run, it computes what the unsharded step does.
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=2, dp=4), cluster=CPU8)
+    assert plan.mesh == {"data": 4, "model": 2} and len(plan.assignment) > 1
+    report = verify(step, plan, *args)
+    assert report.numerics_ok, report.max_abs_err
 
 
 @pytest.mark.gpu_compile
@@ -55,7 +65,7 @@ def test_a_third_party_step_compiled_for_a100s_is_priced_as_xla_builds_it(module
     # (donating) or beside it.
     step, args = _make(module, donate=donate)
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    plan = am.expert_plans(step, *args, cluster=A100)["data_parallel"]
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8), cluster=A100)
     report = verify(step, plan, *args, target="a100")
     assert report.collectives_match, report.mismatches
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
