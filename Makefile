@@ -12,10 +12,15 @@ STAMP := $(VENV)/.installed
 # that no CUDA driver is found; automap._verify._gpu loads it from there to compile for a
 # GPU without one. libtpu (the tpu-compile pins) goes apart alike, in .venv/tpu-compile:
 # automap._verify._tpu loads it from there to compile for a TPU topology without one.
+# The third-party models (pyproject's thirdparty pins: transformers, keras-hub and what
+# they import) go into the venv itself, with --no-deps: keras-hub declares TensorFlow,
+# which it never imports and which would fight JAX's numpy and ml_dtypes pins.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $$($(BIN)/python -c \
+		"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['thirdparty'])")
 	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/gpu-compile $$($(BIN)/python -c \
 		"import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-compile'])")
 	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/tpu-compile $$($(BIN)/python -c \

@@ -150,16 +150,20 @@ def test_zero_moves_data_parallels_bytes_on_a_gpu_cluster():
     grads = max(c.bytes for c in dp.collectives if c.kind == "all-reduce")
     again = sum(g.tensors[t].nbytes for t in regather_plan(g, groups).params)
     # layer by layer, the tied embedding is gathered by the first layer and by the head
-    again += next(g.tensors[x.tensor].nbytes for x in g.leaves(Role.PARAM) if "embed" in x.path)
+    table = next(g.tensors[x.tensor].nbytes for x in g.leaves(Role.PARAM) if "embed" in x.path)
+    again += table
     for stage in (1, 2, 3):
         z = model.evaluate(batch, MESH, zero_stage=stage)
         kinds = {(c.kind, c.axis): c.bytes for c in z.collectives}
-        assert kinds[("reduce-scatter", "data")] == pytest.approx(grads, rel=0.01)
+        # ZeRO-3 reduce-scatters the tied table's two gradient parts apart, as the A100's
+        # HLO does (tests/test_verify_gpu.py); data parallel all-reduces their sum once.
+        scattered = grads + (table if stage == 3 else 0)
+        assert kinds[("reduce-scatter", "data")] == pytest.approx(scattered, rel=0.01)
         gathered = g.role_bytes(Role.PARAM) + (again if stage == 3 else 0)
         assert kinds[("all-gather", "data")] == gathered
         assert kinds.get(("all-reduce", "data"), 0.0) < 0.01 * grads  # the loss, no gradient
         # an all-reduce is a reduce-scatter and an all-gather of the same bytes
-        ratio = (grads + gathered) / (2 * grads)
+        ratio = (scattered + gathered) / (2 * grads)
         assert z.comm_s == pytest.approx(ratio * dp.comm_s, rel=0.08 if stage == 3 else 0.06)
         assert z.memory_breakdown["opt_state"] == pytest.approx(
             dp.memory_breakdown["opt_state"] / 8, rel=0.01

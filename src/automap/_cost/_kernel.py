@@ -123,6 +123,11 @@ def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
     return np.where(reduced, R.nbytes / np.maximum(R.count, 1) * inv[R.tset], 0.0)
 
 
+def tied_bytes(R: RowTable, st: State, ac: C.AxisCosts) -> float:
+    """Bytes of the tied gradient parts ZeRO-3 reduce-scatters apart (`Tables.tied_partial`)."""
+    return float(partial_results(R, st.codes, st.P, ac.sizes, ac.bit, st.inv).sum())
+
+
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
     """Virtual rows of reshard rows: all-gather, or all-to-all when the axis moves."""
     a = A[R.group[:, 0]]
@@ -198,6 +203,7 @@ def totals(
     trips: np.ndarray | None = None,
     kept_whole: float = 0.0,
     update_bytes: float = 0.0,
+    tied_bytes: float = 0.0,
 ):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
     step's once, each loop body's once per trip: `trips` per combine slot).
@@ -209,13 +215,16 @@ def totals(
     layout: a body's are reduced inside the loop, per trip. `kept_whole`: the bytes of
     those gradients the backend all-reduces whole all the same
     (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
-    split all-reduce over it (`_terms.update_reductions`), one more collective."""
+    split all-reduce over it (`_terms.update_reductions`), one more collective.
+    `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO-3
+    reduce-scatters each (`Tables.tied_partial`)."""
     n = len(ac.keys)
     s = s.copy()
     if zero_mask and lowering.reduce_scatter:
         ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0
+        s[3, rs] += tied_bytes
         kept = min(kept_whole, s[3, rs])
         if kept > 0:
             s[3, [rs, ar]] += (-kept, kept)

@@ -482,9 +482,8 @@ class CostModel:
         )
 
     def _communication(self, st: K.State, L: Layout, d: int) -> tuple[float, tuple]:
-        """Seconds of the step's collectives and the collectives per (kind, axes): the
-        rows' sums (a recomputed layer's again under remat), gradients combined, ZeRO's
-        gradient all-reduce a reduce-scatter and its gathers one more collective."""
+        """Seconds of the step's collectives and the collectives per (kind, axes): rows
+        summed (a recomputed layer's twice), gradients combined, ZeRO's scattered (`totals`)."""
         ac = self._costs_for(st.mesh)
         zero_mask = int(ac.bit[d]) if L.zero else 0
         g = gathers(self.coefs, L)
@@ -505,6 +504,7 @@ class CostModel:
             gradient_trips(self.coefs, L, self.tables.combine_trips),
             self._kept_whole(st, d) if zero_mask else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
+            K.tied_bytes(self.tables.tied_partial, st, ac) if L.zero_stage >= 3 else 0.0,
         )
         collectives = tuple(
             Collective(

@@ -483,7 +483,7 @@ def plan_op_costs(model: StageModel, plan: Plan) -> OpCosts:
         {k: v for k, v in plan.mesh.items() if k != PIPE},
         zero_stage=plan.zero_stage,
         remat=plan.remat,
-        staged=len(plan.stages) > 1,
+        staged=len(plan.stages) > 1 or plan.microbatches > 1,
     )
     return stage_sequence_parallel(model, plan, oc) if plan.sequence_parallel else oc
 

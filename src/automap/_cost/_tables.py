@@ -109,6 +109,10 @@ class Tables:
     # [slots] occurrences per step of each combined collective slot: 1 for slot 0 (the
     # step's gradients), a loop body's trips for its own slot (`RowTable.combine`).
     combine_trips: np.ndarray
+    # A tied parameter's gradient partial sums that reassociation adds into another's
+    # through transposes (`summed_partials`): under ZeRO-3 a GPU reduce-scatters each
+    # (the word table's lookup and output-projection parts: 2 of one table's bytes).
+    tied_partial: RowTable
     # where ZeRO-3 gathers layer by layer (`_remat.layer_gathers`), None without a loss:
     # per program, for pipeline stages (`_fsdp.program_gathers`)
     layers: LayerGathers | None = None
@@ -169,6 +173,7 @@ def build_tables(
     layers = layer_gathers(graph, groups) if loss_boundary(graph) is not None else None
     inp = TableInputs(graph, res, lowering, graph.consumers(), tset, ng, update, regathered, layers)
     partial = staged = rows.partial
+    gone = apart = set()
     if lowering.reassociates_all_reduce:
         gone = summed_partials(graph, partial, rows.partial_row, inp.consumers)
         apart = summed_partials(graph, partial, rows.partial_row, inp.consumers, False)
@@ -203,6 +208,9 @@ def build_tables(
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
         **_row_columns(partial, rows, compute.recomputed),
         staged_partial_full=row_table(staged, ng, rows.empty),
+        tied_partial=row_table(
+            [r for i, r in enumerate(rows.partial) if i in gone - apart and r.grad], ng, rows.empty
+        ),
         layers=layers,
     )
 
