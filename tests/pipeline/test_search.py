@@ -13,7 +13,14 @@ from automap._cost import estimate_pipeline, op_costs
 from automap._errors import AutomapError
 from automap._pipeline import cut_candidates, partition, pipeline_plan, pipeline_schedule
 from automap._search import Problem, optimal_cuts, polish_cuts, search_dp
-from automap._space import Point, microbatch_counts, pipeline_experts, recipe_plan, stage_counts
+from automap._space import (
+    Point,
+    megatron_stage_counts,
+    microbatch_counts,
+    pipeline_experts,
+    recipe_plan,
+    stage_counts,
+)
 from automap._zoo import get_model
 from test_auto import SMALL as SMALL_VOCAB
 from test_auto import leanest_one_stage
@@ -141,6 +148,32 @@ def test_megatron_3d_puts_tensor_parallel_inside_the_node():
     assert p.mesh.get("pipe", 1) == max(1, len(p.stages))
     if p.pipelined:
         assert p.microbatches == 32 // p.mesh.get("data", 1)
+
+
+def test_megatron_3d_tries_the_node_aligned_stage_counts_not_only_powers_of_two():
+    # Korthikanti's 530B row: 280 A100s at tp 8 leave 35 tp groups, which no power of two
+    # but 1 divides; the recipe's stage counts are the pipelined space's that do.
+    assert megatron_stage_counts(280, 8, 8, 104) == [1, 5, 7, 35]
+    assert megatron_stage_counts(280, 4, 8, 104) == [1, 5, 7, 35, 70]
+    assert megatron_stage_counts(24, 8, 8, 5) == [1, 3]
+    assert megatron_stage_counts(12, 8, 8, 5) == []  # 8 does not divide 12
+
+
+def test_megatron_3d_pipelines_a_cluster_whose_tp_groups_are_no_power_of_two():
+    # 24 A100s (3 nodes of 8), six layers, memory for about a twelfth of the stored state:
+    # one stage does not fit at any tp, and the node-aligned pipelines are 3, 6, 12 or
+    # 24 stages. Powers of two alone gave none that fits (2 stages of a node and a half).
+    spec = get_model("gpt2-xl", layers=6, hidden=128, heads=8, batch=24, seq=16, vocab=128)
+    pb = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 24))
+    state = 2 * pb.graph.role_bytes(am.Role.PARAM) + pb.graph.role_bytes(am.Role.OPT_STATE)
+    limit = 0.08 * state
+    tight = dataclasses.replace(pb.cluster, hbm_bytes=limit / (1.0 - pb.cluster.memory_reserve))
+    estimate = Problem.build(spec.step_fn, spec.abstract_args(), tight).estimate
+    plan = pipeline_experts(pb.graph, pb.groups, tight, estimate)["megatron_3d"]
+    assert plan.predicted.feasible and plan.predicted.memory_bytes <= tight.memory_limit
+    pipe = plan.mesh["pipe"]
+    assert pipe in (3, 6, 12) and len(plan.stages) == pipe
+    assert all(8 % len(s.devices) == 0 or len(s.devices) % 8 == 0 for s in plan.stages)
 
 
 def test_one_stage_searchers_refuse_the_pipeline_task(gpt):

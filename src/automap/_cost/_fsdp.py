@@ -44,23 +44,33 @@ def root_params(graph: Graph) -> list[int]:
     return [leaf.tensor for leaf in graph.leaves(Role.PARAM)]
 
 
-def forward_reads(graph: Graph, lg: LayerGathers) -> dict[tuple[int, int], list[int]]:
-    """(forward layer, parameter) -> the layer's ops reading it (or what is made from it)."""
+def forward_reads(
+    graph: Graph, lg: LayerGathers, within: Collection[int] | None = None
+) -> dict[tuple[int, int], list[int]]:
+    """(forward layer, parameter) -> the layer's ops reading it (or what is made from it);
+    `within`: only those ops (one program's: a pipeline stage's F reads a few layers of
+    the whole forward, and each of its programs scanned the whole one)."""
     root = roots(graph, lg)
     out: dict[tuple[int, int], list[int]] = {}
-    for op in graph.ops[: lg.regather.boundary + 1]:
-        if op.index in lg.remake:
+    end = lg.regather.boundary + 1
+    indices = range(end) if within is None else sorted(i for i in within if i < end)
+    for i in indices:
+        if i in lg.remake:
             continue
-        for p in frozenset().union(*(root.get(t, frozenset()) for t in op.inputs)):
-            out.setdefault((lg.layer(op.index), p), []).append(op.index)
+        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
+            out.setdefault((lg.layer(i), p), []).append(i)
     return out
 
 
-def backward_reads(graph: Graph, lg: LayerGathers) -> dict[int, list[int]]:
-    """Parameter -> the backward ops reading it (or what is made from it)."""
+def backward_reads(
+    graph: Graph, lg: LayerGathers, within: Collection[int] | None = None
+) -> dict[int, list[int]]:
+    """Parameter -> the backward ops reading it (or what is made from it); `within`: only
+    those ops."""
     root = roots(graph, lg)
     out: dict[int, list[int]] = {}
-    for i in sorted(lg.regather.backward):
+    backward = lg.regather.backward if within is None else lg.regather.backward & set(within)
+    for i in sorted(backward):
         for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
             out.setdefault(p, []).append(i)
     return out
@@ -91,17 +101,14 @@ def program_gathers(
     mine = set(ops)
     lg = dataclasses.replace(lg, remake=lg.remake & mine)
     out = []
-    for (layer, p), readers in sorted(forward_reads(graph, lg).items()):
-        if here := [i for i in readers if i in mine]:
-            out.append(Gathered(("layer", layer), p, min(here), False))
+    for (layer, p), readers in sorted(forward_reads(graph, lg, mine).items()):
+        out.append(Gathered(("layer", layer), p, min(readers), False))
     root = roots(graph, lg)
     again: dict[int, int] = {}
     for i in sorted(recomputed):
         for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
             again.setdefault(p, i)
-    first = {
-        p: min(here) for p, rs in backward_reads(graph, lg).items() if (here := mine & set(rs))
-    }
+    first = {p: min(rs) for p, rs in backward_reads(graph, lg, mine).items()}
     for p in sorted(first.keys() | again.keys()):
         out.append(Gathered(("leaf", p), p, first.get(p, again.get(p)), p in again))
     return out

@@ -222,16 +222,16 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
     ZeRO-3's gathered parameters (by the update's layout where only the update reads
     one: the partition runs an op whose results only the update reads with it)."""
     phase, consumers, stage = inp.phase, inp.consumers, inp.stage
-    for op in inp.graph.ops:
-        if phase[op.index] != Phase.PRE:
-            continue
+    pre, post, per_microbatch = int(Phase.PRE), int(Phase.POST), (int(Phase.FWD), int(Phase.BWD))
+    for index in np.flatnonzero(phase == pre).tolist():  # the pre ops only, in order
+        op = inp.graph.ops[index]
         for t in op.outputs:
-            late = [c for c in consumers[t] if phase[c] != Phase.PRE]
-            if t in inp.generated and all(phase[c] in (Phase.FWD, Phase.BWD) for c in late):
+            late = [c for c in consumers[t] if phase[c] != pre]
+            if t in inp.generated and all(phase[c] in per_microbatch for c in late):
                 continue  # made in each program that reads it (`_remat.generated`)
             if late:
                 # Read by the update alone: ZeRO pins it to the update's sharded layout.
-                update = all(phase[c] == Phase.POST for c in late)
+                update = all(phase[c] == post for c in late)
                 b = inp.zeroed(t, inp.zero_stage >= 1 and update)
                 for s in {int(stage[op.index])} | {int(stage[c]) for c in late}:
                     out[s]["params"] += b
@@ -409,7 +409,7 @@ def temporaries(
     if m == 1:
         skip |= set(part.accumulated)
     program = op_programs(graph, part) if program is None else program
-    ops = [i for i in range(len(graph.ops)) if phase[i] == which]
+    ops = np.flatnonzero(phase == which).tolist()
     consumers = graph.consumers()
     last: dict[int, int] = {}
     for i in ops:

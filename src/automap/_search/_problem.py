@@ -90,7 +90,9 @@ def _price_experts(problem: Problem, pipelines: bool) -> dict[str, Plan]:
     tree = problem.graph.in_tree
     out = {}
     for name, p in plans.items():
-        p = problem.priced(p)
+        # The pipeline experts come priced by this problem's estimate already (they pick
+        # stage counts by it); pricing a 1T GPT's pipeline again took seconds.
+        p = p if p.predicted is not None else problem.priced(p)
         provenance = dataclasses.replace(
             p.provenance,
             searcher="expert",

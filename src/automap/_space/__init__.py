@@ -11,6 +11,7 @@ from ._experts import batch_groups as batch_groups
 from ._experts import block_groups as block_groups
 from ._experts import expert_assignments as expert_assignments
 from ._experts import expert_plans_for as expert_plans_for
+from ._pipeline_experts import megatron_stage_counts as megatron_stage_counts
 from ._pipeline_experts import pipeline_experts as pipeline_experts
 from ._pipelined import Point as Point
 from ._pipelined import microbatch_counts as microbatch_counts

@@ -16,7 +16,9 @@
   2019 baseline the others are held against.
 
 A practitioner picks the fewest stages that fit in memory: both choose the smallest stage
-count (a power of two) whose plan fits, by the cost model's estimate. GPipe takes the most
+count whose plan fits, by the cost model's estimate, among node-aligned counts
+(`stage_counts`): GPipe's powers of two, Megatron's every count that leaves whole tensor
+parallel groups (Korthikanti et al. run 530B on 35 stages). GPipe takes the most
 microbatches the batch allows. 1F1B throughout (the same time as GPipe's
 all-forward-then-all-backward, less memory).
 """
@@ -49,27 +51,32 @@ def pipeline_experts(
     plan = _gpipe(graph, groups, cluster, estimate, cands, groups.batch_size)
     if plan is not None:
         out["gpipe_uniform"] = plan
-    plan = _megatron_3d(graph, groups, cluster, estimate)
+    plan = _megatron_3d(graph, groups, cluster, estimate, len(cands))
     if plan is not None:
         out["megatron_3d"] = plan
     return out
 
 
-def _megatron_3d(graph, groups, cluster, estimate) -> Plan | None:
+def _megatron_3d(graph, groups, cluster, estimate, cands: int) -> Plan | None:
     """Megatron's recipe: for each tensor parallel size inside the node (a power of two
     that splits the blocks, as Megatron-LM's runs pick per model), the fewest stages that
-    fit with full recomputation and microbatches of one sequence; the fastest of them.
+    fit with full recomputation and microbatches of one sequence (`megatron_stage_counts`;
+    `cands`: the cut candidates); the fastest of them.
     None when nothing tensor-parallel applies. A stage count whose stored state alone
     cannot fit (`_state_floor`) is not priced, unless nothing fits at all: then the
     leanest of every candidate."""
-    tps = _node_tps(groups, cluster)
+    per_node = cluster.devices_per_node
+    counts = {
+        tp: megatron_stage_counts(cluster.devices, tp, per_node, cands)
+        for tp in _node_tps(groups, cluster)
+    }
     floor = _state_floor(graph, groups)
     priced: dict[tuple[int, int], Plan | None] = {}  # (tp, pp) -> its recipe, once
 
     def fewest(floor: float | None) -> list[Plan]:
         found = (
-            _fewest_megatron_stages(graph, groups, cluster, estimate, tp, floor, priced)
-            for tp in tps
+            _fewest_megatron_stages(graph, groups, cluster, estimate, tp, floor, priced, pps)
+            for tp, pps in counts.items()
         )
         return [plan for plan in found if plan is not None]
 
@@ -99,18 +106,28 @@ def _state_floor(graph: Graph, groups: Groups) -> float | None:
     return float(sum(nbytes) + sum(nbytes[: len(params)]))
 
 
+def megatron_stage_counts(devices: int, tp: int, per_node: int, cands: int) -> list[int]:
+    """The stage counts Megatron's recipe tries at tensor parallel size `tp`, fewest
+    first: one, then those of the pipelined space (`stage_counts`: enough cut candidates,
+    stages that fill whole nodes or divide one) that leave whole tp groups. Not only
+    powers of two: 280 A100s at tp 8 (Korthikanti et al.'s 530B) pipeline over 5, 7, 35
+    stages, and no power of two divides the 35 tp groups."""
+    if devices % tp:
+        return []
+    return [1] + [s for s in stage_counts(devices, cands, per_node) if (devices // tp) % s == 0]
+
+
 def _fewest_megatron_stages(
-    graph, groups, cluster, estimate, tp: int, floor: float | None, priced: dict
+    graph, groups, cluster, estimate, tp: int, floor: float | None, priced: dict, pps
 ) -> Plan | None:
-    """The fewest stages (a power of two) whose recipe fits, else the leanest recipe of
-    those priced (`floor`: see `_state_floor`; None prices every one). `priced`: (tp, pp)
-    -> recipe already priced (None: it does not apply), filled in."""
+    """The fewest stages of `pps` (ascending) whose recipe fits, else the leanest recipe
+    of those priced (`floor`: see `_state_floor`; None prices every one). `priced`:
+    (tp, pp) -> recipe already priced (None: it does not apply), filled in."""
     leanest: Plan | None = None
-    pp = 1
-    while pp * tp <= cluster.devices:
+    for pp in pps:
         dp = cluster.devices // (tp * pp)
         lean_enough = floor is None or floor / (tp * pp) <= cluster.memory_limit
-        if cluster.devices % (tp * pp) == 0 and groups.batch_size % dp == 0 and lean_enough:
+        if groups.batch_size % dp == 0 and lean_enough:
             if (tp, pp) not in priced:
                 priced[tp, pp] = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp)
             plan = priced[tp, pp]
@@ -119,7 +136,6 @@ def _fewest_megatron_stages(
                     return _megatron_2022(graph, groups, cluster, estimate, tp, pp, dp, plan)
                 if leanest is None or plan.predicted.memory_bytes < leanest.predicted.memory_bytes:
                     leanest = plan
-        pp *= 2
     return leanest  # nothing fits: the leanest, marked infeasible
 
 
