@@ -131,7 +131,8 @@ def _megatron_row(params_b, tp, pp, dp, published, predicted, **planned):
         "params_b": params_b, "heads": 8, "hidden": 1024, "layers": 8, "tp": tp, "pp": pp,
         "gpus": tp * pp * dp, "batch": 64, "published": published, "dp": dp,
         "predicted_tflops": predicted, "ratio": predicted / published, "step_s": step,
-        "memory_gb": 40.25, "feasible": True, "price_s": 1.0, **planned,
+        "memory_gb": 40.25, "feasible": True, "price_s": 1.0,
+        "megatron_ratio": 0.95 * predicted / published, **planned,
     }  # fmt: skip
 
 
@@ -163,9 +164,9 @@ def test_megatron_section_from_a_fake_result():
     assert "`automap plan --searcher auto --budget 30`" in text
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| params (B) |"))
-    assert lines[head].count("|") == lines[head + 1].count("|") == 16
+    assert lines[head].count("|") == lines[head + 1].count("|") == 17
     assert lines[head + 2] == (
-        "| 1.7 | 1 × 1 × 32 | 32 | 64 | 137 | 110 | 0.80 | 10.00 | 40.2 | yes "
+        "| 1.7 | 1 × 1 × 32 | 32 | 64 | 137 | 110 | 0.80 | 10.00 | 40.2 | yes | 0.76 "
         "| data 32 (ZeRO-1) | 8.00 | 0.80 | 31 | 2.5 |"
     )
     # A row the planner failed on says why (a `|` would break the table) and keeps its price.

@@ -3,8 +3,12 @@ recomputation): its rows, their published configurations priced, and its markdow
 
 from __future__ import annotations
 
+import re
+
+import jax
 import pytest
 
+import automap as am
 from automap._bench import (
     KORTHIKANTI_TABLE,
     korthikanti_lines,
@@ -12,6 +16,12 @@ from automap._bench import (
     select_korthikanti_rows,
     to_markdown,
 )
+from automap._capture import capture
+from automap._cost import CostModel
+from automap._groups import build_groups
+from automap._remat import megatron_recompute, recompute_plan
+from automap._verify import comm_bytes, compile_plan, parse_collectives
+from automap._zoo import get_model
 
 
 def test_rows_are_the_published_configurations():
@@ -33,7 +43,9 @@ def _record(name, full_pred, modern_pred, **planned):
         "full_ratio": full_pred / row.full_s, "modern_ratio": modern_pred / row.modern_s,
         "published_speedup": row.published_speedup,
         "predicted_speedup": full_pred / modern_pred, "full_memory_gb": 60.0,
-        "modern_memory_gb": 40.0, "feasible": True, "price_s": 1.0, **planned,
+        "modern_memory_gb": 40.0, "feasible": True, "price_s": 1.0,
+        "megatron_full_pred_s": full_pred * 1.05, "megatron_full_ratio": full_pred * 1.05 / row.full_s,
+        "megatron_speedup": full_pred * 1.05 / modern_pred, **planned,
     }  # fmt: skip
 
 
@@ -45,17 +57,21 @@ def test_section_renders_from_its_records():
     failed = _record("1T", 100.0, 75.0, plan_error="none fits | at all", plan_wall_s=9.0)
     section = {
         "cluster": "a100", "plan_s": 60.0, "searcher": "auto", "rows": [planned, failed],
-        "mean_abs_error": 0.04,
+        "mean_abs_error": 0.04, "megatron_mean_abs_error": 0.03,
     }  # fmt: skip
     lines = korthikanti_lines(section)
     head = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
-    assert lines[head].count("|") == lines[head + 1].count("|") == 21
+    assert lines[head].count("|") == lines[head + 1].count("|") == 24
     assert lines[head + 2].startswith(
         "| 175B | 8 × 8 | 64 | 64 | 1 | 3 | 18.13 | 18.00 | 0.99 | 13.75 | 14.00 | 1.02 "
-        "| 1.32 | 1.29 | 60 → 40 | data 1 × model 8 × 8 stages | 13.00 | 0.93 |"
+        "| 1.32 | 1.29 | 60 → 40 | 18.90 | 1.04 | 1.35 | data 1 × model 8 × 8 stages | 13.00 "
+        "| 0.93 |"
     )
     assert "| none fits / at all | — | — | 9 | — |" in lines[head + 3]
-    assert lines[-1] == "Mean absolute error of the priced times: 4.0%."
+    assert lines[-1] == (
+        "Mean absolute error of the priced times: 4.0%; with the full column as Megatron "
+        "recomputes: 3.0%."
+    )
     assert korthikanti_lines("not run")[-1] == "Korthikanti table: not run."
     result = {
         "machine": {"cpu": "cpu", "cores": 2, "memory_bytes": None, "python": "3", "jax": "0",
@@ -81,3 +97,55 @@ def test_the_22b_row_is_priced_in_both_columns():
     assert section["mean_abs_error"] == pytest.approx(
         (abs(r["full_ratio"] - 1) + abs(r["modern_ratio"] - 1)) / 2
     )
+
+
+def _dots(text: str) -> int:
+    return len(re.findall(r"= \S+ dot\(", text))
+
+
+@pytest.mark.slow  # two plans compiled for 8 A100s
+@pytest.mark.gpu_compile
+def test_xla_recomputes_less_of_a_layer_than_megatron_and_each_is_priced():
+    """Full recomputation as XLA compiles it (what `am.apply` runs) leaves out of the
+    recompute what no backward op reads: each layer's last matmul (the MLP's output
+    projection), its all-reduce and the residual add. Megatron-LM's `CheckpointFunction`
+    runs the layer's forward whole again; `megatron_recompute` prices that, one more
+    stream all-reduce and matmul per layer, for its published runs."""
+    layers, hidden, batch, seq = 2, 64, 16, 32
+    spec = get_model(
+        "gpt2-xl", layers=layers, hidden=hidden, heads=8, seq=seq, batch=batch, vocab=128,
+        dtype="float32",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    cluster = am.Cluster.preset("a100", devices=8)
+    graph = capture(step, *args)
+    groups = build_groups(graph)
+    xla_rc, megatron_rc = recompute_plan(graph, groups), megatron_recompute(graph, groups)
+    dropped = [graph.ops[i] for i in sorted(megatron_rc.ops - xla_rc.ops)]
+    # One matmul per layer, its layer's last: the output projection of the MLP.
+    last = [max(i for i in layer if graph.ops[i].primitive == "dot_general")
+            for layer in megatron_rc.layers]  # fmt: skip
+    assert [op.index for op in dropped if op.primitive == "dot_general"] == last
+    megatron = CostModel(graph, cluster, groups, megatron_rc)
+    stream = batch * seq * hidden * 4  # one float32 all-reduce of the residual stream
+    ar, dots, priced, as_megatron = {}, {}, {}, {}
+    for remat in ("none", "full"):
+        plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=8, remat=remat), cluster=cluster)
+        text = compile_plan(step, plan, args, target="a100")[1].as_text()
+        ar[remat] = comm_bytes(parse_collectives(text, 8), plan.mesh)["all-reduce@model"]
+        dots[remat] = _dots(text)
+        priced[remat] = _bytes(plan.predicted, "all-reduce")
+        as_megatron[remat] = _bytes(megatron.estimate(plan), "all-reduce")
+    # XLA's recompute all-reduces what the model prices it to (the attention's output
+    # projection of each layer, the embedding's in the first), not the MLP's.
+    assert ar["full"] - ar["none"] == pytest.approx(priced["full"] - priced["none"], rel=0.01)
+    assert as_megatron["full"] - priced["full"] == pytest.approx(layers * stream)
+    assert as_megatron["none"] == priced["none"]  # without recomputation nothing changes
+    # XLA's recompute runs no more matmuls than the model's (its dot merger joins the
+    # queries', keys' and values'): the last of each layer is not among them.
+    recomputed = sum(graph.ops[i].primitive == "dot_general" for i in xla_rc.ops)
+    assert 0 < dots["full"] - dots["none"] <= recomputed
+
+
+def _bytes(cost, kind: str) -> float:
+    return sum(c.bytes for c in cost.collectives if c.kind == kind)

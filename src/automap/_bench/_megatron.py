@@ -23,9 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._api import plan_recipe
-from .._plan import Plan
-from .._space import Recipe
+from .._cost import CostModel
+from .._plan import Cost, Plan
+from .._remat import megatron_recompute
+from .._search import Problem
+from .._space import Recipe, recipe_plan
 from ._isolated import PlanJob, planner_columns, train_step
 
 VOCAB, SEQ = 51200, 2048
@@ -95,27 +97,38 @@ def job_of(row: MegatronRow) -> PlanJob:
     return PlanJob("gpt-1.3b", settings, CLUSTER, row.gpus)
 
 
-def price_row(row: MegatronRow) -> Plan:
-    """Megatron's configuration of the row, priced by the cost model."""
+def price_row(row: MegatronRow) -> tuple[Cost, Cost]:
+    """Megatron's configuration of the row priced by the cost model, as `am.apply` runs it
+    and as Megatron-LM recomputes (`megatron_priced`), on one captured program."""
     job = job_of(row)
-    spec = job.spec()
+    spec, cluster = job.spec(), job.cluster_of()
     recipe = Recipe(tp=row.tp, pp=row.pp, dp=row.dp, microbatch_size=1, remat="full")
-    return plan_recipe(
-        train_step(spec), *spec.abstract_args(), recipe=recipe, cluster=job.cluster_of()
-    )
+    problem = Problem.build(train_step(spec), spec.abstract_args(), cluster)
+    plan = recipe_plan(problem.graph, problem.groups, cluster, recipe)
+    return problem.estimate(plan), megatron_priced(problem, plan)
+
+
+def megatron_priced(problem: Problem, plan: Plan) -> Cost:
+    """`plan` (recomputing every layer in full) priced as Megatron-LM recomputes: each
+    layer's forward run whole again (`_remat.megatron_recompute`), its last matmul and
+    all-reduce included, which XLA's recompute drops."""
+    rc = megatron_recompute(problem.graph, problem.groups)
+    return CostModel(problem.graph, problem.cluster, problem.groups, rc).estimate(plan)
 
 
 def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto") -> dict:
     """One row: the published figures, Megatron's configuration priced, and with
     `plan_s` > 0 the planner's plan found in that budget."""
     start = time.perf_counter()
-    cost = price_row(row).predicted
+    cost, megatron = price_row(row)
     got = tflops_per_gpu(row, cost.step_time_s)
     record = {
         **dataclasses.asdict(row),
         "dp": row.dp,
         "predicted_tflops": got,
         "ratio": got / row.published,
+        # As Megatron-LM recomputes (its whole layer forward again).
+        "megatron_ratio": tflops_per_gpu(row, megatron.step_time_s) / row.published,
         "step_s": cost.step_time_s,
         "memory_gb": cost.memory_bytes / 1e9,
         "feasible": bool(cost.feasible),

@@ -19,6 +19,7 @@ from ._recompute import Recompute as Recompute
 from ._recompute import layer_residuals as layer_residuals
 from ._recompute import made_after as made_after
 from ._recompute import made_in_forward as made_in_forward
+from ._recompute import megatron_recompute as megatron_recompute
 from ._recompute import recompute_plan as recompute_plan
 from ._recompute import recompute_units as recompute_units
 from ._recompute import remat_residuals as remat_residuals

@@ -79,13 +79,29 @@ def recompute_plan(graph: Graph, groups: Groups) -> Recompute:
     return recompute_units(graph, layer_ops(graph, groups))
 
 
-def recompute_units(graph: Graph, whole: Sequence[Sequence[int]]) -> Recompute:
+def megatron_recompute(graph: Graph, groups: Groups) -> Recompute:
+    """Every layer recomputed whole, as Megatron-LM's full recomputation runs it: its
+    `CheckpointFunction.backward` re-runs the checkpointed layers' forward function, so
+    the layer's last matmul (the MLP's output projection), its all-reduce and the
+    residual add run again, though no backward op reads what they make. XLA removes
+    those from the recompute `recompute_plan` describes (what `am.apply` runs: on a 22B
+    GPT layer at tp 8, 2.0 of the 7.7 ms Korthikanti et al.'s Table 4 measures for
+    Megatron's recompute). No plan runs this one: the benchmarks price published Megatron
+    runs with it (`_bench._korthikanti`, `_bench._megatron`)."""
+    return recompute_units(graph, layer_ops(graph, groups), trim=False)
+
+
+def recompute_units(graph: Graph, whole: Sequence[Sequence[int]], trim: bool = True) -> Recompute:
     """`recompute_plan` for any runs of forward ops recomputed as units (whole layers, or
-    the attention cores of selective recomputation)."""
+    the attention cores of selective recomputation); `trim`: each cut to the ops the
+    backward's reads need, as XLA compiles it (False: every op, `megatron_recompute`)."""
     boundary = find_residuals(graph).boundary
     borders = {t for layer in whole for t in _reads(graph, layer)}
     read_after = {t for op in graph.ops[boundary + 1 :] for t in op.inputs}
-    layers = tuple(_needed(graph, layer, read_after - borders) for layer in whole)
+    if trim:
+        layers = tuple(_needed(graph, layer, read_after - borders) for layer in whole)
+    else:
+        layers = tuple(tuple(layer) for layer in whole)
     inputs = tuple(_reads(graph, layer) for layer in layers)
     kept = {t for ins in inputs for t in ins}
     owner = {
