@@ -163,19 +163,26 @@ def op_costs(
     for a pipeline of two stages or more, whose programs cannot add partial sums made on
     two stages before reducing them (a tied embedding's); False for one stage."""
     graph, T = model.graph, model.tables
-    st, ac = model.op_state(assignment, stage_mesh, staged)
+    if data_axis is None:
+        data_axis = DATA if DATA in stage_mesh else None
+    # One program under ZeRO-3 reduce-scatters a tied table's gradient parts apart, as two
+    # stages do (`Tables.tied_partial`, what `CostModel.estimate` adds): its rows apart.
+    apart = staged or (
+        zero_stage >= 3
+        and model.cluster.lowering.reduce_scatter
+        and stage_mesh.get(data_axis, 1) > 1
+    )
+    st, ac = model.op_state(assignment, stage_mesh, apart)
     n = len(graph.ops)
     compute = op_compute(T, st.inv)
     # Rematerialization runs every op of the recomputed layers again, matmuls included:
     # `op_coef` prices the recompute, `remat_op_coef` the lighter first forward.
     remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
-    pf, rf = (T.staged_partial_full if staged else T.partial_full), T.reshard_full
+    pf, rf = (T.staged_partial_full if apart else T.partial_full), T.reshard_full
     row_op = np.concatenate([per_slot(pf, pf.op), rf.op])
     row_grad = np.concatenate([per_slot(pf, pf.grad), rf.grad])
     tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
-    if data_axis is None:
-        data_axis = DATA if DATA in stage_mesh else None
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
     zero_mask, zero_comm, key = 0, np.zeros(n), st.key
     if zero_stage >= 1 and lay.data_size > 1:
