@@ -116,24 +116,3 @@ def test_uniform_cuts_and_the_plan_they_make():
     assert plan.decisions["cuts"] == list(cuts)
     with pytest.raises(PlanError, match="Use fewer stages"):
         uniform_cuts(graph, groups, 100)
-
-
-def test_a_cut_carries_the_streams_gradient_back_not_a_wider_one(gpt_two_stages):
-    # The input gradient of the last matmul before the cut (the MLP's output projection:
-    # the stream's gradient against its weight) runs on the stage owning the weight, as
-    # the forward matmul did: the backward sends the stream's gradient across the cut, as
-    # Megatron-LM does, never the MLP's four-times-wider one.
-    graph, _, _, part = gpt_two_stages
-    consumers = graph.consumers()
-
-    def crossing(phase, sender, receiver):
-        return {
-            graph.tensors[t].size
-            for op in graph.ops
-            if part.op_phase[op.index] is phase and part.op_stage[op.index] == sender
-            for t in op.outputs
-            if any(part.op_stage[c] == receiver for c in consumers[t])
-        }
-
-    forward, backward = crossing(Phase.FWD, 0, 1), crossing(Phase.BWD, 1, 0)
-    assert backward and max(backward) <= max(forward)

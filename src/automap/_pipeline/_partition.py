@@ -14,13 +14,10 @@ the tensors it reads:
   them ("post": the loss division, the optimizer update).
 - stage. Forward ops take the stage of their range. A backward op takes the lowest stage
   among the tensors it reads, so that backward data only ever flows to lower stages (the
-  order every schedule runs them in); one that reads no forward value, only gradients and
-  a weight (a matmul's input gradient), runs on the weight's stage below them, as the
-  forward op it transposes did, so that a cut carries the stream's gradient back, not the
-  MLP's four-times-wider input gradient of the layer before it. An op that reads only
-  inputs or constants (the cotangent seed) takes the highest stage among its readers.
-  Update ops run where their largest input lives (a gradient: the stage that owns the
-  parameter); pre ops on the lowest stage that reads them.
+  order every schedule runs them in), and an op that reads only inputs or constants (the
+  cotangent seed) the highest stage among its readers. Update ops run where their largest
+  input lives (a gradient: the stage that owns the parameter); pre ops on the lowest stage
+  that reads them.
 
 Microbatching is exact only when examples do not mix: a batch statistic fed back into
 per-example work (batch normalization), per-example random numbers, or a batch reduction
@@ -248,7 +245,6 @@ def partition(
         for i in range(start, min(stop, n)):
             if phase[i] is Phase.FWD:
                 stage[i] = s
-    homes = _weight_homes(graph, phase, stage, consumers)
     # Backward and update ops follow their inputs (program order = dependency order).
     for op in graph.ops:
         i = op.index
@@ -262,7 +258,7 @@ def partition(
         if not placed:
             continue  # reads only inputs and constants: placed by its readers below
         if phase[i] is Phase.BWD:
-            stage[i] = _backward_stage(graph, op, phase, placed, homes)
+            stage[i] = min(s for s, _ in placed)
         else:  # the largest input (a gradient) says which stage owns this update
             stage[i] = min(placed, key=lambda sb: (-sb[1], sb[0]))[0]
     # Ops that read only inputs and constants take their place from their readers.
@@ -288,33 +284,6 @@ def partition(
 
 
 # ---- helpers ----------------------------------------------------------------------------
-
-
-def _weight_homes(graph: Graph, phase, stage, consumers) -> dict[int, tuple[int, ...]]:
-    """Per tensor made before the microbatches (a parameter, its 16-bit cast), the stages
-    whose forward reads it: where the backward of those reads belongs."""
-    out = {}
-    for t in graph.tensors:
-        p = t.producer
-        if p is not None and phase[p] is not Phase.PRE:
-            continue
-        fwd = {stage[c] for c in consumers[t.id] if phase[c] is Phase.FWD}
-        if fwd:
-            out[t.id] = tuple(sorted(fwd))
-    return out
-
-
-def _backward_stage(graph: Graph, op, phase, placed, homes) -> int:
-    """A backward op's stage: the lowest of its inputs' (backward data flows down), except
-    for one that reads no forward value, only gradients and a weight (a matmul's input
-    gradient against a layer's weight): it runs on the weight's stage at or below, as the
-    forward op it transposes did, so that a cut carries the stream's gradient back and
-    not the layer's wider one (its MLP's, four times the stream's)."""
-    s = min(st for st, _ in placed)
-    made = [p for t in op.inputs if (p := _producer(graph, t)) is not None]
-    if any(phase[p] is Phase.FWD for p in made):
-        return s
-    return max((h for t in op.inputs for h in homes.get(t, ()) if h <= s), default=s)
 
 
 def _touched(op) -> tuple[int, ...]:
