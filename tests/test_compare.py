@@ -6,7 +6,7 @@ import functools
 import pytest
 
 import automap as am
-from automap._bench import compare
+from automap._bench import Row, compare
 from automap._groups import unzero_spec
 from automap._zoo import get_model
 
@@ -71,3 +71,18 @@ def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():
     assert not found["data_parallel"].feasible
     assert "fits in memory" in found["ilp"].note  # no plan of the shard space fits
     assert found["dp"].feasible and found["dp"].plan.stages
+
+
+def test_a_one_stage_plan_with_microbatches_is_described_without_a_pipe_axis():
+    # A recipe with pp=1 and several microbatches keeps a pipe axis of 1 in its mesh: the
+    # row says what runs (gradient accumulation on the data × model mesh), not "pipe 1".
+    spec = get_model("gpt2-xl", layers=2, hidden=128, heads=4, seq=64, batch=16, vocab=512)
+    recipe = am.Recipe(tp=2, pp=1, dp=4, microbatch_size=2)
+    found = am.plan_recipe(
+        spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=am.Cluster.preset("a100", 8)
+    )
+    assert found.microbatches == 2
+    row = Row("expert", "megatron_3d", 1.0, 1.0, True, 0.0, None, found)
+    assert "pipe" not in row.shape
+    assert row.shape.endswith("2 mb accumulated")
+    assert "data 4" in row.shape and "model 2" in row.shape

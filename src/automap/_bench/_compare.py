@@ -14,6 +14,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from .._axes import PIPE
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Plan
@@ -47,11 +48,15 @@ class Row:
         expert pipeline is named by its recipe, not its stage count)."""
         if self.plan is None:
             return ""
-        mesh = " × ".join(f"{k} {v}" for k, v in self.plan.mesh.items()) or "one device"
+        # A one-stage plan may carry a pipe axis of 1 (a recipe with pp=1): it says nothing.
+        axes = {k: v for k, v in self.plan.mesh.items() if k != PIPE or self.stages > 1}
+        mesh = " × ".join(f"{k} {v}" for k, v in axes.items()) or "one device"
         if self.plan.replicated and self.plan.devices > 1:
             return f"replicated ({mesh}: nothing split)"
         if self.stages > 1:
             mesh += f", {self.plan.microbatches} mb {self.plan.schedule}"
+        elif self.plan.microbatches > 1:
+            mesh += f", {self.plan.microbatches} mb accumulated"
         if self.plan.zero_stage:
             mesh += f", ZeRO-{self.plan.zero_stage}"
         return mesh

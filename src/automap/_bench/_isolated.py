@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._api import plan
+from .._axes import PIPE
 from .._cluster import Cluster
 from .._errors import AutomapError
 from .._plan import Plan
@@ -58,8 +59,10 @@ def train_step(spec: ModelSpec) -> Callable:
 def plan_shape(found: Plan) -> str:
     """A plan in a few words: its mesh, microbatches and schedule, sequence parallelism,
     recomputation policy and ZeRO stage."""
-    mesh = " × ".join(f"{k} {v}" for k, v in found.mesh.items())
-    extra = [f"{found.microbatches} mb"] if found.pipelined else []
+    # A one-stage plan's pipe axis of 1 says nothing; its microbatches are accumulation.
+    axes = {k: v for k, v in found.mesh.items() if k != PIPE or found.pipelined}
+    mesh = " × ".join(f"{k} {v}" for k, v in axes.items())
+    extra = [f"{found.microbatches} mb"] if found.microbatches > 1 else []
     extra += [found.schedule] if found.pipelined and found.schedule != "1f1b" else []
     extra += ["SP"] if found.sequence_parallel else []
     extra += [f"remat {found.remat_policy}"] if found.remat else []
