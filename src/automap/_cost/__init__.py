@@ -55,5 +55,7 @@ from ._terms import update_reductions as update_reductions
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
 from ._torus import axis_torus_dims as axis_torus_dims
+from ._zero import split_sums as split_sums
+from ._zero import update_sums as update_sums
 from ._zero import zero_leaves as zero_leaves
 from ._zero import zero_shares as zero_shares

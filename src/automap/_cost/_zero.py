@@ -168,15 +168,21 @@ class UpdateReductions:
     tset: np.ndarray  # [tensors] each tensor's set
     n_sets: int
     sets: np.ndarray | None = None  # the sets kept (`sub`), None for all
-    # `results` by data size, shared by every `sub`: searchers price many plans per mesh
+    # Every dim size of the program, ascending. ZeRO's split of an unsplit layout goes on
+    # the first dim a data size divides (`_groups.zero_spec`), so two sizes that divide the
+    # same of these have the same `results`: on thousands of GPUs the searchers' many data
+    # sizes make a few such patterns, and each `results` walks the whole update.
+    dims: tuple[int, ...] = ()
+    # `results` by divisibility pattern, shared by every `sub`: searchers price many plans
     cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def per_tensor(self, data_size: float) -> Mapping[int, float]:
         """{result tensor: its bytes whole} of the sums a data axis of `data_size` splits."""
         size = int(data_size)
-        if size not in self.cache:
-            self.cache[size] = self.results(size)
-        return self.cache[size]
+        key = size <= 1, tuple(d % size == 0 for d in self.dims) if size > 0 else ()
+        if key not in self.cache:
+            self.cache[key] = self.results(size)
+        return self.cache[key]
 
     def at(self, data_size: float) -> np.ndarray:
         """[n_sets] (or the kept sets') the bytes of those results, summed by set."""
@@ -195,7 +201,10 @@ def update_sums(graph: Graph, groups: Groups, T) -> UpdateReductions:
     """The update's sums over ZeRO's split (`UpdateReductions`), sets as `T` keys them."""
     set_of = tensor_sets(groups, T)
     tset = np.array([set_of(t.id) for t in graph.tensors], dtype=np.int64)
-    return UpdateReductions(lambda size: split_sums(graph, groups, size), tset, len(T.sets))
+    dims = tuple(sorted({n for t in graph.tensors for n in t.shape}))
+    return UpdateReductions(
+        lambda size: split_sums(graph, groups, size), tset, len(T.sets), dims=dims
+    )
 
 
 def split_sums(graph: Graph, groups: Groups, data_size: int) -> dict[int, float]:
