@@ -18,9 +18,12 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute): every row is predicted at 0.62
-of the published TFLOP/s per chip (203, 200 and 196 against 328, 323 and 315) and each
-fits in the chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before MaxText's `minimal`
+Measured (this script, 2 shared cores, about a minute, at 86d773f): every row is predicted
+at 0.82-0.83 of the published TFLOP/s per chip (272, 267 and 259 against 328, 323 and
+315; steps 8.64, 8.78 and 6.03 s) and each fits in the chip's 95 GiB (74.5, 75.4 and
+50.1 GB predicted). Before the v5p's matmuls ran at the rate XLA's were measured at
+(`_cluster.py`: 0.923 of peak, a bf16 8192^3 product on a TPU v5e in JAX's Pallas TPU
+matmul guide; the generic 0.6 before): 0.62 (203, 200, 196). Before MaxText's `minimal`
 was priced as its own policy and the stream split: 0.61 (199, 196, 191) and none fit
 (253, 256, 175 GB; 272, 289, 207 GB before ZeRO-3 gathered layer by layer). What the
 memory model was missing, for 32B (per chip, per layer): "selective" kept the norms'
@@ -29,31 +32,36 @@ tensor-parallel chip, 7.6 GB a layer; MaxText's `minimal` keeps the layer's inpu
 the projections' outputs and splits the stream 4 ways, 1.8 GB a layer. The 32B row's
 other 10.5 GB of activations (of 68.6) are the head's and the one layer the backward
 recomputes at a time, its float32 scores and softmax written out (flash attention, not
-modelled, would hold none of them). With `--rows R --plan 120`, one row at a time
-on the 2 shared cores (busy with other work: wall times of 155 to 490 s, capture and
-experts included), the planner returns a one-stage plan that fits and is predicted
-faster than MaxText's configuration: 32B, FSDP over all 64 chips (ZeRO-3, `projections`)
-at 10.82 s, 0.93 of MaxText's 11.58 s (76.2 GB); 64B, the same at 11.40 s, 0.97 of
-11.71 s (77.5 GB); 128B, data 32 × model 4 with the stream split (ZeRO-3,
-`projections`) at 7.78 s, 0.98 of 7.98 s (50.7 GB). 28, 15 and 15 one-stage variants
-priced. Before the one-stage plans got recomputation and the split stream
-(`_search/_one_stage.py`: the ILP's shard space has neither, so it proved that no
-one-stage plan fits), it returned pipelines at 1.05, 1.09 and 1.05 times MaxText's step.
-Stated, not tuned:
+modelled, would hold none of them). With `--rows 32B --plan 120` (at 86d773f, on the 2
+cores shared with other work at load 7: 136 s wall, capture included) the planner
+returns a one-stage plan that fits and is predicted faster than MaxText's
+configuration: FSDP over all 64 chips (ZeRO-3, `projections`) at 7.88 s, 0.91 of
+MaxText's 8.64 s (76.2 GB); at 0.6 it was the same plan at 10.82 s, 0.93 of 11.58 s.
+The 64B and 128B rows were planned at 5390d0b, at 0.6 (BENCHMARKS.md). Before the
+one-stage plans got recomputation and the split stream (`_search/_one_stage.py`: the
+ILP's shard space has neither, so it proved that no one-stage plan fits), it returned
+pipelines at 1.05, 1.09 and 1.05 times MaxText's step.
 
-- Matmuls run at the preset's `matmul_efficiency`, 0.6 of the v5p's 459 TFLOP/s (no
-  measured TPU matmul rate is published that we found: `_cluster.py`), where MaxText's
-  published MFU (69-71% of peak in counted FLOPs alone) is above it: for 32B the matmuls
-  take 8.7 s of the predicted 11.6 s step; at 0.6 they cap the row at 0.82 of the
-  published figure.
-- Flash attention is not modelled: the zoo's Llama writes the attention out, its float32
-  causal scores and softmax in HBM, and computes the masked half of QK^T and PV. The
-  32B step's memory-bound kernels (that softmax, recomputed too, with the norms, rotary,
-  the SwiGLU product and the optimizer update) take the other 1.7 s of its compute.
-- Collectives are priced serial (1.1 s of the 32B step, the tensor-parallel
-  all-gathers and reduce-scatters of the split stream 1.0 s of it); MaxText's scripts
-  set XLA's TPU flags for asynchronous collective fusion and overlap of compute and
-  collectives.
+Where the 32B step's 8.64 s go (`Cost.per_op`, at 86d773f): the projections' and head's
+matmuls 5.47 s; the attention core's two matmuls 0.32 s and its float32 scores, mask and
+softmax 0.65 s; the other memory-bound kernels (norms, rotary, the SwiGLU product, the
+optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers and
+reduce-scatters of the split stream most of it). Stated, not tuned:
+
+- Collectives are priced serial. XLA's TPU compiler at its default flags, as `am.apply`
+  compiles, runs every collective synchronously (a 4-layer Llama under ZeRO-3 on v5p
+  2x2x2: 97 collectives, none asynchronous); with the flags MaxText's scripts set (async
+  collective fusion) it runs the layer gathers as chains of fusions beside matmuls (54
+  of its 78 gathers, 85% of the gathered bytes, with 70 of the step's 119 matmuls
+  inside: `_verify/_schedule.py`, docs/DESIGN.md); which layer's compute sits inside was
+  not read, so it is not priced. Hidden whole, the 1.15 s would put the row at
+  0.96 of published.
+- Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
+  attention out, its float32 causal scores and softmax in HBM, and computes the masked
+  half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip
+  the masked blocks: up to the 0.65 s of scores and softmax traffic and half the 0.32 s
+  of attention matmuls, less the softmax work it does on the vector units; with the
+  collectives still serial, up to about 0.92 of published.
 """
 
 from __future__ import annotations

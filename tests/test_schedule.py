@@ -7,7 +7,14 @@ import jax
 import pytest
 
 import automap as am
-from automap._verify import compile_plan, overlapped_bytes, scheduled_collectives, verify
+from automap._run import Prepared, make_mesh
+from automap._verify import (
+    compile_plan,
+    overlapped_bytes,
+    scheduled_collectives,
+    tpu_devices,
+    verify,
+)
 from automap._zoo import get_model
 
 # A scheduled module as XLA prints one: a gather whose start and done enclose a matmul
@@ -79,6 +86,82 @@ def test_the_schedule_says_what_runs_while_each_collective_is_in_flight():
     }
 
 
+# XLA's TPU with async collective fusion (MaxText's flags, libtpu 0.0.42.1): a gather runs
+# as a chain of fusions sharing its channel, each printing the whole gather and its step
+# (flag_start -1 on the first): a start, a matmul fusion carrying it on, a done; a second
+# chain whose done follows its start at once.
+_CFG = 'backend_config={"async_collective_fusion_config":{"flag_start":"%s","flag_end":"%s"}}'
+_GATHER = (
+    "%%%s = bf16[512,128]{1,0} all-gather(%s), channel_id=%d, replica_groups={{0,1,2,3}}, "
+    "dimensions={0}, " + _CFG
+)
+_TPU_HLO = f"""HloModule jit_step, is_scheduled=true, num_partitions=4
+
+%start.1 (s0: bf16[128,128]) -> (bf16[128,128], bf16[512,128]) {{
+  %s0 = bf16[128,128]{{1,0}} parameter(0)
+  {_GATHER % ("all-gather.1", "%s0", 5, "-1", "-1")}
+  ROOT %tuple.1 = (bf16[128,128]{{1,0}}, bf16[512,128]{{1,0}}) tuple(%s0, %all-gather.1)
+}}
+
+%carry.1 (c0: bf16[128,128], c1: bf16[512,128], x: bf16[64,128]) -> bf16[64,128] {{
+  %c0 = bf16[128,128]{{1,0}} parameter(0)
+  %c1 = bf16[512,128]{{1,0}} parameter(1)
+  %x = bf16[64,128]{{1,0}} parameter(2)
+  {_GATHER % ("all-gather.2", "%c0", 5, "2", "24")}
+  ROOT %convolution.1 = bf16[64,128]{{1,0}} convolution(%x, %c0), dim_labels=bf_io->bf
+}}
+
+%done.1 (d0: bf16[128,128], d1: bf16[512,128]) -> bf16[512,128] {{
+  %d0 = bf16[128,128]{{1,0}} parameter(0)
+  %d1 = bf16[512,128]{{1,0}} parameter(1)
+  ROOT {_GATHER % ("all-gather.3", "%d0", 5, "2", "24")}
+}}
+
+%start.2 (t0: bf16[128,128]) -> (bf16[128,128], bf16[512,128]) {{
+  %t0 = bf16[128,128]{{1,0}} parameter(0)
+  {_GATHER % ("all-gather.4", "%t0", 7, "-1", "-1")}
+  ROOT %tuple.2 = (bf16[128,128]{{1,0}}, bf16[512,128]{{1,0}}) tuple(%t0, %all-gather.4)
+}}
+
+%done.2 (e0: bf16[128,128], e1: bf16[512,128]) -> bf16[512,128] {{
+  %e0 = bf16[128,128]{{1,0}} parameter(0)
+  %e1 = bf16[512,128]{{1,0}} parameter(1)
+  ROOT {_GATHER % ("all-gather.5", "%e0", 7, "2", "24")}
+}}
+
+ENTRY %main (w: bf16[128,128], v: bf16[128,128], x: bf16[64,128]) -> bf16[512,128] {{
+  %w = bf16[128,128]{{1,0}} parameter(0)
+  %v = bf16[128,128]{{1,0}} parameter(1)
+  %x = bf16[64,128]{{1,0}} parameter(2)
+  %async-collective-start = (bf16[128,128]{{1,0}}, bf16[512,128]{{1,0}}) fusion(%w), kind=kCustom, calls=%start.1
+  %get-tuple-element.1 = bf16[128,128]{{1,0}} get-tuple-element(%async-collective-start), index=0
+  %get-tuple-element.2 = bf16[512,128]{{1,0}} get-tuple-element(%async-collective-start), index=1
+  %fusion.1 = bf16[64,128]{{1,0}} fusion(%get-tuple-element.1, %get-tuple-element.2, %x), kind=kOutput, calls=%carry.1
+  %async-collective-done = bf16[512,128]{{1,0}} fusion(%get-tuple-element.1, %get-tuple-element.2), kind=kCustom, calls=%done.1
+  %async-collective-start.1 = (bf16[128,128]{{1,0}}, bf16[512,128]{{1,0}}) fusion(%v), kind=kCustom, calls=%start.2
+  %get-tuple-element.3 = bf16[128,128]{{1,0}} get-tuple-element(%async-collective-start.1), index=0
+  %get-tuple-element.4 = bf16[512,128]{{1,0}} get-tuple-element(%async-collective-start.1), index=1
+  ROOT %async-collective-done.1 = bf16[512,128]{{1,0}} fusion(%get-tuple-element.3, %get-tuple-element.4), kind=kCustom, calls=%done.2
+}}
+"""
+
+
+def test_a_tpu_async_collective_fusion_chain_is_one_collective_in_flight_over_its_steps():
+    # Each chain is one gather (its bytes once, named by its first step), in flight from
+    # its first step to its last: the matmul fusion carrying the first one on runs inside
+    # it; the second's window is empty. (Read before as five synchronous gathers.)
+    by_name = {s.collective.name: s for s in scheduled_collectives(_TPU_HLO)}
+    assert set(by_name) == {"all-gather.1", "all-gather.4"}
+    carried = by_name["all-gather.1"]
+    assert (carried.asynchronous, carried.between, carried.matmuls) == (True, 1, 1)
+    assert carried.collective.bytes == 512 * 128 * 2
+    idle = by_name["all-gather.4"]
+    assert idle.asynchronous and not idle.overlapped
+    assert overlapped_bytes(by_name.values(), {"data": 4}) == {
+        "all-gather@data": (512 * 128 * 2, 2 * 512 * 128 * 2)
+    }
+
+
 def _fsdp_gpt():
     spec = get_model(
         "gpt2-xl", layers=2, hidden=256, heads=4, seq=128, batch=16, vocab=512, dtype="float32"
@@ -104,6 +187,45 @@ def test_a_tpu_runs_every_collective_of_an_fsdp_step_on_the_critical_path():
     cost = am.estimate(step, *args, plan=plan, cluster=v5p)
     assert cost.comm_s == pytest.approx(sum(c.time_s for c in cost.collectives), rel=1e-9)
     assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s, rel=1e-9)
+
+
+# The XLA flags MaxText's v5p scripts set for async collective fusion (`LIBTPU_INIT_ARGS`;
+# taken per program as compile options too).
+_MAXTEXT_TPU_FLAGS = {
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_overlap_compute_collective_tc": "true",
+    "xla_enable_async_all_gather": "true",
+}
+
+
+@pytest.mark.slow  # one Llama compiled twice for 8 v5p chips: ~100 s on two loaded cores
+@pytest.mark.tpu_compile
+def test_a_tpu_with_maxtexts_flags_runs_fsdp_gathers_beside_matmuls():
+    # ZeRO-3 Llama on v5p 2x2x2: at XLA's default TPU flags (what am.apply compiles) no
+    # collective is asynchronous; with MaxText's, gathers run as async collective fusion
+    # chains with matmuls inside, and the chains move the same bytes as the default
+    # program's gathers (each counted once, not once per step). Not priced: the runtime
+    # does not set these flags (docs/DESIGN.md, "Collectives overlapped with compute").
+    spec = get_model(
+        "llama", layers=2, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(dp=8, zero=3, remat="projections")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    prepared = Prepared(step, plan, make_mesh(plan, tpu_devices("v5p:2x2x2", [8])), args)
+    lowered = prepared.jitted.lower(*prepared.abstract_args(args))
+    default = scheduled_collectives(lowered.compile().as_text())
+    fused = scheduled_collectives(lowered.compile(compiler_options=_MAXTEXT_TPU_FLAGS).as_text())
+    assert not any(s.asynchronous for s in default)
+    assert len(fused) == len(default)
+    moved = {k: total for k, (_, total) in overlapped_bytes(default, plan.mesh).items()}
+    assert {k: total for k, (_, total) in overlapped_bytes(fused, plan.mesh).items()} == moved
+    hidden, gathered = overlapped_bytes(fused, plan.mesh)["all-gather@data"]
+    assert 0.3 * gathered < hidden <= gathered
+    assert sum(s.matmuls for s in fused if s.collective.kind == "all-gather") > 0
 
 
 @pytest.mark.slow  # compiled for 8 A100s: ~20 s on two loaded cores

@@ -457,10 +457,20 @@ _GPU_TILE = 64
 # Matmuls on TPUs: `matmul_tile` is the MXU's systolic array, 128 x 128 on v4, v5e and
 # v5p, 256 x 256 on v6e (J. Austin et al., "How to Scale Your Model", part 2, "How to
 # Think About TPUs": the MXU multiplies bf16[8,128] @ bf16[128,128] every 8 cycles).
-# `matmul_efficiency` stays the generic 0.6 on TPUs: no measured matmul rate over peak is
-# published for them that we found (Bekman's MAMF table has no TPU; the scaling book's
-# profiling part times one matmul at its peak, on a TPU v2; Google's
-# accelerator-microbenchmarks publish Ironwood's only).
+# `matmul_efficiency` on v5e and v5p is XLA's own bf16 matmul timed on a TPU v5e in JAX's
+# Pallas TPU guide ("Matrix Multiplication", docs/pallas/tpu/matmul.ipynb, "XLA matmul"
+# cell, `jnp.matmul` timed by `timeit` with dispatch included, so a lower bound on the
+# rate): 8192^3 at 181.8 TFLOP/s, 0.923 of the v5e's 197 (4096^3 at 0.843, 1024^3 at
+# 0.091, too small to fill the MXUs), the largest product measured, as Bekman's MAMF is
+# the GPUs' best. It carries to v5p: the same TPU v5 generation's TensorCore, four
+# 128 x 128 MXUs each (v5e one TensorCore a chip, v5p two, run as one), and the 8192^3
+# product is compute-bound on both (2,730 FLOP per byte it moves at least, over ridges of
+# 240 on v5e and 166 on v5p), so the rate over peak is the MXUs' and the compiler's, not
+# HBM's. Not derived from any training run's MFU. v4 (an older MXU) and v6e (256 x 256)
+# keep the generic 0.6: no measured rate over peak is published for them that we found
+# (Bekman's MAMF table has no TPU; the scaling book's profiling part times one matmul on
+# a TPU v2; Google's accelerator-microbenchmarks publish Ironwood's only).
+_TPU_V5_MATMUL = 0.923
 _TPU_MXU = 128
 _PRESETS: dict[str, dict[str, Any]] = {
     "v100": dict(
@@ -538,6 +548,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 50 * GB,
         inter_bandwidth=2 * 100e9 / 8 / 8,
         devices_per_node=256,
+        matmul_efficiency=_TPU_V5_MATMUL,
         matmul_tile=_TPU_MXU,
         lowering=Lowering.tpu(),
     ),
@@ -552,6 +563,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intra_bandwidth=2 * 100 * GB,
         inter_bandwidth=50e9 / 8,
         devices_per_node=8960,
+        matmul_efficiency=_TPU_V5_MATMUL,
         matmul_tile=_TPU_MXU,
         lowering=Lowering.tpu(),
     ),

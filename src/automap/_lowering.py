@@ -119,7 +119,9 @@ class Lowering:
     """Whether the scheduler runs ZeRO-3's forward gather of layer L while layer L-1
     computes (the prefetch window the runtime's ties open, `_cost/_overlap.py`): each such
     pair then costs max(gather, compute), not the sum. False on every backend as XLA
-    compiles: its TPU runs every collective synchronously (libtpu 0.0.42.1); its GPU makes
+    compiles: its TPU runs every collective synchronously (libtpu 0.0.42.1, default
+    flags; MaxText's async collective fusion flags, which `am.apply` does not set, run
+    the gathers beside matmuls: `_verify/_schedule.py`); its GPU makes
     each an asynchronous pair but schedules about half this price's compute inside (0.8%
     and 3.6% of two FSDP GPTs' steps, where this price takes off 1.9% and 6.7%; the
     latency-hiding scheduler alike): its all-gather combiner joins two layers' gathers,

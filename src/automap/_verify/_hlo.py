@@ -37,6 +37,11 @@ _CALLEE = re.compile(
     r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# XLA TPU's async collective fusion (`xla_tpu_enable_async_collective_fusion`, MaxText's
+# flags; libtpu 0.0.42.1): a collective runs as a chain of fusions over the schedule, each
+# holding the whole collective and the step it is at ("flag_start", -1 on the first).
+_FUSED_STEP = re.compile(r'"async_collective_fusion_config":\{"flag_start":"(-?\d+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _EXPLICIT = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH = re.compile(
@@ -220,12 +225,24 @@ def call_counts(comps: Mapping[str, list[Instruction]], entry: str) -> dict[str,
     return mult
 
 
+def fused_collective_step(line: str) -> tuple[str, bool] | None:
+    """(channel id, whether it is the first step) of a collective XLA's TPU runs as an
+    async collective fusion chain, None for any other instruction. The chain's steps
+    share the collective's channel; each prints the whole collective, which moves once."""
+    step, channel = _FUSED_STEP.search(line), _CHANNEL.search(line)
+    if not step or not channel:
+        return None
+    return channel.group(1), step.group(1) == "-1"
+
+
 def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[HloCollective]:
     """Every collective of a compiled HLO module, with its bytes and device groups.
 
     A collective inside a while loop with a known trip count counts that many times (an
     unknown trip count counts once). Every branch of a conditional counts once, as if all
     ran: training steps seldom branch, and an upper bound is the safer error for a check.
+    A collective XLA's TPU runs as a chain of async collective fusions counts once, by its
+    first step (`fused_collective_step`).
     """
     if num_devices is None:
         m = re.search(r"num_partitions=(\d+)", hlo_text)
@@ -240,6 +257,8 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
             kind = opcode.removesuffix("-done")
             if kind not in KINDS or opcode.endswith("-start") or mult[comp] == 0:
                 continue
+            if (fused := fused_collective_step(line)) and not fused[1]:
+                continue  # a later step of a chain: its first step counts it
             if kind == "all-reduce" and comp in scattered:
                 # XLA's TPU reduce-scatter: the whole buffer, as a reduce-scatter counts.
                 groups = parse_replica_groups(line, num_devices)
