@@ -47,33 +47,48 @@ def root_params(graph: Graph) -> list[int]:
 def forward_reads(
     graph: Graph, lg: LayerGathers, within: Collection[int] | None = None
 ) -> dict[tuple[int, int], list[int]]:
-    """(forward layer, parameter) -> the layer's ops reading it (or what is made from it);
-    `within`: only those ops (one program's: a pipeline stage's F reads a few layers of
-    the whole forward, and each of its programs scanned the whole one)."""
-    root = roots(graph, lg)
-    out: dict[tuple[int, int], list[int]] = {}
+    """(forward layer, parameter) -> the layer's ops reading it (or what is made from it),
+    ascending, but the remade ops (they run where a layer reads them); `within`: only
+    those ops (one program's: a pipeline stage's F reads a few layers of the whole
+    forward, and each of its programs scanned the whole one)."""
     end = lg.regather.boundary + 1
-    indices = range(end) if within is None else sorted(i for i in within if i < end)
-    for i in indices:
-        if i in lg.remake:
-            continue
-        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
-            out.setdefault((lg.layer(i), p), []).append(i)
+    out: dict[tuple[int, int], list[int]] = {}
+    for i, params in _readers(graph, lg, within).items():
+        if i < end and i not in lg.remake:
+            for p in params:
+                out.setdefault((lg.layer(i), p), []).append(i)
     return out
 
 
 def backward_reads(
     graph: Graph, lg: LayerGathers, within: Collection[int] | None = None
 ) -> dict[int, list[int]]:
-    """Parameter -> the backward ops reading it (or what is made from it); `within`: only
-    those ops."""
-    root = roots(graph, lg)
+    """Parameter -> the backward ops reading it (or what is made from it), ascending;
+    `within`: only those ops."""
+    backward = lg.regather.backward
     out: dict[int, list[int]] = {}
-    backward = lg.regather.backward if within is None else lg.regather.backward & set(within)
-    for i in sorted(backward):
-        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
-            out.setdefault(p, []).append(i)
+    for i, params in _readers(graph, lg, within).items():
+        if i in backward:
+            for p in params:
+                out.setdefault(p, []).append(i)
     return out
+
+
+def _readers(
+    graph: Graph, lg: LayerGathers, within: Collection[int] | None
+) -> dict[int, frozenset[int]]:
+    """Op -> the parameters it reads (or what is made from them), ascending by op. Walked
+    from the parameters' readers (`Graph.consumers`), not over every op: on a 1T GPT few
+    ops read one, and the pipeline's stage memory asks once per stage."""
+    root = roots(graph, lg)
+    consumers = graph.consumers()
+    mine = None if within is None else set(within)
+    reads: dict[int, set[int]] = {}
+    for t, params in root.items():
+        for i in consumers[t]:
+            if mine is None or i in mine:
+                reads.setdefault(i, set()).update(params)
+    return {i: frozenset(reads[i]) for i in sorted(reads)}
 
 
 class Gathered(NamedTuple):
@@ -138,12 +153,13 @@ def layer_gathered_parameters(
         nbytes = graph.tensors[p].nbytes
         return gathered.get(p, nbytes) / nbytes if nbytes else 1.0
 
-    for (layer, p), ops in sorted(forward_reads(graph, lg).items()):
+    forward = sorted(forward_reads(graph, lg).items())
+    for (layer, p), ops in forward:
         birth = layer_start(lg, layer - 1) if lg.anchor[layer] is not None else 0
         rows.append((p, birth, max(ops)))
         widths.append(width(p))
     read_in_forward: dict[int, list[int]] = {}
-    for (_, p), ops in sorted(forward_reads(graph, lg).items()):
+    for (_, p), ops in forward:
         read_in_forward.setdefault(p, []).extend(ops)
     for p, ops in sorted(backward_reads(graph, lg).items()):
         birth, fwd = min(ops), sorted(read_in_forward.get(p, ()))
