@@ -120,23 +120,39 @@ def megatron_stage_counts(devices: int, tp: int, per_node: int, cands: int) -> l
 def _fewest_megatron_stages(
     graph, groups, cluster, estimate, tp: int, floor: float | None, priced: dict, pps
 ) -> Plan | None:
-    """The fewest stages of `pps` (ascending) whose recipe fits, else the leanest recipe
-    of those priced (`floor`: see `_state_floor`; None prices every one). `priced`:
-    (tp, pp) -> recipe already priced (None: it does not apply), filled in."""
+    """The fewest stages of `pps` (ascending) whose recipe fits, with Megatron's 2022
+    techniques where they still fit (`_megatron_2022`); where selective recomputation does
+    not fit there, also the fewest more stages where it does (`_selective_later`), the
+    faster of the two. Else the leanest recipe of those priced (`floor`: see
+    `_state_floor`; None prices every one). `priced`: (tp, pp) -> recipe already priced
+    (None: it does not apply), filled in."""
     leanest: Plan | None = None
-    for pp in pps:
+    for i, pp in enumerate(pps):
         dp = cluster.devices // (tp * pp)
-        lean_enough = floor is None or floor / (tp * pp) <= cluster.memory_limit
-        if groups.batch_size % dp == 0 and lean_enough:
-            if (tp, pp) not in priced:
-                priced[tp, pp] = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp)
-            plan = priced[tp, pp]
-            if plan is not None:
-                if plan.predicted.feasible:
-                    return _megatron_2022(graph, groups, cluster, estimate, tp, pp, dp, plan)
-                if leanest is None or plan.predicted.memory_bytes < leanest.predicted.memory_bytes:
-                    leanest = plan
+        if not _worth_pricing(groups, cluster, floor, tp, pp):
+            continue
+        if (tp, pp) not in priced:
+            priced[tp, pp] = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp)
+        plan = priced[tp, pp]
+        if plan is None:
+            continue
+        if plan.predicted.feasible:
+            found = _megatron_2022(graph, groups, cluster, estimate, tp, pp, dp, plan)
+            if found.remat_policy == "selective":
+                return found
+            later = _selective_later(graph, groups, cluster, estimate, tp, floor, pps[i + 1 :])
+            options = [found] if later is None else [found, later]
+            return min(options, key=lambda p: p.predicted.step_time_s)  # a tie: fewer stages
+        if leanest is None or plan.predicted.memory_bytes < leanest.predicted.memory_bytes:
+            leanest = plan
     return leanest  # nothing fits: the leanest, marked infeasible
+
+
+def _worth_pricing(groups: Groups, cluster: Cluster, floor: float | None, tp: int, pp: int):
+    """Whether Megatron's recipe at tp x pp applies to the batch and may fit its state."""
+    dp = cluster.devices // (tp * pp)
+    lean_enough = floor is None or floor / (tp * pp) <= cluster.memory_limit
+    return groups.batch_size % dp == 0 and lean_enough
 
 
 #: Megatron-LM's virtual pipeline sizes, tried most first (Korthikanti et al. run v = 3
@@ -150,15 +166,37 @@ def _megatron_2022(
     """At the sizes `fitted` (full recomputation, one chunk per stage) fits with: the
     first of selective recomputation, then full, each interleaved as much as the layers
     and rounds allow, then not, that still fits; `fitted` where none does."""
-    chunks = [*VIRTUAL_STAGES, 1] if pp > 1 else [1]
     for remat in ("selective", "full"):
-        for v in chunks:
-            if (remat, v) == ("full", 1):
-                return fitted
-            plan = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp, remat, v)
-            if plan is not None and plan.predicted.feasible:
-                return plan
+        plan = _interleaved_fit(graph, groups, cluster, estimate, tp, pp, dp, remat)
+        if plan is not None:
+            return plan
     return fitted
+
+
+def _interleaved_fit(graph, groups, cluster, estimate, tp, pp, dp, remat) -> Plan | None:
+    """Megatron's recipe recomputing by `remat`, the most interleaved that fits (full
+    recomputation one chunk per stage is the caller's), or None."""
+    chunks = [*VIRTUAL_STAGES, 1] if pp > 1 else [1]
+    for v in chunks:
+        if (remat, v) == ("full", 1):
+            return None
+        plan = _megatron_recipe(graph, groups, cluster, estimate, tp, pp, dp, remat, v)
+        if plan is not None and plan.predicted.feasible:
+            return plan
+    return None
+
+
+def _selective_later(graph, groups, cluster, estimate, tp, floor, pps) -> Plan | None:
+    """Where selective recomputation does not fit at the fewest stages that fit: the
+    fewest of `pps` (more stages) at which it does, Megatron's 2022 choice on SC'21's
+    310B (16 stages selective over 12 recomputing in full), or None."""
+    for pp in pps:
+        if _worth_pricing(groups, cluster, floor, tp, pp):
+            dp = cluster.devices // (tp * pp)
+            plan = _interleaved_fit(graph, groups, cluster, estimate, tp, pp, dp, "selective")
+            if plan is not None:
+                return plan
+    return None
 
 
 def _megatron_recipe(
