@@ -53,7 +53,7 @@ def make_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gradien
     return step
 
 
-def make_optimizer(learning_rate: float, clip_norm: float | None = None):
+def clipped_adam(learning_rate: float, clip_norm: float | None = None):
     """Adam, after scaling the gradients down to a global L2 norm of `clip_norm` where one
     is given (None: Adam alone).
 
@@ -133,7 +133,7 @@ class ModelSpec:
     make_batch: Callable[[jax.Array], Any] = dataclasses.field(repr=False, compare=False)
     """key -> one global batch of random data."""
     optimizer: optax.GradientTransformation = dataclasses.field(repr=False, compare=False)
-    """The transformation the step applies (`make_optimizer`: Adam, clipped or not);
+    """The transformation the step applies (`clipped_adam`: Adam, clipped or not);
     `optimizer.init(params)` gives opt_state."""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The overrides given to get_model: `get_model(name, **overrides)` rebuilds this spec."""
@@ -179,7 +179,7 @@ def build_spec(
 ) -> ModelSpec:
     """Wrap a model's parts into a ModelSpec with the shared Adam step (clipped to the
     gradients' global norm where the configuration has a `clip_norm` set)."""
-    optimizer = make_optimizer(cfg.learning_rate, getattr(cfg, "clip_norm", None))
+    optimizer = clipped_adam(cfg.learning_rate, getattr(cfg, "clip_norm", None))
     return ModelSpec(
         name=name,
         description=description,
