@@ -83,7 +83,9 @@ def tflops_per_gpu(row: MegatronRow, step_s: float) -> float:
 
 
 def job_of(row: MegatronRow) -> PlanJob:
-    """The row's model (the zoo's GPT with Megatron's fused softmax) on its cluster."""
+    """The row's model (the zoo's GPT with Megatron's fused softmax, and its gradients
+    clipped to a global norm of 1.0 before Adam as Megatron-LM's `--clip-grad` default
+    does) on its cluster."""
     settings = dict(
         layers=row.layers,
         hidden=row.hidden,
@@ -93,6 +95,7 @@ def job_of(row: MegatronRow) -> PlanJob:
         batch=row.batch,
         positions="learned",
         softmax="fused",
+        clip_norm=1.0,
     )
     return PlanJob("gpt-1.3b", settings, CLUSTER, row.gpus)
 

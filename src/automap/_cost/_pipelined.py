@@ -180,7 +180,9 @@ def op_costs(
     remat_compute = op_compute(T, st.inv, remat=True) if remat else np.zeros(n)
     pf, rf = (T.staged_partial_full if apart else T.partial_full), T.reshard_full
     row_op = np.concatenate([per_slot(pf, pf.op), rf.op])
-    row_grad = np.concatenate([per_slot(pf, pf.grad), rf.grad])
+    # The update's own sums (`_tables.combine_update_sums`: a combine slot, not a
+    # gradient) are combined in their stage's program as the gradients are.
+    row_grad = np.concatenate([per_slot(pf, pf.grad | (pf.combine > 0)), rf.grad])
     tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)

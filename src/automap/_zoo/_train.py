@@ -53,6 +53,22 @@ def make_step(loss_fn: Callable[[Any, Any], jax.Array], optimizer: optax.Gradien
     return step
 
 
+def clipped_adam(learning_rate: float, clip_norm: float | None = None):
+    """Adam, after scaling the gradients down to a global L2 norm of `clip_norm` where one
+    is given (None: Adam alone).
+
+    Clipping is what Megatron-LM's optimizer does before every Adam step (`--clip-grad`,
+    1.0 by default): it reads every gradient once for the norm and, where the gradients are
+    split over a tensor-parallel axis, all-reduces the partial sums of squares. Built from
+    optax's transformations, so the step's program holds that reduction and the planners
+    price it as they price any other op.
+    """
+    adam = optax.adam(learning_rate)
+    if clip_norm is None:
+        return adam
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array, weights: jax.Array | None = None):
     """Mean softmax cross-entropy of integer `labels`, computed in float32.
 
@@ -117,7 +133,8 @@ class ModelSpec:
     make_batch: Callable[[jax.Array], Any] = dataclasses.field(repr=False, compare=False)
     """key -> one global batch of random data."""
     optimizer: optax.GradientTransformation = dataclasses.field(repr=False, compare=False)
-    """The Adam transformation the step applies; `optimizer.init(params)` gives opt_state."""
+    """The transformation the step applies (`clipped_adam`: Adam, clipped or not);
+    `optimizer.init(params)` gives opt_state."""
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """The overrides given to get_model: `get_model(name, **overrides)` rebuilds this spec."""
 
@@ -160,8 +177,9 @@ class ModelSpec:
 def build_spec(
     name: str, description: str, cfg: Any, parts: ModelParts, overrides: Mapping[str, Any]
 ) -> ModelSpec:
-    """Wrap a model's parts into a ModelSpec with the shared Adam step."""
-    optimizer = optax.adam(cfg.learning_rate)
+    """Wrap a model's parts into a ModelSpec with the shared Adam step (clipped to the
+    gradients' global norm where the configuration has a `clip_norm` set)."""
+    optimizer = clipped_adam(cfg.learning_rate, getattr(cfg, "clip_norm", None))
     return ModelSpec(
         name=name,
         description=description,

@@ -261,6 +261,9 @@ class GptConfig:
     """Compute dtype; parameters and Adam moments stay float32."""
     learning_rate: float = 1e-4
     """Adam step size."""
+    clip_norm: float | None = None
+    """Clip the gradients to this global L2 norm before Adam, as Megatron-LM does
+    (`--clip-grad`, 1.0 there); None: no clipping (`_train.clipped_adam`)."""
     softmax: str = "float32"
     """"float32" (the scores cast to float32, softmax and its saved output in float32) or
     "fused" (Megatron-LM's fused scale-mask-softmax: float32 inside one function, its
