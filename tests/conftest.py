@@ -2,7 +2,10 @@
 backend code generation at its lowest effort, and the tiers (`pyproject.toml` markers,
 `_cases.py` for the number of generated cases)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -31,8 +34,26 @@ from _cases import MODE, MODES
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
+# Tests compile again programs that they or an earlier test compiled: verify compiles
+# the programs a test compiled to read them, and a zoo step made anew in each test is a
+# new function, which JAX's in-memory caches miss. JAX's persistent compilation cache,
+# keyed on the program's HLO, compile options, XLA flags and devices, hands back the
+# executable XLA made for that same program (the same HLO, buffer assignment and cost
+# analysis). A fresh directory per process, removed at exit: no run reads another's.
+# (A CPU process's cache also keys the compile-only GPUs' and TPUs' programs, which
+# their clients cannot load back: JAX then compiles them and warns, ignored below.)
+_COMPILED = tempfile.mkdtemp(prefix="automap-tests-xla-")
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILED)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "filterwarnings",
+        "ignore:Error reading persistent compilation cache entry:UserWarning",
+    )
     if MODE not in MODES:
         raise pytest.UsageError(
             f"AUTOMAP_TEST_CASES={MODE!r}: use quick (a few generated cases, the default) "
