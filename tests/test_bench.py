@@ -132,7 +132,8 @@ def _megatron_row(params_b, tp, pp, dp, published, predicted, **planned):
         "gpus": tp * pp * dp, "batch": 64, "published": published, "dp": dp,
         "predicted_tflops": predicted, "ratio": predicted / published, "step_s": step,
         "memory_gb": 40.25, "feasible": True, "price_s": 1.0,
-        "megatron_ratio": 0.95 * predicted / published, **planned,
+        "megatron_ratio": 0.95 * predicted / published, "modern_step_s": 8.5,
+        "modern_feasible": True, **planned,
     }  # fmt: skip
 
 
@@ -154,7 +155,7 @@ def _fake_result(megatron):
 def test_megatron_section_from_a_fake_result():
     planned = _megatron_row(
         1.7, 1, 1, 32, 137, 110.0,
-        plan="data 32 (ZeRO-1)", plan_step_s=8.0, plan_feasible=True, vs_megatron=0.8,
+        plan="data 32 (ZeRO-1)", plan_step_s=8.0, plan_feasible=True, vs_modern=0.94,
         plan_wall_s=31.4, plan_peak_gb=2.5,
     )  # fmt: skip
     failed = _megatron_row(1008, 8, 64, 6, 163, 140.0, plan_error="x | y", plan_wall_s=12.0)
@@ -164,10 +165,10 @@ def test_megatron_section_from_a_fake_result():
     assert "`automap plan --searcher auto --budget 30`" in text
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("| params (B) |"))
-    assert lines[head].count("|") == lines[head + 1].count("|") == 17
+    assert lines[head].count("|") == lines[head + 1].count("|") == 18
     assert lines[head + 2] == (
-        "| 1.7 | 1 × 1 × 32 | 32 | 64 | 137 | 110 | 0.80 | 10.00 | 40.2 | yes | 0.76 "
-        "| data 32 (ZeRO-1) | 8.00 | 0.80 | 31 | 2.5 |"
+        "| 1.7 | 1 × 1 × 32 | 32 | 64 | 137 | 110 | 0.80 | 10.00 | 40.2 | yes | 0.76 | 8.50 "
+        "| data 32 (ZeRO-1) | 8.00 | 0.94 | 31 | 2.5 |"
     )
     # A row the planner failed on says why (a `|` would break the table) and keeps its price.
     assert lines[head + 3].startswith("| 1008 | 8 × 64 × 6 | 3072 | 64 | 163 | 140 | 0.86 |")

@@ -192,7 +192,9 @@ def megatron_lines(section: dict | str) -> list[str]:
         "step; ratio: predicted over published; as Megatron recomputes: the ratio with "
         "Megatron-LM's recompute, which runs each layer's forward whole again (its last "
         "matmul and all-reduce included), where XLA, and so `am.apply`, drops what no "
-        "backward op reads (`_remat.megatron_recompute`). "
+        "backward op reads (`_remat.megatron_recompute`); SP + sel.: the same sizes with "
+        "sequence parallelism (where TP > 1) and selective recomputation, Korthikanti et "
+        "al.'s techniques, its predicted step. "
         "(`benchmarks/bench_megatron.py` prints the same rows.)"
     )
     if isinstance(section, str):
@@ -202,14 +204,15 @@ def megatron_lines(section: dict | str) -> list[str]:
         head += (
             f" Planner: `automap plan --searcher {section['searcher']} --budget "
             f"{section['plan_s']:g}` on the same model and cluster, one fresh process per row: "
-            "its plan, its predicted step time and that over Megatron's (under 1: faster), "
+            "its plan, its predicted step time and that over Megatron's configuration with "
+            "SP + selective (under 1: faster), "
             "its wall time (capture included) and the process's peak RSS."
         )
     cols = "| params (B) | TP × PP × DP | GPUs | batch | published | predicted | ratio "
-    cols += "| step (s) | memory (GB) | fits | as Megatron recomputes |"
-    rule = "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|--:|"
+    cols += "| step (s) | memory (GB) | fits | as Megatron recomputes | SP + sel. (s) |"
+    rule = "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|"
     if planned:
-        cols += " planner's plan | its step (s) | vs Megatron | planner wall (s) | peak RSS (GB) |"
+        cols += " planner's plan | its step (s) | vs SP + sel. | planner wall (s) | peak RSS (GB) |"
         rule += "---|--:|--:|--:|--:|"
     out = [head, "", cols, rule]
     for r in section["rows"]:
@@ -225,9 +228,10 @@ def megatron_lines(section: dict | str) -> list[str]:
             f"{r['memory_gb']:.1f}",
             "yes" if r["feasible"] else "no",
             f"{r['megatron_ratio']:.2f}",
+            f"{r['modern_step_s']:.2f}" + ("" if r["modern_feasible"] else " (does not fit)"),
         ]
         if planned:
-            cells += planner_cells(r, "vs_megatron")
+            cells += planner_cells(r, "vs_modern")
         out.append("| " + " | ".join(cells) + " |")
     return out
 

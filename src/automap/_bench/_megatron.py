@@ -100,15 +100,21 @@ def job_of(row: MegatronRow) -> PlanJob:
     return PlanJob("gpt-1.3b", settings, CLUSTER, row.gpus)
 
 
-def price_row(row: MegatronRow) -> tuple[Cost, Cost]:
+def price_row(row: MegatronRow) -> tuple[Cost, Cost, Cost]:
     """Megatron's configuration of the row priced by the cost model, as `am.apply` runs it
-    and as Megatron-LM recomputes (`megatron_priced`), on one captured program."""
+    and as Megatron-LM recomputes (`megatron_priced`), and the same sizes with the 2022
+    techniques (sequence parallelism where tensor parallel, selective recomputation:
+    Korthikanti et al.'s recipe, what the planner is held against), on one captured
+    program."""
     job = job_of(row)
     spec, cluster = job.spec(), job.cluster_of()
     recipe = Recipe(tp=row.tp, pp=row.pp, dp=row.dp, microbatch_size=1, remat="full")
+    modern = dataclasses.replace(recipe, remat="selective", sequence_parallel=row.tp > 1)
     problem = Problem.build(train_step(spec), spec.abstract_args(), cluster)
-    plan = recipe_plan(problem.graph, problem.groups, cluster, recipe)
-    return problem.estimate(plan), megatron_priced(problem, plan)
+    plan, modern_plan = (
+        recipe_plan(problem.graph, problem.groups, cluster, r) for r in (recipe, modern)
+    )
+    return problem.estimate(plan), megatron_priced(problem, plan), problem.estimate(modern_plan)
 
 
 def megatron_priced(problem: Problem, plan: Plan) -> Cost:
@@ -123,7 +129,7 @@ def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto
     """One row: the published figures, Megatron's configuration priced, and with
     `plan_s` > 0 the planner's plan found in that budget."""
     start = time.perf_counter()
-    cost, megatron = price_row(row)
+    cost, megatron, modern = price_row(row)
     got = tflops_per_gpu(row, cost.step_time_s)
     record = {
         **dataclasses.asdict(row),
@@ -133,13 +139,16 @@ def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto
         # As Megatron-LM recomputes (its whole layer forward again).
         "megatron_ratio": tflops_per_gpu(row, megatron.step_time_s) / row.published,
         "step_s": cost.step_time_s,
+        # The same sizes with sequence parallelism and selective recomputation.
+        "modern_step_s": modern.step_time_s,
+        "modern_feasible": bool(modern.feasible),
         "memory_gb": cost.memory_bytes / 1e9,
         "feasible": bool(cost.feasible),
         "price_s": time.perf_counter() - start,
     }
     if plan_s > 0:
         record.update(
-            planner_columns(job_of(row), plan_s, searcher, cost.step_time_s, "vs_megatron")
+            planner_columns(job_of(row), plan_s, searcher, modern.step_time_s, "vs_modern")
         )
     return record
 
