@@ -86,7 +86,17 @@ def seqpar_terms(
     gathered: set[tuple[int, int]] = set()
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
-        if op.primitive == _MATMUL:
+        local = _local_matmul(op, split, plan.constraints, lay, axis)
+        if local is not None:
+            # Split on the sequence and with nothing split on the axis beside it (an
+            # unsplit projection: BERT's masked-LM transform), XLA runs the matmul on the
+            # local part of the sequence: nothing gathered.
+            ops.add(op.index)
+            reads = []
+            if local:
+                out = op.outputs[0]
+                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
+        elif op.primitive == _MATMUL:
             if made and _contracts_on(op, groups, assignment, axis):
                 # Partial sums added before they are reduced (the input gradient of the
                 # queries', keys' and values' matmuls) are reduce-scattered once, summed.
@@ -106,8 +116,10 @@ def seqpar_terms(
                 summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
         # A pipeline's backward program gathers per matmul that reads the tensor (read on
         # compile-only A100s and the CPU: no gather there is shared); one program, and a
-        # pipeline's forward, once per tensor.
-        apart = boundary is not None and op.index > boundary
+        # pipeline's forward, once per tensor. A tensor made whole for the embeddings'
+        # gradients is gathered once where it is made, whichever program: Hugging Face
+        # BERT's word, position and type tables read one cotangent (one gather on A100s).
+        apart = boundary is not None and op.index > boundary and op.primitive == _MATMUL
         for t in reads:
             if (t, op.index if apart else -1) not in gathered:
                 gathered.add((t, op.index if apart else -1))
@@ -119,12 +131,38 @@ def seqpar_terms(
     )  # fmt: skip
 
 
+def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:
+    """How XLA runs a matmul that reads split tensors without gathering them: False where
+    one operand's sequence is a free dim, the other has nothing on `axis` and the result
+    is split too (each device its part of the sequence); True where both operands'
+    sequences are contracted together (partial sums over `axis`: the weight gradient of
+    such a projection); None where it must gather."""
+    if op.primitive != _MATMUL:
+        return None
+    contract, batch = op.params["dimension_numbers"]
+    seq = [_seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
+    if seq[0] is not None and seq[1] is not None:
+        paired = seq[0] in contract[0] and seq[1] in contract[1]
+        paired = paired and contract[0].index(seq[0]) == contract[1].index(seq[1])
+        whole = all(t not in split and axis not in _axes(lay[t]) for t in op.outputs)
+        return True if paired and whole else None
+    side = 0 if seq[0] is not None else 1
+    if seq[side] is None or seq[side] in (*contract[side], *batch[side]):
+        return None
+    whole_other = axis not in _axes(lay[op.inputs[1 - side]])
+    return False if whole_other and all(t in split for t in op.outputs) else None
+
+
+def _seq_dim(spec: Spec, axis: str) -> int | None:
+    """The dim of a split tensor's constraint that holds `axis`."""
+    return next((d for d in range(len(spec)) if axis in _axes(spec[d : d + 1])), None)
+
+
 def _sums_sequence(op, graph: Graph, split, constraints, axis: str) -> bool:
     """A reduction (not a matmul: those read the stream gathered) that sums a split tensor
     over its sequence dim: each device holds the sum over its 1/t of the sequence."""
     return any(
-        t in split and axis in _axes(constraints[t][d : d + 1])
-        for t, d in reduced_dims(op, graph)
+        t in split and axis in _axes(constraints[t][d : d + 1]) for t, d in reduced_dims(op, graph)
     )
 
 
@@ -291,7 +329,9 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
         ar &= np.isin(oc.row_op, list(terms.reduce_ops))
         key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
     n, k = len(terms.gathered), len(terms.summed)
-    new_key = np.concatenate([np.full(n, C.AG * ac.masks + mask), np.full(k, C.AR * ac.masks + mask)])
+    new_key = np.concatenate(
+        [np.full(n, C.AG * ac.masks + mask), np.full(k, C.AR * ac.masks + mask)]
+    )
     new_bytes = np.asarray([*terms.gathered, *terms.summed], dtype=float)
     new_op = np.asarray([*terms.gathered_at, *terms.summed_at], dtype=np.int64)
     sums = np.arange(n + k) >= n
