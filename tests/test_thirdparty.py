@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import automap as am
-from automap._groups import state_inputs
+from automap._groups import build_groups, residual_group, sequence_dims, state_inputs
 from automap._verify import verify
 
 CPU8 = am.Cluster.preset("cpu", devices=8)
@@ -86,3 +86,19 @@ def test_a_keras_steps_new_optimizer_variables_keep_their_shards():
     plan = am.expert_plans(step, *args, cluster=CPU8)["zero1"]
     moments = [p for p in news if p.startswith("[3]") and graph.tensors[state[p].tensor].ndim]
     assert all("data" in jax.tree.leaves(tuple(plan.out_specs[p])) for p in moments)
+
+
+def test_a_keras_gpt2s_sequence_parallelism_splits_the_sequence():
+    # Keras-Hub ties its position table's rows (the sequence) to more tensor dims than the
+    # hidden size (its attention reshapes heads apart): chosen by members, the "residual
+    # group" of the example's model (660 members to 658) was the sequence, and sequence
+    # parallelism split the stream's hidden size.
+    import examples.keras_gpt2
+
+    step, args = examples.keras_gpt2.make_step(batch=8, seq=64)
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    residual = residual_group(groups)
+    assert residual is not None and ("[0][0]", 1) in residual.param_dims  # the table's width
+    dims = sequence_dims(graph, groups)
+    assert dims and {graph.tensors[t].shape[d] for t, d in dims.items()} == {64}
