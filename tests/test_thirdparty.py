@@ -102,3 +102,19 @@ def test_a_keras_gpt2s_sequence_parallelism_splits_the_sequence():
     assert residual is not None and ("[0][0]", 1) in residual.param_dims  # the table's width
     dims = sequence_dims(graph, groups)
     assert dims and {graph.tensors[t].shape[d] for t, d in dims.items()} == {64}
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("positions, kind", [(32, "all-gather"), (64, "all-reduce")])
+def test_positions_looked_up_at_an_iota_are_gathered_on_a_gpu(positions, kind):
+    # Hugging Face BERT looks its positions up as take(table, arange(seq)). With the
+    # table's rows split (Megatron x data), XLA's GPU partitioner reads an iota as long as
+    # the rows as parallel to them: each device looks up its own positions and all-gathers
+    # them. A longer table is looked up masked and all-reduced, as any lookup. It was
+    # priced as the all-reduce in both (XLA's all-gather missed, the all-reduce over).
+    step, args = _make("examples.hf_bert", max_position_embeddings=positions)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=2, dp=4), cluster=A100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    assert ("all-gather@model" in report.xla_comm_bytes) == (kind == "all-gather")
