@@ -12,7 +12,13 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
 - each residual tensor a matmul reads whole is all-gathered first, once per tensor (XLA
   reuses the gathered copy for every matmul that reads it: queries, keys and values);
 - the ops that make residual tensors (norms, residual adds, dropout) work on 1/t of them,
-  and the residuals the backward keeps of them take 1/t of their bytes.
+  and the residuals the backward keeps of them take 1/t of their bytes;
+- a matmul that reads a residual tensor and splits nothing else on t (BERT's masked-LM
+  transform) runs on the local sequence, ungathered (`_local_matmul`);
+- an op that sums a residual tensor over its sequence (the gradients of the norms' scales
+  and biases and of the row-parallel biases; such a transform's weight gradient) makes
+  partial sums over t, all-reduced (`SeqparTerms.summed`): in a pipeline, in every
+  microbatch's backward program (`seqpar_op_costs`).
 
 The embedding lookup keeps its all-reduce (`_groups/_seqpar.py` says why). Held against
 XLA's GPU compiler in tests/test_seqpar.py (one program: kinds, counts and bytes equal).
