@@ -13,31 +13,28 @@ of XLA's buffer assignment?
     python benchmarks/bench_thirdparty.py --models hf_bert --donate no --verbose
     python benchmarks/bench_thirdparty.py --dtype bfloat16 --json out.json
 
-At 25018a8 (2026-12-04, `python benchmarks/bench_thirdparty.py`, 33 min on a shared
-2-core machine): 80 plans, collectives matching 66 (82%), memory within 15% 74 (92%).
-Per model (collectives, memory, of 20: 10 plans not donating, 10 donating): hf_bert 14,
-14; keras_gpt2 16, 20; bert 18, 20; gpt 18, 20. Before the fixes of this benchmark's
-commits (state matched by argument position for Keras's lists, ZeRO-3's tied-table
-reduce-scatters, a one-stage accumulation's tied sums): keras_gpt2 6 and 14, hf_bert 12
-and 14. What still disagrees, each read in the A100 HLO:
+At 3aadac2 (2026-12-04, `python benchmarks/bench_thirdparty.py --models hf_bert
+keras_gpt2` (32 min) and `--models bert gpt` (29 min) beside it, on a shared 2-core machine
+at load 9): 80 plans, collectives matching 76 (95%), memory within 15% 74 (92%). Per model
+(collectives, memory, of 20: 10 plans not donating, 10 donating): hf_bert 20, 14;
+keras_gpt2 16, 20; bert 20, 20; gpt 20, 20. At 25018a8: 66 (82%) and 74; before that
+(state matched by argument position for Keras's lists, ZeRO-3's tied-table
+reduce-scatters, a one-stage accumulation's tied sums) keras_gpt2 6 and 14, hf_bert 12 and
+14. Fixed since 25018a8, each read in the A100 HLO: megatron_3d's sums of the split
+stream over its sequence (norms' and row-parallel biases' gradients, all-reduced in
+every microbatch's backward), BERT's masked-LM transform run on the local sequence
+(ungathered), HF BERT's three embedding tables sharing one gathered cotangent, Keras's
+"residual group" (the sequence won by tensor dims: its SP split the hidden size), and
+HF's iota position lookup (all-gathered on GPUs). What still disagrees:
 
-- megatron_3d (one stage, 4 microbatches of one sequence, sequence parallel, selective
-  remat), all four models: the gradients of parameters applied to sequence-split tensors
-  (LayerNorm scales and biases, the row-parallel projections' biases) are partial sums
-  over the model axis, all-reduced in every microbatch's backward program (gpt: 7 KiB
-  per microbatch, one combined all-reduce), unpriced by `_cost/_seqpar.py`; bert's
-  model-axis all-gathers are also 17% over XLA's and keras_gpt2's reduce-scatters 44%
-  over (not read).
-- hf_bert megatron and megatron_dp: HF looks positions up with `take(table, iota)`.
-  With the position table's rows split on "model", XLA's gather partitioner sees the
-  iota indices as a dim parallel to the table's rows: each device looks up its own
-  positions (the output split on the sequence) and all-gathers them, where the cost
-  model prices a masked lookup's all-reduce of the same bytes (an all-gather XLA adds,
-  an all-reduce it does not). Megatron-LM itself does not split position tables.
-- keras_gpt2 megatron_dp: Keras's Q, K and V projections have head-dim groups of their
-  own, so their input gradients' partial-sum rows differ in their reduced groups and
-  `_cost/_rows.summed_partials` (plan-independent) does not add them; XLA, with only the
-  heads split, all-reduces their sum once (model all-reduce 40% over).
+- keras_gpt2 megatron_dp and megatron_3d (4 plans): Keras's Q, K and V projections have
+  head-dim groups of their own, so their input gradients' partial-sum rows differ in
+  their reduced groups and `_cost/_rows.summed_partials` (plan-independent) does not add
+  them; XLA, with only the heads split, reduces their sum once (megatron_dp: model
+  all-reduce 40% over; megatron_3d: two reduce-scatters per layer and microbatch too
+  many, 44% over). Merging them needs a plan-dependent merge in the kernel (rows whose
+  collectives come out equal under the plan), which the delta evaluation and the ILP's
+  per-scope terms must follow.
 - hf_bert donating (ZeRO-1/2/3, megatron_dp, and the searchers' ZeRO plans):
   peak memory 1.17-1.18x XLA's, about 1.3 MiB of activations more than XLA's
   temporaries at the peak (not read; the same plans not donating are within 12%).

@@ -226,6 +226,28 @@ def test_pipeline_stages_price_it_on_their_programs(gpt):
     assert any(a < b for b, a in acts) and all(a <= b for b, a in acts)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow  # a one-stage pipeline's programs compiled for 8 A100s without one
+@pytest.mark.parametrize("name", ["gpt-1.3b", "bert-base"])
+def test_accumulated_microbatches_reduce_the_split_streams_sums_in_each_backward(name):
+    # Gradient accumulation over two microbatches: each backward program all-reduces on
+    # the model axis the partial sums of the parameters applied to the split stream (the
+    # norms' scales and biases, the row-parallel biases: summed over the local part of
+    # the sequence). BERT's masked-LM transform, split on nothing, runs on the local part
+    # of the sequence: no gather, its weight gradient one more such sum. Before: gpt's
+    # model all-reduces priced 45% under XLA's, bert's 83% under, its gathers 17% over.
+    spec = get_model(name, **SMALL)
+    args = spec.abstract_args()
+    recipe = am.Recipe(tp=2, dp=4, microbatches=2, sequence_parallel=True)
+    plan = am.plan_recipe(spec.step_fn, *args, recipe=recipe, cluster=A100)
+    assert plan.pipelined and len(plan.stages) == 1
+    report = am.verify(spec.step_fn, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    for kind in ("all-reduce", "all-gather"):
+        key = f"{kind}@model (stage 0)"
+        assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key])
+
+
 @pytest.mark.slow  # a pipeline's programs compiled on 8 CPU devices
 def test_a_pipelines_programs_gather_what_is_priced(gpt):
     spec, args = gpt[:2]

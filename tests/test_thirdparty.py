@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import automap as am
-from automap._groups import state_inputs
+from automap._groups import build_groups, residual_group, sequence_dims, state_inputs
 from automap._verify import verify
 
 CPU8 = am.Cluster.preset("cpu", devices=8)
@@ -86,3 +86,35 @@ def test_a_keras_steps_new_optimizer_variables_keep_their_shards():
     plan = am.expert_plans(step, *args, cluster=CPU8)["zero1"]
     moments = [p for p in news if p.startswith("[3]") and graph.tensors[state[p].tensor].ndim]
     assert all("data" in jax.tree.leaves(tuple(plan.out_specs[p])) for p in moments)
+
+
+def test_a_keras_gpt2s_sequence_parallelism_splits_the_sequence():
+    # Keras-Hub ties its position table's rows (the sequence) to more tensor dims than the
+    # hidden size (its attention reshapes heads apart): chosen by members, the "residual
+    # group" of the example's model (660 members to 658) was the sequence, and sequence
+    # parallelism split the stream's hidden size.
+    import examples.keras_gpt2
+
+    step, args = examples.keras_gpt2.make_step(batch=8, seq=64)
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    residual = residual_group(groups)
+    assert residual is not None and ("[0][0]", 1) in residual.param_dims  # the table's width
+    dims = sequence_dims(graph, groups)
+    assert dims and {graph.tensors[t].shape[d] for t, d in dims.items()} == {64}
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("positions, kind", [(32, "all-gather"), (64, "all-reduce")])
+def test_positions_looked_up_at_an_iota_are_gathered_on_a_gpu(positions, kind):
+    # Hugging Face BERT looks its positions up as take(table, arange(seq)). With the
+    # table's rows split (Megatron x data), XLA's GPU partitioner reads an iota as long as
+    # the rows as parallel to them: each device looks up its own positions and all-gathers
+    # them. A longer table is looked up masked and all-reduced, as any lookup. It was
+    # priced as the all-reduce in both (XLA's all-gather missed, the all-reduce over).
+    step, args = _make("examples.hf_bert", max_position_embeddings=positions)
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=2, dp=4), cluster=A100)
+    report = verify(step, plan, *args, target="a100")
+    assert report.collectives_match, report.mismatches
+    assert ("all-gather@model" in report.xla_comm_bytes) == (kind == "all-gather")

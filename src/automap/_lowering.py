@@ -76,6 +76,14 @@ class Lowering:
     in e38d629 (a 2-layer GPT at tp 8 moved 29-40% fewer model-axis bytes than priced);
     held by test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices
     (tests/test_verify_gpu.py)."""
+    parallel_iota_lookups: bool = True
+    """Whether XLA's gather partitioner reads a lookup at an iota (positions looked up as
+    `take(table, arange(seq))`, Hugging Face BERT's) as parallel to the table's rows: with
+    the rows split, each device looks up its own positions and all-gathers them (the same
+    bytes as a masked lookup's all-reduce; `_cost._rows.iota_lookups`). XLA's GPU pipeline
+    does (A100 HLO of HF BERT under Megatron: an all-gather of the lookup's 512 KiB); the
+    CPU one, False, masks and all-reduces. Held by
+    tests/test_thirdparty.py::test_positions_looked_up_at_an_iota_are_gathered_on_a_gpu."""
     remakes_residuals: bool = True
     """Whether XLA remakes a cheap residual in the backward rather than keep it: a tensor
     the backward reads that an elementwise or layout op makes, and only fusible ops read,
@@ -166,6 +174,7 @@ class Lowering:
             matmul_accumulates=False,
             all_reduce_in_place=False,
             reassociates_all_reduce=False,
+            parallel_iota_lookups=False,
             remakes_residuals=False,
             frees_at_last_use=False,
         )

@@ -107,8 +107,17 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, lowering: Lowering):
     mask = np.concatenate([chain.T.ravel(), last])
     kind = np.full(len(mask), C.AR)
     kind[len(mask) - len(last) :] = last_kind
-    on = mask > 0
     nbytes = np.concatenate([np.tile(chain_bytes, a.shape[1]), last_bytes])
+    if R.gathers.any():
+        # A lookup at an iota: each device looks up its rows' positions; the result is
+        # all-gathered over the axes it does not keep (one collective, the first slot).
+        slots = (slice(None), R.gathers)
+        kind, mask, nbytes = (x.reshape(-1, len(R.tset)) for x in (kind, mask, nbytes))
+        mask[slots] = 0
+        mask[0, R.gathers], kind[0, R.gathers] = rest[R.gathers], C.AG
+        nbytes[0, R.gathers] = base[R.gathers]
+        kind, mask, nbytes = kind.ravel(), mask.ravel(), nbytes.ravel()
+    on = mask > 0
     count = per_slot(R, np.where(R.grad, R.count, R.count * m))
     return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0)
 

@@ -36,6 +36,7 @@ class CandidateRow(NamedTuple):
     peer: int
     count: float = 1.0  # occurrences per step (a loop body's: its trips)
     combine: int = 0  # a loop body's gradient row: its body's slot (`Tables.combine_trips`)
+    gathers: bool = False  # a lookup at an iota: its result gathered, not summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,9 @@ class RowTable:
     # slot, whose rows of one (kind, axes) XLA combines into one collective per trip; 0
     # for every other row (top-level gradients combine once per step through `grad`).
     combine: np.ndarray
+    # A partial-sum row of a lookup at an iota (`iota_lookups`): the result is all-gathered
+    # over the rows' axes the output does not hold, where others are all-reduced.
+    gathers: np.ndarray
 
     def merged(self) -> RowTable:
         if len(self.tset) == 0:
@@ -82,6 +86,7 @@ class RowTable:
             self.grad,
             self.peer,
             self.combine,
+            self.gathers,
             per_occurrence,
         ]
         keys = np.concatenate(
@@ -101,6 +106,7 @@ class RowTable:
             grad=rest[:, 4].astype(bool),
             peer=rest[:, 5],
             combine=rest[:, 6],
+            gathers=rest[:, 7].astype(bool),
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
@@ -132,6 +138,7 @@ def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTa
         op=column("op", np.int64),
         peer=column("peer", np.int64),
         combine=column("combine", np.int64),
+        gathers=column("gathers", bool),
     )
 
 
@@ -153,6 +160,8 @@ class RowBuilder:
     # input holds in blocks goes on as each microbatch's examples, which XLA reaches with
     # an all-to-all over the batch's axis (`_microbatch_row`).
     microbatch: Mapping[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    # the gathers XLA partitions as parallel to their table's rows (`iota_lookups`)
+    iota_lookups: Collection[int] = frozenset()
     partial: list[CandidateRow] = dataclasses.field(default_factory=list)
     # a top-level op's output -> its partial-sum row
     partial_row: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -234,6 +243,7 @@ def _partial_rows(rb: RowBuilder, op, g: Graph, tsets, gs: list[int], it: set[in
                 rb.empty,
                 at.scale,
                 slot,
+                op.index in rb.iota_lookups and not at.scope,
             )
         )
 
@@ -392,3 +402,46 @@ def summed_partials(
         gone.add(root[b])
         root[op.outputs[0]] = root[a]
     return gone
+
+
+#: Ops an index array passes through unchanged in value on its way to a gather.
+_INDEX_PATH = frozenset(
+    {"broadcast_in_dim", "reshape", "copy", "convert_element_type", "squeeze", "expand_dims"}
+)
+
+
+def iota_lookups(graph: Graph) -> dict[int, int]:
+    """Gather -> the iota op its indices are, for the gathers that look a table up at an
+    iota as long as its rows (`take(table, arange(n))`, through broadcasts and `take`'s
+    wrap of negative indices, a select XLA folds away for an iota): XLA's GPU partitioner
+    sees the index dim as parallel to the rows (`Lowering.parallel_iota_lookups`)."""
+    out = {}
+    for op in graph.ops:
+        if op.primitive != "gather":
+            continue
+        dn = op.params["dimension_numbers"]
+        if len(dn.start_index_map) != 1 or dn.operand_batching_dims:
+            continue
+        rows = graph.tensors[op.inputs[0]].shape[dn.start_index_map[0]]
+        iota = _iota_under(graph, op.inputs[1])
+        if iota is not None and graph.tensors[iota].size == rows:
+            out[op.index] = graph.tensors[iota].producer
+    return out
+
+
+def _iota_under(graph: Graph, t: int) -> int | None:
+    """The iota tensor t's values are, passed through `_INDEX_PATH` and selects whose
+    unselected case is the wrap of the same values, or None."""
+    while True:
+        producer = graph.tensors[t].producer
+        if producer is None:
+            return None
+        op = graph.ops[producer]
+        if op.primitive == "iota":
+            return t if graph.tensors[t].ndim == 1 else None
+        if op.primitive == "select_n" and len(op.inputs) == 3:
+            t = op.inputs[1]  # the case taken where the index is not negative
+        elif op.primitive in _INDEX_PATH:
+            t = op.inputs[0]
+        else:
+            return None

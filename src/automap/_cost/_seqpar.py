@@ -12,7 +12,13 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
 - each residual tensor a matmul reads whole is all-gathered first, once per tensor (XLA
   reuses the gathered copy for every matmul that reads it: queries, keys and values);
 - the ops that make residual tensors (norms, residual adds, dropout) work on 1/t of them,
-  and the residuals the backward keeps of them take 1/t of their bytes.
+  and the residuals the backward keeps of them take 1/t of their bytes;
+- a matmul that reads a residual tensor and splits nothing else on t (BERT's masked-LM
+  transform) runs on the local sequence, ungathered (`_local_matmul`);
+- an op that sums a residual tensor over its sequence (the gradients of the norms' scales
+  and biases and of the row-parallel biases; such a transform's weight gradient) makes
+  partial sums over t, all-reduced (`SeqparTerms.summed`): in a pipeline, in every
+  microbatch's backward program (`seqpar_op_costs`).
 
 The embedding lookup keeps its all-reduce (`_groups/_seqpar.py` says why). Held against
 XLA's GPU compiler in tests/test_seqpar.py (one program: kinds, counts and bytes equal).
@@ -34,7 +40,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._graph import Graph
-from .._groups import KEPT_WHOLE, Groups, layouts
+from .._groups import KEPT_WHOLE, Groups, layouts, reduced_dims
 from .._plan import Collective, Cost, Plan, Spec
 from . import _collectives as C
 from ._buffers import step_buffers
@@ -55,6 +61,10 @@ class SeqparTerms:
     reduce_ops: frozenset[int] = frozenset()  # ops whose partial sums are reduce-scattered
     gathered_at: tuple[int, ...] = ()  # per entry of `gathered`: the op that reads it whole
     split: frozenset[int] = frozenset()  # the residual tensors split on the sequence
+    # per op that sums a split tensor over its sequence (a norm's or a bias's gradient):
+    # the bytes of its partial sums over t, all-reduced where they are made
+    summed: tuple[float, ...] = ()
+    summed_at: tuple[int, ...] = ()  # per entry of `summed`: that op
 
 
 def seqpar_terms(
@@ -78,10 +88,21 @@ def seqpar_terms(
     }
     consumers = graph.consumers()
     rs, ag, ops, at, reducing = {}, [], set(), [], set()
+    summed: dict[int, float] = {}
     gathered: set[tuple[int, int]] = set()
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
-        if op.primitive == _MATMUL:
+        local = _local_matmul(op, split, plan.constraints, lay, axis)
+        if local is not None:
+            # Split on the sequence and with nothing split on the axis beside it (an
+            # unsplit projection: BERT's masked-LM transform), XLA runs the matmul on the
+            # local part of the sequence: nothing gathered.
+            ops.add(op.index)
+            reads = []
+            if local:
+                out = op.outputs[0]
+                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
+        elif op.primitive == _MATMUL:
             if made and _contracts_on(op, groups, assignment, axis):
                 # Partial sums added before they are reduced (the input gradient of the
                 # queries', keys' and values' matmuls) are reduce-scattered once, summed.
@@ -96,10 +117,15 @@ def seqpar_terms(
             reads = []
             if made and len(made) == len(op.outputs):
                 ops.add(op.index)
+            elif _sums_sequence(op, graph, split, plan.constraints, axis):
+                out = op.outputs[0]
+                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
         # A pipeline's backward program gathers per matmul that reads the tensor (read on
         # compile-only A100s and the CPU: no gather there is shared); one program, and a
-        # pipeline's forward, once per tensor.
-        apart = boundary is not None and op.index > boundary
+        # pipeline's forward, once per tensor. A tensor made whole for the embeddings'
+        # gradients is gathered once where it is made, whichever program: Hugging Face
+        # BERT's word, position and type tables read one cotangent (one gather on A100s).
+        apart = boundary is not None and op.index > boundary and op.primitive == _MATMUL
         for t in reads:
             if (t, op.index if apart else -1) not in gathered:
                 gathered.add((t, op.index if apart else -1))
@@ -107,8 +133,43 @@ def seqpar_terms(
                 at.append(op.index)
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
-        frozenset(split),
+        frozenset(split), tuple(summed.values()), tuple(summed),
     )  # fmt: skip
+
+
+def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:
+    """How XLA runs a matmul that reads split tensors without gathering them: False where
+    one operand's sequence is a free dim, the other has nothing on `axis` and the result
+    is split too (each device its part of the sequence); True where both operands'
+    sequences are contracted together (partial sums over `axis`: the weight gradient of
+    such a projection); None where it must gather."""
+    if op.primitive != _MATMUL:
+        return None
+    contract, batch = op.params["dimension_numbers"]
+    seq = [_seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
+    if seq[0] is not None and seq[1] is not None:
+        paired = seq[0] in contract[0] and seq[1] in contract[1]
+        paired = paired and contract[0].index(seq[0]) == contract[1].index(seq[1])
+        whole = all(t not in split and axis not in _axes(lay[t]) for t in op.outputs)
+        return True if paired and whole else None
+    side = 0 if seq[0] is not None else 1
+    if seq[side] is None or seq[side] in (*contract[side], *batch[side]):
+        return None
+    whole_other = axis not in _axes(lay[op.inputs[1 - side]])
+    return False if whole_other and all(t in split for t in op.outputs) else None
+
+
+def _seq_dim(spec: Spec, axis: str) -> int | None:
+    """The dim of a split tensor's constraint that holds `axis`."""
+    return next((d for d in range(len(spec)) if axis in _axes(spec[d : d + 1])), None)
+
+
+def _sums_sequence(op, graph: Graph, split, constraints, axis: str) -> bool:
+    """A reduction (not a matmul: those read the stream gathered) that sums a split tensor
+    over its sequence dim: each device holds the sum over its 1/t of the sequence."""
+    return any(
+        t in split and axis in _axes(constraints[t][d : d + 1]) for t, d in reduced_dims(op, graph)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,8 +316,16 @@ def stage_sequence_parallel(model, plan: Plan, oc):
 def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     """A pipeline's per-op costs (`_pipelined.OpCosts`, on the stage mesh) with sequence
     parallelism: the stream's partial-sum rows on `axis` reduce-scattered, an all-gather
-    row at each op that reads a stream tensor whole, the stream's ops and tensors (what a
-    stage keeps, and sends) 1/t."""
+    row at each op that reads a stream tensor whole, an all-reduce row at each op that
+    sums the stream over its sequence, the stream's ops and tensors (what a stage keeps,
+    and sends) 1/t.
+
+    Those sums are the gradients of parameters applied to the stream (norms' scales and
+    biases, row-parallel biases): accumulated over the microbatches, their reduction over
+    the batch's axes waits for the stage's reduce program, but their partial sums over
+    `axis` are all-reduced in every backward call, combined with that call's other
+    gradients (read in the A100 HLO of a one-stage, four-microbatch GPT: one all-reduce
+    of their bytes per microbatch)."""
     ac = oc.axis_costs
     t = oc.mesh[axis]
     mask = int(ac.bit[ac.codes[axis]])
@@ -265,36 +334,43 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
         ar = oc.row_partial & (key == C.AR * ac.masks + mask)
         ar &= np.isin(oc.row_op, list(terms.reduce_ops))
         key = np.where(ar, key + (C.RS - C.AR) * ac.masks, key)
-    n = len(terms.gathered)
-    ag_key = np.full(n, C.AG * ac.masks + mask)
-    ag_bytes = np.asarray(terms.gathered, dtype=float)
-    ag_op = np.asarray(terms.gathered_at, dtype=np.int64)
+    n, k = len(terms.gathered), len(terms.summed)
+    new_key = np.concatenate(
+        [np.full(n, C.AG * ac.masks + mask), np.full(k, C.AR * ac.masks + mask)]
+    )
+    new_bytes = np.asarray([*terms.gathered, *terms.summed], dtype=float)
+    new_op = np.asarray([*terms.gathered_at, *terms.summed_at], dtype=np.int64)
+    sums = np.arange(n + k) >= n
     comm = oc.comm.copy()
     old = ac.by_key(oc.row_key, oc.row_bytes, oc.row_count)
     new = ac.by_key(key, oc.row_bytes, oc.row_count)
     live = (oc.row_count > 0) & ~oc.row_grad
     np.add.at(comm, oc.row_op[live], (new - old)[live])
-    np.add.at(comm, ag_op, ac.by_key(ag_key, ag_bytes, np.ones(n)))
+    np.add.at(comm, new_op[~sums], ac.by_key(new_key[~sums], new_bytes[~sums], np.ones(n)))
+    grad_comm = oc.grad_comm.copy()
+    np.add.at(grad_comm, new_op[sums], ac.by_key(new_key[sums], new_bytes[sums], np.ones(k)))
     compute = oc.compute.copy()
     ops = list(terms.compute_ops)
     compute[ops] /= t
     inv = oc.layouts.inv.copy()
     inv[list(terms.split)] /= t
+    pad = np.zeros(n + k, bool)
     extra = {
-        "row_again": None if oc.row_again is None else np.concatenate([oc.row_again, np.zeros(n, bool)]),
-        "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, np.zeros(n, bool)]),
-    }  # fmt: skip
+        "row_again": None if oc.row_again is None else np.concatenate([oc.row_again, pad]),
+        "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, pad]),
+    }
     return dataclasses.replace(
         oc,
         compute=compute,
         comm=comm,
+        grad_comm=grad_comm,
         layouts=dataclasses.replace(oc.layouts, inv=inv),
-        row_op=np.concatenate([oc.row_op, ag_op]),
-        row_key=np.concatenate([key, ag_key]),
-        row_bytes=np.concatenate([oc.row_bytes, ag_bytes]),
-        row_count=np.concatenate([oc.row_count, np.ones(n)]),
-        row_grad=np.concatenate([oc.row_grad, np.zeros(n, bool)]),
-        row_batched=np.concatenate([oc.row_batched, np.ones(n, bool)]),
-        row_partial=np.concatenate([oc.row_partial, np.zeros(n, bool)]),
+        row_op=np.concatenate([oc.row_op, new_op]),
+        row_key=np.concatenate([key, new_key]),
+        row_bytes=np.concatenate([oc.row_bytes, new_bytes]),
+        row_count=np.concatenate([oc.row_count, np.ones(n + k)]),
+        row_grad=np.concatenate([oc.row_grad, sums]),
+        row_batched=np.concatenate([oc.row_batched, ~sums]),
+        row_partial=np.concatenate([oc.row_partial, sums]),
         **extra,
     )

@@ -51,7 +51,8 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
     (`_zero.add_zero_gathers`)."""
     graph, ac = model.graph, oc.axis_costs
     S, nk, stage = part.n_stages, len(ac.keys), np.array(part.op_stage)
-    r, r_phase, r_key, r_count, grad, r_bytes = rows_by_phase(graph, part, oc, per_mb, m)
+    lookups = model.tables.iota_lookups
+    r, r_phase, r_key, r_count, grad, r_bytes = rows_by_phase(graph, part, oc, per_mb, m, lookups)
     on = r_count > 0
     r_time = np.where(grad, 0.0, ac.by_key(r_key, r_bytes, r_count))
     bucket = (stage[r] * N_PHASES + r_phase) * nk + r_key
@@ -85,14 +86,24 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
     return PhaseComm(time, nbytes, count, op_comm, op_reduce)
 
 
-def rows_by_phase(graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int):
+def rows_by_phase(
+    graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int, lookups=None
+):  # fmt: skip
     """Every collective row with the phase it runs in: (op, phase, key, count, combined
     with the others of its program and key (gradients), bytes per run). With m > 1, the reduction over the batch's axes of an op that
     makes an accumulated tensor runs once per step in REDUCE (its row there, full size);
     what is left of its axes stays in its own call, and the row is idle there when
-    nothing is left (see the module doc)."""
+    nothing is left (see the module doc). `lookups` (`Tables.iota_lookups`): a lookup at
+    an iota another program makes (a stage's once-per-step PRE) sees no iota in its own
+    program: XLA masks it and all-reduces, as any lookup (HF BERT's positions under a
+    one-stage pipeline, read in its A100 forward program)."""
     r, key, count, ac = oc.row_op, oc.row_key, oc.row_count, oc.axis_costs
     phase = phase_codes(part)
+    apart = [g for g, iota in (lookups or {}).items() if phase[g] != phase[iota]]
+    if apart:
+        kind, mask = np.divmod(key, ac.masks)
+        masked = oc.row_partial & np.isin(r, apart) & (kind == C.AG)
+        key = np.where(masked, C.AR * ac.masks + mask, key)
     # A recomputed op's collectives run again in the backward that recomputes it.
     row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
     accumulated = np.zeros(len(phase), dtype=bool)

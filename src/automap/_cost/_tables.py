@@ -33,6 +33,7 @@ from ._rows import (
     RowBuilder,
     RowTable,
     candidate_rows,
+    iota_lookups,
     row_table,
     summed_partials,
 )
@@ -116,6 +117,8 @@ class Tables:
     # where ZeRO-3 gathers layer by layer (`_remat.layer_gathers`), None without a loss:
     # per program, for pipeline stages (`_fsdp.program_gathers`)
     layers: LayerGathers | None = None
+    # gather -> its iota op, where XLA partitions the lookup as parallel (`iota_lookups`)
+    iota_lookups: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +176,7 @@ def build_tables(
     )
     pinned, update = zero_region(graph, groups)
     compute = compute_inputs(graph, groups, res, rates, lowering, sets, pinned)
+    lookups = iota_lookups(graph) if lowering.parallel_iota_lookups else {}
     rows = RowBuilder(
         sets=sets,
         ng=ng,
@@ -181,6 +185,7 @@ def build_tables(
         after={(s.op, s.before): s.after for s in groups.seams},
         empty=sets.of(()),
         microbatch={op: frozenset(groups.batch_groups) for op in groups.microbatch_splits},
+        iota_lookups=frozenset(lookups),
     )
     entries = ComputeEntries()
     params = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
@@ -231,6 +236,7 @@ def build_tables(
             [r for i, r in enumerate(rows.partial) if i in gone - apart and r.grad], ng, rows.empty
         ),
         layers=layers,
+        iota_lookups=lookups,
     )
 
 

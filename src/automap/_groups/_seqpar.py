@@ -37,12 +37,15 @@ KEPT_WHOLE = frozenset({"gather", "scatter-add", "scatter_add"})
 
 
 def residual_group(groups: Groups) -> Group | None:
-    """The residual stream's hidden group: the parameter group (not the batch) with the
-    most members; it ties every layer's adds, norms and projection inputs."""
+    """The residual stream's hidden group: the group (not the batch) that ties the most
+    parameter dims, every layer's norms, biases and projection inputs. Counted in
+    members, the sequence can win: Keras-Hub's GPT-2 ties its position table's rows to
+    660 tensor dims (heads reshaped apart) against the hidden size's 658, and its 1
+    parameter dim against 28."""
     candidates = [g for g in groups.groups if g.param_dims and not g.batch]
     if not candidates:
         return None
-    return max(candidates, key=lambda g: (len(g.members), g.bytes))
+    return max(candidates, key=lambda g: (len(g.param_dims), len(g.members), g.bytes))
 
 
 def sequence_dims(graph: Graph, groups: Groups) -> dict[int, int]:
