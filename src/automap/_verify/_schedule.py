@@ -22,7 +22,9 @@ ZeRO-3 over 4 v5p chips or 8 A100s, `tests/test_schedule.py`):
   ... `async-collective-done`, a matmul fusion between carrying it on), read here as one
   collective in flight from the chain's first step to its last (`_fusion_chains`): that
   Llama's 54 chained gathers all had compute inside, 236 of its 277 MB gathered, with 70
-  of the step's 119 matmuls.
+  of the step's 119 matmuls. The runtime now compiles TPU programs with these flags
+  (`_run/_compiler.py`); each chain's window holds the matmul reading the weight gathered
+  before it ("one weight ahead"), which `Lowering.tpu()` prices (`_cost/_overlap.py`).
 - XLA's GPU compiler (compile-only A100s) makes every collective a start/done pair, but
   its default scheduler puts most dones right after their starts: compute sat inside
   pairs holding 56% of the gathers' bytes and 38% of the reduce-scatters', mostly
