@@ -103,3 +103,18 @@ def test_a_cluster_file_can_ask_for_the_prefetch():
     # XLA's TPU fills the window (under the runtime's flags, tests/test_schedule.py)
     on = {n for n in am.Lowering.presets() if am.Lowering.preset(n).overlaps_prefetch}
     assert on == {"tpu"}
+
+
+def test_sequence_parallelism_keeps_the_prefetch_hidden():
+    # A ZeRO-3 plan with the stream split (MaxText's v5p rows): sequence parallelism's
+    # collectives are added to the plan's, and the forward gathers the TPU runs beside
+    # compute stay off the path (they were charged again when its comm was re-summed).
+    step, args = _gpt()
+    v5p = am.Cluster.preset("tpu-v5p", 8)
+    recipe = am.Recipe(dp=4, tp=2, zero=3, sequence_parallel=True)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    cost = am.estimate(step, *args, plan=plan, cluster=v5p)
+    serial = am.estimate(step, *args, plan=plan, cluster=v5p.with_lowering(overlaps_prefetch=False))
+    assert cost.collectives == serial.collectives
+    assert cost.comm_s < sum(c.time_s for c in cost.collectives)
+    assert cost.step_time_s < serial.step_time_s
