@@ -18,10 +18,12 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, at 86d773f): every row is predicted
-at 0.82-0.83 of the published TFLOP/s per chip (272, 267 and 259 against 328, 323 and
-315; steps 8.64, 8.78 and 6.03 s) and each fits in the chip's 95 GiB (74.5, 75.4 and
-50.1 GB predicted). Before the v5p's matmuls ran at the rate XLA's were measured at
+Measured (this script, 2 shared cores, about a minute, at aa1178a): every row is predicted
+at 0.83-0.84 of the published TFLOP/s per chip (274, 270 and 263 against 328, 323 and
+315; steps 8.60, 8.69 and 5.94 s) and each fits in the chip's 95 GiB (74.5, 75.4 and
+50.1 GB predicted). At 86d773f, before ZeRO-3's forward gathers were priced beside
+compute (the runtime compiles TPU programs with XLA's async collective fusion flags,
+`_run/_compiler.py`): 0.82-0.83 (272, 267, 259; 8.64, 8.78, 6.03 s). Before the v5p's matmuls ran at the rate XLA's were measured at
 (`_cluster.py`: 0.923 of peak, a bf16 8192^3 product on a TPU v5e in JAX's Pallas TPU
 matmul guide; the generic 0.6 before): 0.62 (203, 200, 196). Before MaxText's `minimal`
 was priced as its own policy and the stream split: 0.61 (199, 196, 191) and none fit
@@ -37,25 +39,31 @@ cores shared with other work at load 7: 136 s wall, capture included) the planne
 returns a one-stage plan that fits and is predicted faster than MaxText's
 configuration: FSDP over all 64 chips (ZeRO-3, `projections`) at 7.88 s, 0.91 of
 MaxText's 8.64 s (76.2 GB); at 0.6 it was the same plan at 10.82 s, 0.93 of 11.58 s.
+At 507c274 (forward gathers hidden) the same plan at 7.75 s, 0.90 of MaxText's 8.60 s,
+in 29 s wall.
 The 64B and 128B rows were planned at 5390d0b, at 0.6 (BENCHMARKS.md). Before the
 one-stage plans got recomputation and the split stream (`_search/_one_stage.py`: the
 ILP's shard space has neither, so it proved that no one-stage plan fits), it returned
 pipelines at 1.05, 1.09 and 1.05 times MaxText's step.
 
-Where the 32B step's 8.64 s go (`Cost.per_op`, at 86d773f): the projections' and head's
+Where the 32B step's 8.64 s went (`Cost.per_op`, at 86d773f): the projections' and head's
 matmuls 5.47 s; the attention core's two matmuls 0.32 s and its float32 scores, mask and
 softmax 0.65 s; the other memory-bound kernels (norms, rotary, the SwiGLU product, the
 optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers and
 reduce-scatters of the split stream most of it). Stated, not tuned:
 
-- Collectives are priced serial. XLA's TPU compiler at its default flags, as `am.apply`
-  compiles, runs every collective synchronously (a 4-layer Llama under ZeRO-3 on v5p
-  2x2x2: 97 collectives, none asynchronous); with the flags MaxText's scripts set (async
-  collective fusion) it runs the layer gathers as chains of fusions beside matmuls (54
-  of its 78 gathers, 85% of the gathered bytes, with 70 of the step's 119 matmuls
-  inside: `_verify/_schedule.py`, docs/DESIGN.md); which layer's compute sits inside was
-  not read, so it is not priced. Hidden whole, the 1.15 s would put the row at
-  0.96 of published.
+- Collectives are priced serial but for ZeRO-3's forward gathers. XLA's TPU compiler
+  at its default flags runs every collective synchronously; with the flags MaxText's
+  scripts set (async collective fusion), which `am.apply` now compiles TPU programs
+  with, it runs each weight's gather as a chain of fusions beside the matmul that reads
+  the weight before it (`_verify/_schedule.py`, docs/DESIGN.md): priced so
+  (`Lowering.tpu().overlaps_prefetch`, `_cost/_overlap.py`), which hides 46 ms of the
+  32B row's 1.15 s (the data axis' gathers are 0.10 s of it, ZeRO-3 sharding over 16
+  chips what tensor parallelism left). The rest is the tensor-parallel all-gathers and
+  reduce-scatters of the split stream (0.49 and 0.49 s over the model axis) and
+  ZeRO-3's gradient reduce-scatters and backward gathers, priced serial: whether XLA's
+  chains overlap those (a collective matmul) was not read. Hidden whole, the 1.10 s
+  left would put the row at 0.96 of published.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip

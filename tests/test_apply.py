@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from _cases import examples
 from automap import ApplyError, Plan, PlanError
 from automap._plan import Provenance, Stage
-from automap._run import apply
+from automap._run import TPU_OVERLAP_FLAGS, apply, compiler_options
 
 OPT = optax.adam(1e-2)
 
@@ -298,3 +298,14 @@ def test_bert_two_layers_megatron_dp():
 
     assert_same(strip(got, False), strip(want, False), rtol=1e-4, atol=1e-5)
     assert_same(strip(got, True), strip(want, True), rtol=0, atol=2e-4)
+
+
+def test_only_tpu_programs_are_compiled_with_xlas_tpu_overlap_flags():
+    # The runtime jits a plan's programs with XLA's async collective fusion flags on TPUs
+    # (tests/test_schedule.py reads what they do); a CPU's (or GPU's) jit gets no options
+    # at all, so its program is exactly what jax.jit compiles (a TPU flag errors there).
+    cpus = jax.devices("cpu")
+    assert compiler_options(jax.sharding.Mesh(np.array(cpus[:2]), ("data",))) is None
+    assert all(flag.startswith("xla_") and on == "true" for flag, on in TPU_OVERLAP_FLAGS.items())
+    with pytest.raises(Exception, match="xla_tpu_enable_async_collective_fusion"):
+        jax.jit(lambda x: x + 1, compiler_options=dict(TPU_OVERLAP_FLAGS)).lower(1.0).compile()

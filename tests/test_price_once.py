@@ -75,7 +75,7 @@ def test_presets_are_their_family_when_tiny(name):
 @functools.cache
 def _model(name: str, preset: str) -> CostModel:
     """`preset`, or "PRESET+prefetch": that cluster pricing ZeRO-3's prefetch beside compute
-    (`Lowering.overlaps_prefetch`, a what-if: no backend as XLA compiles it)."""
+    (`Lowering.overlaps_prefetch`: the TPU presets price it, a what-if on a GPU)."""
     spec = get_model(name, **TINY[name])
     graph = capture(spec.step_fn, *spec.abstract_args())
     base, _, what_if = preset.partition("+")

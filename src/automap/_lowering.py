@@ -124,19 +124,21 @@ class Lowering:
     equal); held by tests/test_tiles.py and
     tests/test_verify_tpu.py::test_a_tpu_holds_its_state_in_tiles_as_priced."""
     overlaps_prefetch: bool = False
-    """Whether the scheduler runs ZeRO-3's forward gather of layer L while layer L-1
-    computes (the prefetch window the runtime's ties open, `_cost/_overlap.py`): each such
-    pair then costs max(gather, compute), not the sum. False on every backend as XLA
-    compiles: its TPU runs every collective synchronously (libtpu 0.0.42.1, default
-    flags; MaxText's async collective fusion flags, which `am.apply` does not set, run
-    the gathers beside matmuls: `_verify/_schedule.py`); its GPU makes
-    each an asynchronous pair but schedules about half this price's compute inside (0.8%
-    and 3.6% of two FSDP GPTs' steps, where this price takes off 1.9% and 6.7%; the
-    latency-hiding scheduler alike): its all-gather combiner joins two layers' gathers,
-    closing the earlier one's window. Charging each collective in full is the upper bound.
-    Read on compile-only A100s (`_verify/_schedule.py`); held by
-    tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices.
-    True is a what-if, priced alike by the estimate and the shard ILP."""
+    """Whether the scheduler runs ZeRO-3's forward gathers beside the forward's compute
+    (`_cost/_overlap.py`): each weight's gather (a matrix's, after the first) in flight
+    from the previous weight's first reader to its own, the pair costing
+    max(gather, compute), not the sum. XLA's TPU does, under the async collective fusion
+    flags `am.apply` and verify compile TPU programs with (`_run/_compiler.py`,
+    MaxText's): each gather a chain of fusions carried on by the matmul that reads the
+    weight before it (libtpu 0.0.42.1, `_verify/_schedule.py`); True on `Lowering.tpu()`.
+    Held by tests/test_schedule.py::test_a_tpu_hides_fsdp_gathers_as_the_model_prices.
+    XLA's GPU makes each gather an asynchronous pair but schedules about half this
+    price's compute inside (0.8% and 3.6% of two FSDP GPTs' steps, where the layer-ahead
+    price took off 1.9% and 6.7%; the latency-hiding scheduler alike): its all-gather
+    combiner joins two layers' gathers, closing the earlier one's window. False there
+    and on the CPU: each collective charged in full, the upper bound. Read on
+    compile-only A100s; held by
+    tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices."""
     scatter_least_elements: int = 0
     """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
     enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
@@ -159,9 +161,10 @@ class Lowering:
 
     @classmethod
     def tpu(cls) -> Lowering:
-        """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites and
-        scheduling, its arrays laid out in tiles."""
-        return cls(tile_padding=True, scatter_least_elements=2048)
+        """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites, its
+        arrays laid out in tiles, ZeRO-3's gathers beside the forward's matmuls (under
+        the flags the runtime compiles TPU programs with, `_run/_compiler.py`)."""
+        return cls(tile_padding=True, scatter_least_elements=2048, overlaps_prefetch=True)
 
     @classmethod
     def cpu(cls) -> Lowering:

@@ -53,11 +53,11 @@ Each of these terms is stated once, in `_terms.py` (ZeRO's in `_zero.py`), and r
 here and by the shard ILP's factors (`_search/_mesh_terms.py`); this module evaluates the
 collectives, places the peak and assembles the `Cost`.
 
-Time is compute + communication (no overlap: what XLA's TPU compiler compiles at its
-default flags, every collective synchronous; XLA's GPU compiler hides part of an FSDP
-step's gathers behind compute, where this is an upper bound: `_verify/_schedule.py` reads
-it, DESIGN.md "Collectives overlapped with compute"), less ZeRO-3's prefetch beside the
-previous layer's compute where the lowering overlaps it (`_overlap.py`, off by default). The data-parallel gradient
+Time is compute + communication (XLA's GPU compiler hides part of an FSDP step's gathers
+behind compute, where this is an upper bound: `_verify/_schedule.py` reads it, DESIGN.md
+"Collectives overlapped with compute"), less ZeRO-3's prefetch beside the forward's
+compute where the lowering overlaps it (`_overlap.py`: XLA's TPU under the flags the
+runtime compiles TPU programs with, `Lowering.tpu()`). The data-parallel gradient
 all-reduce is not overlapped with the backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
 (`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
 are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM

@@ -1,35 +1,35 @@
-"""ZeRO-3's prefetch: a layer's gather in flight while the previous layer computes.
+"""ZeRO-3's prefetch: each weight's gather in flight while the forward computes with the
+weight before it.
 
-The runtime ties forward layer L's gathers to layer L-1's input (`_run/_fsdp.py`), so the
-gather may start when layer L-1 does and must end when layer L reads. Where the backend's
-scheduler runs it asynchronously with layer L-1's compute inside (`Lowering.overlaps_prefetch`),
-the pair costs max(gather, compute), not the sum: the step saves min(gather, compute) per
-pair (`_terms.hidden_time`; the shard ILP's `FactorProblem.overlaps`). Only the gather's
-bandwidth term hides: its latency (alpha, the ring's steps) stays on the path, and so do
-the first two layers' gathers (no anchor: they go first, with nothing before them) and
-the backward's second gathers (tied to the very op that reads them).
+The runtime ties forward layer L's gathers to layer L-1's input (`_run/_fsdp.py`), so a
+gather may start when layer L-1 does and must end when its weight is read. XLA's TPU,
+under the async collective fusion flags the runtime compiles TPU programs with
+(`_run/_compiler.py`), runs each matrix's gather as a chain of fusions carried on by the
+matmul that reads the matrix before it: "one weight ahead", not one layer ahead. So a
+pair here is one gathered matrix (after the forward's first) and the forward's ops from
+the previous matrix's first reader up to its own; where the backend overlaps them
+(`Lowering.overlaps_prefetch`) the pair costs max(gather, compute), not the sum: the step
+saves min(gather, compute) per pair (`_terms.hidden_time`; the shard ILP's
+`FactorProblem.overlaps`). Only the gather's bandwidth term hides: its latency (alpha)
+stays on the path, and so do vectors' gathers (XLA runs them synchronously) and the
+backward's second gathers (XLA chains some, with less inside: left charged, the price
+errs on the slow side).
 
-What XLA does with the window (jax 0.10.2, a 2- and a 4-layer GPT at hidden 256, ZeRO-3
-over 8 compile-only A100s, `_verify/_schedule.py`; tests/test_schedule.py):
+What XLA does with the window (jax 0.10.2, libtpu 0.0.42.1, `_verify/_schedule.py`,
+tests/test_schedule.py): on v5p, ZeRO-3 over a 2x2x1 or 2x2x2 slice, a GPT (4 layers,
+hidden 512) and a Llama (4 layers, hidden 1024) chained five of each layer's six (seven)
+matrices' forward gathers, each window holding the previous matrix's matmul (and
+attention's between); the Llama chained 26 backward gathers too. At the model's own
+rates (each chain's bandwidth term against its window's matmul FLOPs and written bytes)
+the Llama's forward chains hide 386 us, this price 368 us; the backward's hide 252 us
+more, not priced.
 
-- every collective is a start/done pair, but the default scheduler (a memory scheduler)
-  puts each forward gather's start just before its done: inside, a few elementwise ops
-  (0-4), one matmul in one pair of the step (0.13 of 2.85 GFLOP per device). Pairs with
-  compute inside held 56% of the gathers' bytes, which reads as much overlap and is not:
-  the compute inside, at the model's rates, is 0.8% of the step (5 us: broadcasts at the
-  step's start, a select of the logits' gradient), where this price would hide 12 us. At
-  hidden 1024, 4 layers: 145 us of a 4.08 ms step, where this price would hide 272 us.
-- its all-gather combiner joins the gathers no data path links, two layers' into one
-  (a 4-layer GPT's nine gathering layers in five collectives), which then waits for the
-  later layer's anchor: that closes the earlier layer's window altogether.
-- the latency-hiding scheduler (`xla_gpu_enable_latency_hiding_scheduler`, with or
-  without `xla_gpu_enable_analytical_latency_estimator`) and tying each layer's gathers to
-  the previous layer's (which stops the combiner) left the windows as empty.
-
-XLA's GPU thus hides about half of what this price takes off, and no preset prices it
-(`Lowering.overlaps_prefetch` is False on every backend): charging each collective in full
-is an upper bound a few percent over on a comm-bound FSDP step. The price is here, exact in
-the estimate and the shard ILP alike, for a backend whose scheduler fills the window.
+XLA's GPU (8 compile-only A100s, a 2- and a 4-layer GPT at hidden 256) makes every
+collective a start/done pair, but its default scheduler puts each forward gather's start
+just before its done (a few elementwise ops inside, one matmul in one pair of the step:
+0.8% of the step's time at the model's rates, where a layer-ahead price would hide 1.9%),
+and its all-gather combiner joins two layers' gathers, closing the earlier one's window;
+the latency-hiding scheduler left the windows as empty. No GPU preset prices it.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ from ._zero import tensor_sets
 
 @dataclasses.dataclass(frozen=True)
 class Prefetch:
-    """Per prefetched pair (an anchored forward layer L with something to gather, and
-    layer L-1), by group set as `Tables.param_coef`: what the gather moves and what the
-    previous layer computes."""
+    """Per prefetched pair (a gathered matrix and the forward's ops from the previous
+    matrix's first reader to its own), by group set as `Tables.param_coef`: what the
+    gather moves and what those ops compute."""
 
-    gather: np.ndarray  # [pairs, sets] bytes layer L's gathers move whole (`Tables.gathered`)
-    compute: np.ndarray  # [pairs, sets] unsharded seconds of layer L-1's forward ops
+    gather: np.ndarray  # [pairs, sets] bytes the matrix's gather moves whole (`Tables.gathered`)
+    compute: np.ndarray  # [pairs, sets] unsharded seconds of the window's forward ops
     # [pairs, sets] the same under remat: a recomputed op's first forward (`remat_op_coef`)
     compute_remat: np.ndarray
 
@@ -85,29 +85,31 @@ def prefetch_coefs(
     gathered: Mapping[int, float],
     set_of: Callable[[int], int],
 ) -> Prefetch:
-    """`Prefetch` of `graph` (`T`: its `Tables`; `set_of`: a tensor's set)."""
+    """`Prefetch` of `graph` (`T`: its `Tables`; `set_of`: a tensor's set): one pair per
+    gathered weight after the forward's first, in the order the forward first reads them,
+    its gather against the forward's ops from the previous weight's first reader to just
+    before its own (what XLA's TPU chains carry, `Lowering.overlaps_prefetch`)."""
     n_sets = len(T.sets)
-    gather_rows: dict[int, np.ndarray] = {}
-    for (layer, p), _ in sorted(forward_reads(graph, lg).items()):
-        if layer >= 1 and lg.anchor[layer] is not None and graph.tensors[p].ndim:
-            row = gather_rows.setdefault(layer, np.zeros(n_sets))
-            row[set_of(p)] += gathered.get(p, graph.tensors[p].nbytes)
-    layers = sorted(gather_rows)
+    first_read: dict[int, int] = {}
+    for (_, p), readers in forward_reads(graph, lg).items():
+        if graph.tensors[p].ndim >= 2:  # XLA's TPU chains matrices' gathers, not vectors'
+            first_read[p] = min(first_read.get(p, readers[0]), min(readers))
+    weights = sorted(first_read, key=lambda p: (first_read[p], p))[1:]
     forward = np.arange(min(len(graph.ops), lg.regather.boundary + 1))
-    forward = forward[~np.isin(forward, list(lg.remake))]
-    layer_of = np.array([lg.layer(int(i)) for i in forward], dtype=np.int64)
+    forward = forward[~np.isin(forward, list(lg.remake)) & ~T.zero_op[forward]]
     first = np.where(T.remat_op_coef > 0, T.remat_op_coef, T.op_coef)
-    compute, compute_remat = np.zeros((len(layers), n_sets)), np.zeros((len(layers), n_sets))
     body_first = np.where(T.body_remat_coef > 0, T.body_remat_coef, T.body_coef)
-    for k, layer in enumerate(layers):
-        ops = forward[layer_of == layer - 1]
-        ops = ops[~T.zero_op[ops]]  # what ZeRO pins is gradients and updates, never these
+    gather = np.zeros((len(weights), n_sets))
+    compute, compute_remat = np.zeros_like(gather), np.zeros_like(gather)
+    reads = sorted(first_read.values())
+    for k, p in enumerate(weights):
+        gather[k, set_of(p)] = gathered.get(p, graph.tensors[p].nbytes)
+        ops = forward[(forward >= reads[k]) & (forward < first_read[p])]
         np.add.at(compute[k], T.op_set[ops], T.op_coef[ops])
         np.add.at(compute_remat[k], T.op_set[ops], first[ops])
-        body = np.isin(T.body_op, ops)  # a loop's bodies, where its op is in the layer
+        body = np.isin(T.body_op, ops)  # a loop's bodies, where its op is in the window
         np.add.at(compute[k], T.body_set[body], T.body_coef[body])
         np.add.at(compute_remat[k], T.body_set[body], body_first[body])
-    gather = np.array([gather_rows[layer] for layer in layers]).reshape(len(layers), n_sets)
     return Prefetch(gather, compute, compute_remat)
 
 

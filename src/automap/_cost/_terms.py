@@ -215,8 +215,8 @@ def gradient_trips(c: SetCoefs, L: Layout, trips: np.ndarray) -> np.ndarray:
 
 def prefetch_sides(c: SetCoefs, L: Layout, beta: float) -> tuple[np.ndarray, np.ndarray] | None:
     """([pairs, ...], [pairs, ...]): per pair of ZeRO-3's prefetch (`_overlap.py`), the
-    seconds layer L's gather moves its bytes in (`beta`: seconds per byte over the data
-    axis, `_overlap.gather_beta`) and layer L-1's forward computes; None where nothing
+    seconds a matrix's gather moves its bytes in (`beta`: seconds per byte over the data
+    axis, `_overlap.gather_beta`) and its window's forward ops compute; None where nothing
     overlaps (no prefetch priced, or ZeRO-3 not gathering layer by layer). Both linear in
     the layout: the shard ILP sums them over its scopes (`FactorProblem.overlaps`)."""
     p = c.prefetch
@@ -228,8 +228,8 @@ def prefetch_sides(c: SetCoefs, L: Layout, beta: float) -> tuple[np.ndarray, np.
 
 
 def hidden_time(c: SetCoefs, L: Layout, beta: float) -> float | np.ndarray:
-    """Seconds of ZeRO-3's forward gathers hidden behind the previous layer's compute: a
-    pair costs max(gather, compute), so the step saves min(gather, compute) of each."""
+    """Seconds of ZeRO-3's forward gathers hidden behind the compute before their weights
+    are read: a pair costs max(gather, compute), so the step saves min(gather, compute)."""
     sides = prefetch_sides(c, L, beta)
     return 0.0 if sides is None else np.minimum(*sides).sum(axis=0)
 

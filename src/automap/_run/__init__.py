@@ -8,6 +8,8 @@ microbatch (pipelines), on one host or several. DESIGN.md, "Specs" and "Pipeline
 from ._apply import Prepared as Prepared
 from ._apply import apply as apply
 from ._apply import make_mesh as make_mesh
+from ._compiler import TPU_OVERLAP_FLAGS as TPU_OVERLAP_FLAGS
+from ._compiler import compiler_options as compiler_options
 from ._distributed import move as move
 from ._distributed import rows_in_process_order as rows_in_process_order
 from ._distributed import send as send

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
 from .._pipeline import SUMS
+from ._compiler import compiler_options
 from ._segments import batch_dim
 
 
@@ -91,6 +92,12 @@ class Accumulation:
             out[op.index] = axes
         return out
 
+    def jit(self, fn: Callable, stage: int, donate: tuple[int, ...] = ()) -> Callable:
+        """`fn` jitted for stage `stage`'s mesh, with the compiler options of its backend
+        (`_compiler.py`: XLA's TPU overlap flags on TPUs, none elsewhere)."""
+        options = compiler_options(self.meshes[stage])
+        return jax.jit(fn, donate_argnums=donate, compiler_options=options)
+
     def _reducer(self, tensors: tuple[int, ...], s: int) -> Callable:
         """Stage s's once-per-step program: each deferred tensor's partial sums ([d, ...],
         the leading axis split over the batch's axes) summed into the tensor, with the
@@ -109,7 +116,7 @@ class Accumulation:
                 for x, sh in zip(sums, shardings, strict=True)
             )
 
-        return jax.jit(reduce)
+        return self.jit(reduce, s)
 
     def _scattered(self, t: int, spec: tuple | None, mesh: Mesh) -> tuple | None:
         """The layout a ZeRO plan's reduce program leaves a gradient in. The plan pins the
@@ -160,9 +167,10 @@ class Accumulation:
             if seg.ops and m > 1 and (ts := tuple(t for t in seg.outputs if t in part.accumulated))
         }
         adding_programs = {
-            id(seg): jax.jit(
+            id(seg): self.jit(
                 adding(bodies[id(seg)], seg.outputs, sums[id(seg)]),
-                donate_argnums=tuple(range(len(seg.inputs), len(seg.inputs) + len(ts))),
+                seg.stage,
+                tuple(range(len(seg.inputs), len(seg.inputs) + len(ts))),
             )
             for seg in self.micro
             if (ts := sums.get(id(seg)))

@@ -31,6 +31,7 @@ from .._groups import (
 )
 from .._plan import Plan, Spec
 from .._remat import Recompute, plan_recompute
+from ._compiler import compiler_options
 from ._distributed import Feed
 from ._fsdp import Layerwise, eval_layerwise, plan_layerwise
 from ._interpret import eval_graph
@@ -135,7 +136,12 @@ class Prepared:
 
         # A step the user jitted with donate_argnums keeps its donation here.
         donated = donated_leaves(fn, args, len(paths))
-        self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), donate_argnums=donated)
+        self.jitted = jax.jit(
+            step,
+            in_shardings=tuple(self.in_shardings),
+            donate_argnums=donated,
+            compiler_options=compiler_options(mesh),
+        )
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
         """Flat abstract arguments carrying the plan's shardings (for lower/compile)."""

@@ -226,8 +226,9 @@ class _Pipeline(Accumulation):
             if seg.ops
         }
         self.donate = self._post_donations()
+        stage_of = {id(seg): seg.stage for seg in (*self.pre, *self.micro, *self.post)}
         self.jitted = {
-            k: jax.jit(body, donate_argnums=self.donate.get(k, ())) for k, body in bodies.items()
+            k: self.jit(body, stage_of[k], self.donate.get(k, ())) for k, body in bodies.items()
         }
         self.sums, self.adding, self.reducers = self.running_sums(bodies)
         self.trace: list[tuple[int, str, int]] = []

@@ -383,7 +383,7 @@ class MeshTerms:
 
     def _add_prefetch(self, blocks: _Blocks, zero_stage: int) -> None:
         """ZeRO-3's prefetch beside compute (`_cost/_terms.hidden_time`): per pair, one
-        `Overlap` of the scopes' shares of its gather's seconds and of the previous layer's
+        `Overlap` of the scopes' shares of its gather's seconds and of its window's
         compute, which the time factors charge in full."""
         beta = gather_beta(self.ac, int(self.ac.bit[self.d]))
         shares = []

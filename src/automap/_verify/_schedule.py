@@ -22,7 +22,9 @@ ZeRO-3 over 4 v5p chips or 8 A100s, `tests/test_schedule.py`):
   ... `async-collective-done`, a matmul fusion between carrying it on), read here as one
   collective in flight from the chain's first step to its last (`_fusion_chains`): that
   Llama's 54 chained gathers all had compute inside, 236 of its 277 MB gathered, with 70
-  of the step's 119 matmuls.
+  of the step's 119 matmuls. The runtime now compiles TPU programs with these flags
+  (`_run/_compiler.py`); each chain's window holds the matmul reading the weight gathered
+  before it ("one weight ahead"), which `Lowering.tpu()` prices (`_cost/_overlap.py`).
 - XLA's GPU compiler (compile-only A100s) makes every collective a start/done pair, but
   its default scheduler puts most dones right after their starts: compute sat inside
   pairs holding 56% of the gathers' bytes and 38% of the reduce-scatters', mostly
@@ -81,7 +83,7 @@ class ScheduledCollective:
     asynchronous: bool  # a start/done pair (else one synchronous instruction)
     between: int = 0  # compute instructions scheduled between its start and its done
     matmuls: int = 0  # of those, matmuls and convolutions (or fusions holding one)
-    flops: float = 0.0  # the dots' FLOPs among them (convolutions and library calls: 0)
+    flops: float = 0.0  # the dots' and convolutions' FLOPs among them (library calls: 0)
     written: float = 0.0  # bytes their results hold (an elementwise op's traffic is ~2x)
 
     @property
@@ -223,8 +225,13 @@ def _dot_flops(comps: Mapping[str, list[Instruction]]) -> dict[str, float]:
 
 
 def _own_flops(ins: Instruction, shapes: Mapping[str, str]) -> float:
-    """A dot's FLOPs: 2 x its result's elements x the contracted size of its lhs."""
+    """A dot's FLOPs: 2 x its result's elements x the contracted size of its lhs; a
+    convolution's (XLA's TPU writes matmuls as convolutions): 2 x its result's elements x
+    its kernel's elements per output feature (exact for a matmul's window of 1; a
+    dilated window's zero taps are counted too)."""
     _, shape, opcode, rest, line = ins
+    if opcode == "convolution":
+        return _conv_flops(shape, rest, line, shapes)
     if opcode != "dot":
         return 0.0
     lhs = _OPERAND.match(rest)
@@ -237,3 +244,13 @@ def _own_flops(ins: Instruction, shapes: Mapping[str, str]) -> float:
 def _dims(shape: str) -> list[int]:
     m = _DIMS.search(shape)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _conv_flops(shape: str, rest: str, line: str, shapes: Mapping[str, str]) -> float:
+    operands = re.findall(r"%?([\w.\-]+)", rest.split(")")[0])
+    labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+    kernel = _dims(shapes.get(operands[1], "")) if len(operands) > 1 else []
+    if not labels or len(kernel) != len(labels.group(1)) or "o" not in labels.group(1):
+        return 0.0
+    per_output = math.prod(kernel) / max(kernel[labels.group(1).index("o")], 1)
+    return 2.0 * math.prod(_dims(shape)) * per_output
