@@ -20,7 +20,7 @@ from typing import Any
 from .._errors import AutomapError, InfeasibleError
 from .._plan import Plan, Provenance
 from .._version import __version__
-from ._classic import SAFETY
+from ._classic import SAFETY, STOP
 from ._dp import pipeline_notes, search_dp
 from ._mesh_terms import COLUMNS_PER_SECOND
 from ._one_stage import NAME as ONE_STAGE_NAME
@@ -392,6 +392,11 @@ def run_searcher(
             f"agent_in, agent_out and resume are for the dqn searcher, not {name}: "
             "use searcher='dqn' or leave them out"
         )
+    if STOP.is_set():
+        # Ctrl-C came before the search began, its KeyboardInterrupt lost in a callback
+        # of JAX's during the capture (a weakref's or a finalizer's drops it): nothing has
+        # been searched, so there is no plan to keep, as when the raise lands.
+        raise KeyboardInterrupt
     start = time.perf_counter()
     best = SEARCHERS[name].run(problem, Request(task, budget_s, seed, progress, files))
     provenance = Provenance(
