@@ -223,3 +223,24 @@ def test_bench_results_survive_a_full_disk(tmp_path, monkeypatch):
     )
     assert (tmp_path / "BENCHMARKS.md").read_text() == "an older run"
     assert "automap bench" in (tmp_path / "BENCHMARKS-1.md").read_text()
+
+
+def test_a_rewrite_keeps_what_was_recorded_apart(tmp_path, monkeypatch):
+    """BENCHMARKS.md holds measurements `automap bench` cannot take again (a lent GPU's, the
+    planner's walls on an idle machine): a rewrite replaces the tables above the line and
+    keeps what is below it, word for word; a file without the line is replaced whole."""
+    from automap._bench import RECORDED_APART
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("automap._bench.run_bench", lambda *a, **k: _fake_result("not run"))
+    apart = f"{RECORDED_APART}\n\n## One H200, measured\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text("# an older run\n\nold tables\n\n" + apart)
+    done = CliRunner().invoke(app, ["bench", "--models", "mlp", "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    text = out.read_text()
+    assert "old tables" not in text and text.startswith("# Auto-MAP benchmarks")
+    assert text.endswith(apart) and text.count(RECORDED_APART) == 1
+    out.write_text("# no line\n")
+    assert CliRunner().invoke(app, ["bench", "--models", "mlp", "--out", str(out)]).exit_code == 0
+    assert RECORDED_APART not in out.read_text() and "# no line" not in out.read_text()

@@ -24,8 +24,10 @@ from ._korthikanti import KORTHIKANTI_TABLE as KORTHIKANTI_TABLE
 from ._korthikanti import KorthikantiRow as KorthikantiRow
 from ._korthikanti import korthikanti_table as korthikanti_table
 from ._korthikanti import select_korthikanti_rows as select_korthikanti_rows
+from ._markdown import RECORDED_APART as RECORDED_APART
 from ._markdown import korthikanti_lines as korthikanti_lines
 from ._markdown import megatron_lines as megatron_lines
+from ._markdown import recorded_apart as recorded_apart
 from ._markdown import to_markdown as to_markdown
 from ._markdown import write as write
 from ._maxtext import MAXTEXT_TABLE as MAXTEXT_TABLE

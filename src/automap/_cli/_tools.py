@@ -325,7 +325,7 @@ def bench_cmd(
 
     Example: automap bench --quick --out BENCHMARKS.md --json-out bench.json
     """
-    from .._bench import FULL, QUICK, run_bench, select, write
+    from .._bench import FULL, QUICK, recorded_apart, run_bench, select, write
 
     as_json, json_out = json_flags(as_json, legacy_json, json_out)
     check_output(out, "--out")
@@ -337,9 +337,11 @@ def bench_cmd(
     result = run_bench(cases, request.settings(), progress=not (quiet or as_json))
     if as_json:
         print(json.dumps(result, indent=1, default=str))
-    # A full disk after minutes of benchmarks: each file is kept where Ctrl-C keeps one.
+    # A full disk after minutes of benchmarks: each file is kept where Ctrl-C keeps one,
+    # with what --out recorded apart, read before a failed write can truncate it.
+    kept = recorded_apart(out) if out is not None else ""
     files = (
-        ("benchmarks", out, "BENCHMARKS.md", lambda path: write(result, path, None)),
+        ("benchmarks", out, "BENCHMARKS.md", lambda path: write(result, path, None, kept)),
         ("the rows", json_out, "bench.json", lambda path: write(result, None, path)),
     )
     failed = False
