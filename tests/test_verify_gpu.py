@@ -349,3 +349,19 @@ def test_zero2_of_a_mixed_precision_step_gathers_bf16_copies_like_deepspeed():
     dp = am.plan_recipe(step, *args, recipe=am.Recipe(dp=16), cluster=a100)
     model = CostModel(graph, a100)
     assert model.estimate(plan).step_time_s < 1.05 * model.estimate(dp).step_time_s
+
+
+def test_an_h200_is_compiled_for_as_the_h200_it_is(tmp_path, monkeypatch):
+    # The H200 preset's plans are held against XLA compiling for an H200 (its memory and
+    # L2 as a lent one reported them), not for the H100 whose die it shares: the device
+    # XLA plans with says so, and the plan is priced by the h200 preset.
+    device = gpu_devices("h200", 8)[0]
+    assert device.device_kind == "NVIDIA H200"
+    plan = tiny_fn_plan(tmp_path, monkeypatch)
+    out = CliRunner().invoke(
+        app, ["verify", str(plan.save(tmp_path / "p.json")), "--target", "h200", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["target"] == "h200" and report["collectives_match"]
+    assert report["xla_comm_bytes"] == {"all-reduce@data": 32 * 4 * 4}

@@ -154,7 +154,7 @@ def verify_cmd(
         str | None,
         typer.Option(
             "--target",
-            help="Compile for this GPU (a100, h100) or TPU topology (v5p:4x4x4, v5e:4x4) "
+            help="Compile for this GPU (a100, h100, h200) or TPU topology (v5p:4x4x4, v5e:4x4) "
             "without one, and hold its collectives and memory against the cost model as it "
             "prices that device (a pipeline's programs stage by stage).",
         ),

@@ -104,7 +104,7 @@ def _devices(plan: Plan, target: str | None) -> list[Any]:
 def compile_plan(
     fn: Callable, plan: Plan, args: tuple, graph: Any = None, target: str | None = None
 ) -> tuple[Prepared, Any]:
-    """`fn` under `plan` compiled by XLA on a CPU mesh, or with `target` ("a100", "h100")
+    """`fn` under `plan` compiled by XLA on a CPU mesh, or with `target` (a GPU's name)
     on compile-only GPUs (`_gpu.py`); arguments stay abstract. The executable is kept so
     that a numerics check runs it without compiling twice."""
     mesh = make_mesh(plan, _devices(plan, target))
@@ -131,8 +131,8 @@ def verify(
     (`_numerics.compare_outputs`: tolerances from the step's structure, its compute
     dtypes and input roles, with Adam's flipped updates allowed on parameters).
 
-    `target` ("a100", "h100"): compile for that GPU without one (`_gpu.py`) and hold the
-    program(s) against the cost model of `cluster` (default: the GPU's preset) as it
+    `target` ("a100", "h100", "h200"): compile for that GPU without one (`_gpu.py`) and
+    hold the program(s) against the cost model of `cluster` (default: the GPU's preset) as it
     prices a GPU, not the CPU's lowering. Nothing runs (no numerics) and XLA's GPU
     compiler reports no FLOPs.
     """

@@ -58,6 +58,21 @@ SPECS: dict[str, dict[str, Any]] = {
         bandwidth=3352e9,
         clock_ghz=1.98,
     ),
+    # The H100's die (sm_90, 132 SMs) with 141 GB of HBM3e at 4.8 TB/s (NVIDIA's H200
+    # data sheet); the memory XLA plans with and the L2 as a lent H200 reported them
+    # (nvidia-smi: 143,771 MiB, SM clock up to 1,980 MHz; PyTorch: 60 MB of L2).
+    "h200": dict(
+        name="NVIDIA H200",
+        capability=(9, 0),
+        sms=132,
+        fpus_per_sm=128,
+        shared_per_sm=233472,
+        shared_per_block_optin=232448,
+        l2=60 * 2**20,
+        memory=143771 * 2**20,
+        bandwidth=4.8e12,
+        clock_ghz=1.98,
+    ),
 }
 
 
@@ -97,7 +112,7 @@ device_description_str: "{s["name"]}"
 
 
 def gpu_devices(gpu: str, n: int) -> list[Any]:
-    """`n` compile-only devices of the GPU `gpu` ("a100", "h100"), 8 to a node."""
+    """`n` compile-only devices of the GPU `gpu` ("a100", "h100", "h200"), 8 to a node."""
     if gpu not in SPECS:
         raise ApplyError(
             f"no compile-only description of GPU {gpu!r}: use one of {', '.join(SPECS)}."

@@ -51,7 +51,7 @@ class VerifyReport:
     # as XLA counts, XLA) FLOPs per device per step.
     stage_memory_bytes: tuple[tuple[float | None, float | None], ...] = ()
     stage_flops: tuple[tuple[float, float, float | None], ...] = ()
-    # The GPU ("a100", "h100") or TPU topology ("v5p:4x4x4") the plan was compiled for
+    # The GPU ("a100", "h100", "h200") or TPU topology ("v5p:4x4x4") the plan was compiled for
     # without one; None: a CPU mesh.
     target: str | None = None
     # Bytes per "kind@axis" of the collectives XLA's schedule overlaps with compute (some
