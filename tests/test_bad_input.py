@@ -460,3 +460,20 @@ def test_sigterm_keeps_the_best_plan_as_ctrl_c_does(tmp_path):
     assert stderr.strip() == f"search terminated (SIGTERM): the best plan so far is saved to {out}"
     plan = am.Plan.load(out)
     assert plan.decisions["interrupted"] is True and plan.predicted.feasible
+
+
+def test_progress_lines_come_while_a_search_advances_nothing(monkeypatch, capsys):
+    """Off a terminal a progress line comes every LOG_EVERY_S even while the search
+    advances nothing (one long ILP solve, the stage DP between points): lines written
+    only on an advance left auto, dp and ilp silent for a whole 25 s search (issue 28)."""
+    from automap._search import SearchProgress
+
+    monkeypatch.setattr(SearchProgress, "LOG_EVERY_S", 0.05)
+    seen = ""
+    with SearchProgress(True, "ilp") as bar:
+        bar.start(4)
+        deadline = time.monotonic() + 60  # a safety stop only: the line comes long before
+        while "ilp: 0/4 evaluated" not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen += capsys.readouterr().err
+    assert re.search(r"(?m)^ilp: 0/4 evaluated, best —, \d+ s$", seen), seen

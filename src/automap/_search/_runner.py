@@ -9,6 +9,7 @@ rate (see `_classic.EVALS_PER_SECOND`), so the same seed gives the same plan any
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -420,7 +421,10 @@ def _save_aside(what: str, path: Path, save) -> None:
 class SearchProgress:
     """A Rich progress bar with the best step time so far, or nothing when quiet. Off a
     terminal (a log, a batch job) it prints a plain line to stderr every LOG_EVERY_S
-    seconds instead, so that a long search is seen to be alive."""
+    seconds instead, so that a long search is seen to be alive. A clock thread writes
+    those lines: the ILP's solves, the stage DP's points and the polish advance rarely
+    (one ILP solve may take the whole budget), so lines written only on an advance left
+    `auto`, `dp` and `ilp` silent for a whole 25 s search (issue 28)."""
 
     LOG_EVERY_S = 10.0
 
@@ -430,6 +434,9 @@ class SearchProgress:
         self._log = None  # the stderr console when logging lines off a terminal
         self._done, self._total, self._best = 0, 0, "—"
         self._start = self._last = time.perf_counter()
+        self._lock = threading.Lock()  # one line per interval, from the clock or an advance
+        self._stop = threading.Event()
+        self._clock: threading.Thread | None = None
 
     def __enter__(self) -> SearchProgress:
         from rich.console import Console
@@ -447,7 +454,14 @@ class SearchProgress:
             self._bar.__enter__()
         elif self.enabled:
             self._log = console
+            if self.LOG_EVERY_S > 0:  # 0 (tests): a line on every advance, no clock needed
+                self._clock = threading.Thread(target=self._tick, daemon=True)
+                self._clock.start()
         return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(max(self._last + self.LOG_EVERY_S - time.perf_counter(), 0.0)):
+            self._maybe_log()
 
     def start(self, total: int) -> None:
         """`total` steps to come; 0 when not known ahead (the stage DP's points)."""
@@ -476,18 +490,22 @@ class SearchProgress:
         self._maybe_log()
 
     def _maybe_log(self) -> None:
-        now = time.perf_counter()
-        if self._log is None or now - self._last < self.LOG_EVERY_S:
-            return
-        self._last = now
-        total = f"/{self._total}" if self._total else ""
-        self._log.print(
-            f"{self.name}: {self._done}{total} evaluated, best {self._best}, "
-            f"{now - self._start:.0f} s",
-            highlight=False, soft_wrap=True, markup=False,
-        )  # fmt: skip
+        with self._lock:
+            now = time.perf_counter()
+            if self._log is None or now - self._last < self.LOG_EVERY_S:
+                return
+            self._last = now
+            total = f"/{self._total}" if self._total else ""
+            self._log.print(
+                f"{self.name}: {self._done}{total} evaluated, best {self._best}, "
+                f"{now - self._start:.0f} s",
+                highlight=False, soft_wrap=True, markup=False,
+            )  # fmt: skip
 
     def __exit__(self, *exc: Any) -> None:
+        if self._clock is not None:
+            self._stop.set()
+            self._clock.join()
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
