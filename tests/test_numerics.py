@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import automap as am
-from automap._verify import compare_outputs, reordered
+from automap._verify import compare_outputs, margins, reordered
 from automap._zoo import get_model
 
 CPU8 = am.Cluster.preset("cpu", devices=8)
@@ -296,3 +296,63 @@ def test_a_broken_pipeline_fails(mlp, monkeypatch, fault):
     _pipeline_with(monkeypatch, *FAULTS[fault])
     verdict = _check(fn, args, am.apply(fn, _two_microbatches(plans))(*args), noise)
     assert not verdict.equal, verdict
+
+
+def _flat_list_step():
+    """Keras's layout in plain JAX: parameters a list, and Adam's variables one flat list
+    `[count, m_0, v_0, m_1, v_1, ...]`. Parameter 1 is an attention key bias: it shifts
+    every score of a query alike, so softmax ignores it and its true gradient is 0."""
+    b1, b2, lr, eps = 0.9, 0.999, 1e-3, 1e-7
+
+    def loss_fn(params, x):
+        wq, kb, wv = params
+        q, k = x @ wq, x @ wq + kb
+        attention = jax.nn.softmax(q @ k.T / 4.0, axis=-1)
+        return jnp.mean((attention @ (x @ wv)) ** 2)
+
+    def step(params, optimizer_variables, x):
+        grads = jax.grad(loss_fn)(params, x)
+        state = optimizer_variables
+        count = state[0] + 1
+        new_params, new_state = [], [count]
+        for p, g, m, v in zip(params, grads, state[1::2], state[2::2], strict=True):
+            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+            new_state += [m, v]
+            new_params.append(
+                p - lr * (m / (1 - b1**count)) / (jnp.sqrt(v / (1 - b2**count)) + eps)
+            )
+        return new_params, new_state
+
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = [jax.random.normal(k1, (16, 16)), jnp.full((16,), 0.5), jax.random.normal(k2, (16, 8))]
+    state = [jnp.zeros((), jnp.float32)]
+    for p in params:
+        state += [jnp.zeros_like(p), jnp.zeros_like(p)]
+    return step, (params, state, jax.random.normal(k3, (32, 16)))
+
+
+def test_a_moment_whose_true_value_is_zero_in_a_flat_list_is_held_to_its_family():
+    # Keras's optimizer variables share no path with their parameters: the key bias's
+    # second moment (squares of a gradient that is only rounding) was its own family, held
+    # to its own ~1e-16, and a plan's other summation order was called DIFFERENT. Held to
+    # all second moments, rounding of its size passes; a real error in a moment still fails.
+    step, args = _flat_list_step()
+    want = jax.jit(step)(*args)
+    v_bias = want[1][4]
+    assert float(jnp.max(v_bias)) < 1e-9 * float(jnp.max(want[1][2]))  # only rounding
+    other_order = (want[0], [*want[1][:4], v_bias * 3 + 1e-20, *want[1][5:]])
+    assert _check(step, args, other_order).equal
+    wrong = (want[0], [*want[1][:2], want[1][2] * 1.01, *want[1][3:]])
+    error = pytest.approx(0.01 * float(jnp.max(want[1][2])), rel=1e-3)
+    assert _check(step, args, wrong) == (False, error, "[1][2]")
+
+
+def test_margins_say_how_close_each_leaf_came():
+    step, args = _flat_list_step()
+    want = jax.jit(step)(*args)
+    graph = am.capture(step, *args)
+    same = margins(want, want, graph=graph, before=args)
+    assert same and all(err == 0 and tol > 0 for err, tol in same.values())
+    wrong = (want[0], [*want[1][:2], want[1][2] * 1.01, *want[1][3:]])
+    err, tol = margins(wrong, want, graph=graph, before=args)["[1][2]"]
+    assert err > tol and not compare_outputs(wrong, want, graph=graph, before=args).equal

@@ -28,6 +28,7 @@ from ._hlo import parse_collectives as parse_collectives
 from ._hlo import parse_replica_groups as parse_replica_groups
 from ._hlo import shape_bytes as shape_bytes
 from ._numerics import compare_outputs as compare_outputs
+from ._numerics import margins as margins
 from ._numerics import reordered as reordered
 from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan

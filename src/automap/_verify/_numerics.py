@@ -15,7 +15,10 @@ with margins no reordering reaches, and each term says what it is for:
   parameter (all of Adam's `[2][0].nu[...]`, all new parameters): an output path that
   ends with a parameter's path (past what all parameters share, e.g. `['params']`) and
   has its shape belongs to the family of what comes before that suffix; any other leaf
-  (the loss) is its own family. The floor is relative to the family, not the leaf,
+  (the loss) is its own family. Per-parameter optimizer state is grouped by what the step
+  does with it instead (`_state_families`): the state leaves that feed a parameter's new
+  value, in output order, are its first moment, its second..., whatever their paths
+  (Keras's optimizer variables are one flat list). The floor is relative to the family, not the leaf,
   because a leaf whose exact value is ~0 (the gradient of an attention key bias, which
   softmax ignores, and its Adam moments of ~1e-21) is a sum of terms of the family's
   size that cancel: its rounding is the family's, not its own. The floor's relative
@@ -82,6 +85,9 @@ SUM_ULPS = 4.0
 #: bf16), and how many of its largest updates a flipped parameter may move (+lr to -lr).
 NOISE_FACTOR = 8.0
 FLIP = 2.0
+#: How many tensors past an optimizer-state output `_state_families` looks for the
+#: parameter it updates (Adam's bias correction and update take a dozen).
+REACH = 2000
 
 #: Without the step's program: a fixed tolerance (see the module doc).
 RTOL = 2e-4
@@ -131,6 +137,38 @@ def compare_outputs(
     `before`: the step's arguments, so that parameters are compared on their update;
     `noise`: the unsharded step run in another order (`reordered`), which may widen a
     tolerance. See the module doc for the rules."""
+    prepared = _prepare(got, want, graph, before, noise)
+    if isinstance(prepared, Comparison):
+        return prepared
+    return _verdict(*prepared)
+
+
+def margins(
+    got: Any, want: Any, *, graph: Graph | None = None, before: Any = None, noise: Any = None
+) -> dict[str, tuple[float, float]]:
+    """Per floating output leaf, (its largest error, the tolerance at that element), by
+    the rules `compare_outputs` applies: how close each leaf came to being called
+    different (a benchmark's table, a false alarm's diagnosis). Empty when the outputs'
+    structures or shapes differ."""
+    prepared = _prepare(got, want, graph, before, noise)
+    if isinstance(prepared, Comparison):
+        return {}
+    leaves, tolerance = prepared
+    out = {}
+    for leaf in leaves:
+        if leaf.eps and leaf.want.size:
+            err = _errors(leaf.got, leaf.want)
+            tol = np.broadcast_to(tolerance(leaf), err.shape)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(tol > 0, err / tol, np.where(err > 0, np.inf, 0.0))
+            k = np.unravel_index(int(np.argmax(ratio)), err.shape)
+            out[leaf.path] = (float(err[k]), float(tol[k]))
+    return out
+
+
+def _prepare(got: Any, want: Any, graph: Any, before: Any, noise: Any) -> Any:
+    """The output leaves and their tolerance rule, or the Comparison that fails outputs
+    whose structure or shapes differ."""
     import jax
 
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
@@ -146,7 +184,7 @@ def compare_outputs(
             _leaf(jax.tree_util.keystr(p), g, w, n, None, "")
             for (p, g), w, n in zip(got_leaves, want_leaves, noisy, strict=True)
         ]
-        return _verdict(leaves, _fixed_tolerance)
+        return leaves, _fixed_tolerance
     context = _Context.of(graph, before, [p for p, _ in got_leaves], want_leaves)
     leaves = [
         _leaf(jax.tree_util.keystr(p), g, w, n, prior, family)
@@ -159,7 +197,7 @@ def compare_outputs(
     def tolerance(leaf: _Leaf) -> np.ndarray:
         return _tolerance(leaf, scales[leaf.family], context)
 
-    return _verdict(leaves, tolerance)
+    return leaves, tolerance
 
 
 def reordered(fn: Any, args: Sequence[Any], devices: Sequence[Any]) -> Any:
@@ -248,7 +286,65 @@ class _Context(NamedTuple):
         )
         suffixes = _param_suffixes(params)
         families = [_family(e, shape, suffixes) for e, shape, _ in out_rows]
+        state = [
+            k
+            for k in range(len(out_rows))
+            if k in pairs
+            and in_roles[pairs[k]] == Role.OPT_STATE
+            and out_rows[k][1] in shapes
+            and _is_float_name(out_rows[k][2])
+        ]
+        paths = ["".join(e) for e, _, _ in out_rows]
+        params_out = [k for k, prior in enumerate(priors) if prior is not None]
+        for k, family in _state_families(graph, paths, state, params_out).items():
+            families[k] = family
         return cls(priors, families, step_rounding(graph), flips)
+
+
+def _state_families(
+    graph: Graph, paths: list[str], state: list[int], params: list[int]
+) -> dict[int, str]:
+    """Output index -> family of per-parameter optimizer state, by what the step does with
+    it: a state leaf (Adam's new mu or nu) feeds the new value of one parameter, and
+    the state leaves of each parameter, in output order, are its first moment, its second...
+    Paths cannot say so where the state is a flat list: Keras's optimizer variables are
+    `[iterations, lr, m_0, v_0, m_1, v_1, ...]`, and `[3][13]` (v of the key bias) shares
+    nothing with its parameter `[0][5]` but a shape. Alone in its family, a moment whose
+    true value is 0 (~1e-21, sums of terms that cancel) was held to its own size."""
+    tensor_of = {leaf.path: leaf.tensor for leaf in graph.outputs}
+    param_of = {tensor_of[paths[k]]: k for k in params if paths[k] in tensor_of}
+    outputs = set(tensor_of.values())
+    consumers = graph.consumers()
+    feeds: dict[int, list[int]] = {}
+    for k in state:
+        if paths[k] not in tensor_of:
+            continue
+        reached = _reached(graph, tensor_of[paths[k]], outputs, consumers) & param_of.keys()
+        if len(reached) == 1:
+            feeds.setdefault(param_of[reached.pop()], []).append(k)
+    return {
+        k: f"{paths[k].split(']')[0]}] state {rank}"
+        for ks in feeds.values()
+        for rank, k in enumerate(ks)
+    }
+
+
+def _reached(graph: Graph, start: int, outputs: set[int], consumers: Any) -> set[int]:
+    """The step's output tensors computed from `start` (not past another output): a
+    moment's reach is its parameter's update. Bounded: a state leaf the whole step reads
+    on (more than REACH tensors away) is given no parameter."""
+    seen, todo, found = {start}, [start], set()
+    while todo and len(seen) <= REACH:
+        for op in consumers[todo.pop()]:
+            for t in graph.ops[op].outputs:
+                if t in seen:
+                    continue
+                seen.add(t)
+                if t in outputs:
+                    found.add(t)
+                else:
+                    todo.append(t)
+    return found if not todo else set()
 
 
 def _tolerance(leaf: _Leaf, scale: float, context: _Context) -> np.ndarray:
