@@ -498,6 +498,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         inter_bandwidth=8 * 400e9 / 8 / 8,
         matmul_efficiency=0.801,
         matmul_tile=_GPU_TILE,
+        lowering=Lowering.hopper(),
     ),
     "h200": dict(
         peak_flops=989e12,
@@ -507,6 +508,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         inter_bandwidth=8 * 400e9 / 8 / 8,
         matmul_efficiency=0.830,
         matmul_tile=_GPU_TILE,
+        lowering=Lowering.hopper(),
     ),
     # TPUs: one slice is one "node" (its chips talk over ICI, a 2-D or 3-D torus; see
     # `_cost/_torus.py` for how a mesh axis is priced on it); `inter_bandwidth` is the

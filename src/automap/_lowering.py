@@ -96,6 +96,15 @@ class Lowering:
     over-predicted 1.4-2.4x on an A100); held by
     test_a_gpu_program_keeps_the_residuals_the_gpu_model_prices (tests/test_verify_gpu.py)
     and tests/test_residual_memory.py."""
+    native_bf16_arithmetic: bool = False
+    """Whether XLA's GPU pipeline adds, subtracts and multiplies bfloat16 in bfloat16 (on
+    Hopper, sm_90) rather than in float32 (before it: `GpuFloatSupport` normalizes those
+    ops to float32 on an A100). It decides how wide a 16-bit transcendental result is
+    kept (`_cost._buffers`): on an A100, GELU's bf16 tanh feeds float32 arithmetic, so
+    XLA drops its round trip to 16 bits and stores the float32 value for the backward; on
+    an H100 the `1 + tanh` that reads it runs in bfloat16 and the stored tanh is 16-bit
+    (read on compile-only A100s and H100s, a 2-layer gpt-1.3b: f32[4,2048,8192] against
+    bf16; held by tests/test_verify_gpu.py). The h100 and h200 presets set it."""
     frees_at_last_use: bool = True
     """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
     moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
@@ -160,6 +169,12 @@ class Lowering:
         return cls()
 
     @classmethod
+    def hopper(cls) -> Lowering:
+        """XLA's GPU pipeline on Hopper GPUs (the h100 and h200 presets): bfloat16 adds,
+        subtracts and multiplies run in bfloat16 (`native_bf16_arithmetic`)."""
+        return cls(native_bf16_arithmetic=True)
+
+    @classmethod
     def tpu(cls) -> Lowering:
         """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites, its
         arrays laid out in tiles, ZeRO-3's gathers beside the forward's matmuls (under
@@ -188,7 +203,7 @@ class Lowering:
 
     @classmethod
     def preset(cls, name: str) -> Lowering:
-        """The lowering named `name` ("gpu", "tpu", "cpu"), as a cluster file's `lowering:` names it."""
+        """The lowering named `name` ("gpu", "hopper", "tpu", "cpu"), as a cluster file's `lowering:` names it."""
         key = str(name).lower()
         if key not in _NAMED:
             raise ClusterError(
@@ -207,4 +222,9 @@ class Lowering:
         return tuple(f.name for f in dataclasses.fields(Lowering) if f.type == "bool")
 
 
-_NAMED = {"gpu": Lowering.gpu, "tpu": Lowering.tpu, "cpu": Lowering.cpu}
+_NAMED = {
+    "gpu": Lowering.gpu,
+    "hopper": Lowering.hopper,
+    "tpu": Lowering.tpu,
+    "cpu": Lowering.cpu,
+}

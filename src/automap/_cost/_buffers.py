@@ -18,7 +18,7 @@ import numpy as np
 from .._capture import Residuals
 from .._graph import Graph
 from .._lowering import Lowering
-from ._fusion import EXPENSIVE, FUSIBLE, in_memory_tensors
+from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
 from ._residuals import stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
@@ -88,7 +88,7 @@ def step_buffers(
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    width = np.array([_held_wide(graph, consumers, t) for t in tensor], dtype=float)
+    width = np.array([_held_wide(graph, consumers, t, lowering) for t in tensor], dtype=float)
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
     return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
 
@@ -147,18 +147,28 @@ def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
 CONV = "conv_general_dilated"
 
 
-def _held_wide(graph: Graph, consumers, t: int) -> float:
+def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering) -> float:
     """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
-    transcendental function (`EXPENSIVE`) of 16-bit floats in float32, and where only
-    fusible ops read the result, it keeps that float32 value for them (excess precision:
-    GELU's tanh is stored for the backward in float32, read on compile-only A100s)."""
+    transcendental function (`is_expensive`) of bfloat16 in float32, and where only fusible
+    ops read the result and none of them runs in bfloat16 itself (on an A100 none does;
+    on an H100 adds, subtracts and multiplies do: `Lowering.native_bf16_arithmetic`), it
+    keeps that float32 value for them (excess precision: an A100 stores GELU's tanh for the
+    backward in float32, read on compile-only A100s and H100s)."""
     x = graph.tensors[t]
     p = x.producer
     if (
         p is None
-        or graph.ops[p].primitive not in EXPENSIVE
+        or not is_expensive(graph, graph.ops[p])
         or x.dtype not in ("bfloat16", "float16")
         or not all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+        or (
+            lowering.native_bf16_arithmetic
+            and any(graph.ops[c].primitive in _NATIVE_BF16 for c in consumers[t])
+        )
     ):
         return 1.0
     return 4.0 / x.itemsize
+
+
+#: What XLA's GPU pipeline runs in bfloat16 where `Lowering.native_bf16_arithmetic`.
+_NATIVE_BF16 = frozenset({"add", "sub", "mul"})

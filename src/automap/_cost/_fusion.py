@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .._graph import Graph
+from .._graph import Graph, TensorKind
 from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
 from .._lowering import Lowering
 
@@ -46,6 +46,29 @@ EXPENSIVE = frozenset(
     """acos acosh asin asinh atan atan2 atanh cbrt cos cosh digamma div erf erf_inv erfc exp
     exp2 expm1 igamma lgamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh""".split()  # noqa: SIM905
 )
+
+
+def is_expensive(graph: Graph, op) -> bool:
+    """Whether XLA treats `op` as `EXPENSIVE`: a division by a constant is not, since XLA's
+    algebraic simplifier first rewrites a / c as a * (1 / c), a cheap multiply fused into
+    each reader (attention's scores / sqrt(d): XLA keeps the scores' matmul output, not
+    the quotient, read on compile-only A100s and H100s)."""
+    if op.primitive not in EXPENSIVE:
+        return False
+    return op.primitive != "div" or not _constant(graph, op.inputs[1])
+
+
+def _constant(graph: Graph, t: int) -> bool:
+    """Whether t is a literal, or a literal broadcast (the two forms XLA inverts)."""
+    x = graph.tensors[t]
+    if x.kind is TensorKind.CONST:
+        return True
+    p = x.producer
+    return (
+        p is not None
+        and graph.ops[p].primitive == "broadcast_in_dim"
+        and all(graph.tensors[i].kind is TensorKind.CONST for i in graph.ops[p].inputs)
+    )
 
 
 def fused_bytes(

@@ -21,7 +21,7 @@ from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
 from .._lowering import Lowering
 from .._pipeline import Partition, Phase
 from .._remat import remake_residuals
-from ._fusion import EXPENSIVE, FUSIBLE, walk_back
+from ._fusion import FUSIBLE, is_expensive, walk_back
 
 
 def stored_residuals(
@@ -130,7 +130,7 @@ def _remade_from(
     remade = (
         op.primitive in _CHEAP
         and (
-            op.primitive not in EXPENSIVE
+            not is_expensive(graph, op)
             or (lowering.remakes_residuals and (recomputed or _normalizes(graph, t)))
         )
         and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
