@@ -336,7 +336,7 @@ CASES = [
     Case("efficiency_1.5", _cluster_error("comm_efficiency: 1.5"), r"comm_efficiency must be a number > 0 and <= 1"),
     Case("per_node_half", _cluster_error("devices_per_node: 2.5"), r"devices_per_node must be an integer"),
     Case("reduce_scatter_word", _cluster_error("reduce_scatter: maybe"), r"reduce_scatter must be true or false"),
-    Case("lowering_unknown", _cluster_error("lowering: npu"), r"cluster\.yaml: unknown lowering 'npu'; choose one of gpu, tpu, cpu"),
+    Case("lowering_unknown", _cluster_error("lowering: npu"), r"cluster\.yaml: unknown lowering 'npu'; choose one of gpu, hopper, tpu, cpu"),
     Case("lowering_field_unknown", _cluster_error("lowering: {fuses: true}"), r"unknown lowering field\(s\) \['fuses'\]"),
     Case("lowering_word", _cluster_error("lowering: {remakes_residuals: sometimes}"), r"remakes_residuals must be true or false, got 'sometimes'"),
     Case("cli_cluster_file", lambda tmp: _cli_error(*MLP_PLAN[:-2], "--cluster", str(_cluster_file(tmp, "peak_flops: -1"))), r"peak_flops must be"),
