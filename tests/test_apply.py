@@ -123,8 +123,11 @@ def counting(fn):
 
 def test_too_many_devices():
     plan = Plan(mesh={"data": 16}, specs={})
-    with pytest.raises(ApplyError, match=r"needs 16 devices.*only 8"):
+    with pytest.raises(ApplyError, match=r"needs 16 devices.*only 8 are present.*8 devices"):
         apply(mlp_step, plan)
+    # One device present: said in the singular (a plan for one device, not "1 devices").
+    with pytest.raises(ApplyError, match=r"needs 16 devices.*only 1 is present.* 1 device \("):
+        apply(mlp_step, plan, devices=jax.devices()[:1])
 
 
 def test_pipeline_plan_specs_name_the_stage_mesh():

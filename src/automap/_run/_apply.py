@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
 from .._capture import capture, donated_leaves
-from .._errors import ApplyError, PlanError
+from .._errors import PlanError
 from .._graph import Role
 from .._groups import (
     Groups,
@@ -38,6 +38,7 @@ from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
 from ._recompute import eval_recomputing
 from ._shared import (
+    check_device_count,
     check_divisible,
     check_paths,
     leaf_dtype,
@@ -52,13 +53,8 @@ def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
     """The plan's mesh over the first prod(sizes) devices, row-major (last axis fastest),
     the order `Cluster.axis_links` assumes when it puts an axis inside a node."""
     devices = list(jax.devices() if devices is None else devices)
+    check_device_count(plan, len(devices))
     need = plan.devices
-    if need > len(devices):
-        raise ApplyError(
-            f"the plan needs {need} devices (mesh {dict(plan.mesh)}) but only "
-            f"{len(devices)} are present. Run it where {need} devices are visible, or make "
-            f"a plan for {len(devices)} devices (`automap plan --devices {len(devices)}`)."
-        )
     if not plan.mesh:  # no axes: one device, everything replicated
         return Mesh(np.array(devices[:1]), ("_",))
     grid = np.array(devices[:need], dtype=object).reshape(tuple(plan.mesh.values()))

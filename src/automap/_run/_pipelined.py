@@ -79,6 +79,7 @@ from ._segments import (
     segments,
 )
 from ._shared import (
+    check_device_count,
     check_divisible,
     check_paths,
     leaf_dtype,
@@ -123,12 +124,7 @@ def stage_meshes(plan: Plan, devices: Sequence[Any] | None = None) -> list[Mesh]
     plan_schedule(plan)  # a registered name able to run the plan's chunks, or one line
     if plan.microbatches < 1:
         raise PlanError(f"a plan needs at least one microbatch, not {plan.microbatches}.")
-    if plan.devices > len(devices):
-        raise ApplyError(
-            f"the plan needs {plan.devices} devices (mesh {dict(plan.mesh)}) but only "
-            f"{len(devices)} are present. Run it where {plan.devices} devices are visible, "
-            f"or make a plan for {len(devices)} devices."
-        )
+    check_device_count(plan, len(devices))
     meshes = []
     for s, stage in enumerate(plan.stages):
         need = math.prod(stage.mesh.values()) if stage.mesh else 1

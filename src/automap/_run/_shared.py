@@ -45,6 +45,18 @@ def validate_plan(plan: Plan) -> None:
             )
 
 
+def check_device_count(plan: Plan, have: int) -> None:
+    """One line where the plan needs more devices than are visible."""
+    need = plan.devices
+    if need > have:
+        present = "1 is" if have == 1 else f"{have} are"
+        raise ApplyError(
+            f"the plan needs {need} devices (mesh {dict(plan.mesh)}) but only {present} "
+            f"present. Run it where {need} devices are visible, or make a plan for {have} "
+            f"device{'' if have == 1 else 's'} (`automap plan --devices {have}`)."
+        )
+
+
 def mesh_axes(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
