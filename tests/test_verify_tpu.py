@@ -190,3 +190,16 @@ def test_projections_keeps_less_than_selective_in_a_tpus_buffer_assignment():
     priced = {k: r.predicted_memory_breakdown["activations"] for k, r in reports.items()}
     assert xla["projections"] < 0.9 * xla["selective"], xla
     assert priced["projections"] < 0.9 * priced["selective"], priced
+
+
+def test_a_mesh_that_splits_a_torus_dimension_is_laid_as_the_cost_model_prices_it():
+    # A 32 x 2 mesh on a v5p 4x4x4 cube splits one 4-chip dimension over both axes; the
+    # search offers it and the cost model prices it laid by create_device_mesh with the
+    # split allowed (`_cost._torus`): verify lays the compile-only chips the same way,
+    # chip for chip, rather than refusing the plan.
+    from automap._cost._torus import _laid
+
+    for sizes in [(32, 2), (2, 32), (8, 8), (16, 4)]:
+        devices = tpu_devices("v5p:4x4x4", sizes)
+        coords = np.array([d.coords for d in devices]).reshape(*sizes, 3)
+        assert (coords == _laid("v5p", (4, 4, 4), sizes)).all(), sizes
