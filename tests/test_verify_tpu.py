@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import automap as am
 from automap import ApplyError
 from automap._cli import app
-from automap._cost import CostModel, axis_links
+from automap._cost import CostModel, axis_links, axis_torus_dims
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
@@ -195,11 +195,13 @@ def test_projections_keeps_less_than_selective_in_a_tpus_buffer_assignment():
 def test_a_mesh_that_splits_a_torus_dimension_is_laid_as_the_cost_model_prices_it():
     # A 32 x 2 mesh on a v5p 4x4x4 cube splits one 4-chip dimension over both axes; the
     # search offers it and the cost model prices it laid by create_device_mesh with the
-    # split allowed (`_cost._torus`): verify lays the compile-only chips the same way,
-    # chip for chip, rather than refusing the plan.
-    from automap._cost._torus import _laid
-
-    for sizes in [(32, 2), (2, 32), (8, 8), (16, 4)]:
-        devices = tpu_devices("v5p:4x4x4", sizes)
-        coords = np.array([d.coords for d in devices]).reshape(*sizes, 3)
-        assert (coords == _laid("v5p", (4, 4, 4), sizes)).all(), sizes
+    # split allowed (`_cost._torus`): verify lays the compile-only chips the same way
+    # (each axis varying along the torus dimensions priced) rather than refusing the plan.
+    v5p = am.Cluster.preset("tpu-v5p", topology="4x4x4")
+    for mesh in [{"data": 32, "model": 2}, {"model": 2, "data": 32}, {"data": 8, "model": 8}]:
+        devices = tpu_devices("v5p:4x4x4", tuple(mesh.values()))
+        coords = np.array([d.coords for d in devices]).reshape(*mesh.values(), 3)
+        for axis, name in enumerate(mesh):
+            line = np.moveaxis(coords, axis, 0)[(slice(None),) + (0,) * (len(mesh) - 1)]
+            spanned = sum(len(set(line[:, dim])) > 1 for dim in range(3))
+            assert spanned == axis_torus_dims(v5p, mesh)[name], (mesh, name)
