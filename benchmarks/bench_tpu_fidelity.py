@@ -26,6 +26,64 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py                       # 12 plans a model, v5p 4x4x4
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
+
+Measured at 8eb2542 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
+cores; `--plans 12 --models gpt`, 14 min, then `--models llama`, 15 min): the criterion
+fails on both counts. FLOPs agree on 24 of 24.
+
+| model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
+|-------|------------:|-------------:|----------------:|-------------:|-----------------:|
+| gpt   | 7 of 12     | 3 of 12      | 2 of 6          | 2 of 8       | 1 of 2           |
+| llama | 2 of 12     | 9 of 12      | 5 of 5          | 5 of 5       | 3 of 3           |
+| all   | 9 of 24 (38%) | 12 of 24 (50%) |              |              |                  |
+
+Before that commit's three fixes, verify refused 6 of the 12 meshes the 64-chip space
+offers (32 x 2, 8 x 8: create_device_mesh would not split a torus dimension, where the
+cost model lays them split), a ZeRO gradient over data 32 x model 2 (three torus
+dimensions, two groups) was priced as all-reduced whole where XLA reduce-scatters it,
+and XLA's windowed einsums (a matmul whose result it reduce-scatters, written as a loop
+of collective-permutes with no printed trip count) were read as 1/8 of their bytes and
+as permutes: gpt's ZeRO-2 plan 0 went from all-reduce@data 44.3 MiB priced / 0.43 XLA
+to reduce-scatter 40 / 44 and all-reduce 4.3 / 0.43.
+
+What keeps the collectives apart (the most common disagreements, by mechanism):
+
+- llama's attention (8 heads in 2 key/value groups, rotary halves): on every one of its
+  8 one-stage plans with a model axis (and none of gpt's), XLA reshards the heads'
+  activations with collective-permutes and all-to-alls of padded pieces (ops `pad`,
+  `split`, `slice`, `concatenate` on `bf16[128,128,8,1]`, `[128,128,2,4,1]`), where the
+  cost model prices all-gathers of the whole activation: plan 1 (model 2 x data 32)
+  all-gather@data 108 MiB priced / 32 XLA, all-gather@model 48 / 0, permutes 0 / 10.8.
+  Not in `_torus`/`_tiles`: the resharding rules of reshapes.
+- ZeRO gradients XLA reduce-scatters that `Lowering.scatter_least_elements` prices as
+  all-reduced whole: on 4x4x4 `x.sum(0)` of f32 [D, R, C] to P("data") reduce-scatters
+  every shard of at least 2048 elements and 8 rows (16x128, 8x512, 16x256 scattered;
+  8x128, 4x1024 not) whatever the torus dimensions data spans (1, 2 or 3, several
+  groups), where the rule asks 2048 per dimension spanned and 16 rows (both measured on
+  2x2x2, where data 4 still leaves 16x128 and 8x512 whole): gpt plans 0 and 8,
+  reduce-scatter@data 9% and 8% under XLA's. The rule needs the torus dimensions' sizes,
+  which `_model._kept_whole` does not pass.
+- ZeRO-3 with remat: the forward's gathers are priced again in the backward, XLA keeps
+  them (gpt plan 7: all-gather@data 72.7 MiB priced / 38.6 XLA).
+- one group of all 64 chips: XLA's TPU runs an all-gather as an all-reduce (mlp ZeRO-1 at
+  data 64, hidden 2048: all-reduce 97.3 MiB against 48.7 + 48.7 MiB of all-reduce and
+  all-gather priced; on 2x2x2 it stays an all-gather); llama plan 11 (data 64, 160 MiB
+  of all-gather priced, none in XLA).
+- bf16 llama's gradients all-reduced over data where priced reduce-scattered (plans 0
+  and 9: 14.3 MiB of bf16 all-reduce, 18 KiB priced) and pipelines' ZeRO-1 stages on
+  data 2 x model 8 (4-7 MiB of all-reduce and permutes per stage, gpt plan 4): not read.
+
+Memory: the stored state agrees (parameters + optimizer state + batch equal XLA's
+arguments on all 19 one-stage plans); the dynamic part does not. Over-predicted
+1.21-1.61x on 9 one-stage plans (8 without ZeRO) whose activations are hundreds of MiB a
+chip (the random point replicates the batch or shards the hidden dimension, so a chip
+holds the step's whole [128, 128, ...] activations): gpt plan 2 prices 2391 MiB of
+activations where XLA's temporaries are 1480 MiB (its largest buffers: the f32 logits
+[128, 128, 4096] and their gradient, 256 MiB each, the FFN's [128, 128, 2048] at 128
+MiB, and bf16 copies of the f32 matmuls' operands, which XLA's TPU runs in bf16 at
+default precision); the activations are the jaxpr's residuals, as on the CPU
+(`bench_memory.py`: transformers 1.2-1.6x). Under-predicted 0.81x on two gpt ZeRO plans
+with remat (priced gradients + activations 56 and 64 MiB, XLA's temporaries 80 and 85).
 """
 
 from __future__ import annotations
