@@ -157,18 +157,29 @@ def _program(name: str):
     return model.step_fn, model.abstract_args()
 
 
-def random_plan(graph, groups, rng, zero: bool, masks: bool = True):
+_SPACES: dict = {}
+
+
+def random_plan(graph, groups, rng, zero: bool, masks: bool = True, cluster=None):
     """A random plan of the space the searchers explore (per group, both mesh orders): with
     masks, exactly the plans a searcher can return (every axis divides its group, no axis
-    twice in one tensor); without, any axis that divides (a stress test of conflicts)."""
+    twice in one tensor); without, any axis that divides (a stress test of conflicts).
+    The space is `cluster`'s (default 8 CPU devices): its meshes factor its devices."""
     from automap._cluster import Cluster
     from automap._cost import CostModel
     from automap._search import random_point
     from automap._space import Pruning, ShardSpace
 
-    pruning = Pruning(layer_grouping=False, masks=masks, symmetry=False, zero=zero)
-    cluster = Cluster.preset("cpu", devices=8)
-    space = ShardSpace(graph, groups, cluster, CostModel(graph, cluster, groups), pruning)
+    cluster = cluster or Cluster.preset("cpu", devices=8)
+    # One space per program and cluster: bench_memory redraws up to 500 times for a ZeRO
+    # plan, and a space of 64 TPU chips takes ~0.5 s to build.
+    key = (id(graph), id(groups), zero, masks, repr(cluster))
+    if key not in _SPACES:
+        pruning = Pruning(layer_grouping=False, masks=masks, symmetry=False, zero=zero)
+        space = ShardSpace(graph, groups, cluster, CostModel(graph, cluster, groups), pruning)
+        _SPACES.clear()  # the last program's only; it holds graph and groups, so their
+        _SPACES[key] = (graph, groups, space)  # ids are not reused while it is kept
+    space = _SPACES[key][2]
     mesh_index, options, zero_stage = random_point(space, rng)
     return space.to_plan(mesh_index, options, zero_stage, name="random")
 

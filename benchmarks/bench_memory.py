@@ -361,18 +361,23 @@ def program(name: str):
     return jax.jit(step, donate_argnums=(0, 1)), args
 
 
-def random_pipeline(graph, groups, rng):
-    """A random pipeline plan: 2 or 4 stages at uniform cuts, its stage mesh's batch on
-    "data" and every other splittable group on a random axis or none."""
+def random_pipeline(graph, groups, rng, devices: int = 8):
+    """A random pipeline plan over `devices`: 2 or 4 stages at uniform cuts, its stage
+    mesh all "data" or "data" x "model" (model 2, 4, ... under the stage's devices), the
+    batch on "data" and every other splittable group on a random axis or none."""
     from automap._pipeline import pipeline_plan, uniform_cuts
     from automap._space import batch_groups
 
     stages = int(rng.choice([2, 4]))
-    mesh = {"data": 2} if stages == 4 else [{"data": 4}, {"data": 2, "model": 2}][rng.integers(2)]
+    n = devices // stages
+    meshes = [{"data": n}] + [{"data": n // m, "model": m} for m in (2, 4, 8, 16) if m < n]
+    mesh = meshes[rng.integers(len(meshes))] if len(meshes) > 1 else meshes[0]
     cuts = uniform_cuts(graph, groups, stages)
     assignment = {g.id: "data" for g in batch_groups(groups)}
     for g in groups.groups:
-        if g.id not in assignment and "model" in mesh and g.divisor % 2 == 0 and rng.random() < 0.3:
+        if g.id in assignment or "model" not in mesh or g.divisor % mesh["model"]:
+            continue
+        if rng.random() < 0.3:
             assignment[g.id] = "model"
     m, schedule = int(rng.choice([1, 2, 4])), str(rng.choice(["gpipe", "1f1b"]))
     zero = int(rng.integers(4))
@@ -399,55 +404,70 @@ def bench_model(
     rows = []
     for i in range(plans):
         t0 = time.perf_counter()
-        piped = rng.random() < pipelines
-        try:
-            plan = random_pipeline(graph, groups, rng) if piped else None
-        except Exception:
-            plan = None
-        if plan is None:
-            # A random point rarely puts the batch on data, where the space offers ZeRO:
-            # a share `zero` of the one-stage plans is drawn again until it has a stage.
-            wants_zero = zero > 0 and rng.random() < zero  # --zero 0: the draw before it
-            plan = random_plan(graph, groups, rng, zero=True)
-            for _ in range(500):
-                if plan.zero_stage or not wants_zero:
-                    break
-                plan = random_plan(graph, groups, rng, zero=True)
-        plan = dataclasses.replace(plan, remat=bool(rng.integers(2)))
+        plan = draw_plan(graph, groups, rng, pipelines, zero)
         try:
             report = verify(step, plan, *args, target=target)
         except Exception as e:
             rows.append(dict(model=name, plan=i, error=f"{type(e).__name__}: {str(e)[:120]}"))
             print(f"{name:<8} {i:>3} error {rows[-1]['error']}", flush=True)
             continue
-        row = dict(
-            model=name,
-            plan=i,
-            mesh=dict(plan.mesh),
-            stages=len(plan.stages),
-            microbatches=plan.microbatches,
-            schedule=plan.schedule if plan.pipelined else "",
-            zero=plan.zero_stage,
-            remat=plan.remat,
-            collectives=report.collectives_match,
-            mismatches=list(report.mismatches),
-            predicted_memory=report.predicted_memory_bytes,
-            xla_memory=report.xla_memory_bytes,
-            predicted_flops=report.predicted_flops,
-            predicted_flops_as_xla=report.predicted_flops_as_xla,
-            xla_flops=report.xla_flops,
-            stage_memory=[list(m) for m in report.stage_memory_bytes],
-            predicted_breakdown=dict(report.predicted_memory_breakdown),
-            xla_breakdown=dict(report.xla_memory_breakdown),
-            seconds=time.perf_counter() - t0,
-        )
-        row["memory_ratio"] = _ratio(row["predicted_memory"], row["xla_memory"])
-        row["flops_ratio"] = _ratio(row["predicted_flops_as_xla"], row["xla_flops"])
-        rows.append(row)
-        print(_line(row), flush=True)
+        rows.append(plan_row(name, i, plan, report, time.perf_counter() - t0))
+        print(_line(rows[-1]), flush=True)
         if verbose:
             print(report.summary())
     return {"model": name, "rows": rows}
+
+
+def draw_plan(graph, groups, rng, pipelines: float, zero: float, cluster=None):
+    """One random plan: a pipeline with probability `pipelines` (over the cluster's
+    devices, default 8), else a point of the cluster's shard space, ZeRO 1-3 for a share
+    `zero` of them; remat on or off at random."""
+    piped = rng.random() < pipelines
+    try:
+        devices = cluster.devices if cluster else 8
+        plan = random_pipeline(graph, groups, rng, devices) if piped else None
+    except Exception:
+        plan = None
+    if plan is None:
+        # A random point rarely puts the batch on data, where the space offers ZeRO:
+        # a share `zero` of the one-stage plans is drawn again until it has a stage.
+        wants_zero = zero > 0 and rng.random() < zero  # --zero 0: the draw before it
+        plan = random_plan(graph, groups, rng, zero=True, cluster=cluster)
+        for _ in range(500):
+            if plan.zero_stage or not wants_zero:
+                break
+            plan = random_plan(graph, groups, rng, zero=True, cluster=cluster)
+    return dataclasses.replace(plan, remat=bool(rng.integers(2)))
+
+
+def plan_row(name: str, i: int, plan, report, seconds: float) -> dict:
+    """One plan's figures: what `_line`, `summarize` and --json read."""
+    row = dict(
+        model=name,
+        plan=i,
+        mesh=dict(plan.mesh),
+        stages=len(plan.stages),
+        microbatches=plan.microbatches,
+        schedule=plan.schedule if plan.pipelined else "",
+        zero=plan.zero_stage,
+        remat=plan.remat,
+        collectives=report.collectives_match,
+        mismatches=list(report.mismatches),
+        predicted_memory=report.predicted_memory_bytes,
+        xla_memory=report.xla_memory_bytes,
+        predicted_flops=report.predicted_flops,
+        predicted_flops_as_xla=report.predicted_flops_as_xla,
+        xla_flops=report.xla_flops,
+        stage_memory=[list(m) for m in report.stage_memory_bytes],
+        predicted_breakdown=dict(report.predicted_memory_breakdown),
+        xla_breakdown=dict(report.xla_memory_breakdown),
+        predicted_comm=dict(report.predicted_comm_bytes),
+        xla_comm=dict(report.xla_comm_bytes),
+        seconds=seconds,
+    )
+    row["memory_ratio"] = _ratio(row["predicted_memory"], row["xla_memory"])
+    row["flops_ratio"] = _ratio(row["predicted_flops_as_xla"], row["xla_flops"])
+    return row
 
 
 def _ratio(p, x) -> float | None:

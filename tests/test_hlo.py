@@ -151,6 +151,54 @@ def test_async_pairs_count_once_and_while_loops_multiply():
     }
 
 
+def test_a_windowed_einsums_permutes_are_its_reduce_scatter_counted_by_its_counter():
+    # XLA's TPU writes a matmul whose result it reduce-scatters as a windowed einsum
+    # (libtpu 0.0.42.1, a ZeRO gradient of a model-sharded kernel on v5p 4x4x4): a loop
+    # with no known trip count, its counter from 0 by 2 while under 8, whose permutes pass
+    # blocks of partial sums round the ring. Read as 4 turns of two 64-byte blocks, one
+    # reduce-scatter of 512 bytes over the ring's axis; a permute outside stays one.
+    text = "HloModule m, num_partitions=8\n\n" + "\n".join(
+        [
+            "%windowed_dot_general_body_rs.3.clone (p: (f32[16], u32[])) -> (f32[16], u32[]) {",
+            "  %p = (f32[16], u32[]) parameter(0)",
+            "  %i = u32[] get-tuple-element(%p), index=1",
+            "  %x = f32[16] get-tuple-element(%p), index=0",
+            "  %a = (f32[16], f32[16], u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
+            "  %b = f32[16]{0} collective-permute-done(%a)",
+            "  %c = (f32[16], f32[16], u32[], u32[]) collective-permute-start(%b), source_target_pairs={{1,0},{2,1},{3,2},{0,3},{5,4},{6,5},{7,6},{4,7}}",
+            "  %d = f32[16]{0} collective-permute-done(%c)",
+            "  %two..sunk = u32[] constant(2)",
+            "  %next = u32[] add(%i, %two..sunk)",
+            "  ROOT %t = (f32[16], u32[]) tuple(%d, %next)",
+            "}",
+            "",
+            "%windowed_dot_general_cond_rs.3 (p: (f32[16], u32[])) -> pred[] {",
+            "  %p = (f32[16], u32[]) parameter(0)",
+            "  %eight = u32[] constant(8)",
+            "  %i = u32[] get-tuple-element(%p), index=1",
+            "  ROOT %lt = pred[] compare(%i, %eight), direction=LT",
+            "}",
+            "",
+            "ENTRY %main (x: f32[16]) -> f32[16] {",
+            "  %x = f32[16] parameter(0)",
+            "  %zero = u32[] constant(0)",
+            "  %z = u32[] copy(%zero)",
+            "  %init = (f32[16], u32[]) tuple(%x, %z)",
+            "  %w = (f32[16], u32[]) while(%init), condition=%windowed_dot_general_cond_rs.3, body=%windowed_dot_general_body_rs.3.clone",
+            "  %y = f32[16] get-tuple-element(%w), index=0",
+            "  %e = (f32[16], f32[16], u32[], u32[]) collective-permute-start(%y), source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}",
+            "  ROOT %f = f32[16]{0} collective-permute-done(%e)",
+            "}",
+        ]
+    )
+    found = {c.name: c for c in parse_collectives(text)}
+    assert found["b"].count == found["d"].count == 4
+    assert comm_bytes(list(found.values()), {"data": 2, "model": 4}) == {
+        "reduce-scatter@model": 4 * 2 * 64,
+        "collective-permute@model": 64,
+    }
+
+
 # ---- real compiled HLO from jax on 8 CPU devices ----------------------------------------
 
 

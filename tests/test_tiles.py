@@ -112,3 +112,20 @@ def test_a_tpu_cube_all_reduces_every_zero_gradient():
     graph, v5p, plan = _mlp_plan(am.Recipe(dp=8, zero=1))
     tpu = _reductions(graph, v5p, plan)
     assert "reduce-scatter@data" not in tpu and tpu["all-reduce@data"] > 500 * 1024
+
+
+def test_a_tpu_cube_split_into_groups_reduce_scatters_as_a_plane_does():
+    # Data 32 x model 2 on a v5p 4x4x4: each data group spans all three torus dimensions
+    # but is half the chips, and XLA's TPU compiler reduce-scatters its gradients as on a
+    # plane (read from libtpu 0.0.42.1); only the one group of data 64 all-reduces them
+    # whole, as the 2x2x2 cube's does.
+    from automap._cost import axis_torus_dims
+
+    spec = get_model("mlp", hidden=2048, batch=128)  # [2048, 2048] kernels: [32, 2048] shards
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph, v5p = am.capture(step, *args), am.Cluster.preset("tpu-v5p", topology="4x4x4")
+    split = am.plan_recipe(step, *args, recipe=am.Recipe(dp=32, tp=2, zero=1), cluster=v5p)
+    assert axis_torus_dims(v5p, split.mesh)["data"] == 3
+    assert _reductions(graph, v5p, split)["reduce-scatter@data"] >= 3 * 2048 * 1024 * 4
+    cube = am.plan_recipe(step, *args, recipe=am.Recipe(dp=64, zero=1), cluster=v5p)
+    assert "reduce-scatter@data" not in _reductions(graph, v5p, cube)

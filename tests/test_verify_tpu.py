@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import automap as am
 from automap import ApplyError
 from automap._cli import app
-from automap._cost import CostModel, axis_links
+from automap._cost import CostModel, axis_links, axis_torus_dims
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
@@ -190,3 +190,18 @@ def test_projections_keeps_less_than_selective_in_a_tpus_buffer_assignment():
     priced = {k: r.predicted_memory_breakdown["activations"] for k, r in reports.items()}
     assert xla["projections"] < 0.9 * xla["selective"], xla
     assert priced["projections"] < 0.9 * priced["selective"], priced
+
+
+def test_a_mesh_that_splits_a_torus_dimension_is_laid_as_the_cost_model_prices_it():
+    # A 32 x 2 mesh on a v5p 4x4x4 cube splits one 4-chip dimension over both axes; the
+    # search offers it and the cost model prices it laid by create_device_mesh with the
+    # split allowed (`_cost._torus`): verify lays the compile-only chips the same way
+    # (each axis varying along the torus dimensions priced) rather than refusing the plan.
+    v5p = am.Cluster.preset("tpu-v5p", topology="4x4x4")
+    for mesh in [{"data": 32, "model": 2}, {"model": 2, "data": 32}, {"data": 8, "model": 8}]:
+        devices = tpu_devices("v5p:4x4x4", tuple(mesh.values()))
+        coords = np.array([d.coords for d in devices]).reshape(*mesh.values(), 3)
+        for axis, name in enumerate(mesh):
+            line = np.moveaxis(coords, axis, 0)[(slice(None),) + (0,) * (len(mesh) - 1)]
+            spanned = sum(len(set(line[:, dim])) > 1 for dim in range(3))
+            assert spanned == axis_torus_dims(v5p, mesh)[name], (mesh, name)

@@ -173,7 +173,11 @@ def whole_reduced_bytes(
     whose ZeRO shard (`_zero_local`) is 1-D, has no dim of 128 lanes with another of 16
     rows (XLA lays a gradient as it pads least: f32[128, 64] shards of [128, 256] are
     laid {0,1} and reduce-scattered), or is under `least` elements per dimension spanned;
-    every one where the group spans three dimensions (a cube's all-reduce)."""
+    every one where the group spans three dimensions and is every device of the program
+    (a cube's all-reduce: data 64 on a v5p 4x4x4, 8 on 2x2x2). Where another axis splits
+    the devices into several groups, groups spanning three dimensions reduce-scatter as
+    the rest do (data 32 x model 2 on 4x4x4: libtpu 0.0.42.1, `x.sum(0)` of f32
+    [32, 512, 2048] pinned to P("data"), [16, 2048] shards)."""
     if not (data and least and spans):
         return 0.0
     local = _local(table, codes, sizes)
@@ -188,7 +192,7 @@ def whole_reduced_bytes(
         & lanes
         & rows
         & (zlocal.prod(axis=1) >= least * spans)
-        & (spans < 3)
+        & ((spans < 3) | (sizes.prod() > sizes[data]))  # the cube: one group only
         & (zlocal.prod(axis=1) < local.prod(axis=1))  # a shard exists: data divides a dim
     )
     whole = free & ~scattered

@@ -49,6 +49,11 @@ _MESH = re.compile(
     r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?"
     r"\s*\{([^}]*)\}"
 )
+# XLA's SPMD partitioner writes a matmul whose result it reduce-scatters ("rs"), or
+# whose operand it all-gathers ("ag"), as a windowed einsum: a while loop of matmuls on
+# blocks, passing partial sums (or operand blocks) round the group by collective-permutes
+# (seen on TPU, libtpu 0.0.42.1: a ZeRO gradient of a model-sharded kernel).
+_WINDOWED = re.compile(r"windowed_dot_general_body_(rs|ag)\b")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -216,13 +221,72 @@ def call_counts(comps: Mapping[str, list[Instruction]], entry: str) -> dict[str,
             if opcode.endswith("-done"):
                 continue  # an async pair calls its body once, from -start
             trip = _TRIP.search(line)
+            trips = int(trip.group(1)) if trip else 1
+            if not trip and opcode == "while":
+                trips = _counted_trips(comps, comp, line) or 1
             for role, callee in _CALLEE.findall(line):
                 for c in re.findall(r"[\w.\-]+", callee.replace("%", "")):
                     if c in comps:
-                        visit(c, times * (int(trip.group(1)) if trip and role == "body" else 1))
+                        visit(c, times * (trips if role == "body" else 1))
 
     visit(entry, 1)
     return mult
+
+
+def _counted_trips(comps: Mapping[str, list[Instruction]], caller: str, line: str) -> int:
+    """The trip count of a while loop that does not print one but counts: its condition
+    `i < N` on a tuple element i that starts at a constant and its body adds a constant
+    to. XLA's TPU writes its windowed einsums so (`windowed_dot_general_body_rs`, libtpu
+    0.0.42.1: i from 0 by 2 to 16, four collective-permutes a turn). 0 where unread."""
+    roles = {role: callee.lstrip("%") for role, callee in _CALLEE.findall(line)}
+    cond, body = comps.get(roles.get("condition", "")), comps.get(roles.get("body", ""))
+    if not cond or not body:
+        return 0
+    cond_by, body_by = {i[0]: i for i in cond}, {i[0]: i for i in body}
+    caller_by = {i[0]: i for i in comps[caller]}
+    root = next((i for i in cond if "ROOT" in i[4].split("=")[0]), None)
+    if root is None or root[2] != "compare" or "direction=LT" not in root[3]:
+        return 0
+    counter, bound = (cond_by.get(n) for n in _operands(root[3])[:2])
+    k, limit = _element(counter), _constant(bound, cond_by)
+    step_root = next((i for i in body if "ROOT" in i[4].split("=")[0]), None)
+    init = caller_by.get((_operands(line.split("while(", 1)[1]) or [""])[0])
+    if k is None or limit is None or not step_root or not init or init[2] != "tuple":
+        return 0
+    nexts, starts = _operands(step_root[3]), _operands(init[3])
+    if k >= min(len(nexts), len(starts)):
+        return 0
+    add, start = body_by.get(nexts[k]), _constant(caller_by.get(starts[k]), caller_by)
+    if not add or add[2] != "add" or start is None:
+        return 0
+    terms = [body_by.get(n) for n in _operands(add[3])[:2]]
+    step = next((_constant(t, body_by) for t in terms if _element(t) != k), None)
+    if not step or _element(next(t for t in terms if _constant(t, body_by) is None)) != k:
+        return 0
+    return max(0, -(-(limit - start) // step))
+
+
+def _operands(rest: str) -> list[str]:
+    """The operand names of an instruction, from what follows its opcode's parenthesis."""
+    return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+
+def _element(instr: Instruction | None) -> int | None:
+    """k for `get-tuple-element(param), index=k`, else None."""
+    if instr is None or instr[2] != "get-tuple-element":
+        return None
+    m = re.search(r"\bindex=(\d+)", instr[3])
+    return int(m.group(1)) if m else None
+
+
+def _constant(instr: Instruction | None, by_name: Mapping[str, Instruction]) -> int | None:
+    """The integer a scalar `constant(n)` holds (through copies), else None."""
+    while instr is not None and instr[2] == "copy":
+        instr = by_name.get((_operands(instr[3]) or [""])[0])
+    if instr is None or instr[2] != "constant":
+        return None
+    m = re.match(r"\s*(-?\d+)\)", instr[3])
+    return int(m.group(1)) if m else None
 
 
 def fused_collective_step(line: str) -> tuple[str, bool] | None:
@@ -269,6 +333,13 @@ def parse_collectives(hlo_text: str, num_devices: int | None = None) -> list[Hlo
                 start = re.match(r"\s*%?([\w.\-]+)", rest)
                 src = by_name[start.group(1)][4] if start and start.group(1) in by_name else line
             groups = parse_replica_groups(src, num_devices)
+            if kind == "collective-permute" and (windowed := _WINDOWED.search(comp)):
+                # A windowed einsum's ring: each turn moves one block of the matmul's
+                # reduce-scattered result (or gathered operand); the blocks sum to the
+                # operand a reduce-scatter (the result an all-gather) counts.
+                kind = "reduce-scatter" if windowed.group(1) == "rs" else "all-gather"
+                out.append(_collective(name, kind, shape, src, groups, mult[comp]))
+                continue
             nbytes = shape_bytes(shape)
             if kind == "reduce-scatter":  # operand = result times the group size
                 nbytes *= len(groups[0])

@@ -100,7 +100,10 @@ def tpu_devices(target: str, mesh_shape: Sequence[int]) -> list[Any]:
             f"{need} (e.g. {_example_topology(target, need)})."
         )
     try:
-        grid = mesh_utils.create_device_mesh(tuple(mesh_shape) or (1,), devices)
+        # Split a torus dimension over two axes where it must (a 32 x 2 mesh on 4x4x4),
+        # as the cost model lays the mesh (`_cost._torus`): the same devices per axis.
+        shape = tuple(mesh_shape) or (1,)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError) as e:
         raise ApplyError(
             f"JAX cannot lay the mesh {tuple(mesh_shape)} on the TPU topology {target} ({e}): "
