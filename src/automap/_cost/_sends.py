@@ -47,10 +47,10 @@ class Sends:
     sent_s: tuple[float, ...]  # per sending stage: seconds of its messages per step
     # Per cut and direction, per microbatch: bytes per device and messages, so that a
     # caller can time a cut on another link (`lag`): what the stage DP's tables keep.
-    fwd_bytes: tuple[float, ...] = ()
-    fwd_count: tuple[int, ...] = ()
-    bwd_bytes: tuple[float, ...] = ()
-    bwd_count: tuple[int, ...] = ()
+    fwd_bytes: tuple[float, ...]
+    fwd_count: tuple[int, ...]
+    bwd_bytes: tuple[float, ...]
+    bwd_count: tuple[int, ...]
 
     @property
     def sent(self) -> tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]]:
@@ -128,10 +128,9 @@ def sends(
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
     consumers = graph.consumers()
-    cuts = max(S - 1, 0)
-    fwd, bwd = np.zeros(cuts), np.zeros(cuts)
-    fwd_b, bwd_b = np.zeros(cuts), np.zeros(cuts)
-    fwd_n, bwd_n = np.zeros(cuts, dtype=np.int64), np.zeros(cuts, dtype=np.int64)
+    # Per direction (forward, backward) and cut, per microbatch: seconds, bytes, messages.
+    lag, moved = np.zeros((2, max(S - 1, 0))), np.zeros((2, max(S - 1, 0)))
+    messages = np.zeros((2, max(S - 1, 0)), dtype=np.int64)
     pre, post = np.zeros(S), np.zeros(S)
     sent, count, busy = np.zeros(S), np.zeros(S, dtype=np.int64), np.zeros(S)
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
@@ -163,26 +162,24 @@ def sends(
             q_phases = {int(phase[c]) for c in readers if stage[c] == q}
             if phase[p] in PER_MICROBATCH and q_phases & set(PER_MICROBATCH):
                 mb = b / m if t.id in part.batched else b
+                # Forward: for stage q's forward, across the cut before it; backward:
+                # for its backward, across the cut after it.
+                d, cut = (0, q - 1) if q > ps else (1, q)
                 link = links.between(ps, q)
-                seconds, moved = send(mb, ps, link, m), link is not None
-                if q > ps:  # arrives for the forward of stage q, across the cut before it
-                    fwd[q - 1] += seconds
-                    fwd_b[q - 1] += mb * moved
-                    fwd_n[q - 1] += moved
-                else:  # arrives for the backward of stage q, across the cut after it
-                    bwd[q] += seconds
-                    bwd_b[q] += mb * moved
-                    bwd_n[q] += moved
+                lag[d, cut] += send(mb, ps, link, m)
+                if link is not None:
+                    moved[d, cut] += mb
+                    messages[d, cut] += 1
             else:
                 late = phase[p] in (*PER_MICROBATCH, Phase.POST) and Phase.POST in q_phases
                 (post if late else pre)[q] += send(b, ps, links.between(ps, q))
-    floats = (tuple(float(x) for x in a) for a in (fwd, bwd, pre, post, sent))
+    floats = (tuple(float(x) for x in a) for a in (*lag, pre, post, sent))
     return Sends(
         *floats,
         tuple(int(c) for c in count),
         tuple(float(x) for x in busy),
-        fwd_bytes=tuple(float(x) for x in fwd_b),
-        fwd_count=tuple(int(x) for x in fwd_n),
-        bwd_bytes=tuple(float(x) for x in bwd_b),
-        bwd_count=tuple(int(x) for x in bwd_n),
+        fwd_bytes=tuple(float(x) for x in moved[0]),
+        fwd_count=tuple(int(x) for x in messages[0]),
+        bwd_bytes=tuple(float(x) for x in moved[1]),
+        bwd_count=tuple(int(x) for x in messages[1]),
     )
