@@ -46,5 +46,5 @@ def test_the_agents_tables_price_each_stage_as_estimate_does(devices):
         assert own == pytest.approx(sum(priced.stage_times[s]), rel=1e-9)
         if s < S - 1:
             lag = priced.send_s[s]
-            assert lag > 0 and tables.send[last] == pytest.approx(lag, rel=1e-9)
+            assert lag > 0 and tables.send_after(s)[last] == pytest.approx(lag, rel=1e-9)
         first = last + 1

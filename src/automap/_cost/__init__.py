@@ -39,7 +39,10 @@ from ._pipelined import stage_costs as stage_costs
 from ._residuals import stage_residuals as stage_residuals
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import RowTable as RowTable
-from ._sends import pipe_link as pipe_link
+from ._sends import PipeLinks as PipeLinks
+from ._sends import Sends as Sends
+from ._sends import cut_links as cut_links
+from ._sends import link_between as link_between
 from ._sends import sends as sends
 from ._terms import Layout as Layout
 from ._terms import SetCoefs as SetCoefs

@@ -26,8 +26,9 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   gathers what it reads, and F and B gather layer by layer as one program does
   (`_zero.add_zero_gathers`, `_fsdp.program_gathers`). Rematerialized forward ops run
   again in B.
-- sends (`_sends.py`) are point-to-point over the "pipe" link, alpha-beta per tensor,
-  overlapped with compute: they delay the receiver (a lag in `simulate`) but do
+- sends (`_sends.py`) are point-to-point, alpha-beta per tensor, each on the link between
+  its two stages' device groups (NVLink inside a node, the network across: on a pipe axis
+  spanning nodes only some cuts cross it), overlapped with compute: they delay the receiver (a lag in `simulate`) but do
   not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
@@ -69,7 +70,7 @@ from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
 from ._kernel import collective_rows, per_slot
-from ._sends import Sends, pipe_link, sends
+from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
 from ._stage_comm import N_PHASES, phase_collectives
 from ._traffic import (
@@ -341,12 +342,10 @@ def stage_costs(
     compute = compute.reshape(S, N_PHASES)
     compute[:, Phase.BWD] += np.bincount(stage, op_remat, minlength=S)
     busy = compute + comm.time.sum(axis=2)  # [S, N_PHASES] seconds per run
-    traffic = sends(
-        graph, part, oc.layouts, pipe_link(cluster, oc.mesh, G), cluster.comm_efficiency, m
-    )
+    # Each message on its own cut's link; with one device group (every stage a chunk of
+    # it) none leaves its devices.
+    traffic = sends(graph, part, oc.layouts, PipeLinks(cluster, oc.mesh, G), m)
     send_s = tuple(max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True))
-    if G == 1:  # every stage a chunk of one device group: a send stays where it is
-        send_s = (0.0,) * len(send_s)
     times = [tuple(float(busy[s, p]) for p in schedule.phases) for s in range(S)]
     units = schedule.simulate(G, m, times, send_s, busy[:, Phase.REDUCE])
     stage_pre = busy[:, Phase.PRE] + np.array(traffic.pre_s)

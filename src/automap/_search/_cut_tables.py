@@ -1,7 +1,11 @@
 """The stage DP's tables for one point, and its cuts: per segment of the finest partition
 (every cut candidate a boundary), the time of each per-microbatch phase, the state and
-activation bytes, and the send after it; summed over (stage, first, last segment) for
-`_solvers.optimal_partition`.
+activation bytes, and the bytes and messages a microbatch sends across the boundary after
+it; summed over (stage, first, last segment) for `_solvers.optimal_partition`.
+
+A send is timed once the DP knows the stage it closes: stage s's on cut s's link
+(`_cost/_sends.py`: NVLink between two device groups on one node, the network between
+nodes), so on a pipe axis spanning nodes only the cuts that cross one pay the network.
 
 Phases are timed apart because schedules run them apart: 1F1B a forward and a whole
 backward, ZB-H1 (`_pipeline/_zero_bubble.py`) a forward, B and W, the W's deferred into
@@ -36,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from .._cost import deferred_beyond, deferred_holds, pipe_link, sends, stage_costs
+from .._cost import PipeLinks, deferred_beyond, deferred_holds, stage_costs
 from .._pipeline import Partition, Phase, PipelineSchedule, split_backward
 from .._solvers import optimal_partition
 from .._space import Point
@@ -52,7 +56,14 @@ class SegmentTables:
     phase_s: np.ndarray  # [L, P] seconds per microbatch of each phase (recompute in BWD)
     state: np.ndarray  # [L] parameter, gradient and optimizer bytes per device
     act: np.ndarray  # [L] activation bytes per device per microbatch held for backward
-    send: np.ndarray  # [L] lag of a microbatch crossing the boundary after it (0 after last)
+    # [L] per microbatch across the boundary after segment i (0 after the last), each
+    # direction: bytes per device and messages, timed on a cut's link by `send_after`.
+    fwd_bytes: np.ndarray
+    fwd_count: np.ndarray
+    bwd_bytes: np.ndarray
+    bwd_count: np.ndarray
+    links: PipeLinks  # where the S stages' device groups sit
+    stages: int  # S, the stages the tables were made for
     # [L] the backward sends a value across the boundary before segment i (never before
     # the first): a stage starting at a segment where it does not runs no B, all W.
     sends_back: np.ndarray
@@ -64,6 +75,16 @@ class SegmentTables:
     def time(self) -> np.ndarray:
         """[L] seconds per microbatch, every phase."""
         return self.phase_s.sum(axis=1)
+
+    def send_after(self, stage: int) -> np.ndarray:
+        """[L] lag of a microbatch crossing the boundary after segment i where that
+        boundary is the cut after `stage` (stage -> stage + 1), on that cut's link: the
+        larger direction, alpha-beta per message as `sends` times it. A send from a
+        segment further up is timed on this cut's link too: which stage made it is not
+        known here (`stage_costs` times it on the link between the two stages)."""
+        fwd = self.links.lag(stage, self.fwd_bytes, self.fwd_count)
+        bwd = self.links.lag(stage, self.bwd_bytes, self.bwd_count)
+        return np.maximum(fwd, bwd)
 
     @staticmethod
     def span(x: np.ndarray, first: int, last: int) -> float:
@@ -94,10 +115,13 @@ class SegmentTables:
 
     def stage_time(self, n_stages: int) -> np.ndarray:
         """[S, L, L] seconds per microbatch of stage s holding segments i..j, every phase
-        plus its send (all but the last stage): the DP's tau."""
+        plus its send on its own cut's link (all but the last stage): the DP's tau."""
+        if n_stages != self.stages:
+            raise ValueError(f"these tables time sends for {self.stages} stages, not {n_stages}")
         time = self.stage_phase_s(n_stages).sum(axis=-1)
-        last = np.arange(n_stages) == n_stages - 1
-        return time + np.where(last[:, None, None], 0.0, self.send[None, None, :])
+        send = [self.send_after(s) for s in range(n_stages - 1)]
+        send.append(np.zeros(len(self.phase_s)))  # the last stage sends nothing on
+        return time + np.stack(send)[:, None, :]
 
     def stage_memory(self, n_stages: int) -> np.ndarray:
         """[S, L, L] bytes per device of stage s holding segments i..j: its state, the
@@ -178,17 +202,17 @@ def segment_tables(
 ) -> SegmentTables:
     """The tables of `fine` with `oc`'s intra-stage plan, priced by the pipeline cost
     model as `schedule` runs it (its backward split where the schedule splits it), for
-    `stages` stages: the sends cross the link between consecutive ones of S stages, not
-    of the finest partition's (as many as candidates: across nodes where S stages are not)."""
+    `stages` stages: each boundary's bytes and messages, timed on the link of the cut
+    between the S stages' device groups that it becomes (`send_after`), never on the finest
+    partition's (as many groups as candidates: across nodes where S stages are not)."""
     pc = stage_costs(model, fine, oc, microbatches, schedule)
     split = split_backward(model.graph, fine) if schedule.splits_backward else fine
-    cluster = model.cluster
-    link = pipe_link(cluster, oc.mesh, stages)
-    traffic = sends(model.graph, split, oc.layouts, link, cluster.comm_efficiency, microbatches)
-    send = [max(f, b) for f, b in zip(traffic.fwd_s, traffic.bwd_s, strict=True)]
+    # `pc`'s sends, of `split` on one device group per segment: every message counted;
+    # only their bytes and counts are read, timed per cut by `send_after`.
+    traffic, L = pc.sends, fine.n_stages
     seg = np.asarray(split.op_stage)
     op_phase = np.asarray([int(p) for p in split.op_phase])
-    L, phases = fine.n_stages, schedule.phases
+    phases = schedule.phases
     phase_s = np.zeros((L, len(phases)))
     for k, p in enumerate(phases):
         own = np.where(op_phase == p, pc.op_run_s, 0.0)
@@ -205,7 +229,14 @@ def segment_tables(
         phase_s=phase_s,
         state=np.bincount(seg, pc.op_state_bytes, minlength=L),
         act=np.bincount(seg, pc.op_act_bytes, minlength=L),
-        send=np.append(np.asarray(send, dtype=float), 0.0),
+        fwd_bytes=np.append(traffic.fwd_bytes, 0.0),
+        fwd_count=np.append(traffic.fwd_count, 0),
+        bwd_bytes=np.append(traffic.bwd_bytes, 0.0),
+        bwd_count=np.append(traffic.bwd_count, 0),
+        # The DP cuts one chunk per device group (`_dp.one_chunk`): S stages, S groups;
+        # were they virtual, cut s would still run from stage s's group to the next's.
+        links=PipeLinks(model.cluster, oc.mesh, max(1, stages // schedule.chunks)),
+        stages=stages,
         sends_back=_sends_back(model.graph, split),
         held=held,
     )
@@ -232,7 +263,7 @@ def optimal_cuts(
 
         def rescore(stages) -> float:
             times = [tuple(per_phase[s, i, j - 1]) for s, (i, j) in enumerate(stages)]
-            sends = [float(tables.send[j - 1]) for _, j in stages[:-1]]
+            sends = [float(tables.send_after(s)[j - 1]) for s, (_, j) in enumerate(stages[:-1])]
             units = schedule.simulate(S, m, times, sends)
             return max(u.end for u in units)
 

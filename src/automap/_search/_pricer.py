@@ -5,8 +5,9 @@ almost everything, so the pricer caches at every level:
 
 - the per-op costs of an intra-stage plan (`op_costs`), once per plan;
 - the finest partition (every cut candidate a boundary) and its per-segment tables (time
-  per microbatch, state and activation bytes, the send lag after the segment on the link
-  between S stages), once per (plan, microbatches, S): the stage DP's own
+  per microbatch, state and activation bytes, the bytes and messages sent after the
+  segment, timed on the link of the cut between S stages it becomes), once per (plan,
+  microbatches, S): the stage DP's own
   (`segment_tables`), what the agent's features are made of;
 - a coarse partition is the finest one with its segments merged: the stage of every op is
   a monotone function of the stage it has in the finest partition (forward ops by range,
@@ -211,8 +212,8 @@ class PipelinePricer:
     def tables(self, intra: Intra, microbatches: int, stages: int) -> SegmentTables:
         """The finest partition's segment tables for a pipeline of `stages` stages: the
         stage DP's own (`segment_tables`), so that the agent's features and the DP read
-        one price, sends timed on the link between S stages (not the finest partition's,
-        which crosses nodes where S stages may not)."""
+        one price, sends timed on the links between S stages' device groups, each cut on
+        its own (not the finest partition's, which crosses nodes where S stages may not)."""
         key = (intra, microbatches, stages)
         if key not in self._tables:
             self._tables[key] = segment_tables(

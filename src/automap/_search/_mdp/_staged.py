@@ -340,7 +340,8 @@ class PipelineProcess(StagedProcess):
         choices = self.pricer.cut_choices(self._stages, self._cuts, self.pricer.pool(intra))
         mid = self.pricer.balanced_cut(tables, self._stages, self._cuts, self.pricer.pool(intra))
         at = int(np.searchsorted(choices, mid))  # its position among the choices
-        cheapest = int(np.argmin(tables.send[choices]))
+        # The cut closes stage len(cuts): its send is timed on that cut's link.
+        cheapest = int(np.argmin(tables.send_after(len(self._cuts))[choices]))
         out: list[int | None] = []
         for k in [at + o for o in OFFSETS] + [0, len(choices) - 1, cheapest]:
             i = int(choices[k]) if 0 <= k < len(choices) else None
@@ -424,9 +425,10 @@ class PipelineProcess(StagedProcess):
         first = self._cuts[-1] + 1 if self._cuts else 0
         share = tables.time[first:].sum() / (S - len(self._cuts)) or 1.0
         a, b = np.zeros(self.n_actions), np.zeros(self.n_actions)
+        send = tables.send_after(len(self._cuts))  # on the link of the cut after this stage
         for k, i in enumerate(self._targets() if not self.done() else []):
             if i is not None:
-                a[k] = (tables.span(tables.time, first, i) + tables.send[i]) / share / 4
+                a[k] = (tables.span(tables.time, first, i) + send[i]) / share / 4
                 memory = self.pricer.stage_memory(tables, S, self._m, self._cuts, i)
                 b[k] = memory / self.cluster.memory_limit / 2
         return self._features(_CUT, intra.stage_mesh, S, self._m, a, b)
