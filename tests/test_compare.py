@@ -69,8 +69,15 @@ def test_resnet_the_optimum_is_data_parallel_with_its_update_on_zero_shards():
 def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():
     found = rows("gpt-6.7b", "a100", 16, "expert,ilp,dp")
     assert not found["data_parallel"].feasible
-    assert "fits in memory" in found["ilp"].note  # no plan of the shard space fits
+    # The shard space's best fits as a hybrid: data 8 x model 2 with ZeRO-3, priced 70.4 GB
+    # a device (XLA's A100 buffer assignment of that plan: 64.8 GB). Until 0ed7b9b priced
+    # attention's scaled scores as float32 no plan of the shard space fitted.
+    ilp = found["ilp"]
+    assert ilp.feasible and ilp.plan.mesh.get("model", 1) > 1
+    assert ilp.memory_bytes <= am.Cluster.preset("a100", 16).memory_limit
+    # The stage DP's pipelines are in its space too, and faster here.
     assert found["dp"].feasible and found["dp"].plan.stages
+    assert found["dp"].step_time_s <= ilp.step_time_s
 
 
 def test_a_one_stage_plan_with_microbatches_is_described_without_a_pipe_axis():
