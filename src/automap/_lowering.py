@@ -165,7 +165,7 @@ class Lowering:
 
     @classmethod
     def gpu(cls) -> Lowering:
-        """XLA's GPU pipeline (every GPU preset; TPUs until measured)."""
+        """XLA's GPU pipeline (the v100 and a100 presets; Hopper's is `hopper()`)."""
         return cls()
 
     @classmethod

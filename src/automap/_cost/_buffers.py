@@ -149,8 +149,8 @@ CONV = "conv_general_dilated"
 
 def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering) -> float:
     """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
-    transcendental function (`is_expensive`) of bfloat16 in float32, and where only fusible
-    ops read the result and none of them runs in bfloat16 itself (on an A100 none does;
+    transcendental function (`is_expensive`) of 16-bit floats in float32, and where only fusible
+    ops read the result and none of them runs in 16 bits itself (on an A100 none does;
     on an H100 adds, subtracts and multiplies do: `Lowering.native_bf16_arithmetic`), it
     keeps that float32 value for them (excess precision: an A100 stores GELU's tanh for the
     backward in float32, read on compile-only A100s and H100s)."""
