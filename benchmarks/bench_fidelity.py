@@ -184,7 +184,7 @@ def random_plan(graph, groups, rng, zero: bool, masks: bool = True, cluster=None
     return space.to_plan(mesh_index, options, zero_stage, name="random")
 
 
-def _shape_of(why: str) -> str:
+def shape_of(why: str) -> str:
     """A disagreement without its numbers, so that alike ones are counted together."""
     m = re.match(r"(.*): predicted .*\(([+-])[\d.]+%\)$", why)
     if m:
@@ -240,7 +240,7 @@ def bench_model(
             continue
         ok, why = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
         matched += ok
-        reasons.update(_shape_of(w) for w in why)
+        reasons.update(shape_of(w) for w in why)
         # Every case, for --json: a corpus the cost model can be regression-tested on.
         cases.append(
             dict(

@@ -393,29 +393,40 @@ def bench_model(
     verbose: bool,
     target: str | None = None,
 ) -> dict:
+    step, args = program(name)
+    show = (lambda report: print(report.summary())) if verbose else None
+    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, show=show)
+    return {"model": name, "rows": rows}
+
+
+def verify_drawn(
+    name, step, args, plans, seed, pipelines, zero, target, cluster=None, show=None
+) -> list[dict]:
+    """`plans` plans of `step` drawn by `draw_plan` (on `cluster`'s devices, default 8),
+    each verified (`target`: compiled for that GPU or TPU slice) into a `plan_row`, one
+    printed line each and `show(report)` after it; a plan verify refuses is an error row."""
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
 
-    step, args = program(name)
     graph = capture(step, *args)
     groups = build_groups(graph)
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(plans):
         t0 = time.perf_counter()
-        plan = draw_plan(graph, groups, rng, pipelines, zero)
+        plan = draw_plan(graph, groups, rng, pipelines, zero, cluster)
         try:
             report = verify(step, plan, *args, target=target)
         except Exception as e:
-            rows.append(dict(model=name, plan=i, error=f"{type(e).__name__}: {str(e)[:120]}"))
+            rows.append(dict(model=name, plan=i, error=f"{type(e).__name__}: {str(e)[:160]}"))
             print(f"{name:<8} {i:>3} error {rows[-1]['error']}", flush=True)
             continue
         rows.append(plan_row(name, i, plan, report, time.perf_counter() - t0))
-        print(_line(rows[-1]), flush=True)
-        if verbose:
-            print(report.summary())
-    return {"model": name, "rows": rows}
+        print(plan_line(rows[-1]), flush=True)
+        if show is not None:
+            show(report)
+    return rows
 
 
 def draw_plan(graph, groups, rng, pipelines: float, zero: float, cluster=None):
@@ -441,7 +452,7 @@ def draw_plan(graph, groups, rng, pipelines: float, zero: float, cluster=None):
 
 
 def plan_row(name: str, i: int, plan, report, seconds: float) -> dict:
-    """One plan's figures: what `_line`, `summarize` and --json read."""
+    """One plan's figures: what `plan_line`, `summarize` and --json read."""
     row = dict(
         model=name,
         plan=i,
@@ -484,7 +495,7 @@ def _flops_within(rows: list[dict]) -> tuple[int, int]:
     return sum(_within(r["flops_ratio"]) for r in some), len(some)
 
 
-def _line(r: dict) -> str:
+def plan_line(r: dict) -> str:
     mesh = "×".join(f"{k}{v}" for k, v in r["mesh"].items())
     pipe = f" {r['stages']}st m{r['microbatches']} {r['schedule']}" if r["stages"] else ""
     mr, fr = r["memory_ratio"], r["flops_ratio"]
@@ -540,7 +551,7 @@ def summarize(results: list[dict]) -> None:
     worst = sorted(every, key=lambda r: -abs((r["memory_ratio"] or 0) - 1))[:8]
     print("\nworst memory disagreements (predicted / XLA):")
     for r in worst:
-        print("  " + _line(r))
+        print("  " + plan_line(r))
 
 
 def _target(text: str) -> str:

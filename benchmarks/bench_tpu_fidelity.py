@@ -93,7 +93,6 @@ import collections
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -101,11 +100,10 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fidelity import _shape_of  # noqa: E402
-from bench_memory import WITHIN, _line, draw_plan, plan_row, summarize  # noqa: E402
+from bench_fidelity import shape_of  # noqa: E402
+from bench_memory import WITHIN, summarize, verify_drawn  # noqa: E402
 
 from automap._zoo import get_model  # noqa: E402
 
@@ -128,29 +126,16 @@ def program(name: str, devices: int):
 def bench_model(name: str, target: str, plans: int, seed: int, pipelines: float, zero: float):
     """Every drawn plan of `name` verified on `target`: bench_memory's rows, with the
     collectives' bytes per kind@axis on both sides."""
-    from automap._capture import capture
-    from automap._groups import build_groups
-    from automap._verify import target_cluster, target_devices, verify
+    from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
     step, args = program(name, cluster.devices)
-    graph = capture(step, *args)
-    groups = build_groups(graph)
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(plans):
-        t0 = time.perf_counter()
-        plan = draw_plan(graph, groups, rng, pipelines, zero, cluster)
-        try:
-            report = verify(step, plan, *args, target=target)
-        except Exception as e:
-            rows.append(dict(model=name, plan=i, error=f"{type(e).__name__}: {str(e)[:160]}"))
-            print(f"{name:<8} {i:>3} error {rows[-1]['error']}", flush=True)
-            continue
-        rows.append(plan_row(name, i, plan, report, time.perf_counter() - t0))
-        print(_line(rows[-1]), flush=True)
+
+    def show(report) -> None:
         for why in report.mismatches:
             print(f"{'':>13}{why}", flush=True)
+
+    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show)
     return {"model": name, "rows": rows}
 
 
@@ -162,7 +147,7 @@ def verdict(results: list[dict]) -> dict:
     n = max(len(rows), 1)
     comm = sum(bool(r["collectives"]) for r in ok)
     mem = sum(r["memory_ratio"] is not None and abs(r["memory_ratio"] - 1) <= WITHIN for r in ok)
-    shapes = collections.Counter(_shape_of(w) for r in ok for w in r["mismatches"])
+    shapes = collections.Counter(shape_of(w) for r in ok for w in r["mismatches"])
     return dict(
         plans=len(rows),
         errors=len(rows) - len(ok),

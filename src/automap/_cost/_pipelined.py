@@ -28,8 +28,8 @@ Built on the cost model of one stage's intra-stage plan (`CostModel`, on the sta
   again in B.
 - sends (`_sends.py`) are point-to-point, alpha-beta per tensor, each on the link between
   its two stages' device groups (NVLink inside a node, the network across: on a pipe axis
-  spanning nodes only some cuts cross it), overlapped with compute: they delay the receiver (a lag in `simulate`) but do
-  not occupy the sender. The lag of a cut is the larger of its two directions' sends.
+  spanning nodes only some cuts cross it), overlapped with compute: they delay the
+  receiver (a lag in `simulate`) but do not occupy the sender. The lag of a cut is the larger of its two directions' sends.
 - the step: PRE (stages run theirs concurrently: the slowest) + the simulated schedule's
   makespan (each stage's REDUCE included) + POST. `bubble_s` = step - the busiest stage's
   own work (PRE + m (F + B) + REDUCE + POST); `compute_s` and `comm_s` are that stage's own, so step = compute + comm + bubble

@@ -33,6 +33,18 @@ PLUGIN_DIR = Path(sys.prefix) / "gpu-compile"
 # The device figures XLA's GPU compiler plans with (stream_executor's DeviceDescription),
 # from NVIDIA's published data sheets: compute capability, SMs, per-SM and per-block
 # shared memory, L2, HBM size and bandwidth, boost clock.
+_H100: dict[str, Any] = dict(
+    name="NVIDIA H100 80GB HBM3",
+    capability=(9, 0),
+    sms=132,
+    fpus_per_sm=128,
+    shared_per_sm=233472,
+    shared_per_block_optin=232448,
+    l2=50 * 2**20,
+    memory=80 * 2**30,
+    bandwidth=3352e9,
+    clock_ghz=1.98,
+)
 SPECS: dict[str, dict[str, Any]] = {
     "a100": dict(
         name="NVIDIA A100-SXM4-80GB",
@@ -46,32 +58,16 @@ SPECS: dict[str, dict[str, Any]] = {
         bandwidth=2039e9,
         clock_ghz=1.41,
     ),
-    "h100": dict(
-        name="NVIDIA H100 80GB HBM3",
-        capability=(9, 0),
-        sms=132,
-        fpus_per_sm=128,
-        shared_per_sm=233472,
-        shared_per_block_optin=232448,
-        l2=50 * 2**20,
-        memory=80 * 2**30,
-        bandwidth=3352e9,
-        clock_ghz=1.98,
-    ),
+    "h100": _H100,
     # The H100's die (sm_90, 132 SMs) with 141 GB of HBM3e at 4.8 TB/s (NVIDIA's H200
     # data sheet); the memory XLA plans with and the L2 as a lent H200 reported them
     # (nvidia-smi: 143,771 MiB, SM clock up to 1,980 MHz; PyTorch: 60 MB of L2).
     "h200": dict(
+        _H100,
         name="NVIDIA H200",
-        capability=(9, 0),
-        sms=132,
-        fpus_per_sm=128,
-        shared_per_sm=233472,
-        shared_per_block_optin=232448,
         l2=60 * 2**20,
         memory=143771 * 2**20,
         bandwidth=4.8e12,
-        clock_ghz=1.98,
     ),
 }
 
