@@ -45,6 +45,7 @@ from ._shared import (
     leaf_shape,
     other_program,
     per_structure,
+    placed,
     validate_plan,
 )
 
@@ -62,6 +63,11 @@ def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
 
 
 def _sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
+    # Trailing Nones dropped, as JAX writes the shardings of a step's outputs: a loop's
+    # fed-back state then compares equal to the plan's and is not placed again (`placed`).
+    spec = tuple(spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
@@ -153,7 +159,7 @@ class Prepared:
         leaves = jax.tree_util.tree_leaves(args)
         if self.feed is not None:
             return self.jitted(*self.feed.place(leaves, self.in_shardings))
-        return self.jitted(*jax.device_put(leaves, self.in_shardings))
+        return self.jitted(*placed(leaves, self.in_shardings))
 
 
 def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable:
