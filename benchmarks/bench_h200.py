@@ -140,8 +140,9 @@ def _bandwidth() -> float:
     return 3 * 4 * 2**30 / seconds
 
 
-def run_step(config: dict) -> dict:
-    """One configuration's plan run on this process's first device."""
+def run_step(config: dict, trace_dir: str | None = None, traced: int = 3) -> dict:
+    """One configuration's plan run on this process's first device; with `trace_dir`,
+    `traced` more steps under `jax.profiler.trace` (perfetto) into it, after the timing."""
     import jax
 
     import automap as am
@@ -164,6 +165,11 @@ def run_step(config: dict) -> dict:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
     stats = jax.local_devices()[0].memory_stats() or {}
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(traced):
+                state = step(state[1], state[2], args[2])
+                jax.block_until_ready(state)
     return {
         "step_s": statistics.median(times),
         "steps_s": times,
