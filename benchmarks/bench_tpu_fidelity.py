@@ -27,17 +27,24 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
 
-Measured at 8eb2542 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
-cores; `--plans 12 --models gpt`, 14 min, then `--models llama`, 15 min): the criterion
-fails on both counts. FLOPs agree on 24 of 24.
+Measured at dc2b266 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
+cores beside other work; `--plans 12 --models llama`, 20 min, then `--models gpt`, 26
+min): the criterion fails on collectives (9 of 24, as at 8eb2542) and memory (14 of 24;
+llama's 11 of 12 were 9 at 8eb2542: moved by the commits in between, not by dc2b266,
+which prices only collectives). FLOPs agree on 24 of 24. dc2b266 prices a
+whole 64-chip slice's all-gathers as the all-reduces XLA compiles (below): llama plan 11
+lost its all-gather disagreement, and still fails on the attention's.
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
 | gpt   | 7 of 12     | 3 of 12      | 2 of 6          | 2 of 8       | 1 of 2           |
-| llama | 2 of 12     | 9 of 12      | 5 of 5          | 5 of 5       | 3 of 3           |
-| all   | 9 of 24 (38%) | 12 of 24 (50%) |              |              |                  |
+| llama | 2 of 12     | 11 of 12     | 5 of 5          | 5 of 5       | 3 of 3           |
+| all   | 9 of 24 (38%) | 14 of 24 (58%) |              |              |                  |
 
-Before that commit's three fixes, verify refused 6 of the 12 meshes the 64-chip space
+At 8eb2542 (`--plans 12 --models gpt`, 14 min, then `--models llama`, 15 min) the same
+but llama's memory, 9 of 12 (12 of 24 in all).
+
+Before 8eb2542's three fixes, verify refused 6 of the 12 meshes the 64-chip space
 offers (32 x 2, 8 x 8: create_device_mesh would not split a torus dimension, where the
 cost model lays them split), a ZeRO gradient over data 32 x model 2 (three torus
 dimensions, two groups) was priced as all-reduced whole where XLA reduce-scatters it,
@@ -48,13 +55,27 @@ to reduce-scatter 40 / 44 and all-reduce 4.3 / 0.43.
 
 What keeps the collectives apart (the most common disagreements, by mechanism):
 
-- llama's attention (8 heads in 2 key/value groups, rotary halves): on every one of its
-  8 one-stage plans with a model axis (and none of gpt's), XLA reshards the heads'
-  activations with collective-permutes and all-to-alls of padded pieces (ops `pad`,
-  `split`, `slice`, `concatenate` on `bf16[128,128,8,1]`, `[128,128,2,4,1]`), where the
-  cost model prices all-gathers of the whole activation: plan 1 (model 2 x data 32)
-  all-gather@data 108 MiB priced / 32 XLA, all-gather@model 48 / 0, permutes 0 / 10.8.
-  Not in `_torus`/`_tiles`: the resharding rules of reshapes.
+- llama's attention (8 heads in 2 key/value groups, rotary halves): llama's one-stage
+  plans with a model axis (none of gpt's, which has no rotary), read where the random
+  point splits the head dimension d and the rotary halves (plans 1 and 11; the other 6
+  show the same permutes, not read op by op). Reproduced on 8 chips (a 1-layer
+  llama, hidden 512, batch 16, v5p:2x2x2, model 2 x data 4, hidden and d and both
+  rotary halves on data): the cost model prices all-gathers of the rotary's operands,
+  6.25 MiB (the forward's concatenate and the backward's split and pads of d, each an
+  "untied" reshard row, `_cost/_rows._reshard_rows`), XLA has 1.25 MiB of all-gathers
+  (d gathered where the attention output [B, S, heads, d] merges into hidden), 3.28 MiB
+  of collective-permutes (halo exchanges: each slice, split and pad of a d split 4 ways
+  moves 2.5-3 shards of its input, e.g. a [.., 64] -> 2 x [.., 32] split: three 8-wide
+  pieces and one 16-wide), 0.63 MiB of all-to-alls (the concatenate, in bf16: XLA moves
+  the cast before it) and a 0.25 MiB reduce-scatter. XLA's sharding propagation keeps d
+  split through the rotary's slices and pads, where the plan's groups have the rotary's
+  input and the pads' output whole (the reshape's minor d, `_groups/_rules.minor_factors`),
+  so pricing it takes both a propagation rule for slice/pad/concatenate and XLA's halo
+  exchange sizes. On 64 chips (plan 1, model 2 x data 32) the same: all-gather@data 108
+  MiB priced / 32 XLA, all-gather@model 48 / 0, permutes 0 / 10.8. Plan 11 (data 64)
+  adds a third: the QK einsum contracting the split d is priced as an all-reduce of its
+  partial scores (128 MiB), where XLA gathers q and k instead (80 MiB, bf16, as an
+  all-reduce: next bullet but one).
 - ZeRO gradients XLA reduce-scatters that `Lowering.scatter_least_elements` prices as
   all-reduced whole: on 4x4x4 `x.sum(0)` of f32 [D, R, C] to P("data") reduce-scatters
   every shard of at least 2048 elements and 8 rows (16x128, 8x512, 16x256 scattered;
@@ -63,12 +84,20 @@ What keeps the collectives apart (the most common disagreements, by mechanism):
   2x2x2, where data 4 still leaves 16x128 and 8x512 whole): gpt plans 0 and 8,
   reduce-scatter@data 9% and 8% under XLA's. The rule needs the torus dimensions' sizes,
   which `_model._kept_whole` does not pass.
-- ZeRO-3 with remat: the forward's gathers are priced again in the backward, XLA keeps
-  them (gpt plan 7: all-gather@data 72.7 MiB priced / 38.6 XLA).
-- one group of all 64 chips: XLA's TPU runs an all-gather as an all-reduce (mlp ZeRO-1 at
-  data 64, hidden 2048: all-reduce 97.3 MiB against 48.7 + 48.7 MiB of all-reduce and
-  all-gather priced; on 2x2x2 it stays an all-gather); llama plan 11 (data 64, 160 MiB
-  of all-gather priced, none in XLA).
+- ZeRO-3 of a float32 model (gpt plan 7, with remat; without remat too): XLA's TPU runs
+  the float32 matmuls in bf16 at default precision and gathers the weights' bf16 casts,
+  half the bytes priced, forward and backward alike (not the forward's gathers kept):
+  plan 7's gathers are bf16[2048, 512], [512, 2048], [512, 512], [512, 128], only the
+  embedding tables f32 (all-gather@data 72.7 MiB priced / 38.6 XLA); on 2x2x2 (gpt,
+  2 layers of 256, data 8, ZeRO-3) 13.66 / 7.13 MiB with or without remat, where compiled
+  for A100s the f32 weights are gathered whole (13.66 both sides). Pricing it needs the
+  lowering at `_zero.gathered_bytes`, whose caller is `_cost/_tables.py`.
+- one group of every chip of a slice of 64 or more: XLA's TPU runs an all-gather as an
+  all-reduce of the gathered buffer (measured on v5p 4x4x4, 2x4x8, 4x4x6, 4x4x8, 4x8x8,
+  v5e and v6e 8x8; 2x2x2, 2x2x4, 2x4x4, v5e 4x8 and 64 of 4x4x8's chips keep the
+  all-gather), priced so since dc2b266 (`Lowering.gather_all_reduced_from`): mlp ZeRO-1
+  at data 64 matches. Llama plan 11 (data 64) now disagrees only on all-reduce@data,
+  1.13 GiB priced / 1.05 XLA (+7.5%): the attention's gathers above.
 - bf16 llama's gradients all-reduced over data where priced reduce-scattered (plans 0
   and 9: 14.3 MiB of bf16 all-reduce, 18 KiB priced) and pipelines' ZeRO-1 stages on
   data 2 x model 8 (4-7 MiB of all-reduce and permutes per stage, gpt plan 4): not read.

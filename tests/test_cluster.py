@@ -63,15 +63,19 @@ def test_a_cluster_carries_its_compilers_lowering():
     # Every GPU preset compiles as XLA's GPU pipeline does (Hopper's with its 16-bit
     # arithmetic), every TPU preset as its TPU
     # pipeline (the GPU's, its arrays in tiles, small ZeRO gradients all-reduced whole,
-    # ZeRO-3's gathers beside compute), the cpu preset as its CPU pipeline: one object,
-    # each switch off on the CPU.
+    # ZeRO-3's gathers beside compute, a whole 64-chip slice's gathers all-reduced), the
+    # cpu preset as its CPU pipeline: one object, each switch off on the CPU.
     for name in ("v100", "a100"):
         assert am.Cluster.preset(name).lowering == am.Lowering.gpu()
     hopper = dataclasses.replace(am.Lowering.gpu(), native_bf16_arithmetic=True)
     for name in ("h100", "h200"):  # Hopper adds and multiplies bfloat16 in bfloat16
         assert am.Cluster.preset(name).lowering == am.Lowering.hopper() == hopper
     tpu = dataclasses.replace(
-        am.Lowering.gpu(), tile_padding=True, scatter_least_elements=2048, overlaps_prefetch=True
+        am.Lowering.gpu(),
+        tile_padding=True,
+        scatter_least_elements=2048,
+        overlaps_prefetch=True,
+        gather_all_reduced_from=64,
     )
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
@@ -80,6 +84,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     assert cpu == am.Lowering.preset("cpu") != am.Lowering.gpu()
     assert cpu.collective_float_bytes == 4
     numbers = {"collective_float_bytes", "all_reduce_combine_bytes", "scatter_least_elements"}
+    numbers.add("gather_all_reduced_from")
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles

@@ -85,6 +85,26 @@ def test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole():
     assert "reduce-scatter@data" not in report.predicted_comm_bytes
 
 
+@pytest.mark.parametrize(("topology", "gathered"), [("4x4x4", False), ("2x4x4", True)])
+def test_a_tpu_gathers_over_a_whole_slice_as_an_all_reduce(topology, gathered):
+    # ZeRO-1 over every chip of a slice: the updated parameters' all-gather over data is
+    # an all-reduce of the gathered buffer in XLA's TPU compile where the slice has 64
+    # chips (`Lowering.gather_all_reduced_from`), an all-gather where it has 32. Priced as
+    # a GPU's, the 64-chip step would hold an all-gather XLA does not have.
+    v5p = am.Cluster.preset("tpu-v5p", topology=topology)
+    spec = get_model("mlp", layers=2, hidden=1024, batch=2 * v5p.devices)
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=v5p.devices, zero=1), cluster=v5p)
+    report = verify(step, plan, *args, target=f"v5p:{topology}")
+    assert report.collectives_match, report.mismatches
+    assert ("all-gather@data" in report.xla_comm_bytes) is gathered
+    assert ("all-gather@data" in report.predicted_comm_bytes) is gathered
+    # Gathered or all-reduced, the updated parameters move the same bytes.
+    assert report.predicted_comm_bytes["all-reduce@data"] == pytest.approx(
+        report.xla_comm_bytes["all-reduce@data"], rel=0.05
+    )
+
+
 @pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~55 s on two loaded cores
 def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
     # A bfloat16 GPT in 2 stages x data 2 x model 2 on a v5p 2x2x2 slice, each stage's

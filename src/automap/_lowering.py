@@ -160,6 +160,15 @@ class Lowering:
     the whole 2x2x2 cube up to f32[8192, 1024]); 0: every ZeRO gradient is
     reduce-scattered (GPUs). docs/DESIGN.md, "TPU slices"; held by
     tests/test_verify_tpu.py::test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole."""
+    gather_all_reduced_from: int = 0
+    """Where not 0, an all-gather whose group is every chip of a one-slice torus of at
+    least this many chips runs as an all-reduce of the gathered buffer (each chip adds its
+    shard into zeros): the same bytes, an all-reduce's time (`_cost._kernel.totals`).
+    XLA's TPU compiler does so (libtpu 0.0.42.1, a data-sharded f32 or bf16 [n, C]
+    gathered whole, C from 128 to 262144: an all-reduce on v5p 4x4x4, 2x4x8, 4x4x6,
+    4x4x8, 4x8x8, v5e and v6e 8x8; an all-gather on v5p 2x2x2, 2x2x4, 2x4x4, v5e 4x8, and
+    over 64 of 4x4x8's 128 chips): 64 on `Lowering.tpu()`. Held by
+    tests/test_verify_tpu.py::test_a_tpu_gathers_over_a_whole_slice_as_an_all_reduce."""
 
     # ---- presets ----------------------------------------------------------------------
 
@@ -179,7 +188,12 @@ class Lowering:
         """XLA's TPU pipeline (every TPU preset): the GPU's collective rewrites, its
         arrays laid out in tiles, ZeRO-3's gathers beside the forward's matmuls (under
         the flags the runtime compiles TPU programs with, `_run/_compiler.py`)."""
-        return cls(tile_padding=True, scatter_least_elements=2048, overlaps_prefetch=True)
+        return cls(
+            tile_padding=True,
+            scatter_least_elements=2048,
+            overlaps_prefetch=True,
+            gather_all_reduced_from=64,
+        )
 
     @classmethod
     def cpu(cls) -> Lowering:

@@ -76,6 +76,13 @@ class AxisCosts:
         self._flat_beta = self.beta.transpose(1, 0, 2).reshape(2, -1)
         self.keys = np.arange(len(KINDS) * k)
         self.key_kind, self.key_mask = np.divmod(self.keys, k)
+        # Masks whose group is every chip of a one-slice torus (`Lowering.
+        # gather_all_reduced_from`): a pipeline stage's sub-mesh has none.
+        whole = cluster.topology and cluster.slices == 1
+        self.slice_chips = int(cluster.devices) if whole else 0
+        self.whole_slice = (
+            (n == cluster.devices) & (np.arange(k) > 0) if whole else np.zeros(k, bool)
+        )
 
     def by_key(self, key: np.ndarray, nbytes: np.ndarray, count: np.ndarray) -> np.ndarray:
         """`time` for rows keyed kind * masks + axis mask (one gather per table)."""
