@@ -71,7 +71,14 @@ def test_a_cluster_carries_its_compilers_lowering():
     for name in ("h100", "h200"):  # Hopper adds and multiplies bfloat16 in bfloat16
         assert am.Cluster.preset(name).lowering == am.Lowering.hopper() == hopper
     tpu = dataclasses.replace(
-        am.Lowering.gpu(), tile_padding=True, scatter_least_elements=2048, overlaps_prefetch=True
+        am.Lowering.gpu(),
+        tile_padding=True,
+        scatter_least_elements=2048,
+        overlaps_prefetch=True,
+        fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
+        matmul_operand_bytes=2,
+        fused_row_elements=1024,  # a wide softmax shift written beside its logits
+        fused_row_contraction=256,
     )
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
@@ -80,6 +87,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     assert cpu == am.Lowering.preset("cpu") != am.Lowering.gpu()
     assert cpu.collective_float_bytes == 4
     numbers = {"collective_float_bytes", "all_reduce_combine_bytes", "scatter_least_elements"}
+    numbers |= {"matmul_operand_bytes", "fused_row_elements", "fused_row_contraction"}
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles
