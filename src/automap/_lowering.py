@@ -154,8 +154,8 @@ class Lowering:
     included: then a float32 residual that matmuls and fusible ops read, made by
     elementwise or layout ops (GELU's output and its tanh, a layer norm's output,
     softmax's probabilities), is made again inside each backward reader from its operands
-    (`_cost._residuals`), and its forward buffer dies at its last forward reader
-    (`_cost._buffers`). XLA's TPU does (its convolution fusions take their operands'
+    (`_cost._residuals`; not a recomputed layer's, whose recompute writes them), and its
+    forward buffer dies at its last forward reader (`_cost._buffers`). XLA's TPU does (its convolution fusions take their operands'
     producers; libtpu 0.0.42.1, v5p: a float32 2-layer GPT's buffers alive at its peak
     hold no tanh, GELU output, layer-norm output or probabilities; a bfloat16 Llama's
     keep its SwiGLU product and bf16 probabilities, so 16-bit residuals are not made

@@ -134,8 +134,11 @@ def _remade_from(
     rows, depth = lowering.fused_row_elements, lowering.fused_row_contraction
     if rows and _shift_apart(graph, t, rows, depth):
         return None
-    # a matmul reader fuses a float32 operand's chain too (with the convert it runs it in)
+    # a matmul reader fuses a float32 operand's chain too (with the convert it runs it
+    # in), but a recompute writes what its backward's matmuls read (XLA's TPU: a
+    # recomputed GELU output as bf16, the width `_buffers` then holds it at)
     fused = lowering.fuses_matmul_operands and graph.tensors[t].dtype == "float32"
+    fused = fused and not recomputed
     readers = FUSIBLE | MATMULS if fused else FUSIBLE
     remade = (
         op.primitive in _CHEAP
