@@ -87,15 +87,17 @@ loss' 4096-wide softmax in a kernel of its own beside the logits
 (`Lowering.fuses_matmul_operands`, `matmul_operand_bytes`, `fused_row_elements`).
 
 Measured again at e6963ce (2026-12-04, same versions, seed 0, v5p:4x4x4, two loaded
-cores; `--plans 12 --models gpt`, 18 min): gpt memory 7 of 12 within 15% (was 3):
-plans 2, 3, 5, 9, 10 from 1.61, 1.39, 1.38, 1.40, 1.39 to 0.92, 0.90, 1.01, 0.93, 1.06
-(1.02 and 1.00 kept on plan 6 and the 1F1B pipeline 11); collectives unchanged (7 of
-12). ZeRO 1-3 memory 2 of 6, remat 3 of 8, pipelines 1 of 2. Left apart: plan 1 (data
-32 x model 2, remat, 1.19, was 1.46), and three ZeRO plans under remat priced under
-XLA's buffers (0: 0.77, 7: 0.78, was 0.90, 8: 0.69): under remat XLA's scheduler makes
-the copies of the matrices and their Adam moments it relays in the weight gradient's
-layout for the update early in the forward and holds them through the step (64 MiB on
-the 2-layer gpt above under full remat, unpriced); the GPipe pipeline 4 at 0.82.
+cores; `--plans 12 --models gpt`, 18 min): gpt memory 7 of 12 within 15% (was 3),
+collectives unchanged (7 of 12). Re-priced at 3da2ee1 (a recomputed layer's operands
+written by its recompute) against the same XLA buffers, still 7 of 12: plans 2, 3, 5,
+9, 10 from 1.61, 1.39, 1.38, 1.40, 1.39 to 0.92, 0.90, 1.10, 0.93, 1.13 (1.02 and 1.00
+kept on plan 6 and the 1F1B pipeline 11). ZeRO 1-3 memory 2 of 6, remat 3 of 8,
+pipelines 1 of 2. Left apart: plan 1 (data 32 x model 2, remat, 1.27, was 1.46), and
+three ZeRO plans under remat priced under XLA's buffers (0: 0.79, 7: 0.82, was 0.90,
+8: 0.72): under remat XLA's scheduler makes the copies of the matrices and their Adam
+moments it relays in the weight gradient's layout for the update early in the forward
+and holds them through the step (64 MiB on the 2-layer gpt above under full remat,
+unpriced); the GPipe pipeline 4 at 0.82.
 """
 
 from __future__ import annotations
