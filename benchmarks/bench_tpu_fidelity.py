@@ -97,7 +97,7 @@ three ZeRO plans under remat priced under XLA's buffers (0: 0.79, 7: 0.82, was 0
 8: 0.72): under remat XLA's scheduler makes the copies of the matrices and their Adam
 moments it relays in the weight gradient's layout for the update early in the forward
 and holds them through the step (64 MiB on the 2-layer gpt above under full remat,
-unpriced); the GPipe pipeline 4 at 0.82 (as priced at e6963ce).
+unpriced); the GPipe pipeline 4 at 0.82 (pipelines are priced as before).
 """
 
 from __future__ import annotations
