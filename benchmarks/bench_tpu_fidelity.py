@@ -103,16 +103,33 @@ What keeps the collectives apart (the most common disagreements, by mechanism):
   data 2 x model 8 (4-7 MiB of all-reduce and permutes per stage, gpt plan 4): not read.
 
 Memory: the stored state agrees (parameters + optimizer state + batch equal XLA's
-arguments on all 19 one-stage plans); the dynamic part does not. Over-predicted
-1.21-1.61x on 9 one-stage plans (8 without ZeRO) whose activations are hundreds of MiB a
-chip (the random point replicates the batch or shards the hidden dimension, so a chip
-holds the step's whole [128, 128, ...] activations): gpt plan 2 prices 2391 MiB of
-activations where XLA's temporaries are 1480 MiB (its largest buffers: the f32 logits
-[128, 128, 4096] and their gradient, 256 MiB each, the FFN's [128, 128, 2048] at 128
-MiB, and bf16 copies of the f32 matmuls' operands, which XLA's TPU runs in bf16 at
-default precision); the activations are the jaxpr's residuals, as on the CPU
-(`bench_memory.py`: transformers 1.2-1.6x). Under-predicted 0.81x on two gpt ZeRO plans
-with remat (priced gradients + activations 56 and 64 MiB, XLA's temporaries 80 and 85).
+arguments on all 19 one-stage plans); the dynamic part did not. At 8eb2542 the
+activations were the jaxpr's residuals, as on the CPU: over-predicted 1.21-1.61x on 9
+one-stage plans (8 without ZeRO) whose activations are hundreds of MiB a chip (the
+random point replicates the batch or shards the hidden dimension): gpt plan 2 priced
+2391 MiB of activations where XLA's temporaries are 1480 MiB. Read on a 2-layer gpt,
+data 4 on v5p 2x2x1 (32 sequences a chip), XLA's TPU keeps 80 MiB a layer where 192
+were priced: it fuses the chain making a float32 matmul operand into the matmul (GELU's
+output and tanh, the layer norms' outputs, the probabilities are made again in the
+backward), keeps q, k, v and the context, read only by matmuls, as bf16, and shifts the
+loss' 4096-wide softmax in a kernel of its own beside the logits
+(`Lowering.fuses_matmul_operands`, `matmul_operand_bytes`, `fused_row_elements`).
+
+Measured again at e6963ce (2026-12-04, same versions, seed 0, v5p:4x4x4, two loaded
+cores; `--plans 12 --models gpt`, 18 min): gpt memory 7 of 12 within 15% (was 3),
+collectives unchanged (7 of 12). Re-priced at 3da2ee1 (a recomputed layer's operands
+written by its recompute) against the same XLA buffers, still 7 of 12: plans 2, 3, 5,
+9, 10 from 1.61, 1.39, 1.38, 1.40, 1.39 to 0.92, 0.90, 1.10, 0.93, 1.13 (1.02 and 1.00
+kept on plan 6 and the 1F1B pipeline 11). ZeRO 1-3 memory 2 of 6, remat 3 of 8,
+pipelines 1 of 2. Left apart: plan 1 (data 32 x model 2, remat, 1.27, was 1.46), and
+three ZeRO plans under remat priced under XLA's buffers (0: 0.79, 7: 0.82, was 0.90,
+8: 0.72): under remat XLA's scheduler makes the copies of the matrices and their Adam
+moments it relays in the weight gradient's layout for the update early in the forward
+and holds them through the step (64 MiB on the 2-layer gpt above under full remat,
+unpriced); the GPipe pipeline 4 at 0.82 (pipelines are priced as before). Llama, priced
+as before on all 12 plans (the rules are float32's), measured at e6963ce (`--models
+llama`, 20 min): memory 11 of 12 within 15% (plan 1, model 2 x data 32, at 1.21),
+collectives 2 of 12; both models 18 of 24 (75%) memory, 9 of 24 collectives.
 """
 
 from __future__ import annotations

@@ -76,6 +76,10 @@ def test_a_cluster_carries_its_compilers_lowering():
         scatter_least_elements=2048,
         overlaps_prefetch=True,
         gather_all_reduced_from=64,
+        fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
+        matmul_operand_bytes=2,
+        fused_row_elements=1024,  # a wide softmax shift written beside its logits
+        fused_row_contraction=256,
     )
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
@@ -85,6 +89,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     assert cpu.collective_float_bytes == 4
     numbers = {"collective_float_bytes", "all_reduce_combine_bytes", "scatter_least_elements"}
     numbers.add("gather_all_reduced_from")
+    numbers |= {"matmul_operand_bytes", "fused_row_elements", "fused_row_contraction"}
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles

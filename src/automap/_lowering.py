@@ -148,6 +148,39 @@ class Lowering:
     and on the CPU: each collective charged in full, the upper bound. Read on
     compile-only A100s; held by
     tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices."""
+    fuses_matmul_operands: bool = False
+    """Whether XLA fuses the elementwise chain that makes a float32 matmul operand into the
+    matmul's own kernel (with the convert it runs it in), transcendental functions
+    included: then a float32 residual that matmuls and fusible ops read, made by
+    elementwise or layout ops (GELU's output and its tanh, a layer norm's output,
+    softmax's probabilities), is made again inside each backward reader from its operands
+    (`_cost._residuals`; not a recomputed layer's, whose recompute writes them), and its
+    forward buffer dies at its last forward reader (`_cost._buffers`). XLA's TPU does (its convolution fusions take their operands'
+    producers; libtpu 0.0.42.1, v5p: a float32 2-layer GPT's buffers alive at its peak
+    hold no tanh, GELU output, layer-norm output or probabilities; a bfloat16 Llama's
+    keep its SwiGLU product and bf16 probabilities, so 16-bit residuals are not made
+    again); its GPU pipeline calls cuBLAS, which reads its operands from memory (False)."""
+    matmul_operand_bytes: int = 0
+    """Bytes per element a float32 matmul reads its operands in at the default precision,
+    where not 0: a float32 residual kept only for matmuls (every tensor it stands in for
+    is read by default-precision matmuls alone) is stored converted, at this width
+    (`_cost._buffers`). XLA's TPU runs such matmuls in one bfloat16 pass (2) and writes
+    the convert in the producer's kernel (libtpu 0.0.42.1, v5p: a float32 GPT's attention
+    keeps its q, k, v and context as bf16 [32, 128, 512]); 0: as the tensor (GPUs, CPUs)."""
+    fused_row_elements: int = 0
+    """Where not 0, the longest row whose reduction XLA runs inside the matmul kernel that
+    makes it (a softmax's max over the last axis of a matmul's output) when the matmul
+    contracts more than `fused_row_contraction` elements: the shift of a longer row (the
+    output less its row max) is written by a kernel of its own and kept for the backward
+    in the output's place, both alive as it is made (`_cost._residuals`). XLA's TPU: 1024
+    (libtpu 0.0.42.1, v5p: the log-softmax of a float32 [r, n] = [b, 128, K] @ [K, n]
+    holds 2x the logits in temporaries for n from 2048, r from 2048 and K 512 or 1024,
+    1x for n = 1024 or K up to 256; a 2-layer GPT's f32 [32, 128, 4096] logits, K = 512,
+    and their shift were both alive at its peak, with K = 256 one kernel made both); 0:
+    never apart (the cost model's GPU and CPU rules store the exp instead)."""
+    fused_row_contraction: int = 0
+    """With `fused_row_elements`: the longest contraction whose matmul XLA fuses into the
+    kernel of its output's softmax shift, however long the row (XLA's TPU: 256)."""
     scatter_least_elements: int = 0
     """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
     enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
@@ -193,6 +226,10 @@ class Lowering:
             scatter_least_elements=2048,
             overlaps_prefetch=True,
             gather_all_reduced_from=64,
+            fuses_matmul_operands=True,
+            matmul_operand_bytes=2,
+            fused_row_elements=1024,
+            fused_row_contraction=256,
         )
 
     @classmethod

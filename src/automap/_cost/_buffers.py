@@ -20,7 +20,7 @@ from .._graph import Graph
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import stand_in_map
+from ._residuals import MATMULS, stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -45,11 +45,14 @@ def step_buffers(
     once = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
     again = stand_in_map(graph, consumers, lowering, recomputed=True) if remade else once
 
+    serves: dict[int, set[int]] = {}  # stored tensor -> the residuals it is stored for
+
     def stand_ins(saved: Iterable[int], stored=once) -> set[int]:
         out: set[int] = set()
         for r in saved:
             for t in stored(r):
                 out.add(t)
+                serves.setdefault(t, set()).add(r)
                 last[t] = max(last[t], last[r])
                 if first[r] >= 0:
                     first[t] = first[r] if first[t] < 0 else min(first[t], first[r])
@@ -67,6 +70,11 @@ def step_buffers(
             made = [graph.tensors[t].producer for t in ts]
             blocks.append((min(made), max(made), reads.min()))
         recomputed += mine
+    if lowering.fuses_matmul_operands:
+        # a residual made again in its backward readers (a matmul's operand too, which XLA
+        # writes for the forward's matmul) dies at its last forward reader
+        for r in set(res.saved) - kept - set(recomputed):
+            last[r] = max((c for c in consumers[r] if c <= res.boundary), default=-1)
     in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
     outputs = {leaf.tensor for leaf in graph.outputs}
     ids = [
@@ -88,7 +96,14 @@ def step_buffers(
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
-    width = np.array([_held_wide(graph, consumers, t, lowering) for t in tensor], dtype=float)
+    width = np.array(
+        [
+            _held_wide(graph, consumers, t, lowering)
+            * _operand_width(graph, consumers, serves.get(int(t), ()), lowering)
+            for t in tensor
+        ],
+        dtype=float,
+    )
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
     return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
 
@@ -168,6 +183,34 @@ def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering) -> float:
     ):
         return 1.0
     return 4.0 / x.itemsize
+
+
+def _operand_width(graph: Graph, consumers, residuals: Iterable[int], lowering: Lowering) -> float:
+    """How many times its own bytes a stored float32 tensor takes where it is kept only for
+    matmuls that read it narrower (`Lowering.matmul_operand_bytes`): every residual it is
+    stored for is float32 and read by default-precision matmuls alone, so XLA stores their
+    operand's convert, written by the kernel that makes it (XLA's TPU: q, k, v as bf16).
+    1 otherwise."""
+    rs = list(residuals)
+    if not lowering.matmul_operand_bytes or not rs:
+        return 1.0
+    for r in rs:
+        x = graph.tensors[r]
+        readers = [graph.ops[c] for c in consumers[r]]
+        if x.dtype != "float32" or not readers:
+            return 1.0
+        if not all(op.primitive in MATMULS and _default_precision(op) for op in readers):
+            return 1.0
+    return lowering.matmul_operand_bytes / 4.0
+
+
+def _default_precision(op) -> bool:
+    """Whether a matmul runs at the backend's default precision (no `precision`, no wider
+    result asked for than its operands)."""
+    return op.params.get("precision") is None and op.params.get("preferred_element_type") in (
+        None,
+        "float32",
+    )
 
 
 #: What XLA's GPU pipeline runs in bfloat16 where `Lowering.native_bf16_arithmetic`.

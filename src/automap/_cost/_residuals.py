@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from .._capture import Residuals
 from .._graph import Graph
 from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
@@ -115,6 +117,8 @@ def _remade_from(
 ) -> list[int] | None:
     """The operands XLA makes residual t again from (`stored_residuals`), or None: stored.
 
+    With `lowering.fuses_matmul_operands` (XLA's TPU) a matmul reader fuses the chain
+    too, and an expensive result is made again like a cheap one.
     With `lowering.remakes_residuals` an expensive elementwise result is made again too
     where it is part of a row normalization (`_normalizes`), or where it is a recomputed
     layer's (`recomputed`): the first forward makes it in the kernel that feeds its next
@@ -127,15 +131,83 @@ def _remade_from(
     if p is None:
         return []  # a step input: stored as such, not an activation
     op = graph.ops[p]
+    rows, depth = lowering.fused_row_elements, lowering.fused_row_contraction
+    if rows and _shift_apart(graph, t, rows, depth):
+        return None
+    # a matmul reader fuses a float32 operand's chain too (with the convert it runs it
+    # in), but a recompute writes what its backward's matmuls read (XLA's TPU: a
+    # recomputed GELU output as bf16, the width `_buffers` then holds it at)
+    fused = lowering.fuses_matmul_operands and graph.tensors[t].dtype == "float32"
+    fused = fused and not recomputed
+    readers = FUSIBLE | MATMULS if fused else FUSIBLE
     remade = (
         op.primitive in _CHEAP
         and (
-            not is_expensive(graph, op)
+            fused
+            or not is_expensive(graph, op)
             or (lowering.remakes_residuals and (recomputed or _normalizes(graph, t)))
         )
-        and all(graph.ops[c].primitive in FUSIBLE for c in consumers[t])
+        and all(graph.ops[c].primitive in readers for c in consumers[t])
     )
     return [i for i in op.inputs if graph.tensors[i].ndim] if remade else None
+
+
+#: The matmul primitive: on XLA's TPU its kernel fuses the chains that make its operands.
+MATMULS = frozenset({"dot_general"})
+
+
+def _shift_apart(graph: Graph, t: int, row_limit: int, contraction_limit: int) -> bool:
+    """Whether t is a softmax's shift written apart (`Lowering.fused_row_elements`): a
+    matmul's output less a reduction of that output over its last axis, rows longer than
+    `row_limit`, the matmul contracting more than `contraction_limit` elements."""
+    op = graph.ops[graph.tensors[t].producer]
+    if op.primitive != "sub" or len(op.inputs) != 2:
+        return False
+    a, b = op.inputs
+    x = graph.tensors[a]
+    if not x.ndim or x.shape[-1] <= row_limit:
+        return False
+    dot = _matmul_made(graph, a)
+    if dot is None or _contraction(graph, dot) <= contraction_limit:
+        return False
+    todo, seen = [(b, 0)], set()
+    while todo:  # b: a's row reduction, broadcast back (through a max, a stop_gradient)
+        y, depth = todo.pop()
+        p = graph.tensors[y].producer
+        if p is None or y in seen or depth > 6:
+            continue
+        seen.add(y)
+        r = graph.ops[p]
+        if r.primitive in REDUCE_SUM_LIKE:
+            if r.inputs[0] == a and tuple(r.params.get("axes", ())) == (x.ndim - 1,):
+                return True
+        elif r.primitive in _CHEAP:
+            todo.extend((i, depth + 1) for i in r.inputs)
+    return False
+
+
+def _matmul_made(graph: Graph, t: int, depth: int = 3):
+    """The matmul whose output t is, or that t is made from alone by elementwise ops with
+    operands far smaller than it (a scale, a mask's broadcast), in its type; else None."""
+    for _ in range(depth + 1):
+        p = graph.tensors[t].producer
+        if p is None:
+            return None
+        op = graph.ops[p]
+        if op.primitive in MATMULS:
+            return op
+        big = [i for i in op.inputs if 8 * graph.tensors[i].nbytes > graph.tensors[t].nbytes]
+        if op.primitive not in _CHEAP or len(big) != 1 or op.primitive == "convert_element_type":
+            return None  # (a 16-bit matmul's output widened is reduced in its own kernel)
+        t = big[0]
+    return None
+
+
+def _contraction(graph: Graph, dot) -> int:
+    """Elements a matmul contracts per output element."""
+    (lhs_contract, _), _ = dot.params["dimension_numbers"]
+    shape = graph.tensors[dot.inputs[0]].shape
+    return int(np.prod([shape[d] for d in lhs_contract], dtype=np.int64))
 
 
 def _normalizes(graph: Graph, t: int, depth: int = 8) -> bool:
