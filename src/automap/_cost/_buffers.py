@@ -20,7 +20,7 @@ from .._graph import Graph
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import MATMULS, stand_in_map
+from ._residuals import MATMULS, default_precision, stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -199,18 +199,9 @@ def _operand_width(graph: Graph, consumers, residuals: Iterable[int], lowering: 
         readers = [graph.ops[c] for c in consumers[r]]
         if x.dtype != "float32" or not readers:
             return 1.0
-        if not all(op.primitive in MATMULS and _default_precision(op) for op in readers):
+        if not all(op.primitive in MATMULS and default_precision(op) for op in readers):
             return 1.0
     return lowering.matmul_operand_bytes / 4.0
-
-
-def _default_precision(op) -> bool:
-    """Whether a matmul runs at the backend's default precision (no `precision`, no wider
-    result asked for than its operands)."""
-    return op.params.get("precision") is None and op.params.get("preferred_element_type") in (
-        None,
-        "float32",
-    )
 
 
 #: What XLA's GPU pipeline runs in bfloat16 where `Lowering.native_bf16_arithmetic`.

@@ -156,6 +156,15 @@ def _remade_from(
 MATMULS = frozenset({"dot_general"})
 
 
+def default_precision(op) -> bool:
+    """Whether a matmul runs at the backend's default precision (no `precision`, no wider
+    result asked for than its operands)."""
+    return op.params.get("precision") is None and op.params.get("preferred_element_type") in (
+        None,
+        "float32",
+    )
+
+
 def _shift_apart(graph: Graph, t: int, row_limit: int, contraction_limit: int) -> bool:
     """Whether t is a softmax's shift written apart (`Lowering.fused_row_elements`): a
     matmul's output less a reduction of that output over its last axis, rows longer than

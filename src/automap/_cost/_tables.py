@@ -204,7 +204,7 @@ def build_tables(
         partial = [r for i, r in enumerate(rows.partial) if i not in gone]
         staged = [r for i, r in enumerate(rows.partial) if i not in apart]
     n_sets = len(sets.ids)
-    gathered = gathered_bytes(graph, inp.consumers, update, lowering.collective_float_bytes)
+    gathered = gathered_bytes(graph, inp.consumers, update, lowering)
     gather_coef = np.zeros(n_sets)
     np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
     narrow = narrow_params(graph, update)

@@ -37,6 +37,7 @@ from .._pipeline import Partition, Phase, op_programs
 from .._remat import LayerGathers, layer_gathers
 from . import _collectives as C
 from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers
+from ._residuals import MATMULS, default_precision
 from ._traffic import Layouts, phase_codes
 
 if TYPE_CHECKING:
@@ -66,13 +67,20 @@ def shares(pinned: np.ndarray, sets: np.ndarray, P: np.ndarray, d: int, size: fl
     return np.where(pinned & ~P[sets, d], 1.0 / size, 1.0)
 
 
-def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) -> dict[int, float]:
+def gathered_bytes(
+    graph: Graph, consumers, update: Collection[int], lowering: Lowering
+) -> dict[int, float]:
     """Per parameter leaf, the bytes ZeRO-3's gather of it moves (whole). XLA gathers a
     sharded parameter where an op needs it whole, after the elementwise ops that keep its
     sharding: where every reader outside the `update` casts it to a narrower float (a
     mixed-precision step's weights), it gathers the cast. Read in the programs compiled
     for A100s: a bf16 gather, half the float32 parameter's bytes (XLA's CPU widens a
-    16-bit collective to `wide` bytes an element: `Lowering.collective_float_bytes`)."""
+    16-bit collective to `Lowering.collective_float_bytes` an element). Where matmuls
+    read float32 operands narrower (`Lowering.matmul_operand_bytes`, XLA's TPU: one bf16
+    pass at the default precision), a float32 weight only such matmuls read is gathered
+    as that narrower copy too: a float32 GPT's ZeRO-3 gathers on v5p are bf16 [2048, 512]
+    and the like, its embedding tables (read by a gather) float32."""
+    wide, operand = lowering.collective_float_bytes, lowering.matmul_operand_bytes
     out = {}
     for leaf in graph.leaves(Role.PARAM):
         x = graph.tensors[leaf.tensor]
@@ -87,6 +95,13 @@ def gathered_bytes(graph: Graph, consumers, update: Collection[int], wide: int) 
         per_element = (
             min(x.itemsize, max(max(c.itemsize for c in casts), wide)) if narrow else x.itemsize
         )
+        if (
+            operand
+            and x.dtype == "float32"
+            and readers
+            and all(op.primitive in MATMULS and default_precision(op) for op in readers)
+        ):
+            per_element = min(per_element, operand)
         out[leaf.tensor] = float(x.size * per_element)
     return out
 
