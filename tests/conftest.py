@@ -3,9 +3,14 @@ backend code generation at its lowest effort, and the tiers (`pyproject.toml` ma
 `_cases.py` for the number of generated cases)."""
 
 import atexit
+import collections
+import json
 import os
+import resource
 import shutil
 import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +59,9 @@ def pytest_configure(config):
         "filterwarnings",
         "ignore:Error reading persistent compilation cache entry:UserWarning",
     )
+    gone = [name for name in SECONDS if not (config.rootpath / name).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py's SECONDS lists {gone}: no such test file")
     if MODE not in MODES:
         raise pytest.UsageError(
             f"AUTOMAP_TEST_CASES={MODE!r}: use quick (a few generated cases, the default) "
@@ -64,3 +72,95 @@ def pytest_configure(config):
 def pytest_report_header(config):
     other = "full" if MODE == "quick" else "quick"
     return f"generated cases: {MODE} (AUTOMAP_TEST_CASES={other} for {other})"
+
+
+# The order the two xdist workers take test files in (`make test`: --dist loadfile, a file
+# to a worker, the next file handed out as the last one drains; --no-loadscope-reorder,
+# else xdist orders files by their number of tests). Longest first, so that the last files
+# handed out are short and the workers finish together: by number of tests, the files of
+# a few long tests (test_readme's 57 s, test_korthikanti's 41 s, test_schedule's TPU
+# compiles) were handed out near the end. Seconds of one worker, the files over 12 s
+# (measured on a loaded machine with AUTOMAP_TEST_TIMES, below, and scaled to an idle
+# `make test`'s figures); the others follow, most tests first, as xdist orders them.
+SECONDS = {
+    "tests/pipeline/test_search_techniques.py": 108,
+    "tests/test_verify_gpu.py": 107,
+    "tests/test_numerics.py": 84,
+    "tests/test_schedule.py": 79,
+    "tests/test_verify_tpu.py": 67,
+    "tests/pipeline/test_zero.py": 66,
+    "tests/test_seqpar.py": 66,
+    "tests/test_readme.py": 60,
+    "tests/pipeline/test_search.py": 59,
+    "tests/test_fsdp.py": 58,
+    "tests/pipeline/test_interleaved.py": 52,
+    "tests/test_llama.py": 51,
+    "tests/test_korthikanti.py": 50,
+    "tests/test_thirdparty.py": 45,
+    "tests/test_zero.py": 42,
+    "tests/test_remat_units.py": 40,
+    "tests/test_price_once.py": 37,
+    "tests/test_remat.py": 32,
+    "tests/test_compare.py": 31,
+    "tests/pipeline/test_zero_bubble_search.py": 28,
+    "tests/test_recipe.py": 23,
+    "tests/zoo/test_zoo.py": 20,
+    "tests/test_api.py": 18,
+    "tests/test_verify.py": 15,
+    "tests/test_odd_steps.py": 14,
+    "tests/pipeline/test_remake.py": 14,
+    "tests/test_distributed.py": 13,
+    "tests/test_verify_reduced.py": 13,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = collections.Counter(item.nodeid.split("::", 1)[0] for item in items)
+
+    def order(item):
+        name = item.nodeid.split("::", 1)[0]
+        return (0, -SECONDS[name]) if name in SECONDS else (1, -tests[name])
+
+    items.sort(key=order)  # stable: a file's tests keep their order
+
+
+# AUTOMAP_TEST_TIMES=<file>: each worker appends a JSON line per test file it ran, its
+# seconds of wall clock and of CPU (its threads', and the child processes' it waited for:
+# the README's commands, the distributed tests' processes), to refresh SECONDS, and the
+# compile seconds the persistent cache saved it. CPU seconds hold on a loaded machine,
+# where the wall clock does not.
+_TIMES: dict[str, list[float]] = {}
+_SAVED = [0.0]  # compile seconds the persistent cache saved (JAX's own count)
+
+
+def _count_saved(event: str, seconds: float, **_: object) -> None:
+    if event == "/jax/compilation_cache/compile_time_saved_sec":
+        _SAVED[0] += seconds
+
+
+if os.environ.get("AUTOMAP_TEST_TIMES"):
+    jax.monitoring.register_event_duration_secs_listener(_count_saved)
+
+
+def _cpu_s() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    wall, cpu, saved = time.perf_counter(), _cpu_s(), _SAVED[0]
+    yield
+    spent = _TIMES.setdefault(item.nodeid.split("::", 1)[0], [0.0, 0.0, 0.0])
+    spent[0] += time.perf_counter() - wall
+    spent[1] += _cpu_s() - cpu
+    spent[2] += _SAVED[0] - saved
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("AUTOMAP_TEST_TIMES")
+    if path and _TIMES:
+        with Path(path).open("a") as out:
+            for name, (wall, cpu, saved) in _TIMES.items():
+                row = {"file": name, "wall_s": wall, "cpu_s": cpu, "cache_saved_s": saved}
+                out.write(json.dumps(row) + "\n")

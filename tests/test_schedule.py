@@ -175,19 +175,20 @@ def tpu_fsdp_llama():
     """A 2-layer bf16 Llama under ZeRO-3 (FSDP, layer by layer) over a v5p 2x2x1 slice,
     verified for the slice (compiled as `am.apply` compiles it for TPUs, with XLA's async
     collective fusion flags, `automap._run.TPU_OVERLAP_FLAGS`): (step, args, plan,
-    cluster, report, scheduled collectives)."""
+    cluster, report, scheduled collectives). Compiled once: verify reads the executable
+    whose schedule the tests read (it took 45 s of the suite to compile it twice)."""
     spec = get_model(
         "llama", layers=2, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
     )
     step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
     plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=3), cluster=v5p)
-    report = verify(step, plan, *args, target="v5p:2x2x1")
-    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x1")
-    return step, args, plan, v5p, report, scheduled_collectives(compiled.as_text())
+    compiled = compile_plan(step, plan, args, target="v5p:2x2x1")
+    report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
+    return step, args, plan, v5p, report, scheduled_collectives(compiled[1].as_text())
 
 
-@pytest.mark.slow  # a Llama compiled twice for 4 v5p chips: ~60 s on two loaded cores
+@pytest.mark.slow  # a Llama compiled for 4 v5p chips: ~30 s on two loaded cores
 @pytest.mark.tpu_compile
 def test_a_tpu_runs_fsdp_gathers_as_chains_beside_the_matmuls(tpu_fsdp_llama):
     # Verify compiles for a TPU with the flags the runtime sets there: ZeRO-3's gathers

@@ -19,6 +19,7 @@ from automap._verify import (
     VerifyReport,
     as_on_cpu,
     compare_collectives,
+    compile_plan,
     compiled_flops,
     verify,
     verify_in_subprocess,
@@ -90,6 +91,27 @@ def test_verify_abstract_args_allocate_nothing_and_skip_numerics():
     assert params_bytes <= report.xla_comm_bytes["all-reduce@data"] <= params_bytes + 64
 
 
+def test_verify_reads_the_executable_it_is_handed_rather_than_compiling_again():
+    # A caller that compiled the plan to read its program hands verify that executable:
+    # the report is the one verify makes compiling it, and it is that executable verify
+    # reads (a data-parallel plan's program handed in under a Megatron plan's mesh shape
+    # reports the data-parallel program's collectives). Anything else is one line.
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_args())
+    plan = Plan(mesh={"data": 2, "model": 4}, specs=specs_for(args, megatron_rule("data", "model")))
+    compiled = compile_plan(mlp_step, plan, args)
+    assert verify(mlp_step, plan, *args, compiled=compiled) == verify(mlp_step, plan, *args)
+    data_only = dataclasses.replace(plan, specs=specs_for(args, megatron_rule("data", None)))
+    other = verify(mlp_step, plan, *args, compiled=compile_plan(mlp_step, data_only, args))
+    assert set(other.xla_comm_bytes) == {"all-reduce@data"} and not other.collectives_match
+    eight = Plan(mesh={"data": 8}, specs=specs_for(args, megatron_rule("data", None)))
+    with pytest.raises(ApplyError, match=r"compiled for a mesh \{'data': 2, 'model': 4\}"):
+        verify(mlp_step, eight, *args, compiled=compiled)
+    with pytest.raises(ApplyError, match=r"not for this plan's .* on target 'a100'"):
+        verify(mlp_step, plan, *args, target="a100", compiled=compiled)
+    with pytest.raises(ApplyError, match=r"the \(prepared, executable\) pair compile_plan"):
+        verify(mlp_step, plan, *args, compiled=compiled[1])
+
+
 def test_verify_needs_enough_cpu_devices():
     args = mlp_args()
     plan = Plan(mesh={"data": 16}, specs=specs_for(args, megatron_rule("data", None)))
@@ -107,6 +129,8 @@ def test_verify_checks_pipeline_plans_like_apply():
     plan = Plan(mesh={"pipe": 2, "data": 1}, specs={}, stages=stages)
     with pytest.raises(PlanError, match="do not match the plan"):
         verify(mlp_step, plan, *mlp_args())
+    with pytest.raises(ApplyError, match="takes one program, but a pipeline plan runs several"):
+        verify(mlp_step, plan, *mlp_args(), compiled=object())
 
 
 def tiny_fn_plan(tmp_path, monkeypatch) -> Plan:

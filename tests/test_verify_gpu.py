@@ -330,7 +330,8 @@ def test_zero2_of_a_mixed_precision_step_gathers_bf16_copies_like_deepspeed():
     a100 = am.Cluster.preset("a100", devices=16)
     plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=16, zero=2), cluster=a100)
     assert plan.zero_gather == "compute"
-    text = compile_plan(step, plan, args, target="a100")[1].as_text()
+    compiled = compile_plan(step, plan, args, target="a100")  # verify reads it too, below
+    text = compiled[1].as_text()
     gathers = [line for line in text.splitlines() if re.search(r"= .*all-gather-start\(", line)]
     # the weights' gather is bf16; LayerNorm's float32 scales and biases go apart
     shapes = re.findall(r"(\w+)\[\d+,\d+\]", " ".join(gathers))
@@ -344,7 +345,7 @@ def test_zero2_of_a_mixed_precision_step_gathers_bf16_copies_like_deepspeed():
     ]
     whole = "bf16[" + ",".join(map(str, graph.tensors[tied].shape)) + "]"
     assert " ".join(gathers).count(whole) == 1, whole
-    report = verify(step, plan, *args, target="a100")
+    report = verify(step, plan, *args, target="a100", compiled=compiled)
     assert report.collectives_match, report.mismatches
     dp = am.plan_recipe(step, *args, recipe=am.Recipe(dp=16), cluster=a100)
     model = CostModel(graph, a100)

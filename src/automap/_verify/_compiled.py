@@ -123,6 +123,7 @@ def verify(
     *args: Any,
     cluster: Any = None,
     target: str | None = None,
+    compiled: tuple[Prepared, Any] | None = None,
 ) -> VerifyReport:
     """Compile `fn` under `plan` with XLA and compare its collectives with the cost model's.
 
@@ -135,13 +136,27 @@ def verify(
     hold the program(s) against the cost model of `cluster` (default: the GPU's preset) as it
     prices a GPU, not the CPU's lowering. Nothing runs (no numerics) and XLA's GPU
     compiler reports no FLOPs.
+
+    `compiled`: what `compile_plan(fn, plan, args, target=target)` returned, for a caller
+    that compiled the plan to read its program: verify reads that executable rather than
+    compiling the same program again (a large model compiled for a GPU or TPU takes
+    tens of seconds). One-program plans only: a pipeline's programs are its runtime's.
     """
     if plan.pipelined:
+        if compiled is not None:
+            raise ApplyError(
+                "verify(compiled=...) takes one program, but a pipeline plan runs several: "
+                "call verify without it and it compiles each stage's programs"
+            )
         return _verify_pipeline(fn, plan, args, cluster, target)
     validate_plan(plan)
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
-    prepared, compiled = compile_plan(fn, plan, args, graph=graph, target=target)
+    if compiled is None:
+        compiled = compile_plan(fn, plan, args, graph=graph, target=target)
+    else:
+        _check_compiled(compiled, plan, target)
+    prepared, compiled = compiled
     scheduled = scheduled_collectives(compiled.as_text())
     xla = comm_bytes([s.collective for s in scheduled], plan.mesh)
     overlapped = {k: v for k, (v, _) in overlapped_bytes(scheduled, plan.mesh).items() if v}
@@ -175,6 +190,27 @@ def verify(
         ok, err = _numerics(fn, got, args, plan.devices, graph)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
+
+
+def _check_compiled(compiled: Any, plan: Plan, target: str | None) -> None:
+    """A `compiled` handed to verify is `compile_plan`'s pair, for the plan's mesh and on
+    the target's devices (CPUs without one): else one line saying so."""
+    prepared = compiled[0] if isinstance(compiled, tuple) and len(compiled) == 2 else None
+    if not isinstance(prepared, Prepared):
+        raise ApplyError(
+            f"verify(compiled=...) takes the (prepared, executable) pair compile_plan "
+            f"returns, not {type(compiled).__name__}"
+        )
+    for sharding in prepared.in_shardings:
+        mesh = sharding.mesh
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        if dict(mesh.shape) != dict(plan.mesh) or on_cpu != (not target):
+            where = f"target {target!r}" if target else "the CPU"
+            raise ApplyError(
+                f"verify(compiled=...) was compiled for a mesh {dict(mesh.shape)} on "
+                f"{mesh.devices.flat[0].platform}, not for this plan's {dict(plan.mesh)} on "
+                f"{where}: pass what compile_plan(fn, plan, args, target=target) returned"
+            )
 
 
 def _verify_pipeline(
