@@ -20,7 +20,7 @@ from .._graph import Graph
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import MATMULS, default_precision, stand_in_map
+from ._residuals import matmuls_alone, stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -197,9 +197,7 @@ def _operand_width(graph: Graph, consumers, residuals: Iterable[int], lowering: 
     for r in rs:
         x = graph.tensors[r]
         readers = [graph.ops[c] for c in consumers[r]]
-        if x.dtype != "float32" or not readers:
-            return 1.0
-        if not all(op.primitive in MATMULS and default_precision(op) for op in readers):
+        if x.dtype != "float32" or not matmuls_alone(readers):
             return 1.0
     return lowering.matmul_operand_bytes / 4.0
 

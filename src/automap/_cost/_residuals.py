@@ -156,6 +156,14 @@ def _remade_from(
 MATMULS = frozenset({"dot_general"})
 
 
+def matmuls_alone(readers) -> bool:
+    """Whether some ops read a tensor and all are default-precision matmuls: the ones
+    `Lowering.matmul_operand_bytes` runs narrower than a float32 operand."""
+    return bool(readers) and all(
+        op.primitive in MATMULS and default_precision(op) for op in readers
+    )
+
+
 def default_precision(op) -> bool:
     """Whether a matmul runs at the backend's default precision (no `precision`, no wider
     result asked for than its operands)."""

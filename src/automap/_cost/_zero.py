@@ -37,7 +37,7 @@ from .._pipeline import Partition, Phase, op_programs
 from .._remat import LayerGathers, layer_gathers
 from . import _collectives as C
 from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers
-from ._residuals import MATMULS, default_precision
+from ._residuals import matmuls_alone
 from ._traffic import Layouts, phase_codes
 
 if TYPE_CHECKING:
@@ -95,12 +95,7 @@ def gathered_bytes(
         per_element = (
             min(x.itemsize, max(max(c.itemsize for c in casts), wide)) if narrow else x.itemsize
         )
-        if (
-            operand
-            and x.dtype == "float32"
-            and readers
-            and all(op.primitive in MATMULS and default_precision(op) for op in readers)
-        ):
+        if operand and x.dtype == "float32" and matmuls_alone(readers):
             per_element = min(per_element, operand)
         out[leaf.tensor] = float(x.size * per_element)
     return out
