@@ -130,6 +130,14 @@ unpriced); the GPipe pipeline 4 at 0.82 (pipelines are priced as before). Llama,
 as before on all 12 plans (the rules are float32's), measured at e6963ce (`--models
 llama`, 20 min): memory 11 of 12 within 15% (plan 1, model 2 x data 32, at 1.21),
 collectives 2 of 12; both models 18 of 24 (75%) memory, 9 of 24 collectives.
+
+gpt compiled again at 7747e9e (2026-12-04, `--plans 12 --models gpt`, 13 min on an idle
+machine), after a float32 weight only matmuls read was priced gathered by ZeRO-3 as the
+bf16 cast XLA's TPU gathers (`Lowering.matmul_operand_bytes` in `_zero.gathered_bytes`):
+the same 7 of 12 collectives and 7 of 12 memory. Plan 7 (ZeRO-3, remat): all-gather@data
+priced 49.7 MiB (72.7 before), XLA 38.6, the rest including the tied token table, which
+XLA gathers both as float32 for the lookup and as bf16 for the head; memory 0.79. The
+GPipe pipeline 4 now 1.16 (was 0.82), plan 8 0.72, plan 0 0.79, plan 1 1.27.
 """
 
 from __future__ import annotations
