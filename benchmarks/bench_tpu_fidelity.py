@@ -137,7 +137,7 @@ bf16 cast XLA's TPU gathers (`Lowering.matmul_operand_bytes` in `_zero.gathered_
 the same 7 of 12 collectives and 7 of 12 memory. Plan 7 (ZeRO-3, remat): all-gather@data
 priced 49.7 MiB (72.7 before), XLA 38.6, the rest including the tied token table, which
 XLA gathers both as float32 for the lookup and as bf16 for the head; memory 0.79. The
-GPipe pipeline 4 now 1.16 (was 0.82), plan 8 0.72, plan 0 0.79, plan 1 1.27.
+GPipe pipeline 4 at 1.16, priced as at 0ac130e (its 0.82 above was e6963ce's price, which 3da2ee1 undid for pipelines), plan 8 0.72, plan 0 0.79, plan 1 1.27.
 """
 
 from __future__ import annotations
