@@ -6,14 +6,14 @@ writes, so a change to either end cannot leave the other reading nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "bench_h200.py"
 TINY = (
     (
         "gpt tiny full",
@@ -26,10 +26,7 @@ TINY = (
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_h200", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_h200")
 
 
 def test_the_priced_plan_runs_and_the_report_reads_the_measurement(

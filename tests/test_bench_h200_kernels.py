@@ -6,22 +6,19 @@ report reads the committed file, and the kernels it times run (on the CPU, tiny)
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "bench_h200_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_h200_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_h200_kernels")
 
 
 def trace(tmp_path: Path) -> Path:

@@ -4,28 +4,20 @@ verify's report or to bench_memory's draw cannot leave the benchmark reading not
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 pytestmark = pytest.mark.tpu_compile  # loads libtpu (make puts it in .venv/tpu-compile)
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TINY = dict(layers=2, hidden=256, heads=2, seq=64, vocab=512, dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports bench_memory and bench_fidelity
-    spec = importlib.util.spec_from_file_location(
-        "bench_tpu_fidelity", BENCHMARKS / "bench_tpu_fidelity.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_tpu_fidelity")  # it imports bench_memory and bench_fidelity
 
 
 @pytest.mark.slow  # two plans compiled for 8 v5p chips: ~40 s on two loaded cores

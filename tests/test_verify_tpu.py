@@ -22,6 +22,18 @@ from test_verify import tiny_fn_plan
 pytestmark = pytest.mark.tpu_compile
 
 
+def _small_gpt(topology: str, **recipe):
+    """A float32 2-layer GPT (hidden 256, 16 sequences of 128) planned by `am.Recipe(**recipe)`
+    on a v5p slice and verified there: (step, args, plan, cluster, report)."""
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology=topology)
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(**recipe), cluster=v5p)
+    return step, args, plan, v5p, verify(step, plan, *args, target=f"v5p:{topology}")
+
+
 @pytest.mark.slow  # compiled for 4 v5p chips: ~25 s on two loaded cores
 def test_a_plan_compiled_for_a_v5p_slice_holds_what_the_cost_model_prices():
     # Tensor and data parallel with full recomputation on a v5p 2x2x1 slice, priced by the
@@ -55,13 +67,7 @@ def test_zero1_gradients_are_reduce_scattered_on_a_tpu():
     # each as an all-reduce-scatter fusion (`_hlo`), held as the reduce-scatter priced.
     # (It all-reduces whole the gradients of 128-wide biases and norms, whose quarter is
     # under a 128-lane tile: here under 1% of the bytes, "trivial".)
-    spec = get_model(
-        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
-    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=1), cluster=v5p)
-    report = verify(step, plan, *args, target="v5p:2x2x1")
+    report = _small_gpt("2x2x1", dp=4, zero=1)[-1]
     assert report.collectives_match, report.mismatches
     assert report.xla_comm_bytes["reduce-scatter@data"] > 1e6
 
@@ -72,13 +78,7 @@ def test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole():
     # gradient whole and slices it (6.7 MB here), as `Lowering.scatter_least_elements`
     # prices a group spanning three torus dimensions; priced as a GPU's, every gradient
     # would be reduce-scattered and the collectives would not match.
-    spec = get_model(
-        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
-    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8, zero=1), cluster=v5p)
-    report = verify(step, plan, *args, target="v5p:2x2x2")
+    report = _small_gpt("2x2x2", dp=8, zero=1)[-1]
     assert report.collectives_match, report.mismatches
     assert report.xla_comm_bytes["all-reduce@data"] > 1e6
     assert "reduce-scatter@data" not in report.xla_comm_bytes
@@ -94,13 +94,7 @@ def test_a_tpu_gathers_a_float32_models_zero3_weights_as_bf16():
     # Priced 7.7: the tied token table, read by the lookup and the head, is priced as one
     # float32 gather where XLA gathers it once as float32 for the lookup and as its bf16
     # cast for the head's matmuls (4 x 256 KiB); not modelled, hence 10%.
-    spec = get_model(
-        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
-    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8, zero=3), cluster=v5p)
-    report = verify(step, plan, *args, target="v5p:2x2x2")
+    step, args, plan, v5p, report = _small_gpt("2x2x2", dp=8, zero=3)
     xla = report.xla_comm_bytes["all-gather@data"]
     assert report.predicted_comm_bytes["all-gather@data"] == pytest.approx(xla, rel=0.10)
     whole = CostModel(am.capture(step, *args), v5p.with_lowering(matmul_operand_bytes=0))
