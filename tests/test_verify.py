@@ -110,6 +110,11 @@ def test_verify_reads_the_executable_it_is_handed_rather_than_compiling_again():
         verify(mlp_step, plan, *args, target="a100", compiled=compiled)
     with pytest.raises(ApplyError, match=r"the \(prepared, executable\) pair compile_plan"):
         verify(mlp_step, plan, *args, compiled=compiled[1])
+    # A plan with no mesh axes runs on one device, on a mesh of one placeholder axis: its
+    # own compiled pair is accepted.
+    whole = Plan(mesh={}, specs=specs_for(args, lambda path, x: (None,) * x.ndim))
+    alone = verify(mlp_step, whole, *args, compiled=compile_plan(mlp_step, whole, args))
+    assert alone.collectives_match and not alone.xla_comm_bytes
 
 
 def test_verify_needs_enough_cpu_devices():

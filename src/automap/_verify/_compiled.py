@@ -201,14 +201,17 @@ def _check_compiled(compiled: Any, plan: Plan, target: str | None) -> None:
             f"verify(compiled=...) takes the (prepared, executable) pair compile_plan "
             f"returns, not {type(compiled).__name__}"
         )
-    for sharding in prepared.in_shardings:
+    for sharding in prepared.in_shardings[:1]:  # one mesh carries every argument
         mesh = sharding.mesh
-        on_cpu = mesh.devices.flat[0].platform == "cpu"
-        if dict(mesh.shape) != dict(plan.mesh) or on_cpu != (not target):
+        devices = list(mesh.devices.flat)
+        # The mesh `apply` lays the plan on (a plan with no axes: one device, axis "_").
+        want = dict(make_mesh(plan, devices).shape) if len(devices) >= plan.devices else None
+        on_cpu = devices[0].platform == "cpu"
+        if dict(mesh.shape) != want or on_cpu != (not target):
             where = f"target {target!r}" if target else "the CPU"
             raise ApplyError(
                 f"verify(compiled=...) was compiled for a mesh {dict(mesh.shape)} on "
-                f"{mesh.devices.flat[0].platform}, not for this plan's {dict(plan.mesh)} on "
+                f"{devices[0].platform}, not for this plan's {dict(plan.mesh)} on "
                 f"{where}: pass what compile_plan(fn, plan, args, target=target) returned"
             )
 
