@@ -18,10 +18,15 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, at aa1178a): every row is predicted
-at 0.83-0.84 of the published TFLOP/s per chip (274, 270 and 263 against 328, 323 and
-315; steps 8.60, 8.69 and 5.94 s) and each fits in the chip's 95 GiB (74.5, 75.4 and
-50.1 GB predicted). At 86d773f, before ZeRO-3's forward gathers were priced beside
+Measured (this script, 2 shared cores, about a minute, on 2026-12-04 with the change that
+prices the backward's second gathers of the split stream): every row is predicted at 0.81
+of the published TFLOP/s per chip (266, 263 and 255 against 328, 323 and 315; steps 8.84,
+8.93 and 6.13 s) and each fits in the chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted).
+Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
+forward then does not keep, so the backward gathers them again (XLA's A100 and v5p
+programs: tests/test_seqpar.py); priced since: the 32B row's split-stream gathers went
+from 130 (0.49 s) to 194 (0.73 s). At aa1178a, without them: 0.83-0.84 (274, 270 and 263;
+8.60, 8.69 and 5.94 s). At 86d773f, before ZeRO-3's forward gathers were priced beside
 compute (the runtime compiles TPU programs with XLA's async collective fusion flags,
 `_run/_compiler.py`): 0.82-0.83 (272, 267, 259; 8.64, 8.78, 6.03 s). Before the v5p's matmuls ran at the rate XLA's were measured at
 (`_cluster.py`: 0.923 of peak, a bf16 8192^3 product on a TPU v5e in JAX's Pallas TPU
@@ -50,7 +55,8 @@ Where the 32B step's 8.64 s went (`Cost.per_op`, at 86d773f): the projections' a
 matmuls 5.47 s; the attention core's two matmuls 0.32 s and its float32 scores, mask and
 softmax 0.65 s; the other memory-bound kernels (norms, rotary, the SwiGLU product, the
 optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers and
-reduce-scatters of the split stream most of it). Stated, not tuned:
+reduce-scatters of the split stream most of it; 1.34 s of the 8.84 s step now, the
+backward's second gathers added). Stated, not tuned:
 
 - Collectives are priced serial but for ZeRO-3's forward gathers. XLA's TPU compiler
   at its default flags runs every collective synchronously; with the flags MaxText's
@@ -60,16 +66,16 @@ reduce-scatters of the split stream most of it). Stated, not tuned:
   (`Lowering.tpu().overlaps_prefetch`, `_cost/_overlap.py`), which hides 46 ms of the
   32B row's 1.15 s (the data axis' gathers are 0.10 s of it, ZeRO-3 sharding over 16
   chips what tensor parallelism left). The rest is the tensor-parallel all-gathers and
-  reduce-scatters of the split stream (0.49 and 0.49 s over the model axis) and
+  reduce-scatters of the split stream (0.73 and 0.49 s over the model axis) and
   ZeRO-3's gradient reduce-scatters and backward gathers, priced serial: whether XLA's
-  chains overlap those (a collective matmul) was not read. Hidden whole, the 1.10 s
+  chains overlap those (a collective matmul) was not read. Hidden whole, the 1.34 s
   left would put the row at 0.96 of published.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip
   the masked blocks: up to the 0.65 s of scores and softmax traffic and half the 0.32 s
   of attention matmuls, less the softmax work it does on the vector units; with the
-  collectives still serial, up to about 0.92 of published.
+  collectives still serial, up to about 0.89 of published.
 """
 
 from __future__ import annotations

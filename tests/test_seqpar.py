@@ -249,16 +249,52 @@ def test_accumulated_microbatches_reduce_the_split_streams_sums_in_each_backward
 
 
 @pytest.mark.slow  # a pipeline's programs compiled on 8 CPU devices
-def test_a_pipelines_programs_gather_what_is_priced(gpt):
+@pytest.mark.parametrize("remat", ["none", "projections"])
+def test_a_pipelines_programs_gather_what_is_priced(gpt, remat):
     spec, args = gpt[:2]
-    sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2)[1]
+    sp = _plans(gpt, tp=2, pp=2, dp=2, microbatch_size=2, remat=remat)[1]
     report = am.verify(spec.step_fn, sp, *args)
     # Per stage and kind: the forward gathers each stream tensor once, the backward once
-    # per matmul that reads one, and the CPU keeps its all-reduces.
+    # per matmul that reads one, and the CPU keeps its all-reduces. Recomputing, each B
+    # program ties its recompute to a backward value laid out as the recomputed values
+    # (`_run/_recompute.py`): no mask moved between layouts (an all-to-all, before).
     assert report.collectives_match, report.mismatches
     for stage in (0, 1):
         key = f"all-gather@model (stage {stage})"
         assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key])
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow  # two programs compiled for 8 A100s without one
+@pytest.mark.parametrize("remat", ["full", "projections"])
+def test_a_recomputed_layer_gathers_its_norms_outputs_again_on_a_gpu(remat):
+    # Recomputing the norms (full, and MaxText's minimal: "projections"), the backward
+    # gathers each stream tensor a matmul reads once more, for the recompute's matmuls and
+    # the weight gradients (the forward's gathered copy is not kept: `_seqpar._regathered`);
+    # a recomputed row-parallel matmul reduce-scatters as the forward's. The recompute's
+    # tie to the backward (`_run/_recompute.py`) moves nothing: the layer's trigger reads
+    # only the stream's cotangent, split on the sequence, where the recomputed queries are
+    # split by head, and an elementwise tie across the two layouts was an all-to-all of a
+    # mask per layer (before: 2 MiB here, all-gathers priced 12 MiB against XLA's 16).
+    spec = get_model(
+        "llama", layers=2, hidden=256, heads=4, kv_heads=4, ffn=512, seq=256, batch=16, vocab=512
+    )
+    step, args = spec.step_fn, spec.abstract_args()
+    recipe = am.Recipe(dp=4, tp=2, remat=remat, sequence_parallel=True)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
+    compiled = compile_plan(step, plan, args, target="a100")
+    report = am.verify(step, plan, *args, cluster=A100, target="a100", compiled=compiled)
+    assert report.collectives_match, report.mismatches
+    assert not any(c.kind == "all-to-all" for c in parse_collectives(compiled[1].as_text(), 8))
+    kept = am.Recipe(dp=4, tp=2, remat="selective", sequence_parallel=True)
+    gathers = {
+        r: {(c.kind, c.axis): c.count for c in p.predicted.collectives}[("all-gather", "model")]
+        for r, p in (
+            (remat, plan),
+            ("selective", am.plan_recipe(step, *args, recipe=kept, cluster=A100)),
+        )
+    }
+    assert gathers[remat] == gathers["selective"] + 2 * 2  # two norms a layer, two layers
 
 
 def _layer_activations(layers: int, hidden: int, seq: int, batch: int, tp: int):

@@ -201,7 +201,10 @@ class CostModel:
         low = self.cluster.lowering
         terms = split = None
         if plan.sequence_parallel:
-            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes)
+            again = self.residuals.recomputed if plan.remat else ()
+            terms = seqpar_terms(
+                self.graph, self.groups, plan, low.collective_float_bytes, recomputed=again
+            )
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
             split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -65,6 +65,11 @@ class SeqparTerms:
     # the bytes of its partial sums over t, all-reduced where they are made
     summed: tuple[float, ...] = ()
     summed_at: tuple[int, ...] = ()  # per entry of `summed`: that op
+    # per entry of `gathered`: made again in the backward, where the recompute runs
+    again: tuple[bool, ...] = ()
+    # one program: per partial-sum matmul the recompute runs again, its buffer's bytes
+    # (priced all-reduced among the recomputed ops' collectives, reduce-scattered as XLA)
+    reduce_scattered_again: tuple[float, ...] = ()
 
 
 def seqpar_terms(
@@ -73,11 +78,14 @@ def seqpar_terms(
     plan: Plan,
     float_bytes: int = 0,
     boundary: int | None = None,
+    recomputed: Collection[int] = (),
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
-    runs as a program of its own, which gathers per reading matmul."""
+    runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
+    the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
+    gathers run again there (`_regathered`)."""
     axis = plan.sequence_parallel
     assignment = plan.assignment or {}
     lay = layouts(graph, groups, assignment)
@@ -90,6 +98,8 @@ def seqpar_terms(
     rs, ag, ops, at, reducing = {}, [], set(), [], set()
     summed: dict[int, float] = {}
     gathered: set[tuple[int, int]] = set()
+    tensors: list[int] = []  # per entry of `ag`: the tensor gathered
+    rs_op: dict[int, int] = {}  # per entry of `rs`: its matmul
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
         local = _local_matmul(op, split, plan.constraints, lay, axis)
@@ -108,6 +118,7 @@ def seqpar_terms(
                 # queries', keys' and values' matmuls) are reduce-scattered once, summed.
                 end = _summed(graph, made[0], split, consumers)
                 rs[end] = _buffer(graph, end, lay[end], plan.mesh, float_bytes)
+                rs_op[end] = op.index
                 reducing |= {op.index, graph.tensors[end].producer}
             reads = [t for t in op.inputs if t in split]
         elif op.primitive in KEPT_WHOLE:
@@ -129,12 +140,43 @@ def seqpar_terms(
         for t in reads:
             if (t, op.index if apart else -1) not in gathered:
                 gathered.add((t, op.index if apart else -1))
+                tensors.append(t)
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
+    again = [False] * len(ag)
+    for k in _regathered(graph, list(at), tensors, set(recomputed), boundary is not None):
+        ag.append(ag[k])
+        at.append(at[k])
+        again.append(True)
+    # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
+    rs_again = [] if boundary is not None else [rs[e] for e in rs if rs_op[e] in recomputed]
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
-        frozenset(split), tuple(summed.values()), tuple(summed),
+        frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
     )  # fmt: skip
+
+
+def _regathered(
+    graph: Graph, at: list[int], gathered: list[int], recomputed: set[int], staged: bool
+) -> list[int]:
+    """Of the gathers (`gathered`: each one's tensor, `at`: the op reading it whole), the
+    indices of those the backward makes again under recomputation. One program: a stream
+    tensor made again (its producer recomputed: a norm's output under "full" and
+    "projections") or read by a recomputed matmul is gathered again in the backward, once,
+    for the recompute's matmuls and the weight gradients (the forward's gathered copy is
+    not kept); under "selective" the norms' outputs are kept, and with them their gathered
+    copies, so nothing is. A pipeline's backward program (`staged`) gathers per reading
+    backward matmul already (`seqpar_terms`): there only a recomputed forward matmul's
+    gather runs again. Read in XLA's A100 programs of a 1-layer GPT and Llama at tp 2
+    (tests/test_seqpar.py): two more gathers a layer under full and projections."""
+    if not recomputed:
+        return []
+    again = []
+    for k, (t, op) in enumerate(zip(gathered, at, strict=True)):
+        made_again = not staged and graph.tensors[t].producer in recomputed
+        if op in recomputed or made_again:
+            again.append(k)
+    return again
 
 
 def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:
@@ -228,8 +270,9 @@ def with_sequence_parallel(
     with sequence parallelism's time: its collectives and the stream's ops on 1/t."""
     t = mesh[axis]
     code = costs.codes[axis]
-    rs_bytes, ag_bytes = sum(terms.reduce_scattered), sum(terms.gathered)
-    n_rs, n_ag = len(terms.reduce_scattered), len(terms.gathered)
+    scattered = (*terms.reduce_scattered, *terms.reduce_scattered_again)
+    rs_bytes, ag_bytes = sum(scattered), sum(terms.gathered)
+    n_rs, n_ag = len(scattered), len(terms.gathered)
     by_kind = {(c.kind, c.axis): c for c in cost.collectives}
     if reduce_scatter and n_rs:
         _move(by_kind, "all-reduce", axis, -rs_bytes, -n_rs, code, C.AR, costs)
@@ -311,7 +354,8 @@ def stage_sequence_parallel(model, plan: Plan, oc):
     """`seqpar_op_costs` of a pipeline plan's per-op costs (`_pipelined.plan_op_costs`)."""
     low, res = model.cluster.lowering, model.residuals
     float_bytes = low.collective_float_bytes
-    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, res.boundary)
+    again = res.recomputed if oc.remat else ()
+    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, res.boundary, again)
     return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
 
 
@@ -357,8 +401,13 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     inv = oc.layouts.inv.copy()
     inv[list(terms.split)] /= t
     pad = np.zeros(n + k, bool)
+    # The gathers a recompute makes again are timed in the backward, as its other rows.
+    again = np.concatenate([np.asarray(terms.again, bool), np.zeros(k, bool)])
+    row_again = oc.row_again
+    if row_again is None and again.any():
+        row_again = np.zeros(len(oc.row_op), bool)
     extra = {
-        "row_again": None if oc.row_again is None else np.concatenate([oc.row_again, pad]),
+        "row_again": None if row_again is None else np.concatenate([row_again, again]),
         "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, pad]),
     }
     return dataclasses.replace(

@@ -36,7 +36,7 @@ from ._distributed import Feed
 from ._fsdp import Layerwise, eval_layerwise, plan_layerwise
 from ._interpret import eval_graph
 from ._pipelined import apply_pipeline, gathered_lookup
-from ._recompute import eval_recomputing
+from ._recompute import eval_recomputing, plan_layout
 from ._shared import (
     check_device_count,
     check_divisible,
@@ -202,7 +202,8 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
     layerwise = plan_layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
     if plan.remat:
         rc = plan_recompute(graph, groups, plan)
-        step = _recomputing(graph, rc, constrain, _lookups(graph, plan, mesh), layerwise)
+        lookups, layout = _lookups(graph, plan, mesh), plan_layout(graph, groups, plan)
+        step = _recomputing(graph, rc, constrain, lookups, layerwise, layout)
     elif layerwise is not None:
         step = _regathering(graph, layerwise, constrain, _lookups(graph, plan, mesh))
     else:
@@ -262,11 +263,13 @@ def _recomputing(
     constrain: Callable,
     bind: dict[int, Callable],
     layerwise: Layerwise | None = None,
+    layout: Callable[[int], tuple] | None = None,
 ) -> Callable:
     """The captured program re-run with the plan's recompute units (`rc`: layers, or their
     attention cores; `_remat/`) made again in the backward, fixing the plan's internal
     tensors too; `bind` computes ops in place of their primitives (ZeRO-3's lookups);
-    `layerwise`: ZeRO-3's gathers layer by layer (`_fsdp.py`)."""
+    `layerwise`: ZeRO-3's gathers layer by layer (`_fsdp.py`); `layout`: the plan's
+    layouts (`plan_layout`), to tie each recompute to a backward value laid out alike."""
     wanted = [leaf.tensor for leaf in graph.outputs]
 
     def run(*args: Any) -> Any:
@@ -276,7 +279,7 @@ def _recomputing(
         }
         ops = range(len(graph.ops))
         outs = eval_recomputing(
-            graph, rc, ops, env, wanted, constrain, bind=bind, layerwise=layerwise
+            graph, rc, ops, env, wanted, constrain, bind=bind, layerwise=layerwise, layout=layout
         )
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 

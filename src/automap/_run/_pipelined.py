@@ -65,7 +65,7 @@ from ._distributed import Feed, check_stages, gather
 from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram
 from ._fsdp import Layerwise, eval_layerwise, plan_layerwise, within
 from ._interpret import eval_ops
-from ._recompute import eval_recomputing
+from ._recompute import eval_recomputing, plan_layout
 from ._segments import (
     Segment,
     batch_dim,
@@ -178,6 +178,7 @@ class _Pipeline(Accumulation):
         if micro is not full:
             check_same_program(full, micro, groups, m)
         self.graph, self.part, self.groups = full, part, groups
+        self.layout = plan_layout(full, groups, plan)  # what each recompute is tied to
         self.pre, self.micro, self.post = segments(full, part)
         if plan.remat:  # each B segment recomputes its stage's layers from their inputs
             self.micro = recompute_segments(full, self.micro, plan_recompute(full, groups, plan))
@@ -314,7 +315,9 @@ class _Pipeline(Accumulation):
             env = dict(zip(seg.inputs, values, strict=True))
             if seg.recompute is not None:
                 rc, out = seg.recompute, seg.outputs
-                outs = eval_recomputing(graph, rc, seg.ops, env, out, constrain, use, bind, lw)
+                outs = eval_recomputing(
+                    graph, rc, seg.ops, env, out, constrain, use, bind, lw, self.layout
+                )
             elif lw is not None:
                 outs = eval_layerwise(
                     graph, lw, env, seg.outputs, constrain, bind, seg.ops, use

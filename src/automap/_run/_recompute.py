@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import Graph
+from .._groups import Groups, layouts
+from .._plan import Plan
 from .._remat import Recompute, made_in_forward
 from ._fsdp import GatheredReads, Layerwise, backward_anchors, layer_read, outputs, reduce_before
 from ._interpret import Constrain, run_op
@@ -27,13 +29,16 @@ def eval_recomputing(
     consts: Mapping[int, Any] | None = None,
     bind: Mapping[int, Callable[..., Any]] | None = None,
     layerwise: Layerwise | None = None,
+    layout: Callable[[int], tuple] | None = None,
 ) -> list[Any]:
     """`_interpret.eval_ops`, except that a backward op (after `rc.boundary`) reading a
     tensor of a recomputed layer reads its recomputed value, made just before the first
     such read from the layer's inputs (barriered with that op's backward inputs). `bind[i]`
     computes op i in place of its primitive, as in `eval_ops`. `layerwise` (ZeRO-3's
     layers and gather, `_fsdp.py`): the parameters gathered layer by layer, the recompute
-    reading those gathered again for its layer's backward."""
+    reading those gathered again for its layer's backward. `layout(t)`: tensor t's layout
+    under the plan (`tensor_layout`), so that a recomputed value is tied to a backward
+    value laid out as it is (`_after`); None: any of its shape."""
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
     again: dict[int, Any] = {}
@@ -52,31 +57,43 @@ def eval_recomputing(
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
         run_op(graph, i, read, into, constrain, bind)
 
-    def attempt(k: int, pairs: list[tuple[int, Any]], permute: bool) -> tuple[dict, bool]:
+    def attempt(k: int, pairs: list[tuple[int, Any]], how: str) -> tuple[dict, bool]:
         live, anchors = rc.inputs[k], [v for _, v in pairs]
         fenced, _ = jax.lax.optimization_barrier(([fetch(t, pairs) for t in live], anchors))
         local = {**values, **dict(zip(live, fenced, strict=True))}
+        laid = [(None if layout is None else layout(a), v) for a, v in pairs]
+
+        def tie(t: int) -> bool:
+            if how == "scalar":
+                local[t], hit = _scalar_after(local[t], laid)
+            else:
+                want = None if layout is None else layout(t)
+                local[t], hit = _after(local[t], laid, how == "permute", want)
+            return hit
+
         tied = False
         for t in live:
             if made_in_forward(graph, t, rc.boundary):
-                local[t], hit = _after(local[t], anchors, permute)
-                tied |= hit
+                tied |= tie(t)
         for i in rc.layers[k]:
             run(i, local.__getitem__, local)
             # No input could be tied (an integer mask, say): tie the first value made that
             # can; only the ops before it may then merge with the forward's.
             for t in () if tied else graph.ops[i].outputs:
-                local[t], hit = _after(local[t], anchors, permute)
-                tied |= hit
+                tied |= tie(t)
         return local, tied
 
     def recompute(k: int, pairs: list[tuple[int, Any]]) -> None:
-        local, tied = attempt(k, pairs, permute=False)
-        if not tied:
-            # No backward value of any shape the unit holds (an attention core reads Q as
-            # [b, s, h, d] while its trigger reads dO as [b, h, d, s]): tie on one whose
-            # axes are a permutation of them. The untied attempt is dead code XLA drops.
-            local, _ = attempt(k, pairs, permute=True)
+        # No backward value of the unit's shapes and layouts (an attention core reads Q as
+        # [b, s, h, d] while its trigger reads dO as [b, h, d, s]): tie on one whose axes
+        # are a permutation of them; none either (under sequence parallelism a layer's
+        # trigger reads only the stream's cotangent, split on the sequence where the
+        # queries are split by head): on one reduced to a flag. An untied attempt is dead
+        # code XLA drops.
+        for how in ("same", "permute", "scalar"):
+            local, tied = attempt(k, pairs, how)
+            if tied:
+                break
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
         done.add(k)
 
@@ -99,24 +116,66 @@ def eval_recomputing(
     return outputs(graph, lg, reads, values, wanted)
 
 
-def _after(x: Any, anchors: list[Any], permute: bool = False) -> tuple[Any, bool]:
+def plan_layout(graph: Graph, groups: Groups, plan: Plan) -> Callable[[int], tuple] | None:
+    """Tensor t's layout under `plan` (per dim, the mesh axes splitting it: its pinned
+    layout where the plan pins it, else its groups'), for `eval_recomputing`'s ties; None
+    where the plan records no assignment (a plan written by hand)."""
+    if not plan.assignment:
+        return None
+    lay = layouts(graph, groups, plan.assignment)
+
+    def layout(t: int) -> tuple:
+        spec = plan.constraints.get(t, lay[t])
+        rank = len(graph.tensors[t].shape)
+        return tuple(_named(spec[d]) if d < len(spec) else () for d in range(rank))
+
+    return layout
+
+
+def _named(entry: Any) -> tuple[str, ...]:
+    """A spec entry's axes: None, one name, or a tuple of names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _after(
+    x: Any, anchors: list[tuple[Any, Any]], permute: bool = False, want: Any = None
+) -> tuple[Any, bool]:
     """`x`, made to depend on a backward value of its shape (or a scalar one): the same
     bits, but a value XLA can neither merge with the forward's `x` nor compute before
-    that backward value; and whether such a value was there.
+    that backward value; and whether such a value was there. `anchors`: (layout, value)
+    pairs; `want`: x's layout (None: unknown).
 
     The optimization barrier alone does this on GPUs and TPUs, but XLA's CPU pipeline
     expands barriers away before CSE, which then folds the recompute back into the
     forward. `a == a | a != a` is true for every float (NaN included) yet XLA cannot
-    fold it, so the select keeps `x` exactly; elementwise on one shape (or a scalar every
-    device holds), it fuses and moves nothing between devices."""
-    for a in anchors:
-        if (a.shape == x.shape or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
+    fold it, so the select keeps `x` exactly; elementwise on one shape and one layout
+    (or a scalar every device holds), it fuses and moves nothing between devices. An
+    anchor of x's shape but laid out otherwise (under sequence parallelism a stream
+    cotangent is split on the sequence where the recomputed queries are split by head)
+    would have XLA move the mask between the two layouts (an all-to-all of the mask per
+    recomputed layer, read in an A100 program), so only anchors laid out as x tie it."""
+    for spec, a in anchors:
+        same = a.shape == x.shape and (want is None or spec is None or spec == want)
+        if (same or a.ndim == 0) and jnp.issubdtype(a.dtype, jnp.floating):
             return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
-    for a in anchors if permute else ():
+    for spec, a in anchors if permute else ():
         order = _permutation(a.shape, x.shape)
-        if order is not None and jnp.issubdtype(a.dtype, jnp.floating):
+        if order is None or not jnp.issubdtype(a.dtype, jnp.floating):
+            continue
+        if want is None or spec is None or tuple(spec[i] for i in order) == want:
             a = jnp.transpose(a, order)
             return jnp.where((a == a) | (a != a), x, jnp.zeros_like(x)), True
+    return x, False
+
+
+def _scalar_after(x: Any, anchors: list[tuple[Any, Any]]) -> tuple[Any, bool]:
+    """`_after` on the first floating anchor reduced to one flag: an all-reduce of one
+    byte over the devices holding it, where an elementwise tie across two layouts would
+    move the whole mask (`_after`)."""
+    for _, a in anchors:
+        if a.ndim and jnp.issubdtype(a.dtype, jnp.floating):
+            flag = jnp.all((a == a) | (a != a))
+            return jnp.where(flag, x, jnp.zeros_like(x)), True
     return x, False
 
 
