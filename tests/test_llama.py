@@ -8,6 +8,7 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 from typer.testing import CliRunner
 
@@ -92,6 +93,35 @@ def test_multi_head_and_wide_heads():
     attention = spec.abstract_args()[0]["params"]["layer_0"]["attention"]
     assert attention["key"]["kernel"].shape == (8192, 128 * 128)
     assert attention["out"]["kernel"].shape == (128 * 128, 8192)
+
+
+def test_dims_the_rotary_slices_or_joins_are_never_split_but_the_batch():
+    # Split, the rotary's halves of the head dim (sliced, padded, split, concatenated)
+    # and the head dim they make are moved by XLA with halo exchanges and all-to-alls,
+    # where an untied reshard prices all-gathers (tests/test_verify_tpu.py): their groups
+    # are kept whole. A batch two inputs are concatenated along stays splittable.
+    _, graph = small()
+    groups = build_groups(graph)
+    resizing = [op for op in graph.ops if op.primitive in {"slice", "pad", "concatenate", "split"}]
+    assert {op.primitive for op in resizing} == {"slice", "pad", "concatenate", "split"}
+    resized = set()
+    for op in resizing:
+        refs = [t for t in (*op.inputs, *op.outputs) if graph.tensors[t].ndim]
+        resized |= {groups.of(t, 3) for t in refs}  # [B, S, heads, d]: d, or a half of it
+    assert len(resized) >= 3  # halves, the joined head dim, the padded gradient
+    assert not any(groups.groups[g].splittable for g in resized)
+
+    def step(w, batch):
+        both = jnp.concatenate([batch, 2.0 * batch], axis=0)  # [2B, 16]
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(both @ w)))(w)
+
+    args = (jax.ShapeDtypeStruct((16, 8), jnp.float32), jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    (concat,) = [op for op in graph.ops if op.primitive == "concatenate"]
+    given = groups.groups[groups.of(concat.inputs[0], 0)]
+    joined = groups.groups[groups.of(concat.outputs[0], 0)]
+    assert given.batch and given.splittable and joined.splittable
 
 
 def test_pipeline_cuts_fall_between_layers():

@@ -194,6 +194,8 @@ class _RuleDims:
     """Dims some op sums over."""
     whole: set[int]
     """Dims a rule keeps whole (conv spatial dims)."""
+    resized: list[list[int]]
+    """Per op, the dims it resizes (`Rule.resized`: a slice, pad, concatenate or split)."""
     minor: list[tuple[int, int]]
     """(major, minor) dim pairs a reshape merges into one (`minor_factors`)."""
     op_dims: list[list[int]]
@@ -203,11 +205,13 @@ class _RuleDims:
     def of(cls, graph: Graph, rules: list, offsets: np.ndarray, splits: set[int]) -> _RuleDims:
         reduced: set[int] = set()
         whole: set[int] = set()
+        resized: list[list[int]] = []
         minor: list[tuple[int, int]] = []
         op_dims: list[list[int]] = []
         for op, r in zip(graph.ops, rules, strict=True):
             reduced.update(int(offsets[t]) + d for t, d in r.reduced)
             whole.update(int(offsets[t]) + d for t, d in r.whole)
+            resized.append([int(offsets[t]) + d for t, d in r.resized])
             minor += [
                 (int(offsets[a[0]]) + a[1], int(offsets[b[0]]) + b[1])
                 for a, b in minor_factors(op, graph)
@@ -217,7 +221,7 @@ class _RuleDims:
             op_dims.append(
                 [int(offsets[t]) + d for t in touched for d in range(graph.tensors[t].ndim)]
             )
-        return cls(reduced, whole, minor, op_dims)
+        return cls(reduced, whole, resized, minor, op_dims)
 
 
 def _group_fields(
@@ -237,11 +241,20 @@ def _group_fields(
     reduced[flat_gid[sorted(dims.reduced)]] = True
     whole = np.zeros(n, dtype=bool)
     whole[flat_gid[sorted(dims.whole)]] = True
+    # The groups of the dims an op resizes are kept whole (`Rule.resized`), but where one
+    # is a batch group: data parallelism is not given up, after a concatenate of two
+    # batches either (none in the zoo; XLA's collectives there not measured).
+    batch = np.array([any(m in batch_dims for m in mem) for mem in members], dtype=bool)
+    for flat in dims.resized:
+        gids = flat_gid[flat]
+        if not batch[gids].any():
+            whole[gids] = True
     whole |= _pinned_minors(graph, members, flat_gid, dims.minor, whole)
     param_path = {leaf.tensor: leaf.path for leaf in graph.leaves(Role.PARAM)}
 
     # Divisor 1 (never split) for groups of dead tensors (never read, not a step output:
-    # a decision without consequence) and groups a rule keeps whole (conv spatial dims).
+    # a decision without consequence) and groups a rule keeps whole (conv spatial dims,
+    # resized dims).
     used = {t for op in graph.ops for t in op.inputs} | {leaf.tensor for leaf in graph.outputs}
     groups = []
     for gid, mem in enumerate(members):
@@ -254,7 +267,7 @@ def _group_fields(
                 members=tuple(mem),
                 divisor=math.gcd(*sizes),
                 conflicted=len(set(tensors)) < len(tensors),
-                batch=any(m in batch_dims for m in mem),
+                batch=bool(batch[gid]),
                 param_dims=tuple((param_path[t], d) for t, d in mem if t in param_path),
                 bytes=sum(graph.tensors[t].nbytes for t in set(tensors)),
                 flops=float(flops[gid]),

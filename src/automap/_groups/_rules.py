@@ -43,6 +43,13 @@ class Rule:
     # and pooling windows. XLA can split them with halo exchanges (collective-permutes),
     # which this model does not cost, so their groups are never split.
     whole: tuple[DimRef, ...] = ()
+    # Dims a slice, pad, concatenate or split resizes (a rotary embedding's halves of the
+    # head dim, and the head dim they make): `build_groups` keeps their groups whole but
+    # for the batch. Split, XLA keeps them split through the op with halo exchanges and
+    # all-to-alls (collective-permutes of 2.5 shards of a [.., 64] -> 2 x [.., 32] split
+    # over 4 chips), not the all-gather of the whole dim an untied reshard prices; and a
+    # plan splitting only the halves it leaves whole (no collective where one is priced).
+    resized: tuple[DimRef, ...] = ()
 
 
 # Elementwise primitives: same-shaped operands and results, every dim tied.
@@ -72,6 +79,8 @@ ARG_REDUCE = frozenset({"argmax", "argmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 LOOPS = frozenset({"scan", "while", "cond"})
 WINDOW = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"})
+#: Ops that cut a dim into pieces or join pieces into one (`Rule.resized`).
+RESIZING = frozenset({"slice", "pad", "concatenate", "split"})
 
 
 def rule(op: Op, graph: Graph) -> Rule:
@@ -112,7 +121,18 @@ def rule(op: Op, graph: Graph) -> Rule:
             for d in dims
             if graph.tensors[t].ndim == len(wd)
         )
-    return Rule(ties, reduced, compute, whole=whole)
+    return Rule(ties, reduced, compute, whole=whole, resized=_resized(op, graph))
+
+
+def _resized(op: Op, graph: Graph) -> tuple[DimRef, ...]:
+    """The (tensor, dim)s of a RESIZING op along which its operands and results differ
+    in size (`Rule.resized`); () for any other op."""
+    if op.primitive not in RESIZING:
+        return ()
+    refs = [t for t in (*op.inputs, *op.outputs) if graph.tensors[t].ndim]
+    ndim = graph.tensors[op.outputs[0]].ndim
+    dims = [d for d in range(ndim) if len({graph.tensors[t].shape[d] for t in refs}) > 1]
+    return tuple((t, d) for t in refs for d in dims)
 
 
 def dim_ties(op: Op, graph: Graph) -> list[tuple[DimRef, DimRef]]:
