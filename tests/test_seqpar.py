@@ -297,6 +297,31 @@ def test_a_recomputed_layer_gathers_its_norms_outputs_again_on_a_gpu(remat):
     assert gathers[remat] == gathers["selective"] + 2 * 2  # two norms a layer, two layers
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow  # compiled for 8 A100s without one
+def test_zero3s_ties_leave_the_split_stream_split_on_a_gpu():
+    # ZeRO-3's layer-by-layer runtime ties each layer's gathers and gradient reductions to
+    # a backward value, through a shard_map over that value's layout (`_run/_fsdp.py`).
+    # That layout is the plan's pinned one: under sequence parallelism a stream cotangent
+    # is split on the sequence, where its groups leave it whole. Tied in the groups'
+    # layout, XLA gathered a float32 stream tensor over the model axis for each tie (three
+    # here, 12 MiB, none priced). Left, not priced (issue 27): where a layer's reduction
+    # is tied to a cotangent that a weight gradient read before it, XLA gathers that
+    # cotangent twice, once per value (2 MiB more a layer here).
+    spec = get_model(
+        "llama", layers=1, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
+    )
+    recipe = am.Recipe(dp=4, tp=2, zero=3, sequence_parallel=True)
+    plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=A100)
+    _, compiled = compile_plan(spec.step_fn, plan, spec.abstract_args(), target="a100")
+    gathered = [
+        c.shape
+        for c in parse_collectives(compiled.as_text(), 8)
+        if c.kind == "all-gather" and len(c.groups[0]) == 2  # over the model axis
+    ]
+    assert gathered and not any(shape.startswith("f32") for shape in gathered)
+
+
 def _layer_activations(layers: int, hidden: int, seq: int, batch: int, tp: int):
     """Activations at the peak of a GPT priced for A100s (Korthikanti's benchmark model:
     `_bench.KorthikantiRow`), selective recomputation without and with the split."""

@@ -197,7 +197,13 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     assignment = plan.assignment
     if assignment is None:
         assignment = assignment_from_specs(graph, groups, plan)
-    lay = layouts(graph, groups, assignment)
+    # A tensor the plan pins is laid as pinned: under sequence parallelism a stream
+    # cotangent is split on the sequence, where its groups leave it whole; constrained to
+    # the groups' layout, each tie gathered it (a float32 stream tensor a layer, read in
+    # an A100 program of a ZeRO-3 Llama at tp 2: tests/test_seqpar.py).
+    lay = tuple(
+        plan.constraints.get(t, s) for t, s in enumerate(layouts(graph, groups, assignment))
+    )
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
