@@ -169,9 +169,11 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
         c.add_row("  communication", human_time(cost.comm_s))
         c.add_row("  pipeline bubble", human_time(cost.bubble_s))
         c.add_row(
-            "memory per device",
+            "memory per device, at its peak",
             f"{human_bytes(cost.memory_bytes)} of {human_bytes(cluster.memory_limit)}",
         )
+        # The parts are what is alive at that moment: where the peak is the update (a step
+        # that donates nothing writes its new state beside the old), no activations.
         for k, v in cost.memory_breakdown.items():
             c.add_row(f"  {k}", human_bytes(v))
         c.add_row("MFU", f"{cost.mfu:.1%}")
