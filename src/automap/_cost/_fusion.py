@@ -101,11 +101,12 @@ def fused_bytes(
     in_memory = in_memory_tensors(graph, saved, ops)
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
     out = np.zeros(len(graph.ops))
+    cones = _Cones(graph, in_memory, fusible)
     for op in graph.ops:
         written = [t for t in op.outputs if in_memory[t]]
         if not fusible[op.index] or not written:
             continue  # not a kernel's root: its work is charged to the roots it feeds
-        read = _cone_reads(graph, op, in_memory, fusible)
+        read = cones.reads(op)
         if lowering.multi_output_fusion and op.primitive in REDUCE_SUM_LIKE:
             read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
         out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
@@ -145,6 +146,10 @@ def _materialize_shared(
     in_memory = in_memory.copy()
     for _ in range(4):
         kernels = _kernels_reading(graph, in_memory, fusible)
+        # One pass's cones stay valid as it writes tensors: ops run in graph order, and
+        # the tensors op i writes are read only by later ops, so no cone cached before
+        # (every one upstream of an earlier op's operands) walks through them.
+        cones = _Cones(graph, in_memory, fusible)
         changed = False
         for op in graph.ops:
             if not fusible[op.index]:
@@ -153,7 +158,7 @@ def _materialize_shared(
             k = max((len(kernels[t]) for t in pending), default=0)
             if k < 2:
                 continue
-            reads = nbytes[sorted(_cone_reads(graph, op, in_memory, fusible))].sum()
+            reads = nbytes[sorted(cones.reads(op))].sum()
             for t in pending:
                 k = len(kernels[t])
                 if (k - 1) * reads > (k + 1) * nbytes[t]:
@@ -180,15 +185,46 @@ def _kernels_reading(graph: Graph, in_memory: np.ndarray, fusible: list[bool]) -
     return roots
 
 
-def _cone_reads(graph: Graph, root, in_memory: np.ndarray, fusible: list[bool]) -> set[int]:
-    """The in-memory tensors a kernel rooted at `root` reads: walking its operands back
-    through fused producers (tensors not in memory) to tensors that are."""
+class _Cones:
+    """The in-memory tensors a kernel reads: from its root's operands back through fused
+    producers (tensors not in memory) to tensors that are. Each tensor's cone is kept, as
+    the union of its producer's operands' cones: kernels share most of their cones (a
+    layer's norms and residual adds), which a walk per kernel went over again each time
+    (most of the cost model's build on a 48-layer model)."""
 
-    def through(t: int) -> Iterable[int] | None:
-        p = graph.tensors[t].producer
-        return None if in_memory[t] or p is None or not fusible[p] else graph.ops[p].inputs
+    def __init__(self, graph: Graph, in_memory: np.ndarray, fusible: list[bool]):
+        self._graph, self._in_memory, self._fusible = graph, in_memory, fusible
+        self._cones: dict[int, frozenset[int]] = {}
 
-    return walk_back(root.inputs, through)
+    def reads(self, root) -> set[int]:
+        return set().union(*(self._of(t) for t in root.inputs))
+
+    def _operands(self, t: int):
+        """The tensors t's cone is the union of, or None where t is read from memory."""
+        p = self._graph.tensors[t].producer
+        if self._in_memory[t] or p is None or not self._fusible[p]:
+            return None
+        return self._graph.ops[p].inputs
+
+    def _of(self, t: int) -> frozenset[int]:
+        cones = self._cones
+        todo = [t]  # depth first, without recursion: a fused chain may run the model deep
+        while todo:
+            u = todo[-1]
+            if u in cones:
+                todo.pop()
+                continue
+            operands = self._operands(u)
+            if operands is None:
+                cones[u] = frozenset((u,))
+            elif missing := [i for i in operands if i not in cones]:
+                todo.extend(missing)
+                continue
+            else:
+                parts = {id(cones[i]): cones[i] for i in operands}.values()
+                cones[u] = next(iter(parts)) if len(parts) == 1 else frozenset().union(*parts)
+            todo.pop()
+        return cones[t]
 
 
 def walk_back(start: Iterable[int], through) -> set[int]:
