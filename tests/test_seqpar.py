@@ -305,21 +305,24 @@ def test_zero3s_ties_leave_the_split_stream_split_on_a_gpu():
     # That layout is the plan's pinned one: under sequence parallelism a stream cotangent
     # is split on the sequence, where its groups leave it whole. Tied in the groups'
     # layout, XLA gathered a float32 stream tensor over the model axis for each tie (three
-    # here, 12 MiB, none priced). Left, not priced (issue 27): where a layer's reduction
-    # is tied to a cotangent that a weight gradient read before it, XLA gathers that
-    # cotangent twice, once per value (2 MiB more a layer here).
+    # here, 12 MiB, none priced). And a reduction's tie waits for an op whose input no
+    # earlier op read: tied at the input gradient's matmul, the cotangent its weight
+    # gradient had read was a second value, gathered again (2 MiB a layer here).
     spec = get_model(
         "llama", layers=1, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
     )
+    step, args = spec.step_fn, spec.abstract_args()
     recipe = am.Recipe(dp=4, tp=2, zero=3, sequence_parallel=True)
-    plan = am.plan_recipe(spec.step_fn, *spec.abstract_args(), recipe=recipe, cluster=A100)
-    _, compiled = compile_plan(spec.step_fn, plan, spec.abstract_args(), target="a100")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
+    compiled = compile_plan(step, plan, args, target="a100")
     gathered = [
         c.shape
-        for c in parse_collectives(compiled.as_text(), 8)
+        for c in parse_collectives(compiled[1].as_text(), 8)
         if c.kind == "all-gather" and len(c.groups[0]) == 2  # over the model axis
     ]
     assert gathered and not any(shape.startswith("f32") for shape in gathered)
+    report = am.verify(step, plan, *args, cluster=A100, target="a100", compiled=compiled)
+    assert report.collectives_match, report.mismatches
 
 
 def _layer_activations(layers: int, hidden: int, seq: int, batch: int, tp: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +39,9 @@ class Layerwise(NamedTuple):
     lg: LayerGathers
     gather: Gather
     tie: Tie
+    # tensors the plan pins split where their groups leave them whole (the stream under
+    # sequence parallelism): a matmul reading one whole gathers it
+    split: frozenset[int] = frozenset()
 
 
 class GatheredReads:
@@ -109,18 +113,39 @@ def backward_anchors(graph: Graph, op: int, values: Mapping[int, Any], boundary:
     return [(t, values[t]) for t in graph.ops[op].inputs if made_after(graph, t, boundary)]
 
 
-def reduce_before(graph: Graph, layerwise: Layerwise, values: dict[int, Any], i: int) -> None:
+def reduce_before(
+    graph: Graph,
+    layerwise: Layerwise,
+    values: dict[int, Any],
+    i: int,
+    pending: tuple[int, ...] = (),
+) -> tuple[int, ...]:
     """Before op `i`: where a backward layer's gradients are due (`_remat.Reduction`), the
     op's floating inputs the backward made, in `values`, are replaced by the same values
     made to wait for the layer's sharded gradients (`Layerwise.tie`): the reduce-scatters
-    run before the next backward layer, each layer's alone."""
+    run before the next backward layer, each layer's alone. Returns the gradients still
+    to tie (`pending`, which the caller hands to the next op).
+
+    A split input (`Layerwise.split`) an earlier op read too is not tied: the tied copy
+    would be a second value, which XLA gathers apart from the first (under sequence
+    parallelism the cotangent a weight gradient and then the input gradient read whole
+    was gathered twice). Where op `i` has no other floating input, the gradients wait for
+    the next op that has (the input gradient's result's reader, one op later)."""
     r = layerwise.lg.reduction(i)
-    if r is None:
-        return
+    tied = (*pending, *(r.tied if r is not None else ()))
+    if not tied:
+        return ()
     anchors = backward_anchors(graph, i, values, layerwise.lg.regather.boundary)
     anchors = [(t, a) for t, a in anchors if t not in layerwise.lg.lazy]
-    tied = layerwise.tie([(t, values[t]) for t in r.tied if t in values], anchors)
-    values.update(zip((t for t, _ in anchors), tied, strict=True))
+    users = graph.consumers()
+    shared = {t for t, _ in anchors if t in layerwise.split and users[t][0] < i}
+    if shared:
+        anchors = [(t, a) for t, a in anchors if t not in shared]
+        if not any(jnp.issubdtype(a.dtype, jnp.floating) and a.size for _, a in anchors):
+            return tied  # no input of op i can carry it alone
+    out = layerwise.tie([(t, values[t]) for t in tied if t in values], anchors)
+    values.update(zip((t for t, _ in anchors), out, strict=True))
+    return ()
 
 
 def eval_layerwise(
@@ -142,8 +167,9 @@ def eval_layerwise(
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
     reads = GatheredReads(graph, lg, values, layerwise.gather, constrain, bind)
+    pending: tuple[int, ...] = ()
     for i in range(len(graph.ops)) if ops is None else ops:
-        reduce_before(graph, layerwise, values, i)
+        pending = reduce_before(graph, layerwise, values, i, pending)
         read = layer_read(graph, lg, reads, values, i)
         if read is None:
             continue  # made where it is read, from the gathered parameters
@@ -201,9 +227,9 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     # cotangent is split on the sequence, where its groups leave it whole; constrained to
     # the groups' layout, each tie gathered it (a float32 stream tensor a layer, read in
     # an A100 program of a ZeRO-3 Llama at tp 2: tests/test_seqpar.py).
-    lay = tuple(
-        plan.constraints.get(t, s) for t, s in enumerate(layouts(graph, groups, assignment))
-    )
+    plain = layouts(graph, groups, assignment)
+    lay = tuple(plan.constraints.get(t, s) for t, s in enumerate(plain))
+    split = frozenset(t for t, spec in plan.constraints.items() if _splits_more(spec, plain[t]))
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
 
     def gather(t: int, x: Any, anchors: Sequence[tuple[int, Any]]) -> Any:
@@ -219,7 +245,13 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     def tie(grads: Sequence[tuple[int, Any]], anchors: Sequence[tuple[int, Any]]) -> list[Any]:
         return _after_shards(grads, anchors, plan.constraints, lay, mesh)
 
-    return Layerwise(layer_gathers(graph, groups), gather, tie)
+    return Layerwise(layer_gathers(graph, groups), gather, tie, split)
+
+
+def _splits_more(pinned: Spec, plain: Spec) -> bool:
+    """Whether `pinned` splits a dim over an axis `plain` leaves it whole on."""
+    named = lambda e: set() if e is None else {e} if isinstance(e, str) else set(e)  # noqa: E731
+    return any(named(p) - named(q) for p, q in itertools.zip_longest(pinned, plain))
 
 
 def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mesh) -> Any:

@@ -97,11 +97,12 @@ def eval_recomputing(
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
         done.add(k)
 
+    pending: tuple[int, ...] = ()  # gradients whose tie waits for a later op
     for i in ops:
         op = graph.ops[i]
         if layerwise is not None and i > rc.boundary:
             # before the gathers and the recompute, which wait for what the op reads
-            reduce_before(graph, layerwise, values, i)
+            pending = reduce_before(graph, layerwise, values, i, pending)
         read = base(i)
         if read is None:
             continue  # made from the parameters alone: where a layer reads it (`_fsdp.py`)
