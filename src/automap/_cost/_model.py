@@ -201,15 +201,12 @@ class CostModel:
         low = self.cluster.lowering
         terms = split = None
         if plan.sequence_parallel:
-            again = self.residuals.recomputed if plan.remat else ()
-            terms = seqpar_terms(
-                self.graph, self.groups, plan, low.collective_float_bytes, recomputed=again
-            )
+            again = self.residuals.recomputed if plan.remat else ()  # their gathers run again
+            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes, again)
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
             split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)
-        # Without stages the runtime runs one program on the whole batch; microbatches
-        # (gradient accumulation) run through the staged runtime, priced above.
+        # One program on the whole batch (microbatches run through the staged runtime, above).
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
         cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)

@@ -77,8 +77,8 @@ def seqpar_terms(
     groups: Groups,
     plan: Plan,
     float_bytes: int = 0,
-    boundary: int | None = None,
     recomputed: Collection[int] = (),
+    boundary: int | None = None,
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
@@ -143,11 +143,9 @@ def seqpar_terms(
                 tensors.append(t)
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
-    again = [False] * len(ag)
-    for k in _regathered(graph, list(at), tensors, set(recomputed), boundary is not None):
-        ag.append(ag[k])
-        at.append(at[k])
-        again.append(True)
+    extra = _regathered(graph, at, tensors, set(recomputed), boundary is not None)
+    again = [False] * len(ag) + [True] * len(extra)
+    ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
     rs_again = [] if boundary is not None else [rs[e] for e in rs if rs_op[e] in recomputed]
     return SeqparTerms(
@@ -355,7 +353,7 @@ def stage_sequence_parallel(model, plan: Plan, oc):
     low, res = model.cluster.lowering, model.residuals
     float_bytes = low.collective_float_bytes
     again = res.recomputed if oc.remat else ()
-    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, res.boundary, again)
+    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, again, res.boundary)
     return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
 
 

@@ -37,7 +37,7 @@ def eval_recomputing(
     computes op i in place of its primitive, as in `eval_ops`. `layerwise` (ZeRO-3's
     layers and gather, `_fsdp.py`): the parameters gathered layer by layer, the recompute
     reading those gathered again for its layer's backward. `layout(t)`: tensor t's layout
-    under the plan (`tensor_layout`), so that a recomputed value is tied to a backward
+    under the plan (`plan_layout`), so that a recomputed value is tied to a backward
     value laid out as it is (`_after`); None: any of its shape."""
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
@@ -57,33 +57,11 @@ def eval_recomputing(
     def run(i: int, read: Callable[[int], Any], into: dict[int, Any]) -> None:
         run_op(graph, i, read, into, constrain, bind)
 
-    def attempt(k: int, pairs: list[tuple[int, Any]], how: str) -> tuple[dict, bool]:
+    def recompute(k: int, pairs: list[tuple[int, Any]]) -> None:
         live, anchors = rc.inputs[k], [v for _, v in pairs]
         fenced, _ = jax.lax.optimization_barrier(([fetch(t, pairs) for t in live], anchors))
-        local = {**values, **dict(zip(live, fenced, strict=True))}
+        start = {**values, **dict(zip(live, fenced, strict=True))}
         laid = [(None if layout is None else layout(a), v) for a, v in pairs]
-
-        def tie(t: int) -> bool:
-            if how == "scalar":
-                local[t], hit = _scalar_after(local[t], laid)
-            else:
-                want = None if layout is None else layout(t)
-                local[t], hit = _after(local[t], laid, how == "permute", want)
-            return hit
-
-        tied = False
-        for t in live:
-            if made_in_forward(graph, t, rc.boundary):
-                tied |= tie(t)
-        for i in rc.layers[k]:
-            run(i, local.__getitem__, local)
-            # No input could be tied (an integer mask, say): tie the first value made that
-            # can; only the ops before it may then merge with the forward's.
-            for t in () if tied else graph.ops[i].outputs:
-                tied |= tie(t)
-        return local, tied
-
-    def recompute(k: int, pairs: list[tuple[int, Any]]) -> None:
         # No backward value of the unit's shapes and layouts (an attention core reads Q as
         # [b, s, h, d] while its trigger reads dO as [b, h, d, s]): tie on one whose axes
         # are a permutation of them; none either (under sequence parallelism a layer's
@@ -91,7 +69,7 @@ def eval_recomputing(
         # queries are split by head): on one reduced to a flag. An untied attempt is dead
         # code XLA drops.
         for how in ("same", "permute", "scalar"):
-            local, tied = attempt(k, pairs, how)
+            local, tied = _remade(graph, rc, k, dict(start), laid, how, layout, run)
             if tied:
                 break
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
@@ -115,6 +93,41 @@ def eval_recomputing(
         else:
             run(i, read, values)
     return outputs(graph, lg, reads, values, wanted)
+
+
+def _remade(
+    graph: Graph,
+    rc: Recompute,
+    k: int,
+    local: dict[int, Any],
+    laid: list[tuple[Any, Any]],
+    how: str,
+    layout: Callable[[int], tuple] | None,
+    run: Callable[[int, Callable[[int], Any], dict[int, Any]], None],
+) -> tuple[dict[int, Any], bool]:
+    """Recompute unit `k` into `local` (its inputs fenced there), its inputs made in the
+    forward tied to a backward value of `laid` ((layout, value) pairs) as `how` says:
+    "same" or "permute" (`_after`), "scalar" (`_scalar_after`); and whether one was."""
+
+    def tie(t: int) -> bool:
+        if how == "scalar":
+            local[t], hit = _scalar_after(local[t], laid)
+        else:
+            want = None if layout is None else layout(t)
+            local[t], hit = _after(local[t], laid, how == "permute", want)
+        return hit
+
+    tied = False
+    for t in rc.inputs[k]:
+        if made_in_forward(graph, t, rc.boundary):
+            tied |= tie(t)
+    for i in rc.layers[k]:
+        run(i, local.__getitem__, local)
+        # No input could be tied (an integer mask, say): tie the first value made that
+        # can; only the ops before it may then merge with the forward's.
+        for t in () if tied else graph.ops[i].outputs:
+            tied |= tie(t)
+    return local, tied
 
 
 def plan_layout(graph: Graph, groups: Groups, plan: Plan) -> Callable[[int], tuple] | None:
