@@ -86,8 +86,7 @@ def seqpar_terms(
     runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
     the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
     gathers run again there (`_regathered`)."""
-    axis = plan.sequence_parallel
-    assignment = plan.assignment or {}
+    axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
     split = {
         t
@@ -143,7 +142,7 @@ def seqpar_terms(
                 tensors.append(t)
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
-    extra = _regathered(graph, at, tensors, set(recomputed), boundary is not None)
+    extra = _regathered(graph, at, tensors, recomputed, boundary is not None)
     again = [False] * len(ag) + [True] * len(extra)
     ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
@@ -167,14 +166,11 @@ def _regathered(
     backward matmul already (`seqpar_terms`): there only a recomputed forward matmul's
     gather runs again. Read in XLA's A100 programs of a 1-layer GPT and Llama at tp 2
     (tests/test_seqpar.py): two more gathers a layer under full and projections."""
-    if not recomputed:
-        return []
-    again = []
-    for k, (t, op) in enumerate(zip(gathered, at, strict=True)):
-        made_again = not staged and graph.tensors[t].producer in recomputed
-        if op in recomputed or made_again:
-            again.append(k)
-    return again
+    return [
+        k
+        for k, (t, op) in enumerate(zip(gathered, at, strict=True))
+        if op in recomputed or (not staged and graph.tensors[t].producer in recomputed)
+    ]
 
 
 def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:

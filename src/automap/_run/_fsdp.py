@@ -227,8 +227,7 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     # cotangent is split on the sequence, where its groups leave it whole; constrained to
     # the groups' layout, each tie gathered it (a float32 stream tensor a layer, read in
     # an A100 program of a ZeRO-3 Llama at tp 2: tests/test_seqpar.py).
-    plain = layouts(graph, groups, assignment)
-    lay = tuple(plan.constraints.get(t, s) for t, s in enumerate(plain))
+    plain, lay = pinned_layouts(graph, groups, plan, assignment)
     split = frozenset(t for t, spec in plan.constraints.items() if _splits_more(spec, plain[t]))
     spec_of = {leaf.tensor: plan.specs[leaf.path] for leaf in graph.leaves(Role.PARAM)}
 
@@ -248,10 +247,24 @@ def plan_layerwise(graph: Graph, groups: Groups, plan: Plan, mesh: Mesh) -> Laye
     return Layerwise(layer_gathers(graph, groups), gather, tie, split)
 
 
+def pinned_layouts(
+    graph: Graph, groups: Groups, plan: Plan, assignment: Mapping[int, str | None]
+) -> tuple[tuple[Spec, ...], tuple[Spec, ...]]:
+    """Per tensor, its layout as the groups lay it under `assignment`, and as `plan` runs
+    it: its constraint where the plan pins it (the split stream), else the same."""
+    plain = layouts(graph, groups, assignment)
+    return plain, tuple(plan.constraints.get(t, s) for t, s in enumerate(plain))
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """A spec entry's mesh axes: None, one name, or a tuple of names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _splits_more(pinned: Spec, plain: Spec) -> bool:
     """Whether `pinned` splits a dim over an axis `plain` leaves it whole on."""
-    named = lambda e: set() if e is None else {e} if isinstance(e, str) else set(e)  # noqa: E731
-    return any(named(p) - named(q) for p, q in itertools.zip_longest(pinned, plain))
+    pairs = itertools.zip_longest(pinned, plain)
+    return any(set(spec_axes(p)) - set(spec_axes(q)) for p, q in pairs)
 
 
 def _tied(x: Any, spec: Spec, anchors: Sequence[tuple[int, Any]], lay, mesh: Mesh) -> Any:

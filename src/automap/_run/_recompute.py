@@ -12,10 +12,19 @@ import jax
 import jax.numpy as jnp
 
 from .._graph import Graph
-from .._groups import Groups, layouts
+from .._groups import Groups
 from .._plan import Plan
 from .._remat import Recompute, made_in_forward
-from ._fsdp import GatheredReads, Layerwise, backward_anchors, layer_read, outputs, reduce_before
+from ._fsdp import (
+    GatheredReads,
+    Layerwise,
+    backward_anchors,
+    layer_read,
+    outputs,
+    pinned_layouts,
+    reduce_before,
+    spec_axes,
+)
 from ._interpret import Constrain, run_op
 
 
@@ -132,23 +141,18 @@ def _remade(
 
 def plan_layout(graph: Graph, groups: Groups, plan: Plan) -> Callable[[int], tuple] | None:
     """Tensor t's layout under `plan` (per dim, the mesh axes splitting it: its pinned
-    layout where the plan pins it, else its groups'), for `eval_recomputing`'s ties; None
-    where the plan records no assignment (a plan written by hand)."""
+    layout where the plan pins it, else its groups', `pinned_layouts`), for
+    `eval_recomputing`'s ties; None where the plan records no assignment (a plan written
+    by hand)."""
     if not plan.assignment:
         return None
-    lay = layouts(graph, groups, plan.assignment)
+    _, lay = pinned_layouts(graph, groups, plan, plan.assignment)
 
     def layout(t: int) -> tuple:
-        spec = plan.constraints.get(t, lay[t])
-        rank = len(graph.tensors[t].shape)
-        return tuple(_named(spec[d]) if d < len(spec) else () for d in range(rank))
+        spec, rank = lay[t], len(graph.tensors[t].shape)
+        return tuple(spec_axes(spec[d]) if d < len(spec) else () for d in range(rank))
 
     return layout
-
-
-def _named(entry: Any) -> tuple[str, ...]:
-    """A spec entry's axes: None, one name, or a tuple of names."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _after(
