@@ -266,3 +266,33 @@ def test_few_long_functions():
         f"{len(long)} functions over {LONG_FUNCTION_LINES} lines, at most "
         f"{MAX_LONG_FUNCTIONS}:\n" + "\n".join(long)
     )
+
+
+def _name_comparisons(tree: ast.Module, names: set[str]) -> list[int]:
+    """Lines comparing something with one of `names` as a string (==, !=, in, not in)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        sides += [e for s in sides if isinstance(s, ast.Tuple | ast.List | ast.Set) for e in s.elts]
+        if any(isinstance(s, ast.Constant) and s.value in names for s in sides):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_schedule_name_compared_outside_the_registry():
+    """A pipeline schedule is an object (`_pipeline.pipeline_schedule`): what a search may
+    try besides it, or what it runs, is read from it, never branched on by its name."""
+    from automap._pipeline import schedule_names
+
+    names = set(schedule_names())
+    bad = [
+        f"{path.relative_to(SRC)}:{line}"
+        for module, path in MODULES.items()
+        if _stage(module) != "_pipeline"
+        for line in _name_comparisons(ast.parse(path.read_text()), names)
+    ]
+    assert not bad, "schedule names compared outside _pipeline/:\n" + "\n".join(bad)
+    planted = ast.parse('if plan.schedule != "1f1b" or name in ("gpipe", "x"):\n    pass')
+    assert _name_comparisons(planted, names) == [1, 1]  # the check sees both forms

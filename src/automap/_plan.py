@@ -120,6 +120,10 @@ class Provenance:
         object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))  # JSON: a list
 
 
+#: The pipeline schedule a plan runs unless it names another (1F1B, `_pipeline`'s registry).
+DEFAULT_SCHEDULE = "1f1b"
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A distributed execution plan for one captured training step."""
@@ -130,7 +134,7 @@ class Plan:
     constraints: Mapping[int, Spec] = dataclasses.field(default_factory=dict)  # tensor id -> spec
     stages: tuple[Stage, ...] = ()  # empty: one program; see `pipelined`
     microbatches: int = 1
-    schedule: str = "1f1b"  # a registered schedule's name (`_pipeline.pipeline_schedule`)
+    schedule: str = DEFAULT_SCHEDULE  # a registered schedule's name (`_pipeline.pipeline_schedule`)
     zero_stage: int = 0
     # What ZeRO-1/2's data axis gathers after the update on shards (`ZERO_GATHERS`):
     # "params", the new parameters, whose float32 masters every device holds whole;
@@ -287,7 +291,7 @@ class Plan:
                     for s in d.get("stages", ())
                 ),
                 microbatches=int(d.get("microbatches", 1)),
-                schedule=str(d.get("schedule", "1f1b")),
+                schedule=str(d.get("schedule", DEFAULT_SCHEDULE)),
                 zero_stage=int(d.get("zero_stage", 0)),
                 # Plans saved before the field (version 1) gathered the parameters.
                 zero_gather=str(d.get("zero_gather", "params")),

@@ -14,7 +14,7 @@ import pytest
 import automap as am
 from automap._cost import estimate_pipeline
 from automap._groups import sequence_parallel
-from automap._pipeline import pipeline_plan
+from automap._pipeline import pipeline_plan, pipeline_schedule
 from automap._search import REMATS, Problem, search_dp
 from automap._space import layer_cuts, pipeline_experts, recipe_plan
 from automap._zoo import get_model
@@ -65,7 +65,7 @@ def test_dp_chooses_zb_h1_where_the_bubble_matters(monkeypatch):
     again = estimate_pipeline(pb.cost_model, plan).cost
     assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
     assert plan.predicted.step_time_s < _as_1f1b(pb, plan).step_time_s
-    monkeypatch.setattr("automap._search._techniques.SPLIT_SCHEDULES", ())
+    monkeypatch.setattr(type(pipeline_schedule("1f1b")), "split_as", None)  # no ZB-H1
     without, _ = search_dp(pb, budget_s=60)
     monkeypatch.undo()
     assert without.schedule != "zb-h1"

@@ -25,7 +25,7 @@ from .._api import plan
 from .._axes import PIPE
 from .._cluster import Cluster
 from .._errors import AutomapError
-from .._plan import Plan
+from .._plan import DEFAULT_SCHEDULE, Plan
 from .._zoo import ModelSpec, get_model
 
 
@@ -63,7 +63,7 @@ def plan_shape(found: Plan) -> str:
     axes = {k: v for k, v in found.mesh.items() if k != PIPE or found.pipelined}
     mesh = " × ".join(f"{k} {v}" for k, v in axes.items())
     extra = [f"{found.microbatches} mb"] if found.microbatches > 1 else []
-    extra += [found.schedule] if found.pipelined and found.schedule != "1f1b" else []
+    extra += [found.schedule] if found.pipelined and found.schedule != DEFAULT_SCHEDULE else []
     extra += ["SP"] if found.sequence_parallel else []
     extra += [f"remat {found.remat_policy}"] if found.remat else []
     extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []

@@ -25,10 +25,12 @@ from ._plans import cut_runs as cut_runs
 from ._plans import pipeline_plan as pipeline_plan
 from ._plans import uniform_cuts as uniform_cuts
 from ._registry import check_remat as check_remat
+from ._registry import chunked_variant as chunked_variant
 from ._registry import pipeline_schedule as pipeline_schedule
 from ._registry import plan_schedule as plan_schedule
 from ._registry import register_schedule as register_schedule
 from ._registry import schedule_names as schedule_names
+from ._registry import split_variant as split_variant
 from ._registry import unregister_schedule as unregister_schedule
 from ._schedule import PipelineSchedule as PipelineSchedule
 from ._schedule import Task as Task

@@ -14,6 +14,8 @@ from ._schedule import PipelineSchedule, Task
 
 class OneFOneB(PipelineSchedule):
     name = "1f1b"
+    split_as = "zb-h1"
+    chunked_as = "interleaved"
 
     def stage_tasks(self, stages: int, microbatches: int) -> tuple[tuple[Task, ...], ...]:
         return tuple(self._stage(s, stages, microbatches) for s in range(stages))

@@ -45,6 +45,22 @@ def pipeline_schedule(name: str, chunks: int | None = None) -> PipelineSchedule:
     return schedule if chunks is None else schedule.with_chunks(chunks)
 
 
+def split_variant(schedule: PipelineSchedule) -> PipelineSchedule | None:
+    """The schedule a search asked for `schedule` also tries on the same cuts with each
+    backward split (its `split_as`: ZB-H1 for 1F1B), or None where it names none."""
+    if schedule.split_as is None or schedule.chunks != 1:
+        return None
+    return pipeline_schedule(schedule.split_as)
+
+
+def chunked_variant(schedule: PipelineSchedule, chunks: int) -> PipelineSchedule | None:
+    """The schedule a search asked for `schedule` also tries with `chunks` model chunks
+    per device group (its `chunked_as`: interleaved 1F1B for 1F1B), or None."""
+    if schedule.chunked_as is None or schedule.chunks != 1:
+        return None
+    return pipeline_schedule(schedule.chunked_as, chunks)
+
+
 def plan_schedule(plan: Plan) -> PipelineSchedule:
     """The schedule a plan runs: its name, with the plan's virtual stages per device (a
     PlanError where the schedule cannot run the plan's recomputation)."""

@@ -78,6 +78,13 @@ class PipelineSchedule(abc.ABC):
     #: Runs each microbatch's weight gradients (WGT) apart from the rest of its backward
     #: (BWD): the runtime and the cost model split the partition (`_split.split_backward`).
     splits_backward: ClassVar[bool] = False
+    #: What a search asked for this schedule also tries, by registered name
+    #: (`_registry.split_variant`, `chunked_variant`): the schedule that runs the same
+    #: stages with each backward split into B and W (ZB-H1 for 1F1B), and the one that
+    #: runs them as several model chunks per device group (interleaved 1F1B for 1F1B).
+    #: None: the search tries no such variant.
+    split_as: ClassVar[str | None] = None
+    chunked_as: ClassVar[str | None] = None
 
     @property
     def phases(self) -> tuple[Phase, ...]:

@@ -49,17 +49,19 @@ from .._groups import sequence_parallel
 from .._pipeline import (
     Partition,
     PipelineSchedule,
+    chunked_variant,
     cut_candidates,
     partition,
     pipeline_plan,
     pipeline_schedule,
+    split_variant,
 )
 from .._plan import Plan
 from .._remat import aligned_cuts, layer_spans
 from .._space import Point, layer_cuts
 from ._cut_tables import SegmentTables, optimal_cuts, segment_tables
 from ._dp import one_chunk
-from ._techniques import CHUNKS, LAYER_UNITS, SPLIT_SCHEDULES
+from ._techniques import CHUNKS, LAYER_UNITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,16 +237,19 @@ class PipelinePricer:
         )
 
     def schedule_for(self, chunks: int, split: bool = False) -> PipelineSchedule:
-        """The schedule of `chunks` model chunks per device group (interleaved past one);
-        `split`: ZB-H1, one chunk with each backward split into B and W."""
+        """The schedule of `chunks` model chunks per device group (the search's schedule's
+        chunked variant past one: interleaved 1F1B); `split`: its split variant (ZB-H1),
+        one chunk with each backward split into B and W. Asked only where
+        `chunk_choices` and `split_applies` offer them."""
         if split:
-            return pipeline_schedule(SPLIT_SCHEDULES[0])
-        return self.schedule if chunks == 1 else pipeline_schedule("interleaved", chunks)
+            return split_variant(self.schedule)
+        return self.schedule if chunks == 1 else chunked_variant(self.schedule, chunks)
 
     def split_applies(self, stages: int, intra: Intra) -> bool:
-        """Whether a point of `stages` stages and `intra` may run ZB-H1: a 1F1B search's
-        pipeline, without recomputation (a split backward does not recompute)."""
-        return stages > 1 and self.schedule.name == "1f1b" and not intra.remat
+        """Whether a point of `stages` stages and `intra` may run the search's schedule's
+        split variant (ZB-H1 for 1F1B): a pipeline without recomputation (a split
+        backward does not recompute)."""
+        return stages > 1 and split_variant(self.schedule) is not None and not intra.remat
 
     def price(
         self,
@@ -287,10 +292,11 @@ class PipelinePricer:
 
     def chunk_choices(self, stages: int, microbatches: int) -> tuple[int, ...]:
         """Chunks per device group a point may take: one, and 2 or 3 (`CHUNKS`) where the
-        search is 1F1B's, the microbatches come in whole rounds of S and the layers split
+        search's schedule runs chunked (`chunked_variant`: 1F1B's, interleaved), the microbatches come in whole rounds of S and the layers split
         into S x v equal chunks (as the dp searcher's techniques polish)."""
         out = [1]
-        if stages > 1 and self.schedule.name == "1f1b" and microbatches % stages == 0:
+        chunked = chunked_variant(self.schedule, CHUNKS[1]) is not None
+        if stages > 1 and chunked and microbatches % stages == 0:
             out += [v for v in CHUNKS[1:] if self.chunk_cuts(stages, v) is not None]
         return tuple(out)
 

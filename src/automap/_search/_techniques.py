@@ -44,7 +44,13 @@ from .._axes import MODEL, PIPE
 from .._cost import estimate_pipeline, pipeline_decisions
 from .._errors import PlanError
 from .._groups import sequence_parallel
-from .._pipeline import PipelineSchedule, pipeline_plan, pipeline_schedule
+from .._pipeline import (
+    PipelineSchedule,
+    chunked_variant,
+    pipeline_plan,
+    pipeline_schedule,
+    split_variant,
+)
 from .._plan import REMAT_POLICIES, Plan
 from .._space import layer_cuts
 from ._work import Work
@@ -62,17 +68,14 @@ LAYER_UNITS = ("projections", "full")
 #: Work counted per variant priced, in passes over the program's ops (`Work`): its op
 #: costs, its partition or layouts, and its price.
 VARIANT_WORK = 3
-#: Schedules a 1F1B search tries besides 1F1B itself: the stage DP cuts for each
-#: (`dp_schedules`), and the polish tries each on a 1F1B plan's own cuts.
-SPLIT_SCHEDULES = ("zb-h1",)
 
 
 def dp_schedules(schedule: PipelineSchedule) -> tuple[PipelineSchedule, ...]:
-    """The schedules the stage DP cuts for in a search asked for `schedule`: 1F1B's adds
-    `SPLIT_SCHEDULES` (read at each call, so a test may take them away); any other, itself."""
-    if schedule.name != "1f1b" or schedule.chunks != 1:
-        return (schedule,)
-    return (schedule, *(pipeline_schedule(name) for name in SPLIT_SCHEDULES))
+    """The schedules the stage DP cuts for in a search asked for `schedule`: itself, and
+    its split variant where it names one (`split_variant`: ZB-H1 for 1F1B; read at each
+    call, so a test may take it away)."""
+    split = split_variant(schedule)
+    return (schedule,) if split is None else (schedule, split)
 
 
 class Layout(NamedTuple):
@@ -114,21 +117,26 @@ def _time_of(plan: Plan) -> float:
 
 
 def _layouts(model, plan: Plan) -> list[Layout]:
-    """The plan's own schedule and cuts; on a 1F1B plan (a GPipe search asked for GPipe)
-    of two stages or more, ZB-H1 on the same cuts, and interleaving: equal-layer chunks,
-    where the layers split so and the microbatches make whole rounds. In this order, so
+    """The plan's own schedule and cuts; on a plan of two stages or more, its schedule's
+    variants (`split_variant`, `chunked_variant`: for 1F1B, ZB-H1 on the same cuts and
+    interleaving; none for GPipe): chunks of equal layers, where the layers split so and
+    the microbatches make whole rounds. In this order, so
     that a tie keeps the earlier (the simpler schedule)."""
     cuts = tuple(plan.decisions["cuts"])
     out = [Layout(plan.schedule, 1, cuts)]
-    S = plan.mesh.get(PIPE, 1)
-    if S < 2 or plan.schedule != "1f1b":
+    S, schedule = plan.mesh.get(PIPE, 1), pipeline_schedule(plan.schedule, plan.virtual_stages)
+    if S < 2:
         return out
-    out += [Layout(name, 1, cuts) for name in SPLIT_SCHEDULES]
+    split = split_variant(schedule)
+    out += [Layout(split.name, 1, cuts)] if split is not None else []
     if plan.microbatches % S:
         return out
     for v in CHUNKS[1:]:
+        chunked = chunked_variant(schedule, v)
+        if chunked is None:
+            break
         try:
-            out.append(Layout("interleaved", v, layer_cuts(model.graph, model.groups, S, v)))
+            out.append(Layout(chunked.name, v, layer_cuts(model.graph, model.groups, S, v)))
         except PlanError:  # the layers do not split into S x v equal chunks
             continue
     return out

@@ -40,11 +40,11 @@ import numpy as np
 
 from ..._axes import DATA, MODEL
 from ..._graph import Role
-from ..._pipeline import pipeline_schedule
-from ..._plan import Plan
+from ..._pipeline import pipeline_schedule, split_variant
+from ..._plan import DEFAULT_SCHEDULE, Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
-from .._techniques import CHUNKS, LAYER_UNITS, REMATS, SPLIT_SCHEDULES
+from .._techniques import CHUNKS, LAYER_UNITS, REMATS
 from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
 from ._shard_process import cost_summary
 
@@ -60,7 +60,7 @@ _FIRST, _LAST, _CHEAPEST = 5, 6, 7  # cut actions 5..7
 RERUN = {"selective": 0.2, "projections": 0.3, "full": 1.0}
 #: The chunks decision's last action: ZB-H1 (one chunk, each backward split into B and W).
 SPLIT_ACTION = len(CHUNKS)
-SPLIT = pipeline_schedule(SPLIT_SCHEDULES[0])
+SPLIT = split_variant(pipeline_schedule(DEFAULT_SCHEDULE))
 
 
 class StagedProcess(abc.ABC):
