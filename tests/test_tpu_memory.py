@@ -25,7 +25,7 @@ def _llama(layers: int, batch: int):
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
-@pytest.mark.slow  # compiled for 4 v5p chips: ~30 s on two loaded cores
+@pytest.mark.slow  # compiled for 4 v5p chips: ~45 s on two loaded cores
 def test_a_tpu_makes_a_bf16_swiglus_sigmoid_again_in_the_backward():
     # XLA's TPU stores a bf16 Llama's gate and up matmul outputs for the backward and
     # makes the SwiGLU's sigmoid again from the gate output in the backward's kernel
