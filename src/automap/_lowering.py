@@ -158,8 +158,12 @@ class Lowering:
     forward buffer dies at its last forward reader (`_cost._buffers`). XLA's TPU does (its convolution fusions take their operands'
     producers; libtpu 0.0.42.1, v5p: a float32 2-layer GPT's buffers alive at its peak
     hold no tanh, GELU output, layer-norm output or probabilities; a bfloat16 Llama's
-    keep its SwiGLU product and bf16 probabilities, so 16-bit residuals are not made
-    again); its GPU pipeline calls cuBLAS, which reads its operands from memory (False)."""
+    keep its SwiGLU product and bf16 probabilities, so 16-bit residuals matmuls read are
+    not made again). A 16-bit transcendental result only fusible ops read is, as on the
+    CPU and GPU a cheap one is: a bf16 Llama's SwiGLU sigmoid is made again from the
+    stored gate output in the backward's kernel (`_cost._residuals._remade_from`; held by
+    tests/test_tpu_memory.py). Its GPU pipeline calls cuBLAS, which reads its operands
+    from memory (False)."""
     matmul_operand_bytes: int = 0
     """Bytes per element a float32 matmul reads its operands in at the default precision,
     where not 0: a float32 residual kept only for matmuls (every tensor it stands in for

@@ -117,8 +117,9 @@ def _remade_from(
 ) -> list[int] | None:
     """The operands XLA makes residual t again from (`stored_residuals`), or None: stored.
 
-    With `lowering.fuses_matmul_operands` (XLA's TPU) a matmul reader fuses the chain
-    too, and an expensive result is made again like a cheap one.
+    With `lowering.fuses_matmul_operands` (XLA's TPU) a matmul reader fuses a float32
+    chain too, and an expensive result of any width is made again like a cheap one (a
+    bf16 Llama's SwiGLU sigmoid, read on compile-only v5p chips).
     With `lowering.remakes_residuals` an expensive elementwise result is made again too
     where it is part of a row normalization (`_normalizes`), or where it is a recomputed
     layer's (`recomputed`): the first forward makes it in the kernel that feeds its next
@@ -145,6 +146,7 @@ def _remade_from(
         and (
             fused
             or not is_expensive(graph, op)
+            or lowering.fuses_matmul_operands
             or (lowering.remakes_residuals and (recomputed or _normalizes(graph, t)))
         )
         and all(graph.ops[c].primitive in readers for c in consumers[t])
