@@ -112,6 +112,7 @@ SECONDS = {
     "tests/test_price_once.py": 29,
     "tests/pipeline/test_zero_bubble_search.py": 28,
     "tests/test_compare.py": 24,
+    "tests/test_tpu_memory.py": 24,
     "tests/test_recipe.py": 23,
     "tests/zoo/test_zoo.py": 20,
     "tests/test_api.py": 18,
