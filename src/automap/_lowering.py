@@ -190,8 +190,11 @@ class Lowering:
     compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
     [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
     [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
-    the whole 2x2x2 cube up to f32[8192, 1024]); 0: every ZeRO gradient is
-    reduce-scattered (GPUs). docs/DESIGN.md, "TPU slices"; held by
+    the whole 2x2x2 cube up to f32[8192, 1024]); nor a 2-D gradient whose split lies on
+    the lanes of the buffer its dot (or lookup) writes, laid as it pads least
+    (`_cost._scatter`: a Llama's transposed [out, hidden] weight gradients at data 4 x
+    model 2 on 2x2x2); 0: every ZeRO gradient is reduce-scattered (GPUs: the same Llama
+    compiled for A100s reduce-scatters all 4.6 MiB). docs/DESIGN.md, "TPU slices"; held by
     tests/test_verify_tpu.py::test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole."""
     recompute_gathers_casts: bool = False
     """Whether ZeRO-3's gather for a recompute under remat moves the narrow cast the step
