@@ -27,6 +27,26 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
 
+Measured at bcdf989 (2026-12-05, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
+loaded cores; `--plans 12 --models llama`, 5 min beside the tests, then `--models gpt`):
+llama's collectives 5
+of 12 (4 at 922a0e8), memory 9 of 12 (unchanged), the same draws. Plan 3 (ZeRO-3, remat)
+now matches: XLA's TPU gathers the bf16 casts for the recompute too (all-gather@data
+51.5 MiB priced before, 38.4 XLA; `Lowering.recompute_gathers_casts`, 8339d40). bcdf989
+prices the bf16 gradients XLA all-reduces whole by the layout of the buffer the backward
+writes (the fourth bullet below): plan 11's all-reduce@data 2.77 -> 1.39 MiB, plans 4 and
+8 3.52 -> 1.77 MiB, plan 1's reduce-scatter@data 18.8 -> 3.0 MiB (XLA 0.19), without
+making another plan match. gpt (`--models gpt`, 5 min): collectives 8 of 12 (7 at
+7747e9e), memory 7 of 12 (the same figures plan by plan); plan 7 (ZeRO-3, remat) now
+matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gather@data
+49.7 MiB priced at 7747e9e, XLA 38.6).
+
+| model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
+|-------|------------:|-------------:|----------------:|-------------:|-----------------:|
+| gpt   | 8 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
+| llama | 5 of 12     | 9 of 12      | 7 of 10         | 5 of 5       | 1 of 1           |
+| all   | 13 of 24 (54%) | 16 of 24 (67%) |            |              |                  |
+
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
 fails on collectives (11 of 24) and memory (16 of 24). 922a0e8 keeps whole the groups of
@@ -114,7 +134,16 @@ What keeps the collectives apart (the most common disagreements, by mechanism):
   at data 64 matches. Llama plan 11 of dc2b266's draws (data 64) then disagreed only on
   all-reduce@data, 1.13 GiB priced / 1.05 XLA (+7.5%): the attention's gathers above;
   922a0e8's data 64 plan (7) matches.
-- bf16 llama's gradients all-reduced over data where priced reduce-scattered (at
+- bf16 llama's gradients all-reduced over data where priced reduce-scattered, priced
+  since bcdf989 (`_cost/_scatter.py`, `_tiles.minor_split`): XLA lays the buffer the
+  backward's dot (or a lookup's scatter-add) writes as it pads least and reduce-scatters
+  a gradient whose ZeRO split is on its major dim, or on its lanes with 512 bytes of a
+  shard's row there (f32 [256, 128] shards and bf16 [512, 256] scattered, bf16 [256, 128]
+  not; a lookup's from 256 lanes). Left: at data 4 x model 16 under ZeRO-3 and remat
+  (plan 1) XLA all-reduces whole bf16 [512, 512] gradients split on their major dim
+  (18.6 MiB of all-reduce, 0.19 of reduce-scatter; priced 15.8 and 3.0); at data 32 x
+  model 2 (plans 4, 8: 1.77 MiB all-reduced priced, 36 KiB XLA) it scatters bf16 shards
+  as small as [16, 64] that the threshold below keeps whole. Before (at
   dc2b266 plans 0 and 9: 14.3 MiB of bf16 all-reduce, 18 KiB priced; at 922a0e8 plans 0,
   1, 9, ZeRO-2/3: 11.1, 18.6, 1.1 MiB XLA / 18 KiB priced, with reduce-scatter@data priced
   26.1, 18.8, 43.7 MiB where XLA has none, 0.19, 11.1). Read on 8 chips (the 1-layer
@@ -129,9 +158,22 @@ What keeps the collectives apart (the most common disagreements, by mechanism):
   (4-7 MiB of all-reduce and permutes per stage, gpt plan 4): not read.
 - llama's ZeRO gathers and reduce-scatters priced about twice XLA's (at 922a0e8: plan 10,
   ZeRO-1, data 8 x model 8: all-gather@data 31.7 / 15.6 MiB, reduce-scatter@data 31.6 /
-  15.6; plans 3, 9, 11, ZeRO-3, all-gather@data +34%, +108%, +28%), and on data 32 x
-  model 2 under ZeRO-1/2 without remat (plans 4, 8) 3.52 MiB of all-reduce@data priced
-  where XLA has 36 KiB, with memory 1.61 and 1.45 of XLA's buffers: not read.
+  15.6; plans 3, 9, 11, ZeRO-3, all-gather@data +34%, +108%, +28%). Read at bcdf989: not
+  the converts. ZeRO's own gathers and reduce-scatters match XLA's bf16 ones byte for
+  byte (plan 10: 15.6 MiB each). The rest is the token table, whose rows the plan splits
+  on data where the batch is on data too (plans 0, 9, 10, 11): the cost model prices the
+  lookup's partial sums as a reduce-scatter of the whole [batch, seq, hidden] rows over
+  data (16 MiB) and the backward's scatter-add as an all-gather of the rows' gradients
+  (16 MiB); XLA moves the table's shard onto the model axis with a collective-permute
+  (0.5 MiB bf16), looks up there and all-reduces over model (+2 MiB over model), and in
+  the backward scatter-adds locally, all-reduces the shard over data (0.5 MiB) and
+  permutes it back. Not priced. ZeRO-3 with remat (plan 3) gathered the bf16 casts for
+  the recompute where float32 was priced (XLA's GPU gathers the float32 parameters
+  there: 9.26 MiB on the 2-layer Llama of tests/test_verify_tpu.py compiled for A100s,
+  7.0 on v5p): priced since 8339d40, plan 3 matches. Plan 9 (ZeRO-3, remat, data 8 x
+  model 8) still prices 43.7 MiB of reduce-scatter where XLA has 11.1 (the table's 16
+  and ~16 more, not read); on data 32 x model 2 (plans 4, 8) memory 1.61 and 1.45 of
+  XLA's buffers: not read.
 
 Memory: the stored state agrees (parameters + optimizer state + batch equal XLA's
 arguments on all 19 one-stage plans); the dynamic part did not. At 8eb2542 the

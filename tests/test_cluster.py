@@ -76,6 +76,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         scatter_least_elements=2048,
         overlaps_prefetch=True,
         gather_all_reduced_from=64,
+        recompute_gathers_casts=True,  # a recompute's ZeRO-3 gathers move the bf16 casts
         fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
         matmul_operand_bytes=2,
         fused_row_elements=1024,  # a wide softmax shift written beside its logits

@@ -86,6 +86,27 @@ def test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole():
     assert "reduce-scatter@data" not in report.predicted_comm_bytes
 
 
+@pytest.mark.slow  # compiled for 8 v5p chips: ~15 s on two loaded cores
+def test_a_tpu_all_reduces_whole_the_gradients_split_on_their_lanes():
+    # ZeRO-1 at data 4 x model 2 on a v5p 2x2x2: XLA reduce-scatters the gradients whose
+    # dot writes ZeRO's split on the major dim of their buffer (the query's and gate's
+    # [hidden, out]) and all-reduces whole, in one combined all-reduce, those written
+    # transposed ([out, hidden]: key, value, out, up, down, the head) or by the lookup's
+    # scatter-add with the split on the lanes (`_scatter.gradient_orders`,
+    # `_tiles.minor_split`): 3.5 MiB all-reduced, 1.1 reduce-scattered.
+    spec = get_model(
+        "llama", layers=1, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=128, batch=16,
+        vocab=1024, dtype="bfloat16",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, tp=2, zero=1), cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    xla = report.xla_comm_bytes
+    assert xla["all-reduce@data"] > 2 * xla["reduce-scatter@data"] > 2**20
+
+
 @pytest.mark.slow  # compiled for 8 v5p chips: ~40 s on two loaded cores
 def test_a_tpu_gathers_a_float32_models_zero3_weights_as_bf16():
     # XLA's TPU runs a float32 matmul at the default precision in one bf16 pass, and its
@@ -102,6 +123,30 @@ def test_a_tpu_gathers_a_float32_models_zero3_weights_as_bf16():
     cost = whole.estimate(plan)
     gathered = sum(c.bytes for c in cost.collectives if (c.kind, c.axis) == ("all-gather", "data"))
     assert gathered > 1.5 * xla
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~15 s on two loaded cores
+def test_a_tpu_gathers_the_casts_a_recompute_reads():
+    # A bfloat16 Llama over float32 parameters, ZeRO-3 with full remat: XLA's TPU moves
+    # each weight's bf16 cast across the recompute's barrier and gathers the cast there
+    # as the forward does (7.0 MiB), where its GPU gathers the float32 parameter for the
+    # recompute (`Lowering.recompute_gathers_casts`; priced so, 9.5 MiB here).
+    spec = get_model(
+        "llama", layers=2, hidden=256, heads=4, kv_heads=2, ffn=768, seq=128, batch=16,
+        vocab=512, dtype="bfloat16",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(dp=8, zero=3, remat="full")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    xla = report.xla_comm_bytes["all-gather@data"]
+    assert report.predicted_comm_bytes["all-gather@data"] == pytest.approx(xla, rel=0.05)
+    gpu = CostModel(am.capture(step, *args), v5p.with_lowering(recompute_gathers_casts=False))
+    cost = gpu.estimate(plan)
+    gathered = sum(c.bytes for c in cost.collectives if (c.kind, c.axis) == ("all-gather", "data"))
+    assert gathered > 1.2 * xla
 
 
 @pytest.mark.parametrize(("topology", "gathered"), [("4x4x4", False), ("2x4x4", True)])

@@ -194,9 +194,22 @@ class Lowering:
     compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
     [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
     [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
-    the whole 2x2x2 cube up to f32[8192, 1024]); 0: every ZeRO gradient is
-    reduce-scattered (GPUs). docs/DESIGN.md, "TPU slices"; held by
+    the whole 2x2x2 cube up to f32[8192, 1024]); nor a 2-D gradient whose split lies on
+    the lanes of the buffer its dot (or lookup) writes, laid as it pads least
+    (`_cost._scatter`: a Llama's transposed [out, hidden] weight gradients at data 4 x
+    model 2 on 2x2x2); 0: every ZeRO gradient is reduce-scattered (GPUs: the same Llama
+    compiled for A100s reduce-scatters all 4.6 MiB). docs/DESIGN.md, "TPU slices"; held by
     tests/test_verify_tpu.py::test_a_tpu_all_reduces_whole_the_zero_gradients_it_keeps_whole."""
+    recompute_gathers_casts: bool = False
+    """Whether ZeRO-3's gather for a recompute under remat moves the narrow cast the step
+    reads (as the forward's does: `_cost._zero.gathered_bytes`), not the parameter: XLA's
+    TPU moves the convert across the recompute's optimization barrier (libtpu 0.0.42.1,
+    v5p 2x2x2: a bfloat16 2-layer Llama over float32 parameters, data 8, ZeRO-3 and full
+    remat, gathers bf16 weights forward and backward, 7.0 MiB, where the recompute's gathers
+    priced float32 made 9.5; Llama on 4x4x4, data 8 x model 8: 38.4 MiB, priced 51.5 as
+    float32). XLA's GPU pipeline, False, gathers the float32 parameters through the
+    barrier (the same step compiled for A100s: 9.26 MiB; `_cost._fsdp.gather_coefs`).
+    Held by tests/test_verify_tpu.py::test_a_tpu_gathers_the_casts_a_recompute_reads."""
     gather_all_reduced_from: int = 0
     """Where not 0, an all-gather whose group is every chip of a one-slice torus of at
     least this many chips runs as an all-reduce of the gathered buffer (each chip adds its
@@ -230,6 +243,7 @@ class Lowering:
             scatter_least_elements=2048,
             overlaps_prefetch=True,
             gather_all_reduced_from=64,
+            recompute_gathers_casts=True,
             fuses_matmul_operands=True,
             matmul_operand_bytes=2,
             fused_row_elements=1024,

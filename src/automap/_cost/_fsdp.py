@@ -250,10 +250,13 @@ def gather_coefs(
     recomputed: Collection[int],
     saved_remat: Collection[int],
     gradients: Collection[int] = (),
+    casts_again: bool = False,
 ) -> GatherCoefs:
     """`GatherCoefs` of `graph` (`set_of`: a tensor's set; `recomputed`: the ops remat runs
     again, whose parameters the backward's gather serves as well; `saved_remat`: what
-    remat keeps for the backward; `gradients`: the step's, `_groups.update_region`'s)."""
+    remat keeps for the backward; `gradients`: the step's, `_groups.update_region`'s;
+    `casts_again`: the recompute's gathers move what the forward's do, `gathered`
+    (`Lowering.recompute_gathers_casts`), not the parameters)."""
     root = roots(graph, lg)
     bwd = set(backward_reads(graph, lg))
     again = {p for i in recomputed for t in graph.ops[i].inputs for p in root.get(t, ())}
@@ -275,9 +278,10 @@ def gather_coefs(
         coefs([p for _, p in pairs])[0],
         len({layer for layer, p in pairs if graph.tensors[p].ndim}),
         *coefs(sorted(bwd)),
-        # the recompute reads through its barrier: XLA gathers those parameters, not their
-        # casts (read on compile-only A100s; the CPU widens a 16-bit gather anyway)
-        *coefs(sorted(bwd | again), whole=again),
+        # the recompute reads through its barrier: XLA's GPU gathers those parameters, not
+        # their casts (read on compile-only A100s; the CPU widens a 16-bit gather anyway);
+        # XLA's TPU moves the cast across the barrier and gathers it
+        *coefs(sorted(bwd | again), whole=frozenset() if casts_again else again),
         kept,
         *reduction_shares(graph, lg, gradients),
     )

@@ -82,6 +82,7 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
             recomputed,
             model.tables.gathered,
             model.tables.layers,
+            model.tables.casts_again,
         )
     return PhaseComm(time, nbytes, count, op_comm, op_reduce)
 

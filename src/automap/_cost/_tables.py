@@ -119,6 +119,9 @@ class Tables:
     layers: LayerGathers | None = None
     # gather -> its iota op, where XLA partitions the lookup as parallel (`iota_lookups`)
     iota_lookups: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # ZeRO-3's gather for a recompute moves `gathered` as the forward's does, not the
+    # parameter (`Lowering.recompute_gathers_casts`: XLA's TPU; its GPU gathers the latter)
+    casts_again: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +232,7 @@ def build_tables(
         gather_coef=gather_coef,
         master_coef=master_coef,
         masters=masters,
+        casts_again=lowering.recompute_gathers_casts,
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
         **_row_columns(partial, rows, compute.recomputed),
         staged_partial_full=row_table(staged, ng, rows.empty),

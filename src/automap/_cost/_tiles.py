@@ -29,6 +29,7 @@ import numpy as np
 
 from .._graph import Graph, Role
 from .._groups import Groups
+from ._scatter import gradient_orders
 from ._sets import SetIndex
 
 LANES = 128  # a tile's minor dimension
@@ -77,6 +78,13 @@ class TileTable:
     tset: np.ndarray  # [T] each array's group set (`_sets.py`)
     kind: np.ndarray  # [T] PARAM, OPT, OTHER (inputs), MADE (the step's own)
     n_sets: int
+    # Per parameter, the buffer a dot_general writes its gradient in: for each of its dims
+    # the parameter's dim ([T, R], -1 where none is known) and its itemsize ([T], 0 for
+    # none), and whether a lookup's scatter-add writes it ([T]): `_scatter.gradient_orders`,
+    # read by `whole_reduced_bytes`. None: not known.
+    grad_perm: np.ndarray | None = None
+    grad_itemsize: np.ndarray | None = None
+    grad_lookup: np.ndarray | None = None
 
 
 def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int) -> TileTable:
@@ -97,7 +105,8 @@ def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int
         gids[i, : t.ndim] = groups.tensor_groups[i][: t.ndim]
     size = np.array([t.itemsize for t in graph.tensors])
     rank = np.array([max(t.ndim, 1) for t in graph.tensors])
-    return TileTable(dims, gids, rank, size, np.array(tset), kind, n_sets)
+    orders = gradient_orders(graph, groups, width)
+    return TileTable(dims, gids, rank, size, np.array(tset), kind, n_sets, *orders)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +204,60 @@ def whole_reduced_bytes(
         & ((spans < 3) | (sizes.prod() > sizes[data]))  # the cube: one group only
         & (zlocal.prod(axis=1) < local.prod(axis=1))  # a shard exists: data divides a dim
     )
+    itemsize = table.itemsize
+    if table.grad_perm is not None and table.grad_itemsize is not None:
+        lookup = table.grad_lookup if table.grad_lookup is not None else table.rank < 0
+        # ... and none whose split lies on the lanes of its dot's buffer (`minor_split`),
+        # moved as that buffer is (a bf16 step's gradients in bf16, before their cast)
+        scattered &= ~minor_split(table.grad_perm, table.grad_itemsize, lookup, local, zlocal)
+        itemsize = np.where(table.grad_itemsize > 0, table.grad_itemsize, itemsize)
     whole = free & ~scattered
-    return float((local.prod(axis=1) * table.itemsize)[whole].sum())
+    return float((local.prod(axis=1) * itemsize)[whole].sum())
+
+
+def _padding(minor: np.ndarray, second: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
+    """How many times its elements a 2-D buffer takes laid with `minor` on the lanes and
+    `second` on the rows (`_tiled`'s tiles)."""
+    pack = np.maximum(ROW_BYTES // np.maximum(itemsize, 1), 1)
+    rows = np.clip(2 ** np.ceil(np.log2(np.maximum(second, 1))), pack, ROWS)
+    lanes = np.ceil(minor / LANES) * LANES / np.maximum(minor, 1)
+    return lanes * np.ceil(second / rows) * rows / np.maximum(second, 1)
+
+
+#: The least bytes a shard's row of lanes holds where ZeRO splits a dot's gradient on its
+#: lanes and XLA's TPU still reduce-scatters it: 128 float32 lanes, 256 bfloat16 ones.
+LANE_BYTES = 512
+
+
+def minor_split(
+    perm: np.ndarray,
+    itemsize: np.ndarray,
+    lookup: np.ndarray,
+    local: np.ndarray,
+    zlocal: np.ndarray,
+) -> np.ndarray:
+    """[T] whether XLA's TPU all-reduces whole a 2-D gradient whose ZeRO split lies on the
+    lanes of the layout it gives the buffer the backward writes (`_scatter.gradient_orders`:
+    `perm`, `itemsize`, `lookup`): its shard (`zlocal`, of the array's `local` dims) in the
+    writer's order, laid row-major unless transposed pads less. A dot's where its shard's
+    lanes hold under `LANE_BYTES` (bf16 [256, 128] and [128, 64] shards all-reduced
+    whole; f32 [256, 128] and bf16 [512, 256] ones reduce-scattered); a lookup's
+    scatter-add one where they are under two tiles' 256 (f32 and bf16 [512, 128] shards
+    of a Llama's table at data 4 x model 2 on v5p 2x2x2 all-reduced whole, bf16 [512,
+    256] reduce-scattered; libtpu 0.0.42.1)."""
+    known = (itemsize > 0) & (perm[:, 0] >= 0) & (perm[:, 1] >= 0)
+    if perm.shape[1] > 2:
+        known &= perm[:, 2] < 0  # rank 2 only: higher ranks are read as before
+    at = np.arange(len(perm))
+    first, last = np.maximum(perm[:, 0], 0), np.maximum(perm[:, 1], 0)
+    a, b = zlocal[at, first], zlocal[at, last]
+    transposed = _padding(a, b, itemsize) < _padding(b, a, itemsize)
+    split_last = zlocal[at, last] < local[at, last]
+    split_first = zlocal[at, first] < local[at, first]
+    on_lanes = np.where(transposed, split_first, split_last)
+    lanes = np.where(transposed, a, b)
+    narrow = np.where(lookup, lanes < 2 * LANES, lanes * itemsize < LANE_BYTES)
+    return known & on_lanes & narrow
 
 
 class TileMemo:

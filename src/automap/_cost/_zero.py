@@ -136,7 +136,8 @@ def tensor_sets(groups: Groups, T) -> Callable[[int], int]:
 def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> RegatherCoefs:
     """The per-set coefficients of ZeRO-3's second gather `rg` (sets keyed as
     `build_tables` keys them: a tensor's splittable groups, sorted), and of its gathers
-    layer by layer where the step has a loss (`_fsdp.gather_coefs`)."""
+    layer by layer where the step has a loss (`_fsdp.gather_coefs`; a recompute's gather
+    of the casts where `Tables.casts_again`)."""
     set_of = tensor_sets(groups, T)
     n = len(T.sets)
     coef, leaves, acts = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -152,7 +153,7 @@ def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> Regath
         lg = layer_gathers(graph, groups)
         grads = update_region(graph, groups)[0]
         layers = gather_coefs(
-            graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads
+            graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads, T.casts_again
         )
     return RegatherCoefs(coef, leaves, acts, layers)
 
@@ -403,7 +404,7 @@ def zero_op_gathers(
     if zero_stage >= 3 and T.layers is not None:  # layer by layer, as `zero_gathers`
         recomputed = model.residuals.recomputed if remat else ()
         gs = program_gathers(graph, T.layers, range(len(graph.ops)), recomputed)
-        charged, n = gather_bytes(graph, lay, T.gathered, gs)
+        charged, n = gather_bytes(graph, lay, T.gathered, gs, T.casts_again)
         total = sum(b for _, b in charged)
         if total and n:
             seconds = ac.time1(C.AG, zero_mask, total, n)
@@ -440,17 +441,23 @@ def zero_op_sums(graph, reductions: UpdateReductions | None, lay: Layouts, ac, z
 
 
 def gather_bytes(
-    graph, lay: Layouts, gathered: Mapping[int, float], gs: Sequence[Gathered]
+    graph,
+    lay: Layouts,
+    gathered: Mapping[int, float],
+    gs: Sequence[Gathered],
+    casts_again: bool = False,
 ) -> tuple[list[tuple[int, float]], int]:
     """(reader, bytes per device) of each of ZeRO-3's gathers `gs` (`program_gathers`) of
     a parameter the layout does not already split on data, and the collectives they take
-    (those holding a leaf of rank >= 1, as `Gathers.count`)."""
+    (those holding a leaf of rank >= 1, as `Gathers.count`). `casts_again`: a recompute's
+    gather moves `gathered` as the forward's does (`Lowering.recompute_gathers_casts`)."""
     charged, collectives = [], set()
     for g in gs:
         if lay.on_data[g.param]:
             continue
         nbytes = graph.tensors[g.param].nbytes
-        charged.append((g.reader, (nbytes if g.whole else gathered[g.param]) * lay.inv[g.param]))
+        whole = g.whole and not casts_again
+        charged.append((g.reader, (nbytes if whole else gathered[g.param]) * lay.inv[g.param]))
         if graph.tensors[g.param].ndim:
             collectives.add(g.collective)
     return charged, len(collectives)
@@ -479,6 +486,7 @@ def add_zero_gathers(
     recomputed: set[int],
     gathered: Mapping[int, float],
     layers: LayerGathers | None = None,
+    casts_again: bool = False,
 ) -> None:
     """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
     parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
@@ -496,7 +504,8 @@ def add_zero_gathers(
     key = C.AG * ac.masks + oc.zero_mask
     phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
     if oc.zero_stage >= 3 and layers is not None:
-        per_layer_gathers(graph, part, oc, (time, nbytes, count), recomputed, gathered, layers)
+        into = (time, nbytes, count)
+        per_layer_gathers(graph, part, oc, into, recomputed, gathered, layers, casts_again)
         phases = (Phase.PRE,)
     phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
@@ -526,11 +535,13 @@ def per_layer_gathers(
     recomputed: set[int],
     gathered: Mapping[int, float],
     layers: LayerGathers,
+    casts_again: bool = False,
 ) -> None:
     """ZeRO-3's gathers of each stage's F, B and W programs, layer by layer as the runtime
     makes them (`_fsdp.program_gathers`: a combined collective per forward layer, one per
     leaf in the backward, B's recompute served by its backward's copies), added `into`
-    (seconds, bytes, collectives) per (stage, phase, key)."""
+    (seconds, bytes, collectives) per (stage, phase, key); `casts_again`: as
+    `gather_bytes`."""
     time, nbytes, count = into
     ac, key = oc.axis_costs, C.AG * oc.axis_costs.masks + oc.zero_mask
     for s in range(part.n_stages):
@@ -538,7 +549,7 @@ def per_layer_gathers(
         for ph in (Phase.FWD, Phase.BWD, Phase.WGT):
             again = recomputed & forward if ph is Phase.BWD else ()
             gs = program_gathers(graph, layers, part.ops(s, ph), again)
-            charged, n = gather_bytes(graph, oc.layouts, gathered, gs)
+            charged, n = gather_bytes(graph, oc.layouts, gathered, gs, casts_again)
             b = sum(b for _, b in charged)
             if b and n:
                 time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)

@@ -1,0 +1,85 @@
+"""Which ZeRO gradients XLA's TPU compiler can reduce-scatter: by the layout of the buffer
+the backward's matmul writes each one in.
+
+A weight's gradient is a dot_general's output, in the order the transpose rule writes it:
+the weight's own ([hidden, out]: the query and gate kernels of a Llama) or transposed
+([out, hidden], transposed back after: its key, value, up, down and head kernels). XLA
+lays that buffer as it pads least (`_tiles.py`: row-major, its last dim on the lanes,
+unless the transposed layout pads less) and reduce-scatters the gradient over data only
+where ZeRO's split dim is the major one of that layout, or the minor one (the lanes)
+with at least `_tiles.LANE_BYTES` of each shard's row on them; the rest it all-reduces
+whole, in the step's combined all-reduce, and slices. Read with
+libtpu 0.0.42.1 on v5p 2x2x2, a bfloat16 1-layer Llama (hidden 512, ffn 1792) at data 4
+x model 2 under ZeRO-1: the query's bf16[512, 256] and the gate's [512, 896] gradients
+reduce-scattered, the transposed [256, 512] and [896, 512] ones (shards [256, 128] and
+[896, 128], laid {1,0}) all-reduced whole; at hidden 256 the transposed shards [128, 64]
+are laid {0,1}, the split major, and every one is reduce-scattered; at ffn 128 the
+gate's [512, 64] gradient (shard [128, 64], laid {0,1}) is all-reduced whole; the same
+step in float32 (f32 [256, 128] shards) and at hidden 1024 (bf16 [512, 256]) reduce-scatters
+its transposed gradients, as a float32 GPT's [1024, 256] MLP one at data 4 (shard [256,
+256] laid {0,1}). The rule
+of `_tiles.whole_reduced_bytes` (`Lowering.scatter_least_elements`, `_tiles.minor_split`)
+reads these orders. A lookup's gradient (a scatter-add into the table, in its order) is
+laid alike: the embedding's bf16[512, 512] shard of [1024, 512] at model 2, ZeRO's split
+on its hidden (minor) dim, all-reduced whole there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._graph import Graph, Role
+from .._groups import Groups, update_region
+
+_SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
+
+
+def gradient_orders(
+    graph: Graph, groups: Groups, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per tensor, for each dim of the buffer the backward writes its gradient in (a
+    dot_general's output; a lookup's scatter-add, in the table's order), the tensor's own
+    dim it is ([T, width], -1 past the rank and for every tensor without one: not a
+    parameter, or its dims not found by group), and that buffer's itemsize ([T], 0 for
+    none), and whether a lookup's scatter-add makes it ([T])."""
+    perm = np.full((len(graph.tensors), width), -1, dtype=np.int64)
+    itemsize = np.zeros(len(graph.tensors), dtype=np.int64)
+    lookup = np.zeros(len(graph.tensors), dtype=bool)
+    gradients, update = update_region(graph, groups)
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    consumers = graph.consumers()
+    for g in gradients:
+        x = graph.tensors[g]
+        p = _parameter_of(graph, g, update, params, consumers)
+        if p is None:
+            continue
+        own = list(groups.tensor_groups[p][: graph.tensors[p].ndim])
+        made = list(groups.tensor_groups[g][: x.ndim])
+        if sorted(own) != sorted(made) or len(set(own)) != len(own):
+            continue  # its dims not told apart by their groups
+        perm[p, : x.ndim] = [own.index(gid) for gid in made]
+        itemsize[p] = x.itemsize
+        lookup[p] = graph.ops[x.producer].primitive in _SCATTERS
+    return perm, itemsize, lookup
+
+
+def _parameter_of(graph: Graph, g: int, update, params, consumers) -> int | None:
+    """The parameter whose gradient `g` is: the first one read by an update op that a
+    chain of update ops keeping `g`'s elements reaches (none through a reduction, say a
+    global norm's, which would reach every parameter)."""
+    size = graph.tensors[g].size
+    seen, frontier = {g}, [g]
+    while frontier:
+        t = frontier.pop(0)
+        for i in sorted(consumers[t]):
+            if i not in update:
+                continue
+            op = graph.ops[i]
+            found = [u for u in op.inputs if u in params and graph.tensors[u].size == size]
+            if found:
+                return found[0]
+            for u in op.outputs:
+                if graph.tensors[u].size == size and u not in seen:
+                    seen.add(u)
+                    frontier.append(u)
+    return None
