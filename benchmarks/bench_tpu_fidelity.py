@@ -44,8 +44,16 @@ matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gathe
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
 | gpt   | 8 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
-| llama | 5 of 12     | 9 of 12      | 7 of 10         | 5 of 5       | 1 of 1           |
-| all   | 13 of 24 (54%) | 16 of 24 (67%) |            |              |                  |
+| llama | 5 of 12     | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
+| all   | 13 of 24 (54%) | 17 of 24 (71%) |            |              |                  |
+
+Both compiled again at ae2f8ab (2026-12-05, the same command, 2.7 and 2.9 min on an
+idle machine), which merges bcdf989 with bbe7999: a bf16 SwiGLU's sigmoid is made again in
+the TPU's backward from the stored gate output, not stored (`_cost/_residuals._remade_from`,
+tests/test_tpu_memory.py). llama's memory 10 of 12 (plan 11 1.20 -> 1.01; plans 4 and 8
+1.61, 1.45 -> 1.42, 1.28, still over: at the model's busiest moment, the forward's end,
+XLA holds 38 MiB of plan 4's in VMEM, not HBM; plans 2 and 10 1.04, 1.06 -> 0.89, 0.91);
+the rest as at bcdf989 plan by plan.
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
