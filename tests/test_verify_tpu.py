@@ -360,22 +360,15 @@ def test_a_llama_splitting_its_hidden_dim_holds_the_rotarys_collectives():
     assert report.xla_comm_bytes["all-reduce@data"] > 1e6  # the hidden dim's partial sums
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 27, open: XLA's gather partitioner tries index passthrough first "
-    "(`PartitionGatherIndexPassthroughDimensions`): the indices' batch split on data keeps "
-    "data for the output, and the table, its rows also on data, is regrouped within each "
-    "data group (its rows moved onto model: a collective-permute of the shard, then an "
-    "all-gather over data where data is the larger axis), looked up masked and all-reduced "
-    "over model; the backward scatter-adds there, all-reduces the table's gradient over "
-    "data and permutes it back. The cost model prices a reduce-scatter of the whole lookup "
-    "over data and an all-gather of its gradient (`_cost/_rows.py`). XLA's GPU and CPU "
-    "partition it alike (the same plan compiled for A100s and on the CPU mesh).",
-)
 @pytest.mark.slow  # compiled for 8 v5p chips: ~10 s on two loaded cores
 def test_a_lookup_whose_rows_and_indices_share_an_axis_moves_its_table():
     # A 1-layer bf16 Llama, data 4 x model 2: the token table's rows and the batch on
     # data, the MLP's hidden units on model (llama plans 0, 9, 10, 11 of the TPU bench).
+    # XLA partitions the lookup by index passthrough: the batch keeps data, the table is
+    # regrouped onto model (a collective-permute of its shard, an all-gather over data),
+    # looked up masked and all-reduced over model; the backward all-reduces the table's
+    # gradient over data and permutes it back. Priced as a reduce-scatter of the whole
+    # lookup over data and an all-gather of its gradient before `_kernel._moved_lookups`.
     spec = get_model(
         "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
     )
