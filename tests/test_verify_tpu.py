@@ -358,3 +358,35 @@ def test_a_llama_splitting_its_hidden_dim_holds_the_rotarys_collectives():
     report = verify(step, plan, *args, target="v5p:2x2x2")
     assert report.collectives_match, report.mismatches
     assert report.xla_comm_bytes["all-reduce@data"] > 1e6  # the hidden dim's partial sums
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~10 s on two loaded cores
+def test_a_lookup_whose_rows_and_indices_share_an_axis_moves_its_table():
+    # A 1-layer bf16 Llama, data 4 x model 2: the token table's rows and the batch on
+    # data, the MLP's hidden units on model (llama plans 0, 9, 10, 11 of the TPU bench).
+    # XLA partitions the lookup by index passthrough: the batch keeps data, the table is
+    # regrouped onto model (a collective-permute of its shard, an all-gather over data),
+    # looked up masked and all-reduced over model; the backward all-reduces the table's
+    # gradient over data and permutes it back. Priced as a reduce-scatter of the whole
+    # lookup over data and an all-gather of its gradient before `_kernel._moved_lookups`.
+    spec = get_model(
+        "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    lookup = next(op for op in graph.ops if op.primitive == "gather")
+    table, indices = lookup.inputs[:2]
+    up = next(
+        op
+        for op in graph.ops
+        if op.primitive == "dot_general" and graph.tensors[op.inputs[1]].shape == (256, 512)
+    )
+    wanted = {groups.of(table, 0): "data", groups.of(indices, 0): "data"}
+    wanted[groups.of(up.inputs[1], 1)] = "model"
+    plan = plan_from_assignment(graph, groups, {"data": 4, "model": 2}, wanted)
+    assert plan.specs["[0]['params']['token_embed']['embedding']"] == ("data", None)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    # XLA's permutes of the table's shard (bf16 [128, 256]), there and back
+    assert report.xla_comm_bytes["collective-permute@data+model"] == 2 * 128 * 256 * 2
+    assert report.collectives_match, report.mismatches

@@ -38,6 +38,8 @@ from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
 from ._residuals import stage_residuals as stage_residuals
 from ._residuals import stored_residuals as stored_residuals
+from ._rows import PARTIAL_SETS as PARTIAL_SETS
+from ._rows import RESHARD_SETS as RESHARD_SETS
 from ._rows import RowTable as RowTable
 from ._sends import PipeLinks as PipeLinks
 from ._sends import Sends as Sends

@@ -117,9 +117,64 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, lowering: Lowering):
         mask[0, R.gathers], kind[0, R.gathers] = rest[R.gathers], C.AG
         nbytes[0, R.gathers] = base[R.gathers]
         kind, mask, nbytes = kind.ravel(), mask.ravel(), nbytes.ravel()
+    apart = np.zeros(len(mask), dtype=bool)
+    if R.lookup.any():
+        kind, mask, nbytes, apart = _moved_lookups(R, a, P, S, bit, inv, (kind, mask, nbytes))
     on = mask > 0
     count = per_slot(R, np.where(R.grad, R.count, R.count * m))
-    return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0)
+    return kind, mask, np.where(on, nbytes, 0.0), np.where(on, count, 0.0), apart
+
+
+def _moved_lookups(R: RowTable, a, P, S, bit, inv, virtual):
+    """`partial_rows`' (kind, mask, bytes), and which virtual rows are gradients reduced
+    apart, with a table's lookup priced as XLA partitions it where its indices hold an
+    axis X its table's rows do (the kept column of its row): by index passthrough
+    (`PartitionGatherIndexPassthroughDimensions`), the result keeps X and each X group
+    regroups the table onto its own devices, the axes Y the indices' side (`beside`)
+    does not hold: the table's shard is moved by a collective-permute over X and Y, then
+    gathered over X to rows split min(|X|, |Y|) ways where X is the larger; the lookup,
+    masked, is all-reduced over Y. The backward scatter-adds into that layout, all-reduces
+    it over X and permutes it back. Without Y, the table is gathered whole over X and its
+    gradient all-reduced. Read on v5p 2x2x2, A100s and the CPU alike (tests/
+    test_verify_tpu.py: a Llama's token table and batch on data 4 x model 2; data 8 x
+    model 8 on 4x4x4 moved 0.5 MiB each way, all-reducing 2 MiB over model)."""
+    kind, mask, nbytes = (x.reshape(-1, len(R.tset)) for x in virtual)
+    kept = (a > 0) & P[R.tset[:, None], a]  # X: on the table's rows and the indices
+    hit = _regrouped(R, a, P)
+    if not hit.any():
+        return (*virtual, np.zeros(len(virtual[0]), dtype=bool))
+    x = np.where(kept, a, 0).max(axis=1)
+    codes = np.arange(1, P.shape[1])
+    free = ~P[R.beside][:, 1:] & (S[codes] > 1)[None] & (codes[None] != x[:, None])
+    y = np.bitwise_or.reduce(np.where(free, bit[codes][None], 0), axis=1)
+    sx, sy = S[x], np.prod(np.where(free, S[codes][None], 1.0), axis=1)
+    shard = R.table_bytes * inv[R.table]
+    regrouped = shard * sx / np.minimum(sx, sy)  # the table as each X group holds it
+    forward, moved = R.lookup == 1, sy > 1
+    kind[:, hit], mask[:, hit], nbytes[:, hit] = C.AR, 0, 0.0
+    first = np.where(forward, np.where(moved, y, 0), bit[x])
+    kind[0, hit], mask[0, hit] = C.AR, first[hit]
+    nbytes[0, hit] = np.where(forward, R.nbytes * inv[R.tset], regrouped)[hit]
+    kind[1, hit], mask[1, hit] = C.CP, np.where(moved, bit[x] | y, 0)[hit]
+    nbytes[1, hit] = shard[hit]
+    gather = hit & forward & (sx > sy)
+    kind[-1, gather], mask[-1, gather], nbytes[-1, gather] = C.AG, bit[x][gather], regrouped[gather]
+    return kind.ravel(), mask.ravel(), nbytes.ravel(), gradients_apart(R, a, P)
+
+
+def _regrouped(R: RowTable, a, P) -> np.ndarray:
+    """[rows] the table lookups XLA regroups (`_moved_lookups`): an axis on a reduced
+    group (the table's rows, or the indices' dims in the backward) that the result
+    holds too (the indices' dims, or the table's rows)."""
+    return (R.lookup > 0) & ((a > 0) & P[R.tset[:, None], a]).any(axis=1)
+
+
+def gradients_apart(R: RowTable, a, P) -> np.ndarray:
+    """[virtual rows] of partial-sum rows: a table's gradient XLA regroups
+    (`_moved_lookups`), which is not ZeRO's split: under ZeRO it is all-reduced on its
+    own (plan 10 of the TPU bench, ZeRO-1), not reduce-scattered with the gradients, nor
+    combined with them. `a`: the axis of each row's reduced groups."""
+    return per_slot(R, _regrouped(R, a, P) & (R.lookup == 2))
 
 
 def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
@@ -141,6 +196,8 @@ def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
     """Virtual rows of reshard rows: all-gather, or all-to-all when the axis moves."""
     a = A[R.group[:, 0]]
     active = (a > 0) & ~P[R.tsmall, a] & ((R.untied & ~P[R.peer, a]) | P[R.small[:, 0], a])
+    # a table lookup's indices and rows on one axis: priced on its partial-sum row
+    active &= ~((R.lookup > 0) & P[R.table, a] & P[R.beside, a])
     a2a = P[R.other, a]
     base = R.nbytes * inv[R.tset]
     kind = np.where(a2a, C.A2A, C.AG)
@@ -153,13 +210,13 @@ def collective_rows(
 ):
     """key, bytes, count, grad flag and time of every virtual row."""
     S, bit = ac.sizes, ac.bit
-    pk, pm, pb, pc = partial_rows(partial, A, P, S, bit, inv, m, lowering)
+    pk, pm, pb, pc, apart = partial_rows(partial, A, P, S, bit, inv, m, lowering)
     rk, rm, rb, rc = reshard_rows(reshard, A, P, S, bit, inv, m)
     kind = np.concatenate([pk, rk])
     mask = np.concatenate([pm, rm])
     nbytes = np.concatenate([pb, rb])
     count = np.concatenate([pc, rc])
-    grad = np.concatenate([per_slot(partial, partial.grad), reshard.grad])
+    grad = np.concatenate([per_slot(partial, partial.grad) & ~apart, reshard.grad])
     key = kind * ac.masks + mask
     return key, nbytes, count, grad, np.where(grad, 0.0, ac.by_key(key, nbytes, count))
 

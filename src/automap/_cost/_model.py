@@ -90,7 +90,7 @@ from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_pe
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
-from ._rows import RowTable
+from ._rows import PARTIAL_SETS, RESHARD_SETS, RowTable
 from ._seqpar import SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
 from ._tables import build_tables
 from ._terms import (
@@ -365,15 +365,10 @@ class CostModel:
             in_set = np.isin(T.sets, key).any(axis=1)
             p, r = T.partial, T.reshard
             prow = np.nonzero(
-                np.isin(p.group, key).any(axis=1) | in_set[p.small].any(axis=1) | in_set[p.tset]
+                np.isin(p.group, key).any(axis=1) | in_set[p.read_sets(PARTIAL_SETS)].any(axis=1)
             )[0]
             rrow = np.nonzero(
-                np.isin(r.group[:, 0], key)
-                | in_set[r.small[:, 0]]
-                | in_set[r.tset]
-                | in_set[r.tsmall]
-                | in_set[r.other]
-                | in_set[r.peer]
+                np.isin(r.group[:, 0], key) | in_set[r.read_sets(RESHARD_SETS)].any(axis=1)
             )[0]
             sets = np.nonzero(in_set)[0]
             n_p, slots = len(p.tset), K.partial_slots(p)

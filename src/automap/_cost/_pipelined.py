@@ -69,7 +69,7 @@ from .._plan import Collective, Cost, Plan
 from .._remat import full_remat
 from . import _collectives as C
 from ._compute import op_compute
-from ._kernel import collective_rows, per_slot
+from ._kernel import collective_rows, gradients_apart, per_slot
 from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
 from ._stage_comm import N_PHASES, phase_collectives
@@ -183,7 +183,10 @@ def op_costs(
     row_op = np.concatenate([per_slot(pf, pf.op), rf.op])
     # The update's own sums (`_tables.combine_update_sums`: a combine slot, not a
     # gradient) are combined in their stage's program as the gradients are.
-    row_grad = np.concatenate([per_slot(pf, pf.grad | (pf.combine > 0)), rf.grad])
+    grads = per_slot(pf, pf.grad | (pf.combine > 0)) & ~gradients_apart(
+        pf, st.codes[pf.group], st.P
+    )
+    row_grad = np.concatenate([grads, rf.grad])
     tset = np.concatenate([per_slot(pf, pf.tset), rf.tset])
     row_batched = np.isin(T.sets[tset], model.groups.batch_groups).any(axis=1)
     lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)

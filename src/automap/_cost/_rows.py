@@ -37,6 +37,12 @@ class CandidateRow(NamedTuple):
     count: float = 1.0  # occurrences per step (a loop body's: its trips)
     combine: int = 0  # a loop body's gradient row: its body's slot (`Tables.combine_trips`)
     gathers: bool = False  # a lookup at an iota: its result gathered, not summed
+    # A table lookup's rows (`lookup_tables`): 1 the gather's, 2 its scatter-add's; its
+    # table's set and bytes, and the set of the indices' side (-1: the empty set).
+    lookup: int = 0
+    table: int = -1
+    beside: int = -1
+    table_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,20 @@ class RowTable:
     # A partial-sum row of a lookup at an iota (`iota_lookups`): the result is all-gathered
     # over the rows' axes the output does not hold, where others are all-reduced.
     gathers: np.ndarray
+    # A table lookup (`lookup_tables`): 1 the gather's rows, 2 its scatter-add's, else 0;
+    # with its table's set and unsplit bytes, and `beside` the set of the tensor on the
+    # indices' side (the gather's result, the scatter-add's updates): XLA keeps the axes
+    # the indices hold there and regroups the table onto the others
+    # (`_kernel._moved_lookups`). The empty set and 0 bytes on other rows.
+    lookup: np.ndarray
+    table: np.ndarray
+    beside: np.ndarray
+    table_bytes: np.ndarray
+
+    def read_sets(self, names: tuple[str, ...]) -> np.ndarray:
+        """[rows, n] the sets in columns `names` (`PARTIAL_SETS`, `RESHARD_SETS`)."""
+        n = len(self.tset)
+        return np.concatenate([getattr(self, c).reshape(n, -1) for c in names], axis=1)
 
     def merged(self) -> RowTable:
         if len(self.tset) == 0:
@@ -87,6 +107,9 @@ class RowTable:
             self.peer,
             self.combine,
             self.gathers,
+            self.lookup,
+            self.table,
+            self.beside,
             per_occurrence,
         ]
         keys = np.concatenate(
@@ -107,6 +130,10 @@ class RowTable:
             peer=rest[:, 5],
             combine=rest[:, 6],
             gathers=rest[:, 7].astype(bool),
+            lookup=rest[:, 8],
+            table=rest[:, 9],
+            beside=rest[:, 10],
+            table_bytes=np.bincount(inv, self.table_bytes, minlength=n),
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
@@ -114,8 +141,9 @@ class RowTable:
 
 
 def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
-    """Rows as arrays; the group and small lists padded to one width (pad: never split)."""
-    kr = max([1] + [len(r.group) for r in rows])
+    """Rows as arrays; the group and small lists padded to one width (pad: never split).
+    A table's lookup takes three virtual rows (`_kernel._moved_lookups`): two columns."""
+    kr = max([1] + [2 if r.lookup == 1 else len(r.group) for r in rows])
     group = np.full((len(rows), kr), pad_group, dtype=np.int64)
     small = np.full((len(rows), kr), empty_set, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -139,7 +167,16 @@ def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTa
         peer=column("peer", np.int64),
         combine=column("combine", np.int64),
         gathers=column("gathers", bool),
+        lookup=column("lookup", np.int64),
+        table=np.where(column("table", np.int64) < 0, empty_set, column("table", np.int64)),
+        beside=np.where(column("beside", np.int64) < 0, empty_set, column("beside", np.int64)),
+        table_bytes=column("table_bytes", float),
     )
+
+
+#: The set columns a partial-sum row's price reads, and a reshard row's.
+PARTIAL_SETS = ("small", "tset", "table", "beside")
+RESHARD_SETS = ("small", "tset", "tsmall", "other", "peer", "table", "beside")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +199,8 @@ class RowBuilder:
     microbatch: Mapping[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # the gathers XLA partitions as parallel to their table's rows (`iota_lookups`)
     iota_lookups: Collection[int] = frozenset()
+    # the table lookups XLA may regroup (`lookup_tables`): op -> (kind, table, beside)
+    lookups: Mapping[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     partial: list[CandidateRow] = dataclasses.field(default_factory=list)
     # a top-level op's output -> its partial-sum row
     partial_row: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -230,7 +269,7 @@ def _partial_rows(rb: RowBuilder, op, g: Graph, tsets, gs: list[int], it: set[in
         if not at.scope:
             rb.partial_row[o] = len(rb.partial)
         rb.partial.append(
-            CandidateRow(
+            _with_lookup(rb, g, tsets, op.index, at)(
                 gs,
                 small,
                 tsets[o],
@@ -289,7 +328,7 @@ def _reshard_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, it: set[int], looped
                 nb = comm_bytes(g, u, rb.wide)
                 if op.primitive in ARG_REDUCE:  # XLA reduces (value, int32 index) pairs
                     nb += g.tensors[u].size * 4
-                rb.reshard[key] = CandidateRow(
+                rb.reshard[key] = _with_lookup(rb, g, tsets, op.index, at)(
                     group=[h],
                     small=[key[4]],
                     tset=tsets[u],
@@ -304,6 +343,24 @@ def _reshard_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, it: set[int], looped
                 )
             if at.row_op in rb.recomputed:
                 rb.reshard_again.setdefault(key, rb.reshard[key])
+
+
+def _with_lookup(rb: RowBuilder, g: Graph, tsets, index: int, at: At):
+    """`CandidateRow`, with its table's fields where op `index` is a table lookup (at the
+    top level: `RowBuilder.lookups`)."""
+    if at.scope or index not in rb.lookups:
+        return CandidateRow
+    kind, table, beside = rb.lookups[index]
+
+    def row(*args, **kwargs) -> CandidateRow:
+        return CandidateRow(*args, **kwargs)._replace(
+            lookup=kind,
+            table=tsets[table],
+            beside=tsets[beside],
+            table_bytes=comm_bytes(g, table, rb.wide),
+        )
+
+    return row
 
 
 def _microbatch_row(rb: RowBuilder, op, g: Graph, tsets, dim, ugs: set[int], at: At):
@@ -368,7 +425,8 @@ def summed_partials(
     as they are (a pipeline's stages: see `Tables.staged_partial_full`)."""
 
     def alike(r: CandidateRow) -> tuple:
-        return r._replace(op=0)
+        # a tied table's lookup gradient adds to its projection's as any partial sum
+        return r._replace(op=0, lookup=0, table=-1, beside=-1, table_bytes=0.0)
 
     root = dict(partial_row)  # tensor -> the row that reduces it (or the sum it feeds)
     # A partial sum read only through transposes that undo each other reaches its add as
@@ -445,3 +503,28 @@ def _iota_under(graph: Graph, t: int) -> int | None:
             t = op.inputs[0]
         else:
             return None
+
+
+def lookup_tables(graph: Graph, skip: Collection[int] = ()) -> dict[int, tuple[int, int, int]]:
+    """Table lookups, op -> (kind, table, beside): each gather of whole rows of a table by
+    one index (kind 1: the table, its result) and each scatter-add of rows into one (its
+    transpose, kind 2: the table's gradient, the updates), but those in `skip` (the
+    lookups at an iota, `iota_lookups`). XLA partitions them by index passthrough first
+    (`PartitionGatherIndexPassthroughDimensions`): an axis the indices hold stays on the
+    result, the table regrouped onto the others (`_kernel._moved_lookups`)."""
+    out = {}
+    for op in graph.ops:
+        if op.index in skip or op.primitive not in ("gather", "scatter-add"):
+            continue
+        dn = op.params["dimension_numbers"]
+        if op.primitive == "gather":
+            index_map, collapsed = dn.start_index_map, dn.collapsed_slice_dims
+            batching = dn.operand_batching_dims
+            found = (1, op.inputs[0], op.outputs[0])
+        else:
+            index_map, collapsed = dn.scatter_dims_to_operand_dims, dn.inserted_window_dims
+            batching = dn.operand_batching_dims
+            found = (2, op.outputs[0], op.inputs[2])
+        if len(index_map) == 1 and tuple(collapsed) == tuple(index_map) and not batching:
+            out[op.index] = found
+    return out

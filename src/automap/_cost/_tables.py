@@ -34,6 +34,7 @@ from ._rows import (
     RowTable,
     candidate_rows,
     iota_lookups,
+    lookup_tables,
     row_table,
     summed_partials,
 )
@@ -189,6 +190,7 @@ def build_tables(
         empty=sets.of(()),
         microbatch={op: frozenset(groups.batch_groups) for op in groups.microbatch_splits},
         iota_lookups=frozenset(lookups),
+        lookups=lookup_tables(graph, skip=lookups),
     )
     entries = ComputeEntries()
     params = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}

@@ -61,6 +61,8 @@ from .._cost import (
     AG,
     AR,
     KINDS,
+    PARTIAL_SETS,
+    RESHARD_SETS,
     RS,
     AxisCosts,
     Layout,
@@ -153,7 +155,7 @@ class _Copies:
             x = getattr(R, f.name)[idx]
             if f.name == "group":
                 x = (self.local[x][None] + self.g_off[:, None, None]).reshape(-1, x.shape[1])
-            elif f.name in ("small", "tset", "tsmall", "other", "peer"):
+            elif f.name in RESHARD_SETS:
                 pos = np.searchsorted(self.sl, x) if f.name in used else np.zeros_like(x)
                 off = self.s_off.reshape((-1,) + (1,) * x.ndim)
                 x = (pos[None] + off).reshape((-1, *x.shape[1:]))
@@ -205,13 +207,13 @@ class MeshTerms:
         for s, scope in enumerate(set_scope):
             put(scope, 0, s)
         p, r = T.partial, T.reshard
+        p_sets, r_sets = p.read_sets(PARTIAL_SETS), r.read_sets(RESHARD_SETS)
         for i in range(len(p.tset)):
             units = set(unit_of[p.group[i]][unit_of[p.group[i]] >= 0].tolist())
-            put(units.union(set_scope[p.tset[i]], *(set_scope[s] for s in p.small[i])), 1, i)
+            put(units.union(*(set_scope[s] for s in p_sets[i])), 1, i)
         for i in range(len(r.tset)):
             units = {int(unit_of[r.group[i, 0]])} - {-1}
-            sets = (r.small[i, 0], r.tset[i], r.tsmall[i], r.other[i], r.peer[i])
-            put(units.union(*(set_scope[s] for s in sets)), 2, i)
+            put(units.union(*(set_scope[s] for s in r_sets[i])), 2, i)
         return [(k, *(np.array(x, dtype=np.int64) for x in v)) for k, v in buckets.items()]
 
     def _evaluate(self, scope, own, prows, rrows) -> _Scope:
@@ -230,14 +232,14 @@ class MeshTerms:
         local = np.full(len(T.splittable), n_gl, dtype=np.int64)
         local[gl] = np.arange(n_gl)
         p, r = T.partial, T.reshard
-        used = [own, p.small[prows].ravel(), p.tset[prows], r.small[rrows, 0], r.tset[rrows]]
-        sl = np.unique(np.concatenate([*used, r.tsmall[rrows], r.other[rrows], r.peer[rrows]]))
+        used = [own, p.read_sets(PARTIAL_SETS)[prows].ravel()]
+        sl = np.unique(np.concatenate([*used, r.read_sets(RESHARD_SETS)[rrows].ravel()]))
         n_sl = len(sl)
         copies = _Copies(local, sl, np.arange(n_c) * (n_gl + 1), np.arange(n_c) * n_sl)
         sets = (local[T.sets[sl]][None] + copies.g_off[:, None, None]).reshape(n_c * n_sl, -1)
         P, inv = set_axes(A.ravel(), sets, ac.sizes)
-        Rp = copies.rows(p, prows, ("small", "tset"))
-        Rr = copies.rows(r, rrows, ("small", "tset", "tsmall", "other", "peer"))
+        Rp = copies.rows(p, prows, PARTIAL_SETS)
+        Rr = copies.rows(r, rrows, RESHARD_SETS)
         key, nbytes, count, grad, rtime = collective_rows(
             Rp, Rr, A.ravel(), P, inv, ac, 1, space.cluster.lowering
         )
