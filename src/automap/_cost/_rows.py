@@ -87,8 +87,8 @@ class RowTable:
 
     def read_sets(self, names: tuple[str, ...]) -> np.ndarray:
         """[rows, n] the sets in columns `names` (`PARTIAL_SETS`, `RESHARD_SETS`)."""
-        n = len(self.tset)
-        return np.concatenate([getattr(self, c).reshape(n, -1) for c in names], axis=1)
+        cols = [getattr(self, c) for c in names]  # [rows] or [rows, width] each; no rows too
+        return np.concatenate([c[:, None] if c.ndim == 1 else c for c in cols], axis=1)
 
     def merged(self) -> RowTable:
         if len(self.tset) == 0:
