@@ -39,13 +39,14 @@ writes (the fourth bullet below): plan 11's all-reduce@data 2.77 -> 1.39 MiB, pl
 making another plan match. gpt (`--models gpt`, 5 min): collectives 8 of 12 (7 at
 7747e9e), memory 7 of 12 (the same figures plan by plan); plan 7 (ZeRO-3, remat) now
 matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gather@data
-49.7 MiB priced at 7747e9e, XLA 38.6).
+49.7 MiB priced at 7747e9e, XLA 38.6). The table holds the latest figures: gpt's at
+ae2f8ab, llama's at 016c381 (the two paragraphs after it).
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
 | gpt   | 8 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
-| llama | 5 of 12     | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
-| all   | 13 of 24 (54%) | 17 of 24 (71%) |            |              |                  |
+| llama | 8 of 12     | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
+| all   | 16 of 24 (67%) | 17 of 24 (71%) |            |              |                  |
 
 Both compiled again at ae2f8ab (2026-12-05, the same command, 2.7 and 2.9 min on an
 idle machine), which merges bcdf989 with bbe7999: a bf16 SwiGLU's sigmoid is made again in
@@ -54,6 +55,16 @@ tests/test_tpu_memory.py). llama's memory 10 of 12 (plan 11 1.20 -> 1.01; plans 
 1.61, 1.45 -> 1.42, 1.28, still over: at the model's busiest moment, the forward's end,
 XLA holds 38 MiB of plan 4's in VMEM, not HBM; plans 2 and 10 1.04, 1.06 -> 0.89, 0.91);
 the rest as at bcdf989 plan by plan.
+
+llama compiled again at 016c381 (2026-12-05, `--plans 12 --models llama`, 6.3 min on a
+loaded machine), which prices a table's lookup whose indices and rows share an axis as
+XLA partitions it (index passthrough, `_cost/_kernel._moved_lookups`: the table regrouped
+onto the other axes by a collective-permute, the lookup all-reduced over them, its
+gradient all-reduced apart and permuted back; the same on v5p, A100s and the CPU):
+collectives 8 of 12 (5 before; plans 0, 10, 11 now match), memory 10 of 12 as before.
+Plan 9's lookup now matches too; it still fails on three bf16[512, 192] ZeRO-3 gradients
+XLA all-reduces whole where reduce-scattered is priced (`_cost/_scatter.py`'s rule).
+gpt was not compiled again after it (8 of 12 at ae2f8ab).
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
