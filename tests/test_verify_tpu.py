@@ -390,3 +390,6 @@ def test_a_lookup_whose_rows_and_indices_share_an_axis_moves_its_table():
     # XLA's permutes of the table's shard (bf16 [128, 256]), there and back
     assert report.xla_comm_bytes["collective-permute@data+model"] == 2 * 128 * 256 * 2
     assert report.collectives_match, report.mismatches
+    on_cpu = verify(step, plan, *args)  # the partitioner's, not the TPU's: the CPU alike
+    assert on_cpu.xla_comm_bytes["collective-permute@data+model"] > 0
+    assert on_cpu.collectives_match, on_cpu.mismatches
