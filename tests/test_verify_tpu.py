@@ -335,6 +335,17 @@ def test_a_tpu_holds_a_wide_softmax_shift_beside_its_logits():
     assert fused.memory_bytes < 0.88 * report.xla_memory_bytes
 
 
+def _small_llama():
+    """A 1-layer Llama (hidden 256, 4 heads in 2 key/value groups, seq 128, batch 16):
+    its jitted step (state donated), abstract args, captured graph and groups."""
+    spec = get_model(
+        "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    return step, args, graph, build_groups(graph)
+
+
 @pytest.mark.slow  # compiled for 8 v5p chips: ~20 s on two loaded cores
 def test_a_llama_splitting_its_hidden_dim_holds_the_rotarys_collectives():
     # A plan asking for the hidden dim, the head dim d and the rotary's halves of it on
@@ -343,12 +354,7 @@ def test_a_llama_splitting_its_hidden_dim_holds_the_rotarys_collectives():
     # hidden 512: 6.6 MiB of collective-permutes, 1.25 of all-to-all) where the cost model
     # priced 12.5 MiB of all-gathers. Those groups are kept whole (`Rule.resized`): the
     # plan splits the hidden dim alone, and the collectives are the ones priced.
-    spec = get_model(
-        "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(spec.step_fn, *args)
-    groups = build_groups(graph)
+    step, args, graph, groups = _small_llama()
     concat = next(op for op in graph.ops if op.primitive == "concatenate")
     rotary = {groups.of(t, 3) for t in (*concat.inputs, *concat.outputs)}  # halves, d
     hidden = groups.of(next(op for op in graph.ops if op.primitive == "dot_general").inputs[0], 2)
@@ -369,12 +375,7 @@ def test_a_lookup_whose_rows_and_indices_share_an_axis_moves_its_table():
     # looked up masked and all-reduced over model; the backward all-reduces the table's
     # gradient over data and permutes it back. Priced as a reduce-scatter of the whole
     # lookup over data and an all-gather of its gradient before `_kernel._moved_lookups`.
-    spec = get_model(
-        "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(spec.step_fn, *args)
-    groups = build_groups(graph)
+    step, args, graph, groups = _small_llama()
     lookup = next(op for op in graph.ops if op.primitive == "gather")
     table, indices = lookup.inputs[:2]
     up = next(
