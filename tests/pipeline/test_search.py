@@ -176,6 +176,41 @@ def test_megatron_3d_pipelines_a_cluster_whose_tp_groups_are_no_power_of_two():
     assert all(8 % len(s.devices) == 0 or len(s.devices) % 8 == 0 for s in plan.stages)
 
 
+def test_gpipe_prices_only_the_stage_counts_whose_state_may_fit(gpt):
+    # GPipe splits the stored state over its stages alone (data parallel inside): a count
+    # whose share of it is over the memory limit cannot fit and is not priced; where no
+    # count may fit, only the most stages are priced, the leanest by that floor.
+    spec, pb = gpt
+    state = 2 * pb.graph.role_bytes(am.Role.PARAM) + pb.graph.role_bytes(am.Role.OPT_STATE)
+    priced = []
+
+    def counting(cluster):
+        estimate = Problem.build(spec.step_fn, spec.abstract_args(), cluster).estimate
+
+        def price(plan):
+            if plan.name == "gpipe_uniform":  # the megatron_3d expert is priced too
+                priced.append(len(plan.stages))
+            return estimate(plan)
+
+        return price
+
+    def limited(limit):
+        return dataclasses.replace(pb.cluster, hbm_bytes=limit / (1.0 - pb.cluster.memory_reserve))
+
+    counts = [
+        s for s in stage_counts(8, len(cut_candidates(pb.graph, pb.groups)), 8) if s in (2, 4, 8)
+    ]
+    assert len(counts) >= 2
+    none_may = limited(0.9 * state / counts[-1])
+    plan = pipeline_experts(pb.graph, pb.groups, none_may, counting(none_may))["gpipe_uniform"]
+    assert priced == [counts[-1]] and not plan.predicted.feasible
+    priced.clear()
+    # Room for the state over the last two counts: the first is not priced.
+    some_may = limited(1.01 * state / counts[-2])
+    pipeline_experts(pb.graph, pb.groups, some_may, counting(some_may))
+    assert counts[0] not in priced and priced[0] == counts[-2]
+
+
 def test_one_stage_searchers_refuse_the_pipeline_task(gpt):
     spec, pb = gpt
     with pytest.raises(AutomapError, match="searcher='dp'"):
