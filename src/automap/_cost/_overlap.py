@@ -34,8 +34,9 @@ the latency-hiding scheduler left the windows as empty. No GPU preset prices it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -117,3 +118,66 @@ def gather_beta(ac, mask: int) -> float:
     """Seconds per byte of a gather over the axes `mask` (`AxisCosts`): the faster of its
     variants' bandwidth terms, the one a large gather runs at."""
     return float(ac.beta[AG, :, mask].min())
+
+
+def stream_windows(
+    graph: Graph, at: Sequence[int], again: Sequence[bool], split: Collection[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Per gather of sequence parallelism's split stream (`_seqpar.SeqparTerms.gathered`:
+    `at`, the op reading each whole; `again`, made again in the backward), the backward
+    ops it runs beside where XLA's TPU chains it (`Lowering.overlaps_stream_gathers`):
+    from the backward matmul before its first backward reader up to that reader, "one
+    matmul ahead" as the chains run (`_verify/_schedule.py`), less the ops that make the
+    gathered tensor (the gather cannot start before them). Empty for the forward's
+    gathers (XLA runs them synchronously) and for a step without a loss. A gather made
+    again reads in the backward where its tensor's first backward matmul reads it (the
+    weight gradients of the projections reading a norm's recomputed output)."""
+    boundary = loss_boundary(graph)
+    if boundary is None:
+        return tuple(() for _ in at)
+    consumers = graph.consumers()
+    matmuls = [op.index for op in graph.ops[boundary + 1 :] if op.primitive == "dot_general"]
+    backward = set(matmuls)
+    out = []
+    for op, made_again in zip(at, again, strict=True):
+        reads = [t for t in graph.ops[op].inputs if t in split]
+        reader = op if op > boundary and not made_again else None
+        if made_again:
+            reader = min((c for t in reads for c in consumers[t] if c in backward), default=None)
+        k = bisect.bisect_left(matmuls, reader) if reader is not None else 0
+        if not k:
+            out.append(())
+            continue
+        # The gather starts once its tensor is made: what makes it is not beside it.
+        feeds = _made_by(graph, reads, matmuls[k - 1])
+        out.append(tuple(i for i in range(matmuls[k - 1], reader) if i not in feeds))
+    return tuple(out)
+
+
+def _made_by(graph: Graph, tensors: Sequence[int], first: int) -> set[int]:
+    """The ops from `first` on that `tensors` depend on."""
+    seen: set[int] = set()
+    todo = [graph.tensors[t].producer for t in tensors]
+    while todo:
+        op = todo.pop()
+        if op is None or op < first or op in seen:
+            continue
+        seen.add(op)
+        todo.extend(graph.tensors[t].producer for t in graph.ops[op].inputs)
+    return seen
+
+
+def stream_hidden(
+    windows: Sequence[Sequence[int]],
+    gathered: Sequence[float],
+    op_seconds: Mapping[int, float],
+    beta: float,
+) -> float:
+    """Seconds of the split stream's backward gathers off the step's path: per gather,
+    min(its bandwidth term, its window's compute: `op_seconds`, per op as the plan
+    prices it), each pair costing max(gather, compute). Its latency stays on the path."""
+    return sum(
+        min(beta * nbytes, sum(op_seconds.get(i, 0.0) for i in window))
+        for window, nbytes in zip(windows, gathered, strict=True)
+        if window
+    )
