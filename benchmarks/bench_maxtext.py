@@ -18,10 +18,12 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, on 2026-12-04 with the change that
-prices the backward's second gathers of the split stream): every row is predicted at 0.81
-of the published TFLOP/s per chip (266, 263 and 255 against 328, 323 and 315; steps 8.84,
-8.93 and 6.13 s) and each fits in the chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted).
+Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with the split
+stream's backward gathers priced beside the backward's matmuls, `Lowering.
+overlaps_stream_gathers`): 0.84, 0.84 and 0.83 of the published TFLOP/s per chip (275, 270
+and 263 against 328, 323 and 315; steps 8.57, 8.67 and 5.94 s), each fitting in the
+chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (2026-12-04, the backward's
+second gathers of the split stream priced): 0.81 (266, 263 and 255; 8.84, 8.93, 6.13 s).
 Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
 forward then does not keep, so the backward gathers them again (XLA's A100 and v5p
 programs: tests/test_seqpar.py); priced since: the 32B row's split-stream gathers went
@@ -59,7 +61,9 @@ optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers an
 reduce-scatters of the split stream most of it; 1.34 s of the 8.84 s step now, the
 backward's second gathers added). Stated, not tuned:
 
-- Collectives are priced serial but for ZeRO-3's forward gathers. XLA's TPU compiler
+- Collectives are priced serial but for ZeRO-3's forward gathers and the split
+  stream's backward gathers (0.27 s of the 32B row's 1.34 s off the path, 2026-12-05).
+  XLA's TPU compiler
   at its default flags runs every collective synchronously; with the flags MaxText's
   scripts set (async collective fusion), which `am.apply` now compiles TPU programs
   with, it runs each weight's gather as a chain of fusions beside the matmul that reads
@@ -68,9 +72,16 @@ backward's second gathers added). Stated, not tuned:
   32B row's 1.15 s (the data axis' gathers are 0.10 s of it, ZeRO-3 sharding over 16
   chips what tensor parallelism left). The rest is the tensor-parallel all-gathers and
   reduce-scatters of the split stream (0.73 and 0.49 s over the model axis) and
-  ZeRO-3's gradient reduce-scatters and backward gathers, priced serial: whether XLA's
-  chains overlap those (a collective matmul) was not read. Hidden whole, the 1.34 s
-  left would put the row at 0.96 of published.
+  ZeRO-3's gradient reduce-scatters and backward gathers. Read on v5p (a 4-layer Llama
+  at hidden 1024, dp 2 tp 4 and dp 4 tp 2, the runtime's flags; `_cost/_overlap.py`):
+  XLA runs every reduce-scatter synchronously (the stream's over the model axis and
+  ZeRO-3's gradient reductions over the data axis, combined) and the forward's
+  model-axis gathers too; it chains the backward's model-axis gathers (18 of 23) and
+  ZeRO-3's backward gathers beside the backward's matmuls, no collective matmul
+  decomposition. The first are priced so now (the order-based window leaves half of
+  what the chains hide at the model's rates unpriced: 697 of 1390 us on that Llama);
+  ZeRO-3's backward gathers are not. What stays serial is what XLA compiles serial:
+  the reduce-scatters and the forward's gathers keep the rows near 0.84.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip

@@ -157,7 +157,7 @@ class Lowering:
     does under the runtime's async collective fusion flags (libtpu 0.0.42.1, v5p: a
     4-layer Llama at hidden 1024, dp 2, tp 4 chained 18 of the backward's 23 model-axis
     gathers, each beside one to six matmuls, and none of the forward's 9 nor any
-    reduce-scatter; at hidden 512 only 3 of 12); True on `Lowering.tpu()`. Held by
+    reduce-scatter; at hidden 512 only 3 of 11); True on `Lowering.tpu()`. Held by
     tests/test_schedule.py::test_a_tpu_hides_the_split_streams_backward_gathers_as_priced.
     XLA's GPU and CPU: False (each charged in full)."""
     fuses_matmul_operands: bool = False

@@ -24,6 +24,26 @@ rates (each chain's bandwidth term against its window's matmul FLOPs and written
 the Llama's forward chains hide 386 us, this price 368 us; the backward's hide 252 us
 more, not priced.
 
+Sequence parallelism's split stream (issue 27 item 6; MaxText's shape, ZeRO-3 on the
+data axis and the stream split on the model axis, `projections`, v5p, the runtime's
+flags): XLA's TPU chains the backward's model-axis gathers (the cotangents a matmul
+reads whole, the norms' outputs gathered again) beside the backward's matmuls, and runs
+the forward's model-axis gathers, every reduce-scatter (the stream's and ZeRO-3's
+gradient reductions) synchronously. A 4-layer Llama at hidden 1024 on 2x2x2: at dp 2,
+tp 4, 18 of the backward's 23 model-axis gathers chained (302 of 537 MB of all the
+model axis gathers), none of the forward's 9, none of 19 model and 7 data-axis
+reduce-scatters; at dp 4, tp 2, 17 of 32 gathers (143 of 268 MB), no reduce-scatter.
+Smaller gathers are chained less (hidden 512, 2 layers, tp 2 on 2x2x1: 3 of the
+backward's 11).
+`stream_windows` pairs each backward gather with the ops from the backward matmul
+before its reader up to the reader, less those that make the gathered tensor;
+`stream_hidden` takes min(bandwidth term, window) off per pair (`Lowering.
+overlaps_stream_gathers`, in `_seqpar.with_sequence_parallel`: one-stage programs only;
+a pipeline's stages stay serial). At the model's rates the 4-layer Llama's chains hide
+1390 us, this price 697 us (the chains also hold matmuls that come after the reader in
+the graph's order, not priced: it errs slow); a 1-layer one on 2x2x1 is held between
+half and all of its schedule (tests/test_schedule.py).
+
 XLA's GPU (8 compile-only A100s, a 2- and a 4-layer GPT at hidden 256) makes every
 collective a start/done pair, but its default scheduler puts each forward gather's start
 just before its done (a few elementwise ops inside, one matmul in one pair of the step:
