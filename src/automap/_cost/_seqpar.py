@@ -151,11 +151,10 @@ def seqpar_terms(
     ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
     rs_again = [] if boundary is not None else [rs[e] for e in rs if rs_op[e] in recomputed]
-    windows = () if boundary is not None else stream_windows(graph, at, again, split)
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
-        windows,
+        () if boundary is not None else stream_windows(graph, at, again, split),
     )  # fmt: skip
 
 
