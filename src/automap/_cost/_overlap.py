@@ -35,14 +35,18 @@ model axis gathers), none of the forward's 9, none of 19 model and 7 data-axis
 reduce-scatters; at dp 4, tp 2, 17 of 32 gathers (143 of 268 MB), no reduce-scatter.
 Smaller gathers are chained less (hidden 512, 2 layers, tp 2 on 2x2x1: 3 of the
 backward's 11).
-`stream_windows` pairs each backward gather with the ops from the backward matmul
-before its reader up to the reader, less those that make the gathered tensor;
-`stream_hidden` takes min(bandwidth term, window) off per pair (`Lowering.
-overlaps_stream_gathers`, in `_seqpar.with_sequence_parallel`: one-stage programs only;
-a pipeline's stages stay serial). At the model's rates the 4-layer Llama's chains hide
-1390 us, this price 697 us (the chains also hold matmuls that come after the reader in
-the graph's order, not priced: it errs slow); a 1-layer one on 2x2x1 is held between
-half and all of its schedule (tests/test_schedule.py).
+`stream_windows` pairs each backward gather with the ops from the nearest backward
+matmul before its reader that does not make the gathered tensor (a weight's gradient,
+where the input gradient before it makes a cotangent) up to the reader, less those that
+make the tensor, each op beside one gather at most; `stream_hidden` takes
+min(bandwidth term, window) off per pair (`Lowering.overlaps_stream_gathers`, in
+`_seqpar.with_sequence_parallel`: one-stage programs only; a pipeline's stages stay
+serial). At the model's rates (as for the prefetch above) the chains hide, and the
+price takes off: 1390 and 869 us on the 4-layer Llama at dp 2, tp 4; 413 and 324 us on
+a 2-layer one (hidden 1024, dp 2, tp 2 on 2x2x1, tests/test_schedule.py). Where XLA
+chains fewer, the price hides more than the schedule: 157 against 188 us with one
+layer (the first layer's backward gathers stay synchronous), 79 against 146 us at
+hidden 512.
 
 XLA's GPU (8 compile-only A100s, a 2- and a 4-layer GPT at hidden 256) makes every
 collective a start/done pair, but its default scheduler puts each forward gather's start
@@ -146,9 +150,10 @@ def stream_windows(
     """Per gather of sequence parallelism's split stream (`_seqpar.SeqparTerms.gathered`:
     `at`, the op reading each whole; `again`, made again in the backward), the backward
     ops it runs beside where XLA's TPU chains it (`Lowering.overlaps_stream_gathers`):
-    from the backward matmul before its first backward reader up to that reader, "one
-    matmul ahead" as the chains run (`_verify/_schedule.py`), less the ops that make the
-    gathered tensor (the gather cannot start before them). Empty for the forward's
+    from the nearest backward matmul before its first backward reader that does not
+    make the gathered tensor up to that reader, "one matmul ahead" as the chains run
+    (`_verify/_schedule.py`), less the ops that make the tensor (the gather cannot
+    start before them); each op in one window at most. Empty for the forward's
     gathers (XLA runs them synchronously) and for a step without a loss. A gather made
     again reads in the backward where its tensor's first backward matmul reads it (the
     weight gradients of the projections reading a norm's recomputed output)."""
@@ -158,19 +163,31 @@ def stream_windows(
     consumers = graph.consumers()
     matmuls = [op.index for op in graph.ops[boundary + 1 :] if op.primitive == "dot_general"]
     backward = set(matmuls)
-    out = []
+    readers, reads = [], []
     for op, made_again in zip(at, again, strict=True):
-        reads = [t for t in graph.ops[op].inputs if t in split]
+        reads.append([t for t in graph.ops[op].inputs if t in split])
         reader = op if op > boundary and not made_again else None
         if made_again:
-            reader = min((c for t in reads for c in consumers[t] if c in backward), default=None)
-        k = bisect.bisect_left(matmuls, reader) if reader is not None else 0
-        if not k:
-            out.append(())
-            continue
-        # The gather starts once its tensor is made: what makes it is not beside it.
-        feeds = _made_by(graph, reads, matmuls[k - 1])
-        out.append(tuple(i for i in range(matmuls[k - 1], reader) if i not in feeds))
+            reader = min(
+                (c for t in reads[-1] for c in consumers[t] if c in backward), default=None
+            )
+        readers.append(reader)
+    out: list[tuple[int, ...]] = [()] * len(at)
+    used: set[int] = set()  # each op beside one gather at most
+    for g in sorted((g for g, r in enumerate(readers) if r is not None), key=readers.__getitem__):
+        # The gather starts once its tensor is made: what makes it is not beside it; the
+        # nearest matmul before the reader that does not is (a weight's gradient).
+        k, feeds = bisect.bisect_left(matmuls, readers[g]), set()
+        while k:
+            k -= 1
+            feeds = _made_by(graph, reads[g], matmuls[k])
+            if matmuls[k] not in feeds:
+                break
+        else:
+            continue  # every backward matmul before the reader makes its tensor
+        window = [i for i in range(matmuls[k], readers[g]) if i not in feeds and i not in used]
+        used.update(window)
+        out[g] = tuple(window)
     return tuple(out)
 
 
