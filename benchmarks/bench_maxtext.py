@@ -20,8 +20,8 @@ Planning uses abstract shapes only: no weights are allocated.
 
 Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with the split
 stream's backward gathers priced beside the backward's matmuls, `Lowering.
-overlaps_stream_gathers`): 0.84, 0.84 and 0.83 of the published TFLOP/s per chip (275, 270
-and 263 against 328, 323 and 315; steps 8.57, 8.67 and 5.94 s), each fitting in the
+overlaps_stream_gathers`): 0.85 of the published TFLOP/s per chip on every row (280, 276
+and 269 against 328, 323 and 315; steps 8.41, 8.51 and 5.80 s), each fitting in the
 chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (2026-12-04, the backward's
 second gathers of the split stream priced): 0.81 (266, 263 and 255; 8.84, 8.93, 6.13 s).
 Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
@@ -62,7 +62,7 @@ reduce-scatters of the split stream most of it; 1.34 s of the 8.84 s step now, t
 backward's second gathers added). Stated, not tuned:
 
 - Collectives are priced serial but for ZeRO-3's forward gathers and the split
-  stream's backward gathers (0.27 s of the 32B row's 1.34 s off the path, 2026-12-05).
+  stream's backward gathers (0.43 s of the 32B row's 1.34 s off the path, 2026-12-05).
   XLA's TPU compiler
   at its default flags runs every collective synchronously; with the flags MaxText's
   scripts set (async collective fusion), which `am.apply` now compiles TPU programs
@@ -78,10 +78,10 @@ backward's second gathers added). Stated, not tuned:
   ZeRO-3's gradient reductions over the data axis, combined) and the forward's
   model-axis gathers too; it chains the backward's model-axis gathers (18 of 23) and
   ZeRO-3's backward gathers beside the backward's matmuls, no collective matmul
-  decomposition. The first are priced so now (the order-based window leaves half of
-  what the chains hide at the model's rates unpriced: 697 of 1390 us on that Llama);
-  ZeRO-3's backward gathers are not. What stays serial is what XLA compiles serial:
-  the reduce-scatters and the forward's gathers keep the rows near 0.84.
+  decomposition. The first are priced so now (869 of the 1390 us the chains hide at
+  the model's rates on that Llama); ZeRO-3's backward gathers are not. What stays
+  serial is what XLA compiles serial: the reduce-scatters and the forward's gathers
+  keep the rows at 0.85.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip
