@@ -63,9 +63,8 @@ backward's second gathers added). Stated, not tuned:
 
 - Collectives are priced serial but for ZeRO-3's forward gathers and the split
   stream's backward gathers (0.43 s of the 32B row's 1.34 s off the path, 2026-12-05).
-  XLA's TPU compiler
-  at its default flags runs every collective synchronously; with the flags MaxText's
-  scripts set (async collective fusion), which `am.apply` now compiles TPU programs
+  XLA's TPU compiler at its default flags runs every collective synchronously; with
+  the flags MaxText's scripts set (async collective fusion), which `am.apply` now compiles TPU programs
   with, it runs each weight's gather as a chain of fusions beside the matmul that reads
   the weight before it (`_verify/_schedule.py`, docs/DESIGN.md): priced so
   (`Lowering.tpu().overlaps_prefetch`, `_cost/_overlap.py`), which hides 46 ms of the
