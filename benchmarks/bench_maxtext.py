@@ -48,7 +48,9 @@ configuration: FSDP over all 64 chips (ZeRO-3, `projections`) at 7.88 s, 0.91 of
 MaxText's 8.64 s (76.2 GB); at 0.6 it was the same plan at 10.82 s, 0.93 of 11.58 s.
 At 507c274 (forward gathers hidden) the same plan at 7.75 s, 0.90 of MaxText's 8.60 s,
 in 29 s wall; on 2026-12-04 the same plan at 8.03 s, 0.91 of MaxText's 8.84 s, in 32 s
-(what moved it from 7.75 s was not bisected).
+(what moved it from 7.75 s was not bisected). On 2026-12-05 (the split stream's backward
+gathers beside compute, which that plan has none of) the same plan at 8.03 s, 0.95 of
+MaxText's 8.41 s, in 126 s wall at load 9.
 The 64B and 128B rows were planned at 5390d0b, at 0.6 (BENCHMARKS.md). Before the
 one-stage plans got recomputation and the split stream (`_search/_one_stage.py`: the
 ILP's shard space has neither, so it proved that no one-stage plan fits), it returned
