@@ -18,10 +18,12 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, on 2026-12-04 with the change that
-prices the backward's second gathers of the split stream): every row is predicted at 0.81
-of the published TFLOP/s per chip (266, 263 and 255 against 328, 323 and 315; steps 8.84,
-8.93 and 6.13 s) and each fits in the chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted).
+Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with the split
+stream's backward gathers priced beside the backward's matmuls, `Lowering.
+overlaps_stream_gathers`): 0.85 of the published TFLOP/s per chip on every row (280, 276
+and 269 against 328, 323 and 315; steps 8.41, 8.51 and 5.80 s), each fitting in the
+chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (2026-12-04, the backward's
+second gathers of the split stream priced): 0.81 (266, 263 and 255; 8.84, 8.93, 6.13 s).
 Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
 forward then does not keep, so the backward gathers them again (XLA's A100 and v5p
 programs: tests/test_seqpar.py); priced since: the 32B row's split-stream gathers went
@@ -46,7 +48,9 @@ configuration: FSDP over all 64 chips (ZeRO-3, `projections`) at 7.88 s, 0.91 of
 MaxText's 8.64 s (76.2 GB); at 0.6 it was the same plan at 10.82 s, 0.93 of 11.58 s.
 At 507c274 (forward gathers hidden) the same plan at 7.75 s, 0.90 of MaxText's 8.60 s,
 in 29 s wall; on 2026-12-04 the same plan at 8.03 s, 0.91 of MaxText's 8.84 s, in 32 s
-(what moved it from 7.75 s was not bisected).
+(what moved it from 7.75 s was not bisected). On 2026-12-05 (the split stream's backward
+gathers beside compute, which that plan has none of) the same plan at 8.03 s, 0.95 of
+MaxText's 8.41 s, in 126 s wall at load 9.
 The 64B and 128B rows were planned at 5390d0b, at 0.6 (BENCHMARKS.md). Before the
 one-stage plans got recomputation and the split stream (`_search/_one_stage.py`: the
 ILP's shard space has neither, so it proved that no one-stage plan fits), it returned
@@ -59,18 +63,26 @@ optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers an
 reduce-scatters of the split stream most of it; 1.34 s of the 8.84 s step now, the
 backward's second gathers added). Stated, not tuned:
 
-- Collectives are priced serial but for ZeRO-3's forward gathers. XLA's TPU compiler
-  at its default flags runs every collective synchronously; with the flags MaxText's
-  scripts set (async collective fusion), which `am.apply` now compiles TPU programs
+- Collectives are priced serial but for ZeRO-3's forward gathers and the split
+  stream's backward gathers (0.43 s of the 32B row's 1.34 s off the path, 2026-12-05).
+  XLA's TPU compiler at its default flags runs every collective synchronously; with
+  the flags MaxText's scripts set (async collective fusion), which `am.apply` now compiles TPU programs
   with, it runs each weight's gather as a chain of fusions beside the matmul that reads
   the weight before it (`_verify/_schedule.py`, docs/DESIGN.md): priced so
   (`Lowering.tpu().overlaps_prefetch`, `_cost/_overlap.py`), which hides 46 ms of the
   32B row's 1.15 s (the data axis' gathers are 0.10 s of it, ZeRO-3 sharding over 16
   chips what tensor parallelism left). The rest is the tensor-parallel all-gathers and
   reduce-scatters of the split stream (0.73 and 0.49 s over the model axis) and
-  ZeRO-3's gradient reduce-scatters and backward gathers, priced serial: whether XLA's
-  chains overlap those (a collective matmul) was not read. Hidden whole, the 1.34 s
-  left would put the row at 0.96 of published.
+  ZeRO-3's gradient reduce-scatters and backward gathers. Read on v5p (a 4-layer Llama
+  at hidden 1024, dp 2 tp 4 and dp 4 tp 2, the runtime's flags; `_cost/_overlap.py`):
+  XLA runs every reduce-scatter synchronously (the stream's over the model axis and
+  ZeRO-3's gradient reductions over the data axis, combined) and the forward's
+  model-axis gathers too; it chains the backward's model-axis gathers (18 of 23) and
+  ZeRO-3's backward gathers beside the backward's matmuls, no collective matmul
+  decomposition. The first are priced so now (869 of the 1390 us the chains hide at
+  the model's rates on that Llama); ZeRO-3's backward gathers are not. What stays
+  serial is what XLA compiles serial: the reduce-scatters and the forward's gathers
+  keep the rows at 0.85.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip

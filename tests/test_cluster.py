@@ -75,6 +75,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         tile_padding=True,
         scatter_least_elements=2048,
         overlaps_prefetch=True,
+        overlaps_stream_gathers=True,  # the split stream's backward gathers chained
         gather_all_reduced_from=64,
         recompute_gathers_casts=True,  # a recompute's ZeRO-3 gathers move the bf16 casts
         fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
@@ -99,6 +100,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     hopper_only = {"native_bf16_arithmetic"}
     assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - hopper_only)
     assert not am.Lowering.gpu().overlaps_prefetch
+    assert not am.Lowering.gpu().overlaps_stream_gathers
     what_if = am.Cluster.preset("a100").with_lowering(reduce_scatter=False)
     assert what_if.lowering == dataclasses.replace(am.Lowering.gpu(), reduce_scatter=False)
     with pytest.raises(am.ClusterError, match=r"unknown lowering field\(s\) \['fuses'\]"):

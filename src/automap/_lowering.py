@@ -148,6 +148,18 @@ class Lowering:
     and on the CPU: each collective charged in full, the upper bound. Read on
     compile-only A100s; held by
     tests/test_schedule.py::test_a_gpu_overlaps_an_fsdp_steps_collectives_as_the_model_prices."""
+    overlaps_stream_gathers: bool = False
+    """Whether the scheduler runs sequence parallelism's backward gathers of the split
+    stream (the cotangents a matmul reads whole, and the norms' outputs gathered again
+    under recomputation) beside the backward's matmuls (`_cost/_overlap.stream_windows`):
+    each gather in flight from the backward matmul before its reader to the reader (less
+    what makes the gathered tensor), the pair costing max(gather, compute). XLA's TPU
+    does under the runtime's async collective fusion flags (libtpu 0.0.42.1, v5p: a
+    4-layer Llama at hidden 1024, dp 2, tp 4 chained 18 of the backward's 23 model-axis
+    gathers, each beside one to six matmuls, and none of the forward's 9 nor any
+    reduce-scatter; at hidden 512 only 3 of 11); True on `Lowering.tpu()`. Held by
+    tests/test_schedule.py::test_a_tpu_hides_the_split_streams_backward_gathers_as_priced.
+    XLA's GPU and CPU: False (each charged in full)."""
     fuses_matmul_operands: bool = False
     """Whether XLA fuses the elementwise chain that makes a float32 matmul operand into the
     matmul's own kernel (with the convert it runs it in), transcendental functions
@@ -242,6 +254,7 @@ class Lowering:
             tile_padding=True,
             scatter_least_elements=2048,
             overlaps_prefetch=True,
+            overlaps_stream_gathers=True,
             gather_all_reduced_from=64,
             recompute_gathers_casts=True,
             fuses_matmul_operands=True,

@@ -214,7 +214,9 @@ class CostModel:
             return cost
         axis = str(plan.sequence_parallel)
         costs = self._costs_for(plan.mesh)
-        return with_sequence_parallel(cost, terms, plan.mesh, axis, costs, low.reduce_scatter)
+        return with_sequence_parallel(
+            cost, terms, plan.mesh, axis, costs, low.reduce_scatter, low.overlaps_stream_gathers
+        )
 
     def _split_memory(self, split: frozenset[int], remat: bool) -> SplitMemory:
         """`_seqpar.split_memory`, once per split and remat (a search prices many plans)."""

@@ -24,6 +24,30 @@ rates (each chain's bandwidth term against its window's matmul FLOPs and written
 the Llama's forward chains hide 386 us, this price 368 us; the backward's hide 252 us
 more, not priced.
 
+Sequence parallelism's split stream (issue 27 item 6; MaxText's shape, ZeRO-3 on the
+data axis and the stream split on the model axis, `projections`, v5p, the runtime's
+flags): XLA's TPU chains the backward's model-axis gathers (the cotangents a matmul
+reads whole, the norms' outputs gathered again) beside the backward's matmuls, and runs
+the forward's model-axis gathers, every reduce-scatter (the stream's and ZeRO-3's
+gradient reductions) synchronously. A 4-layer Llama at hidden 1024 on 2x2x2: at dp 2,
+tp 4, 18 of the backward's 23 model-axis gathers chained (302 of 537 MB of all the
+model axis gathers), none of the forward's 9, none of 19 model and 7 data-axis
+reduce-scatters; at dp 4, tp 2, 17 of 32 gathers (143 of 268 MB), no reduce-scatter.
+Smaller gathers are chained less (hidden 512, 2 layers, tp 2 on 2x2x1: 3 of the
+backward's 11).
+`stream_windows` pairs each backward gather with the ops from the nearest backward
+matmul before its reader that does not make the gathered tensor (a weight's gradient,
+where the input gradient before it makes a cotangent) up to the reader, less those that
+make the tensor, each op beside one gather at most; `stream_hidden` takes
+min(bandwidth term, window) off per pair (`Lowering.overlaps_stream_gathers`, in
+`_seqpar.with_sequence_parallel`: one-stage programs only; a pipeline's stages stay
+serial). At the model's rates (as for the prefetch above) the chains hide, and the
+price takes off: 1390 and 869 us on the 4-layer Llama at dp 2, tp 4; 413 and 324 us on
+a 2-layer one (hidden 1024, dp 2, tp 2 on 2x2x1, tests/test_schedule.py). Where XLA
+chains fewer, the price hides more than the schedule: 157 against 188 us with one
+layer (the first layer's backward gathers stay synchronous), 79 against 146 us at
+hidden 512.
+
 XLA's GPU (8 compile-only A100s, a 2- and a 4-layer GPT at hidden 256) makes every
 collective a start/done pair, but its default scheduler puts each forward gather's start
 just before its done (a few elementwise ops inside, one matmul in one pair of the step:
@@ -34,8 +58,9 @@ the latency-hiding scheduler left the windows as empty. No GPU preset prices it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -117,3 +142,79 @@ def gather_beta(ac, mask: int) -> float:
     """Seconds per byte of a gather over the axes `mask` (`AxisCosts`): the faster of its
     variants' bandwidth terms, the one a large gather runs at."""
     return float(ac.beta[AG, :, mask].min())
+
+
+def stream_windows(
+    graph: Graph, at: Sequence[int], again: Sequence[bool], split: Collection[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Per gather of sequence parallelism's split stream (`_seqpar.SeqparTerms.gathered`:
+    `at`, the op reading each whole; `again`, made again in the backward), the backward
+    ops it runs beside where XLA's TPU chains it (`Lowering.overlaps_stream_gathers`):
+    from the nearest backward matmul before its first backward reader that does not
+    make the gathered tensor up to that reader, "one matmul ahead" as the chains run
+    (`_verify/_schedule.py`), less the ops that make the tensor (the gather cannot
+    start before them); each op in one window at most. Empty for the forward's
+    gathers (XLA runs them synchronously) and for a step without a loss. A gather made
+    again reads in the backward where its tensor's first backward matmul reads it (the
+    weight gradients of the projections reading a norm's recomputed output)."""
+    boundary = loss_boundary(graph)
+    if boundary is None:
+        return tuple(() for _ in at)
+    consumers = graph.consumers()
+    matmuls = [op.index for op in graph.ops[boundary + 1 :] if op.primitive == "dot_general"]
+    backward = set(matmuls)
+    readers, reads = [], []
+    for op, made_again in zip(at, again, strict=True):
+        reads.append([t for t in graph.ops[op].inputs if t in split])
+        reader = op if op > boundary and not made_again else None
+        if made_again:
+            reader = min(
+                (c for t in reads[-1] for c in consumers[t] if c in backward), default=None
+            )
+        readers.append(reader)
+    out: list[tuple[int, ...]] = [()] * len(at)
+    used: set[int] = set()  # each op beside one gather at most
+    for g in sorted((g for g, r in enumerate(readers) if r is not None), key=readers.__getitem__):
+        # The gather starts once its tensor is made: what makes it is not beside it; the
+        # nearest matmul before the reader that does not is (a weight's gradient).
+        k, feeds = bisect.bisect_left(matmuls, readers[g]), set()
+        while k:
+            k -= 1
+            feeds = _made_by(graph, reads[g], matmuls[k])
+            if matmuls[k] not in feeds:
+                break
+        else:
+            continue  # every backward matmul before the reader makes its tensor
+        window = [i for i in range(matmuls[k], readers[g]) if i not in feeds and i not in used]
+        used.update(window)
+        out[g] = tuple(window)
+    return tuple(out)
+
+
+def _made_by(graph: Graph, tensors: Sequence[int], first: int) -> set[int]:
+    """The ops from `first` on that `tensors` depend on."""
+    seen: set[int] = set()
+    todo = [graph.tensors[t].producer for t in tensors]
+    while todo:
+        op = todo.pop()
+        if op is None or op < first or op in seen:
+            continue
+        seen.add(op)
+        todo.extend(graph.tensors[t].producer for t in graph.ops[op].inputs)
+    return seen
+
+
+def stream_hidden(
+    windows: Sequence[Sequence[int]],
+    gathered: Sequence[float],
+    op_seconds: Mapping[int, float],
+    beta: float,
+) -> float:
+    """Seconds of the split stream's backward gathers off the step's path: per gather,
+    min(its bandwidth term, its window's compute: `op_seconds`, per op as the plan
+    prices it), each pair costing max(gather, compute). Its latency stays on the path."""
+    return sum(
+        min(beta * nbytes, sum(op_seconds.get(i, 0.0) for i in window))
+        for window, nbytes in zip(windows, gathered, strict=True)
+        if window
+    )

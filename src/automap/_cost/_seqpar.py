@@ -45,6 +45,7 @@ from .._plan import Collective, Cost, Plan, Spec
 from . import _collectives as C
 from ._buffers import step_buffers
 from ._liveness import alive_among
+from ._overlap import gather_beta, stream_hidden, stream_windows
 from ._residuals import kept_residuals
 
 _MATMUL = "dot_general"
@@ -70,6 +71,9 @@ class SeqparTerms:
     # one program: per partial-sum matmul the recompute runs again, its buffer's bytes
     # (priced all-reduced among the recomputed ops' collectives, reduce-scattered as XLA)
     reduce_scattered_again: tuple[float, ...] = ()
+    # one program: per entry of `gathered`, the backward ops XLA's TPU runs it beside
+    # (`_overlap.stream_windows`; empty where it runs synchronously)
+    windows: tuple[tuple[int, ...], ...] = ()
 
 
 def seqpar_terms(
@@ -150,6 +154,7 @@ def seqpar_terms(
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
+        () if boundary is not None else stream_windows(graph, at, again, split),
     )  # fmt: skip
 
 
@@ -258,10 +263,13 @@ def _tensor_sets(T, groups: Groups) -> np.ndarray:
 
 def with_sequence_parallel(
     cost: Cost, terms: SeqparTerms, mesh: Mapping[str, int], axis: str, costs: C.AxisCosts,
-    reduce_scatter: bool,
+    reduce_scatter: bool, overlaps: bool = False,
 ) -> Cost:  # fmt: skip
     """`cost` (the plan priced without it, its memory with the split: `split_memory`)
-    with sequence parallelism's time: its collectives and the stream's ops on 1/t."""
+    with sequence parallelism's time: its collectives and the stream's ops on 1/t, and
+    where the backend chains the backward's stream gathers beside its matmuls
+    (`overlaps`: `Lowering.overlaps_stream_gathers`) their bandwidth terms hidden up to
+    their windows' compute (`_overlap.stream_hidden`)."""
     t = mesh[axis]
     code = costs.codes[axis]
     scattered = (*terms.reduce_scattered, *terms.reduce_scattered_again)
@@ -277,6 +285,10 @@ def with_sequence_parallel(
     comm = sum(c.time_s for c in by_kind.values()) - hidden
     shrink = 1 - 1 / t
     saved_s = shrink * sum(s for i, s, _ in cost.per_op if i in terms.compute_ops)
+    if overlaps and terms.windows:  # each op's time as priced below, the stream's 1/t
+        seconds = {i: s / t if i in terms.compute_ops else s for i, s, _ in cost.per_op}
+        beta = gather_beta(costs, int(costs.bit[code]))
+        comm -= stream_hidden(terms.windows, terms.gathered, seconds, beta)
     compute = cost.compute_s - saved_s
     step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
     return dataclasses.replace(
