@@ -224,8 +224,9 @@ def _padding(minor: np.ndarray, second: np.ndarray, itemsize: np.ndarray) -> np.
     return lanes * np.ceil(second / rows) * rows / np.maximum(second, 1)
 
 
-#: The least bytes a shard's row of lanes holds where ZeRO splits a dot's gradient on its
-#: lanes and XLA's TPU still reduce-scatters it: 128 float32 lanes, 256 bfloat16 ones.
+#: Where ZeRO splits a dot's gradient on its lanes, XLA's TPU reduce-scatters it only where
+#: each shard's row of lanes holds a multiple of these bytes (128 float32 lanes, 256
+#: bfloat16 ones): bf16 shards of 256, 512 and 768 lanes scattered, of 128 and 384 not.
 LANE_BYTES = 512
 
 
@@ -240,8 +241,11 @@ def minor_split(
     lanes of the layout it gives the buffer the backward writes (`_scatter.gradient_orders`:
     `perm`, `itemsize`, `lookup`): its shard (`zlocal`, of the array's `local` dims) in the
     writer's order, laid row-major unless transposed pads less. A dot's where its shard's
-    lanes hold under `LANE_BYTES` (bf16 [256, 128] and [128, 64] shards all-reduced
-    whole; f32 [256, 128] and bf16 [512, 256] ones reduce-scattered); a lookup's
+    row of lanes is not a whole multiple of `LANE_BYTES` (bf16 [256, 128] and [128, 64]
+    shards all-reduced whole; f32 [256, 128] and bf16 [512, 256] ones reduce-scattered;
+    a 1-layer bf16 Llama's down kernel, its gradient written [hidden 512, ffn], ffn split
+    4 ways by data on v5p 4x4x4 and 2x2x2: ffn 1024, 2048, 3072 reduce-scattered, 1536,
+    whose 384-lane shards hold 768 bytes, all-reduced whole; libtpu 0.0.42.1); a lookup's
     scatter-add one where they are under two tiles' 256 (f32 and bf16 [512, 128] shards
     of a Llama's table at data 4 x model 2 on v5p 2x2x2 all-reduced whole, bf16 [512,
     256] reduce-scattered; libtpu 0.0.42.1)."""
@@ -256,7 +260,7 @@ def minor_split(
     split_first = zlocal[at, first] < local[at, first]
     on_lanes = np.where(transposed, split_first, split_last)
     lanes = np.where(transposed, a, b)
-    narrow = np.where(lookup, lanes < 2 * LANES, lanes * itemsize < LANE_BYTES)
+    narrow = np.where(lookup, lanes < 2 * LANES, np.mod(lanes * itemsize, LANE_BYTES) > 0)
     return known & on_lanes & narrow
 
 
