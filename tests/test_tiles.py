@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._cost import CostModel, tiled_bytes
+from automap._cost import CostModel, minor_split, tiled_bytes
 from automap._zoo import get_model
 
 
@@ -147,7 +147,6 @@ def test_a_tpu_cube_split_into_groups_reduce_scatters_as_a_plane_does():
 def test_a_tpu_scatters_a_gradient_split_on_its_lanes_by_whole_512_byte_rows(
     lanes, itemsize, whole
 ):
-    from automap._cost._tiles import minor_split
 
     perm = np.array([[0, 1]])  # written in the parameter's own order
     local = np.array([[512.0, 4 * lanes]])

@@ -419,3 +419,26 @@ def test_a_tpu_scatters_lane_split_gradients_by_whole_multiples_of_512_bytes():
     xla = report.xla_comm_bytes
     assert xla["all-reduce@data"] > 7 * 2**20  # the down kernel's 1.5 MiB among them
     assert xla["reduce-scatter@data"] == 1024 * 512 * 2  # the token table's gradient alone
+
+
+@pytest.mark.slow  # compiled for 16 v5p chips: ~20 s on two loaded cores
+def test_a_tpu_on_rings_of_four_scatters_zero_gradients_by_their_shards_rows():
+    # A 1-layer bf16 Llama (hidden 128), the batch on data 8 x model 2 of a v5p 4x4x1,
+    # ZeRO-3: every torus dimension data spans is a ring of 4, and XLA reduce-scatters every
+    # matrix's gradient, the key and value kernels' [16, 64] shards and the [16, 128] ones
+    # included, which the rule per torus dimension spanned (2048 elements each, 128 lanes:
+    # measured on 2x2x2's rings of 2) kept whole (`_tiles.whole_reduced_bytes`, `ring`).
+    spec = get_model(
+        "llama", layers=1, hidden=128, heads=2, kv_heads=1, ffn=512, seq=128, batch=32,
+        vocab=512, dtype="bfloat16",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    mesh = {"data": 8, "model": 2}
+    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
+    report = verify(step, plan, *args, target="v5p:4x4x1")
+    assert report.collectives_match, report.mismatches
+    assert report.xla_comm_bytes["reduce-scatter@data"] > 0.5 * 2**20
+    assert report.xla_comm_bytes.get("all-reduce@data", 0) < 2**15  # the norms' alone
