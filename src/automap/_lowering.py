@@ -193,7 +193,7 @@ class Lowering:
     two dimensions, over a group spanning fewer than three torus dimensions. XLA's TPU
     compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
     [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
-    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
+    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512] on 2x2x2, 1-D arrays, nor
     the whole 2x2x2 cube up to f32[8192, 1024]). Where every torus dimension the group
     spans is a ring of 4 chips or more, a shard of 16 rows, or of 8 and this many
     elements, whatever the dimensions and lanes (4x4x4: f32 [8, 512], bf16 [16, 64] and
