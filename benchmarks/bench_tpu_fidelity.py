@@ -40,13 +40,52 @@ making another plan match. gpt (`--models gpt`, 5 min): collectives 8 of 12 (7 a
 7747e9e), memory 7 of 12 (the same figures plan by plan); plan 7 (ZeRO-3, remat) now
 matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gather@data
 49.7 MiB priced at 7747e9e, XLA 38.6). The table holds the latest figures: gpt's at
-ae2f8ab, llama's at 016c381 (the two paragraphs after it).
+ae2f8ab, llama's at 016c381 (the two paragraphs after
+it); f493fda's table follows it.
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
 | gpt   | 8 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
 | llama | 8 of 12     | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
 | all   | 16 of 24 (67%) | 17 of 24 (71%) |            |              |                  |
+
+At f493fda (2026-12-05): gpt compiled again at 13f0d92 (`--plans 12 --models gpt`, 22 min
+on a loaded machine): 8 of 12 collectives, 7 of 12 memory, plan by plan as at ae2f8ab;
+llama at 1eabfc6 (29 min): 9 of 12 and 10 of 12. Two rules of `_tiles.whole_reduced_bytes`
+moved, each read on small steps and held by a test that failed before (tests/test_tiles.py,
+tests/test_verify_tpu.py). 1eabfc6: a ZeRO gradient split on its buffer's lanes is
+reduce-scattered only where a shard's row of lanes is a whole multiple of 512 bytes
+(`_tiles.minor_split`; a 1-layer bf16 Llama at data 4 on 4x4x4 and 2x2x2: the down
+kernel's [512, ffn] gradient split on ffn scattered at ffn 1024, 2048, 3072 (256, 512, 768
+lanes), whole at 1536 (384 lanes, 768 bytes)): llama plan 1 matches (all-reduce@data
+18.83 MiB priced / 18.64 XLA, reduce-scatter 0 / 0.19, trivial). f493fda: where every
+torus dimension the data groups span is a ring of 4 chips or more, a shard of 16 rows, or
+8 rows and 2048 elements, is scattered whatever the dimensions spanned and its lanes
+(`_torus.axis_spans_and_rings`): llama plans 4, 8 (data 32 x model 2) match (reduce-scatter
+@data 23.25 / 23.25 and 25.25 / 25.25 MiB), gpt plan 0 too (44.0 / 44.0). The table is
+f493fda's: every drawn plan priced again, and each whose priced collectives moved (llama 1,
+4, 8, 11, gpt 0, 3, 7, 8; the rest priced byte for byte as compiled) compiled again.
+
+| model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
+|-------|------------:|-------------:|----------------:|-------------:|-----------------:|
+| gpt   | 9 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
+| llama | 10 of 12    | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
+| all   | 19 of 24 (79%) | 17 of 24 (71%) |            |              |                  |
+
+Left on ZeRO's scatters: llama plan 11 (data 32 x model 2, ZeRO-3), which matched before
+f493fda by offsetting errors (1.38 MiB of [16, 64] and [16, 128] shards priced whole,
+which XLA scatters, for 1.25 MiB of others it keeps whole), now all-reduce@data 2.02 / 3.30
+MiB. Under ZeRO-3 with hidden shards under 128 lanes (plans 9, 11; data 8 and 32) XLA
+lays every weight gradient in its parameter's own order ({0,1} on the dot's transposed
+buffer), so a down kernel split on hidden (plan 9's three [512, 192], plan 11's [512,
+768]) puts its split on the lanes and is all-reduced whole, where the shard's padding lays
+it row-major in `minor_split`; at data 4 (plan 1) the same step keeps the dot's order, and
+a 1-layer Llama at data 4 lays its equal key and value [128, 512] gradients one each way:
+not a function of the shapes read. gpt plan 8: 2 MiB more reduce-scatter in XLA (-7.1%),
+not read. A bf16 token table [512, 512] split 4 ways on its rows (2x2x2) is all-reduced
+whole, [1024, 512] scattered; at data 32 a float32 one all-reduced whole: not priced.
+A slice's every chip in one group spanning two dimensions (data 16 on 4x4x1) all-reduces
+every gradient whole, as the cube does; priced only for three.
 
 Both compiled again at ae2f8ab (2026-12-05, the same command, 2.7 and 2.9 min on an
 idle machine), which merges bcdf989 with bbe7999: a bf16 SwiGLU's sigmoid is made again in

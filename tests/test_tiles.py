@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._cost import CostModel, tiled_bytes
+from automap._cost import CostModel, minor_split, tiled_bytes
 from automap._zoo import get_model
 
 
@@ -129,3 +129,27 @@ def test_a_tpu_cube_split_into_groups_reduce_scatters_as_a_plane_does():
     assert _reductions(graph, v5p, split)["reduce-scatter@data"] >= 3 * 2048 * 1024 * 4
     cube = am.plan_recipe(step, *args, recipe=am.Recipe(dp=64, zero=1), cluster=v5p)
     assert "reduce-scatter@data" not in _reductions(graph, v5p, cube)
+
+
+# Read from libtpu 0.0.42.1 on v5p 4x4x4 and 2x2x2 (tests/test_verify_tpu.py holds one): a
+# gradient the backward writes [512, n] row-major, ZeRO's split on n (its lanes) 4 ways.
+@pytest.mark.parametrize(
+    ("lanes", "itemsize", "whole"),
+    [
+        (128, 2, True),  # 256 bytes a shard's row
+        (256, 2, False),  # ffn 1024
+        (384, 2, True),  # ffn 1536: 768 bytes, not a whole multiple of 512
+        (512, 2, False),  # ffn 2048
+        (768, 2, False),  # ffn 3072: 1536 bytes
+        (128, 4, False),  # float32 [256, 128] shards
+    ],
+)
+def test_a_tpu_scatters_a_gradient_split_on_its_lanes_by_whole_512_byte_rows(
+    lanes, itemsize, whole
+):
+
+    perm = np.array([[0, 1]])  # written in the parameter's own order
+    local = np.array([[512.0, 4 * lanes]])
+    zlocal = np.array([[512.0, lanes]])
+    got = minor_split(perm, np.array([itemsize]), np.array([False]), local, zlocal)
+    assert bool(got[0]) is whole

@@ -13,6 +13,7 @@ import automap as am
 from automap import ApplyError
 from automap._cli import app
 from automap._cost import CostModel, axis_links, axis_torus_dims
+from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
@@ -394,3 +395,50 @@ def test_a_lookup_whose_rows_and_indices_share_an_axis_moves_its_table():
     on_cpu = verify(step, plan, *args)  # the partitioner's, not the TPU's: the CPU alike
     assert on_cpu.xla_comm_bytes["collective-permute@data+model"] > 0
     assert on_cpu.collectives_match, on_cpu.mismatches
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~25 s on two loaded cores
+def test_a_tpu_scatters_lane_split_gradients_by_whole_multiples_of_512_bytes():
+    # A 1-layer bf16 Llama, the batch on data 4 of a v5p 2x2x2, ZeRO-3: the backward writes
+    # the down kernel's gradient [hidden 512, ffn 1536] row-major, ZeRO's split on its
+    # lanes, 384 bf16 lanes (768 bytes) a shard. XLA all-reduces it whole (1.5 MiB) as it
+    # does shards of 128 lanes, where it scatters those of 256, 512 and 768 lanes (ffn
+    # 1024, 2048, 3072): `_tiles.minor_split` asks a whole multiple of `LANE_BYTES`.
+    spec = get_model(
+        "llama", layers=1, hidden=512, heads=4, kv_heads=2, ffn=1536, seq=128, batch=8,
+        vocab=1024, dtype="bfloat16",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    mesh = {"data": 4, "model": 2}
+    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    xla = report.xla_comm_bytes
+    assert xla["all-reduce@data"] > 7 * 2**20  # the down kernel's 1.5 MiB among them
+    assert xla["reduce-scatter@data"] == 1024 * 512 * 2  # the token table's gradient alone
+
+
+@pytest.mark.slow  # compiled for 16 v5p chips: ~20 s on two loaded cores
+def test_a_tpu_on_rings_of_four_scatters_zero_gradients_by_their_shards_rows():
+    # A 1-layer bf16 Llama (hidden 128), the batch on data 8 x model 2 of a v5p 4x4x1,
+    # ZeRO-3: every torus dimension data spans is a ring of 4, and XLA reduce-scatters every
+    # matrix's gradient, the key and value kernels' [16, 64] shards and the [16, 128] ones
+    # included, which the rule per torus dimension spanned (2048 elements each, 128 lanes:
+    # measured on 2x2x2's rings of 2) kept whole (`_tiles.whole_reduced_bytes`, `ring`).
+    spec = get_model(
+        "llama", layers=1, hidden=128, heads=2, kv_heads=1, ffn=512, seq=128, batch=32,
+        vocab=512, dtype="bfloat16",
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(spec.step_fn, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    mesh = {"data": 8, "model": 2}
+    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
+    report = verify(step, plan, *args, target="v5p:4x4x1")
+    assert report.collectives_match, report.mismatches
+    assert report.xla_comm_bytes["reduce-scatter@data"] > 0.5 * 2**20
+    assert report.xla_comm_bytes.get("all-reduce@data", 0) < 2**15  # the norms' alone

@@ -205,8 +205,11 @@ class Lowering:
     two dimensions, over a group spanning fewer than three torus dimensions. XLA's TPU
     compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16
     [2n, R, C] pinned to P("d"), v5p 2x2x1, 2x2x2, 4x4x4: one torus dimension from
-    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512], 1-D arrays, nor
-    the whole 2x2x2 cube up to f32[8192, 1024]); nor a 2-D gradient whose split lies on
+    [16, 128] a shard, two from [32, 128] or [16, 256], never [8, 512] on 2x2x2, 1-D arrays, nor
+    the whole 2x2x2 cube up to f32[8192, 1024]). Where every torus dimension the group
+    spans is a ring of 4 chips or more, a shard of 16 rows, or of 8 and this many
+    elements, whatever the dimensions and lanes (4x4x4: f32 [8, 512], bf16 [16, 64] and
+    [8, 256] scattered, [8, 128] not; 4x4x1 at data 8 x model 2 alike); nor a 2-D gradient whose split lies on
     the lanes of the buffer its dot (or lookup) writes, laid as it pads least
     (`_cost._scatter`: a Llama's transposed [out, hidden] weight gradients at data 4 x
     model 2 on 2x2x2); 0: every ZeRO gradient is reduce-scattered (GPUs: the same Llama

@@ -109,7 +109,7 @@ from ._terms import (
     update_reductions,
 )
 from ._tiles import TileMemo, tile_table
-from ._torus import axis_torus_dims
+from ._torus import axis_spans_and_rings
 from ._zero import regather_coefs, update_sums
 
 _log = logging.getLogger("automap")
@@ -426,7 +426,7 @@ class CostModel:
         """Bytes of the ZeRO gradients over data (code `d`) all-reduced whole, not scattered
         (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
         axis = list(st.mesh)[d - 1]
-        spans = lambda: axis_torus_dims(self.cluster, st.mesh).get(axis, 0)  # noqa: E731
+        spans = lambda: axis_spans_and_rings(self.cluster, st.mesh, axis)  # noqa: E731
         sizes = self._costs_for(st.mesh).sizes
         return self._tile_memo.kept_whole(st.codes, st.mesh, sizes, d, spans)
 

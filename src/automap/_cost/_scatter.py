@@ -7,7 +7,9 @@ the weight's own ([hidden, out]: the query and gate kernels of a Llama) or trans
 lays that buffer as it pads least (`_tiles.py`: row-major, its last dim on the lanes,
 unless the transposed layout pads less) and reduce-scatters the gradient over data only
 where ZeRO's split dim is the major one of that layout, or the minor one (the lanes)
-with at least `_tiles.LANE_BYTES` of each shard's row on them; the rest it all-reduces
+with a whole multiple of `_tiles.LANE_BYTES` in each shard's row (bf16 shards of 256 or
+768 lanes scattered, of 384 not: a down kernel's [512, 1536] gradient split 4 ways on its
+ffn dim, llama plan 1 of the TPU bench); the rest it all-reduces
 whole, in the step's combined all-reduce, and slices. Read with
 libtpu 0.0.42.1 on v5p 2x2x2, a bfloat16 1-layer Llama (hidden 512, ffn 1792) at data 4
 x model 2 under ZeRO-1: the query's bf16[512, 256] and the gate's [512, 896] gradients

@@ -174,7 +174,7 @@ def _ratio(table: TileTable, tiled: np.ndarray, raw: np.ndarray, kind: int) -> n
 
 
 def whole_reduced_bytes(
-    table: TileTable, codes: np.ndarray, sizes: np.ndarray, data: int, spans: int, least: int
+    table: TileTable, codes, sizes: np.ndarray, data: int, spans: int, ring: int, least: int
 ) -> float:
     """Bytes per device of the ZeRO gradients XLA's TPU compiler all-reduces whole rather
     than reduce-scatters (`Lowering.scatter_least_elements`, `least`): a parameter the
@@ -186,7 +186,15 @@ def whole_reduced_bytes(
     (a cube's all-reduce: data 64 on a v5p 4x4x4, 8 on 2x2x2). Where another axis splits
     the devices into several groups, groups spanning three dimensions reduce-scatter as
     the rest do (data 32 x model 2 on 4x4x4: libtpu 0.0.42.1, `x.sum(0)` of f32
-    [32, 512, 2048] pinned to P("data"), [16, 2048] shards)."""
+    [32, 512, 2048] pinned to P("data"), [16, 2048] shards). Where every torus dimension
+    the groups span is a ring of 4 chips or more (`ring`: the shortest), the size rule is
+    a shard's rows, not its torus dimensions: 16 of them, or 8 and `least` elements, with
+    no lane minimum (v5p 4x4x4, libtpu 0.0.42.1: `x.sum(0)` f32 [16, 128] and [8, 512]
+    shards scattered, [8, 128] and [4, 1024] not, over 1, 2 or 3 dimensions; a bf16
+    Llama's gradients at data 32 x model 2 (llama plans 4, 8 of the TPU bench): [16, 64],
+    [8, 256] scattered, [8, 128] not), 128 lanes only where no dot writes the gradient
+    (`x.sum(0)`'s [16, 64] shards lie on the lanes: whole); on 2x2x2, rings of 2, f32
+    [16, 128], [8, 512] and bf16 [16, 64] stay whole: the rule per dimension spanned."""
     if not (data and least and spans):
         return 0.0
     local = _local(table, codes, sizes)
@@ -196,11 +204,19 @@ def whole_reduced_bytes(
     # Laid as it pads least (a step's own buffer): some dim on the lanes, another on rows.
     lanes = (real & (zlocal >= LANES)).any(axis=1)
     rows = (real & (zlocal >= 2 * ROWS)).sum(axis=1) >= 2
+    elements = zlocal.prod(axis=1)
+    if ring >= 4:  # long rings: 16 rows, or 8 and `least` elements (the shard's second dim)
+        second = np.sort(np.where(real, zlocal, 0), axis=1)[:, -2 if zlocal.shape[1] > 1 else -1]
+        sized = (second >= 2 * ROWS) | ((second >= ROWS) & (elements >= least))
+        # a gradient no dot writes is laid as it pads least: a shard under 128 lanes wide
+        # lies on the lanes (x.sum(0)'s [512, 64], split 32 ways, laid {0,1}: whole)
+        written = table.grad_itemsize > 0 if table.grad_itemsize is not None else ~real[:, 0]
+        sized &= lanes | written
+    else:
+        sized = lanes & rows & (elements >= least * spans)
     scattered = (
         (table.rank >= 2)
-        & lanes
-        & rows
-        & (zlocal.prod(axis=1) >= least * spans)
+        & sized
         & ((spans < 3) | (sizes.prod() > sizes[data]))  # the cube: one group only
         & (zlocal.prod(axis=1) < local.prod(axis=1))  # a shard exists: data divides a dim
     )
@@ -224,8 +240,9 @@ def _padding(minor: np.ndarray, second: np.ndarray, itemsize: np.ndarray) -> np.
     return lanes * np.ceil(second / rows) * rows / np.maximum(second, 1)
 
 
-#: The least bytes a shard's row of lanes holds where ZeRO splits a dot's gradient on its
-#: lanes and XLA's TPU still reduce-scatters it: 128 float32 lanes, 256 bfloat16 ones.
+#: Where ZeRO splits a dot's gradient on its lanes, XLA's TPU reduce-scatters it only where
+#: each shard's row of lanes holds a multiple of these bytes (128 float32 lanes, 256
+#: bfloat16 ones): bf16 shards of 256, 512 and 768 lanes scattered, of 128 and 384 not.
 LANE_BYTES = 512
 
 
@@ -240,8 +257,11 @@ def minor_split(
     lanes of the layout it gives the buffer the backward writes (`_scatter.gradient_orders`:
     `perm`, `itemsize`, `lookup`): its shard (`zlocal`, of the array's `local` dims) in the
     writer's order, laid row-major unless transposed pads less. A dot's where its shard's
-    lanes hold under `LANE_BYTES` (bf16 [256, 128] and [128, 64] shards all-reduced
-    whole; f32 [256, 128] and bf16 [512, 256] ones reduce-scattered); a lookup's
+    row of lanes is not a whole multiple of `LANE_BYTES` (bf16 [256, 128] and [128, 64]
+    shards all-reduced whole; f32 [256, 128] and bf16 [512, 256] ones reduce-scattered;
+    a 1-layer bf16 Llama's down kernel, its gradient written [hidden 512, ffn], ffn split
+    4 ways by data on v5p 4x4x4 and 2x2x2: ffn 1024, 2048, 3072 reduce-scattered, 1536,
+    whose 384-lane shards hold 768 bytes, all-reduced whole; libtpu 0.0.42.1); a lookup's
     scatter-add one where they are under two tiles' 256 (f32 and bf16 [512, 128] shards
     of a Llama's table at data 4 x model 2 on v5p 2x2x2 all-reduced whole, bf16 [512,
     256] reduce-scattered; libtpu 0.0.42.1)."""
@@ -256,7 +276,7 @@ def minor_split(
     split_first = zlocal[at, first] < local[at, first]
     on_lanes = np.where(transposed, split_first, split_last)
     lanes = np.where(transposed, a, b)
-    narrow = np.where(lookup, lanes < 2 * LANES, lanes * itemsize < LANE_BYTES)
+    narrow = np.where(lookup, lanes < 2 * LANES, np.mod(lanes * itemsize, LANE_BYTES) > 0)
     return known & on_lanes & narrow
 
 
@@ -287,16 +307,17 @@ class TileMemo:
         return hit
 
     def kept_whole(
-        self, codes: np.ndarray, mesh, sizes: np.ndarray, data: int, spans: Callable[[], int]
+        self, codes, mesh, sizes: np.ndarray, data: int, spans: Callable[[], tuple[int, int]]
     ) -> float:
         """`whole_reduced_bytes` of the layout (0 where the lowering scatters every ZeRO
-        gradient); `spans()`: the torus dimensions the data axis' groups span."""
+        gradient); `spans()`: the torus dimensions the data axis' groups span and the chips
+        of the shortest of them (`_torus.axis_spans_and_rings`)."""
         if not self.least:
             return 0.0
         key = (codes.tobytes(), tuple(mesh.items()), data)
         hit = self._whole.get(key)
         if hit is None:
-            hit = whole_reduced_bytes(self.table, codes, sizes, data, spans(), self.least)
+            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans(), self.least)
             if len(self._whole) < self.LIMIT:
                 self._whole[key] = hit
         return hit

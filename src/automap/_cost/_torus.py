@@ -90,6 +90,23 @@ def axis_torus_dims(cluster: Cluster, mesh: Mapping[str, int]) -> dict[str, int]
     return {name: 0 if dcn > 1 else n for name, (dcn, n) in zip(mesh, spans, strict=True)}
 
 
+def axis_spans_and_rings(cluster: Cluster, mesh: Mapping[str, int], axis: str) -> tuple[int, int]:
+    """(`axis_torus_dims`' count for `axis`, the chips of the shortest torus dimension its
+    groups span: 0 where they span none). XLA's TPU picks its ZeRO reduce-scatters by it
+    (`_tiles.whole_reduced_bytes`)."""
+    spans = axis_torus_dims(cluster, mesh).get(axis, 0)
+    sizes = tuple(mesh.values())
+    on = cluster if math.prod(sizes) == cluster.devices else _fitting(cluster, sizes)
+    if not spans or on is None or not on.topology or on.slices > 1:
+        return spans, 0
+    gen = generation(on.name) or ("v5p" if len(on.topology) == 3 else "v5e")
+    coords = _laid(gen, on.topology, sizes)
+    line = np.moveaxis(coords, list(mesh).index(axis), 0)
+    line = line[(slice(None),) + (0,) * (len(mesh) - 1)]
+    spanned = [n for dim, n in enumerate(on.topology) if len(set(line[:, dim].tolist())) > 1]
+    return spans, min(spanned, default=0)
+
+
 def _fitting(cluster: Cluster, sizes: tuple[int, ...]) -> Cluster | None:
     """The cluster cut to the mesh's devices (a pipeline stage's sub-slice), if it cuts."""
     try:
