@@ -155,6 +155,14 @@ class Graph:
     def total_flops(self) -> float:
         return float(sum(op.flops for op in self.ops))
 
+    @functools.cached_property
+    def memo(self) -> dict[str, Any]:
+        """Values later stages derive from this graph, each under a name of its own (an
+        op's sharding rule: `_groups.rule`). The graph is immutable, so they hold for its
+        life; a search asks for them again for every plan it prices (a 1T GPT's rules
+        were made 1.9 million times for its 88,000 ops)."""
+        return {}
+
     def leaves(self, role: Role) -> tuple[InputLeaf, ...]:
         return tuple(leaf for leaf in self.inputs if leaf.role == role)
 

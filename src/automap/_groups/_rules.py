@@ -84,7 +84,18 @@ RESIZING = frozenset({"slice", "pad", "concatenate", "split"})
 
 
 def rule(op: Op, graph: Graph) -> Rule:
-    """The sharding rule of one op (see the module docstring)."""
+    """The sharding rule of one op (see the module docstring), made once per op of a
+    graph (`Graph.memo`; an op not the graph's own, as a test makes, each time)."""
+    if not (op.index < len(graph.ops) and graph.ops[op.index] is op):
+        return _rule(op, graph)
+    rules = graph.memo.setdefault("rules", {})
+    found = rules.get(op.index)
+    if found is None:
+        found = rules[op.index] = _rule(op, graph)
+    return found
+
+
+def _rule(op: Op, graph: Graph) -> Rule:
     fn = _RULES.get(op.primitive)
     shapes = [graph.tensors[t].shape for t in op.inputs]
     out_shapes = [graph.tensors[t].shape for t in op.outputs]
