@@ -10,7 +10,7 @@ rules are XLA's fusion passes', read in its HLO (tests/test_fusion.py holds them
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -131,11 +131,11 @@ def in_memory_tensors(
     in_memory[[leaf.tensor for leaf in graph.outputs]] = True
     in_memory[[t for t in saved if not regen[t]]] = True
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
-    return _materialize_shared(graph, in_memory, fusible, regen, nbytes)
+    return _materialize_shared(graph, in_memory, fusible, regen.tolist(), nbytes)
 
 
 def _materialize_shared(
-    graph: Graph, in_memory: np.ndarray, fusible: list[bool], regen: np.ndarray, nbytes: np.ndarray
+    graph: Graph, in_memory: np.ndarray, fusible: list[bool], regen: list[bool], nbytes: np.ndarray
 ) -> np.ndarray:
     """Where a fused producer feeds k kernels, XLA either fuses it into all of them (each
     reads what it reads, L bytes) or writes its result (X bytes) once for all to read: it
@@ -143,7 +143,9 @@ def _materialize_shared(
     (k - 1) L > (k + 1) X (a residual stream read by a layer norm's kernels and the next
     residual add is written; a convert feeding a softmax gradient's two kernels is not).
     Iterated to a fixed point: each write makes new kernel roots upstream."""
-    in_memory = in_memory.copy()
+    # A list, not the array: these loops read one entry at a time, which numpy's scalar
+    # indexing makes several times slower (a 1T GPT's 88,000 ops, a dozen times a search).
+    in_memory = in_memory.tolist()
     for _ in range(4):
         kernels = _kernels_reading(graph, in_memory, fusible)
         # One pass's cones stay valid as it writes tensors: ops run in graph order, and
@@ -165,23 +167,25 @@ def _materialize_shared(
                     in_memory[t] = changed = True
         if not changed:
             break
-    return in_memory
+    return np.array(in_memory, dtype=bool)
 
 
-def _kernels_reading(graph: Graph, in_memory: np.ndarray, fusible: list[bool]) -> list:
+def _kernels_reading(graph: Graph, in_memory: Sequence[bool], fusible: list[bool]) -> list:
     """Per tensor not in memory, the kernel roots (ops writing a tensor to memory) whose
     fused cone computes it."""
-    roots: list = [frozenset()] * len(graph.tensors)
+    empty: frozenset[int] = frozenset()
+    roots: list = [empty] * len(graph.tensors)
     for op in reversed(graph.ops):
         if not fusible[op.index]:
             continue
-        mine = {op.index} if any(in_memory[t] for t in op.outputs) else set()
+        mine = frozenset((op.index,)) if any(in_memory[t] for t in op.outputs) else empty
         for o in op.outputs:
-            if not in_memory[o]:
-                mine |= roots[o]
+            if not in_memory[o] and roots[o] is not mine:
+                mine = mine | roots[o] if mine else roots[o]
         for t in op.inputs:
             if not in_memory[t]:
-                roots[t] = roots[t] | mine
+                # Shared, not copied, where t has no other reader yet (most of a chain).
+                roots[t] = mine if not roots[t] else roots[t] | mine
     return roots
 
 
