@@ -36,7 +36,9 @@ def step_buffers(
     and again from the backward's first read of any of them (JAX emits a layer's
     recompute as one block before its backward; each layer's first and last forward op and
     that moment are its `blocks`). With the copies of a convolutional net
-    (`convolution_copies`)."""
+    (`convolution_copies`), and with `lowering.float32_norm_buffers` the column
+    reductions' written operands (`column_operands`) and 16-bit sums held in float32
+    (`_kept_wide_sum`)."""
     last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
     birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
     # the backward's first read of each tensor or of one it stands in for
