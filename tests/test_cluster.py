@@ -82,6 +82,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         matmul_operand_bytes=2,
         fused_row_elements=1024,  # a wide softmax shift written beside its logits
         fused_row_contraction=256,
+        float32_norm_buffers=False,  # read on A100s' mixed-precision norms, not on a TPU
     )
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
@@ -97,8 +98,8 @@ def test_a_cluster_carries_its_compilers_lowering():
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles
     # TPU programs with, tests/test_schedule.py); XLA's GPU leaves the window empty
     # (bfloat16 arithmetic in bfloat16 is Hopper's, not measured on a TPU: left off there)
-    hopper_only = {"native_bf16_arithmetic"}
-    assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - hopper_only)
+    gpu_only = {"native_bf16_arithmetic", "float32_norm_buffers"}
+    assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - gpu_only)
     assert not am.Lowering.gpu().overlaps_prefetch
     assert not am.Lowering.gpu().overlaps_stream_gathers
     what_if = am.Cluster.preset("a100").with_lowering(reduce_scatter=False)

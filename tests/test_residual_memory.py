@@ -7,15 +7,17 @@ matmul output, the tanh, the second matmul's operand) and makes the rest again i
 backward's fusions. Pricing the jaxpr's set over-predicted transformers 1.2-1.6x
 (benchmarks/bench_memory.py)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from automap import Lowering
 from automap._capture import capture, find_residuals
-from automap._cost import stored_residuals
+from automap._cost import step_buffers, stored_residuals
 from automap._zoo import fused_softmax
 
 N, D = 256, 64
@@ -109,3 +111,60 @@ def test_a_recomputed_layers_gelu_is_made_again_in_its_backward_on_a_gpu():
     assert stored_residuals(graph, saved, cpu, recomputed=True) == stored_residuals(
         graph, saved, cpu
     )
+
+
+def _norm_block():
+    """A mixed-precision pre-norm residual block: bf16 stream, its layer norm in float32
+    (as Flax's LayerNorm with dtype bf16 and float32 scale and bias runs it)."""
+    b16, f32 = jnp.bfloat16, jnp.float32
+
+    def norm(x, scale, bias):
+        x = x.astype(f32)
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(b16)
+
+    def loss(w, scale, bias, x):
+        h = x + norm(x, scale, bias) @ w.astype(b16)  # the stream's sum, bf16
+        return jnp.sum(norm(h, scale, bias).astype(f32) ** 2)
+
+    args = (
+        jax.ShapeDtypeStruct((D, D), f32),
+        jax.ShapeDtypeStruct((D,), f32),
+        jax.ShapeDtypeStruct((D,), f32),
+        jax.ShapeDtypeStruct((4, N, D), b16),
+    )
+    return capture(jax.grad(loss, argnums=(0, 1, 2)), *args)
+
+
+def test_a_gpu_keeps_a_bf16_streams_sums_and_its_norms_scale_operands_in_float32():
+    # XLA's GPU pipeline runs a bf16 add in float32 on an A100 and, where a norm converts
+    # the sum back to float32, drops the round trip: the kernel writes the float32 sum;
+    # the norm's scale gradient, a column reduction, reads an operand written in float32
+    # by a kernel of its own (read on compile-only A100s: tests/test_seqpar.py). Hopper
+    # adds in bf16; without `float32_norm_buffers` neither is priced.
+    graph = _norm_block()
+    res, consumers = find_residuals(graph), graph.consumers()
+    sums = [
+        t.id
+        for t in graph.tensors
+        if t.producer is not None
+        and t.producer <= res.boundary
+        and graph.ops[t.producer].primitive == "add"
+        and t.dtype == "bfloat16"
+    ]
+    assert len(sums) == 1
+    off = dataclasses.replace(Lowering.gpu(), float32_norm_buffers=False)
+
+    def widths(lowering):
+        buf = step_buffers(graph, res, consumers, False, lowering)
+        return {int(t): float(w) for t, w in zip(buf.tensor, buf.width, strict=True)}, buf
+
+    (gpu, buf), (hopper, _), (_, plain_buf) = map(widths, (Lowering.gpu(), Lowering.hopper(), off))
+    assert gpu[sums[0]] == 2.0 and hopper[sums[0]] == 1.0
+    operands = set(buf.tensor.tolist()) - set(plain_buf.tensor.tolist())
+    assert operands and all(graph.tensors[t].dtype == "float32" for t in operands)
+    for t in operands:  # each from its maker to its column reduction
+        reduce = [graph.ops[c] for c in consumers[t] if graph.ops[c].primitive == "reduce_sum"]
+        assert reduce and graph.tensors[reduce[0].outputs[0]].shape == (D,)
+    assert np.all(buf.birth <= buf.death)

@@ -105,6 +105,18 @@ class Lowering:
     an H100 the `1 + tanh` that reads it runs in bfloat16 and the stored tanh is 16-bit
     (read on compile-only A100s and H100s, a 2-layer gpt-1.3b: f32[4,2048,8192] against
     bf16; held by tests/test_verify_gpu.py). The h100 and h200 presets set it."""
+    float32_norm_buffers: bool = False
+    """Whether XLA's GPU pipeline writes the float32 buffers a mixed-precision layer norm's
+    forward and backward hold (`_cost/_buffers`): a 16-bit sum that a norm reads back in
+    float32, or that sums a value narrowed from float32 for another sum, is kept as its
+    float32 value (an A100 adds 16-bit floats in float32, and excess precision drops the
+    round trip: a bf16 GPT's residual stream and its cotangent, `_kept_wide_sum`); and
+    the operand of a column reduction (a sum over every dim but the minor one: a norm's
+    scale gradient) made by elementwise arithmetic is written for a reduction kernel of
+    its own (`column_operands`).
+    `Lowering.gpu()` and `hopper()` set it (on Hopper, whose 16-bit sums stay 16-bit, the
+    column operands alone); found in the buffer assignment of compile-only A100s
+    (tests/test_seqpar.py). Off on the TPU: not read there."""
     frees_at_last_use: bool = True
     """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
     moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no
@@ -240,13 +252,13 @@ class Lowering:
     @classmethod
     def gpu(cls) -> Lowering:
         """XLA's GPU pipeline (the v100 and a100 presets; Hopper's is `hopper()`)."""
-        return cls()
+        return cls(float32_norm_buffers=True)
 
     @classmethod
     def hopper(cls) -> Lowering:
         """XLA's GPU pipeline on Hopper GPUs (the h100 and h200 presets): bfloat16 adds,
         subtracts and multiplies run in bfloat16 (`native_bf16_arithmetic`)."""
-        return cls(native_bf16_arithmetic=True)
+        return cls(native_bf16_arithmetic=True, float32_norm_buffers=True)
 
     @classmethod
     def tpu(cls) -> Lowering:

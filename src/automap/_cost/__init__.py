@@ -7,6 +7,7 @@ searchers, which evaluate many assignments at once. DESIGN.md, "Collectives: the
 convention" and "Pipeline".
 """
 
+from ._buffers import step_buffers as step_buffers
 from ._collectives import AG as AG
 from ._collectives import AR as AR
 from ._collectives import KINDS as KINDS

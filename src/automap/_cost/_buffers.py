@@ -17,6 +17,7 @@ import numpy as np
 
 from .._capture import Residuals
 from .._graph import Graph
+from .._groups import ELEMENTWISE
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
@@ -35,7 +36,9 @@ def step_buffers(
     and again from the backward's first read of any of them (JAX emits a layer's
     recompute as one block before its backward; each layer's first and last forward op and
     that moment are its `blocks`). With the copies of a convolutional net
-    (`convolution_copies`)."""
+    (`convolution_copies`), and with `lowering.float32_norm_buffers` the column
+    reductions' written operands (`column_operands`) and 16-bit sums held in float32
+    (`_kept_wide_sum`)."""
     last = np.array([max(c) if c else -1 for c in consumers], dtype=np.int64)
     birth = np.array([-1 if t.producer is None else t.producer for t in graph.tensors])
     # the backward's first read of each tensor or of one it stands in for
@@ -95,10 +98,16 @@ def step_buffers(
             if reads and written[t]:
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
+    if lowering.float32_norm_buffers:
+        rows += column_operands(graph, in_memory)
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    # a layer input the recompute reads is held as the 16-bit value the recompute's
+    # barrier takes, not as a float32 sum (`_kept_wide_sum`)
+    again_ops = set(res.recomputed) if remat else set()
+    narrow = {t for t in kept if any(c in again_ops for c in consumers[t])}
     width = np.array(
         [
-            _held_wide(graph, consumers, t, lowering)
+            _held_wide(graph, consumers, t, lowering, int(t) in narrow)
             * _operand_width(graph, consumers, serves.get(int(t), ()), lowering)
             for t in tensor
         ],
@@ -162,7 +171,35 @@ def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
 CONV = "conv_general_dilated"
 
 
-def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering) -> float:
+def column_operands(graph: Graph, in_memory: np.ndarray) -> list[tuple[int, int, int]]:
+    """(tensor, birth, death) of the operands XLA's GPU pipeline writes for its column
+    reductions: a sum over every dim but the minor one (a layer norm's scale gradient,
+    summed over batch and sequence) of a tensor made by elementwise arithmetic (not a
+    convert of a tensor in memory, which the reduction reads itself) is not fused with the
+    kernel that makes its operand, which writes the operand for a reduction kernel of its
+    own (`Lowering.float32_norm_buffers`). Read on compile-only A100s, a bf16 GPT's norms'
+    backward: a float32 [batch, seq, hidden] operand per scale, written beside the stream's
+    float32 cotangent."""
+    rows = []
+    for op in graph.ops:
+        if op.primitive != "reduce_sum":
+            continue
+        x = graph.tensors[op.inputs[0]]
+        p = x.producer
+        if (
+            p is None
+            or in_memory[x.id]
+            or x.ndim < 2
+            or tuple(op.params.get("axes", ())) != tuple(range(x.ndim - 1))
+            or graph.ops[p].primitive not in ELEMENTWISE
+            or graph.ops[p].primitive == "convert_element_type"
+        ):
+            continue
+        rows.append((x.id, p, op.index))
+    return rows
+
+
+def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering, narrow: bool = False) -> float:
     """How many times its own bytes a buffer of t takes: XLA's GPU pipeline computes a
     transcendental function (`is_expensive`) of 16-bit floats in float32, and where only fusible
     ops read the result and none of them runs in 16 bits itself (on an A100 none does;
@@ -171,6 +208,8 @@ def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering) -> float:
     backward in float32, read on compile-only A100s and H100s)."""
     x = graph.tensors[t]
     p = x.producer
+    if not narrow and _kept_wide_sum(graph, consumers, t, lowering):
+        return 4.0 / x.itemsize
     if (
         p is None
         or not is_expensive(graph, graph.ops[p])
@@ -201,6 +240,45 @@ def _operand_width(graph: Graph, consumers, residuals: Iterable[int], lowering: 
             return 1.0
     return lowering.matmul_operand_bytes / 4.0
 
+
+def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
+    """Whether XLA's GPU pipeline keeps a 16-bit sum (an add or subtract, which an A100 runs
+    in float32: `GpuFloatSupport`) as its float32 value: where a reader converts it back to
+    float32, or where it sums a value narrowed from float32 for another sum to read, excess
+    precision drops its round trip to 16 bits, and the kernel that makes it writes the
+    float32 value (a matmul that also reads it takes a 16-bit copy, converted beside it).
+    Read in the buffer assignment of a 2-layer bf16 GPT at tp 8 on compile-only A100s:
+    the residual stream's sums, which the layer norms read in float32, written float32;
+    and the stream's cotangent, summed through the norms' backward, float32 from one
+    norm's backward to the next (`Lowering.float32_norm_buffers`). (XLA also keeps the
+    forward's float32 sums for the norms' backward where the model makes them again from
+    their operands, `_residuals.stored_residuals`: not priced, see tests/test_seqpar.py.)"""
+    x = graph.tensors[t]
+    p = x.producer
+    if not (
+        lowering.float32_norm_buffers
+        and not lowering.native_bf16_arithmetic
+        and p is not None
+        and graph.ops[p].primitive in _SUMS
+        and x.dtype in ("bfloat16", "float16")
+    ):
+        return False
+    readers = [graph.ops[c] for c in consumers[t]]
+    widened = any(_converts_to(graph, r, "float32") for r in readers)
+    narrowed = any(
+        graph.tensors[i].producer is not None
+        and _converts_to(graph, graph.ops[graph.tensors[i].producer], x.dtype)
+        and graph.tensors[graph.ops[graph.tensors[i].producer].inputs[0]].dtype == "float32"
+        for i in graph.ops[p].inputs
+    )
+    return widened or (narrowed and any(r.primitive in _SUMS for r in readers))
+
+
+def _converts_to(graph: Graph, op, dtype: str) -> bool:
+    return op.primitive == "convert_element_type" and graph.tensors[op.outputs[0]].dtype == dtype
+
+
+_SUMS = frozenset({"add", "add_any", "sub"})
 
 #: What XLA's GPU pipeline runs in bfloat16 where `Lowering.native_bf16_arithmetic`.
 _NATIVE_BF16 = frozenset({"add", "sub", "mul"})
