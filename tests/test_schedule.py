@@ -216,15 +216,27 @@ def test_a_tpu_hides_fsdp_gathers_as_the_model_prices(tpu_fsdp_llama):
     step, args, plan, v5p, _, scheduled = tpu_fsdp_llama
     assert v5p.lowering.overlaps_prefetch
     beta = gather_beta(AxisCosts(v5p, plan.mesh), 1)  # the data axis, the mesh's only
-    matmul = v5p.peak_flops * v5p.matmul_efficiency
-    memory = v5p.hbm_bandwidth * v5p.memory_efficiency
-    schedule = sum(
-        min(beta * s.collective.bytes, s.flops / matmul + 2 * s.written / memory)
-        for s in scheduled
-        if s.asynchronous and s.collective.kind == "all-gather"
+    chains = [s for s in scheduled if s.asynchronous and s.collective.kind == "all-gather"]
+    schedule = _hidden_at_model_rates(v5p, chains, beta)
+    _assert_priced_hidden(step, args, plan, v5p, "overlaps_prefetch", schedule)
+
+
+def _hidden_at_model_rates(cluster, chains, beta: float) -> float:
+    """Seconds the compiled schedule's gather `chains` hide at the cost model's rates:
+    each chain's bandwidth term (`beta` per byte) against the compute inside its window
+    (its matmuls' FLOPs and the bytes its ops write, read back)."""
+    matmul = cluster.peak_flops * cluster.matmul_efficiency
+    memory = cluster.hbm_bandwidth * cluster.memory_efficiency
+    return sum(
+        min(beta * s.collective.bytes, s.flops / matmul + 2 * s.written / memory) for s in chains
     )
-    cost = am.estimate(step, *args, plan=plan, cluster=v5p)
-    serial = am.estimate(step, *args, plan=plan, cluster=v5p.with_lowering(overlaps_prefetch=False))
+
+
+def _assert_priced_hidden(step, args, plan, cluster, field: str, schedule: float) -> None:
+    """The price with the lowering's `field` on hides between half of `schedule` and all
+    of it, against the same price with it off, and moves the same bytes."""
+    cost = am.estimate(step, *args, plan=plan, cluster=cluster)
+    serial = am.estimate(step, *args, plan=plan, cluster=cluster.with_lowering(**{field: False}))
     priced = serial.step_time_s - cost.step_time_s
     assert 0.5 * schedule < priced <= schedule, (priced, schedule)
     assert cost.collectives == serial.collectives  # every byte still moves
@@ -258,19 +270,9 @@ def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
     assert chains and all(s.matmuls for s in chains)
     assert any(not s.asynchronous for s in on_model if s.collective.kind == "all-gather")
     ac = AxisCosts(v5p, plan.mesh)
-    beta = gather_beta(ac, int(ac.bit[ac.codes["model"]]))
-    matmul = v5p.peak_flops * v5p.matmul_efficiency
-    memory = v5p.hbm_bandwidth * v5p.memory_efficiency
-    schedule = sum(
-        min(beta * s.collective.bytes, s.flops / matmul + 2 * s.written / memory) for s in chains
-    )
+    schedule = _hidden_at_model_rates(v5p, chains, gather_beta(ac, int(ac.bit[ac.codes["model"]])))
     assert v5p.lowering.overlaps_stream_gathers
-    cost = am.estimate(step, *args, plan=plan, cluster=v5p)
-    off = v5p.with_lowering(overlaps_stream_gathers=False)
-    serial = am.estimate(step, *args, plan=plan, cluster=off)
-    priced = serial.step_time_s - cost.step_time_s
-    assert 0.5 * schedule < priced <= schedule, (priced, schedule)
-    assert cost.collectives == serial.collectives  # every byte still moves
+    _assert_priced_hidden(step, args, plan, v5p, "overlaps_stream_gathers", schedule)
 
 
 @pytest.mark.slow  # one Llama compiled twice for 8 v5p chips: ~100 s on two loaded cores

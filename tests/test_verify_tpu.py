@@ -336,15 +336,24 @@ def test_a_tpu_holds_a_wide_softmax_shift_beside_its_logits():
     assert fused.memory_bytes < 0.88 * report.xla_memory_bytes
 
 
-def _small_llama():
-    """A 1-layer Llama (hidden 256, 4 heads in 2 key/value groups, seq 128, batch 16):
-    its jitted step (state donated), abstract args, captured graph and groups."""
-    spec = get_model(
-        "llama", layers=1, hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16
-    )
+def _small_llama(**sizes):
+    """A 1-layer Llama (by default hidden 256, 4 heads in 2 key/value groups, seq 128,
+    batch 16; `sizes` override them): its jitted step (state donated), abstract args,
+    captured graph and groups."""
+    sizes = dict(hidden=256, heads=4, kv_heads=2, ffn=512, seq=128, vocab=512, batch=16) | sizes
+    spec = get_model("llama", layers=1, **sizes)
     step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
     graph = am.capture(spec.step_fn, *args)
     return step, args, graph, build_groups(graph)
+
+
+def _zero3_report(mesh: dict[str, int], target: str, **sizes):
+    """`verify` of a bf16 `_small_llama(**sizes)` under ZeRO-3, its batch on data of
+    `mesh`, compiled for the TPU `target`."""
+    step, args, graph, groups = _small_llama(dtype="bfloat16", **sizes)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
+    return verify(step, plan, *args, target=target)
 
 
 @pytest.mark.slow  # compiled for 8 v5p chips: ~20 s on two loaded cores
@@ -404,17 +413,9 @@ def test_a_tpu_scatters_lane_split_gradients_by_whole_multiples_of_512_bytes():
     # lanes, 384 bf16 lanes (768 bytes) a shard. XLA all-reduces it whole (1.5 MiB) as it
     # does shards of 128 lanes, where it scatters those of 256, 512 and 768 lanes (ffn
     # 1024, 2048, 3072): `_tiles.minor_split` asks a whole multiple of `LANE_BYTES`.
-    spec = get_model(
-        "llama", layers=1, hidden=512, heads=4, kv_heads=2, ffn=1536, seq=128, batch=8,
-        vocab=1024, dtype="bfloat16",
-    )  # fmt: skip
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(spec.step_fn, *args)
-    groups = build_groups(graph)
-    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
-    mesh = {"data": 4, "model": 2}
-    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
-    report = verify(step, plan, *args, target="v5p:2x2x2")
+    report = _zero3_report(
+        {"data": 4, "model": 2}, "v5p:2x2x2", hidden=512, ffn=1536, batch=8, vocab=1024
+    )
     assert report.collectives_match, report.mismatches
     xla = report.xla_comm_bytes
     assert xla["all-reduce@data"] > 7 * 2**20  # the down kernel's 1.5 MiB among them
@@ -428,17 +429,9 @@ def test_a_tpu_on_rings_of_four_scatters_zero_gradients_by_their_shards_rows():
     # matrix's gradient, the key and value kernels' [16, 64] shards and the [16, 128] ones
     # included, which the rule per torus dimension spanned (2048 elements each, 128 lanes:
     # measured on 2x2x2's rings of 2) kept whole (`_tiles.whole_reduced_bytes`, `ring`).
-    spec = get_model(
-        "llama", layers=1, hidden=128, heads=2, kv_heads=1, ffn=512, seq=128, batch=32,
-        vocab=512, dtype="bfloat16",
-    )  # fmt: skip
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(spec.step_fn, *args)
-    groups = build_groups(graph)
-    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
-    mesh = {"data": 8, "model": 2}
-    plan = plan_from_assignment(graph, groups, mesh, {groups.of(batch, 0): "data"}, zero_stage=3)
-    report = verify(step, plan, *args, target="v5p:4x4x1")
+    report = _zero3_report(
+        {"data": 8, "model": 2}, "v5p:4x4x1", hidden=128, heads=2, kv_heads=1, batch=32
+    )
     assert report.collectives_match, report.mismatches
     assert report.xla_comm_bytes["reduce-scatter@data"] > 0.5 * 2**20
     assert report.xla_comm_bytes.get("all-reduce@data", 0) < 2**15  # the norms' alone
