@@ -157,7 +157,7 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
         for s in range(inp.part.n_stages):
             out[s]["grads"] = sum(b for q, _, b in sums if q == s)
     _once_made(inp, out, op_state)
-    held_act = _residuals(inp, out, op_act)
+    held_act = _residuals(inp, out, op_act, op_state)
     deferred = deferred_weight_bytes(inp.graph, inp.part, inp.lay.inv, inp.res, inp.schedule, inp.m)
     for s, b in enumerate(deferred):
         out[s]["activations"] += b  # ZB-H1's W's, deferred past their B
@@ -239,14 +239,20 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
 
 
 def _residuals(
-    inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.ndarray
+    inp: StageMemoryInputs, out: list[dict[str, float]], op_act: np.ndarray, op_state: np.ndarray
 ) -> np.ndarray:
     """The activations kept for backward, per microbatch, times the microbatches each
     stage holds in flight (`PipelineSchedule.stage_in_flight`: interleaved stages, each
     its microbatches live at its device group's peak); returns those bytes per stage.
     A stage's F program hands its B program what `_remat.remake_residuals` keeps of the
     residuals its backward reads (each an output, a buffer): the runtime's B makes the
-    cheap elementwise ones again (`_run/_segments.remake_segments`)."""
+    cheap elementwise ones again (`_run/_segments.remake_segments`). What the step makes
+    once before its microbatches (a weight's cast) is not handed over: the B program reads
+    the runtime's one copy, which `_once_made` holds. Counted here too, a 175B GPT's
+    casts (0.45 GB a layer) were held twice a stage, and the stage DP, which held them
+    once per microbatch in flight, found no pipeline that fits. Per op, what it makes
+    per microbatch goes to `op_act` (a stage DP holds it once per microbatch in flight),
+    anything else it holds once to `op_state`."""
     graph, part, phase = inp.graph, inp.part, inp.phase
     copies = inp.schedule.stage_in_flight(inp.groups, inp.m)
     held_act = np.zeros(part.n_stages)  # residuals held per stage at its device's peak
@@ -259,6 +265,8 @@ def _residuals(
     for s, kept in enumerate(kept_per_stage):
         for t in kept:
             p = graph.tensors[t].producer
+            if phase[p] == Phase.PRE:
+                continue  # the runtime's one copy, held by `_once_made`
             b = graph.tensors[t].nbytes * inp.lay.inv[t]
             per_mb = phase[p] == Phase.FWD
             if per_mb and t in part.batched:
@@ -266,7 +274,7 @@ def _residuals(
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
             held_act[s] += b * (copies[s] if per_mb else 1)
             if t not in counted:
-                op_act[p] += b
+                (op_act if per_mb else op_state)[p] += b
                 counted.add(t)
     return held_act
 
