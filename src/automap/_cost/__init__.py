@@ -33,6 +33,7 @@ from ._overlap import gather_beta as gather_beta
 from ._peaks import reduction_copy as reduction_copy
 from ._pipelined import PipelineCost as PipelineCost
 from ._pipelined import estimate_pipeline as estimate_pipeline
+from ._pipelined import leaf_bytes as leaf_bytes
 from ._pipelined import op_costs as op_costs
 from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs

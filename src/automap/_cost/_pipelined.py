@@ -55,6 +55,7 @@ import numpy as np
 
 from .._axes import DATA, PIPE
 from .._errors import PlanError
+from .._graph import Role
 from .._pipeline import (
     Partition,
     Phase,
@@ -148,6 +149,24 @@ class OpCosts:
     def total(self) -> np.ndarray:
         """[n_ops] seconds of each op, everything included."""
         return self.compute + self.remat_compute + self.comm + self.grad_comm + self.zero_comm
+
+
+def leaf_bytes(
+    model: StageModel, assignment: Mapping[int, str | None], stage_mesh: Mapping[str, int]
+) -> tuple[float, float]:
+    """(parameter, optimizer-state) bytes per device of the leaves the step reads, split
+    as `assignment` lays them out on `stage_mesh` before any ZeRO split: what a searcher
+    bounds a point's stored state by without pricing its ops (`op_costs`)."""
+    graph = model.graph
+    st, _ = model.op_state(assignment, stage_mesh, True)
+    data_axis = DATA if DATA in stage_mesh else None
+    lay = stage_layouts(graph, model.groups.tensor_groups, st.codes, stage_mesh, data_axis)
+    consumers = graph.consumers()
+    sums = dict.fromkeys((Role.PARAM, Role.OPT_STATE), 0.0)
+    for leaf in graph.inputs:
+        if leaf.role in sums and consumers[leaf.tensor]:
+            sums[leaf.role] += graph.tensors[leaf.tensor].nbytes * float(lay.inv[leaf.tensor])
+    return sums[Role.PARAM], sums[Role.OPT_STATE]
 
 
 def op_costs(
@@ -312,7 +331,10 @@ class PipelineCost:
     # its stage's once-per-step REDUCE counts 1/m of it per microbatch
     op_run_s: np.ndarray
     op_remat_s: np.ndarray  # [n_ops] s per microbatch a forward op runs again in backward
-    op_state_bytes: np.ndarray  # [n_ops] param + grad + optimizer bytes of leaves read first
+    # [n_ops] bytes a stage holds once per step: param + grad + optimizer bytes of the
+    # leaves an op reads first, the once-made values it reads first, the residuals it makes
+    # once per step (a weight's cast the backward reads)
+    op_state_bytes: np.ndarray
     op_act_bytes: np.ndarray  # [n_ops] bytes per device per microbatch of residuals it makes
     cost: Cost  # its collectives are the busiest stage's (per device), sends included
     # Per stage, its collectives per device per step, sends left out: what `am.verify`

@@ -250,13 +250,22 @@ def fill_weight(schedule: PipelineSchedule, stages: int, microbatches: int) -> f
 
 
 def optimal_cuts(
-    model, fine: Partition, cands, oc, point: Point, schedule: PipelineSchedule
+    model,
+    fine: Partition,
+    cands,
+    oc,
+    point: Point,
+    schedule: PipelineSchedule,
+    memory_limit: float | None = None,
+    tables: SegmentTables | None = None,
 ) -> tuple[int, ...] | None:
     """The stage DP's cuts (ops where stages 1.. start) for one point, None where no
-    partition fits: `fine`'s segment tables summed into (stage, first segment, last
+    partition fits under `memory_limit` (the device's by default): `fine`'s segment
+    tables (`tables`, made here unless given) summed into (stage, first segment, last
     segment) tables, the DP's objective read from `schedule` (module doc)."""
     m, S = point.microbatches, point.stages
-    tables = segment_tables(model, fine, oc, m, schedule, S)
+    if tables is None:
+        tables = segment_tables(model, fine, oc, m, schedule, S)
     rescore = None
     if schedule.splits_backward:
         per_phase = tables.stage_phase_s(S)
@@ -271,7 +280,7 @@ def optimal_cuts(
         tables.stage_time(S),
         m,
         stage_memory=tables.stage_memory(S),
-        memory_limit=model.cluster.memory_limit,
+        memory_limit=model.cluster.memory_limit if memory_limit is None else memory_limit,
         fill_weight=fill_weight(schedule, S, m),
         rescore=rescore,
     )

@@ -16,9 +16,15 @@ DP's tables then timing F, B and W apart (`_cut_tables.py`), and keeps the faste
 Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
-whole model, one cut moved at a time, and then tried with the decisions the DP does not
-make (sequence parallelism, selective recomputation, interleaving, ZB-H1 on 1F1B's
-cuts: `_techniques.py`). The
+whole model: tried with the decisions the DP does not make (sequence parallelism,
+selective recomputation, interleaving, ZB-H1 on 1F1B's cuts: `_techniques.py`), then one
+cut moved at a time. Once a plan is found the points leave `POLISH_SHARE` of the budget
+to that.
+
+Large models: the points are searched by the memory savers their stored state needs
+(`_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
+optimizer state alone overflow a device is not priced) and most microbatches first, so a
+1T GPT's budget goes where its plans can fit. The
 outer enumeration is complete unless the budget runs out (the stats say so); the
 intra-stage plan is the same on every stage (Alpa's per-stage ILP, `optimal_two_level`,
 is not used here).
@@ -36,6 +42,7 @@ import numpy as np
 from .._axes import DATA, MODEL, PIPE
 from .._cost import (
     estimate_pipeline,
+    leaf_bytes,
     op_costs,
     pipeline_decisions,
     plan_op_costs,
@@ -58,20 +65,28 @@ from .._solvers import Solution, solve_ilp
 from .._space import (
     Point,
     ShardSpace,
+    StateBytes,
     axis_assignment,
     batch_groups,
     block_groups,
     candidate_meshes,
     microbatch_counts,
     stage_counts,
+    state_bytes,
 )
-from ._cut_tables import optimal_cuts
+from ._cut_tables import optimal_cuts, segment_tables
 from ._mesh_terms import COLUMNS_PER_SECOND, MAX_COLUMNS, MIN_COLUMNS, MeshTerms, TooLarge
 from ._techniques import dp_schedules, polish_techniques
 from ._work import OPS_PER_SECOND, Work
 
 #: How many of the best points' partitions are polished against the whole model.
 POLISHED = 3
+#: The share of the budget the points leave to polishing the best plans once one is
+#: found: a 175B GPT's points could spend it all, where the polish's sequence
+#: parallelism, selective recomputation and interleaving take a quarter off the step.
+POLISH_SHARE = 0.3
+#: Cuts made again under a lower limit where the whole model puts the DP's over it.
+REFITS = 2
 #: (ZeRO stage, remat) tried in turn when the plain point does not fit.
 MEMORY_SAVERS = ((0, False), (1, False), (0, True), (1, True), (3, True))
 
@@ -128,16 +143,19 @@ def search_dp(
     except PlanError as e:  # batch norm and the like: one microbatch only
         microbatching, stats["microbatching"] = False, str(e)
     batch = groups.batch_size
+    state = state_bytes(graph, groups)
     found: list[Plan] = []
     best: Plan | None = None
     best_time = np.inf
     try:
-        for point, assignment in _points(model, cands, batch, microbatching, work, stats):
-            if work.spent():
+        for point, assignment, savers in _points(
+            model, cands, batch, microbatching, state, work, stats
+        ):
+            if work.spent() or (found and work.done >= (1 - POLISH_SHARE) * work.limit):
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, grids, point, assignment, schedules, work=work)
+            plan = _solve_point(model, grids, point, assignment, schedules, savers, work)
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -145,15 +163,19 @@ def search_dp(
             if on_point is not None:
                 on_point(plan, best_time)
         # The DP's objective leaves out what happens once per step (a tied embedding sent
-        # between its stages, the slowest stage's update): polish the best few against
-        # the whole model by moving one cut at a time to a neighbouring candidate.
+        # between its stages, the slowest stage's update) and the techniques it does not
+        # choose: the best few are polished against the whole model.
         for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
             if work.spent():
                 break
-            plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
-            # Then the decisions the DP does not make: sequence parallelism, selective
-            # recomputation, interleaving, ZB-H1 (`_techniques.py`).
+            # First the decisions the DP does not make, which move the step most (a
+            # quarter of a 175B GPT's): sequence parallelism, selective recomputation,
+            # interleaving, ZB-H1 (`_techniques.py`). Then the cuts of one chunk per
+            # device group, one at a time: a round of moves costs two passes over the
+            # program per cut, which on a 175B GPT took the budget the techniques needed.
             plan = polish_techniques(model, plan, whole, work=work)
+            if plan.virtual_stages == 1:
+                plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
             if plan.predicted.step_time_s < best_time:
                 best, best_time = plan, plan.predicted.step_time_s
         if found and work.spent():  # the polish stopped on it, between plans or in a step
@@ -176,26 +198,86 @@ def pipeline_notes(graph: Graph) -> tuple[str, ...]:
     return (f"pipelines can only cut around the layers: {stack.why_no_cuts()}",)
 
 
-def _points(model, cands: tuple[int, ...], batch: int, microbatching: bool, work=None, stats=None):
-    """The outer level, (point, intra-stage assignment) by stage count, stage mesh,
-    intra-stage plan and microbatch count."""
+def _points(
+    model,
+    cands: tuple[int, ...],
+    batch: int,
+    microbatching: bool,
+    state: StateBytes | None,
+    work=None,
+    stats=None,
+):
+    """The outer level, (point, intra-stage assignment, the memory savers worth pricing
+    there) by stage count, stage mesh, intra-stage plan and microbatch count: the shapes
+    (stage count and mesh) whose state fits with the fewest memory savers first
+    (`_shapes`), then fewest stages. An intra-stage assignment whose own stored state
+    (`leaf_bytes`: the time optimum may replicate a 175B GPT's 134 GB of parameters a
+    stage) fits under no saver is left out, its points unpriced."""
     graph, groups, cluster = model.graph, model.groups, model.cluster
-    for S in stage_counts(cluster.devices, len(cands), cluster.devices_per_node):
+    spaces: dict[int, ShardSpace] = {}
+    for S, mesh_index, mesh in _shapes(model, len(cands), state, stats):
+        if work is not None and work.spent():
+            # Stopped before this mesh's points were made: the search loop never
+            # sees them, so the stop is recorded here (a search with no plan that
+            # said complete would read as a proof that nothing fits).
+            if stats is not None:
+                stats["complete"] = False
+            return
         per_stage = cluster.devices // S
-        space = ShardSpace(graph, groups, cluster.with_devices(per_stage), model)
-        for mesh_index, mesh in enumerate(candidate_meshes(per_stage)):
+        if S not in spaces:
+            spaces[S] = ShardSpace(graph, groups, cluster.with_devices(per_stage), model)
+        for intra, assignment in _intra_plans(spaces[S], mesh_index, mesh, work, stats).items():
+            laid = StateBytes(*leaf_bytes(model, assignment, mesh))
+            # Already split as laid out (model axis included): ZeRO may split it further.
+            savers = fitting_savers(laid, S, {DATA: mesh.get(DATA, 1)}, cluster.memory_limit)
+            if not savers:
+                if stats is not None:
+                    stats["state_overflows"] = stats.get("state_overflows", 0) + 1
+                continue
+            # Most microbatches first: the least bubble and the fewest activations in
+            # flight, where a model too large to search whole within the budget fits.
+            for m in reversed(microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching)):
+                yield Point(S, mesh, m, intra), assignment, savers
+
+
+def _shapes(
+    model, cands: int, state: StateBytes | None, stats=None
+) -> list[tuple[int, int, dict[str, int]]]:
+    """(stage count, mesh index, stage mesh) in the order the DP searches them: by the
+    first memory saver whose stored state may fit (`fitting_savers`), then by stage
+    count. A small model fits plain everywhere and is searched fewest stages first; a 1T
+    GPT's state fits plain on 32 stages or more of tensor parallel 8, and those are
+    searched before the fewer stages only ZeRO-3 might fit, whose points would spend the
+    budget on prices that cannot win. A shape where no saver may fit is left out (a
+    proof, so the search stays complete); `stats["state_overflows"]` counts them."""
+    cluster = model.cluster
+    shapes = []
+    for S in stage_counts(cluster.devices, cands, cluster.devices_per_node):
+        for mesh_index, mesh in enumerate(candidate_meshes(cluster.devices // S)):
             if mesh.get(MODEL, 1) > cluster.devices_per_node:
                 continue  # tensor parallel across nodes: never worth it
-            if work is not None and work.spent():
-                # Stopped before this mesh's points were made: the search loop never
-                # sees them, so the stop is recorded here (a search with no plan that
-                # said complete would read as a proof that nothing fits).
+            savers = fitting_savers(state, S, mesh, cluster.memory_limit)
+            if not savers:
                 if stats is not None:
-                    stats["complete"] = False
-                return
-            for intra, assignment in _intra_plans(space, mesh_index, mesh, work, stats).items():
-                for m in microbatch_counts(batch, mesh.get(DATA, 1), S, microbatching):
-                    yield Point(S, mesh, m, intra), assignment
+                    stats["state_overflows"] = stats.get("state_overflows", 0) + 1
+                continue
+            shapes.append((MEMORY_SAVERS.index(savers[0]), S, mesh_index, mesh))
+    return [(S, i, mesh) for _, S, i, mesh in sorted(shapes, key=lambda t: t[:3])]
+
+
+def fitting_savers(
+    state: StateBytes | None, stages: int, mesh: dict[str, int], limit: float
+) -> tuple[tuple[int, bool], ...]:
+    """The memory savers (ZeRO stage, remat) of `MEMORY_SAVERS` worth pricing at this
+    shape: those whose stored state alone (`StateBytes.floor`) is within the memory
+    limit, ZeRO only with a data axis. Every one where the state is unknown (None)."""
+    data = mesh.get(DATA, 1)
+    return tuple(
+        (zero, remat)
+        for zero, remat in MEMORY_SAVERS
+        if not (zero and data == 1)
+        and (state is None or state.floor(stages, mesh.get(MODEL, 1), data, zero) <= limit)
+    )
 
 
 def _intra_plans(
@@ -255,15 +337,17 @@ def _solve_point(
     point: Point,
     assignment,
     schedules: Sequence[PipelineSchedule],
+    savers: Sequence[tuple[int, bool]] = MEMORY_SAVERS,
     work: Work | None = None,
 ) -> Plan | None:
     """Cuts for one outer point by the exact DP for each of `schedules` (1F1B and ZB-H1 in
     a 1F1B search), each priced by the pipeline model, the fastest that fits kept; memory
     savers (ZeRO, remat) only when the plain point has no partition that fits (remat not
-    under a split backward, `check_remat`). `grids`: (finest partition, cut candidates)
+    under a split backward, `check_remat`), of `savers` (those whose stored state may
+    fit: `fitting_savers`). `grids`: (finest partition, cut candidates)
     without and with remat."""
     found = None
-    for zero, remat in MEMORY_SAVERS:
+    for zero, remat in savers:
         if zero and point.stage_mesh.get(DATA, 1) == 1:
             continue
         fine, cands = grids[remat]
@@ -275,7 +359,11 @@ def _solve_point(
                 continue
             if work is not None:  # the segment tables, and the plan's pricing
                 work.add(2 * len(model.graph.ops))
-            plan = _priced_cuts(model, fine, cands, oc, point, assignment, schedule)
+            plan = _priced_cuts(model, fine, cands, oc, point, assignment, schedule, work)
+            if plan is None and not schedule.splits_backward:
+                # No partition fits 1F1B: none fits a split backward either, whose W's
+                # hold their residuals longer at 1F1B's in-flight count.
+                break
             if plan is not None and (
                 found is None or plan.predicted.step_time_s < found.predicted.step_time_s
             ):
@@ -285,31 +373,54 @@ def _solve_point(
     return found
 
 
-def _priced_cuts(model, fine, cands, oc, point: Point, assignment, schedule) -> Plan | None:
+def _priced_cuts(
+    model, fine, cands, oc, point: Point, assignment, schedule, work: Work | None = None
+) -> Plan | None:
     """The DP's cuts for `schedule` as a Plan priced by the whole pipeline model (`oc`'s
-    ZeRO stage and recomputation), None where no partition fits."""
-    cuts = optimal_cuts(model, fine, cands, oc, point, schedule)
-    if cuts is None:
-        return None
-    plan = pipeline_plan(
-        model.graph,
-        model.groups,
-        cuts,
-        point.stage_mesh,
-        assignment,
-        point.microbatches,
-        schedule.name,
-        name=f"dp ({point.intra}, {point.stages} stages)",
-        zero_stage=oc.zero_stage,
+    ZeRO stage and recomputation), None where no partition fits. The DP's tables leave
+    out a stage's temporaries and what runs once per step (`_cut_tables.py`): where the
+    whole model puts its partition over the limit, it cuts again under the limit less the
+    most the tables left out of one of its stages, `REFITS` times at most."""
+    tables = segment_tables(model, fine, oc, point.microbatches, schedule, point.stages)
+    limit = model.cluster.memory_limit
+    for _ in range(1 + REFITS):
+        cuts = optimal_cuts(model, fine, cands, oc, point, schedule, limit, tables)
+        if cuts is None:
+            return None
+        plan = pipeline_plan(
+            model.graph,
+            model.groups,
+            cuts,
+            point.stage_mesh,
+            assignment,
+            point.microbatches,
+            schedule.name,
+            name=f"dp ({point.intra}, {point.stages} stages)",
+            zero_stage=oc.zero_stage,
+        )
+        plan = dataclasses.replace(plan, remat=oc.remat)
+        pc = estimate_pipeline(model, plan)
+        if pc.cost.feasible:
+            decisions = {**plan.decisions, **pipeline_decisions(pc), "intra": point.intra}
+            return dataclasses.replace(plan, predicted=pc.cost, decisions=decisions)
+        if work is not None:  # the refit's price
+            work.add(len(model.graph.ops))
+        left_out = max(_left_out(tables, cands, cuts, pc.stage_memory_bytes), 0.0)
+        limit = min(limit, model.cluster.memory_limit - left_out)
+    return None
+
+
+def _left_out(tables, cands, cuts, priced: Sequence[float]) -> float:
+    """The most memory the DP's tables leave out of one stage of the partition at `cuts`
+    (the whole model's price of that stage less its tables' sum): on a 4-layer GPT under
+    recomputation, its temporaries, 0.4 to 0.7 GB a stage."""
+    first = [0, *(cands.index(c) + 1 for c in cuts)]
+    last = [*(i - 1 for i in first[1:]), len(tables.state) - 1]
+    held = tables.stage_memory(len(first))
+    return max(
+        float(p) - float(held[s, i, j])
+        for s, (i, j, p) in enumerate(zip(first, last, priced, strict=True))
     )
-    plan = dataclasses.replace(plan, remat=oc.remat)
-    pc = estimate_pipeline(model, plan)
-    plan = dataclasses.replace(
-        plan,
-        predicted=pc.cost,
-        decisions={**plan.decisions, **pipeline_decisions(pc), "intra": point.intra},
-    )
-    return plan if pc.cost.feasible else None
 
 
 def polish_cuts(model, plan: Plan, cands: tuple[int, ...], work: Work | None = None) -> Plan:

@@ -91,8 +91,12 @@ def polish_techniques(model, plan: Plan, aligned: Sequence[int], work: Work | No
     recomputation policy, interleaving and ZB-H1 (module doc); `aligned`: the cut
     candidates between layers, where a recomputing plan's stages may start."""
     best, best_time = plan, _time_of(plan)
+    # Sequence parallelism first: where the budget ends the polish of a large model
+    # early, the variants that save most are priced (a stable sort: a tie keeps the
+    # earlier as before).
+    options = sorted(technique_options(model, plan), key=lambda option: not option[0])
     for layout in _layouts(model, plan):
-        for sp, (remat, policy) in technique_options(model, plan):
+        for sp, (remat, policy) in options:
             if remat and pipeline_schedule(layout.schedule).splits_backward:
                 continue  # a split backward does not recompute (`check_remat`)
             if layout.chunks == 1 and remat and not set(layout.cuts) <= set(aligned):

@@ -14,8 +14,10 @@ from ._experts import expert_plans_for as expert_plans_for
 from ._pipeline_experts import megatron_stage_counts as megatron_stage_counts
 from ._pipeline_experts import pipeline_experts as pipeline_experts
 from ._pipelined import Point as Point
+from ._pipelined import StateBytes as StateBytes
 from ._pipelined import microbatch_counts as microbatch_counts
 from ._pipelined import stage_counts as stage_counts
+from ._pipelined import state_bytes as state_bytes
 from ._recipes import Recipe as Recipe
 from ._recipes import layer_boundaries as layer_boundaries
 from ._recipes import layer_cuts as layer_cuts

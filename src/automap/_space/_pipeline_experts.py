@@ -31,12 +31,12 @@ from collections.abc import Callable
 from .._axes import DATA, MODEL
 from .._cluster import Cluster
 from .._errors import PlanError
-from .._graph import Graph, Role
+from .._graph import Graph
 from .._groups import Groups, sequence_dims
 from .._pipeline import cut_candidates, pipeline_plan, uniform_cuts
 from .._plan import Cost, Plan
 from ._experts import axis_assignment, batch_groups, block_groups
-from ._pipelined import microbatch_counts, stage_counts
+from ._pipelined import microbatch_counts, stage_counts, state_bytes
 from ._recipes import Recipe, layer_count, recipe_plan
 
 
@@ -91,19 +91,12 @@ def _megatron_3d(graph, groups, cluster, estimate, cands: int) -> Plan | None:
 
 def _state_floor(graph: Graph, groups: Groups) -> float | None:
     """Bytes per device that a Megatron recipe's busiest stage holds at least, times its
-    tensor parallel and stage counts: every parameter a stage reads, with its gradient,
-    and every optimizer-state leaf, each split at most tp ways (the model axis) over the
-    stages (the busiest holds at least their mean). None where such a leaf shares a
-    linkage group with the batch: the recipe could split it over data too, no floor.
-    A 1T GPT on 3072 GPUs: 18 of its 27 candidates need no pricing."""
-    batch = set(groups.batch_groups)
-    consumers = graph.consumers()
-    params = [x for x in graph.leaves(Role.PARAM) if consumers[x.tensor]]
-    state = [x for x in graph.leaves(Role.OPT_STATE) if consumers[x.tensor]]
-    if any(batch & set(groups.tensor_groups[x.tensor]) for x in params + state):
-        return None
-    nbytes = [graph.tensors[x.tensor].nbytes for x in params + state]
-    return float(sum(nbytes) + sum(nbytes[: len(params)]))
+    tensor parallel and stage counts (`StateBytes.floor` of one stage and no split): every
+    parameter a stage reads, with its gradient, and every optimizer-state leaf. None where
+    such a leaf shares a linkage group with the batch. A 1T GPT on 3072 GPUs: most of its
+    candidates need no pricing."""
+    state = state_bytes(graph, groups)
+    return None if state is None else state.floor(1, 1)
 
 
 def megatron_stage_counts(devices: int, tp: int, per_node: int, cands: int) -> list[int]:

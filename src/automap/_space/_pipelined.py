@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from .._graph import Graph, Role
+from .._groups import Groups
+
 
 @dataclasses.dataclass(frozen=True)
 class Point:
@@ -45,3 +48,39 @@ def microbatch_counts(batch: int, data: int, stages: int, allowed: bool) -> list
         return [1]
     counts = [m for m in (2**k for k in range(12)) if batch % (m * data) == 0]
     return [m for m in counts if m >= stages] or counts[-1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """The bytes of the state a training step keeps between steps, every leaf it reads:
+    its parameters and its optimizer state."""
+
+    params: float
+    opt_state: float
+
+    def floor(self, stages: int, model: int, data: int = 1, zero: int = 0) -> float:
+        """Bytes per device the busiest stage holds at least: the parameters, their
+        gradients (at least half their bytes: 16-bit sums of float32 parameters) and the
+        optimizer state, each split at most `model` ways, and over `data` too where ZeRO
+        may split it (stage 1 and up the gradients and optimizer state, stage 3 the
+        parameters as well), over the stages (the busiest holds at least their mean).
+        Below what the cost model prices any plan of that shape, so a shape above the
+        memory limit need not be priced."""
+        shard = data if zero else 1
+        whole = self.params if zero < 3 else self.params / data
+        return (whole + (self.params / 2 + self.opt_state) / shard) / (stages * model)
+
+
+def state_bytes(graph: Graph, groups: Groups) -> StateBytes | None:
+    """The step's `StateBytes`; None where such a leaf shares a linkage group with the
+    batch: a plan could split it over the data axis without ZeRO, no floor."""
+    batch = set(groups.batch_groups)
+    consumers = graph.consumers()
+    params = [x for x in graph.leaves(Role.PARAM) if consumers[x.tensor]]
+    state = [x for x in graph.leaves(Role.OPT_STATE) if consumers[x.tensor]]
+    if any(batch & set(groups.tensor_groups[x.tensor]) for x in params + state):
+        return None
+    return StateBytes(
+        params=float(sum(graph.tensors[x.tensor].nbytes for x in params)),
+        opt_state=float(sum(graph.tensors[x.tensor].nbytes for x in state)),
+    )
