@@ -18,11 +18,13 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with the split
-stream's backward gathers priced beside the backward's matmuls, `Lowering.
-overlaps_stream_gathers`): 0.85 of the published TFLOP/s per chip on every row (280, 276
-and 269 against 328, 323 and 315; steps 8.41, 8.51 and 5.80 s), each fitting in the
-chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (2026-12-04, the backward's
+Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with ZeRO-3's
+backward gathers priced beside the backward's matmuls, `Lowering.
+overlaps_backward_gathers`): 0.86 of the published TFLOP/s per chip on every row (281,
+278 and 272 against 328, 323 and 315; steps 8.38, 8.45 and 5.74 s), each fitting in the
+chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (the split stream's backward
+gathers priced beside the backward's matmuls, `Lowering.overlaps_stream_gathers`): 0.85
+(280, 276 and 269; steps 8.41, 8.51 and 5.80 s). Before that (2026-12-04, the backward's
 second gathers of the split stream priced): 0.81 (266, 263 and 255; 8.84, 8.93, 6.13 s).
 Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
 forward then does not keep, so the backward gathers them again (XLA's A100 and v5p
@@ -50,7 +52,9 @@ At 507c274 (forward gathers hidden) the same plan at 7.75 s, 0.90 of MaxText's 8
 in 29 s wall; on 2026-12-04 the same plan at 8.03 s, 0.91 of MaxText's 8.84 s, in 32 s
 (what moved it from 7.75 s was not bisected). On 2026-12-05 (the split stream's backward
 gathers beside compute, which that plan has none of) the same plan at 8.03 s, 0.95 of
-MaxText's 8.41 s, in 126 s wall at load 9.
+MaxText's 8.41 s, in 126 s wall at load 9. With ZeRO-3's backward gathers beside the backward
+(2026-12-05, `Lowering.overlaps_backward_gathers`) the same plan at 7.94 s, 0.95 of
+MaxText's 8.38 s, in 41 s wall.
 The 64B and 128B rows were planned at 5390d0b, at 0.6 (BENCHMARKS.md). Before the
 one-stage plans got recomputation and the split stream (`_search/_one_stage.py`: the
 ILP's shard space has neither, so it proved that no one-stage plan fits), it returned
@@ -63,8 +67,9 @@ optimizer update) 1.06 s; collectives 1.15 s (the tensor-parallel all-gathers an
 reduce-scatters of the split stream most of it; 1.34 s of the 8.84 s step now, the
 backward's second gathers added). Stated, not tuned:
 
-- Collectives are priced serial but for ZeRO-3's forward gathers and the split
-  stream's backward gathers (0.43 s of the 32B row's 1.34 s off the path, 2026-12-05).
+- Collectives are priced serial but for ZeRO-3's gathers (the forward's and the
+  backward's second ones) and the split stream's backward gathers (0.50 s of the 32B
+  row's 1.39 s off the path, 2026-12-05).
   XLA's TPU compiler at its default flags runs every collective synchronously; with
   the flags MaxText's scripts set (async collective fusion), which `am.apply` now compiles TPU programs
   with, it runs each weight's gather as a chain of fusions beside the matmul that reads
@@ -79,10 +84,13 @@ backward's second gathers added). Stated, not tuned:
   ZeRO-3's gradient reductions over the data axis, combined) and the forward's
   model-axis gathers too; it chains the backward's model-axis gathers (18 of 23) and
   ZeRO-3's backward gathers beside the backward's matmuls, no collective matmul
-  decomposition. The first are priced so now (869 of the 1390 us the chains hide at
-  the model's rates on that Llama); ZeRO-3's backward gathers are not. What stays
+  decomposition. Both are priced so now (869 of the 1390 us the stream's chains hide
+  at the model's rates on that Llama; at 8 heads ZeRO-3's backward chains 131 of 169
+  us, `_cost/_overlap.py`). On the 32B row ZeRO-3's data-axis gathers are 0.10 s, 0.08
+  of it off the path (0.046 s the forward's, 0.032 the backward's); the split stream's
+  model-axis gathers 0.73 s and reduce-scatters 0.49 s, 0.42 s hidden. What stays
   serial is what XLA compiles serial: the reduce-scatters and the forward's gathers
-  keep the rows at 0.85.
+  keep the rows at 0.86.
 - Flash attention (MaxText's splash kernel) is not modelled: the zoo's Llama writes the
   attention out, its float32 causal scores and softmax in HBM, and computes the masked
   half of QK^T and PV. Flash attention would keep the scores in on-chip memory and skip

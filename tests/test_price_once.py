@@ -74,14 +74,15 @@ def test_presets_are_their_family_when_tiny(name):
 
 @functools.cache
 def _model(name: str, preset: str) -> CostModel:
-    """`preset`, or "PRESET+prefetch": that cluster pricing ZeRO-3's prefetch beside compute
-    (`Lowering.overlaps_prefetch`: the TPU presets price it, a what-if on a GPU)."""
+    """`preset`, or "PRESET+prefetch": that cluster pricing ZeRO-3's gathers beside compute,
+    the forward's and the backward's second ones (`Lowering.overlaps_prefetch`,
+    `overlaps_backward_gathers`: the TPU presets price them, a what-if on a GPU)."""
     spec = get_model(name, **TINY[name])
     graph = capture(spec.step_fn, *spec.abstract_args())
     base, _, what_if = preset.partition("+")
     cluster = am.Cluster.preset(base, 8)
     if what_if:
-        cluster = cluster.with_lowering(overlaps_prefetch=True)
+        cluster = cluster.with_lowering(overlaps_prefetch=True, overlaps_backward_gathers=True)
     return CostModel(graph, cluster, build_groups(graph))
 
 
@@ -155,9 +156,10 @@ def test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, preset, seed
 @pytest.mark.parametrize("seed", seeds(3, 1))
 def test_the_ilp_prices_zero3s_prefetch_beside_compute_as_the_cost_model(name, seed):
     # Where the backend overlaps ZeRO-3's gather of a layer with the previous layer's
-    # compute, each pair costs max(gather, compute): a min of two sums over every scope,
-    # which the ILP takes off with `FactorProblem.overlaps`. Same check, and the overlap
-    # is really priced: a ZeRO-3 plan is cheaper than without it.
+    # compute (and the backward's second gathers with the backward's), each pair costs
+    # max(gather, compute): a min of two sums over every scope, which the ILP takes off
+    # with `FactorProblem.overlaps`. Same check, and the overlap is really priced: a
+    # ZeRO-3 plan is cheaper than without it.
     test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, "a100+prefetch", seed)
     space, plain = _space(name, "a100+prefetch"), _space(name, "a100")
     rng = np.random.default_rng(seed)

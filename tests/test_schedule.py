@@ -1,7 +1,8 @@
 """The compiled schedule: which collectives XLA overlaps with compute (`_verify/_schedule.py`),
 held against the cost model, which prices overlap where the backend's scheduler fills a
-window (ZeRO-3's prefetch, `Lowering.overlaps_prefetch`, `_cost/_overlap.py`) and charges
-every other collective in full on the critical path (issue 27, item 5)."""
+window (ZeRO-3's prefetch and its backward's second gathers, `Lowering.overlaps_prefetch`
+and `overlaps_backward_gathers`, `_cost/_overlap.py`; the split stream's backward
+gathers) and charges every other collective in full on the critical path (issue 27)."""
 
 import jax
 import pytest
@@ -80,6 +81,11 @@ def test_the_schedule_says_what_runs_while_each_collective_is_in_flight():
     assert idle.asynchronous and not idle.overlapped
     sync = by_name["all-reduce.1"]
     assert not sync.asynchronous and not sync.overlapped
+    # Each starts where the entry schedules it: a pair at its start, the wrapped one at
+    # the async-start calling it.
+    order = sorted(by_name, key=lambda name: by_name[name].position)
+    assert order == ["all-gather-done.1", "reduce-scatter.1", "all-gather-done.2", "all-reduce.1"]
+    assert by_name["all-gather-done.1"].position == 3  # after the three parameters
     hidden = overlapped_bytes(by_name.values(), {"data": 4})
     assert hidden == {
         "all-gather@data": (16 * 16 * 4, 2 * 16 * 16 * 4),
@@ -159,6 +165,7 @@ def test_a_tpu_async_collective_fusion_chain_is_one_collective_in_flight_over_it
     assert carried.collective.bytes == 512 * 128 * 2
     idle = by_name["all-gather.4"]
     assert idle.asynchronous and not idle.overlapped
+    assert carried.position == 3 and idle.position == 8  # where each chain's first step is
     assert overlapped_bytes(by_name.values(), {"data": 4}) == {
         "all-gather@data": (512 * 128 * 2, 2 * 512 * 128 * 2)
     }
@@ -211,8 +218,8 @@ def test_a_tpu_hides_fsdp_gathers_as_the_model_prices(tpu_fsdp_llama):
     # (its matmuls' FLOPs and the bytes its ops write, read back: `inside`). The price
     # (`Lowering.tpu().overlaps_prefetch`: each forward weight's gather beside the
     # compute from the previous weight's reader to its own) takes off the forward's
-    # share; the backward's second gathers, which XLA chains too with less inside, stay
-    # charged: the price hides between half of what the schedule does and all of it.
+    # share (the backward's second gathers, priced by their own field, on here too): the
+    # price hides between half of what the schedule does and all of it.
     step, args, plan, v5p, _, scheduled = tpu_fsdp_llama
     assert v5p.lowering.overlaps_prefetch
     beta = gather_beta(AxisCosts(v5p, plan.mesh), 1)  # the data axis, the mesh's only
@@ -273,6 +280,40 @@ def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
     schedule = _hidden_at_model_rates(v5p, chains, gather_beta(ac, int(ac.bit[ac.codes["model"]])))
     assert v5p.lowering.overlaps_stream_gathers
     _assert_priced_hidden(step, args, plan, v5p, "overlaps_stream_gathers", schedule)
+
+
+@pytest.mark.slow  # a 4-layer Llama compiled for 8 v5p chips: ~40 s of CPU
+@pytest.mark.tpu_compile
+def test_a_tpu_hides_fsdp_backward_gathers_as_priced():
+    # MaxText's shape (ZeRO-3 on the data axis, the stream split on the model axis,
+    # `projections`) compiled as the runtime does: XLA's TPU chains ZeRO-3's second
+    # gathers (each matrix gathered again for the backward) beside the backward's
+    # matmuls, one matmul ahead of its reader, and runs the gradients' reduce-scatters
+    # and the gathers a layer's reduction precedes synchronously. At the model's rates
+    # the chains after the step's first gradient reduction (the backward's) hide 169 us;
+    # the price (`Lowering.overlaps_backward_gathers`) takes off 131 us, serial none.
+    spec = get_model(
+        "llama", layers=4, hidden=1024, heads=8, kv_heads=8, ffn=3584, seq=512, batch=16, vocab=1024
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(dp=2, tp=4, zero=3, sequence_parallel=True, remat="projections")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x2")
+    scheduled = scheduled_collectives(compiled.as_text())
+    on_data = [s for s in scheduled if axis_of(s.collective.kind, s.collective.groups,
+                                               plan.mesh) == "data"]  # fmt: skip
+    reductions = [s for s in on_data if s.collective.kind != "all-gather"]
+    assert reductions and not any(s.asynchronous for s in reductions)
+    backward = min(s.position for s in reductions)  # the head's gradient, after the loss
+    second = [s for s in on_data if s.collective.kind == "all-gather" and s.position > backward]
+    chains = [s for s in second if s.asynchronous]
+    assert chains and all(s.matmuls for s in chains)
+    assert any(not s.asynchronous for s in second)  # those after a layer's reduction
+    ac = AxisCosts(v5p, plan.mesh)
+    schedule = _hidden_at_model_rates(v5p, chains, gather_beta(ac, int(ac.bit[ac.codes["data"]])))
+    assert v5p.lowering.overlaps_backward_gathers
+    _assert_priced_hidden(step, args, plan, v5p, "overlaps_backward_gathers", schedule)
 
 
 @pytest.mark.slow  # one Llama compiled twice for 8 v5p chips: ~100 s on two loaded cores

@@ -85,7 +85,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
-from ._overlap import gather_beta, step_prefetch
+from ._overlap import backward_taken, gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
@@ -145,9 +145,9 @@ class CostModel:
         self._remat_rows = (self.tables.remat_partial.merged(), self.tables.remat_reshard.merged())
         self.regather = regather_coefs(graph, self.groups, self.tables, self.residuals, rg)
         # Every term's coefficients per set: what a plan's layout multiplies (`_terms.py`).
-        prefetch = None
-        if cluster.lowering.overlaps_prefetch:  # ZeRO-3's prefetch beside compute
-            prefetch = step_prefetch(graph, self.groups, self.tables)
+        prefetch = step_prefetch(  # ZeRO-3's gathers beside compute (`_overlap.py`)
+            graph, self.groups, self.tables, cluster.lowering, self.residuals.recomputed
+        )
         reductions = update_sums(graph, self.groups, self.tables)
         self.coefs = SetCoefs.of(self.tables, self.regather, prefetch, reductions)
         self._axis_costs: dict[tuple, C.AxisCosts] = {}
@@ -202,7 +202,9 @@ class CostModel:
         terms = split = None
         if plan.sequence_parallel:
             again = self.residuals.recomputed if plan.remat else ()  # their gathers run again
-            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes, again)
+            taken = backward_taken(self.coefs.prefetch, plan)  # ZeRO-3's second gathers'
+            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes,
+                                 again, taken=taken)  # fmt: skip
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
             split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)

@@ -83,13 +83,14 @@ def seqpar_terms(
     float_bytes: int = 0,
     recomputed: Collection[int] = (),
     boundary: int | None = None,
+    taken: Collection[int] = (),
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
     the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
-    gathers run again there (`_regathered`)."""
+    gathers run again there (`_regathered`); `taken`: as `_overlap.stream_windows`'s."""
     axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
     split = {
@@ -107,9 +108,8 @@ def seqpar_terms(
         made = [t for t in op.outputs if t in split]
         local = _local_matmul(op, split, plan.constraints, lay, axis)
         if local is not None:
-            # Split on the sequence and with nothing split on the axis beside it (an
-            # unsplit projection: BERT's masked-LM transform), XLA runs the matmul on the
-            # local part of the sequence: nothing gathered.
+            # Split on the sequence, nothing split on the axis beside it (an unsplit
+            # projection: BERT's masked-LM transform): run on the local part, no gather.
             ops.add(op.index)
             reads = []
             if local:
@@ -154,7 +154,7 @@ def seqpar_terms(
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
-        () if boundary is not None else stream_windows(graph, at, again, split),
+        () if boundary is not None else stream_windows(graph, at, again, split, taken),
     )  # fmt: skip
 
 

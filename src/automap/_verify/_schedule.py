@@ -85,6 +85,9 @@ class ScheduledCollective:
     matmuls: int = 0  # of those, matmuls and convolutions (or fusions holding one)
     flops: float = 0.0  # the dots' and convolutions' FLOPs among them (library calls: 0)
     written: float = 0.0  # bytes their results hold (an elementwise op's traffic is ~2x)
+    # where it starts in the entry computation's schedule (the index of its instruction,
+    # its start, its chain's first step, or the fusion calling it); -1 in a loop's body
+    position: int = -1
 
     @property
     def overlapped(self) -> bool:
@@ -97,7 +100,7 @@ def scheduled_collectives(
 ) -> list[ScheduledCollective]:
     """Every collective of a compiled module (`_hlo.parse_collectives`, same names, bytes
     and counts), with the compute its schedule places between its start and done."""
-    comps, _ = computations(hlo_text)
+    comps, entry = computations(hlo_text)
     flops = _dot_flops(comps)
     # Computations holding a matmul: a dot (however deep its fusion nests it) or a
     # convolution (XLA's TPU writes matmuls as convolutions).
@@ -105,6 +108,13 @@ def scheduled_collectives(
         c for c, ins in comps.items() if flops[c] or any(i[2] in _MATMUL_OPS for i in ins)
     }
     spans: dict[str, _Span] = {}
+    position: dict[str, int] = {}  # in the entry: what a fusion or an async pair calls, there
+    for k, ins in enumerate(comps[entry]):
+        position.setdefault(ins[0], k)
+        for callee in _callees(ins, comps):
+            for inner in comps[callee]:
+                position.setdefault(inner[0], k)
+    starts: dict[str, str] = {}  # an asynchronous collective's name -> its start's
     for instrs in comps.values():
         index = {ins[0]: k for k, ins in enumerate(instrs)}
         shapes = {ins[0]: ins[1] for ins in instrs}
@@ -118,13 +128,21 @@ def scheduled_collectives(
                 continue
             s = index[start.group(1)]
             spans[name] = span(s, k)  # `kind-done`: parse_collectives names the pair by it
+            starts[name] = instrs[s][0]
             for callee in _callees(instrs[s], comps):  # `async-start`: by what it calls
                 for inner in comps[callee]:
                     spans[inner[0]] = span(s, k)
+                    starts[inner[0]] = instrs[s][0]
         for first, last, collective in _fusion_chains(instrs, comps).values():
             spans[collective] = span(first, last)
+            starts[collective] = instrs[first][0]
     return [
-        ScheduledCollective(c, c.name in spans, *spans.get(c.name, (0, 0, 0.0, 0.0)))
+        ScheduledCollective(
+            c,
+            c.name in spans,
+            *spans.get(c.name, (0, 0, 0.0, 0.0)),
+            position.get(starts.get(c.name, c.name), -1),
+        )
         for c in parse_collectives(hlo_text, num_devices)
     ]
 
