@@ -161,10 +161,14 @@ def step_prefetch(
     return prefetch_coefs(graph, pairs, T, T.gathered, tensor_sets(groups, T), lg)
 
 
-def backward_taken(prefetch: Prefetch | None, plan) -> frozenset[int]:
+def backward_taken(prefetch: Prefetch | None, plan, lowering) -> frozenset[int] | None:
     """The backward ops ZeRO-3's second gathers run beside under `plan`
     (`Prefetch.backward_ops`, `backward_ops_remat`): none but where ZeRO-3 gathers layer
-    by layer, over a data axis of more than one device (`_terms.layered`)."""
+    by layer, over a data axis of more than one device (`_terms.layered`). None where the
+    backend runs the split stream's gathers synchronously (`lowering`: no stream windows
+    to make; a GPU's made them for nothing, 48 ms an estimate of a 4-layer Llama)."""
+    if not lowering.overlaps_stream_gathers:
+        return None
     if prefetch is None or plan.zero_stage < 3 or plan.mesh.get(DATA, 1) <= 1:
         return frozenset()
     return prefetch.backward_ops_remat if plan.remat else prefetch.backward_ops

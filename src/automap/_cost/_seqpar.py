@@ -83,14 +83,15 @@ def seqpar_terms(
     float_bytes: int = 0,
     recomputed: Collection[int] = (),
     boundary: int | None = None,
-    taken: Collection[int] = (),
+    taken: Collection[int] | None = (),
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
     the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
-    gathers run again there (`_regathered`); `taken`: as `_overlap.stream_windows`'s."""
+    gathers run again there (`_regathered`); `taken`: as `_overlap.stream_windows`'s, None
+    where the backend runs the stream's gathers synchronously (no windows: a GPU's)."""
     axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
     split = {
@@ -154,7 +155,8 @@ def seqpar_terms(
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
-        () if boundary is not None else stream_windows(graph, at, again, split, taken),
+        () if boundary is not None or taken is None
+        else stream_windows(graph, at, again, split, taken),
     )  # fmt: skip
 
 
