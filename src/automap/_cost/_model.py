@@ -85,6 +85,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
+from ._flash import with_flash
 from ._overlap import gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
@@ -210,6 +211,7 @@ class CostModel:
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
         cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)
+        cost = with_flash(self, st, plan, cost)  # the attention cores as the kernel runs them
         if terms is None:
             return cost
         axis = str(plan.sequence_parallel)
