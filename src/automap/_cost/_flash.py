@@ -30,10 +30,9 @@ import numpy as np
 
 from .._graph import Graph
 from .._plan import Cost, Plan
-from .._remat import FlashCore, flash_cores
+from .._remat import BLOCK, FlashCore, flash_cores
 from ._compute import op_compute
 
-BLOCK = 128  # the Pallas TPU kernel's default query and key block (`BlockSizes.get_default`)
 _ROW_STATS = 2 * 4  # float32 log-sum-exp and maximum per query row and head
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -41,7 +40,7 @@ _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def causal_share(seq: int, block: int = BLOCK) -> float:
     """The share of a causal kernel's blocks it computes: nb(nb+1)/2 of nb² (nb blocks of
-    `block` queries and keys; one block when the sequence is shorter)."""
+    `block` queries and keys; the matcher refuses a sequence they do not divide)."""
     nb = max(1, math.ceil(seq / block))
     return (nb + 1) / (2 * nb)
 

@@ -55,6 +55,7 @@ _SOFTMAX_OPS = frozenset(
     }
 )
 _MASKED = -1e4  # a fill value at most this is a mask (the zoo writes -1e9)
+BLOCK = 128  # the Pallas TPU kernel's default query and key block (`BlockSizes.get_default`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,7 @@ def match_core(graph: Graph, core: Sequence[int], boundary: int) -> FlashCore:
             f"flash attention: the attention core at op {d1} holds {', '.join(odd)}, which "
             "the flash kernel does not compute (a bias, dropout?); use attention='written'."
         )
+    _check_softmax(graph, d1, between)
     la, lr, lout = _labels_from_dot(graph, d1)
     if la.count("c") != 1:
         raise PlanError(
@@ -137,6 +139,12 @@ def match_core(graph: Graph, core: Sequence[int], boundary: int) -> FlashCore:
             "attention='written'."
         )
     mask_q = _causal_query(graph, between, labels, key)
+    seq = graph.tensors[k_t].shape[k_lab.index(key)]
+    if seq % BLOCK:
+        raise PlanError(
+            f"flash attention: the sequence ({seq}) is not a multiple of the kernel's "
+            f"{BLOCK}-row blocks; use attention='written' or a sequence of {BLOCK}k."
+        )
     q_labels = tuple("q" if x == mask_q else "d" if x == "c" else x for x in q_lab)
     k_labels = tuple("t" if x == key else "d" if x == "c" else x for x in k_lab)
     # d2: V's contracted dim is the key; its batch dims carry P's labels; its free one "e".
@@ -161,6 +169,44 @@ def match_core(graph: Graph, core: Sequence[int], boundary: int) -> FlashCore:
         d1, d2, q_t, k_t, v, graph.ops[d2].outputs[0], q_labels, k_labels, v_labels,
         out_labels, scale, tuple(i for i in core if i != d2), backward, grads, d_out,
     )  # fmt: skip
+
+
+def _check_softmax(graph: Graph, d1: int, between: Sequence[int]) -> None:
+    """Refuse a core whose ops between the matmuls are not scale, mask and softmax: one
+    exp and one row sum; a product only by a scalar constant (the scale); a difference
+    only less the row maximum, a quotient only by a scalar constant or the row sum."""
+    prims = [graph.ops[i].primitive for i in between]
+    producer = {t: i for i in between for t in graph.ops[i].outputs}
+
+    def made_by(t: int, prim: str) -> bool:
+        todo, seen = [t], set()
+        while todo:
+            i = producer.get(todo.pop())
+            if i is None or i in seen:
+                continue
+            if graph.ops[i].primitive == prim:
+                return True
+            seen.add(i)
+            todo.extend(graph.ops[i].inputs)
+        return False
+
+    def scalar(t: int) -> bool:
+        return not graph.tensors[t].shape and graph.tensors[t].kind is TensorKind.CONST
+
+    fine = prims.count("exp") == 1 and prims.count("reduce_sum") == 1
+    for i in between:
+        op = graph.ops[i]
+        if op.primitive == "mul":
+            fine &= any(scalar(t) for t in op.inputs)
+        elif op.primitive == "div":
+            fine &= scalar(op.inputs[1]) or made_by(op.inputs[1], "reduce_sum")
+        elif op.primitive == "sub":
+            fine &= made_by(op.inputs[1], "reduce_max")
+    if not fine:
+        raise PlanError(
+            f"flash attention: the ops between the attention core's matmuls at op {d1} are "
+            "not a scaled, masked softmax; use attention='written'."
+        )
 
 
 def _check_sealed(graph: Graph, bound: Sequence[int], real: set[int], d1: int) -> None:
