@@ -156,6 +156,10 @@ class Plan:
     # et al. 2022), or None. Its constraints are among `constraints`
     # (`_groups.sequence_parallel`); the cost model prices it from this field.
     sequence_parallel: str | None = None
+    # "written": each layer's attention core runs as the program wrote it (scores and
+    # softmax in memory); "flash": as one call to the Pallas flash kernel (`_run/_flash.py`,
+    # TPU targets, and the CPU's interpret mode).
+    attention: str = "written"
     name: str = ""  # e.g. "megatron_dp", or the searcher's name
     # Linkage group id -> mesh axis, for every group the plan splits: what the cost model
     # prices. None for a plan written by hand (the cost model reads it back from the specs).
@@ -174,6 +178,13 @@ class Plan:
         _check_sizes(self.mesh, self.microbatches, "the plan")
         _check_remat(self.remat_policy, self.remat_layers, "the plan")
         _check_zero_gather(self.zero_gather, "the plan")
+        _check_attention(self.attention, "the plan")
+        if self.attention == "flash" and self.pipelined:
+            # The staged runtime traces a core's forward and backward apart (`_run/_flash.py`).
+            raise PlanError(
+                "attention='flash' runs on one-stage plans without microbatches for now; "
+                "use attention='written' with pipeline stages or microbatches."
+            )
         # Plans built in code the old way, with the assignment among the decisions.
         if "assignment" in self.decisions:
             decisions = dict(self.decisions)
@@ -257,6 +268,7 @@ class Plan:
             "remat_policy": self.remat_policy,
             "remat_layers": self.remat_layers,
             "sequence_parallel": self.sequence_parallel,
+            "attention": self.attention,
             "predicted": None if self.predicted is None else self.predicted.to_dict(),
             "provenance": dataclasses.asdict(self.provenance),
             "decisions": _with_assignment(self.decisions, self.assignment),
@@ -300,6 +312,7 @@ class Plan:
                 remat_policy=str(d.get("remat_policy", "full")),
                 remat_layers=d.get("remat_layers"),
                 sequence_parallel=d.get("sequence_parallel"),
+                attention=str(d.get("attention", "written")),
                 name=str(d.get("name", "")),
                 predicted=None if d.get("predicted") is None else Cost.from_dict(d["predicted"]),
                 provenance=Provenance(**d.get("provenance", {})),
@@ -378,6 +391,7 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
             f"{_RECREATE}."
         )
     _check_zero_gather(d.get("zero_gather", "params"), source)
+    _check_attention(d.get("attention", "written"), source)
     remat = d.get("remat", False)
     if not isinstance(remat, bool):
         raise PlanError(
@@ -395,6 +409,16 @@ def _check_fields(d: Mapping[str, Any], source: str) -> None:
 
 #: What ZeRO-1/2 may gather after the update (`Plan.zero_gather`).
 ZERO_GATHERS = ("params", "compute")
+
+
+ATTENTIONS = ("written", "flash")
+
+
+def _check_attention(value: Any, source: str) -> None:
+    if value not in ATTENTIONS:
+        raise PlanError(
+            f"{source}: attention must be one of {', '.join(ATTENTIONS)}, got {value!r}."
+        )
 
 
 def _check_zero_gather(value: Any, source: str) -> None:

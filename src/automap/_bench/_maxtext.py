@@ -29,6 +29,10 @@ Each row is priced with MaxText's configuration as a `Recipe`:
   projections (`_remat.projection_gaps`). (MaxText's December 2023 `minimal`,
   `checkpoint_dots_with_no_batch_dims`, saves the same matmuls: the projections' weights
   have no batch dimension, the attention's two products do.)
+- `attention='flash'` is our `attention="flash"`: each layer's attention core runs as
+  one call to the Pallas flash kernel (MaxText's default TPU kernel is the splash
+  variant of it; both skip the masked blocks and hold no scores), priced so
+  (`_cost/_flash.py`).
 - bf16 compute, float32 parameters and optimizer state: the zoo's Llama as it is.
 
 TFLOP/s per chip is counted as MaxText counts it: `calculate_tflops_training_per_device`
@@ -62,6 +66,7 @@ SEQ, VOCAB, HEAD_DIM = 2048, 32000, 128
 SWIGLU = 2  # MaxText's mlp_activations ["silu", "linear"]: two input projections
 CLUSTER = "tpu-v5p"
 REMAT = "projections"  # MaxText's remat_policy=minimal (see the module's docstring)
+ATTENTION = "flash"  # MaxText's attention='flash': the Pallas kernel (`_run/_flash.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +156,7 @@ def recipe_of(row: MaxTextRow) -> Recipe:
         zero=3,
         remat=REMAT,
         sequence_parallel=True,
+        attention=ATTENTION,
         name=f"maxtext-{row.name}",
     )
 

@@ -440,6 +440,13 @@ def estimate_cmd(
             help="Split the residual stream on the sequence over the tensor-parallel axis.",
         ),
     ] = False,
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="Attention cores: written (as the program writes them) or flash (the "
+            "Pallas flash kernel: TPU targets)."
+        ),
+    ] = "written",
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write the priced plan as JSON here.")
     ] = None,
@@ -463,6 +470,7 @@ def estimate_cmd(
         schedule=schedule, virtual_stages=virtual_stages, remat=remat, remat_layers=remat_layers,
         zero=zero,
         sequence_parallel=sequence_parallel,
+        attention=attention,
         name=f"tp{tp} pp{pp} dp{dp}" + (f" v{virtual_stages}" if virtual_stages > 1 else "")
         + (" sp" if sequence_parallel else ""),
     )  # fmt: skip

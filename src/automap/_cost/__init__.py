@@ -18,6 +18,7 @@ from ._collectives import tree_allreduce_time as tree_allreduce_time
 from ._deferred import deferred_beyond as deferred_beyond
 from ._deferred import deferred_holds as deferred_holds
 from ._deferred import deferred_weight_bytes as deferred_weight_bytes
+from ._flash import causal_share as causal_share
 from ._gemm import GemmShape as GemmShape
 from ._gemm import gemm_shape as gemm_shape
 from ._gemm import matmul_seconds as matmul_seconds

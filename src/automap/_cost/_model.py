@@ -85,6 +85,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._compute import op_compute
+from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
@@ -202,9 +203,8 @@ class CostModel:
         terms = split = None
         if plan.sequence_parallel:
             again = self.residuals.recomputed if plan.remat else ()  # their gathers run again
-            taken = backward_taken(self.coefs.prefetch, plan, low)  # ZeRO-3's second gathers'
-            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes,
-                                 again, taken=taken)  # fmt: skip
+            terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes, again,
+                                 taken=backward_taken(self.coefs.prefetch, plan, low))  # fmt: skip
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
             split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)
@@ -212,6 +212,7 @@ class CostModel:
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
         cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)
+        cost = with_flash(self, st, plan, cost)  # the attention cores as the kernel runs them
         if terms is None:
             return cost
         axis = str(plan.sequence_parallel)

@@ -8,6 +8,9 @@ Input: a Graph and its Groups. Output: a `Recompute`, the `Residuals` under it.
 DESIGN.md, "Rematerialization".
 """
 
+from ._flash import BLOCK as BLOCK
+from ._flash import FlashCore as FlashCore
+from ._flash import flash_cores as flash_cores
 from ._fsdp import LayerGathers as LayerGathers
 from ._fsdp import layer_gathers as layer_gathers
 from ._policy import aligned_cuts as aligned_cuts

@@ -148,6 +148,7 @@ def print_plan(console: Console, plan: Plan, cluster: Any) -> None:
     console.print(
         f"mesh: {mesh}   ZeRO stage: {plan.zero_stage}   microbatches: {plan.microbatches}"
         + (f"   remat: {plan.remat_label}" if plan.remat else "")
+        + ("   attention: flash" if plan.attention == "flash" else "")
     )
     for text in prov.notes:  # what the search could not do here, and why
         console.print(f"[yellow]note:[/yellow] {escape(text)}")

@@ -33,8 +33,9 @@ from .._plan import Plan, Spec
 from .._remat import Recompute, plan_recompute
 from ._compiler import compiler_options
 from ._distributed import Feed
+from ._flash import plan_flash
 from ._fsdp import Layerwise, eval_layerwise, plan_layerwise
-from ._interpret import eval_graph
+from ._interpret import eval_ops
 from ._pipelined import apply_pipeline, gathered_lookup
 from ._recompute import eval_recomputing, plan_layout
 from ._shared import (
@@ -91,6 +92,7 @@ class Prepared:
             or plan.constraints
             or plan.remat
             or plan.sequence_parallel
+            or plan.attention == "flash"
             or _regathers(plan)
         ):
             graph = capture(fn, *args)
@@ -107,7 +109,9 @@ class Prepared:
                 raise PlanError(why)
             plan = sequence_as_recorded(graph, groups, plan)
         # Remat recomputes inside the program; ZeRO-3 gathers again inside it.
-        reinterpret = plan.constraints or plan.remat or _regathers(plan)
+        reinterpret = (
+            plan.constraints or plan.remat or _regathers(plan) or plan.attention == "flash"
+        )
         for path, (_, leaf) in zip(paths, flat, strict=True):
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
@@ -195,17 +199,24 @@ def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable
             made.setdefault(tid, value)
         return value
 
+    # Flash attention: each attention core (forward and backward) bound to the kernel.
+    flash = plan_flash(graph, groups, plan, mesh) if plan.attention == "flash" else {}
+
     def run(*args: Any) -> Any:
-        outs = eval_graph(graph, jax.tree_util.tree_leaves(args), constrain=constrain)
+        flat = jax.tree_util.tree_leaves(args)
+        env = {leaf.tensor: x for leaf, x in zip(graph.inputs, flat, strict=True)}
+        wanted = [leaf.tensor for leaf in graph.outputs]
+        outs = eval_ops(graph, range(len(graph.ops)), env, wanted, constrain, bind=flash)
         return jax.tree_util.tree_unflatten(graph.out_tree, list(outs))
 
     layerwise = plan_layerwise(graph, groups, plan, mesh) if _regathers(plan) else None
     if plan.remat:
         rc = plan_recompute(graph, groups, plan)
         lookups, layout = _lookups(graph, plan, mesh), plan_layout(graph, groups, plan)
-        step = _recomputing(graph, rc, constrain, lookups, layerwise, layout)
+        step = _recomputing(graph, rc, constrain, {**lookups, **flash}, layerwise, layout)
     elif layerwise is not None:
-        step = _regathering(graph, layerwise, constrain, _lookups(graph, plan, mesh))
+        bind = {**_lookups(graph, plan, mesh), **flash}
+        step = _regathering(graph, layerwise, constrain, bind)
     else:
         step = run
     if not reuse:

@@ -34,7 +34,7 @@ from .._pipeline import (
     pipeline_schedule,
     scanned_layers,
 )
-from .._plan import Plan
+from .._plan import ATTENTIONS, Plan
 from .._remat import stage_layer_counts
 from ._experts import axis_assignment, batch_groups, block_groups
 
@@ -81,6 +81,10 @@ class Recipe:
     """Sequence parallelism (Korthikanti et al. 2022): the residual stream (norms, residual
     adds, dropout) split on the sequence over the tensor-parallel axis; needs tp > 1 and a
     sequence that tp divides."""
+    attention: str = "written"
+    """Each layer's attention core: "written" (as the program writes it: scores and
+    softmax in memory) or "flash" (one call to the Pallas flash kernel, as MaxText's
+    `attention='flash'`; TPU targets, one-stage plans)."""
     name: str = "recipe"
     """The plan's name."""
 
@@ -137,7 +141,9 @@ def recipe_plan(graph: Graph, groups: Groups, cluster: Cluster, recipe: Recipe) 
             graph, groups, cuts, mesh, assignment, m, recipe.schedule, name=recipe.name,
             zero_stage=recipe.zero, virtual_stages=v,
         )  # fmt: skip
-    plan = _fits_layers(graph, groups, dataclasses.replace(plan, **remat))
+    plan = _fits_layers(
+        graph, groups, dataclasses.replace(plan, attention=recipe.attention, **remat)
+    )
     if recipe.sequence_parallel:
         plan = sequence_parallel(graph, groups, plan, MODEL)
     return _with_split_note(graph, groups, recipe, plan)
@@ -201,6 +207,8 @@ def _check_sizes(cluster: Cluster, recipe: Recipe) -> None:
         )
     if recipe.remat not in REMAT:
         raise PlanError(f"remat {recipe.remat!r}: use one of {', '.join(REMAT)}.")
+    if recipe.attention not in ATTENTIONS:
+        raise PlanError(f"attention {recipe.attention!r}: use one of {', '.join(ATTENTIONS)}.")
     check_remat(schedule, recipe.remat != "none")  # ZB-H1's split backward: not with remat
     _check_remat_layers(recipe)
     if recipe.zero not in (0, 1, 2, 3):

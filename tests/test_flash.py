@@ -1,0 +1,173 @@
+"""Flash attention as a plan decision (`Plan.attention="flash"`): each attention core, found
+from the program's structure, runs as one call to the Pallas flash kernel (on CPU in its
+TPU interpret mode) and is priced so; the step computes what the written attention's
+does, XLA's TPU compiler runs the kernel and holds no sequence-by-sequence float32 buffer,
+and bad requests are one-line errors."""
+
+import dataclasses
+import re
+
+import jax
+import pytest
+from typer.testing import CliRunner
+
+import automap as am
+from automap._cli import app
+from automap._cost import causal_share
+from automap._errors import PlanError
+from automap._plan import Plan
+from automap._verify import compile_plan, compiled_memory
+from automap._zoo import get_model
+from pipeline._models import assert_same
+
+# MaxText's v5p configuration (`_bench/_maxtext.py`) on 4 chips.
+MAXTEXT = dict(dp=2, tp=2, zero=3, remat="projections", sequence_parallel=True)
+SMALL = dict(layers=2, hidden=256, heads=4, kv_heads=2, seq=256, batch=8, vocab=256)
+
+
+def _llama(**over):
+    return get_model("llama", **{**SMALL, "dtype": "float32", **over})
+
+
+def _v5p():
+    return am.Cluster.preset("tpu-v5p", topology="2x2x2")
+
+
+def test_attention_is_a_plan_decision_saved_with_the_plan():
+    plan = Plan(mesh={}, specs={}, attention="flash")
+    assert Plan.from_dict(plan.to_dict()).attention == "flash"
+    old = {k: v for k, v in plan.to_dict().items() if k != "attention"}
+    assert Plan.from_dict(old).attention == "written"  # plans saved before the field
+    with pytest.raises(PlanError, match="attention must be one of written, flash"):
+        Plan(mesh={}, specs={}, attention="splash")
+    with pytest.raises(PlanError, match="attention must be one of"):
+        Plan.from_dict({**plan.to_dict(), "attention": "fast"})
+
+
+def test_flash_needs_a_causal_attention_core_and_one_stage():
+    mlp = get_model("mlp")
+    with pytest.raises(PlanError, match="no attention core"):
+        am.plan_recipe(
+            mlp.step_fn,
+            *mlp.abstract_args(),
+            recipe=am.Recipe(dp=8, attention="flash"),
+            cluster=_v5p(),
+        )
+    # BERT's attention sees every position: the kernel here runs causal attention only.
+    bert = get_model("bert-base", layers=1, hidden=128, heads=2, seq=128, batch=8, vocab=256)
+    with pytest.raises(PlanError, match="not causal"):
+        am.plan_recipe(
+            bert.step_fn,
+            *bert.abstract_args(),
+            recipe=am.Recipe(dp=8, attention="flash"),
+            cluster=_v5p(),
+        )
+    short = _llama(seq=192)
+    with pytest.raises(PlanError, match="not a multiple of the kernel's 128-row blocks"):
+        am.plan_recipe(
+            short.step_fn,
+            *short.abstract_args(),
+            recipe=am.Recipe(dp=8, attention="flash"),
+            cluster=_v5p(),
+        )
+    spec = _llama()
+    with pytest.raises(PlanError, match="one-stage plans"):
+        am.plan_recipe(
+            spec.step_fn,
+            *spec.abstract_args(),
+            recipe=am.Recipe(pp=2, dp=4, microbatches=2, attention="flash"),
+            cluster=_v5p(),
+        )
+    with pytest.raises(PlanError, match="use one of written, flash"):
+        am.plan_recipe(
+            spec.step_fn,
+            *spec.abstract_args(),
+            recipe=am.Recipe(dp=8, attention="x"),
+            cluster=_v5p(),
+        )
+
+
+def test_flash_is_priced_from_the_cores_shapes():
+    # A causal kernel of nb blocks a side runs nb(nb+1)/2 of them.
+    assert causal_share(2048) == pytest.approx(17 / 32)
+    assert causal_share(128) == 1.0
+    spec = _llama(dtype="bfloat16")
+    args = spec.abstract_args()
+    recipe = dict(dp=4, tp=2)
+    written, flash = (
+        am.plan_recipe(
+            spec.step_fn, *args, recipe=am.Recipe(attention=a, **recipe), cluster=_v5p()
+        ).predicted
+        for a in ("written", "flash")
+    )
+    # Less compute (the masked blocks skipped, the softmax in the kernel) and no scores held.
+    assert flash.compute_s < written.compute_s
+    assert flash.memory_breakdown["activations"] < written.memory_breakdown["activations"]
+    assert flash.memory_breakdown["params"] == written.memory_breakdown["params"]
+
+
+def test_estimate_takes_attention_from_the_command_line():
+    out = CliRunner().invoke(
+        app,
+        ["estimate", "--model", "llama", "--cluster", "tpu-v5p", "--devices", "8", "--dp", "8",
+         "--attention", "flash", "--json",
+         *[f"--set={k}={v}" for k, v in SMALL.items()]],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert '"attention": "flash"' in out.output
+    text = CliRunner().invoke(
+        app,
+        ["estimate", "--model", "llama", "--cluster", "tpu-v5p", "--devices", "8", "--dp", "8",
+         "--attention", "flash", *[f"--set={k}={v}" for k, v in SMALL.items()]],
+    )  # fmt: skip
+    assert text.exit_code == 0 and "attention: flash" in text.output, text.output
+
+
+def _gpt_fused():
+    # GPT's own layout and Megatron's fused softmax (a custom VJP), one kernel block.
+    return get_model(
+        "gpt2-xl", layers=2, hidden=128, heads=4, seq=128, batch=8, vocab=256,
+        softmax="fused", dtype="float32",
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # two steps on 8 CPU devices, the kernel interpreted: ~30 s each
+@pytest.mark.parametrize(
+    "model, recipe",
+    [
+        (_llama, dict(dp=4, tp=2)),
+        (_llama, dict(MAXTEXT, dp=4)),
+        (_gpt_fused, dict(dp=2, tp=4, remat="selective")),
+    ],
+    ids=["llama-dp-tp", "llama-maxtext", "gpt-fused-selective"],
+)
+def test_flash_attention_computes_what_the_written_attention_does(model, recipe):
+    spec = model()
+    plan = am.plan_recipe(
+        spec.step_fn, *spec.abstract_args(), recipe=am.Recipe(**recipe), cluster=_v5p()
+    )
+    real = spec.concrete_args(0)
+    want = am.apply(spec.step_fn, plan)(*real)
+    got = am.apply(spec.step_fn, dataclasses.replace(plan, attention="flash"))(*real)
+    assert_same(got, want, spec.config["learning_rate"])
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.slow  # two v5p compiles of a 2-layer Llama: ~2 min on two loaded cores
+def test_flash_compiled_for_v5p_runs_the_kernel_and_holds_no_scores():
+    spec = _llama(hidden=512, seq=1024, vocab=1024, dtype="bfloat16")
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    seen = {}
+    for att in ("written", "flash"):
+        recipe = am.Recipe(**MAXTEXT, attention=att)
+        plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+        compiled = compile_plan(step, plan, args, target="v5p:2x2x1")[1]
+        seen[att] = (plan.predicted.memory_bytes, compiled_memory(compiled), compiled.as_text())
+    scores = r"f32\[[0-9,]*1024,1024\]"  # a float32 [.., query, key] buffer
+    assert re.search(scores, seen["written"][2])
+    assert not re.search(scores, seen["flash"][2])
+    # The forward, dK/dV and dQ kernels of each of the 2 layers.
+    assert seen["flash"][2].count("tpu_custom_call") >= 6
+    priced, xla, _ = seen["flash"]
+    assert priced == pytest.approx(xla, rel=0.15)
