@@ -18,10 +18,14 @@ from automap._pipeline import (
     uniform_cuts,
 )
 from automap._remat import aligned_cuts, layer_spans
-from automap._search._dp import MEMORY_SAVERS, fitting_savers, search_dp
-from automap._search._dp import _priced_cuts as priced_cuts
-from automap._search._dp import _shapes as shapes
-from automap._search._problem import Problem
+from automap._search import (
+    MEMORY_SAVERS,
+    Problem,
+    fitting_savers,
+    priced_cuts,
+    search_dp,
+    search_shapes,
+)
 from automap._space import (
     Point,
     StateBytes,
@@ -90,7 +94,7 @@ def test_the_dp_searches_the_shapes_whose_state_fits_plainly_first(wide):
     model = CostModel(pb.graph, device, pb.groups)
     state = state_bytes(pb.graph, pb.groups)
     stats: dict = {}
-    order = shapes(model, len(cut_candidates(pb.graph, pb.groups)), state, stats)
+    order = search_shapes(model, len(cut_candidates(pb.graph, pb.groups)), state, stats)
     limit = device.memory_limit
     needs = [MEMORY_SAVERS.index(fitting_savers(state, S, mesh, limit)[0]) for S, _, mesh in order]
     assert needs == sorted(needs) and needs[0] == 0 and needs[-1] > 0

@@ -90,8 +90,7 @@ def seqpar_terms(
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
     the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
-    gathers run again there (`_regathered`); `taken`: as `_overlap.stream_windows`'s, None
-    where the backend runs the stream's gathers synchronously (no windows: a GPU's)."""
+    gathers run again there (`_regathered`); `taken`: as `stream_windows`'s (None: none)."""
     axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
     split = {
@@ -155,8 +154,7 @@ def seqpar_terms(
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
-        () if boundary is not None or taken is None
-        else stream_windows(graph, at, again, split, taken),
+        () if boundary is not None or taken is None else stream_windows(graph, at, again, split, taken),
     )  # fmt: skip
 
 

@@ -19,8 +19,12 @@ from ._classic import search_random as search_random
 from ._cut_tables import fill_weight as fill_weight
 from ._cut_tables import optimal_cuts as optimal_cuts
 from ._cut_tables import segment_tables as segment_tables
+from ._dp import MEMORY_SAVERS as MEMORY_SAVERS
+from ._dp import fitting_savers as fitting_savers
 from ._dp import polish_cuts as polish_cuts
+from ._dp import priced_cuts as priced_cuts
 from ._dp import search_dp as search_dp
+from ._dp import search_shapes as search_shapes
 from ._leanest import Leanest as Leanest
 from ._leanest import search_leanest as search_leanest
 from ._mdp import SPLIT_ACTION as SPLIT_ACTION

@@ -22,7 +22,7 @@ cut moved at a time. Once a plan is found the points leave `POLISH_SHARE` of the
 to that.
 
 Large models: the points are searched by the memory savers their stored state needs
-(`_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
+(`search_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
 optimizer state alone overflow a device is not priced) and most microbatches first, so a
 1T GPT's budget goes where its plans can fit. The
 outer enumeration is complete unless the budget runs out (the stats say so); the
@@ -148,9 +148,8 @@ def search_dp(
     best: Plan | None = None
     best_time = np.inf
     try:
-        for point, assignment, savers in _points(
-            model, cands, batch, microbatching, state, work, stats
-        ):
+        points = _points(model, cands, batch, microbatching, state, work, stats)
+        for point, assignment, savers in points:
             if work.spent() or (found and work.done >= (1 - POLISH_SHARE) * work.limit):
                 stats["complete"] = False
                 break
@@ -168,11 +167,9 @@ def search_dp(
         for plan in sorted(found, key=lambda p: p.predicted.step_time_s)[:POLISHED]:
             if work.spent():
                 break
-            # First the decisions the DP does not make, which move the step most (a
-            # quarter of a 175B GPT's): sequence parallelism, selective recomputation,
-            # interleaving, ZB-H1 (`_techniques.py`). Then the cuts of one chunk per
-            # device group, one at a time: a round of moves costs two passes over the
-            # program per cut, which on a 175B GPT took the budget the techniques needed.
+            # The techniques first (`_techniques.py`: a quarter of a 175B GPT's step), then
+            # the cuts one at a time (a round of moves costs two passes over the program a
+            # cut: on a 175B GPT it took the budget the techniques needed).
             plan = polish_techniques(model, plan, whole, work=work)
             if plan.virtual_stages == 1:
                 plan = polish_cuts(model, plan, grids[plan.remat][1], work=work)
@@ -210,12 +207,12 @@ def _points(
     """The outer level, (point, intra-stage assignment, the memory savers worth pricing
     there) by stage count, stage mesh, intra-stage plan and microbatch count: the shapes
     (stage count and mesh) whose state fits with the fewest memory savers first
-    (`_shapes`), then fewest stages. An intra-stage assignment whose own stored state
+    (`search_shapes`), then fewest stages. An intra-stage assignment whose own stored state
     (`leaf_bytes`: the time optimum may replicate a 175B GPT's 134 GB of parameters a
     stage) fits under no saver is left out, its points unpriced."""
     graph, groups, cluster = model.graph, model.groups, model.cluster
     spaces: dict[int, ShardSpace] = {}
-    for S, mesh_index, mesh in _shapes(model, len(cands), state, stats):
+    for S, mesh_index, mesh in search_shapes(model, len(cands), state, stats):
         if work is not None and work.spent():
             # Stopped before this mesh's points were made: the search loop never
             # sees them, so the stop is recorded here (a search with no plan that
@@ -240,7 +237,7 @@ def _points(
                 yield Point(S, mesh, m, intra), assignment, savers
 
 
-def _shapes(
+def search_shapes(
     model, cands: int, state: StateBytes | None, stats=None
 ) -> list[tuple[int, int, dict[str, int]]]:
     """(stage count, mesh index, stage mesh) in the order the DP searches them: by the
@@ -359,7 +356,7 @@ def _solve_point(
                 continue
             if work is not None:  # the segment tables, and the plan's pricing
                 work.add(2 * len(model.graph.ops))
-            plan = _priced_cuts(model, fine, cands, oc, point, assignment, schedule, work)
+            plan = priced_cuts(model, fine, cands, oc, point, assignment, schedule, work)
             if plan is None and not schedule.splits_backward:
                 # No partition fits 1F1B: none fits a split backward either, whose W's
                 # hold their residuals longer at 1F1B's in-flight count.
@@ -373,7 +370,7 @@ def _solve_point(
     return found
 
 
-def _priced_cuts(
+def priced_cuts(
     model, fine, cands, oc, point: Point, assignment, schedule, work: Work | None = None
 ) -> Plan | None:
     """The DP's cuts for `schedule` as a Plan priced by the whole pipeline model (`oc`'s
