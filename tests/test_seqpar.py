@@ -469,7 +469,7 @@ def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatc
                 reason="issue 26, open: the split plan is priced as XLA holds it (48.4 MB "
                 "against 46.7, test_on_a_gpu_the_split_plan_under_full_recomputation_holds_"
                 "what_xla_holds), the plain plan at 0.78x (62.5 against 80.5): its saving "
-                "14.1 MB against 33.8. Found in XLA's A100 buffer assignment, not priced: "
+                "14.2 MB against 33.8. Found in XLA's A100 buffer assignment, not priced: "
                 "(2) XLA keeps the forward's float32 stream sums for the norms' backward (4 x 8 MB "
                 "at the plain selective peak), where the model makes them again from their "
                 "operands: priced, selective's saving is 37.6 MB but the plain plan's layer "
@@ -488,7 +488,7 @@ def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatc
 def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # What the split frees, priced against what it frees in XLA's A100 programs (mixed
     # precision, Megatron's fused softmax): selective 40.7 MB priced against 41.0 MB, full
-    # 14.1 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
+    # 14.2 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
     # under selective, every activation (priced 0), as much as XLA's program holds. The
     # plain plans' own prices are 0.79x (selective) and 0.78x (full) XLA's here, the split
     # plans' 0.67x and 1.04x. The split plans hold each stream tensor a matmul reads as a
