@@ -15,7 +15,14 @@ from typer.testing import CliRunner
 import automap as am
 from automap._bench import KorthikantiRow
 from automap._cli import app
-from automap._cost import CostModel, estimate_pipeline
+from automap._cost import (
+    CostModel,
+    barrier_inputs,
+    estimate_pipeline,
+    gathered_copies,
+    seqpar_terms,
+    step_buffers,
+)
 from automap._groups import build_groups, residual_group, sequence_dims, sequence_parallel
 from automap._verify import comm_bytes, compile_plan, compiled_memory, parse_collectives
 from automap._zoo import get_model
@@ -325,6 +332,67 @@ def test_zero3s_ties_leave_the_split_stream_split_on_a_gpu():
     assert report.collectives_match, report.mismatches
 
 
+def test_the_split_streams_gathered_copies_live_per_pass_and_a_layers_input_is_kept(gpt):
+    # Read in XLA's A100 buffer assignment of a bf16 GPT under full recomputation (the
+    # test below): each norm output a matmul reads is gathered whole once per pass, its
+    # copy alive from its first reader to its last: in the forward to the projection, in
+    # the backward from the layer's recompute (its matmuls read it again) to the weight
+    # gradients; the stream's cotangent, from its first backward reader to its last. And
+    # each layer's input, which the recompute reads through its barrier, is stored
+    # itself, one stream tensor a layer, where its summands (the embedding's lookup, each
+    # layer's projections) were held whole under a split stream.
+    graph, groups = gpt[2:]
+    plan = _plans(gpt, tp=4, dp=2, remat="full")[1]
+    model = CostModel(graph, A100, groups)
+    res, consumers = model.residuals, graph.consumers()
+    terms = seqpar_terms(graph, groups, plan, 0, res.recomputed)
+    buffers = step_buffers(graph, res, consumers, True, A100.lowering)
+    copies = gathered_copies(terms.whole_reads, res.boundary, set(res.recomputed), buffers.blocks)
+    again = {int(b[2]) for b in buffers.blocks}
+    norms = {t for t, op in terms.whole_reads if op <= res.boundary and op in res.recomputed}
+    assert len(norms) == 2 * 2  # two norms a layer, two layers
+    for t in norms:
+        mine = copies.tensor == t
+        rows = sorted(zip(copies.birth[mine], copies.death[mine], strict=True))
+        (f_born, f_dies), (b_born, b_dies) = rows
+        reads = sorted(op for u, op in terms.whole_reads if u == t)
+        assert (f_born, f_dies) == (reads[0], max(r for r in reads if r <= res.boundary))
+        assert b_born in again and b_dies == reads[-1] > res.boundary
+    cotangents = {t for t, op in terms.whole_reads if graph.tensors[t].producer > res.boundary}
+    assert cotangents and all(
+        copies.birth[copies.tensor == t].min() > res.boundary for t in cotangents
+    )
+    stream = graph.tensors[next(iter(norms))].shape
+    layered = {t for ts in res.layer_saved for t in ts}
+    kept = [t for t in res.saved_remat if t not in layered]
+    inputs = {t for t in barrier_inputs(res, consumers, kept) if graph.tensors[t].shape == stream}
+    assert len(inputs) == 1  # the second layer's: the first remakes the embedding's lookup
+    (t,) = inputs
+    layer = [b for b in buffers.blocks if b[0] > graph.tensors[t].producer]  # the one it feeds
+    assert buffers.death[buffers.tensor == t].max() >= layer[0][2] > res.boundary
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow  # compiled for 8 A100s without one
+def test_on_a_gpu_the_split_plan_under_full_recomputation_holds_what_xla_holds():
+    # XLA's A100 program peaks in a layer's backward, its MLP's, with the recomputed
+    # attention's probabilities and three gathered stream tensors alive (32.7 MB summed
+    # from its live ranges, 33.5 MB allocated). Priced 48.4 MB against 46.7 (1.04x); it
+    # was 44.6 (0.955x), but at the gradients' reduction, a whole 30 MiB bucket this plan
+    # does not reduce, above activations priced without the gathered copies.
+    spec = get_model(
+        "gpt-1.3b", layers=2, hidden=512, heads=8, batch=8, seq=512, vocab=512,
+        dtype="bfloat16", positions="learned", softmax="fused",
+    )  # fmt: skip
+    step = jax.jit(spec.step_fn, donate_argnums=(0, 1))
+    args = spec.abstract_args()
+    recipe = am.Recipe(tp=8, remat="full", sequence_parallel=True)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
+    held = compiled_memory(compile_plan(step, plan, args, target="a100")[1])
+    assert plan.predicted.memory_breakdown["grads"] == 0  # an activation moment peaks
+    assert plan.predicted.memory_bytes == pytest.approx(held, rel=0.1)
+
+
 def _layer_activations(layers: int, hidden: int, seq: int, batch: int, tp: int):
     """Activations at the peak of a GPT priced for A100s (Korthikanti's benchmark model:
     `_bench.KorthikantiRow`), selective recomputation without and with the split."""
@@ -398,36 +466,42 @@ def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatc
             0.45,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="issue 26, open: the split plan's busiest activation moment is "
-                "below its gradients' reduction (31.5 MB): it prices no activations "
-                "(its saving, 22.9 MB against 33.8, is within rel now). Found in XLA's "
-                "A100 buffer assignment, not priced: (1) the split plan holds each "
-                "stream tensor a matmul reads as a whole gathered copy from its gather "
-                "to its last matmul reader (3 x 4 MB at its peak; under selective, from "
-                "the forward to the weight gradients); priced, the split plan is 56.7 MB "
-                "against 46.7 (the model makes a recomputed layer's residuals at its "
-                "backward's first read, the attention's beside the MLP's, where XLA "
-                "recomputes the attention later), the saving 10.7 MB, and under selective "
-                "24.0 against 41.0 and 3 sbh a layer against Korthikanti's 7 "
-                "(test_selective_recomputation_keeps_the_split_stream_at_its_split_size). "
-                "(2) XLA keeps the forward's float32 stream sums for the norms' backward "
-                "(4 x 8 MB at the plain selective peak), where the model makes them again "
-                "from their operands: priced, selective's saving is 37.6 MB but the plain "
-                "plan's layer 17.8 sbh against Korthikanti's 13.",
+                reason="issue 26, open: the split plan is priced as XLA holds it (48.4 MB "
+                "against 46.7, test_on_a_gpu_the_split_plan_under_full_recomputation_holds_"
+                "what_xla_holds), the plain plan at 0.78x (62.5 against 80.5): its saving "
+                "14.2 MB against 33.8. Found in XLA's A100 buffer assignment, not priced: "
+                "(2) XLA keeps the forward's float32 stream sums for the norms' backward (4 x 8 MB "
+                "at the plain selective peak), where the model makes them again from their "
+                "operands: priced, selective's saving is 37.6 MB but the plain plan's layer "
+                "17.8 sbh against Korthikanti's 13. "
+                "(3) XLA fuses a norm's backward, the stream's cotangent sum and the next "
+                "norm's backward into one kernel, and runs layer 1's recompute before it: the "
+                "plain peak (67.1 MB summed from the live ranges, at layer 1's second norm's "
+                "backward) holds layer 2's float32 cotangent (8.4 MB, from its second norm's "
+                "backward), its first norm's all-reduced input gradient (4.2 MB) and layer "
+                "1's recomputed all-reduced projection (4.2 MB) until that kernel, beside its "
+                "three float32 outputs; under the split those are reduce-scattered, 1/8.",
             ),
         ),
     ],
 )
 def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # What the split frees, priced against what it frees in XLA's A100 programs (mixed
-    # precision, Megatron's fused softmax): selective 43.1 MB priced against 41.0 MB, full
-    # 22.9 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
+    # precision, Megatron's fused softmax): selective 40.7 MB priced against 41.0 MB, full
+    # 14.2 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
     # under selective, every activation (priced 0), as much as XLA's program holds. The
-    # plain plans' own prices are 0.79x (selective) and 0.84x (full) XLA's here, 0.69x and
-    # 0.79x before the norms' float32 buffers (`Lowering.float32_norm_buffers`: the
-    # stream's sums and its cotangent kept float32, the scale gradients' column-reduction
-    # operands; XLA's full-recomputation peak is a norm's backward, four float32 stream
-    # tensors, 33.5 MB); the split plans' 0.64x and 0.95x, as before.
+    # plain plans' own prices are 0.79x (selective) and 0.78x (full) XLA's here, the split
+    # plans' 0.67x and 1.04x. The split plans hold each stream tensor a matmul reads as a
+    # whole gathered copy per pass (`_seqpar.gathered_copies`: under full recomputation
+    # 3 x 4 MB at XLA's peak, a layer's MLP backward; 0.955x before, priced at a whole
+    # all-reduce bucket the plan does not reduce, above its activations). Under selective
+    # XLA keeps the forward's copy of each norm's output for the weight gradients (4 x 4 MB
+    # at its peak): priced so, the split plan is 66.4 MB (0.90x) but saves 23.9 MB, and
+    # Korthikanti's Table 2 saving per layer drops from 7 sbh to 3
+    # (test_selective_recomputation_keeps_the_split_stream_at_its_split_size), since
+    # Megatron-LM gathers it again in the backward: priced as Megatron holds it. Under full
+    # recomputation each layer's input is kept as itself, split (`_residuals.barrier_inputs`),
+    # not as its summands held whole (the plain plan was 0.84x with them, 67.5 MB).
     spec = get_model(
         "gpt-1.3b", layers=2, hidden=512, heads=8, batch=8, seq=512, vocab=512,
         dtype="bfloat16", positions="learned", softmax="fused",

@@ -39,6 +39,7 @@ from ._pipelined import op_costs as op_costs
 from ._pipelined import pipeline_decisions as pipeline_decisions
 from ._pipelined import plan_op_costs as plan_op_costs
 from ._pipelined import stage_costs as stage_costs
+from ._residuals import barrier_inputs as barrier_inputs
 from ._residuals import stage_residuals as stage_residuals
 from ._residuals import stored_residuals as stored_residuals
 from ._rows import PARTIAL_SETS as PARTIAL_SETS
@@ -49,6 +50,8 @@ from ._sends import Sends as Sends
 from ._sends import cut_links as cut_links
 from ._sends import link_between as link_between
 from ._sends import sends as sends
+from ._seqpar import gathered_copies as gathered_copies
+from ._seqpar import seqpar_terms as seqpar_terms
 from ._terms import Layout as Layout
 from ._terms import SetCoefs as SetCoefs
 from ._terms import compute_time as compute_time

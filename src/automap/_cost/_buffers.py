@@ -21,7 +21,7 @@ from .._groups import ELEMENTWISE
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import matmuls_alone, stand_in_map
+from ._residuals import barrier_inputs, matmuls_alone, stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -35,7 +35,8 @@ def step_buffers(
     a layer's residuals live twice: in the first forward until its last forward reader,
     and again from the backward's first read of any of them (JAX emits a layer's
     recompute as one block before its backward; each layer's first and last forward op and
-    that moment are its `blocks`). With the copies of a convolutional net
+    that moment are its `blocks`), and a layer's input its recompute reads is stored
+    itself (`_residuals.barrier_inputs`). With the copies of a convolutional net
     (`convolution_copies`), and with `lowering.float32_norm_buffers` the column
     reductions' written operands (`column_operands`) and 16-bit sums held in float32
     (`_kept_wide_sum`)."""
@@ -45,8 +46,14 @@ def step_buffers(
     first = np.array([min((x for x in c if x > res.boundary), default=-1) for c in consumers])
 
     remade = lowering.remakes_residuals
-    once = stand_in_map(graph, consumers, lowering) if remade else lambda r: (r,)
-    again = stand_in_map(graph, consumers, lowering, recomputed=True) if remade else once
+    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
+    unlayered = [t for t in (res.saved_remat if remat else res.saved) if t not in layered]
+    # a layer's input, which its recompute reads through the barrier, is stored itself
+    barred = barrier_inputs(res, consumers, unlayered) if remat and remade else set()
+    once = stand_in_map(graph, consumers, lowering, stored=barred) if remade else lambda r: (r,)
+    again = (
+        stand_in_map(graph, consumers, lowering, recomputed=True, stored=barred) if remade else once
+    )
 
     serves: dict[int, set[int]] = {}  # stored tensor -> the residuals it is stored for
 
@@ -61,8 +68,7 @@ def step_buffers(
                     first[t] = first[r] if first[t] < 0 else min(first[t], first[r])
         return out
 
-    layered = {t for ts in res.layer_saved for t in ts} if remat else set()
-    kept = stand_ins(t for t in (res.saved_remat if remat else res.saved) if t not in layered)
+    kept = stand_ins(unlayered)
     recomputed: list[int] = []
     blocks = []
     for ts in res.layer_saved if remat else ():

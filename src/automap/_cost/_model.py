@@ -92,7 +92,7 @@ from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
 from ._rows import PARTIAL_SETS, RESHARD_SETS, RowTable
-from ._seqpar import SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
+from ._seqpar import SeqparTerms, SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
 from ._tables import build_tables
 from ._terms import (
     Layout,
@@ -155,7 +155,7 @@ class CostModel:
         self._total_flops = graph.total_flops
         self._param_bytes = float(self.tables.param_coef.sum())
         self._touch_cache: dict[tuple[int, ...], tuple] = {}
-        self._split_cache: dict[tuple[frozenset[int], bool], SplitMemory] = {}
+        self._split_cache: dict[tuple, SplitMemory] = {}
         self._tile_memo = TileMemo(
             functools.partial(
                 tile_table, graph, self.groups, self.tables.splittable, len(self.tables.sets)
@@ -207,7 +207,7 @@ class CostModel:
                                  taken=backward_taken(self.coefs.prefetch, plan, low))  # fmt: skip
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
-            split = (self._split_memory(terms.split, bool(plan.remat)), 1 - 1 / t)
+            split = (self._split_memory(terms, bool(plan.remat)), 1 - 1 / t)
         # One program on the whole batch (microbatches run through the staged runtime, above).
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
@@ -221,11 +221,11 @@ class CostModel:
             cost, terms, plan.mesh, axis, costs, low.reduce_scatter, low.overlaps_stream_gathers
         )
 
-    def _split_memory(self, split: frozenset[int], remat: bool) -> SplitMemory:
+    def _split_memory(self, terms: SeqparTerms, remat: bool) -> SplitMemory:
         """`_seqpar.split_memory`, once per split and remat (a search prices many plans)."""
-        key = (split, remat)
+        key = (terms.split, terms.whole_reads, terms.reduce_ops, remat)
         if key not in self._split_cache:
-            self._split_cache[key] = split_memory(self, split, remat)
+            self._split_cache[key] = split_memory(self, terms, remat)
         return self._split_cache[key]
 
     def for_plan(self, plan: Plan) -> CostModel:
@@ -542,11 +542,11 @@ class CostModel:
             L.data_size if L.zero else 0, self.cluster.lowering, self._param_bytes
         )
         copy = share * reduced + const
-        # A recomputed layer's partial sums, copied at its recompute (per moment).
-        copied = recompute_copies(self.tables, st, ac) if st.remat else None
+        alone = split[0].uncombined if split is not None else None  # reduced alone: no copy
+        copied = recompute_copies(self.tables, st, ac, alone) if st.remat else None  # at recompute
         made, at, out = moments_held(self.coefs, L, reduced, copied)
         if split is not None:
-            at = at - shrink * (part.live @ L.inv) / L.microbatches
+            at = at + part.at_moments(L.inv, shrink) / L.microbatches
         moments = step_moments(self.coefs, L)
         early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0
         # At the end: the local gradients the last reduction reduces (all, but layer by

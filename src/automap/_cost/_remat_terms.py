@@ -35,11 +35,14 @@ def recomputed_collectives(
     return K.sums(key, nbytes, count, grad, time, len(C.KINDS) * ac.masks, slot, slots)
 
 
-def recompute_copies(T, st: K.State, ac: C.AxisCosts) -> np.ndarray | None:
+def recompute_copies(T, st: K.State, ac: C.AxisCosts, alone=None) -> np.ndarray | None:
     """[moments of `T.moments_remat`] bytes per device of the recomputed layers' partial
     sums copied at their recompute, by the moment they are alive at (`T.copies`); None
-    where nothing is copied."""
+    where nothing is copied. `alone` (per row): reduced by a collective no other joins
+    (sequence parallelism's, `_seqpar.SplitMemory.uncombined`), so not copied."""
     if T.copies is None:
         return None
     ops = K.partial_results(T.copies.rows, st.codes, st.P, ac.sizes, ac.bit, st.inv)
+    if alone is not None:
+        ops = np.where(alone, 0.0, ops)
     return np.bincount(T.copies.moment, ops, minlength=len(T.moments_remat.at))

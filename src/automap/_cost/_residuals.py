@@ -13,7 +13,7 @@ backward are two programs, so there the runtime chooses what its backward makes 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -32,6 +32,7 @@ def stored_residuals(
     lowering: Lowering,
     consumers=None,
     recomputed: bool = False,
+    stored: Collection[int] = (),
 ) -> tuple[int, ...]:
     """Of the tensors the backward reads from the forward (`saved`), those XLA stores.
 
@@ -52,7 +53,7 @@ def stored_residuals(
         start += [u for t in start if (u := _widened_source(graph, consumers, t)) is not None]
 
     def remade_from(t: int) -> list[int] | None:
-        return _remade_from(graph, consumers, t, lowering, recomputed)
+        return None if t in stored else _remade_from(graph, consumers, t, lowering, recomputed)
 
     return tuple(sorted(walk_back(start, remade_from)))
 
@@ -72,17 +73,30 @@ def kept_residuals(
     layered = {t for ts in res.layer_saved for t in ts}
     once = [t for t in res.saved_remat if t not in layered]
     again = [t for t in res.saved_remat if t in layered]
-    remat = set(stored_residuals(graph, once, lowering, consumers))
-    remat |= set(stored_residuals(graph, again, lowering, consumers, recomputed=True))
+    barred = barrier_inputs(res, consumers, once)  # stored themselves
+    remat = set(stored_residuals(graph, once, lowering, consumers, stored=barred))
+    remat |= set(stored_residuals(graph, again, lowering, consumers, True, barred))
     return stored_residuals(graph, res.saved, lowering, consumers), tuple(sorted(remat))
 
 
-def stand_in_map(graph: Graph, consumers, lowering: Lowering, recomputed: bool = False):
+def barrier_inputs(res: Residuals, consumers, saved: Iterable[int]) -> set[int]:
+    """Of the residuals no layer recomputes (`saved`), those a recomputed op reads: a
+    layer's input, which the recompute takes through its barrier (`_run/_recompute.py`), so
+    XLA stores it itself (16-bit) rather than making it again from its operands, as it may
+    a residual its fusions read (`stored_residuals`). Read in the A100 programs of a bf16
+    GPT under full recomputation: one stream tensor a layer (split under sequence
+    parallelism), not the stream's summands (the embedding's lookup and each layer's
+    projections: 2 x 12.6 MB a layer at tp 8, held whole where the stream is split)."""
+    again = set(res.recomputed)
+    return {t for t in saved if any(c in again for c in consumers[t])}
+
+
+def stand_in_map(graph: Graph, consumers, lowering: Lowering, recomputed: bool = False, stored=()):
     """`stored_residuals` of one residual at a time, memoized: r -> the tensors XLA stores
     in its place (r itself, or the operands it is made again from; and its wider source's
     where a reader converts it back, `_widened_source`). `recomputed`: of a recomputed
-    layer's residuals."""
-    memo: dict[int, frozenset[int]] = {}
+    layer's residuals. `stored`: tensors XLA stores themselves (`barrier_inputs`)."""
+    memo: dict[int, frozenset[int]] = {t: frozenset((t,)) for t in stored}
 
     def stored(r: int) -> frozenset[int]:
         todo = [r]

@@ -44,7 +44,7 @@ from .._groups import KEPT_WHOLE, Groups, layouts, reduced_dims
 from .._plan import Collective, Cost, Plan, Spec
 from . import _collectives as C
 from ._buffers import step_buffers
-from ._liveness import alive_among
+from ._liveness import NO_BLOCKS, Buffers, alive_among
 from ._overlap import gather_beta, stream_hidden, stream_windows
 from ._residuals import kept_residuals
 
@@ -74,6 +74,8 @@ class SeqparTerms:
     # one program: per entry of `gathered`, the backward ops XLA's TPU runs it beside
     # (`_overlap.stream_windows`; empty where it runs synchronously)
     windows: tuple[tuple[int, ...], ...] = ()
+    # (tensor, op) of every op that reads a split tensor whole, from its gathered copy
+    whole_reads: tuple[tuple[int, int], ...] = ()
 
 
 def seqpar_terms(
@@ -93,16 +95,13 @@ def seqpar_terms(
     gathers run again there (`_regathered`); `taken`: as `stream_windows`'s (None: none)."""
     axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
-    split = {
-        t
-        for t, spec in plan.constraints.items()
-        if axis in _axes(spec) and axis not in _axes(lay[t])
-    }
+    split = _split_tensors(plan, lay, str(axis))
     consumers = graph.consumers()
     rs, ag, ops, at, reducing = {}, [], set(), [], set()
     summed: dict[int, float] = {}
     gathered: set[tuple[int, int]] = set()
     tensors: list[int] = []  # per entry of `ag`: the tensor gathered
+    whole: list[tuple[int, int]] = []  # (tensor, op) of each read of a gathered copy
     rs_op: dict[int, int] = {}  # per entry of `rs`: its matmul
     for op in graph.ops:
         made = [t for t in op.outputs if t in split]
@@ -141,6 +140,7 @@ def seqpar_terms(
         # BERT's word, position and type tables read one cotangent (one gather on A100s).
         apart = boundary is not None and op.index > boundary and op.primitive == _MATMUL
         for t in reads:
+            whole.append((t, op.index))
             if (t, op.index if apart else -1) not in gathered:
                 gathered.add((t, op.index if apart else -1))
                 tensors.append(t)
@@ -155,7 +155,18 @@ def seqpar_terms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
         () if boundary is not None or taken is None else stream_windows(graph, at, again, split, taken),
+        tuple(whole),
     )  # fmt: skip
+
+
+def _split_tensors(plan: Plan, lay, axis: str) -> set[int]:
+    """The stream's tensors: those whose constraint puts `axis` on a dim `lay` (the plan's
+    layouts) leaves whole."""
+    return {
+        t
+        for t, spec in plan.constraints.items()
+        if axis in _axes(spec) and axis not in _axes(lay[t])
+    }
 
 
 def _regathered(
@@ -218,21 +229,36 @@ class SplitMemory:
     """Of what a one-stage step holds, the bytes of the stream tensors the split makes 1/t
     of, per set as they are unsplit: what `CostModel` divides by t before it places the
     peak, so that the residuals XLA stores (`_residuals.stored_residuals`) and the buffers
-    alive at each candidate moment (`_liveness.py`) are counted at their split size."""
+    alive at each candidate moment (`_liveness.py`) are counted at their split size; and
+    the gathered copies the matmuls read (`gathered_copies`), whole on the sequence."""
 
     kept: np.ndarray  # [sets] of the kept residuals (the activations, unscheduled backends)
     live: np.ndarray | None  # [moments, sets] of the buffers alive at each candidate moment
+    # [moments, sets] of the gathered copies alive at each candidate moment (unsplit)
+    copies: np.ndarray | None = None
+    # [rows of `Tables.copies`] the recomputed partial sums no combined all-reduce copies
+    # (`_buffers.combined_copies`): with the stream's reduced by reduce-scatters, each a
+    # collective of its own, the recompute's last all-reduce (the embedding's lookup, where
+    # the layer remakes it) has none to join (read in XLA's A100 program: it runs alone)
+    uncombined: np.ndarray | None = None
+
+    def at_moments(self, inv: np.ndarray, shrink: float) -> np.ndarray:
+        """[moments] what the split changes at each candidate moment: the stream's buffers
+        `shrink` (1 - 1/t) less, its gathered copies more (`inv`: the plan's per set)."""
+        out = -shrink * (self.live @ inv)
+        return out if self.copies is None else out + self.copies @ inv
 
 
-def split_memory(model, split: frozenset[int], remat: bool) -> SplitMemory:
-    """`SplitMemory` of the stream tensors `split` in `model` (a `CostModel`), with or
-    without recomputation. A recomputed layer's own residuals are made again inside its
+def split_memory(model, terms: SeqparTerms, remat: bool) -> SplitMemory:
+    """`SplitMemory` of the stream tensors `terms.split` in `model` (a `CostModel`), with
+    or without recomputation. A recomputed layer's own residuals are made again inside its
     backward; where the backend has no reduce-scatter (XLA's CPU: it all-reduces and
     slices), that recompute holds the stream whole (the CPU's buffer assignment of a tp=4
     GPT saves what the inputs' split saves, not a quarter of the recomputed layer's), so
     there those are not split. An A100's program makes them split (a reduced GPT under
     full recomputation: 47.8 MB priced so, 46.7 MB in XLA's buffer assignment)."""
     graph, res, low, T = model.graph, model.residuals, model.cluster.lowering, model.tables
+    split = terms.split
     if remat and not low.reduce_scatter:
         split = split - {t for ts in res.layer_saved for t in ts}
     consumers = graph.consumers()
@@ -247,7 +273,46 @@ def split_memory(model, split: frozenset[int], remat: bool) -> SplitMemory:
     if moments is None:
         return SplitMemory(kept, None)
     buffers = step_buffers(graph, res, consumers, remat, low)
-    return SplitMemory(kept, alive_among(buffers, split, moments.at, nbytes, tensor_set, n_sets))
+    live = alive_among(buffers, split, moments.at, nbytes, tensor_set, n_sets)
+    again = set(res.recomputed) if remat else set()
+    copies = gathered_copies(terms.whole_reads, res.boundary, again, buffers.blocks)
+    gathered = alive_among(copies, set(copies.tensor), moments.at, nbytes, tensor_set, n_sets)
+    uncombined = None
+    if remat and T.copies is not None and low.reduce_scatter:
+        uncombined = np.ones(len(T.copies.rows.op), dtype=bool)
+    return SplitMemory(kept, live, gathered, uncombined)
+
+
+def gathered_copies(
+    reads: Collection[tuple[int, int]], boundary: int, recomputed: Collection[int], blocks
+) -> Buffers:
+    """The whole copies of the split stream tensors that matmuls read (`reads`: (tensor,
+    op)), as XLA's A100 programs hold them: one gather serves every matmul that reads the
+    tensor, so its copy lives from the first to the last. Per pass: the forward's copy dies
+    at its last forward reader and the backward gathers its own, from its first reader (a
+    recomputed matmul's: at its layer's recompute, `Buffers.blocks`) to its last, the
+    weight gradients. Read in the buffer assignment of a 2-layer bf16 GPT at tp 8 under
+    full recomputation: at its peak, an MLP's backward, the recomputed norms' outputs and
+    the stream's cotangent gathered, 3 x 4 MB (tests/test_seqpar.py). Under selective
+    recomputation (and none), XLA keeps the forward's copy of a norm's output for the
+    weight gradients instead; Megatron-LM gathers it again in the backward, and so does
+    Korthikanti et al.'s Table 2, which this prices (tests/test_seqpar.py says by how
+    much the two differ)."""
+    by: dict[int, list[int]] = {}
+    for t, op in reads:
+        by.setdefault(t, []).append(op)
+    rows = []
+    for t, ops in by.items():
+        fwd = sorted(o for o in ops if o <= boundary)
+        bwd = sorted(o for o in ops if o > boundary)
+        if fwd:
+            rows.append((t, fwd[0], fwd[-1]))
+        # a recomputed forward matmul reads it again where its layer's recompute runs
+        again = [int(b[2]) for o in fwd if o in recomputed for b in blocks if b[0] <= o <= b[1]]
+        if bwd or again:
+            rows.append((t, min(again + bwd), max(again + bwd)))
+    t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return Buffers(tensor=t, birth=b, death=d, width=np.ones(len(t)), blocks=NO_BLOCKS)
 
 
 def _tensor_sets(T, groups: Groups) -> np.ndarray:
