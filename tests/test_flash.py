@@ -171,3 +171,23 @@ def test_flash_compiled_for_v5p_runs_the_kernel_and_holds_no_scores():
     assert seen["flash"][2].count("tpu_custom_call") >= 6
     priced, xla, _ = seen["flash"]
     assert priced == pytest.approx(xla, rel=0.15)
+
+
+def test_the_planner_runs_attention_as_the_kernel_where_the_backend_has_it():
+    # On a TPU slice the one-stage search prices its variants with the kernel, faster than
+    # the attention written out, and returns a flash plan the runtime runs; on GPUs,
+    # which have no kernel in the runtime, the attention stays written, and a flash plan
+    # is refused in one line.
+    spec = _llama(dtype="bfloat16", seq=1024, batch=16)
+    args = spec.abstract_args()
+    tpu = am.plan(spec.step_fn, *args, cluster=_v5p(), searcher="dp", budget_s=30)
+    assert tpu.attention == "flash" and not tpu.pipelined
+    written = am.estimate(spec.step_fn, *args, plan=dataclasses.replace(tpu, attention="written"),
+                          cluster=_v5p())  # fmt: skip
+    assert tpu.predicted.step_time_s < written.step_time_s
+    a100 = am.Cluster.preset("a100", 8)
+    gpu = am.plan(spec.step_fn, *args, cluster=a100, searcher="dp", budget_s=30)
+    assert gpu.attention == "written"
+    with pytest.raises(PlanError, match="flash attention is priced where the runtime runs"):
+        am.estimate(spec.step_fn, *args, plan=dataclasses.replace(gpu, attention="flash"),
+                    cluster=a100)  # fmt: skip

@@ -173,6 +173,12 @@ class Lowering:
     synchronously); True on `Lowering.tpu()`. Held by
     tests/test_schedule.py::test_a_tpu_hides_fsdp_backward_gathers_as_priced. XLA's GPU
     and CPU: False (each charged in full)."""
+    flash_attention: bool = False
+    """Whether the runtime runs an attention core as one flash kernel on this backend
+    (`Plan.attention == "flash"`, `_run/_flash.py`: Pallas's TPU kernel), so a plan may
+    be priced with it (`_cost/_flash.py`) and the one-stage search prices its variants
+    with it (`_search/_one_stage.py`). True on `Lowering.tpu()`; the GPUs have no kernel
+    in the runtime, and the CPU runs it only in Pallas's interpret mode, for tests."""
     overlaps_stream_gathers: bool = False
     """Whether the scheduler runs sequence parallelism's backward gathers of the split
     stream (the cotangents a matmul reads whole, and the norms' outputs gathered again
@@ -284,6 +290,7 @@ class Lowering:
             overlaps_prefetch=True,
             overlaps_backward_gathers=True,
             overlaps_stream_gathers=True,
+            flash_attention=True,
             gather_all_reduced_from=64,
             recompute_gathers_casts=True,
             fuses_matmul_operands=True,

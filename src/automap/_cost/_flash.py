@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import PlanError
 from .._graph import Graph
 from .._plan import Cost, Plan
 from .._remat import BLOCK, FlashCore, flash_cores
@@ -57,6 +58,11 @@ def with_flash(model: Any, st: Any, plan: Plan, cost: Cost) -> Cost:
     docstring); `cost` itself under written attention."""
     if plan.attention != "flash":
         return cost
+    if not model.cluster.lowering.flash_attention:
+        raise PlanError(
+            f"flash attention is priced where the runtime runs its kernel (TPU clusters), "
+            f"not on {model.cluster.name}; use attention='written'."
+        )
     cores = _cores(model)
     graph, T = model.graph, model.tables
     first = op_compute(T, st.inv)

@@ -32,6 +32,11 @@ in time and memory):
   (ZeRO-3 only adds gathers to ZeRO-2): where that is no faster than the best so far, it
   is skipped unpriced.
 
+Where the backend runs attention as one flash kernel (`Lowering.flash_attention`: the TPU)
+and it prices the first point faster, every variant runs it (`_attention_of`): MaxText's
+configuration is priced so, and the walk's plans with the attention written out were
+slower than it.
+
 Every variant priced is counted as work (`Work`, `VARIANT_WORK` passes over the ops), in
 a fixed order, so a budget gives the same plan on any machine; the walk stops when the
 work is spent, with the best found so far.
@@ -79,6 +84,7 @@ class OneStagePolish:
     on_variant: Callable[..., None] | None = None  # (best_time=...) after each variant
     priced: int = 0  # variants priced
     _seen: dict = dataclasses.field(default_factory=dict)  # variant key -> plan or None
+    _attention: str | None = None  # how the variants run attention (`_attention_of`)
 
     @property
     def best_time(self) -> float:
@@ -142,7 +148,8 @@ class OneStagePolish:
             raise _Spent
         self.work.add(VARIANT_WORK * len(self.model.graph.ops))
         self.priced += 1
-        plan = dataclasses.replace(base, remat=remat[0], remat_policy=remat[1])
+        attention = self._attention_of(base)
+        plan = dataclasses.replace(base, remat=remat[0], remat_policy=remat[1], attention=attention)
         try:
             if sp:
                 plan = sequence_parallel(self.model.graph, self.model.groups, plan, MODEL)
@@ -153,6 +160,25 @@ class OneStagePolish:
         if self.on_variant is not None:
             self.on_variant(best_time=self.best_time)
         return plan
+
+    def _attention_of(self, base: Plan) -> str:
+        """The attention every variant runs: "flash" where the backend runs the kernel
+        (`Lowering.flash_attention`), the program's cores match it and it prices the
+        first point faster than its attention written out (one more variant priced,
+        counted), else "written". One choice for the walk: a kernel's time and memory
+        saving is the same whatever the variant's recomputation and split (MaxText's
+        rows on v5p: 0.85 to 0.97 of the published throughput)."""
+        if self._attention is None:
+            self._attention = "written"
+            if self.model.cluster.lowering.flash_attention:  # two prices, counted
+                self.work.add(2 * VARIANT_WORK * len(self.model.graph.ops))
+                try:
+                    flash = self.model.estimate(dataclasses.replace(base, attention="flash"))
+                except PlanError:  # no core the kernel runs (BERT's is not causal)
+                    flash = None
+                if flash is not None and flash.step_time_s < self.model.estimate(base).step_time_s:
+                    self._attention = "flash"
+        return self._attention
 
 
 def _zero3_applies(point: OneStagePoint) -> bool:
