@@ -76,6 +76,8 @@ def test_a_cluster_carries_its_compilers_lowering():
         scatter_least_elements=2048,
         overlaps_prefetch=True,
         overlaps_stream_gathers=True,  # the split stream's backward gathers chained
+        overlaps_backward_gathers=True,  # ZeRO-3's second gathers chained
+        flash_attention=True,  # the runtime runs Pallas's flash kernel
         gather_all_reduced_from=64,
         recompute_gathers_casts=True,  # a recompute's ZeRO-3 gathers move the bf16 casts
         fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
