@@ -95,7 +95,7 @@ def test_32b_priced_with_maxtexts_configuration():
     section = maxtext_table([row])
     (rec,) = section["rows"]
     assert section["cluster"] == "tpu-v5p" and section["remat"] == "projections"
-    assert rec["config"] == "data 16 × model 4 (SP, remat projections, ZeRO-3)"
+    assert rec["config"] == "data 16 × model 4 (SP, remat projections, flash, ZeRO-3)"
     # MaxText runs it in a v5p's 95 GiB: with its `minimal` policy (our "projections") and
     # its residual stream split over `tensor`, so does the memory model (74.5 GB; 253 GB
     # with "selective" and the stream whole).

@@ -58,7 +58,7 @@ def train_step(spec: ModelSpec) -> Callable:
 
 def plan_shape(found: Plan) -> str:
     """A plan in a few words: its mesh, microbatches and schedule, sequence parallelism,
-    recomputation policy and ZeRO stage."""
+    recomputation policy, flash attention and ZeRO stage."""
     # A one-stage plan's pipe axis of 1 says nothing; its microbatches are accumulation.
     axes = {k: v for k, v in found.mesh.items() if k != PIPE or found.pipelined}
     mesh = " × ".join(f"{k} {v}" for k, v in axes.items())
@@ -66,6 +66,7 @@ def plan_shape(found: Plan) -> str:
     extra += [found.schedule] if found.pipelined and found.schedule != DEFAULT_SCHEDULE else []
     extra += ["SP"] if found.sequence_parallel else []
     extra += [f"remat {found.remat_policy}"] if found.remat else []
+    extra += ["flash"] if found.attention == "flash" else []
     extra += [f"ZeRO-{found.zero_stage}"] if found.zero_stage else []
     return mesh + (f" ({', '.join(extra)})" if extra else "")
 
