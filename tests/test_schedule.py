@@ -249,6 +249,28 @@ def _assert_priced_hidden(step, args, plan, cluster, field: str, schedule: float
     assert cost.collectives == serial.collectives  # every byte still moves
 
 
+def _maxtext_shape_scheduled(layers: int, heads: int, topology: str, tp: int):
+    """A bf16 Llama (hidden 1024) in MaxText's shape, ZeRO-3 on data 2 and the stream
+    split on model `tp` under `projections`, compiled for v5p `topology` as the runtime
+    compiles it: (step, args, cluster, plan, its scheduled collectives)."""
+    spec = get_model(
+        "llama", layers=layers, hidden=1024, heads=heads, kv_heads=heads, ffn=3584, seq=512,
+        batch=16, vocab=1024,
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology=topology)
+    recipe = am.Recipe(dp=2, tp=tp, zero=3, sequence_parallel=True, remat="projections")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    _, compiled = compile_plan(step, plan, args, target=f"v5p:{topology}")
+    return step, args, v5p, plan, scheduled_collectives(compiled.as_text())
+
+
+def _on_axis(scheduled, plan, axis: str) -> list:
+    """The scheduled collectives that run over `axis` of the plan's mesh."""
+    return [s for s in scheduled
+            if axis_of(s.collective.kind, s.collective.groups, plan.mesh) == axis]  # fmt: skip
+
+
 @pytest.mark.slow  # a Llama compiled for 4 v5p chips: ~50 s of CPU
 @pytest.mark.tpu_compile
 def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
@@ -261,17 +283,8 @@ def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
     # matmul before its reader that does not make its tensor) takes off, within a factor
     # of two (413 and 324 us); serial, it took none. (With one layer XLA leaves more of
     # the gathers synchronous, the first layer's backward's, and the price hid more.)
-    spec = get_model(
-        "llama", layers=2, hidden=1024, heads=4, kv_heads=4, ffn=3584, seq=512, batch=16, vocab=1024
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
-    recipe = am.Recipe(dp=2, tp=2, zero=3, sequence_parallel=True, remat="projections")
-    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
-    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x1")
-    scheduled = scheduled_collectives(compiled.as_text())
-    on_model = [s for s in scheduled if axis_of(s.collective.kind, s.collective.groups,
-                                                plan.mesh) == "model"]  # fmt: skip
+    step, args, v5p, plan, scheduled = _maxtext_shape_scheduled(2, 4, "2x2x1", tp=2)
+    on_model = _on_axis(scheduled, plan, "model")
     assert not any(s.asynchronous for s in on_model if s.collective.kind != "all-gather")
     chains = [s for s in on_model if s.asynchronous and s.collective.kind == "all-gather"]
     assert chains and all(s.matmuls for s in chains)
@@ -292,17 +305,8 @@ def test_a_tpu_hides_fsdp_backward_gathers_as_priced():
     # and the gathers a layer's reduction precedes synchronously. At the model's rates
     # the chains after the step's first gradient reduction (the backward's) hide 169 us;
     # the price (`Lowering.overlaps_backward_gathers`) takes off 131 us, serial none.
-    spec = get_model(
-        "llama", layers=4, hidden=1024, heads=8, kv_heads=8, ffn=3584, seq=512, batch=16, vocab=1024
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
-    recipe = am.Recipe(dp=2, tp=4, zero=3, sequence_parallel=True, remat="projections")
-    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
-    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x2")
-    scheduled = scheduled_collectives(compiled.as_text())
-    on_data = [s for s in scheduled if axis_of(s.collective.kind, s.collective.groups,
-                                               plan.mesh) == "data"]  # fmt: skip
+    step, args, v5p, plan, scheduled = _maxtext_shape_scheduled(4, 8, "2x2x2", tp=4)
+    on_data = _on_axis(scheduled, plan, "data")
     reductions = [s for s in on_data if s.collective.kind != "all-gather"]
     assert reductions and not any(s.asynchronous for s in reductions)
     backward = min(s.position for s in reductions)  # the head's gradient, after the loss

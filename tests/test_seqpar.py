@@ -380,12 +380,7 @@ def test_on_a_gpu_the_split_plan_under_full_recomputation_holds_what_xla_holds()
     # from its live ranges, 33.5 MB allocated). Priced 48.4 MB against 46.7 (1.04x); it
     # was 44.6 (0.955x), but at the gradients' reduction, a whole 30 MiB bucket this plan
     # does not reduce, above activations priced without the gathered copies.
-    spec = get_model(
-        "gpt-1.3b", layers=2, hidden=512, heads=8, batch=8, seq=512, vocab=512,
-        dtype="bfloat16", positions="learned", softmax="fused",
-    )  # fmt: skip
-    step = jax.jit(spec.step_fn, donate_argnums=(0, 1))
-    args = spec.abstract_args()
+    step, args = _fused_bf16_gpt()
     recipe = am.Recipe(tp=8, remat="full", sequence_parallel=True)
     plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
     held = compiled_memory(compile_plan(step, plan, args, target="a100")[1])
@@ -455,6 +450,16 @@ def test_a_pipeline_stage_holds_korthikantis_activations_per_layer_and_microbatc
     assert per_layer / sbh == pytest.approx(34 / t, rel=0.3)
 
 
+def _fused_bf16_gpt():
+    """The 2-layer bf16 GPT (Megatron's fused softmax) the A100 memory tests compile:
+    its jitted step, donating its state, and abstract arguments."""
+    spec = get_model(
+        "gpt-1.3b", layers=2, hidden=512, heads=8, batch=8, seq=512, vocab=512,
+        dtype="bfloat16", positions="learned", softmax="fused",
+    )  # fmt: skip
+    return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow  # four programs compiled for 8 A100s without one
 @pytest.mark.parametrize(
@@ -502,12 +507,7 @@ def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # Megatron-LM gathers it again in the backward: priced as Megatron holds it. Under full
     # recomputation each layer's input is kept as itself, split (`_residuals.barrier_inputs`),
     # not as its summands held whole (the plain plan was 0.84x with them, 67.5 MB).
-    spec = get_model(
-        "gpt-1.3b", layers=2, hidden=512, heads=8, batch=8, seq=512, vocab=512,
-        dtype="bfloat16", positions="learned", softmax="fused",
-    )  # fmt: skip
-    step = jax.jit(spec.step_fn, donate_argnums=(0, 1))
-    args = spec.abstract_args()
+    step, args = _fused_bf16_gpt()
     priced, held = [], []
     for sp in (False, True):
         recipe = am.Recipe(tp=8, remat=remat, sequence_parallel=sp)
