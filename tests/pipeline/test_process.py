@@ -52,6 +52,26 @@ def test_check_env_passes(gpt, task):
     check_env(env.unwrapped)
 
 
+@pytest.mark.parametrize("task", ["pipeline", "hybrid"])
+def test_a_decision_of_more_choices_than_the_observations_slots_is_observed(task):
+    """512 sequences a step offer ten microbatch counts on two stages, more than the eight
+    per-action slots of the observation: each is still an action, and every observation
+    is made (SC'21's 1.7B row raised a broadcast error in the hybrid task's first one)."""
+    spec = get_model("gpt2-xl", **{**SMALL, "batch": 512})
+    problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset("a100", 2))
+    env = planning_env(problem.graph, problem.cluster, task)
+    process, rng, widest = env.process, np.random.default_rng(0), 0
+    for _ in range(3):
+        process.reset()
+        while not process.done():
+            obs, mask = np.asarray(process.observation()), process.action_mask()
+            assert obs.shape == (env.observation_space.shape[0],) and np.isfinite(obs).all()
+            if process.phase_name() == "microbatches":
+                widest = max(widest, int(mask.sum()))
+            process.step(int(rng.choice(np.flatnonzero(mask))))
+    assert widest > 8
+
+
 def test_coarse_partition_is_partition(gpt):
     _, problem, _, _ = gpt
     pricer = PipelinePricer(problem.cost_model)

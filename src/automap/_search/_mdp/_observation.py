@@ -15,6 +15,7 @@ import enum
 
 N_ACTIONS = 8  # enough for the meshes of up to 128 devices, the 3 options and 4 ZeRO stages
 OBS_DIM = 26
+PER_ACTION = 8  # slots per per-action feature in the staged tasks' vector ([10:18], [18:26])
 
 
 class ShardSlot(enum.IntEnum):

@@ -45,7 +45,7 @@ from ..._plan import DEFAULT_SCHEDULE, Plan
 from ..._space import axis_assignment, batch_groups, block_groups, microbatch_counts, stage_counts
 from .._pricer import Intra, PipelinePricer
 from .._techniques import CHUNKS, LAYER_UNITS, REMATS
-from ._observation import N_ACTIONS, OBS_DIM, StagedSlot
+from ._observation import N_ACTIONS, OBS_DIM, PER_ACTION, StagedSlot
 from ._shard_process import cost_summary
 
 STAGES, MICRO, REMAT, _CUT, SHARD, SEQPAR, CHUNK = range(7)
@@ -212,9 +212,12 @@ class StagedProcess(abc.ABC):
         obs[StagedSlot.RUNNING_TIME] = min(time_s / self.baseline_time + over, 10.0) / 10.0
         obs[StagedSlot.PHASE] = (1 + phase) / N_PHASES
         obs[StagedSlot.LOG_MICRO] = math.log2(m) / 11.0 if m else 0.0
+        # Eight slots a feature: a decision of more choices (512 sequences a step offer ten
+        # microbatch counts) shows the agent its first eight; the rest are still actions.
         a_at, b_at = StagedSlot.PER_ACTION_A, StagedSlot.PER_ACTION_B
-        obs[a_at : a_at + len(a)] = np.clip(a, 0.0, 1.0)[:8]
-        obs[b_at : b_at + len(b)] = np.clip(b, 0.0, 1.0)[:8]
+        a, b = (np.clip(np.ravel(x), 0.0, 1.0)[:PER_ACTION] for x in (a, b))
+        obs[a_at : a_at + len(a)] = a
+        obs[b_at : b_at + len(b)] = b
         return obs
 
     def _stage_features(self) -> np.ndarray:
