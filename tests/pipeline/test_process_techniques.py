@@ -43,7 +43,7 @@ def gpt():
 
 def _megatron_prefix(hybrid, stages: int, tp: int) -> tuple[int, ...]:
     """The hybrid decisions up to the techniques: S stages of Megatron (tp) x data, ZeRO
-    off, the most microbatches."""
+    off, the most microbatches (one stage: none to choose)."""
     problem_groups, devices = hybrid.space.groups, hybrid.space.cluster.devices
     per = devices // stages
     mesh = {k: v for k, v in ((DATA, per // tp), (MODEL, tp)) if v > 1}
@@ -56,8 +56,9 @@ def _megatron_prefix(hybrid, stages: int, tp: int) -> tuple[int, ...]:
     assert inner is not None
     for a in (hybrid.stage_choices.index(stages), *inner):
         hybrid.step(a)
-    assert hybrid.phase_name() == "microbatches"
-    hybrid.step(int(np.flatnonzero(hybrid.action_mask())[-1]))
+    if stages > 1:
+        assert hybrid.phase_name() == "microbatches"
+        hybrid.step(int(np.flatnonzero(hybrid.action_mask())[-1]))
     prefix = hybrid.decisions()
     hybrid.reset()
     return prefix
@@ -112,6 +113,31 @@ def test_hybrid_offers_each_technique_and_prices_it_as_the_plan(gpt):
     while hybrid.phase_name() != "chunks":
         hybrid.step(0)
     assert hybrid.action_mask()[:3].tolist() == [True, True, False]
+
+
+def test_one_stage_takes_the_techniques_as_the_dp_searchers_one_stage_plan_does(gpt):
+    """One stage of Megatron (tp 4) x data 2: after the shard decisions, recomputation and
+    sequence parallelism are decisions too (no microbatches, no chunks), each sequence
+    rewarded with the cost model's price of the plan it hands back, which carries them;
+    neither on is the shard task's plan."""
+    problem, space, base = gpt
+    hybrid = make_pipeline_process(space, "hybrid", base)
+    prefix = _megatron_prefix(hybrid, 1, 4)
+    seen = set()
+    for remat, sp in itertools.product(REMAT_CHOICES, (0, 1)):
+        decisions = _play(hybrid, prefix, {"remat": remat, "sequence_parallel": sp})
+        assert len(decisions) == len(prefix) + 2  # no chunks decision on one stage
+        time_s, fits, _ = hybrid.result()
+        plan = hybrid.to_plan(decisions)
+        on, policy = REMAT_CHOICES[remat]
+        assert not plan.pipelined and plan.mesh == {DATA: 2, MODEL: 4}
+        assert (plan.remat, plan.remat_policy if on else "full") == (on, policy)
+        assert plan.sequence_parallel == (MODEL if sp else None)
+        again = problem.cost_model.estimate(plan)
+        assert again.step_time_s == pytest.approx(time_s, rel=1e-9)
+        assert bool(again.feasible) == fits
+        seen.add((plan.remat_label, plan.sequence_parallel))
+    assert len(seen) == 2 * len(REMATS)
 
 
 def test_techniques_change_the_price_they_should(gpt):

@@ -34,13 +34,16 @@ from ._mdp import PipelineProcess, ShardProcess, baseline_time, make_pipeline_pr
 from ._one_stage import OneStagePoint
 from ._problem import Problem
 from ._shard_ilp import search_ilp
-from ._techniques import polish_techniques
+from ._techniques import REMATS, polish_techniques
 
 # The DQN's budget in episodes per second of budget_s: a nominal rate, for determinism.
 EPISODES_PER_SECOND = 40
 # The same for the pipeline and hybrid tasks, whose episodes each price a whole pipeline
 # schedule (and the hybrid's a stage DP): about a tenth of the rate.
 PIPELINE_EPISODES_PER_SECOND = 4
+#: The technique actions of Megatron's 2022 recipe (Korthikanti et al.): selective
+#: recomputation, the stream split (where the plan offers it); an expert seed's second form.
+MODERN = (REMATS.index((True, "selective")), 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +282,8 @@ def _dqn_pipeline(
             space.graph, space.groups, space.cluster
         ).values():
             seeds.append(process.decisions_for(1, mesh, assignment, zero, 1))
+            # And as Megatron's 2022 recipe runs it: the stream split, selective recompute.
+            seeds.append(process.decisions_for(1, mesh, assignment, zero, 1, MODERN))
         seeds.extend(_pipeline_seeds(process))
     seeds = list(dict.fromkeys(s for s in seeds if s is not None))
     rate = PIPELINE_EPISODES_PER_SECOND
@@ -308,7 +313,8 @@ def _polished(process, plan: Plan) -> Plan:
 
 def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
     """Hybrid decisions of the pipeline experts' recipes: every power-of-two S, stages data
-    parallel or Megatron over the node x data, the most microbatches, ZeRO and remat off."""
+    parallel or Megatron over the node x data, the most microbatches, ZeRO off; each with
+    no technique and with Megatron's 2022 ones (`MODERN`)."""
 
     groups, cluster, out = process.space.groups, process.space.cluster, []
     for S in process.stage_choices[1:]:
@@ -322,7 +328,8 @@ def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
                 **axis_assignment(block_groups(groups), MODEL, tp),
             }
             ms = microbatch_counts(process.pricer.batch, per // tp, S, process.pricer.microbatching)
-            out.append(process.decisions_for(S, mesh, assignment, 0, ms[-1]))
+            for techniques in ((), MODERN):
+                out.append(process.decisions_for(S, mesh, assignment, 0, ms[-1], techniques))
     return out
 
 

@@ -9,32 +9,42 @@ layers under full recomputation, cut for ZB-H1 under it) places them inside the 
 with v > 1 they are the S x v chunks of equal layers. Given the rest of the point the
 DP's cuts are optimal in its
 objective and cost one pass over the tables the reward needs anyway, so the agent spends
-its episodes on the choices no exact solver makes for it. S = 1 is the plain shard task.
+its episodes on the choices no exact solver makes for it. S = 1 is the shard task followed
+by the recomputation and sequence-parallel decisions (no microbatches, no chunks): the dp
+searcher's one-stage plans take them (`_one_stage.py`), and without them the agent could
+not reach Korthikanti's 22B row's plan (data 2 x model 4, the stream split, selective),
+whose point does not fit plain. A one-stage episode with neither is priced as the shard
+task prices it; with either, as the cost model prices the plan (`OneStagePlans`).
 
 Reward as for the pipeline task (`_staged.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..._axes import DATA
-from ..._errors import AutomapError
+from ..._axes import DATA, MODEL
+from ..._errors import AutomapError, PlanError
+from ..._groups import plan_from_assignment, sequence_parallel
 from ..._plan import Plan
 from ..._space import ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
 from .._pricer import Intra, PipelinePricer
 from ._shard_process import ShardProcess, cost_summary
-from ._staged import MICRO, SHARD, STAGES, PipelineProcess, StagedProcess
+from ._staged import MICRO, REMAT, SEQPAR, SHARD, STAGES, PipelineProcess, StagedProcess
 
 
 class HybridProcess(StagedProcess):
     """DecisionProcess of the hybrid task (see the module doc)."""
 
-    def __init__(self, pricer: PipelinePricer | None, shard: ShardProcess):
+    def __init__(
+        self, pricer: PipelinePricer | None, shard: ShardProcess, plans: OneStagePlans | None = None
+    ):
         self.shard_top = shard  # the S = 1 process: the plain shard task
+        self.one_stage = plans or OneStagePlans(shard.space)  # shared by `fresh` copies
         self.space = shard.space
         cluster = self.space.cluster
         pipes = (
@@ -51,7 +61,7 @@ class HybridProcess(StagedProcess):
 
     def fresh(self) -> HybridProcess:
         pricer = None if isinstance(self.pricer, _NoPipeline) else self.pricer
-        return HybridProcess(pricer, ShardProcess(self.space, self.baseline_time))
+        return HybridProcess(pricer, ShardProcess(self.space, self.baseline_time), self.one_stage)
 
     def sub(self, stages: int) -> ShardProcess:
         """The shard task of one stage: its mesh, units and ZeRO on devices // S."""
@@ -76,15 +86,27 @@ class HybridProcess(StagedProcess):
             return STAGES
         if not self.sub(self._stages).done():
             return SHARD
-        if self._m is None:
+        if self._stages == 1:
+            technique = self._one_stage_phase()
+        elif self._m is None:
             return MICRO
-        technique = self._technique_phase(self._base(), self._stages, self._m)
+        else:
+            technique = self._technique_phase(self._base(), self._stages, self._m)
         return SHARD if technique is None else technique  # SHARD: nothing left (done)
+
+    def _one_stage_phase(self) -> int | None:
+        """One stage's next technique decision: recomputation, then sequence parallelism
+        where the plan splits a model axis; None when both are made."""
+        if self._remat is None:
+            return REMAT
+        if self._sp is None and self.one_stage.sequence_parallel_applies(self._base()):
+            return SEQPAR
+        return None
 
     def done(self) -> bool:
         if self._stages is None or not self.sub(self._stages).done():
             return False
-        return self._stages == 1 or (self._m is not None and self.phase() == SHARD)
+        return (self._stages == 1 or self._m is not None) and self.phase() == SHARD
 
     def decisions(self) -> tuple[int, ...]:
         return tuple(self._actions)
@@ -148,10 +170,13 @@ class HybridProcess(StagedProcess):
 
     def running(self) -> tuple[float, bool, float]:
         """Before the pipeline is complete: the shard process's plan so far on one stage's
-        devices, as S equal stages with no bubble (time and memory over S)."""
+        devices, as S equal stages with no bubble (time and memory over S). One stage's
+        techniques: the plan so far with them."""
         if self._stages is None:
             return self.baseline_time, True, 0.0
-        if self.done() and self._stages > 1:
+        if self._stages > 1 and self.done():
+            return self.result()
+        if self._stages == 1 and (self._remat or self._sp):
             return self.result()
         time_s, fits, over = self.sub(self._stages).running()
         if self._stages == 1:
@@ -161,7 +186,11 @@ class HybridProcess(StagedProcess):
 
     def result(self) -> tuple[float, bool, float]:
         if self._stages == 1:
-            return self.shard_top.result()
+            intra = self._intra()
+            if not intra.remat and not intra.sequence_parallel:
+                return self.shard_top.result()
+            plan = self.one_stage.plan(intra)
+            return cost_summary(plan.predicted) if plan is not None else (np.inf, False, 10.0)
         intra = self._intra()
         cuts = self._cuts(intra)
         cost = self.pricer.price(intra, self._m, cuts, self._chunks, self._split).cost
@@ -187,7 +216,11 @@ class HybridProcess(StagedProcess):
             self.step(a)
         try:
             if self._stages == 1:
-                return self.space.to_plan(*self.shard_top.to_point(decisions[1:]), name=name)
+                intra = self._intra()
+                if intra.remat or intra.sequence_parallel:
+                    return dataclasses.replace(self.one_stage.plan(intra), name=name)
+                point = self.shard_top.to_point(self.shard_top.decisions())
+                return self.space.to_plan(*point, name=name)
             intra, chunks = self._intra(), self._chunks
             plan = self.pricer.plan(
                 intra, self._m, self._cuts(intra), f"{name} (hybrid)", chunks, self._split
@@ -200,35 +233,76 @@ class HybridProcess(StagedProcess):
         finally:
             self.reset()
 
-    def decisions_for(self, stages: int, mesh, assignment, zero: int, m: int) -> tuple | None:
+    def decisions_for(
+        self, stages: int, mesh, assignment, zero: int, m: int, techniques: Sequence[int] = ()
+    ) -> tuple | None:
         """The decisions of a point given as an assignment (an expert's), if in the space;
-        no technique."""
+        `techniques`: the actions of the technique decisions the point offers, in order
+        (recomputation, sequence parallelism, chunks; none, off, one chunk past them or
+        where masked)."""
         if stages not in self.stage_choices:
             return None
         inner = self.sub(stages).decisions_for(mesh, assignment, zero)
         if inner is None:
             return None
-        if stages == 1:
-            return (0, *inner)
         self.reset()
         try:
             for a in (self.stage_choices.index(stages), *inner):
                 self.step(a)
-            choices = self._mb_choices()
-            if m not in choices:
-                return None
-            self.step(choices.index(m))
+            if stages > 1:
+                choices = self._mb_choices()
+                if m not in choices:
+                    return None
+                self.step(choices.index(m))
+            wanted = list(techniques)
             while not self.done():
-                self.step(0)  # recomputation none, sequence parallelism off, one chunk
+                action = wanted.pop(0) if wanted else 0
+                self.step(action if self.action_mask()[action] else 0)
             return self.decisions()
         finally:
             self.reset()
+
+
+class OneStagePlans:
+    """One-stage plans with the techniques, built and priced by the whole cost model as
+    the dp searcher's one-stage walk prices its variants; each once (the agent replays
+    its best points)."""
+
+    def __init__(self, space: ShardSpace):
+        self.space = space
+        self._plans: dict[Intra, Plan | None] = {}
+
+    def sequence_parallel_applies(self, intra: Intra) -> bool:
+        """The plan splits its model axis and its stream splits on it."""
+        if intra.stage_mesh.get(MODEL, 1) == 1 or MODEL not in intra.assign.values():
+            return False
+        return self.plan(intra.with_techniques(False, "full", True)) is not None
+
+    def plan(self, intra: Intra) -> Plan | None:
+        """`intra` as one stage's plan, priced; None where it cannot be built (a sequence
+        the model axis does not divide)."""
+        if intra not in self._plans:
+            model = self.space.cost_model
+            try:
+                plan = plan_from_assignment(
+                    model.graph, model.groups, intra.stage_mesh, intra.assign,
+                    name="dqn", zero_stage=intra.zero_stage,
+                )  # fmt: skip
+                plan = dataclasses.replace(plan, remat=intra.remat, remat_policy=intra.remat_policy)
+                if intra.sequence_parallel:
+                    plan = sequence_parallel(model.graph, model.groups, plan, MODEL)
+                plan = dataclasses.replace(plan, predicted=model.estimate(plan))
+            except PlanError:
+                plan = None
+            self._plans[intra] = plan
+        return self._plans[intra]
 
 
 class _NoPipeline:
     """Stands in for the pricer when the step cannot be cut: S = 1 only."""
 
     cands: tuple[int, ...] = ()
+    aligned: tuple[int, ...] = ()
     batch, microbatching = 1, False
 
     def __init__(self, model):
