@@ -129,14 +129,23 @@ would go 0 0.79 -> 1.09, 3 0.90 -> 1.09, 8 0.67 -> 0.82, the 2-layer gpt under Z
 (5.6 MiB of copies) 0.82 -> 1.03, but the plans without ZeRO over (the 2-layer gpt 0.79
 -> 1.21, plan 1 1.06 -> 1.23): plan 1's activations are priced at 529 MiB where XLA's
 peak holds 406 of its own besides the copies (the over-pricing ae2f8ab read on plans 1,
-5, 10, which the unpriced copies offset). Plan 8's peak holds, besides its 15 MiB of
-copies, 30 MiB made in the forward and read in the backward: the layers' float32 inputs
-its remat keeps (10), and 20 it does not make again: 11 of bf16 matmul outputs ([8, 128,
-512], [8, 128, 1024], [8, 8, 64, 128]) and the float32 [8, 128, 2048] input of a
-replicated MLP's GELU (op 862 of 4109 to 2398); its FLOPs are 1.08 of XLA's (plans 0, 7:
-1.07, 1.04; the remat plans without ZeRO 0.99-1.00). Not priced: the copies need the
-gradient layouts `_scatter` reads and the reuse of the freed arguments; the over-priced
-remat activations are `_remat`'s.
+5, 10, which the unpriced copies offset). Priced at op 642 of 2276 (the last layer's
+recompute; the model's own peak, `_buffers.step_buffers` under the plan's splits), plan
+1 holds two float32 [128, 128, 2048] (256 MiB, its MLP is replicated over model): the
+recomputed pre-activation and the backward's dy @ wo^T; XLA writes the first (128 MiB,
+`convolution_add_fusion.1`, op 955 of 2803, its peak) and runs the second in the matmul
+kernel that multiplies it by GELU's derivative, writing the bf16 product the next
+matmuls read (64 MiB): an output fusion `Lowering.fuses_matmul_operands` does not price:
+192 MiB there where 256 are priced, 64 of the 123 over. Plan 8's peak holds, besides its
+15 MiB of copies, 30 MiB made in the forward and read in the backward: the layers'
+float32 inputs its remat keeps (10), and 20 it does not make again: 11 of bf16 matmul
+outputs ([8, 128, 512], [8, 128, 1024], [8, 8, 64, 128]) and the float32 [8, 128, 2048]
+input of a replicated MLP's GELU (op 862 of 4109 to 2398); its FLOPs are 1.08 of XLA's
+(plans 0, 7: 1.07, 1.04; the remat plans without ZeRO 0.99-1.00). Not priced here: the
+copies need the gradient layouts `_scatter` reads and a rule for the freed arguments'
+reuse, the output fusion a rule in `_fusion.in_memory_tensors` read on more than this
+step; either alone moves plans out. Scripts and dumps' readers: /work/runs/s8/tpumem/scr
+(peak.py, copies.py, modelpeak.py).
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
