@@ -40,14 +40,14 @@ making another plan match. gpt (`--models gpt`, 5 min): collectives 8 of 12 (7 a
 7747e9e), memory 7 of 12 (the same figures plan by plan); plan 7 (ZeRO-3, remat) now
 matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gather@data
 49.7 MiB priced at 7747e9e, XLA 38.6). The table holds the latest figures: gpt's at
-ae2f8ab, llama's at 016c381 (the two paragraphs after
+5a0e217, llama's at 016c381 (the three paragraphs after
 it); f493fda's table follows it.
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
-| gpt   | 8 of 12     | 7 of 12      | 2 of 6          | 3 of 8       | 1 of 2           |
+| gpt   | 9 of 12     | 8 of 12      | 2 of 6          | 4 of 8       | 1 of 2           |
 | llama | 8 of 12     | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
-| all   | 16 of 24 (67%) | 17 of 24 (71%) |            |              |                  |
+| all   | 17 of 24 (71%) | 18 of 24 (75%) |            |              |                  |
 
 At f493fda (2026-12-05): gpt compiled again at 13f0d92 (`--plans 12 --models gpt`, 22 min
 on a loaded machine): 8 of 12 collectives, 7 of 12 memory, plan by plan as at ae2f8ab;
@@ -104,6 +104,48 @@ collectives 8 of 12 (5 before; plans 0, 10, 11 now match), memory 10 of 12 as be
 Plan 9's lookup now matches too; it still fails on three bf16[512, 192] ZeRO-3 gradients
 XLA all-reduces whole where reduce-scattered is priced (`_cost/_scatter.py`'s rule).
 gpt was not compiled again after it (8 of 12 at ae2f8ab).
+
+gpt compiled again at 5a0e217 (2026-12-05, `--plans 12 --models gpt`, 28 min on two
+cores shared with another bench): collectives 9 of 12 (plans 0 and 7 now match; 4, 8, 9
+do not), memory 8 of 12. Against ae2f8ab the remat plans without ZeRO moved in (plan 1
+1.27 -> 1.06, 10 1.13 -> 1.06, 5 1.10 -> 1.06), plan 6 moved down (1.02 -> 0.87) and the
+ZeRO remat plans further under (7 0.79 -> 0.69, 8 0.72 -> 0.67, 0 0.79); the GPipe plan
+4 1.16 as before; 2, 3, 9, 11 as before. Read in the buffer assignment of plans 0, 1, 3,
+8 (each compiled alone, `XLA_FLAGS=--xla_dump_to`, its live ranges at the peak) and of
+the 2-layer gpt of tests/test_verify_tpu.py on 2x2x1 (dp 4, full remat): XLA's TPU runs
+Adam's update of every matrix a dot's gradient writes in that gradient's layout ({0,1})
+and relays what the update reads into it by copies of the step's arguments, which its
+scheduler makes early in the forward (they read only arguments) and holds to the update:
+without ZeRO the parameter and both moments (the 2-layer gpt: all 36 of its 12 matrices,
+18 MiB, alive at its peak; plan 1: 102 MiB of 82 arguments, all alive at its peak),
+under ZeRO-1/2 the whole parameter where ZeRO splits its major dim (not a kernel split
+on its rows by model; plan 0: 39 MiB, 24 alive at its peak, plan 8: 17.3 / 15, plan 3
+without remat: 32 MiB) and, for some, the moments' shards (the 2-layer gpt's MLP output
+kernels at dp 4), not for others (a replicated [2048, 512] kernel at data 16 is sliced
+in place, copied at data 32). None of it is priced. A copy frees its donated argument's
+buffer, which XLA fills with temporaries only in part (the 2-layer gpt: 6.8 of 18.7 MiB;
+plan 1: 13 of 76), so the copies are not a fixed term: priced whole, the ZeRO plans
+would go 0 0.79 -> 1.09, 3 0.90 -> 1.09, 8 0.67 -> 0.82, the 2-layer gpt under ZeRO-1
+(5.6 MiB of copies) 0.82 -> 1.03, but the plans without ZeRO over (the 2-layer gpt 0.79
+-> 1.21, plan 1 1.06 -> 1.23): plan 1's activations are priced at 529 MiB where XLA's
+peak holds 406 of its own besides the copies (the over-pricing ae2f8ab read on plans 1,
+5, 10, which the unpriced copies offset). Priced at op 642 of 2276 (the last layer's
+recompute; the model's own peak, `_buffers.step_buffers` under the plan's splits), plan
+1 holds two float32 [128, 128, 2048] (256 MiB, its MLP is replicated over model): the
+recomputed pre-activation and the backward's dy @ wo^T; XLA writes the first (128 MiB,
+`convolution_add_fusion.1`, op 955 of 2803, its peak) and runs the second in the matmul
+kernel that multiplies it by GELU's derivative, writing the bf16 product the next
+matmuls read (64 MiB): an output fusion `Lowering.fuses_matmul_operands` does not price:
+192 MiB there where 256 are priced, 64 of the 123 over. Plan 8's peak holds, besides its
+15 MiB of copies, 30 MiB made in the forward and read in the backward: the layers'
+float32 inputs its remat keeps (10), and 20 it does not make again: 11 of bf16 matmul
+outputs ([8, 128, 512], [8, 128, 1024], [8, 8, 64, 128]) and the float32 [8, 128, 2048]
+input of a replicated MLP's GELU (op 862 of 4109 to 2398); its FLOPs are 1.08 of XLA's
+(plans 0, 7: 1.07, 1.04; the remat plans without ZeRO 0.99-1.00). Not priced here: the
+copies need the gradient layouts `_scatter` reads and a rule for the freed arguments'
+reuse, the output fusion a rule in `_fusion.in_memory_tensors` read on more than this
+step; either alone moves plans out. Scripts and dumps' readers: /work/runs/s8/tpumem/scr
+(peak.py, copies.py, modelpeak.py).
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
