@@ -2,10 +2,14 @@
 
     python benchmarks/bench_pipeline_dqn.py                  # gpt-1.3b on a100x32, and a small row
     python benchmarks/bench_pipeline_dqn.py --budget 60 --rows small
+    python benchmarks/bench_pipeline_dqn.py --budget 60 --rows sc21-1.7B,korthikanti-22B
 
 Per row: the dp searcher's plan and the DQN hybrid plan under the same budget_s, each with
-its step time, mesh, microbatches and wall time, and the ratio DQN / dp (below 1: the DQN's
-plan is faster). The problem is built once per row, outside the clocks.
+its step time, its shape (mesh, microbatches, schedule and techniques) and wall time, and
+the ratio DQN / dp (below 1: the DQN's plan is faster). The problem is built once per row,
+outside the clocks. Besides the zoo rows, two published ones (issue 26 item 6): SC'21's
+1.7B row (32 A100s) and Korthikanti et al.'s 22B row (8 A100s), their models as
+`automap bench` prices them (`_bench.job_of`, the Korthikanti row's `job`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import automap as am
+from automap._bench import KORTHIKANTI_TABLE, MEGATRON_TABLE, job_of, plan_shape, train_step
 from automap._search import Problem, run_searcher
 from automap._zoo import get_model
 
@@ -27,11 +32,31 @@ ROWS = {
 }
 
 
+# name -> the published row's job (model settings, cluster, devices)
+PUBLISHED = {
+    "sc21-1.7B": lambda: job_of(next(r for r in MEGATRON_TABLE if r.params_b == 1.7)),
+    "korthikanti-22B": lambda: next(r for r in KORTHIKANTI_TABLE if r.name == "22B").job(),
+}
+
+
+def problem_of(name: str) -> tuple[Problem, str]:
+    if name in PUBLISHED:
+        job = PUBLISHED[name]()
+        spec, cluster = job.spec(), job.cluster_of()
+        step = train_step(spec)  # donating its state, as the published runs update in place
+    elif name in ROWS:
+        model, overrides, chip, devices = ROWS[name]
+        spec, cluster = get_model(model, **overrides), am.Cluster.preset(chip, devices)
+        step = spec.step_fn
+    else:
+        raise SystemExit(f"unknown row {name!r}: use one of {sorted([*ROWS, *PUBLISHED])}")
+    problem = Problem.build(step, spec.abstract_args(), cluster)
+    return problem, f"{name} {cluster.name}x{cluster.devices}"
+
+
 def _row(name: str, budget: float, seed: int) -> dict:
-    model, overrides, chip, devices = ROWS[name]
-    spec = get_model(model, **overrides)
-    problem = Problem.build(spec.step_fn, spec.abstract_args(), am.Cluster.preset(chip, devices))
-    out = {"row": f"{name} {chip}x{devices}"}
+    problem, label = problem_of(name)
+    out = {"row": label}
     for searcher, task in (("dp", "hybrid"), ("dqn", "hybrid")):
         start = time.perf_counter()
         plan = run_searcher(problem, searcher, budget, seed, task=task)
@@ -40,7 +65,7 @@ def _row(name: str, budget: float, seed: int) -> dict:
 
 
 def _describe(plan: am.Plan) -> str:
-    return f"{plan.mesh} m={plan.microbatches}"
+    return plan_shape(plan)
 
 
 def main() -> None:

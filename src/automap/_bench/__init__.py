@@ -20,6 +20,8 @@ from ._compare import to_json as to_json
 from ._isolated import PlanJob as PlanJob
 from ._isolated import plan_isolated as plan_isolated
 from ._isolated import plan_job_main as plan_job_main
+from ._isolated import plan_shape as plan_shape
+from ._isolated import train_step as train_step
 from ._korthikanti import KORTHIKANTI_TABLE as KORTHIKANTI_TABLE
 from ._korthikanti import KorthikantiRow as KorthikantiRow
 from ._korthikanti import korthikanti_table as korthikanti_table
@@ -38,6 +40,7 @@ from ._maxtext import maxtext_table as maxtext_table
 from ._maxtext import select_maxtext_rows as select_maxtext_rows
 from ._megatron import MEGATRON_TABLE as MEGATRON_TABLE
 from ._megatron import MegatronRow as MegatronRow
+from ._megatron import job_of as job_of
 from ._megatron import megatron_table as megatron_table
 from ._megatron import model_flops as model_flops
 from ._megatron import select_rows as select_rows
