@@ -147,6 +147,29 @@ reuse, the output fusion a rule in `_fusion.in_memory_tensors` read on more than
 step; either alone moves plans out. Scripts and dumps' readers: /work/runs/s8/tpumem/scr
 (peak.py, copies.py, modelpeak.py).
 
+The freed arguments' reuse, read in the buffer assignment of the 2-layer gpt on 2x2x1 (dp
+4, full remat; 2026-12-05, no commit moves a price): it is XLA's BufferAssigner rule for
+donated parameters, not a fraction. Each donated parameter's allocation (109, 19.96 MiB)
+is one reusable allocation of the parameter's size, holding the parameter until its last
+reader (the update's copy, early in the forward) and the new state from the update on;
+in between XLA places there temporaries no larger than it whose live ranges miss the
+allocation's other values (the relayout copies of other parameters included): 16.3 MiB
+of them at its peak (8.8 of copies, 7.5 of activations and gradients), none larger than
+its allocation. Priced offline so (/work/runs/s8/tpucopies/scr/reprice.py: the cost
+model's own buffers plus the copies, placed by decreasing size into the smallest donated
+allocation they fit whose parameter is dead over their whole live range, no compile):
+the 2-layer gpt under full remat 0.79 -> 0.94 (copies whole 1.21), under ZeRO-1 0.82 ->
+0.93 (1.04), without remat 0.89 -> 1.07 (1.37); the 12 gpt plans against 5a0e217's
+figures: 0 0.79 -> 0.93, 1 1.06 -> 1.14, 3 0.90 -> 0.94, 5 1.06 -> 1.08, 6 0.87 ->
+0.92, 8 0.67 -> 0.73, 10 1.06 -> 1.08, 2 and 9 0.92, 0.93 -> 0.92, 0.94 (7, ZeRO-3, and
+the pipelines 4 and 11 not re-priced): memory 9 of 12 where 8. With plan 1's output
+fusion (64 MiB off its priced peak) 1.14 -> ~1.04. Not in `_cost` yet: the placement is a
+greedy over one plan's local buffer sizes, which `_liveness`'s per-group-set moments do
+not carry; and replayed on XLA's own values the greedy places 52 values (17.5 MiB) XLA
+places in donated allocations elsewhere and 284 small ones (7.0 MiB) the other way, by
+the rules it leaves out (an operand's allocation tried first, values aliased into one
+buffer; /work/runs/s8/tpucopies/scr/greedy.py).
+
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
 fails on collectives (11 of 24) and memory (16 of 24). 922a0e8 keeps whole the groups of
