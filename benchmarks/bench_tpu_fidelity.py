@@ -166,9 +166,13 @@ the pipelines 4 and 11 not re-priced): memory 9 of 12 where 8. With plan 1's out
 fusion (64 MiB off its priced peak) 1.14 -> ~1.04. Not in `_cost` yet: the placement is a
 greedy over one plan's local buffer sizes, which `_liveness`'s per-group-set moments do
 not carry; and replayed on XLA's own values the greedy places 52 values (17.5 MiB) XLA
-places in donated allocations elsewhere and 284 small ones (7.0 MiB) the other way, by
-the rules it leaves out (an operand's allocation tried first, values aliased into one
-buffer; /work/runs/s8/tpucopies/scr/greedy.py).
+places in donated allocations elsewhere and 284 small ones (7.0 MiB) the other way,
+whether or not it tries an operand's allocation first and breaks size ties by post order
+(/work/runs/s8/tpucopies/scr/greedy.py): XLA leaves a relayout copy made at op 354 (1
+MiB) out of the slot freed at 353 that the replay gives it, and puts there 1 MiB
+activations made later (435-442, 583-590, 600-737), so the reuse's total is read, not yet
+its order (the values XLA aliases into one buffer, and the TPU's memory-space assignment
+before it, are left out of the replay).
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
