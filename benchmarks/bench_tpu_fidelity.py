@@ -157,22 +157,28 @@ allocation's other values (the relayout copies of other parameters included): 16
 of them at its peak (8.8 of copies, 7.5 of activations and gradients), none larger than
 its allocation. Priced offline so (/work/runs/s8/tpucopies/scr/reprice.py: the cost
 model's own buffers plus the copies, placed by decreasing size into the smallest donated
-allocation they fit whose parameter is dead over their whole live range, no compile):
+allocation they fit whose parameter is dead over their whole live range, ties by birth
+in the jaxpr's order, not XLA's post order; no compile):
 the 2-layer gpt under full remat 0.79 -> 0.94 (copies whole 1.21), under ZeRO-1 0.82 ->
 0.93 (1.04), without remat 0.89 -> 1.07 (1.37); the 12 gpt plans against 5a0e217's
 figures: 0 0.79 -> 0.93, 1 1.06 -> 1.14, 3 0.90 -> 0.94, 5 1.06 -> 1.08, 6 0.87 ->
 0.92, 8 0.67 -> 0.73, 10 1.06 -> 1.08, 2 and 9 0.92, 0.93 -> 0.92, 0.94 (7, ZeRO-3, and
 the pipelines 4 and 11 not re-priced): memory 9 of 12 where 8. With plan 1's output
-fusion (64 MiB off its priced peak) 1.14 -> ~1.04. Not in `_cost` yet: the placement is a
-greedy over one plan's local buffer sizes, which `_liveness`'s per-group-set moments do
-not carry; and replayed on XLA's own values the greedy places 52 values (17.5 MiB) XLA
-places in donated allocations elsewhere and 284 small ones (7.0 MiB) the other way,
-whether or not it tries an operand's allocation first and breaks size ties by post order
-(/work/runs/s8/tpucopies/scr/greedy.py): XLA leaves a relayout copy made at op 354 (1
-MiB) out of the slot freed at 353 that the replay gives it, and puts there 1 MiB
-activations made later (435-442, 583-590, 600-737), so the reuse's total is read, not yet
-its order (the values XLA aliases into one buffer, and the TPU's memory-space assignment
-before it, are left out of the replay).
+fusion (64 MiB off its priced peak, offline) 1.14 -> 1.04. The
+rule replayed on XLA's own values (/work/runs/s8/tpucopies/scr/greedy.py: each value of
+the temp and donated allocations, by decreasing size, ties by the entry computation's
+post order, into the smallest donated allocation it fits whose parameter, new state and
+earlier occupants its live range misses) places exactly the values XLA places, every
+value over 1 KiB (2-layer gpt, dp 4, full remat: 268 values, 57.8 MiB); ties broken by
+live range instead, 52 values (17.5 MiB) go elsewhere, so the order matters and a
+per-moment packing is wrong (it takes every copy into a freed slot: no plan moves).
+Under ZeRO-1 (the same step, dp 4) XLA places no all-gather result (the updated
+parameters gathered) in a donated allocation; with that, 0.57 MiB of 47.4 differ. Not in
+`_cost` yet: the placement is a greedy in post order over one plan's local buffer sizes,
+which `_liveness`'s per-group-set moments do not carry, and which arguments are copied
+is read on these plans only (without ZeRO, each 2-D parameter a dot reads and its
+moments; under ZeRO-1/2 the parameter alone where its moments are split on their first
+dim: plan 0 31 of the 39 MiB read).
 
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
