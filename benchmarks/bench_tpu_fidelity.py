@@ -155,16 +155,21 @@ reader (the update's copy, early in the forward) and the new state from the upda
 in between XLA places there temporaries no larger than it whose live ranges miss the
 allocation's other values (the relayout copies of other parameters included): 16.3 MiB
 of them at its peak (8.8 of copies, 7.5 of activations and gradients), none larger than
-its allocation. Priced offline so (/work/runs/s8/tpucopies/scr/reprice.py: the cost
-model's own buffers plus the copies, placed by decreasing size into the smallest donated
-allocation they fit whose parameter is dead over their whole live range, ties by birth
-in the jaxpr's order, not XLA's post order; no compile):
-the 2-layer gpt under full remat 0.79 -> 0.94 (copies whole 1.21), under ZeRO-1 0.82 ->
-0.93 (1.04), without remat 0.89 -> 1.07 (1.37); the 12 gpt plans against 5a0e217's
-figures: 0 0.79 -> 0.93, 1 1.06 -> 1.14, 3 0.90 -> 0.94, 5 1.06 -> 1.08, 6 0.87 ->
-0.92, 8 0.67 -> 0.73, 10 1.06 -> 1.08, 2 and 9 0.92, 0.93 -> 0.92, 0.94 (7, ZeRO-3, and
-the pipelines 4 and 11 not re-priced): memory 9 of 12 where 8. With plan 1's output
-fusion (64 MiB off its priced peak, offline) 1.14 -> 1.04. The
+its allocation. Priced offline so (/work/runs/s8/tpucopies/scr/reprice.py, no compile:
+the cost model's own buffers plus the copies, each from its parameter's first reader to
+its update, placed by decreasing size into the smallest donated allocation they fit whose
+parameter is dead over their whole live range, size ties by the post order of the jaxpr's
+graph from its outputs, a copy just before its update; `POST=1`): the 2-layer gpt under
+full remat 0.79 -> 0.98 (copies whole 1.21), under ZeRO-1 0.82 -> 0.95 (1.04), without
+remat 0.89 -> 1.13 (1.37); the gpt plans against 5a0e217's figures: 0 0.79 -> 0.95, 1
+1.06 -> 1.16, 3 0.90 -> 0.94, 5 1.06 -> 1.08, 6 0.87 -> 0.93, 8 0.67 -> 0.74, 10 1.06 ->
+1.09, 2 and 9 0.92, 0.93 -> 0.92, 0.94 (7, ZeRO-3, and the pipelines 4 and 11 not
+re-priced): memory 8 of 12 as before, plan 0 in and plan 1 out. With plan 1's output
+fusion too (`OUTFUSE=1`: a backward float32 matmul output read only by elementwise ops,
+one a multiply, held as the bf16 product, 60 MiB off its priced peak) plan 1 0.96 alone,
+1.06 with the copies, the rest as with the copies alone but plan 8 (0.70): 9 of 12, the
+two mechanisms moving only together, as read at 5a0e217. (Size ties by birth instead of
+post order: 0 0.93, 1 1.14, 9 of 12 with the copies alone.) The
 rule replayed on XLA's own values (/work/runs/s8/tpucopies/scr/greedy.py: each value of
 the temp and donated allocations, by decreasing size, ties by the entry computation's
 post order, into the smallest donated allocation it fits whose parameter, new state and
