@@ -168,7 +168,12 @@ re-priced): memory 8 of 12 as before, plan 0 in and plan 1 out. With plan 1's ou
 fusion too (`OUTFUSE=1`: a backward float32 matmul output read only by elementwise ops,
 one a multiply, held as the bf16 product, 60 MiB off its priced peak) plan 1 0.96 alone,
 1.06 with the copies, the rest as with the copies alone but plan 8 (0.70): 9 of 12, the
-two mechanisms moving only together, as read at 5a0e217. (Size ties by birth instead of
+two mechanisms moving only together, as read at 5a0e217. The output fusion read on the
+2-layer gpt (dp 4, full remat, /work/runs/s8/tpucopies/d0): `fusion.433`, kind kOutput,
+runs dy @ wo^T (f32 [4, 128, 1024]) with GELU's whole backward (its tanh made again from
+the pre-activation) and writes only the bias gradient (f32 [1024]) and the bf16 product
+the next two matmuls read; the float32 matmul output is never written. (Size ties by
+birth instead of
 post order: 0 0.93, 1 1.14, 9 of 12 with the copies alone.) The
 rule replayed on XLA's own values (/work/runs/s8/tpucopies/scr/greedy.py: each value of
 the temp and donated allocations, by decreasing size, ties by the entry computation's
