@@ -147,6 +147,49 @@ reuse, the output fusion a rule in `_fusion.in_memory_tensors` read on more than
 step; either alone moves plans out. Scripts and dumps' readers: /work/runs/s8/tpumem/scr
 (peak.py, copies.py, modelpeak.py).
 
+The freed arguments' reuse, read in the buffer assignment of the 2-layer gpt on 2x2x1 (dp
+4, full remat; 2026-12-05, no commit moves a price): it is XLA's BufferAssigner rule for
+donated parameters, not a fraction. Each donated parameter's allocation (109, 19.96 MiB)
+is one reusable allocation of the parameter's size, holding the parameter until its last
+reader (the update's copy, early in the forward) and the new state from the update on;
+in between XLA places there temporaries no larger than it whose live ranges miss the
+allocation's other values (the relayout copies of other parameters included): 16.3 MiB
+of them at its peak (8.8 of copies, 7.5 of activations and gradients), none larger than
+its allocation. Priced offline so (/work/runs/s8/tpucopies/scr/reprice.py, no compile:
+the cost model's own buffers plus the copies, each from its parameter's first reader to
+its update, placed by decreasing size into the smallest donated allocation they fit whose
+parameter is dead over their whole live range, size ties by the post order of the jaxpr's
+graph from its outputs, a copy just before its update; `POST=1`): the 2-layer gpt under
+full remat 0.79 -> 0.98 (copies whole 1.21), under ZeRO-1 0.82 -> 0.95 (1.04), without
+remat 0.89 -> 1.13 (1.37); the gpt plans against 5a0e217's figures: 0 0.79 -> 0.95, 1
+1.06 -> 1.16, 3 0.90 -> 0.94, 5 1.06 -> 1.08, 6 0.87 -> 0.93, 8 0.67 -> 0.74, 10 1.06 ->
+1.09, 2 and 9 0.92, 0.93 -> 0.92, 0.94 (7, ZeRO-3, and the pipelines 4 and 11 not
+re-priced): memory 8 of 12 as before, plan 0 in and plan 1 out. With plan 1's output
+fusion too (`OUTFUSE=1`: a backward float32 matmul output read only by elementwise ops,
+one a multiply, held as the bf16 product, 60 MiB off its priced peak) plan 1 0.96 alone,
+1.06 with the copies, the rest as with the copies alone but plan 8 (0.70): 9 of 12, the
+two mechanisms moving only together, as read at 5a0e217. The output fusion read on the
+2-layer gpt (dp 4, full remat, /work/runs/s8/tpucopies/d0): `fusion.433`, kind kOutput,
+runs dy @ wo^T (f32 [4, 128, 1024]) with GELU's whole backward (its tanh made again from
+the pre-activation) and writes only the bias gradient (f32 [1024]) and the bf16 product
+the next two matmuls read; the float32 matmul output is never written. (Size ties by
+birth instead of
+post order: 0 0.93, 1 1.14, 9 of 12 with the copies alone.) The
+rule replayed on XLA's own values (/work/runs/s8/tpucopies/scr/greedy.py: each value of
+the temp and donated allocations, by decreasing size, ties by the entry computation's
+post order, into the smallest donated allocation it fits whose parameter, new state and
+earlier occupants its live range misses) places exactly the values XLA places, every
+value over 1 KiB (2-layer gpt, dp 4, full remat: 268 values, 57.8 MiB); ties broken by
+live range instead, 52 values (17.5 MiB) go elsewhere, so the order matters and a
+per-moment packing is wrong (it takes every copy into a freed slot: no plan moves).
+Under ZeRO-1 (the same step, dp 4) XLA places no all-gather result (the updated
+parameters gathered) in a donated allocation; with that, 0.57 MiB of 47.4 differ. Not in
+`_cost` yet: the placement is a greedy in post order over one plan's local buffer sizes,
+which `_liveness`'s per-group-set moments do not carry, and which arguments are copied
+is read on these plans only (without ZeRO, each 2-D parameter a dot reads and its
+moments; under ZeRO-1/2 the parameter alone where its moments are split on their first
+dim: plan 0 31 of the 39 MiB read).
+
 Measured at 922a0e8 (2026-12-04, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 17 min beside the test suite): the criterion
 fails on collectives (11 of 24) and memory (16 of 24). 922a0e8 keeps whole the groups of
