@@ -218,7 +218,10 @@ class HybridProcess(StagedProcess):
             if self._stages == 1:
                 intra = self._intra()
                 if intra.remat or intra.sequence_parallel:
-                    return dataclasses.replace(self.one_stage.plan(intra), name=name)
+                    plan = self.one_stage.plan(intra)
+                    if plan is None:  # rewarded as infeasible, never an agent's best
+                        raise AutomapError(f"the decisions {tuple(decisions)} make no plan")
+                    return dataclasses.replace(plan, name=name)
                 point = self.shard_top.to_point(self.shard_top.decisions())
                 return self.space.to_plan(*point, name=name)
             intra, chunks = self._intra(), self._chunks
