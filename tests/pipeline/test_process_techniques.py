@@ -24,6 +24,7 @@ from automap._search import (
     run_space_searcher,
     search_dp,
 )
+from automap._search._runner import recipe_seeds
 from automap._space import ShardSpace, axis_assignment, batch_groups, block_groups
 from automap._zoo import get_model
 
@@ -138,6 +139,27 @@ def test_one_stage_takes_the_techniques_as_the_dp_searchers_one_stage_plan_does(
         assert bool(again.feasible) == fits
         seen.add((plan.remat_label, plan.sequence_parallel))
     assert len(seen) == 2 * len(REMATS)
+
+
+def test_the_hybrid_dqn_is_seeded_with_megatrons_2022_recipe_on_one_stage(gpt):
+    """The seeds include one stage of Megatron at each power-of-two tensor size, ZeRO off
+    and ZeRO-2, plain and with selective recomputation and the stream split: the plan of
+    Korthikanti's 22B row (data 2 x model 4, ZeRO-2, both techniques) among them."""
+    _, space, base = gpt
+    hybrid = make_pipeline_process(space, "hybrid", base)
+    plans = [hybrid.to_plan(d) for d in recipe_seeds(hybrid) if d is not None]
+    one_stage = {
+        (tuple(p.mesh.items()), p.zero_stage, p.remat_label, p.sequence_parallel)
+        for p in plans
+        if not p.pipelined
+    }
+    for tp in (2, 4, 8):
+        mesh = tuple({k: v for k, v in ((DATA, 8 // tp), (MODEL, tp)) if v > 1}.items())
+        assert (mesh, 0, "selective", MODEL) in one_stage
+        assert (mesh, 0, "none", None) in one_stage
+        if tp < 8:
+            assert (mesh, 2, "selective", MODEL) in one_stage
+    assert any(p.pipelined and p.sequence_parallel for p in plans)
 
 
 def test_techniques_change_the_price_they_should(gpt):

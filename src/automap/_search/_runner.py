@@ -285,7 +285,7 @@ def _dqn_pipeline(
             seeds.append(process.decisions_for(1, mesh, assignment, zero, 1))
             # And as Megatron's 2022 recipe runs it: the stream split, selective recompute.
             seeds.append(process.decisions_for(1, mesh, assignment, zero, 1, MODERN))
-        seeds.extend(_pipeline_seeds(process))
+        seeds.extend(recipe_seeds(process))
     seeds = list(dict.fromkeys(s for s in seeds if s is not None))
     rate = PIPELINE_EPISODES_PER_SECOND
     decisions, stats = _run_dqn(process, space, seeds, budget_s, seed, bar, rate, files)
@@ -312,7 +312,7 @@ def _polished(process, plan: Plan) -> Plan:
     return polish_techniques(process.model, plan, tuple(pricer.cands[i] for i in pricer.aligned))
 
 
-def _pipeline_seeds(process) -> list[tuple[int, ...] | None]:
+def recipe_seeds(process) -> list[tuple[int, ...] | None]:
     """Hybrid decisions of the experts' recipes: every power-of-two S, stages data parallel
     or Megatron over the node x data, the most microbatches, ZeRO off; on one stage
     Megatron at every power-of-two tensor size within the node, ZeRO off and (over data)
