@@ -9,13 +9,12 @@ import pytest
 
 import automap as am
 from automap._cost import AxisCosts, gather_beta
-from automap._run import TPU_OVERLAP_FLAGS, Prepared, make_mesh
+from automap._run import TPU_OVERLAP_FLAGS
 from automap._verify import (
     axis_of,
     compile_plan,
     overlapped_bytes,
     scheduled_collectives,
-    tpu_devices,
     verify,
 )
 from automap._zoo import get_model
@@ -183,8 +182,9 @@ def tpu_fsdp_llama():
     """A 2-layer bf16 Llama under ZeRO-3 (FSDP, layer by layer) over a v5p 2x2x1 slice,
     verified for the slice (compiled as `am.apply` compiles it for TPUs, with XLA's async
     collective fusion flags, `automap._run.TPU_OVERLAP_FLAGS`): (step, args, plan,
-    cluster, report, scheduled collectives). Compiled once: verify reads the executable
-    whose schedule the tests read (it took 45 s of the suite to compile it twice)."""
+    cluster, report, scheduled collectives, the compiled plan's `Prepared`). Compiled
+    once: verify reads the executable whose schedule the tests read (it took 45 s of the
+    suite to compile it twice)."""
     spec = get_model(
         "llama", layers=2, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
     )
@@ -193,7 +193,8 @@ def tpu_fsdp_llama():
     plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4, zero=3), cluster=v5p)
     compiled = compile_plan(step, plan, args, target="v5p:2x2x1")
     report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
-    return step, args, plan, v5p, report, scheduled_collectives(compiled[1].as_text())
+    scheduled = scheduled_collectives(compiled[1].as_text())
+    return step, args, plan, v5p, report, scheduled, compiled[0]
 
 
 @pytest.mark.slow  # a Llama compiled for 4 v5p chips: ~30 s on two loaded cores
@@ -202,7 +203,7 @@ def test_a_tpu_runs_fsdp_gathers_as_chains_beside_the_matmuls(tpu_fsdp_llama):
     # Verify compiles for a TPU with the flags the runtime sets there: ZeRO-3's gathers
     # run as async collective fusion chains, matmuls inside (at XLA's default TPU flags
     # every collective was synchronous and this read {}).
-    *_, report, scheduled = tpu_fsdp_llama
+    *_, report, scheduled, _ = tpu_fsdp_llama
     hidden = report.xla_overlapped_bytes["all-gather@data"]
     assert 0.5 * report.xla_comm_bytes["all-gather@data"] < hidden
     chains = [s for s in scheduled if s.asynchronous and s.collective.kind == "all-gather"]
@@ -220,7 +221,7 @@ def test_a_tpu_hides_fsdp_gathers_as_the_model_prices(tpu_fsdp_llama):
     # compute from the previous weight's reader to its own) takes off the forward's
     # share (the backward's second gathers, priced by their own field, on here too): the
     # price hides between half of what the schedule does and all of it.
-    step, args, plan, v5p, _, scheduled = tpu_fsdp_llama
+    step, args, plan, v5p, _, scheduled, _ = tpu_fsdp_llama
     assert v5p.lowering.overlaps_prefetch
     beta = gather_beta(AxisCosts(v5p, plan.mesh), 1)  # the data axis, the mesh's only
     chains = [s for s in scheduled if s.asynchronous and s.collective.kind == "all-gather"]
@@ -249,19 +250,23 @@ def _assert_priced_hidden(step, args, plan, cluster, field: str, schedule: float
     assert cost.collectives == serial.collectives  # every byte still moves
 
 
-def _maxtext_shape_scheduled(layers: int, heads: int, topology: str, tp: int):
-    """A bf16 Llama (hidden 1024) in MaxText's shape, ZeRO-3 on data 2 and the stream
-    split on model `tp` under `projections`, compiled for v5p `topology` as the runtime
-    compiles it: (step, args, cluster, plan, its scheduled collectives)."""
+@pytest.fixture(scope="module")
+def maxtext_shape():
+    """A 4-layer bf16 Llama (hidden 1024, 8 heads) in MaxText's shape, ZeRO-3 on data 2
+    and the stream split on model 4 under `projections`, compiled for v5p 2x2x2 as the
+    runtime compiles it: (step, args, cluster, plan, its scheduled collectives). One
+    compile for the tests of both axes' backward gathers (each compiled its own: 2x2x1
+    with model 2 for the stream's, whose data axis the price hides more of than its
+    schedule does, 131 against 125 us)."""
     spec = get_model(
-        "llama", layers=layers, hidden=1024, heads=heads, kv_heads=heads, ffn=3584, seq=512,
-        batch=16, vocab=1024,
+        "llama", layers=4, hidden=1024, heads=8, kv_heads=8, ffn=3584, seq=512, batch=16,
+        vocab=1024,
     )  # fmt: skip
     step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology=topology)
-    recipe = am.Recipe(dp=2, tp=tp, zero=3, sequence_parallel=True, remat="projections")
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    recipe = am.Recipe(dp=2, tp=4, zero=3, sequence_parallel=True, remat="projections")
     plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
-    _, compiled = compile_plan(step, plan, args, target=f"v5p:{topology}")
+    _, compiled = compile_plan(step, plan, args, target="v5p:2x2x2")
     return step, args, v5p, plan, scheduled_collectives(compiled.as_text())
 
 
@@ -271,9 +276,9 @@ def _on_axis(scheduled, plan, axis: str) -> list:
             if axis_of(s.collective.kind, s.collective.groups, plan.mesh) == axis]  # fmt: skip
 
 
-@pytest.mark.slow  # a Llama compiled for 4 v5p chips: ~50 s of CPU
+@pytest.mark.slow  # a 4-layer Llama compiled for 8 v5p chips (the fixture): ~40 s of CPU
 @pytest.mark.tpu_compile
-def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
+def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced(maxtext_shape):
     # MaxText's shape (ZeRO-3 on the data axis, tensor parallelism with the stream split
     # on the model axis, `projections`) compiled as the runtime does: XLA's TPU chains
     # the backward's model-axis gathers (the cotangents and the norms' outputs gathered
@@ -281,9 +286,10 @@ def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
     # synchronously. At the model's own rates the chains hide what the price
     # (`Lowering.overlaps_stream_gathers`: each backward gather beside the ops from the
     # matmul before its reader that does not make its tensor) takes off, within a factor
-    # of two (413 and 324 us); serial, it took none. (With one layer XLA leaves more of
-    # the gathers synchronous, the first layer's backward's, and the price hid more.)
-    step, args, v5p, plan, scheduled = _maxtext_shape_scheduled(2, 4, "2x2x1", tp=2)
+    # of two (695 and 424 us; with 2 layers on model 2, 413 and 324); serial, it took
+    # none. (With one layer XLA leaves more of the gathers synchronous, the first
+    # layer's backward's, and the price hid more.)
+    step, args, v5p, plan, scheduled = maxtext_shape
     on_model = _on_axis(scheduled, plan, "model")
     assert not any(s.asynchronous for s in on_model if s.collective.kind != "all-gather")
     chains = [s for s in on_model if s.asynchronous and s.collective.kind == "all-gather"]
@@ -295,9 +301,9 @@ def test_a_tpu_hides_the_split_streams_backward_gathers_as_priced():
     _assert_priced_hidden(step, args, plan, v5p, "overlaps_stream_gathers", schedule)
 
 
-@pytest.mark.slow  # a 4-layer Llama compiled for 8 v5p chips: ~40 s of CPU
+@pytest.mark.slow  # shares the fixture's compile
 @pytest.mark.tpu_compile
-def test_a_tpu_hides_fsdp_backward_gathers_as_priced():
+def test_a_tpu_hides_fsdp_backward_gathers_as_priced(maxtext_shape):
     # MaxText's shape (ZeRO-3 on the data axis, the stream split on the model axis,
     # `projections`) compiled as the runtime does: XLA's TPU chains ZeRO-3's second
     # gathers (each matrix gathered again for the backward) beside the backward's
@@ -305,7 +311,7 @@ def test_a_tpu_hides_fsdp_backward_gathers_as_priced():
     # and the gathers a layer's reduction precedes synchronously. At the model's rates
     # the chains after the step's first gradient reduction (the backward's) hide 169 us;
     # the price (`Lowering.overlaps_backward_gathers`) takes off 131 us, serial none.
-    step, args, v5p, plan, scheduled = _maxtext_shape_scheduled(4, 8, "2x2x2", tp=4)
+    step, args, v5p, plan, scheduled = maxtext_shape
     on_data = _on_axis(scheduled, plan, "data")
     reductions = [s for s in on_data if s.collective.kind != "all-gather"]
     assert reductions and not any(s.asynchronous for s in reductions)
@@ -320,25 +326,18 @@ def test_a_tpu_hides_fsdp_backward_gathers_as_priced():
     _assert_priced_hidden(step, args, plan, v5p, "overlaps_backward_gathers", schedule)
 
 
-@pytest.mark.slow  # one Llama compiled twice for 8 v5p chips: ~100 s on two loaded cores
+@pytest.mark.slow  # one more compile of the fixture's Llama (4 v5p chips)
 @pytest.mark.tpu_compile
-def test_a_tpu_with_maxtexts_flags_runs_fsdp_gathers_beside_matmuls():
-    # ZeRO-3 Llama on v5p 2x2x2: at XLA's default TPU flags no collective is
-    # asynchronous; with MaxText's (which the runtime jits TPU programs with), gathers
-    # run as async collective fusion chains with matmuls inside, and the chains move the
-    # same bytes as the default program's gathers (each counted once, not once per step).
-    spec = get_model(
-        "llama", layers=2, hidden=512, heads=4, kv_heads=4, ffn=1792, seq=512, batch=16, vocab=1024
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
-    recipe = am.Recipe(dp=8, zero=3, remat="projections")
-    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
-    prepared = Prepared(step, plan, make_mesh(plan, tpu_devices("v5p:2x2x2", [8])), args)
+def test_a_tpu_with_maxtexts_flags_runs_fsdp_gathers_beside_matmuls(tpu_fsdp_llama):
+    # The fixture's ZeRO-3 Llama on v5p 2x2x1: at XLA's default TPU flags no collective
+    # is asynchronous; with MaxText's (which the runtime jits TPU programs with: the
+    # fixture's program), gathers run as async collective fusion chains with matmuls
+    # inside, and the chains move the same bytes as the default program's gathers (each
+    # counted once, not once per step). The same program compiled at the defaults only.
+    _, args, plan, _, _, fused, prepared = tpu_fsdp_llama
     lowered = prepared.jitted.lower(*prepared.abstract_args(args))
     off = {flag: "false" for flag in TPU_OVERLAP_FLAGS}  # XLA's TPU defaults
     default = scheduled_collectives(lowered.compile(compiler_options=off).as_text())
-    fused = scheduled_collectives(lowered.compile().as_text())  # as the runtime jits it
     assert not any(s.asynchronous for s in default)
     assert len(fused) == len(default)
     moved = {k: total for k, (_, total) in overlapped_bytes(default, plan.mesh).items()}

@@ -127,6 +127,7 @@ def sends(
     two stages (one message per tensor and receiving stage, sent one after another)."""
     S, m = part.n_stages, max(1, microbatches)
     stage, phase = np.array(part.op_stage), phase_codes(part)
+    post_code = int(Phase.POST)  # an int, as PER_MICROBATCH's: fast against phase's
     consumers = graph.consumers()
     # Per direction (forward, backward) and cut, per microbatch: seconds, bytes, messages.
     lag, moved = np.zeros((2, max(S - 1, 0))), np.zeros((2, max(S - 1, 0)))
@@ -171,7 +172,7 @@ def sends(
                     moved[d, cut] += mb
                     messages[d, cut] += 1
             else:
-                late = phase[p] in (*PER_MICROBATCH, Phase.POST) and Phase.POST in q_phases
+                late = phase[p] in (*PER_MICROBATCH, post_code) and post_code in q_phases
                 (post if late else pre)[q] += send(b, ps, links.between(ps, q))
     floats = (tuple(float(x) for x in a) for a in (*lag, pre, post, sent))
     return Sends(

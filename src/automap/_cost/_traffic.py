@@ -41,8 +41,14 @@ from ._residuals import stage_residuals
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
-PER_MICROBATCH = (Phase.FWD, Phase.BWD, Phase.WGT)  # the phases run once per microbatch
-_BACKWARD = (Phase.BWD, Phase.WGT)  # a microbatch's backward, split in two or not
+# The phases as plain ints, for the per-op loops that compare an element of a phase array
+# (`phase_codes`, numpy int64) with them: compared with an IntEnum member, numpy probes the
+# member's class for its array protocols, each miss a Python-level EnumType.__getattr__ on
+# Python 3.11 (three a comparison, about 3 us against 0.03; the stage DP's ZB-H1 search in
+# tests/pipeline made 370,000). Equal and hashing alike, they key what `Phase`s do.
+_PRE, _FWD, _BWD, _POST = int(Phase.PRE), int(Phase.FWD), int(Phase.BWD), int(Phase.POST)
+PER_MICROBATCH = (_FWD, _BWD, int(Phase.WGT))  # the phases run once per microbatch
+_BACKWARD = PER_MICROBATCH[1:]  # a microbatch's backward, split in two or not
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -222,7 +228,7 @@ def _once_made(inp: StageMemoryInputs, out: list[dict[str, float]], op_state: np
     ZeRO-3's gathered parameters (by the update's layout where only the update reads
     one: the partition runs an op whose results only the update reads with it)."""
     phase, consumers, stage = inp.phase, inp.consumers, inp.stage
-    pre, post, per_microbatch = int(Phase.PRE), int(Phase.POST), (int(Phase.FWD), int(Phase.BWD))
+    pre, post, per_microbatch = _PRE, _POST, (_FWD, _BWD)
     for index in np.flatnonzero(phase == pre).tolist():  # the pre ops only, in order
         op = inp.graph.ops[index]
         for t in op.outputs:
@@ -265,10 +271,10 @@ def _residuals(
     for s, kept in enumerate(kept_per_stage):
         for t in kept:
             p = graph.tensors[t].producer
-            if phase[p] == Phase.PRE:
+            if phase[p] == _PRE:
                 continue  # the runtime's one copy, held by `_once_made`
             b = graph.tensors[t].nbytes * inp.lay.inv[t]
-            per_mb = phase[p] == Phase.FWD
+            per_mb = phase[p] == _FWD
             if per_mb and t in part.batched:
                 b /= inp.m
             out[s]["activations"] += b * (copies[s] if per_mb else 1)
@@ -351,7 +357,7 @@ def post_outputs(graph: Graph, phase: np.ndarray, zeroed, zero_stage: int) -> di
         int(t): zeroed(int(t), on[k])
         for k, b in enumerate(kinds)
         for t in b.tensor
-        if phase[graph.tensors[int(t)].producer] == Phase.POST
+        if phase[graph.tensors[int(t)].producer] == _POST
     }
 
 
@@ -525,7 +531,7 @@ def _remade(
     consumers = graph.consumers()
     again = set(res.recomputed)
     for ts, stored in zip(res.layer_saved, layer_stored, strict=True):
-        reads = [c for t in ts for c in consumers[t] if phase[c] == Phase.BWD]
+        reads = [c for t in ts for c in consumers[t] if phase[c] == _BWD]
         if not reads:
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
