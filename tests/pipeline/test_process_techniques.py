@@ -21,10 +21,10 @@ from automap._search import (
     Problem,
     baseline_time,
     make_pipeline_process,
+    recipe_seeds,
     run_space_searcher,
     search_dp,
 )
-from automap._search._runner import recipe_seeds
 from automap._space import ShardSpace, axis_assignment, batch_groups, block_groups
 from automap._zoo import get_model
 

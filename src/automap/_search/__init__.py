@@ -62,6 +62,7 @@ from ._runner import expert_seeds as expert_seeds
 from ._runner import expert_start as expert_start
 from ._runner import leanest_point as leanest_point
 from ._runner import one_stage_ilp as one_stage_ilp
+from ._runner import recipe_seeds as recipe_seeds
 from ._runner import run_space_searcher as run_space_searcher
 from ._runner import search_dqn as search_dqn
 from ._runner import space_of as space_of
