@@ -38,7 +38,12 @@ def plan_recompute(graph: Graph, groups: Groups, plan: Plan) -> Recompute:
         blocks = block_ops(graph, groups)
         cores = attention_cores(graph, blocks)
         res = find_residuals(graph)
-        chains = widened_chains(graph, blocks, cores, set(res.saved), res.boundary)
+        # A pipeline stage's B makes them again already (`_remake.py`).
+        chains = (
+            ()
+            if plan.stages
+            else widened_chains(graph, blocks, cores, set(res.saved), res.boundary)
+        )
         units = sorted([c for c in cores if c] + list(chains), key=min)
         rc = recompute_units(graph, units)
         return rc.rereading(regathered_reads(graph, plan, blocks, res.boundary))
