@@ -301,7 +301,10 @@ def test_a_recomputed_layer_gathers_its_norms_outputs_again_on_a_gpu(remat):
             ("selective", am.plan_recipe(step, *args, recipe=kept, cluster=A100)),
         )
     }
-    assert gathers[remat] == gathers["selective"] + 2 * 2  # two norms a layer, two layers
+    # Selective recomputation gathers the norms' outputs again too (`_remat.
+    # regathered_reads`, Megatron-LM's split copy kept): two more a layer than no remat
+    # before, the same as full and projections (tests/test_selective_regather.py).
+    assert gathers[remat] == gathers["selective"]
 
 
 @pytest.mark.gpu_compile
@@ -475,10 +478,9 @@ def _fused_bf16_gpt():
                 "against 46.7, test_on_a_gpu_the_split_plan_under_full_recomputation_holds_"
                 "what_xla_holds), the plain plan at 0.78x (62.5 against 80.5): its saving "
                 "14.2 MB against 33.8. Found in XLA's A100 buffer assignment, not priced: "
-                "(2) XLA keeps the forward's float32 stream sums for the norms' backward (4 x 8 MB "
-                "at the plain selective peak), where the model makes them again from their "
-                "operands: priced, selective's saving is 37.6 MB but the plain plan's layer "
-                "17.8 sbh against Korthikanti's 13. "
+                "((2), XLA keeping the forward's float32 stream sums for the norms' backward, "
+                "is gone under selective: the runtime makes each norm's float32 chain again "
+                "from its bf16 input, `_remat/_chains.py`.) "
                 "(3) XLA fuses a norm's backward, the stream's cotangent sum and the next "
                 "norm's backward into one kernel, and runs layer 1's recompute before it: the "
                 "plain peak (67.1 MB summed from the live ranges, at layer 1's second norm's "
@@ -492,19 +494,22 @@ def _fused_bf16_gpt():
 )
 def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # What the split frees, priced against what it frees in XLA's A100 programs (mixed
-    # precision, Megatron's fused softmax): selective 40.7 MB priced against 41.0 MB, full
+    # precision, Megatron's fused softmax): selective 36.0 MB priced against 43.4 MB, full
     # 14.2 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
     # under selective, every activation (priced 0), as much as XLA's program holds. The
-    # plain plans' own prices are 0.79x (selective) and 0.78x (full) XLA's here, the split
-    # plans' 0.67x and 1.04x. The split plans hold each stream tensor a matmul reads as a
+    # plain plans' own prices are 0.835x (selective, 81.8 against 98.0 MB) and 0.78x (full)
+    # XLA's here, the split plans' 0.84x (45.8 against 54.6) and 1.04x. Selective
+    # recomputation makes each norm's float32 chain again from its bf16 input and, under
+    # the split, gathers each norm's output again in the backward, as Megatron-LM does
+    # (`_remat/_chains.py`): XLA kept the forward's float32 sums (4 x 8 MB) and gathered
+    # copies (4 x 4 MB) instead (114.4 and 73.5 MB before, priced 0.79x and 0.675x; the
+    # saving 40.7 against 41.0). What the plain plan holds beyond its price is at the
+    # head's norm backward: its float32 input gradient, two float32 column operands, the
+    # head's forward float32 sum and the all-reduced cotangent widened (mechanism (3)
+    # below). The split plans hold each stream tensor a matmul reads as a
     # whole gathered copy per pass (`_seqpar.gathered_copies`: under full recomputation
     # 3 x 4 MB at XLA's peak, a layer's MLP backward; 0.955x before, priced at a whole
-    # all-reduce bucket the plan does not reduce, above its activations). Under selective
-    # XLA keeps the forward's copy of each norm's output for the weight gradients (4 x 4 MB
-    # at its peak): priced so, the split plan is 66.4 MB (0.90x) but saves 23.9 MB, and
-    # Korthikanti's Table 2 saving per layer drops from 7 sbh to 3
-    # (test_selective_recomputation_keeps_the_split_stream_at_its_split_size), since
-    # Megatron-LM gathers it again in the backward: priced as Megatron holds it. Under full
+    # all-reduce bucket the plan does not reduce, above its activations). Under full
     # recomputation each layer's input is kept as itself, split (`_residuals.barrier_inputs`),
     # not as its summands held whole (the plain plan was 0.84x with them, 67.5 MB).
     step, args = _fused_bf16_gpt()

@@ -35,6 +35,9 @@ class Residuals:
     # Per recomputed layer, the residuals its recomputation makes (alive in its backward);
     # `saved_remat` holds the largest layer's, a pipeline stage its own largest.
     layer_saved: tuple[tuple[int, ...], ...] = ()
+    # Forward tensors the backward reads as a value of its own, kept as they are (a split
+    # stream tensor, gathered again there: `_remat.Recompute.rereading`).
+    reread: tuple[int, ...] = ()
 
 
 def find_residuals(graph: Graph) -> Residuals:

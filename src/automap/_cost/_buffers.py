@@ -258,7 +258,8 @@ def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
     and the stream's cotangent, summed through the norms' backward, float32 from one
     norm's backward to the next (`Lowering.float32_norm_buffers`). (XLA also keeps the
     forward's float32 sums for the norms' backward where the model makes them again from
-    their operands, `_residuals.stored_residuals`: not priced, see tests/test_seqpar.py.)"""
+    their operands, `_residuals.stored_residuals`: not priced; under selective
+    recomputation the runtime makes them again, `_remat/_chains.py`.)"""
     x = graph.tensors[t]
     p = x.producer
     if not (

@@ -202,7 +202,7 @@ class CostModel:
         low = self.cluster.lowering
         terms = split = None
         if plan.sequence_parallel:
-            again = self.residuals.recomputed if plan.remat else ()  # their gathers run again
+            again = self.residuals if plan.remat else ()  # their gathers run again
             terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes, again,
                                  taken=backward_taken(self.coefs.prefetch, plan, low))  # fmt: skip
             # The stream's tensors 1/t where the step holds them, before its peak is placed.

@@ -39,6 +39,7 @@ from collections.abc import Collection, Mapping
 
 import numpy as np
 
+from .._capture import Residuals
 from .._graph import Graph
 from .._groups import KEPT_WHOLE, Groups, layouts, reduced_dims
 from .._plan import Collective, Cost, Plan, Spec
@@ -83,7 +84,7 @@ def seqpar_terms(
     groups: Groups,
     plan: Plan,
     float_bytes: int = 0,
-    recomputed: Collection[int] = (),
+    recomputed: Collection[int] | Residuals = (),
     boundary: int | None = None,
     taken: Collection[int] | None = (),
 ) -> SeqparTerms:
@@ -92,7 +93,11 @@ def seqpar_terms(
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
     the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
-    gathers run again there (`_regathered`); `taken`: as `stream_windows`'s (None: none)."""
+    gathers run again there (`_regathered`), or its `Residuals`, whose `reread` tensors
+    are gathered again too; `taken`: as `stream_windows`'s (None: none)."""
+    reread: set[int] = set()
+    if isinstance(recomputed, Residuals):
+        recomputed, reread = recomputed.recomputed, set(recomputed.reread)
     axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
     lay = layouts(graph, groups, assignment)
     split = _split_tensors(plan, lay, str(axis))
@@ -146,7 +151,7 @@ def seqpar_terms(
                 tensors.append(t)
                 ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
-    extra = _regathered(graph, at, tensors, recomputed, boundary is not None)
+    extra = _regathered(graph, at, tensors, recomputed, boundary is not None, reread)
     again = [False] * len(ag) + [True] * len(extra)
     ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
@@ -170,22 +175,29 @@ def _split_tensors(plan: Plan, lay, axis: str) -> set[int]:
 
 
 def _regathered(
-    graph: Graph, at: list[int], gathered: list[int], recomputed: set[int], staged: bool
+    graph: Graph,
+    at: list[int],
+    gathered: list[int],
+    recomputed: set[int],
+    staged: bool,
+    reread: Collection[int] = (),
 ) -> list[int]:
     """Of the gathers (`gathered`: each one's tensor, `at`: the op reading it whole), the
     indices of those the backward makes again under recomputation. One program: a stream
     tensor made again (its producer recomputed: a norm's output under "full" and
     "projections") or read by a recomputed matmul is gathered again in the backward, once,
     for the recompute's matmuls and the weight gradients (the forward's gathered copy is
-    not kept); under "selective" the norms' outputs are kept, and with them their gathered
-    copies, so nothing is. A pipeline's backward program (`staged`) gathers per reading
+    not kept); under "selective" the norms' outputs are kept split and read afresh by the
+    backward (`reread`, `_remat.regathered_reads`: Megatron-LM's gather again), so they
+    are gathered again too. A pipeline's backward program (`staged`) gathers per reading
     backward matmul already (`seqpar_terms`): there only a recomputed forward matmul's
     gather runs again. Read in XLA's A100 programs of a 1-layer GPT and Llama at tp 2
     (tests/test_seqpar.py): two more gathers a layer under full and projections."""
     return [
         k
         for k, (t, op) in enumerate(zip(gathered, at, strict=True))
-        if op in recomputed or (not staged and graph.tensors[t].producer in recomputed)
+        if op in recomputed
+        or (not staged and (graph.tensors[t].producer in recomputed or t in reread))
     ]
 
 
@@ -294,10 +306,10 @@ def gathered_copies(
     weight gradients. Read in the buffer assignment of a 2-layer bf16 GPT at tp 8 under
     full recomputation: at its peak, an MLP's backward, the recomputed norms' outputs and
     the stream's cotangent gathered, 3 x 4 MB (tests/test_seqpar.py). Under selective
-    recomputation (and none), XLA keeps the forward's copy of a norm's output for the
-    weight gradients instead; Megatron-LM gathers it again in the backward, and so does
-    Korthikanti et al.'s Table 2, which this prices (tests/test_seqpar.py says by how
-    much the two differ)."""
+    recomputation the runtime reads a norm's output afresh in the backward, which gathers
+    it again (`_remat.regathered_reads`), as Megatron-LM and Korthikanti et al.'s Table 2
+    do; without recomputation XLA keeps the forward's copy for the weight gradients,
+    which this does not price."""
     by: dict[int, list[int]] = {}
     for t, op in reads:
         by.setdefault(t, []).append(op)

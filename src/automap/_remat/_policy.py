@@ -21,10 +21,12 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from .._capture import find_residuals
 from .._graph import Graph
 from .._groups import Groups
 from .._pipeline import Phase, partition
 from .._plan import Plan
+from ._chains import regathered_reads, widened_chains
 from ._recompute import Recompute, recompute_units
 from ._selective import attention_cores, projection_gaps
 from ._units import block_ops, layer_ops
@@ -33,7 +35,18 @@ from ._units import block_ops, layer_ops
 def plan_recompute(graph: Graph, groups: Groups, plan: Plan) -> Recompute:
     """What `plan` recomputes in `graph` (its remat is on)."""
     if plan.remat_policy == "selective":
-        return recompute_units(graph, attention_cores(graph, block_ops(graph, groups)))
+        blocks = block_ops(graph, groups)
+        cores = attention_cores(graph, blocks)
+        res = find_residuals(graph)
+        # A pipeline stage's B makes them again already (`_remake.py`).
+        chains = (
+            ()
+            if plan.stages
+            else widened_chains(graph, blocks, cores, set(res.saved), res.boundary)
+        )
+        units = sorted([c for c in cores if c] + list(chains), key=min)
+        rc = recompute_units(graph, units)
+        return rc.rereading(regathered_reads(graph, plan, blocks, res.boundary))
     layers = split_at_stages(layer_ops(graph, groups), stage_starts(plan))
     if plan.remat_policy == "projections":
         return recompute_units(graph, projection_gaps(graph, layers))

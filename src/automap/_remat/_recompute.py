@@ -62,6 +62,19 @@ class Recompute:
             owner,
         )
 
+    def rereading(self, tensors: Sequence[int]) -> Recompute:
+        """This recompute with a unit of no ops per tensor of `tensors`: the backward's
+        reads of it take a value fenced and tied as a recomputed layer's inputs are, so
+        that XLA makes what it makes from it again there (a split tensor's gather) instead
+        of keeping the forward's."""
+        n = len(self.layers)
+        return Recompute(
+            self.boundary,
+            self.layers + tuple(() for _ in tensors),
+            self.inputs + tuple((t,) for t in tensors),
+            {**self.owner, **{t: n + j for j, t in enumerate(tensors)}},
+        )
+
     def only(self, ks: Iterable[int]) -> Recompute:
         """The layers numbered `ks` (in order), the others left to keep their activations."""
         ks = sorted(set(ks))
@@ -142,14 +155,16 @@ def remat_residuals(graph: Graph, groups: Groups, rc: Recompute | None = None) -
         saved_remat=tuple(sorted(kept | set(largest))),
         recomputed=tuple(sorted(rc.ops)),
         layer_saved=tuple(per_layer),
+        reread=tuple(sorted(t for t, k in rc.owner.items() if not rc.layers[k])),
     )
 
 
 def layer_residuals(graph: Graph, rc: Recompute, saved: set[int]) -> list[tuple[int, ...]]:
-    """Per layer, the residuals its recomputation makes again (alive during its backward)."""
+    """Per layer, the residuals its recomputation makes again (alive during its backward):
+    not a reread unit's tensor, kept as it is (`Recompute.rereading`)."""
     out: list[list[int]] = [[] for _ in rc.layers]
     for t, k in rc.owner.items():
-        if t in saved:
+        if t in saved and rc.layers[k]:
             out[k].append(t)
     return [tuple(sorted(ts)) for ts in out]
 
