@@ -91,14 +91,11 @@ def seqpar_terms(
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
-    runs as a program of its own, which gathers per reading matmul. `recomputed`: the ops
-    the plan's recomputation runs again in the backward (`Residuals.recomputed`), whose
-    gathers run again there (`_regathered`), or its `Residuals`, whose `reread` tensors
-    are gathered again too; `taken`: as `stream_windows`'s (None: none)."""
-    reread: set[int] = set()
-    if isinstance(recomputed, Residuals):
-        recomputed, reread = recomputed.recomputed, set(recomputed.reread)
-    axis, assignment, recomputed = plan.sequence_parallel, plan.assignment or {}, set(recomputed)
+    is a program of its own, which gathers per reading matmul. `recomputed`: the ops run
+    again in the backward, whose gathers run again (`_regathered`), or the `Residuals`,
+    whose `reread` tensors are gathered again too; `taken`: as `stream_windows`'s."""
+    recomputed, reread = _run_again(recomputed)
+    axis, assignment = plan.sequence_parallel, plan.assignment or {}
     lay = layouts(graph, groups, assignment)
     split = _split_tensors(plan, lay, str(axis))
     consumers = graph.consumers()
@@ -162,6 +159,13 @@ def seqpar_terms(
         () if boundary is not None or taken is None else stream_windows(graph, at, again, split, taken),
         tuple(whole),
     )  # fmt: skip
+
+
+def _run_again(recomputed: Collection[int] | Residuals) -> tuple[set[int], set[int]]:
+    """(the ops a recomputation runs again, the tensors its backward reads afresh)."""
+    if isinstance(recomputed, Residuals):
+        return set(recomputed.recomputed), set(recomputed.reread)
+    return set(recomputed), set()
 
 
 def _split_tensors(plan: Plan, lay, axis: str) -> set[int]:
