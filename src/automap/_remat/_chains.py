@@ -31,11 +31,11 @@ from collections.abc import Collection, Sequence
 from .._graph import Graph, TensorKind
 from .._groups import ELEMENTWISE, FREE, REDUCE_SUM_LIKE
 from .._plan import Plan
+from ._remake import FUSED_READERS, remade_chain
 
 # What a chain runs again: elementwise, layout and summing ops (a norm's mean and
 # variance), fused by XLA into the backward kernels that read them.
 _CHAIN = ELEMENTWISE | FREE | REDUCE_SUM_LIKE
-_FUSED_READERS = ELEMENTWISE | FREE | REDUCE_SUM_LIKE | {"transpose", "concatenate", "pad"}
 _WIDENS = "convert_element_type"
 _DOT = "dot_general"
 
@@ -59,13 +59,13 @@ def widened_chains(
         kept = {t for t in saved if t not in made}
         chains: list[set[int]] = []
         for t in residuals:
-            chain = (
-                _chain(graph, t, inside, kept) if _fused(graph, t, boundary, consumers) else None
-            )
+            fused = _fused(graph, t, boundary, consumers)
+            chain = remade_chain(graph, t, inside, kept, _CHAIN, True) if fused else None
             if chain is None:
                 kept.add(t)
                 continue
-            ops, sources = chain
+            through, sources = chain
+            ops = {graph.tensors[u].producer for u in through}
             new = sum(graph.tensors[u].nbytes for u in sources - kept)
             if new < graph.tensors[t].nbytes and _widened(graph, ops):
                 chains.append(ops)
@@ -78,7 +78,7 @@ def widened_chains(
 
 def _fused(graph: Graph, t: int, boundary: int, consumers) -> bool:
     """Whether every backward reader of t takes it inside its own fusion."""
-    return all(graph.ops[c].primitive in _FUSED_READERS for c in consumers[t] if c > boundary)
+    return all(graph.ops[c].primitive in FUSED_READERS for c in consumers[t] if c > boundary)
 
 
 def _widened(graph: Graph, ops: set[int]) -> bool:
@@ -95,41 +95,6 @@ def _widened(graph: Graph, ops: set[int]) -> bool:
         if src.nbytes < out.nbytes and src.kind is not TensorKind.CONST:
             return True
     return False
-
-
-def _chain(
-    graph: Graph, t: int, inside: set[int], kept: set[int]
-) -> tuple[set[int], set[int]] | None:
-    """(the ops that make t again, the tensors they read from outside the chain), or None
-    where t's own op is not one a chain runs."""
-    ops: set[int] = set()
-    sources: set[int] = set()
-    todo, seen = [t], set()
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        tensor = graph.tensors[u]
-        p = tensor.producer
-        if tensor.kind is TensorKind.CONST:
-            continue
-        if u != t and u in kept:
-            sources.add(u)
-            continue
-        if p is None or p not in inside or graph.ops[p].primitive not in _CHAIN:
-            if u == t:
-                return None
-            sources.add(u)
-            continue
-        ops.add(p)
-        op = graph.ops[p]
-        src = graph.tensors[op.inputs[0]]
-        if op.primitive == _WIDENS and src.nbytes < tensor.nbytes:
-            sources.add(op.inputs[0])  # made again from the narrow value, not from its sum
-            continue
-        todo.extend(op.inputs)
-    return ops, sources
 
 
 def _merged(chains: list[set[int]]) -> list[set[int]]:

@@ -31,7 +31,7 @@ from .._pipeline import Partition, Phase
 _REMAKES = ELEMENTWISE | FREE
 # Readers that take a remade value inside their own fusion (a matmul does not: its
 # operands are worth keeping).
-_FUSED_READERS = ELEMENTWISE | FREE | REDUCE_SUM_LIKE | {"transpose", "concatenate", "pad"}
+FUSED_READERS = ELEMENTWISE | FREE | REDUCE_SUM_LIKE | {"transpose", "concatenate", "pad"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ def remake_residuals(
     remade: set[int] = set()
     for t in sorted((t for t in reads if t in made), key=lambda t: graph.tensors[t].producer):
         fused = _fused(graph, t, inside, consumers)
-        chain = _chain(graph, t, inside, stored) if fused else None
+        chain = remade_chain(graph, t, inside, stored) if fused else None
         if chain is None:
             stored.add(t)
             continue
@@ -89,14 +89,22 @@ def _per_microbatch(part: Partition, graph: Graph, t: int) -> bool:
 
 def _fused(graph: Graph, t: int, inside: set[int], consumers) -> bool:
     """Whether every reader of t outside the forward takes it inside its own fusion."""
-    return all(graph.ops[c].primitive in _FUSED_READERS for c in consumers[t] if c not in inside)
+    return all(graph.ops[c].primitive in FUSED_READERS for c in consumers[t] if c not in inside)
 
 
-def _chain(
-    graph: Graph, t: int, inside: set[int], stored: set[int]
+def remade_chain(
+    graph: Graph,
+    t: int,
+    inside: set[int],
+    stored: set[int],
+    runs: frozenset[str] | set[str] = _REMAKES,
+    from_narrow: bool = False,
 ) -> tuple[set[int], set[int]] | None:
     """(the tensors made again to make t, t included; the tensors they are made from), or
-    None where t's own op cannot be made again."""
+    None where t's own op cannot be made again: the walk back through ops of `inside`
+    whose primitive is in `runs`, stopping at `stored` tensors. `from_narrow`: a convert
+    that widens a float is made again from its narrow input, not from what made that
+    (selective recomputation's norm chains, `_chains.py`)."""
     through: set[int] = set()
     sources: set[int] = set()
     todo = [t]
@@ -111,13 +119,18 @@ def _chain(
         if u != t and u in stored:
             sources.add(u)
             continue
-        if p is None or p not in inside or graph.ops[p].primitive not in _REMAKES:
+        if p is None or p not in inside or graph.ops[p].primitive not in runs:
             if u == t:
                 return None
             sources.add(u)
             continue
         through.add(u)
-        todo.extend(graph.ops[p].inputs)
+        op = graph.ops[p]
+        narrow = graph.tensors[op.inputs[0]].nbytes < tensor.nbytes
+        if from_narrow and op.primitive == "convert_element_type" and narrow:
+            sources.add(op.inputs[0])
+            continue
+        todo.extend(op.inputs)
     return through, sources
 
 
