@@ -148,12 +148,8 @@ class OneStagePolish:
             raise _Spent
         self.work.add(VARIANT_WORK * len(self.model.graph.ops))
         self.priced += 1
-        attention = self._attention_of(base)
-        plan = dataclasses.replace(base, remat=remat[0], remat_policy=remat[1], attention=attention)
         try:
-            if sp:
-                plan = sequence_parallel(self.model.graph, self.model.groups, plan, MODEL)
-            plan = dataclasses.replace(plan, predicted=self.model.estimate(plan))
+            plan = technique_variant(self.model, base, sp, remat, self._attention_of(base))
         except PlanError:
             plan = None
         self._seen[key] = plan
@@ -179,6 +175,17 @@ class OneStagePolish:
                 if flash is not None and flash.step_time_s < self.model.estimate(base).step_time_s:
                     self._attention = "flash"
         return self._attention
+
+
+def technique_variant(
+    model, base: Plan, sp: bool, remat: tuple[bool, str], attention: str = "written"
+) -> Plan:
+    """`base` (a one-stage plan) with sequence parallelism, a (remat, policy) and its
+    attention, priced by the whole cost model; PlanError where the split does not apply."""
+    plan = dataclasses.replace(base, remat=remat[0], remat_policy=remat[1], attention=attention)
+    if sp:
+        plan = sequence_parallel(model.graph, model.groups, plan, MODEL)
+    return dataclasses.replace(plan, predicted=model.estimate(plan))
 
 
 def _zero3_applies(point: OneStagePoint) -> bool:

@@ -28,10 +28,11 @@ import numpy as np
 
 from ..._axes import DATA, MODEL
 from ..._errors import AutomapError, PlanError
-from ..._groups import plan_from_assignment, sequence_parallel
+from ..._groups import plan_from_assignment
 from ..._plan import Plan
 from ..._space import ShardSpace, microbatch_counts, stage_counts
 from .._dp import polish_cuts
+from .._one_stage import technique_variant
 from .._pricer import Intra, PipelinePricer
 from ._shard_process import ShardProcess, cost_summary
 from ._staged import MICRO, REMAT, SEQPAR, SHARD, STAGES, PipelineProcess, StagedProcess
@@ -287,14 +288,12 @@ class OneStagePlans:
         if intra not in self._plans:
             model = self.space.cost_model
             try:
-                plan = plan_from_assignment(
+                base = plan_from_assignment(
                     model.graph, model.groups, intra.stage_mesh, intra.assign,
                     name="dqn", zero_stage=intra.zero_stage,
                 )  # fmt: skip
-                plan = dataclasses.replace(plan, remat=intra.remat, remat_policy=intra.remat_policy)
-                if intra.sequence_parallel:
-                    plan = sequence_parallel(model.graph, model.groups, plan, MODEL)
-                plan = dataclasses.replace(plan, predicted=model.estimate(plan))
+                remat = (intra.remat, intra.remat_policy)
+                plan = technique_variant(model, base, intra.sequence_parallel, remat)
             except PlanError:
                 plan = None
             self._plans[intra] = plan
