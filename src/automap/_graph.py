@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 
@@ -162,6 +162,27 @@ class Graph:
         life; a search asks for them again for every plan it prices (a 1T GPT's rules
         were made 1.9 million times for its 88,000 ops)."""
         return {}
+
+    def recall(
+        self, name: str, owner: object, key: Hashable, make: Callable[[], Any], keep: int
+    ) -> Any:
+        """`make()`, remembered in `memo` under `name` and `key`, the `keep` latest: for
+        values derived from this graph and `owner` (the groups they were made with,
+        compared by identity: hashing a large model's groups would cost more than most
+        values). The planner asks for the same partitions and layouts again for every
+        saver and schedule it prices."""
+        held = self.memo.setdefault(name, {})
+        if held.get("owner") is not owner:
+            held.clear()
+            held.update(owner=owner, values={})
+        values = held["values"]
+        if key in values:
+            values[key] = values.pop(key)  # the latest last
+        else:
+            values[key] = make()
+            if len(values) > keep:
+                del values[next(iter(values))]
+        return values[key]
 
     def leaves(self, role: Role) -> tuple[InputLeaf, ...]:
         return tuple(leaf for leaf in self.inputs if leaf.role == role)

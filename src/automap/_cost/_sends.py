@@ -126,15 +126,11 @@ def sends(
     """Every tensor crossing stages, each message timed alpha-beta on the link between its
     two stages (one message per tensor and receiving stage, sent one after another)."""
     S, m = part.n_stages, max(1, microbatches)
-    stage, phase = np.array(part.op_stage), phase_codes(part)
-    post_code = int(Phase.POST)  # an int, as PER_MICROBATCH's: fast against phase's
-    consumers = graph.consumers()
     # Per direction (forward, backward) and cut, per microbatch: seconds, bytes, messages.
     lag, moved = np.zeros((2, max(S - 1, 0))), np.zeros((2, max(S - 1, 0)))
     messages = np.zeros((2, max(S - 1, 0)), dtype=np.int64)
     pre, post = np.zeros(S), np.zeros(S)
     sent, count, busy = np.zeros(S), np.zeros(S, dtype=np.int64), np.zeros(S)
-    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
 
     def send(nbytes: float, sender: int, link: Link | None, times: int = 1) -> float:
         if link is None:  # two virtual stages of one group: the value stays where it is
@@ -145,35 +141,20 @@ def sends(
         busy[sender] += seconds * times
         return seconds
 
-    for t in graph.tensors:
-        readers = consumers[t.id]
-        if not readers:
-            continue
-        b = t.nbytes * lay.inv[t.id]
-        if t.producer is None:
-            # An input is handed to every stage that reads it; a parameter read on several
-            # stages (tied embeddings) is updated on one and copied to the others each step.
-            if t.id in params:
-                to = sorted({int(stage[c]) for c in readers})
-                for q in to[1:]:
-                    pre[q] += send(b, to[0], links.between(to[0], q))
-            continue
-        p, ps = t.producer, int(stage[t.producer])
-        for q in sorted({int(stage[c]) for c in readers} - {ps}):
-            q_phases = {int(phase[c]) for c in readers if stage[c] == q}
-            if phase[p] in PER_MICROBATCH and q_phases & set(PER_MICROBATCH):
-                mb = b / m if t.id in part.batched else b
-                # Forward: for stage q's forward, across the cut before it; backward:
-                # for its backward, across the cut after it.
-                d, cut = (0, q - 1) if q > ps else (1, q)
-                link = links.between(ps, q)
-                lag[d, cut] += send(mb, ps, link, m)
-                if link is not None:
-                    moved[d, cut] += mb
-                    messages[d, cut] += 1
-            else:
-                late = phase[p] in (*PER_MICROBATCH, post_code) and post_code in q_phases
-                (post if late else pre)[q] += send(b, ps, links.between(ps, q))
+    for kind, t, src, q, *where in crossings(graph, part):
+        b = graph.tensors[t].nbytes * lay.inv[t]
+        if kind == _TIED:
+            pre[q] += send(b, src, links.between(src, q))
+        elif kind == _EACH_MICROBATCH:
+            d, cut = where
+            mb = b / m if t in part.batched else b
+            link = links.between(src, q)
+            lag[d, cut] += send(mb, src, link, m)
+            if link is not None:
+                moved[d, cut] += mb
+                messages[d, cut] += 1
+        else:
+            (post if kind == _AFTER else pre)[q] += send(b, src, links.between(src, q))
     floats = (tuple(float(x) for x in a) for a in (*lag, pre, post, sent))
     return Sends(
         *floats,
@@ -184,3 +165,46 @@ def sends(
         bwd_bytes=tuple(float(x) for x in moved[1]),
         bwd_count=tuple(int(x) for x in messages[1]),
     )
+
+
+# What `crossings` says of a value crossing stages: a tied parameter copied before the
+# step, a value sent each microbatch, once before the microbatches or once after them.
+_TIED, _EACH_MICROBATCH, _BEFORE, _AFTER = range(4)
+
+
+def crossings(graph: Graph, part: Partition) -> tuple[tuple[int, ...], ...]:
+    """Every value crossing stages, in tensor order, as (kind, tensor, from stage, to
+    stage) and, for `_EACH_MICROBATCH`, (direction: 0 forward / 1 backward, cut). A
+    function of the partition alone, made once for it: `sends` prices it on each layout."""
+    return part.derived(graph, "crossings", lambda: _crossings(graph, part))
+
+
+def _crossings(graph: Graph, part: Partition) -> tuple[tuple[int, ...], ...]:
+    stage, phase = np.array(part.op_stage), phase_codes(part)
+    post_code = int(Phase.POST)  # an int, as PER_MICROBATCH's: fast against phase's
+    consumers = graph.consumers()
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    out: list[tuple[int, ...]] = []
+    for t in graph.tensors:
+        readers = consumers[t.id]
+        if not readers:
+            continue
+        if t.producer is None:
+            # An input is handed to every stage that reads it; a parameter read on several
+            # stages (tied embeddings) is updated on one and copied to the others each step.
+            if t.id in params:
+                to = sorted({int(stage[c]) for c in readers})
+                out.extend((_TIED, t.id, to[0], q) for q in to[1:])
+            continue
+        p, ps = t.producer, int(stage[t.producer])
+        for q in sorted({int(stage[c]) for c in readers} - {ps}):
+            q_phases = {int(phase[c]) for c in readers if stage[c] == q}
+            if phase[p] in PER_MICROBATCH and q_phases & set(PER_MICROBATCH):
+                # Forward: for stage q's forward, across the cut before it; backward:
+                # for its backward, across the cut after it.
+                d, cut = (0, q - 1) if q > ps else (1, q)
+                out.append((_EACH_MICROBATCH, t.id, ps, q, d, cut))
+            else:
+                late = phase[p] in (*PER_MICROBATCH, post_code) and post_code in q_phases
+                out.append((_AFTER if late else _BEFORE, t.id, ps, q))
+    return tuple(out)

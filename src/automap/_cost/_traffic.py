@@ -68,13 +68,28 @@ def stage_layouts(
     distinct axis once."""
     sizes = [1, *mesh.values()]
     d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
-    inv = np.ones(len(graph.tensors))
-    on_data = np.zeros(len(graph.tensors), dtype=bool)
-    for t in range(len(graph.tensors)):
-        axes = {int(codes[g]) for g in tensor_groups[t]} - {0}
-        inv[t] = 1.0 / math.prod(sizes[a] for a in axes)
-        on_data[t] = d in axes
+    # Each tensor's axis per dim, padded with "none" (code 0) past its rank: the stage DP
+    # asks for every point it prices, and a loop over the tensors took a tenth of it.
+    axes = np.append(np.asarray(codes, dtype=np.int64), 0)[_group_table(graph, tensor_groups)]
+    split = np.ones(len(graph.tensors))  # a product of whole numbers: exact
+    for a in range(1, len(sizes)):
+        split[(axes == a).any(axis=1)] *= sizes[a]
+    inv = 1.0 / split
+    on_data = (axes == d).any(axis=1) if d else np.zeros(len(graph.tensors), dtype=bool)
     return Layouts(inv, on_data, int(sizes[d]) if d else 1)
+
+
+def _group_table(graph: Graph, tensor_groups) -> np.ndarray:
+    """[n_tensors, most dims] the group of each tensor's dims, padded with -1 (which
+    `stage_layouts` reads as a group with no axis); made once per graph and groups."""
+    held = graph.memo.get("group_table")
+    if held is None or held[0] is not tensor_groups:
+        width = max((len(tg) for tg in tensor_groups), default=0)
+        table = np.full((len(tensor_groups), max(width, 1)), -1, dtype=np.int64)
+        for t, tg in enumerate(tensor_groups):
+            table[t, : len(tg)] = tg
+        held = graph.memo["group_table"] = (tensor_groups, table)
+    return held[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,15 +437,10 @@ def temporaries(
     skip = {leaf.tensor for leaf in graph.outputs} if which == Phase.POST else set()
     if m == 1:
         skip |= set(part.accumulated)
-    program = op_programs(graph, part) if program is None else program
-    ops = np.flatnonzero(phase == which).tolist()
-    consumers = graph.consumers()
-    last: dict[int, int] = {}
-    for i in ops:
-        for t in graph.ops[i].inputs:
-            last[t] = i
+    walk, last = _phase_walk(graph, part, which, program)
     if held and which in _BACKWARD:
-        end = {int(stage[i]): i for i in ops}  # each stage's last op of its B (or W)
+        last = dict(last)
+        end = {s: i for i, s, *_ in walk}  # each stage's last op of its B (or W)
         for t in held:
             if phase[p := graph.tensors[t].producer] == which:
                 last[t] = end[int(stage[p])]
@@ -441,16 +451,11 @@ def temporaries(
     for r in remade:
         starts.setdefault(r.first, []).append(r)
     ends: dict[int, list[Remade]] = {}
-    for i in ops:
-        op, s = graph.ops[i], stage[i]
+    for i, s, outputs, touched in walk:
         for r in starts.get(i, ()):
             held_now[r.stage] += r.nbytes
             ends.setdefault(r.last, []).append(r)
-        for t in op.outputs:
-            written = op.primitive not in FUSIBLE or any(
-                graph.ops[c].primitive not in FUSIBLE or program[c] != program[i]
-                for c in consumers[t]
-            )
+        for t, written in outputs:
             if written and t not in skip:
                 b = graph.tensors[t].nbytes * inv[t]
                 live[s][t] = b / m if t in part.batched and which in _BACKWARD else b
@@ -458,12 +463,42 @@ def temporaries(
             elif kept and t in kept:  # an output held apart: never freed in the phase
                 held_now[s] += kept[t]
         peak[s] = max(peak[s], held_now[s])
-        for t in (*op.inputs, *op.outputs):
+        for t in touched:
             if last.get(t, -1) <= i and t in live[s]:
                 held_now[s] -= live[s].pop(t)
         for r in ends.pop(i, ()):
             held_now[r.stage] -= r.nbytes
     return peak
+
+
+def _phase_walk(graph: Graph, part: Partition, which: Phase, program=None):
+    """What `temporaries` walks of phase `which`, made once per partition: per op (index,
+    stage, each output with whether a kernel writes it, the tensors it touches), and each
+    tensor's last reader in the phase."""
+
+    def make():
+        programs = op_programs(graph, part) if program is None else program
+        consumers = graph.consumers()
+        walk, last = [], {}
+        for i in np.flatnonzero(phase_codes(part) == which).tolist():
+            op = graph.ops[i]
+            for t in op.inputs:
+                last[t] = i
+            outputs = tuple(
+                (
+                    t,
+                    op.primitive not in FUSIBLE
+                    or any(
+                        graph.ops[c].primitive not in FUSIBLE or programs[c] != programs[i]
+                        for c in consumers[t]
+                    ),
+                )
+                for t in op.outputs
+            )
+            walk.append((i, int(part.op_stage[i]), outputs, (*op.inputs, *op.outputs)))
+        return tuple(walk), last
+
+    return part.derived(graph, f"phase walk {int(which)}", make)
 
 
 def held_gradients(
@@ -550,4 +585,9 @@ def _remade(
 def phase_codes(part: Partition) -> np.ndarray:
     """[n_ops] each op's `Phase`, as integers an array compares and indexes by (`Phase` is
     an IntEnum: `phase == Phase.FWD`)."""
-    return np.array(part.op_phase, dtype=np.int64)
+    return part.derived(None, "phase_codes", lambda: _read_only(np.array(part.op_phase, np.int64)))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False  # one array for every price of the partition
+    return array

@@ -13,7 +13,6 @@ from ._layouts import lookups as lookups
 from ._layouts import plan_from_assignment as plan_from_assignment
 from ._layouts import regather_plan as regather_plan
 from ._layouts import shardable as shardable
-from ._layouts import state_inputs as state_inputs
 from ._layouts import unzero_spec as unzero_spec
 from ._layouts import update_region as update_region
 from ._layouts import zero_mismatch as zero_mismatch
@@ -45,3 +44,4 @@ from ._seqpar import residual_group as residual_group
 from ._seqpar import sequence_as_recorded as sequence_as_recorded
 from ._seqpar import sequence_dims as sequence_dims
 from ._seqpar import sequence_parallel as sequence_parallel
+from ._state import state_inputs as state_inputs

@@ -9,20 +9,20 @@ pins, and with ZeRO the gradients and the update pinned to the data-sharded layo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import re
 from collections.abc import Collection, Mapping
 
 from .._axes import DATA, PIPE
 from .._capture import find_residuals, loss_boundary
-from .._graph import Graph, InputLeaf, Role, TensorKind
+from .._graph import Graph, Role, TensorKind
 from .._plan import Plan, Spec
 from ._linkage import Groups
 from ._mixed import gathers_compute, narrow_params
 from ._rules import dim_ties
+from ._state import state_inputs
 
 #: An input or output path's leading argument position (`[1]` of `[1]['mu']...`).
-_POSITION = re.compile(r"^\[\d+\]")
 
 
 def expand_classes(groups: Groups, by_class: Mapping[int, str | None]) -> dict[int, str | None]:
@@ -33,6 +33,34 @@ def expand_classes(groups: Groups, by_class: Mapping[int, str | None]) -> dict[i
 def layouts(graph: Graph, groups: Groups, assignment: Mapping[int, str | None]) -> tuple[Spec, ...]:
     """Per tensor, the mesh axis of each dim. One axis cannot split two dims of a tensor:
     the dim whose group has the smaller id keeps it (the same rule in the cost model)."""
+    return _layouts_and_drops(graph, groups, assignment)[0]
+
+
+def _layouts_and_drops(
+    graph: Graph, groups: Groups, assignment: Mapping[int, str | None]
+) -> tuple[tuple[Spec, ...], tuple[bool, ...]]:
+    """`layouts`, and per tensor whether its layout dropped a split of the assignment:
+    the few latest, as the planner makes the plans of one assignment for many points."""
+    key = frozenset(assignment.items())
+    make = functools.partial(_find_layouts, groups, dict(assignment))
+    return graph.recall("layouts", groups, key, make, keep=RECENT_LAYOUTS)
+
+
+#: How many assignments' layouts of one graph are kept (a 1T GPT's: 200,000 specs each).
+RECENT_LAYOUTS = 8
+
+
+def _find_layouts(
+    groups: Groups, assignment: Mapping[int, str | None]
+) -> tuple[tuple[Spec, ...], tuple[bool, ...]]:
+    lay = _spec_per_tensor(groups, assignment)
+    lost = tuple(
+        _dropped(spec, tg, assignment) for spec, tg in zip(lay, groups.tensor_groups, strict=True)
+    )
+    return lay, lost
+
+
+def _spec_per_tensor(groups: Groups, assignment: Mapping[int, str | None]) -> tuple[Spec, ...]:
     out = []
     for tg in groups.tensor_groups:
         spec: list[str | None] = []
@@ -170,10 +198,9 @@ def _anchors(
     # scanned dim for the loop, which leaves devices computing the same examples.
     seams.update(groups.microbatch_splits)
     shards = _shard_readers(graph, groups) if zero_stage >= 3 else frozenset()
+    lost = _layouts_and_drops(graph, groups, assignment)[1]
     for op in graph.ops:
-        dropped = any(
-            _dropped(lay[t], groups.tensor_groups[t], assignment) for t in (*op.inputs, *op.outputs)
-        )
+        dropped = any(lost[t] for t in op.inputs) or any(lost[t] for t in op.outputs)
         # ZeRO-3: a parameter is gathered where it is first used (its cast to the compute
         # dtype); unconstrained, XLA would split the matmul over data. Not where the step
         # reads the shards (a metric of the parameters): pinned whole, XLA gathered it.
@@ -339,61 +366,6 @@ def _on_groups(
             new = data_axis if not axes else (*axes, data_axis)
             return (*spec[:d], new, *spec[d + 1 :])
     return None
-
-
-def state_inputs(graph: Graph) -> dict[str, InputLeaf]:
-    """Per output path, the parameter or optimizer-state input it is the new value of: the
-    same path but for the position in the step's arguments and results (`[0]['params']`
-    in, `[1]['params']` out), where that names one input."""
-    state = [leaf for leaf in graph.inputs if leaf.role in (Role.PARAM, Role.OPT_STATE)]
-    by_path = {leaf.path: leaf for leaf in state}
-    by_tail: dict[str, list[InputLeaf]] = {}
-    for leaf in state:
-        by_tail.setdefault(_tail(leaf.path), []).append(leaf)
-    twins = _twin_positions(graph, state)
-    out = {}
-    for leaf in graph.outputs:
-        match = [by_path[leaf.path]] if leaf.path in by_path else by_tail.get(_tail(leaf.path), [])
-        twin = twins.get(_position(leaf.path))
-        if len(match) > 1 and twin is not None:
-            match = [m for m in match if _position(m.path) == twin]
-        if len(match) == 1:
-            out[leaf.path] = match[0]
-    return out
-
-
-def _twin_positions(graph: Graph, state: list[InputLeaf]) -> dict[str, str]:
-    """Per result position, the one argument position holding state of the same structure
-    (every leaf's path past the position, shape and dtype alike): Keras's stateless step
-    takes two lists (`[0][i]` variables, `[2][j]` optimizer variables) and returns them at
-    `[1]` and `[3]`, where a path past the position names a leaf of either list. Positions
-    of no twin, or of several, are left to the leaf-by-leaf match."""
-
-    def signatures(leaves) -> dict[str, frozenset]:
-        by: dict[str, set] = {}
-        for leaf in leaves:
-            x = graph.tensors[leaf.tensor]
-            by.setdefault(_position(leaf.path), set()).add((_tail(leaf.path), x.shape, x.dtype))
-        return {k: frozenset(v) for k, v in by.items()}
-
-    ins = signatures(state)
-    twins = {}
-    for position, sig in signatures(graph.outputs).items():
-        found = [p for p, s in ins.items() if s == sig]
-        if len(found) == 1:
-            twins[position] = found[0]
-    return twins
-
-
-def _position(path: str) -> str:
-    """A leaf path's leading position (`[1]['params']` -> `[1]`)."""
-    match = _POSITION.match(path)
-    return match.group(0) if match else ""
-
-
-def _tail(path: str) -> str:
-    """A leaf path without its leading position (`[1]['params']` -> `['params']`)."""
-    return _POSITION.sub("", path, count=1)
 
 
 def zero_region(graph: Graph, groups: Groups) -> tuple[tuple[int, ...], frozenset[int]]:

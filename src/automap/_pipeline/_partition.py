@@ -35,7 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._capture import find_residuals, loss_boundary
 from .._errors import PlanError
@@ -69,6 +70,19 @@ class Partition:
     def ops(self, stage: int, phase: Phase) -> tuple[int, ...]:
         """Op indices of one stage and phase, in program order."""
         return self._ops_by_place.get((stage, phase), ())
+
+    def derived(self, graph: Graph, name: str, make: Callable[[], Any]) -> Any:
+        """`make()`, a value derived from this partition of `graph`, made once: the stage
+        DP prices the same partition under other savers and schedules (`partition` keeps
+        the latest), each price asking for the same programs and phases again."""
+        held = self._derived.get(name)
+        if held is None or held[0] is not graph:
+            held = self._derived[name] = (graph, make())
+        return held[1]
+
+    @functools.cached_property
+    def _derived(self) -> dict[str, tuple[Graph, Any]]:
+        return {}
 
     @functools.cached_property
     def _ops_by_place(self) -> dict[tuple[int, int], tuple[int, ...]]:
@@ -109,9 +123,13 @@ def once_programs(
     return tuple((s, tuple(ops)) for (_, s), ops in sorted(programs.items()))
 
 
-def op_programs(graph: Graph, part: Partition) -> list[int]:
+def op_programs(graph: Graph, part: Partition) -> tuple[int, ...]:
     """Per op, the program it runs in: F, B (and W, where the backward is split) are one
     program per stage (negative ids); PRE and POST ops as `once_programs` groups them."""
+    return part.derived(graph, "op_programs", lambda: _op_programs(graph, part))
+
+
+def _op_programs(graph: Graph, part: Partition) -> tuple[int, ...]:
     per_mb = {Phase.FWD: 0, Phase.BWD: 1, Phase.WGT: 2}
     out = [
         -1 - 3 * s - per_mb.get(ph, 0) for s, ph in zip(part.op_stage, part.op_phase, strict=True)
@@ -122,7 +140,7 @@ def op_programs(graph: Graph, part: Partition) -> list[int]:
             for i in ops:
                 out[i] = n
             n += 1
-    return out
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,15 +226,46 @@ def partition(
     graph: Graph, groups: Groups, bounds: Sequence[tuple[int, int]], microbatches: int = 1
 ) -> Partition:
     """Assign every op a stage and a phase; `bounds` are the stages' (op_start, op_stop)."""
-    n_stages = len(bounds)
+    bounds = tuple((int(start), int(stop)) for start, stop in bounds)
+    # A search prices the same cuts again under other memory savers and schedules (the
+    # stage DP's points, the polish's variants): the few latest partitions are kept.
+    key = (bounds, microbatches > 1)
+    make = functools.partial(_partition, graph, groups, bounds, microbatches)
+    return graph.recall("partitions", groups, key, make, keep=RECENT_PARTITIONS)
+
+
+#: How many partitions of one graph `partition` keeps (a 1T GPT's hold 2 x 88,000 ops each).
+RECENT_PARTITIONS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Phases:
+    """What a partition is before its cuts: each op's phase, the accumulated tensors."""
+
+    forward_end: int
+    batched: frozenset[int]
+    phase: tuple[Phase, ...]
+    accumulated: tuple[int, ...]
+    last_forward: int  # the last per-microbatch forward op: the last stage must reach it
+
+
+def _phases(graph: Graph, groups: Groups, microbatches: int) -> _Phases:
+    """The phases (`partition`'s module doc), the same for every cut of the step: made
+    once per graph, for one microbatch and for several."""
+    multi = microbatches > 1
+    make = functools.partial(_find_phases, graph, groups, multi)
+    return graph.recall("phases", groups, multi, make, keep=2)
+
+
+def _find_phases(graph: Graph, groups: Groups, multi: bool) -> _Phases:
     end = _forward_end(graph)
     batched = _batched(graph, groups)
     n = len(graph.ops)
     consumers = graph.consumers()
     per_mb = _per_microbatch(graph, batched, consumers)
-    _check_bounds(bounds, max((i for i in range(end + 1) if per_mb[i]), default=end))
+    last_forward = max((i for i in range(end + 1) if per_mb[i]), default=end)
     accumulated, after = _accumulated(graph, per_mb, batched, consumers)
-    if microbatches > 1:
+    if multi:
         _check_examples_independent(graph, per_mb, after, set(accumulated), batched)
     else:
         # One microbatch is the whole batch: a batch statistic read back by per-example
@@ -240,6 +289,17 @@ def partition(
             readers = [c for t in op.outputs for c in consumers[t]]
             if readers and all(phase[c] is Phase.POST for c in readers):
                 phase[op.index] = Phase.POST
+    return _Phases(end, frozenset(batched), tuple(phase), tuple(accumulated), last_forward)
+
+
+def _partition(
+    graph: Graph, groups: Groups, bounds: tuple[tuple[int, int], ...], microbatches: int
+) -> Partition:
+    n_stages = len(bounds)
+    phases = _phases(graph, groups, microbatches)
+    _check_bounds(bounds, phases.last_forward)
+    phase, n = phases.phase, len(graph.ops)
+    consumers = graph.consumers()
     stage: list[int | None] = [None] * n
     for s, (start, stop) in enumerate(bounds):
         for i in range(start, min(stop, n)):
@@ -273,11 +333,11 @@ def partition(
             stage[i] = min(readers, default=0)
     result = Partition(
         n_stages=n_stages,
-        forward_end=end,
+        forward_end=phases.forward_end,
         op_stage=tuple(int(s) for s in stage),  # type: ignore[arg-type]
-        op_phase=tuple(phase),
-        accumulated=tuple(accumulated),
-        batched=frozenset(batched),
+        op_phase=phase,
+        accumulated=phases.accumulated,
+        batched=phases.batched,
     )
     _check_flow(graph, result)
     return result

@@ -142,6 +142,10 @@ def generated(graph: Graph, part: Partition) -> dict[int, tuple[int, ...]]:
     that read it (one mask per layer, held by every stage's backward); the runtime makes
     it in each per-microbatch program that reads it instead, as XLA makes a broadcast of
     iotas inside each kernel that reads it (`_run/_segments.generate_in_readers`)."""
+    return part.derived(graph, "generated", lambda: _generated(graph, part))
+
+
+def _generated(graph: Graph, part: Partition) -> dict[int, tuple[int, ...]]:
     out: dict[int, tuple[int, ...]] = {}
     for op in graph.ops:
         if part.op_phase[op.index].per_microbatch or op.primitive not in _REMAKES:
