@@ -187,9 +187,19 @@ def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
     return np.where(reduced, R.nbytes / np.maximum(R.count, 1) * inv[R.tset], 0.0)
 
 
-def tied_bytes(R: RowTable, st: State, ac: C.AxisCosts) -> float:
-    """Bytes of the tied gradient parts ZeRO-3 reduce-scatters apart (`Tables.tied_partial`)."""
-    return float(partial_results(R, st.codes, st.P, ac.sizes, ac.bit, st.inv).sum())
+def tied_bytes(R: RowTable, st: State, ac: C.AxisCosts, data: int, stage: int) -> float:
+    """Bytes of the tied gradient parts ZeRO reduce-scatters apart (`Tables.tied_partial`)
+    over its data axis (code `data`): under ZeRO-3 every one; under ZeRO-1/2 those of a
+    parameter another axis splits. A 2-layer float32 GPT at data 4 x model 2 under ZeRO-1,
+    its tied token table's rows or hidden dim on model: the lookup's and the head's parts
+    reduce-scattered apart, on v5p 2x2x2 (libtpu 0.0.42.1) and on A100s alike; with the
+    table whole, their sum once (tests/test_verify_tpu.py)."""
+    rows = partial_results(R, st.codes, st.P, ac.sizes, ac.bit, st.inv)
+    if stage < 3:
+        others = np.ones(st.P.shape[1], dtype=bool)
+        others[[0, data]] = False
+        rows = np.where(st.P[R.tset][:, others].any(axis=1), rows, 0.0)
+    return float(rows.sum())
 
 
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
@@ -282,8 +292,8 @@ def totals(
     those gradients the backend all-reduces whole all the same
     (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
     split all-reduce over it (`_terms.update_reductions`), one more collective.
-    `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO-3
-    reduce-scatters each (`Tables.tied_partial`)."""
+    `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO
+    reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`)."""
     n = len(ac.keys)
     s = s.copy()
     if zero_mask and lowering.reduce_scatter:

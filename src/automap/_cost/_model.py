@@ -504,7 +504,7 @@ class CostModel:
             gradient_trips(self.coefs, L, self.tables.combine_trips),
             self._kept_whole(st, d) if zero_mask else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
-            K.tied_bytes(self.tables.tied_partial, st, ac) if L.zero_stage >= 3 else 0.0,
+            K.tied_bytes(self.tables.tied_partial, st, ac, d, L.zero_stage) if zero_mask else 0.0,
         )
         collectives = tuple(
             Collective(
