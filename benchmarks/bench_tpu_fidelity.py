@@ -27,6 +27,44 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
 
+Measured at c60709a (2026-12-05, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4; `--plans
+12 --models gpt`, 24 min on two cores beside another helper's tests and this one's):
+gpt's collectives 11 of 12 (9 at 5a0e217: plans 8 and 9 now match), memory 8 of 12 as
+before, plan by plan. llama was not compiled again: its 12 plans are priced byte for byte
+as before (every kind@axis of every plan, no compile), so 10 of 12 collectives and 10 of
+12 memory stand (f493fda, 016c381's draws); both models 21 of 24 collectives (88%), 18
+of 24 memory. Three rules, each read on a small program and held by a test in
+tests/test_verify_tpu.py:
+- A float32 partial sum only default-precision matmuls read (through reshapes and
+  transposes) is all-reduced as their bf16 operand on XLA's TPU (`_rows.narrow_partials`):
+  gpt plan 9 (model 4 x data 16, the hidden dim on model) all-reduce@model 1074.25 MiB
+  priced, 1010.25 XLA: the backward's context gradient dy @ Wo^T, read only by the
+  attention's matmuls, bf16[128, 128, 512] (16 MiB a layer, 32 priced); the Q, K, V
+  projections, read by their bias' add, stay float32. Priced so now, byte for byte, and
+  plans 2, 5, 10 too (within 5% before, -48 to -64 MiB each now exact).
+- ZeRO-1/2 reduce-scatter a tied parameter's gradient parts apart where another axis
+  splits it (`_kernel.tied_bytes`; ZeRO-3 did already): gpt plan 8 (its token table's
+  rows on model) reduce-scatter@data 26.25 MiB priced, 28.25 XLA: the lookup's part
+  reduce-scattered in a fusion, the head's in a windowed einsum ([1024, 32] blocks),
+  where a whole table's parts are added first (plans 0, 3). The same on A100s.
+- Under ZeRO over a data axis of n beside another of n or more that holds a float32
+  kernel whole, XLA's SPMD partitioner splits the kernel's gradient dot over that axis
+  and all-reduces each 1/n piece over data, then permutes it to its ZeRO owner
+  (`_tiles.split_beside`; a 2-layer gpt at data 2 x model 2, 2 x 4, 4 x 4 on v5p and
+  2 x 4 on A100s; not behind a bf16 step's convert: llama plan 10, data 8 x model 8,
+  reduce-scatters). No one-stage draw has it; the GPipe plan 4 (pipe 4 x data 2 x model
+  8, ZeRO-1, m 1) is it, in each stage's B program (stage 0: all-reduce@data 7.02 MiB of
+  [512, 1024], [2048, 256], [512, 256] halves, 6.0 MiB of permutes, 0.25 of
+  reduce-scatter, where 13.27 of reduce-scatter is priced): the pipeline's per-op rows
+  (`_pipelined.op_costs`, `_stage_comm`) do not price it yet, so plan 4 is gpt's one
+  disagreement left. Reads: /work/runs/s9/tpucoll (tied.py, dump.py, colls.py).
+
+| model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
+|-------|------------:|-------------:|----------------:|-------------:|-----------------:|
+| gpt   | 11 of 12    | 8 of 12      | 2 of 6          | 4 of 8       | 1 of 2           |
+| llama | 10 of 12    | 10 of 12     | 8 of 10         | 5 of 5       | 1 of 1           |
+| all   | 21 of 24 (88%) | 18 of 24 (75%) |            |              |                  |
+
 Measured at bcdf989 (2026-12-05, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4, two
 loaded cores; `--plans 12 --models llama`, 5 min beside the tests, then `--models gpt`):
 llama's collectives 5
@@ -39,9 +77,8 @@ writes (the fourth bullet below): plan 11's all-reduce@data 2.77 -> 1.39 MiB, pl
 making another plan match. gpt (`--models gpt`, 5 min): collectives 8 of 12 (7 at
 7747e9e), memory 7 of 12 (the same figures plan by plan); plan 7 (ZeRO-3, remat) now
 matches, its recompute's gathers priced as the bf16 casts XLA gathers (all-gather@data
-49.7 MiB priced at 7747e9e, XLA 38.6). The table holds the latest figures: gpt's at
-5a0e217, llama's at 016c381 (the three paragraphs after
-it); f493fda's table follows it.
+49.7 MiB priced at 7747e9e, XLA 38.6). The table below holds gpt's figures at
+5a0e217, llama's at 016c381 (the three paragraphs after it); f493fda's table follows it.
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|

@@ -150,6 +150,83 @@ def test_a_tpu_gathers_the_casts_a_recompute_reads():
     assert gathered > 1.2 * xla
 
 
+@pytest.mark.slow  # compiled for 4 v5p chips: ~20 s on two loaded cores
+def test_a_tpu_all_reduces_a_partial_sum_only_matmuls_read_as_bf16():
+    # A float32 GPT with its hidden dim on model (2) and the batch on data (2), as gpt
+    # plan 9 of the TPU bench: the backward's gradient of the attention context (dy @
+    # Wo^T, read through a reshape by the attention's two matmuls alone) is a partial sum
+    # over model that XLA's TPU converts to the matmuls' bf16 before it all-reduces it,
+    # where the forward's Q, K, V projections, read by their bias' add, stay float32
+    # (`_rows.narrow_partials`, `Lowering.matmul_operand_bytes`).
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    path = next(leaf for leaf in graph.inputs if leaf.path.endswith("['query']['kernel']"))
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    wanted = {groups.of(path.tensor, 0): "model", groups.of(batch, 0): "data"}
+    plan = plan_from_assignment(graph, groups, {"data": 2, "model": 2}, wanted)
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    assert report.collectives_match, report.mismatches
+    xla = report.xla_comm_bytes["all-reduce@model"]
+    assert report.predicted_comm_bytes["all-reduce@model"] == pytest.approx(xla, rel=0.01)
+    # Priced float32, each layer's context gradient (f32 [8, 128, 256], 1 MiB) counts twice.
+    wide = CostModel(graph, v5p.with_lowering(matmul_operand_bytes=0)).estimate(plan)
+    priced = sum(c.bytes for c in wide.collectives if (c.kind, c.axis) == ("all-reduce", "model"))
+    assert priced - xla == pytest.approx(2 * 8 * 128 * 256 * 2, rel=0.01)
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~20 s on two loaded cores
+def test_zero1_reduce_scatters_a_split_tied_tables_parts_apart():
+    # A float32 GPT whose tied token table has its rows on model (2), ZeRO-1 over data (4),
+    # as gpt plan 8 of the TPU bench: XLA reduce-scatters the lookup's gradient part and
+    # the head's apart, each the table's [512, 256] shard, where a whole table's parts are
+    # added first and reduce-scattered once (test_zero1_gradients_are_reduce_scattered_on_a_tpu).
+    # Priced as one, reduce-scatter@data was 6.62 MiB to XLA's 7.12 (`_kernel.tied_bytes`).
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=32, vocab=1024, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    table = next(leaf for leaf in graph.inputs if leaf.path.endswith("['embedding']"))
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    wanted = {groups.of(table.tensor, 0): "model", groups.of(batch, 0): "data"}
+    plan = plan_from_assignment(graph, groups, {"data": 4, "model": 2}, wanted, zero_stage=1)
+    assert plan.specs[table.path] == ("model", None)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    xla = report.xla_comm_bytes["reduce-scatter@data"]
+    assert report.predicted_comm_bytes["reduce-scatter@data"] == pytest.approx(xla, rel=0.01)
+
+
+@pytest.mark.slow  # compiled for 4 v5p chips: ~15 s on two loaded cores
+def test_zero1_over_two_beside_a_wider_axis_splits_the_dots_over_it():
+    # A float32 GPT under ZeRO-1 at data 2 x model 2, only the batch split: XLA's SPMD
+    # partitioner splits each kernel's gradient dot in two over model, whose devices hold
+    # its operands whole, all-reduces each half over data and permutes it to the device
+    # ZeRO gives it (3.5 MiB each), where a reduce-scatter of 7 MiB was priced; the
+    # lookup's and the position table's are reduce-scattered (`_tiles.split_beside`).
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=32, vocab=1024, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    wanted = {groups.of(batch, 0): "data"}
+    plan = plan_from_assignment(graph, groups, {"data": 2, "model": 2}, wanted, zero_stage=1)
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    assert report.collectives_match, report.mismatches
+    xla, predicted = report.xla_comm_bytes, report.predicted_comm_bytes
+    for key in ("collective-permute@data+model", "all-reduce@data", "reduce-scatter@data"):
+        assert predicted[key] == pytest.approx(xla[key], rel=0.01), key
+    assert xla["collective-permute@data+model"] > 2 * xla["reduce-scatter@data"]
+
+
 @pytest.mark.parametrize(("topology", "gathered"), [("4x4x4", False), ("2x4x4", True)])
 def test_a_tpu_gathers_over_a_whole_slice_as_an_all_reduce(topology, gathered):
     # ZeRO-1 over every chip of a slice: the updated parameters' all-gather over data is

@@ -213,7 +213,9 @@ class Lowering:
     is read by default-precision matmuls alone) is stored converted, at this width
     (`_cost._buffers`). XLA's TPU runs such matmuls in one bfloat16 pass (2) and writes
     the convert in the producer's kernel (libtpu 0.0.42.1, v5p: a float32 GPT's attention
-    keeps its q, k, v and context as bf16 [32, 128, 512]); 0: as the tensor (GPUs, CPUs)."""
+    keeps its q, k, v and context as bf16 [32, 128, 512]); so is a float32 partial sum
+    only such matmuls read all-reduced, as their bf16 operand (`_cost._rows.narrow_partials`:
+    a GPT's context gradient with its hidden dim split); 0: as the tensor (GPUs, CPUs)."""
     fused_row_elements: int = 0
     """Where not 0, the longest row whose reduction XLA runs inside the matmul kernel that
     makes it (a softmax's max over the last axis of a matmul's output) when the matmul

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._graph import Graph
 from .._groups import ARG_REDUCE, LOOPS, body_tensor_groups, rule
+from ._residuals import matmuls_alone
 from ._sets import SetIndex
 
 
@@ -204,6 +205,9 @@ class RowBuilder:
     partial: list[CandidateRow] = dataclasses.field(default_factory=list)
     # a top-level op's output -> its partial-sum row
     partial_row: dict[int, int] = dataclasses.field(default_factory=dict)
+    # a top-level float32 partial sum only matmuls read -> the bytes it is reduced in
+    # (`narrow_partials`)
+    narrow: Mapping[int, float] = dataclasses.field(default_factory=dict)
     reshard: dict[tuple, CandidateRow] = dataclasses.field(default_factory=dict)
     # the recomputed ops' own reshards (XLA cannot reuse them)
     reshard_again: dict[tuple, CandidateRow] = dataclasses.field(default_factory=dict)
@@ -238,6 +242,39 @@ def comm_bytes(g: Graph, t: int, wide: int) -> float:
     return x.nbytes
 
 
+#: Ops that move a tensor's elements without computing: a partial sum read through them
+#: reaches its matmuls as itself (`narrow_partials`).
+_LAYOUT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy"})
+
+
+def narrow_partials(graph: Graph, consumers, operand: int) -> dict[int, float]:
+    """Per float32 tensor that only default-precision matmuls read (through layout ops),
+    the bytes a collective reducing it moves where those matmuls read their operands at
+    `operand` bytes an element (`Lowering.matmul_operand_bytes`; none where 0). XLA's TPU
+    converts such a partial sum to the matmuls' bf16 before it all-reduces it, halving
+    the bytes: a float32 GPT whose hidden dim is split on the model axis all-reduces the
+    backward's gradient of its attention context (dy @ Wo^T, read by the attention's two
+    matmuls alone) as bf16, and the forward's Q, K, V projections (read by their bias'
+    add) as float32 (libtpu 0.0.42.1, v5p 4x4x4 and 2x2x1; tests/test_verify_tpu.py)."""
+    if not operand:
+        return {}
+    out = {}
+    for x in graph.tensors:
+        if x.dtype != "float32" or x.itemsize <= operand or x.producer is None:
+            continue
+        readers, frontier = [], [x.id]
+        while frontier:
+            for c in consumers[frontier.pop()]:
+                op = graph.ops[c]
+                if op.primitive in _LAYOUT:
+                    frontier.extend(op.outputs)
+                else:
+                    readers.append(op)
+        if matmuls_alone(readers):
+            out[x.id] = float(x.size * operand)
+    return out
+
+
 def candidate_rows(rb: RowBuilder, op, g: Graph, tgs, tsets, at: At) -> None:
     """Adds to `rb` the candidate collectives of op (of graph g, its dims' groups `tgs`,
     its tensors' sets `tsets`), happening as `at` says, and its loop bodies' ops'."""
@@ -259,7 +296,8 @@ def _partial_rows(rb: RowBuilder, op, g: Graph, tsets, gs: list[int], it: set[in
     space `it`) may be split."""
     small = [rb.sets.of(x for x in it if x < h) for h in gs]
     for o in op.outputs:
-        nb = comm_bytes(g, o, rb.wide) * at.scale
+        nb = rb.narrow[o] if o in rb.narrow and not at.scope else comm_bytes(g, o, rb.wide)
+        nb *= at.scale
         grad = tsets[o] in at.params
         # A body's gradient partial sums are combined per trip, not per step
         # (checked on XLA's CPU HLO in tests/test_loops.py).

@@ -35,6 +35,7 @@ from ._rows import (
     candidate_rows,
     iota_lookups,
     lookup_tables,
+    narrow_partials,
     row_table,
     summed_partials,
 )
@@ -191,6 +192,7 @@ def build_tables(
         microbatch={op: frozenset(groups.batch_groups) for op in groups.microbatch_splits},
         iota_lookups=frozenset(lookups),
         lookups=lookup_tables(graph, skip=lookups),
+        narrow=narrow_partials(graph, graph.consumers(), lowering.matmul_operand_bytes),
     )
     entries = ComputeEntries()
     params = {tset[leaf.tensor] for leaf in graph.leaves(Role.PARAM)}
