@@ -272,10 +272,10 @@ def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
     Read in the buffer assignment of a 2-layer bf16 GPT at tp 8 on compile-only A100s:
     the residual stream's sums, which the layer norms read in float32, written float32;
     and the stream's cotangent, summed through the norms' backward, float32 from one
-    norm's backward to the next (`Lowering.float32_norm_buffers`). (XLA also keeps the
-    forward's float32 sums for the norms' backward where the model makes them again from
-    their operands, `_residuals.stored_residuals`: not priced; under selective
-    recomputation the runtime makes them again, `_remat/_chains.py`.)"""
+    norm's backward to the next (`Lowering.float32_norm_buffers`). XLA also keeps the
+    forward's float32 sum a norm's statistics read for its backward, not made again from
+    its operands (`_residuals._statistics_operand`; under selective recomputation the
+    runtime makes each layer's again, `_remat/_chains.py`, and the head's is kept)."""
     x = graph.tensors[t]
     p = x.producer
     if not (
