@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import automap as am
 from automap._bench import KorthikantiRow
+from automap._capture import find_residuals
 from automap._cli import app
 from automap._cost import (
     CostModel,
@@ -468,65 +469,43 @@ def _fused_bf16_gpt():
 @pytest.mark.parametrize(
     ("remat", "rel"),
     [
+        ("selective", 0.15),
         pytest.param(
-            "selective",
+            "full",
             0.15,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="issue 26, open: the saving is 36.0 MB priced against 43.4 held "
-                "(rel 0.17). It was within 0.15 (40.7 against 41.0) only while both plans "
-                "were under XLA by about the same (0.79x plain, 0.675x split); since the "
-                "runtime keeps what Megatron keeps under selective (`_remat/_chains.py`) "
-                "each plan's own price is nearer XLA's (0.835x, 0.84x) and the plain plan's "
-                "remaining gap shows: its peak, at the head's norm backward, holds about "
-                "42 MB of float32 (the widened cotangent, the fused norm-backward kernel's "
-                "three outputs, the head's forward float32 sum) where the model holds that "
-                "moment at less, mechanism (3) below; not priced.",
-            ),
-        ),
-        pytest.param(
-            "full",
-            0.45,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 26, open: the split plan is priced as XLA holds it (48.4 MB "
-                "against 46.7, test_on_a_gpu_the_split_plan_under_full_recomputation_holds_"
-                "what_xla_holds), the plain plan at 0.78x (62.5 against 80.5): its saving "
-                "14.2 MB against 33.8. Found in XLA's A100 buffer assignment, not priced: "
-                "((2), XLA keeping the forward's float32 stream sums for the norms' backward, "
-                "is gone under selective: the runtime makes each norm's float32 chain again "
-                "from its bf16 input, `_remat/_chains.py`.) "
-                "(3) XLA fuses a norm's backward, the stream's cotangent sum and the next "
-                "norm's backward into one kernel, and runs layer 1's recompute before it: the "
-                "plain peak (67.1 MB summed from the live ranges, at layer 1's second norm's "
-                "backward) holds layer 2's float32 cotangent (8.4 MB, from its second norm's "
-                "backward), its first norm's all-reduced input gradient (4.2 MB) and layer "
-                "1's recomputed all-reduced projection (4.2 MB) until that kernel, beside its "
-                "three float32 outputs; under the split those are reduce-scattered, 1/8.",
+                reason="issue 26, open: the saving is priced 22.5 MB against 33.8 held. The "
+                "split plan is priced as XLA holds it (48.4 MB against 46.7), the plain plan "
+                "at 0.88x (70.9 against 80.5), priced at layer 2's second norm's backward "
+                "kernel (XLA holds 64.0 MB there, summed from the buffers' offsets). XLA's "
+                "own peak, 67.1 MB, is the kernel of layer 2's first norm's backward, which "
+                "XLA schedules after layer 1's recompute and its two all-reduces (4 MiB "
+                "each, read by that kernel): the model runs a layer's recompute at its "
+                "backward's first read, after that kernel; not priced.",
             ),
         ),
     ],
 )
 def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # What the split frees, priced against what it frees in XLA's A100 programs (mixed
-    # precision, Megatron's fused softmax): selective 36.0 MB priced against 43.4 MB, full
-    # 14.2 against 33.8 MB. It used to take the jaxpr's residuals off the peak: 65.3 MB
-    # under selective, every activation (priced 0), as much as XLA's program holds. The
-    # plain plans' own prices are 0.835x (selective, 81.8 against 98.0 MB) and 0.78x (full)
-    # XLA's here, the split plans' 0.84x (45.8 against 54.6) and 1.04x. Selective
-    # recomputation makes each norm's float32 chain again from its bf16 input and, under
-    # the split, gathers each norm's output again in the backward, as Megatron-LM does
-    # (`_remat/_chains.py`): XLA kept the forward's float32 sums (4 x 8 MB) and gathered
-    # copies (4 x 4 MB) instead (114.4 and 73.5 MB before, priced 0.79x and 0.675x; the
-    # saving 40.7 against 41.0). What the plain plan holds beyond its price is at the
-    # head's norm backward: its float32 input gradient, two float32 column operands, the
-    # head's forward float32 sum and the all-reduced cotangent widened (mechanism (3)
-    # below). The split plans hold each stream tensor a matmul reads as a
-    # whole gathered copy per pass (`_seqpar.gathered_copies`: under full recomputation
-    # 3 x 4 MB at XLA's peak, a layer's MLP backward; 0.955x before, priced at a whole
-    # all-reduce bucket the plan does not reduce, above its activations). Under full
-    # recomputation each layer's input is kept as itself, split (`_residuals.barrier_inputs`),
-    # not as its summands held whole (the plain plan was 0.84x with them, 67.5 MB).
+    # precision, Megatron's fused softmax): selective 43.2 MB priced against 43.4 MB, full
+    # 22.5 against 33.8 MB. The plain plans' own prices are 0.915x (selective, 89.7
+    # against 98.0 MB) and 0.88x (full) XLA's here, the split plans' 0.85x (46.5 against
+    # 54.6) and 1.04x. What the plain plans hold at their peaks, the norms' backward
+    # kernels, read in XLA's buffer assignment and priced: the head norm's float32 input,
+    # written by the forward's statistics kernel and kept (`_residuals._statistics_operand`);
+    # its input gradient's float32 value made again in the kernel of the next norm's
+    # backward from that input and the all-reduced cotangent, both alive until that kernel
+    # (`_buffers._remade_norm_gradients`); and the two float32 operands of the scale
+    # gradients written by that kernel beside the stream's cotangent
+    # (`_buffers.column_operands`). Before: 81.8 MB (0.835x) and 62.5 MB (0.78x), the
+    # selective saving 36.0 MB. Selective recomputation makes each norm's float32 chain
+    # again from its bf16 input and, under the split, gathers each norm's output again in
+    # the backward, as Megatron-LM does (`_remat/_chains.py`). The split plans hold each
+    # stream tensor a matmul reads as a whole gathered copy per pass
+    # (`_seqpar.gathered_copies`). Under full recomputation each layer's input is kept as
+    # itself, split (`_residuals.barrier_inputs`), not as its summands held whole.
     step, args = _fused_bf16_gpt()
     priced, held = [], []
     for sp in (False, True):
@@ -535,5 +514,60 @@ def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
         priced.append(plan.predicted)
         held.append(compiled_memory(compile_plan(step, plan, args, target="a100")[1]))
     assert priced[1].memory_breakdown["activations"] > 0
+    for cost, bytes_held in zip(priced, held, strict=True):
+        assert cost.memory_bytes == pytest.approx(bytes_held, rel=0.15)
     saved = priced[0].memory_bytes - priced[1].memory_bytes
     assert saved == pytest.approx(held[0] - held[1], rel=rel)
+
+
+def test_a_gpu_norms_backward_holds_what_its_kernel_reads_and_writes():
+    # What the plain plans above hold at their peaks, read in XLA's A100 buffer assignment:
+    # the head norm's float32 input, written by its statistics' kernel, kept for the
+    # backward rather than made again from the sum's operands (`_residuals.
+    # _statistics_operand`); its input gradient (two parts narrowed from float32, nothing
+    # else summed) written 16-bit for its matmuls and made again in float32 inside the
+    # kernel where the next norm's backward sums the stream's cotangent, which reads the
+    # norm's input and all-reduced cotangent then (`_buffers._remade_norm_gradients`); and
+    # that kernel writing the scale gradients' float32 operands (`column_operands`).
+    step, args = _fused_bf16_gpt()
+    graph = am.capture(step, *args)
+    res, consumers = find_residuals(graph), graph.consumers()
+    buf = step_buffers(graph, res, consumers, False, A100.lowering)
+    rows = {
+        int(t): (int(b), int(d), float(w))
+        for t, b, d, w in zip(buf.tensor, buf.birth, buf.death, buf.width, strict=True)
+    }
+    sums = ("add", "add_any")
+
+    def narrowed(t: int) -> bool:
+        p = graph.tensors[t].producer
+        return (
+            p is not None
+            and graph.ops[p].primitive == "convert_element_type"
+            and graph.tensors[graph.ops[p].inputs[0]].dtype == "float32"
+            and graph.tensors[t].dtype == "bfloat16"
+        )
+
+    (head_grad,) = [
+        op.outputs[0]
+        for op in graph.ops[res.boundary + 1 :]
+        if op.primitive in sums and all(narrowed(t) for t in op.inputs)
+    ]
+    kernel, t = None, head_grad  # the sum the model holds in float32: the kernel's output
+    while kernel is None:
+        (c,) = [c for c in consumers[t] if graph.ops[c].primitive in sums]
+        t = graph.ops[c].outputs[0]
+        kernel = c if any(graph.ops[r].primitive == "dot_general" for r in consumers[t]) else None
+    matmuls = [c for c in consumers[head_grad] if graph.ops[c].primitive == "dot_general"]
+    assert rows[head_grad][1:] == (max(matmuls), 1.0) and max(matmuls) < kernel
+    stream = graph.tensors[head_grad].shape
+    # the head norm's input (a bf16 sum, held float32) and cotangent (its matmul's output)
+    held = [
+        (graph.ops[graph.tensors[t].producer].primitive, w)
+        for t, (b, d, w) in rows.items()
+        if graph.tensors[t].shape == stream and b < max(matmuls) and d == kernel
+    ]
+    assert sorted(held) == [("add", 2.0), ("dot_general", 1.0)]
+    operands = [t for t, (b, d, w) in rows.items() if b == d == kernel]
+    assert len(operands) == 2  # the head norm's scale operand and the next norm's
+    assert all(graph.tensors[t].dtype == "float32" for t in operands)

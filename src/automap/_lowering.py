@@ -113,10 +113,13 @@ class Lowering:
     round trip: a bf16 GPT's residual stream and its cotangent, `_kept_wide_sum`); and
     the operand of a column reduction (a sum over every dim but the minor one: a norm's
     scale gradient) made by elementwise arithmetic is written for a reduction kernel of
-    its own (`column_operands`).
+    its own (`column_operands`), at the kernel that sums the norm's input gradient into
+    the stream's cotangent; a norm's float32 input is kept for its backward
+    (`_residuals._statistics_operand`), and the last norm's input gradient is made again
+    in float32 in the next norm's kernel (`_buffers._remade_norm_gradients`).
     `Lowering.gpu()` and `hopper()` set it (on Hopper, whose 16-bit sums stay 16-bit, the
-    column operands alone); found in the buffer assignment of compile-only A100s
-    (tests/test_seqpar.py). Off on the TPU: not read there."""
+    column operands alone, each at its own reduction); found in the buffer assignment of
+    compile-only A100s (tests/test_seqpar.py). Off on the TPU: not read there."""
     frees_at_last_use: bool = True
     """Whether a one-stage step's peak memory is the largest sum of the buffers alive at one
     moment (`_cost/_liveness.py`): each freed after its last reader, a gradient no

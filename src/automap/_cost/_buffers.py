@@ -10,8 +10,9 @@ all-reduce's operands). Each was read in the buffer assignment of compile-only A
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -85,6 +86,10 @@ def step_buffers(
         for r in set(res.saved) - kept - set(recomputed):
             last[r] = max((c for c in consumers[r] if c <= res.boundary), default=-1)
     in_memory = in_memory_tensors(graph, sorted(kept.union(recomputed)))
+    if lowering.float32_norm_buffers and not lowering.native_bf16_arithmetic:
+        for t, until, operands in _remade_norm_gradients(graph, consumers, in_memory):
+            last[t] = until if t not in serves else last[t]
+            last[operands] = np.maximum(last[operands], _last_sum(graph, consumers, t, in_memory))
     outputs = {leaf.tensor for leaf in graph.outputs}
     ids = [
         t.id
@@ -105,7 +110,7 @@ def step_buffers(
                 rows.append((t, graph.tensors[t].producer, max(reads)))
     rows += convolution_copies(graph, consumers)
     if lowering.float32_norm_buffers:
-        rows += column_operands(graph, in_memory)
+        rows += column_operands(graph, in_memory, _wide_sums(graph, consumers, in_memory, lowering))
     tensor, born, dies = np.array(rows, dtype=np.int64).reshape(-1, 3).T
     # a layer input the recompute reads is held as the 16-bit value the recompute's
     # barrier takes, not as a float32 sum (`_kept_wide_sum`)
@@ -177,7 +182,9 @@ def convolution_copies(graph: Graph, consumers) -> list[tuple[int, int, int]]:
 CONV = "conv_general_dilated"
 
 
-def column_operands(graph: Graph, in_memory: np.ndarray) -> list[tuple[int, int, int]]:
+def column_operands(
+    graph: Graph, in_memory: np.ndarray, sums: Sequence[int] = ()
+) -> list[tuple[int, int, int]]:
     """(tensor, birth, death) of the operands XLA's GPU pipeline writes for its column
     reductions: a sum over every dim but the minor one (a layer norm's scale gradient,
     summed over batch and sequence) of a tensor made by elementwise arithmetic (not a
@@ -185,7 +192,14 @@ def column_operands(graph: Graph, in_memory: np.ndarray) -> list[tuple[int, int,
     kernel that makes its operand, which writes the operand for a reduction kernel of its
     own (`Lowering.float32_norm_buffers`). Read on compile-only A100s, a bf16 GPT's norms'
     backward: a float32 [batch, seq, hidden] operand per scale, written beside the stream's
-    float32 cotangent."""
+    float32 cotangent. That kernel is the one that sums the norm's input gradient into the
+    stream's cotangent (`sums`: the ops writing the float32 sums, `_kept_wide_sum`): XLA
+    fuses the operand, which reads what the input gradient reads, into it as another
+    output, so the operand is written there (at the first of `sums` from its reduction
+    on), beside the sum and its operands; the head's norm, whose input gradient is
+    summed in the next norm's kernel (`_remade_norm_gradients`), writes its operand there
+    too (read at a 2-layer bf16 GPT's peaks at tp 8: two float32 operands, 16 MiB, beside
+    the cotangent the kernel writes and the one it reads)."""
     rows = []
     for op in graph.ops:
         if op.primitive != "reduce_sum":
@@ -201,7 +215,9 @@ def column_operands(graph: Graph, in_memory: np.ndarray) -> list[tuple[int, int,
             or graph.ops[p].primitive == "convert_element_type"
         ):
             continue
-        rows.append((x.id, p, op.index))
+        k = bisect.bisect_left(sums, op.index)
+        at = sums[k] if k < len(sums) else None
+        rows.append((x.id, p, op.index) if at is None else (x.id, at, at))
     return rows
 
 
@@ -256,10 +272,10 @@ def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
     Read in the buffer assignment of a 2-layer bf16 GPT at tp 8 on compile-only A100s:
     the residual stream's sums, which the layer norms read in float32, written float32;
     and the stream's cotangent, summed through the norms' backward, float32 from one
-    norm's backward to the next (`Lowering.float32_norm_buffers`). (XLA also keeps the
-    forward's float32 sums for the norms' backward where the model makes them again from
-    their operands, `_residuals.stored_residuals`: not priced; under selective
-    recomputation the runtime makes them again, `_remat/_chains.py`.)"""
+    norm's backward to the next (`Lowering.float32_norm_buffers`). XLA also keeps the
+    forward's float32 sum a norm's statistics read for its backward, not made again from
+    its operands (`_residuals._statistics_operand`; under selective recomputation the
+    runtime makes each layer's again, `_remat/_chains.py`, and the head's is kept)."""
     x = graph.tensors[t]
     p = x.producer
     if not (
@@ -272,13 +288,102 @@ def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
         return False
     readers = [graph.ops[c] for c in consumers[t]]
     widened = any(_converts_to(graph, r, "float32") for r in readers)
-    narrowed = any(
-        graph.tensors[i].producer is not None
-        and _converts_to(graph, graph.ops[graph.tensors[i].producer], x.dtype)
-        and graph.tensors[graph.ops[graph.tensors[i].producer].inputs[0]].dtype == "float32"
-        for i in graph.ops[p].inputs
-    )
-    return widened or (narrowed and any(r.primitive in _SUMS for r in readers))
+    narrowed = [_narrowed_source(graph, i) is not None for i in graph.ops[p].inputs]
+    # a sum of narrowed values alone is made again where it is summed (`_remade_norm_gradients`)
+    kept = any(narrowed) and not all(narrowed)
+    return widened or (kept and any(r.primitive in _SUMS for r in readers))
+
+
+def _narrowed_source(graph: Graph, t: int) -> int | None:
+    """The float32 tensor t narrows (a convert to 16 bits of it), or None."""
+    p = graph.tensors[t].producer
+    if p is None or graph.ops[p].primitive != "convert_element_type":
+        return None
+    u = graph.ops[p].inputs[0]
+    narrow = graph.tensors[t].dtype in ("bfloat16", "float16")
+    return u if narrow and graph.tensors[u].dtype == "float32" else None
+
+
+def _remade_norm_gradients(
+    graph: Graph, consumers, in_memory: np.ndarray
+) -> list[tuple[int, int, list[int]]]:
+    """(t, its last reader but a sum, the in-memory tensors its float32 value is made
+    from) of each 16-bit sum of values narrowed from float32 alone that a sum reads (the
+    input gradient of the stream's last norm, a head's: its two parts narrowed where the
+    stream's cotangent starts; `Lowering.float32_norm_buffers`). XLA's GPU pipeline writes
+    t in 16 bits for the matmuls that read it, and where the next norm's backward sums it
+    into the stream's cotangent, it makes its float32 value again inside that kernel (its
+    chain of elementwise ops fused in, excess precision) from what the chain reads: the
+    norm's float32 input, its incoming cotangent, its statistics, alive until that kernel
+    (`_last_sum`) where the model had held t in float32 (`_kept_wide_sum`). Read in the A100
+    buffer assignment of a 2-layer bf16 GPT at tp 8, plain tensor parallelism: at its peak,
+    the last layer's MLP backward, XLA holds the head norm's float32 input (8 MiB) and
+    all-reduced cotangent (4 MiB) for the kernel of that layer's second norm's backward,
+    and the 16-bit input gradient (4 MiB) to its last matmul."""
+    out = []
+    for op in graph.ops:
+        t = op.outputs[0]
+        if (
+            op.primitive not in _SUMS
+            or graph.tensors[t].dtype not in ("bfloat16", "float16")
+            or not in_memory[t]
+        ):
+            continue
+        sources = [_narrowed_source(graph, i) for i in op.inputs]
+        readers = consumers[t]
+        sums = [c for c in readers if graph.ops[c].primitive in _SUMS]
+        if not sums or any(u is None for u in sources):
+            continue
+        until = max((c for c in readers if c not in sums), default=op.index)
+        out.append((t, until, _chain_reads(graph, sources, in_memory)))
+    return out
+
+
+def _wide_sums(graph: Graph, consumers, in_memory: np.ndarray, lowering: Lowering) -> list[int]:
+    """The ops (program order) whose kernels write a 16-bit sum as its float32 value
+    (`_kept_wide_sum`): in the backward, the stream's cotangent, one a norm."""
+    return [
+        op.index
+        for op in graph.ops
+        if op.primitive in _SUMS
+        and in_memory[op.outputs[0]]
+        and _kept_wide_sum(graph, consumers, op.outputs[0], lowering)
+    ]
+
+
+def _last_sum(graph: Graph, consumers, t: int, in_memory: np.ndarray) -> int:
+    """The op whose kernel sums t into the stream's cotangent: t's sum readers followed
+    through the sums XLA fuses (not written) to the first whose result is written."""
+    todo, out = [t], -1
+    while todo:
+        x = todo.pop()
+        for c in consumers[x]:
+            if graph.ops[c].primitive not in _SUMS:
+                continue
+            y = graph.ops[c].outputs[0]
+            if in_memory[y]:
+                out = max(out, c)
+            else:
+                todo.append(y)
+    return out
+
+
+def _chain_reads(graph: Graph, start: Iterable[int], in_memory: np.ndarray) -> list[int]:
+    """The in-memory tensors a fused chain making `start` reads: walked back through
+    fusible ops (elementwise, layout) to tensors a kernel writes."""
+    out: set[int] = set()
+    todo, seen = list(start), set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        p = graph.tensors[x].producer
+        if in_memory[x] or p is None:
+            out.add(x)
+        elif graph.ops[p].primitive in FUSIBLE:
+            todo.extend(graph.ops[p].inputs)
+    return sorted(out)
 
 
 def _converts_to(graph: Graph, op, dtype: str) -> bool:
