@@ -8,18 +8,19 @@ rematerialization. For each point the intra-stage plan is the ILP optimum of the
 and the inner level, where the cuts go, is the exact stage DP (`_solvers/_pipeline_dp.py`)
 over the cut candidates, with per-segment tables read from the pipeline cost model. Every
 partition the DP returns is priced again by the full pipeline model, which is what ranks
-them. ZeRO and rematerialization only trade time for memory, so they are tried only where
-the plain point has no partition that fits. A 1F1B search cuts each point for ZB-H1 too
-(each backward split into B and W, the W's deferred into the drain: `dp_schedules`), the
-DP's tables then timing F, B and W apart (`_cut_tables.py`), and keeps the faster.
+them. The DP tries ZeRO and rematerialization as memory savers, only where the plain point
+has no partition that fits; ZeRO as a time decision (the update on shards) is the
+polish's (below). A 1F1B search cuts each point for ZB-H1 too (each backward split into B
+and W, the W's deferred into the drain: `dp_schedules`), the DP's tables then timing F, B
+and W apart (`_cut_tables.py`), and keeps the faster.
 
 Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
 whole model: tried with the decisions the DP does not make (sequence parallelism,
-selective recomputation, interleaving, ZB-H1 on 1F1B's cuts: `_techniques.py`), then one
-cut moved at a time. Once a plan is found the points leave `POLISH_SHARE` of the budget
-to that.
+selective recomputation, interleaving, ZB-H1 on 1F1B's cuts, then ZeRO stages:
+`_techniques.py`), then one cut moved at a time. Once a plan is found the points leave
+`POLISH_SHARE` of the budget to that.
 
 Large models: the points are searched by the memory savers their stored state needs
 (`search_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
