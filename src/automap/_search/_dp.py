@@ -20,7 +20,7 @@ the slowest stage's update), so the best few partitions are then polished agains
 whole model: tried with the decisions the DP does not make (sequence parallelism,
 selective recomputation, interleaving, ZB-H1 on 1F1B's cuts, then ZeRO stages:
 `_techniques.py`), then one cut moved at a time. Once a plan is found the points leave
-`POLISH_SHARE` of the budget to that.
+`POLISH_SHARE` of the budget to that (a point's memory savers stop there too).
 
 Large models: the points are searched by the memory savers their stored state needs
 (`search_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
