@@ -259,3 +259,40 @@ def test_megatron_3d_takes_more_stages_where_selective_recomputation_then_fits_f
     assert plan.predicted.feasible and plan.remat_policy == "selective"
     assert plan.mesh["pipe"] > 1
     assert plan.predicted.step_time_s < full_is_dear(kept).step_time_s
+
+
+ZERO_PAYS = dict(layers=4, hidden=512, heads=8, batch=8, seq=128)
+
+
+def test_dp_prices_zero_where_the_plain_plan_fits():
+    """ZeRO is a time decision too (issue 26): under it each stage's Adam update runs on
+    its device's data shard. The DP's best pipeline here (pipe 2 x data 2 x model 2)
+    fits without ZeRO, where the DP's memory savers are never priced; the polish prices
+    its ZeRO stages and keeps ZeRO-3, faster than the same plan without ZeRO (its update
+    on shards: less compute) and than ZeRO-1 (which gathers the updated parameters whole
+    after the update, where ZeRO-3 gathers what the stages read)."""
+    _, pb = _problem(A100, **ZERO_PAYS)
+    plan, stats = search_dp(pb, budget_s=30)
+    assert stats["complete"] and plan is not None and plan.predicted.feasible
+    assert plan.zero_stage == 3 and plan.mesh.get("data", 1) > 1 and plan.mesh["pipe"] > 1
+    assert plan.predicted.memory_bytes <= pb.cluster.memory_limit
+    again = estimate_pipeline(pb.cost_model, plan).cost
+    assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    stage_mesh = {k: n for k, n in plan.mesh.items() if k != "pipe"}
+
+    def at_zero(stage):
+        same = pipeline_plan(
+            pb.graph, pb.groups, plan.decisions["cuts"], stage_mesh,
+            pb.cost_model.plan_assignment(plan), plan.microbatches, plan.schedule,
+            zero_stage=stage,
+        )  # fmt: skip
+        same = dataclasses.replace(same, remat=plan.remat, remat_policy=plan.remat_policy)
+        if plan.sequence_parallel:
+            same = sequence_parallel(pb.graph, pb.groups, same, plan.sequence_parallel)
+        return pb.estimate(same)
+
+    plain, zero1 = at_zero(0), at_zero(1)
+    assert plain.feasible  # the DP's own answer: no memory saver needed
+    assert plan.predicted.step_time_s < plain.step_time_s
+    assert plan.predicted.compute_s < plain.compute_s  # the update on shards
+    assert plan.predicted.step_time_s < zero1.step_time_s

@@ -8,18 +8,19 @@ rematerialization. For each point the intra-stage plan is the ILP optimum of the
 and the inner level, where the cuts go, is the exact stage DP (`_solvers/_pipeline_dp.py`)
 over the cut candidates, with per-segment tables read from the pipeline cost model. Every
 partition the DP returns is priced again by the full pipeline model, which is what ranks
-them. ZeRO and rematerialization only trade time for memory, so they are tried only where
-the plain point has no partition that fits. A 1F1B search cuts each point for ZB-H1 too
-(each backward split into B and W, the W's deferred into the drain: `dp_schedules`), the
-DP's tables then timing F, B and W apart (`_cut_tables.py`), and keeps the faster.
+them. The DP tries ZeRO and rematerialization as memory savers, only where the plain point
+has no partition that fits; ZeRO as a time decision (the update on shards) is the
+polish's (below). A 1F1B search cuts each point for ZB-H1 too (each backward split into B
+and W, the W's deferred into the drain: `dp_schedules`), the DP's tables then timing F, B
+and W apart (`_cut_tables.py`), and keeps the faster.
 
 Exact within a point in the DP's objective (per-microbatch stage time plus its sends). That
 objective leaves out what happens once per step (a tied embedding sent between its stages,
 the slowest stage's update), so the best few partitions are then polished against the
 whole model: tried with the decisions the DP does not make (sequence parallelism,
-selective recomputation, interleaving, ZB-H1 on 1F1B's cuts: `_techniques.py`), then one
-cut moved at a time. Once a plan is found the points leave `POLISH_SHARE` of the budget
-to that.
+selective recomputation, interleaving, ZB-H1 on 1F1B's cuts, then ZeRO stages:
+`_techniques.py`), then one cut moved at a time. Once a plan is found the points leave
+`POLISH_SHARE` of the budget to that (a point's memory savers stop there too).
 
 Large models: the points are searched by the memory savers their stored state needs
 (`search_shapes`, `fitting_savers`: a shape or intra-stage plan whose parameters, gradients and
@@ -147,14 +148,22 @@ def search_dp(
     found: list[Plan] = []
     best: Plan | None = None
     best_time = np.inf
+    polish_from = (1 - POLISH_SHARE) * work.limit
     try:
         points = _points(model, cands, batch, microbatching, state, work, stats)
         for point, assignment, savers in points:
-            if work.spent() or (found and work.done >= (1 - POLISH_SHARE) * work.limit):
+            if work.spent() or (found and work.done >= polish_from):
                 stats["complete"] = False
                 break
             stats["points"] += 1
-            plan = _solve_point(model, grids, point, assignment, schedules, savers, work)
+            # With a plan found, a point's memory savers stop at the polish's share too:
+            # on SC'21's 1.7B row a last point through all five took it all.
+            until = polish_from if found else None
+            plan, cut_short = _solve_point(
+                model, grids, point, assignment, schedules, savers, work, until
+            )
+            if cut_short:
+                stats["complete"] = False
             if plan is not None:
                 found.append(plan)
                 if plan.predicted.step_time_s < best_time:
@@ -336,17 +345,21 @@ def _solve_point(
     schedules: Sequence[PipelineSchedule],
     savers: Sequence[tuple[int, bool]] = MEMORY_SAVERS,
     work: Work | None = None,
-) -> Plan | None:
+    until: float | None = None,
+) -> tuple[Plan | None, bool]:
     """Cuts for one outer point by the exact DP for each of `schedules` (1F1B and ZB-H1 in
     a 1F1B search), each priced by the pipeline model, the fastest that fits kept; memory
     savers (ZeRO, remat) only when the plain point has no partition that fits (remat not
     under a split backward, `check_remat`), of `savers` (those whose stored state may
-    fit: `fitting_savers`). `grids`: (finest partition, cut candidates)
-    without and with remat."""
+    fit: `fitting_savers`), none begun once `work` has done `until`. `grids`: (finest
+    partition, cut candidates) without and with remat. With whether the savers were cut
+    short so."""
     found = None
-    for zero, remat in savers:
+    for k, (zero, remat) in enumerate(savers):
         if zero and point.stage_mesh.get(DATA, 1) == 1:
             continue
+        if k and until is not None and work is not None and work.done >= until:
+            return found, True
         fine, cands = grids[remat]
         if work is not None:  # op_costs
             work.add(len(model.graph.ops))
@@ -366,8 +379,8 @@ def _solve_point(
             ):
                 found = plan
         if found is not None and (zero, remat) == (0, False):
-            return found  # the savers only add time
-    return found
+            return found, False  # the savers only add time
+    return found, False
 
 
 def priced_cuts(
