@@ -25,7 +25,6 @@ import numpy as np
 from .._lowering import Lowering
 from . import _collectives as C
 from ._rows import RowTable
-from ._tiles import Unscattered
 
 
 @dataclasses.dataclass
@@ -278,7 +277,7 @@ def totals(
     zero_count: int,
     lowering: Lowering,
     trips: np.ndarray | None = None,
-    kept_whole: Unscattered = Unscattered(),
+    kept_whole: float = 0.0,
     update_bytes: float = 0.0,
     tied_bytes: float = 0.0,
 ):
@@ -289,10 +288,9 @@ def totals(
     over the data axis' `zero_mask` becomes a reduce-scatter of the same buffer (where the
     backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
-    layout: a body's are reduced inside the loop, per trip. `kept_whole`: those gradients
-    the backend all-reduces whole all the same (`_tiles.whole_reduced_bytes`), and those
-    whose dots it splits over another axis, all-reduced in pieces and permuted
-    (`_tiles.split_beside`). `update_bytes`: what the update's own sums over ZeRO's
+    layout: a body's are reduced inside the loop, per trip. `kept_whole`: the bytes of
+    those gradients the backend all-reduces whole all the same
+    (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
     split all-reduce over it (`_terms.update_reductions`), one more collective.
     `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO
     reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`)."""
@@ -303,13 +301,11 @@ def totals(
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0
         s[3, rs] += tied_bytes
-        kept = min(kept_whole.whole, s[3, rs])
-        pieces = [(min(moved, s[3, rs]), piece) for _, moved, piece, _ in kept_whole.beside]
-        for out, into in ((kept, kept), *pieces):
-            if out > 0 or into > 0:
-                s[3, [rs, ar]] += (-out, into)
-                s[4, ar] = 1.0
-                s[4, rs] = float(s[3, rs] > 0)
+        kept = min(kept_whole, s[3, rs])
+        if kept > 0:
+            s[3, [rs, ar]] += (-kept, kept)
+            s[4, ar] = 1.0
+            s[4, rs] = float(s[3, rs] > 0)
     trips = np.ones(1) if trips is None else trips
     g_time, g_bytes, calls = combined_times(s, ac, trips)
     time = s[0, :n] + g_time.sum(axis=0)
@@ -320,11 +316,6 @@ def totals(
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
-    for axis, _, piece, permutes in kept_whole.beside if zero_mask else ():
-        i = C.CP * ac.masks + (zero_mask | int(ac.bit[axis]))
-        time[i] += ac.time1(C.CP, zero_mask | int(ac.bit[axis]), piece, permutes)
-        nbytes[i] += piece
-        count[i] += permutes
     if zero_mask and update_bytes > 0:
         i = C.AR * ac.masks + zero_mask
         time[i] += ac.time1(C.AR, zero_mask, update_bytes, 1)

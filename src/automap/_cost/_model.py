@@ -109,7 +109,7 @@ from ._terms import (
     step_moments,
     update_reductions,
 )
-from ._tiles import TileMemo, Unscattered, tile_table
+from ._tiles import TileMemo, tile_table
 from ._torus import axis_spans_and_rings
 from ._zero import regather_coefs, update_sums
 
@@ -160,7 +160,7 @@ class CostModel:
             functools.partial(
                 tile_table, graph, self.groups, self.tables.splittable, len(self.tables.sets)
             ),
-            cluster.lowering,
+            cluster.lowering.scatter_least_elements,
         )
 
     # ---- public -----------------------------------------------------------------------
@@ -425,7 +425,7 @@ class CostModel:
         )
         return layout, d
 
-    def _kept_whole(self, st: K.State, d: int) -> Unscattered:
+    def _kept_whole(self, st: K.State, d: int) -> float:
         """Bytes of the ZeRO gradients over data (code `d`) all-reduced whole, not scattered
         (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
         axis = list(st.mesh)[d - 1]
@@ -502,7 +502,7 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
-            self._kept_whole(st, d) if zero_mask else Unscattered(),
+            self._kept_whole(st, d) if zero_mask else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
             K.tied_bytes(self.tables.tied_partial, st, ac, d, L.zero_stage) if zero_mask else 0.0,
         )

@@ -24,13 +24,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
 from .._graph import Graph, Role
 from .._groups import Groups
-from .._lowering import Lowering
 from ._scatter import gradient_orders
 from ._sets import SetIndex
 
@@ -87,10 +85,6 @@ class TileTable:
     grad_perm: np.ndarray | None = None
     grad_itemsize: np.ndarray | None = None
     grad_lookup: np.ndarray | None = None
-    # Per parameter, how many parts of its gradient dot_generals write, and other ops
-    # ([T] each; `_scatter.gradient_orders`), read by `split_beside`. None: not known.
-    grad_dots: np.ndarray | None = None
-    grad_others: np.ndarray | None = None
 
 
 def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int) -> TileTable:
@@ -179,61 +173,6 @@ def _ratio(table: TileTable, tiled: np.ndarray, raw: np.ndarray, kind: int) -> n
     return np.where(den > 0, num / np.where(den > 0, den, 1), 1.0)
 
 
-class Unscattered(NamedTuple):
-    """The ZeRO gradients over the data axis not reduce-scattered as the plan asks:
-    `whole` bytes all-reduced whole (`whole_reduced_bytes`), and per other axis that
-    XLA's partitioner splits dots' gradients over instead (`split_beside`): (its axis
-    mask, the reduce-scatter bytes it replaces, the pieces' bytes, how many gradients),
-    each piece all-reduced over data and permuted to its ZeRO owner."""
-
-    whole: float = 0.0
-    beside: tuple[tuple[int, float, float, int], ...] = ()
-
-
-def split_beside(
-    table: TileTable, codes, sizes: np.ndarray, data: int
-) -> tuple[np.ndarray, tuple[tuple[int, float, float, int], ...]]:
-    """The ZeRO gradients (over the axis code `data`, of n devices) a dot writes with the
-    parameter whole on another axis of n devices or more: XLA's SPMD partitioner splits
-    the dot's output n ways over that axis (the first such in mesh order), where its
-    operands are whole, rather than over data; each device all-reduces its 1/n piece over
-    data and a collective-permute moves it to the device ZeRO gives it. Read on a 2-layer
-    float32 GPT under ZeRO-1, batch on data alone: at data 2 x model 2 (v5p 2x2x1), 2 x 4
-    (v5p 2x2x2 and A100s alike) and 4 x 4 (v5p 4x4x1) the kernels' 7 MiB are all-reduced
-    and permuted as 7/n MiB each, the lookup's and biases' reduce-scattered; at data 4 x
-    model 2 reduce-scattered (libtpu 0.0.42.1). Not where the dot writes a bf16 gradient
-    its float32 parameter's is cast from: a bf16 Llama's at data 8 x model 8 (llama plan
-    10 of the TPU bench) are reduce-scattered. Returns the mask of the parameters whose
-    reduce-scatter goes and per other axis (its code, the reduce-scatter bytes it takes,
-    the pieces' bytes, the count)."""
-    moved = np.zeros(len(table.kind), dtype=bool)
-    dots, others = table.grad_dots, table.grad_others
-    if dots is None or others is None or table.grad_itemsize is None or not data:
-        return moved, ()
-    n = sizes[data]
-    code = codes[table.groups]
-    local = _local(table, codes, sizes)
-    zlocal = _zero_local(table, local, codes, n, data)
-    free = (table.kind == PARAM) & ~(code == data).any(axis=1) & (table.rank >= 2)
-    # the dot writes the gradient itself, in the parameter's type: behind a convert (a
-    # bf16 step's gradients, cast to its float32 parameters) the partitioner scatters
-    same = table.grad_itemsize == table.itemsize
-    candidates = free & same & (dots > 0) & (zlocal.prod(axis=1) < local.prod(axis=1))
-    nbytes = local.prod(axis=1) * np.where(table.grad_itemsize > 0, table.grad_itemsize, 1)
-    out = []
-    for axis in range(1, len(sizes)):
-        if axis == data or sizes[axis] < n:
-            continue
-        take = candidates & ~moved & ~(code == axis).any(axis=1)
-        if take.any():
-            # a tied table's other parts (its lookup's) are reduce-scattered as before
-            scattered = float(nbytes[take & (others == 0)].sum())
-            pieces = float((nbytes * dots)[take].sum()) / n
-            out.append((axis, scattered, pieces, int(dots[take].sum())))
-            moved |= take & (others == 0)
-    return moved, tuple(out)
-
-
 def whole_reduced_bytes(
     table: TileTable, codes, sizes: np.ndarray, data: int, spans: int, ring: int, least: int
 ) -> float:
@@ -288,7 +227,7 @@ def whole_reduced_bytes(
         # moved as that buffer is (a bf16 step's gradients in bf16, before their cast)
         scattered &= ~minor_split(table.grad_perm, table.grad_itemsize, lookup, local, zlocal)
         itemsize = np.where(table.grad_itemsize > 0, table.grad_itemsize, itemsize)
-    whole = free & ~scattered & ~split_beside(table, codes, sizes, data)[0]
+    whole = free & ~scattered
     return float((local.prod(axis=1) * itemsize)[whole].sum())
 
 
@@ -348,11 +287,10 @@ class TileMemo:
 
     LIMIT = 4096  # layouts kept per figure: a long search's memory stays bounded
 
-    def __init__(self, make_table: Callable[[], TileTable], lowering: Lowering):
-        self._make_table = make_table
-        self.least, self.beside = lowering.scatter_least_elements, lowering.reduce_scatter
+    def __init__(self, make_table: Callable[[], TileTable], least: int):
+        self._make_table, self.least = make_table, least
         self._shares: dict[tuple, TileShares] = {}
-        self._whole: dict[tuple, Unscattered] = {}
+        self._whole: dict[tuple, float] = {}
 
     @functools.cached_property
     def table(self) -> TileTable:
@@ -370,19 +308,16 @@ class TileMemo:
 
     def kept_whole(
         self, codes, mesh, sizes: np.ndarray, data: int, spans: Callable[[], tuple[int, int]]
-    ) -> Unscattered:
-        """The layout's `Unscattered`: `whole_reduced_bytes` (0 where the lowering scatters
-        every ZeRO gradient; `spans()`: the torus dimensions the data axis' groups span and
-        the chips of the shortest of them, `_torus.axis_spans_and_rings`) and, where the
-        lowering reduce-scatters (`beside`), `split_beside`."""
-        if not (self.least or self.beside):
-            return Unscattered()
+    ) -> float:
+        """`whole_reduced_bytes` of the layout (0 where the lowering scatters every ZeRO
+        gradient); `spans()`: the torus dimensions the data axis' groups span and the chips
+        of the shortest of them (`_torus.axis_spans_and_rings`)."""
+        if not self.least:
+            return 0.0
         key = (codes.tobytes(), tuple(mesh.items()), data)
         hit = self._whole.get(key)
         if hit is None:
-            args = (self.table, codes, sizes, data)
-            whole = whole_reduced_bytes(*args, *spans(), self.least) if self.least else 0.0
-            hit = Unscattered(whole, split_beside(*args)[1] if self.beside else ())
+            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans(), self.least)
             if len(self._whole) < self.LIMIT:
                 self._whole[key] = hit
         return hit
