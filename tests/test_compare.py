@@ -66,14 +66,16 @@ def test_resnet_the_optimum_is_data_parallel_with_its_update_on_zero_shards():
 
 
 @pytest.mark.slow  # gpt-6.7b captured and searched
-def test_gpt_6_7b_does_not_fit_data_parallel_and_a_hybrid_plan_does():
+def test_gpt_6_7b_does_not_fit_data_parallel_and_the_searchers_find_plans_that_do():
     found = rows("gpt-6.7b", "a100", 16, "expert,ilp,dp")
     assert not found["data_parallel"].feasible
-    # The shard space's best fits as a hybrid: data 8 x model 2 with ZeRO-3, priced 70.4 GB
-    # a device (XLA's A100 buffer assignment of that plan: 64.8 GB). Until 0ed7b9b priced
-    # attention's scaled scores as float32 no plan of the shard space fitted.
+    # The shard space's best fits with ZeRO-3: data 16, priced 63.9 GiB a device (XLA's A100
+    # buffer assignment of that plan: 58.8 GiB; `am.verify(..., target="a100")`, 2026-12-05).
+    # Until the norms' backward kernels were priced as an A100 runs them (a796fe2) it was
+    # priced over the limit, and the ILP's plan was data 8 x model 2 with ZeRO-3; until
+    # 0ed7b9b priced attention's scaled scores as float32 no plan of the shard space fitted.
     ilp = found["ilp"]
-    assert ilp.feasible and ilp.plan.mesh.get("model", 1) > 1
+    assert ilp.feasible and (ilp.plan.zero_stage >= 1 or ilp.plan.mesh.get("model", 1) > 1)
     assert ilp.memory_bytes <= am.Cluster.preset("a100", 16).memory_limit
     # The stage DP's pipelines are in its space too, and faster here.
     assert found["dp"].feasible and found["dp"].plan.stages

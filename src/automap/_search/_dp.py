@@ -129,20 +129,7 @@ def search_dp(
         stats["notes"] = list(notes)
     if not cands or groups.batch_size is None:
         return None, stats
-    bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
-    fine = partition(graph, groups, bounds, 1)
-    # Under remat, stages start between layers only (Megatron's cuts): a cut inside one
-    # would split its recompute unit, a plan the cost model prices on a model of its own.
-    whole = aligned_cuts(cands, layer_spans(graph, groups))
-    grids = {False: (fine, cands), True: (fine, cands)}
-    if whole != cands and whole:
-        wb = list(zip((0, *whole), (*whole, len(graph.ops)), strict=True))
-        grids[True] = (partition(graph, groups, wb, 1), whole)
-    try:
-        partition(graph, groups, bounds, 2)
-        microbatching = True
-    except PlanError as e:  # batch norm and the like: one microbatch only
-        microbatching, stats["microbatching"] = False, str(e)
+    grids, whole, microbatching = _grids(graph, groups, cands, stats)
     batch = groups.batch_size
     state = state_bytes(graph, groups)
     found: list[Plan] = []
@@ -193,6 +180,27 @@ def search_dp(
         stats["complete"], stats["interrupted"] = False, True
     stats["work"] = round(work.done)
     return best, _finish(stats, start, best_time)
+
+
+def _grids(graph: Graph, groups, cands, stats: dict[str, Any]):
+    """The finest partitions the DP cuts from, without and with remat ({remat: (partition,
+    cut candidates)}), the cuts between layers, and whether the step may be microbatched
+    (if not, `stats` says why)."""
+    bounds = list(zip((0, *cands), (*cands, len(graph.ops)), strict=True))
+    fine = partition(graph, groups, bounds, 1)
+    # Under remat, stages start between layers only (Megatron's cuts): a cut inside one
+    # would split its recompute unit, a plan the cost model prices on a model of its own.
+    whole = aligned_cuts(cands, layer_spans(graph, groups))
+    grids = {False: (fine, cands), True: (fine, cands)}
+    if whole != cands and whole:
+        wb = list(zip((0, *whole), (*whole, len(graph.ops)), strict=True))
+        grids[True] = (partition(graph, groups, wb, 1), whole)
+    try:
+        partition(graph, groups, bounds, 2)
+        microbatching = True
+    except PlanError as e:  # batch norm and the like: one microbatch only
+        microbatching, stats["microbatching"] = False, str(e)
+    return grids, whole, microbatching
 
 
 def pipeline_notes(graph: Graph) -> tuple[str, ...]:
