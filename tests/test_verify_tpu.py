@@ -150,6 +150,27 @@ def test_a_tpu_gathers_the_casts_a_recompute_reads():
     assert gathered > 1.2 * xla
 
 
+def _small_gpt_plan(leaf_suffix: str, data: int, zero_stage: int = 0, **sizes):
+    """A 2-layer float32 GPT's step, arguments, graph, the parameter leaf named by
+    `leaf_suffix` and a plan with that leaf's first dim on model (2) and the batch on data
+    (`data`), at `zero_stage`."""
+    spec = get_model("gpt2-xl", layers=2, hidden=256, heads=2, seq=128, dtype="float32", **sizes)
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    leaf = next(leaf for leaf in graph.inputs if leaf.path.endswith(leaf_suffix))
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    wanted = {groups.of(leaf.tensor, 0): "model", groups.of(batch, 0): "data"}
+    mesh = {"data": data, "model": 2}
+    return (
+        step,
+        args,
+        graph,
+        leaf,
+        plan_from_assignment(graph, groups, mesh, wanted, zero_stage=zero_stage),
+    )
+
+
 @pytest.mark.slow  # compiled for 4 v5p chips: ~20 s on two loaded cores
 def test_a_tpu_all_reduces_a_partial_sum_only_matmuls_read_as_bf16():
     # A float32 GPT with its hidden dim on model (2) and the batch on data (2), as gpt
@@ -158,16 +179,7 @@ def test_a_tpu_all_reduces_a_partial_sum_only_matmuls_read_as_bf16():
     # over model that XLA's TPU converts to the matmuls' bf16 before it all-reduces it,
     # where the forward's Q, K, V projections, read by their bias' add, stay float32
     # (`_rows.narrow_partials`, `Lowering.matmul_operand_bytes`).
-    spec = get_model(
-        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=16, vocab=512, dtype="float32"
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(step, *args)
-    groups = build_groups(graph)
-    path = next(leaf for leaf in graph.inputs if leaf.path.endswith("['query']['kernel']"))
-    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
-    wanted = {groups.of(path.tensor, 0): "model", groups.of(batch, 0): "data"}
-    plan = plan_from_assignment(graph, groups, {"data": 2, "model": 2}, wanted)
+    step, args, graph, _, plan = _small_gpt_plan("['query']['kernel']", 2, batch=16, vocab=512)
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
     report = verify(step, plan, *args, target="v5p:2x2x1")
     assert report.collectives_match, report.mismatches
@@ -186,16 +198,7 @@ def test_zero1_reduce_scatters_a_split_tied_tables_parts_apart():
     # the head's apart, each the table's [512, 256] shard, where a whole table's parts are
     # added first and reduce-scattered once (test_zero1_gradients_are_reduce_scattered_on_a_tpu).
     # Priced as one, reduce-scatter@data was 6.62 MiB to XLA's 7.12 (`_kernel.tied_bytes`).
-    spec = get_model(
-        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=32, vocab=1024, dtype="float32"
-    )
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(step, *args)
-    groups = build_groups(graph)
-    table = next(leaf for leaf in graph.inputs if leaf.path.endswith("['embedding']"))
-    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
-    wanted = {groups.of(table.tensor, 0): "model", groups.of(batch, 0): "data"}
-    plan = plan_from_assignment(graph, groups, {"data": 4, "model": 2}, wanted, zero_stage=1)
+    step, args, _, table, plan = _small_gpt_plan("['embedding']", 4, 1, batch=32, vocab=1024)
     assert plan.specs[table.path] == ("model", None)
     report = verify(step, plan, *args, target="v5p:2x2x2")
     assert report.collectives_match, report.mismatches
