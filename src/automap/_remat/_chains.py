@@ -118,18 +118,24 @@ def regathered_reads(
     al. §4.2.2), where one program left to XLA keeps the forward's gathered copy (4 x 4
     MB at the peak of a 2-layer GPT at tp 8 for A100s, tests/test_seqpar.py). Not the
     head's: the backward reads it first, before the copy would have died."""
-    axis = plan.sequence_parallel
-    if axis is None:
-        return ()
     consumers, inside = graph.consumers(), {i for layer in layers for i in layer}
     out = []
-    for t, spec in plan.constraints.items():
+    for t in split_constraints(plan):
         p = graph.tensors[t].producer
-        if p not in inside or p > boundary or axis not in _axes(spec):
+        if p not in inside or p > boundary:
             continue
         if any(c > boundary and graph.ops[c].primitive == _DOT for c in consumers[t]):
             out.append(t)
     return tuple(sorted(out))
+
+
+def split_constraints(plan: Plan) -> tuple[int, ...]:
+    """The tensors `plan` constrains split on its sequence-parallel axis (none without
+    one): what `regathered_reads` picks from, so a part of the cost model's key for it."""
+    axis = plan.sequence_parallel
+    if axis is None:
+        return ()
+    return tuple(sorted(t for t, spec in plan.constraints.items() if axis in _axes(spec)))
 
 
 def _axes(spec) -> set[str]:

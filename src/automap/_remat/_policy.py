@@ -26,7 +26,7 @@ from .._graph import Graph
 from .._groups import Groups
 from .._pipeline import Phase, partition
 from .._plan import Plan
-from ._chains import regathered_reads, widened_chains
+from ._chains import regathered_reads, split_constraints, widened_chains
 from ._recompute import Recompute, recompute_units
 from ._selective import attention_cores, projection_gaps
 from ._units import block_ops, layer_ops
@@ -116,13 +116,16 @@ def remat_key(plan: Plan, spans: Sequence[tuple[int, int]] = ()) -> tuple | None
     first and last forward op, for a plan whose stages may cut a layer."""
     if not plan.remat:
         return None
-    split = plan.remat_policy == "full" and cuts_a_layer(spans, plan)
+    split = plan.remat_policy in ("full", "projections") and cuts_a_layer(spans, plan)
     if plan.remat_policy == "full" and plan.remat_layers is None and not split:
         return None
     stages = tuple((s.op_start, s.op_stop) for s in plan.stages)
     if plan.remat_layers is None and not split:
         stages = ()
-    return (plan.remat_policy, plan.remat_layers, stages, plan.microbatches if stages else 1)
+    key = (plan.remat_policy, plan.remat_layers, stages, plan.microbatches if stages else 1)
+    if plan.remat_policy == "selective":  # what `plan_recompute` reads of it besides
+        return (*key, bool(plan.stages), split_constraints(plan))
+    return key
 
 
 def full_remat(plan: Plan) -> Plan:
