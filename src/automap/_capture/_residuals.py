@@ -41,6 +41,10 @@ class Residuals:
 
 
 def find_residuals(graph: Graph) -> Residuals:
+    return graph.recall("residuals", graph, None, lambda: _find_residuals(graph), keep=1)
+
+
+def _find_residuals(graph: Graph) -> Residuals:
     n_ops = len(graph.ops)
     last_use = np.full(len(graph.tensors), -1, dtype=np.int64)
     for op in graph.ops:

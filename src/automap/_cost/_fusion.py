@@ -117,7 +117,21 @@ def in_memory_tensors(
     graph: Graph, saved: Iterable[int], ops: set[int] | None = None
 ) -> np.ndarray:
     """Which tensors XLA writes to memory once it has fused the fusible ops (`fused_bytes`
-    gives the rules): per tensor, True where a kernel writes it (or it is a step input)."""
+    gives the rules): per tensor, True where a kernel writes it (or it is a step input).
+    Read-only, and remembered on the graph: each cost model built on it (a recompute
+    policy's variant, `CostModel.for_plan`) asks again for most of the same sets (those
+    without recomputation), and each answer walks the whole program several times."""
+    key = (tuple(sorted(set(saved))), None if ops is None else tuple(sorted(ops)))
+    return graph.recall(
+        "in_memory", graph, key, lambda: _in_memory(graph, key[0], ops), keep=RECENT_SETS
+    )
+
+
+# Distinct (saved, ops) sets a model build asks for: five, and as many per variant.
+RECENT_SETS = 16
+
+
+def _in_memory(graph: Graph, saved: Iterable[int], ops: set[int] | None) -> np.ndarray:
     ops = set(range(len(graph.ops))) if ops is None else ops
     fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
     regen = _regenerated(graph, fusible)
@@ -131,7 +145,9 @@ def in_memory_tensors(
     in_memory[[leaf.tensor for leaf in graph.outputs]] = True
     in_memory[[t for t in saved if not regen[t]]] = True
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
-    return _materialize_shared(graph, in_memory, fusible, regen.tolist(), nbytes)
+    out = _materialize_shared(graph, in_memory, fusible, regen.tolist(), nbytes)
+    out.setflags(write=False)  # shared by every caller with the same sets
+    return out
 
 
 def _materialize_shared(

@@ -443,6 +443,12 @@ class Regather:
 def regather_plan(graph: Graph, groups: Groups) -> Regather:
     """Which backward reads ZeRO-3 serves with a second gather (empty without a loss: no
     backward to tell)."""
+    return graph.recall(
+        "regather_plan", groups, None, lambda: _regather_plan(graph, groups), keep=1
+    )
+
+
+def _regather_plan(graph: Graph, groups: Groups) -> Regather:
     if loss_boundary(graph) is None:
         return Regather(len(graph.ops), frozenset(), (), frozenset(), ())
     boundary = find_residuals(graph).boundary

@@ -75,6 +75,10 @@ def cut_runs(graph: Graph, groups: Groups) -> tuple[CutRun, ...]:
     through a layer norm: where a post-LN layer (BERT's) ends with its norm, the run's
     cheapest cut (the residual add, before the norm) lies inside the layer, and a later
     cut of the same run (after the norm) is the layer's end."""
+    return graph.recall("cut_runs", groups, None, lambda: _cut_runs(graph, groups), keep=1)
+
+
+def _cut_runs(graph: Graph, groups: Groups) -> tuple[CutRun, ...]:
     fwd, cross = crossing_bytes(graph, groups)
     if len(fwd) < 2:
         return ()

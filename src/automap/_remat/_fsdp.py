@@ -84,6 +84,12 @@ class LayerGathers:
 
 def layer_gathers(graph: Graph, groups: Groups) -> LayerGathers:
     """The layers of `graph`'s forward and what gathers each (`LayerGathers`)."""
+    return graph.recall(
+        "layer_gathers", groups, None, lambda: _layer_gathers(graph, groups), keep=1
+    )
+
+
+def _layer_gathers(graph: Graph, groups: Groups) -> LayerGathers:
     rg = regather_plan(graph, groups)
     cuts = tuple(c for c in cut_candidates(graph, groups) if c <= rg.boundary)
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
