@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 
 import jax
@@ -384,10 +385,7 @@ def test_on_a_gpu_the_split_plan_under_full_recomputation_holds_what_xla_holds()
     # from its live ranges, 33.5 MB allocated). Priced 48.4 MB against 46.7 (1.04x); it
     # was 44.6 (0.955x), but at the gradients' reduction, a whole 30 MiB bucket this plan
     # does not reduce, above activations priced without the gathered copies.
-    step, args = _fused_bf16_gpt()
-    recipe = am.Recipe(tp=8, remat="full", sequence_parallel=True)
-    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
-    held = compiled_memory(compile_plan(step, plan, args, target="a100")[1])
+    plan, held = _bf16_gpt_on_a100("full", True)
     assert plan.predicted.memory_breakdown["grads"] == 0  # an activation moment peaks
     assert plan.predicted.memory_bytes == pytest.approx(held, rel=0.1)
 
@@ -464,6 +462,16 @@ def _fused_bf16_gpt():
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
+@functools.cache
+def _bf16_gpt_on_a100(remat: str, sequence_parallel: bool) -> tuple[am.Plan, int]:
+    """The bf16 GPT's tp 8 recipe plan and what XLA's A100 buffer assignment holds for
+    it: compiled once for the tests that read it."""
+    step, args = _fused_bf16_gpt()
+    recipe = am.Recipe(tp=8, remat=remat, sequence_parallel=sequence_parallel)
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
+    return plan, compiled_memory(compile_plan(step, plan, args, target="a100")[1])
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow  # four programs compiled for 8 A100s without one
 @pytest.mark.parametrize(
@@ -506,13 +514,11 @@ def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # stream tensor a matmul reads as a whole gathered copy per pass
     # (`_seqpar.gathered_copies`). Under full recomputation each layer's input is kept as
     # itself, split (`_residuals.barrier_inputs`), not as its summands held whole.
-    step, args = _fused_bf16_gpt()
     priced, held = [], []
     for sp in (False, True):
-        recipe = am.Recipe(tp=8, remat=remat, sequence_parallel=sp)
-        plan = am.plan_recipe(step, *args, recipe=recipe, cluster=A100)
+        plan, bytes_held = _bf16_gpt_on_a100(remat, sp)
         priced.append(plan.predicted)
-        held.append(compiled_memory(compile_plan(step, plan, args, target="a100")[1]))
+        held.append(bytes_held)
     assert priced[1].memory_breakdown["activations"] > 0
     for cost, bytes_held in zip(priced, held, strict=True):
         assert cost.memory_bytes == pytest.approx(bytes_held, rel=0.15)
