@@ -92,17 +92,18 @@ def pytest_report_header(config):
 # (measured on a loaded machine with AUTOMAP_TEST_TIMES, below, and scaled to an idle
 # `make test`'s figures); the others follow, most tests first, as xdist orders them.
 SECONDS = {
+    "tests/test_numerics.py": 167,
     "tests/test_verify_gpu.py": 103,
     "tests/pipeline/test_search_techniques.py": 96,
-    "tests/test_numerics.py": 84,
+    "tests/test_schedule.py": 78,
+    "tests/pipeline/test_zero.py": 71,
     "tests/test_verify_tpu.py": 67,
-    "tests/pipeline/test_zero.py": 66,
     "tests/test_seqpar.py": 63,
     "tests/test_readme.py": 60,
     "tests/test_fsdp.py": 58,
+    "tests/test_flash.py": 57,
     "tests/pipeline/test_interleaved.py": 52,
     "tests/pipeline/test_search.py": 51,
-    "tests/test_schedule.py": 51,
     "tests/test_zero.py": 42,
     "tests/test_remat_units.py": 40,
     "tests/test_thirdparty.py": 36,
