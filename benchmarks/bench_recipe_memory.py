@@ -27,12 +27,18 @@ busiest moment priced (`Lowering.frees_at_last_use`, at 5aa2397): float32 6 of 6
 (0.90-1.06x), bfloat16 2 of 6 (0.65-0.93x, under). With the mixed-precision program's
 buffers priced (GELU's tanh kept in float32, the softmax's backward reading the scores:
 docs/DESIGN.md), at 3f530c9: bfloat16 3 of 6 (0.93-1.05x without recomputation, 0.87x tp
-2 with it at hidden 128); the other recomputed ones stay under (0.67-0.75x): there XLA's
-temporary allocation is 1.3-1.8x the largest sum of its live buffers (the heap packing
-of many small buffers, not priced), float32 agreeing only by over-predicting that sum.
-At hidden 512 (100-700 MiB programs; `--hidden 512 --target a100`, at 1d02cec) every
-one-stage recipe agrees: bfloat16 0.92-0.94x, float32 0.87-1.00x; the heap there wastes
-1.0-1.3x the live sum, the model over-predicting that sum by 1.0-1.17x under remat.
+2 with it at hidden 128); the other recomputed ones stay under (0.67-0.75x). At ff2115a
+(2026-12-05, 2 min): float32 6 of 6 (0.94-1.06x), bfloat16 2 of 6 (without recomputation
+1.12x / 0.97x at hidden 64 / 128; with it tp 2 0.75x / 0.84x, tp 4 0.73x / 0.71x; tp 2 at
+hidden 128 was 0.87x at 3f530c9, priced 7.20 -> 7.40 MiB since, XLA's 8.32 -> 8.82).
+The recomputed bf16 ones are not under for XLA's heap packing, as was written here: XLA's
+live buffers at its busiest step, summed by their offsets
+(`benchmarks/read_buffer_assignment.py`), fill 0.94-0.99 of its temporary allocation.
+What they miss is the weight gradients XLA splits into float32 partials (split-K) and
+schedules at the end of the backward, holding each layer's MLP operands until then
+(docs/DESIGN.md, "A scheduled step's peak"; not priced). At hidden 512 (100-700 MiB
+programs; `--hidden 512 --target a100`, 1 min) every one-stage recipe agrees: at 1d02cec
+bfloat16 0.92-0.94x, float32 0.87-1.00x; at ff2115a bfloat16 0.93x, 0.98x, 0.91x.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ from automap._zoo import get_model  # noqa: E402
 SIZES = {
     64: dict(seq=64, batch=16, vocab=256, heads=4),
     128: dict(seq=128, batch=8, vocab=512, heads=8),
-    # Programs of 100-700 MiB a device, where XLA's heap packing wastes less: with
-    # --target a100 only (the CPU compile of its pipelines is slow).
+    # Programs of 100-700 MiB a device, where what XLA holds for its split weight
+    # gradients is a small share: with --target a100 only (the CPU compile of its
+    # pipelines is slow).
     512: dict(seq=512, batch=16, vocab=2048, heads=16),
 }
 RECIPES = (

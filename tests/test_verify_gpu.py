@@ -156,6 +156,28 @@ def test_a_recomputed_layer_holds_its_combined_all_reduces_copy():
     assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.1)
 
 
+def test_a_recompute_fences_nothing_made_from_literals_alone():
+    # At a batch of one the masked softmax's fill, broadcast to the scores' shape, and
+    # its mask are inputs of each recomputed layer (made outside it). Fenced by the
+    # recompute's barrier, XLA wrote both whole (float32 and pred [1, 1, 256, 256] here,
+    # [1, 6, 2048, 2048] at hidden 6144 on 8: 120 MiB a device) and held them from the
+    # forward; read as they are (`_run/_recompute.literal_made`), it makes them inside
+    # the kernels that read them, and the step holds less than the model prices.
+    spec = get_model("gpt-1.3b", layers=2, hidden=128, heads=8, seq=256, batch=1, vocab=256,
+                     dtype="bfloat16", softmax="fused")  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    a100 = am.Cluster.preset("a100", devices=8)
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(tp=8, remat="full"), cluster=a100)
+    compiled = compile_plan(step, plan, args, target="a100")
+    fenced = set()
+    for line in compiled[1].as_text().splitlines():
+        if "optimization_barrier" in line and re.search(r"= \(.*\) tuple\(", line):
+            fenced |= set(re.findall(r"\w+\[[\d,]+\]", line.split(") tuple(")[0]))
+    assert fenced and not [shape for shape in fenced if shape.endswith("256,256]")]
+    report = verify(step, plan, *args, target="a100", compiled=compiled)
+    assert report.predicted_memory_bytes == pytest.approx(report.xla_memory_bytes, rel=0.15)
+
+
 @pytest.mark.slow  # compiled for 8 A100s
 def test_a_mixed_precision_step_keeps_what_the_gpu_keeps():
     # A bfloat16 GPT (float32 parameters, Megatron's fused softmax): XLA's GPU computes

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._graph import Graph
+from .._graph import Graph, TensorKind
 from .._groups import Groups
 from .._plan import Plan
 from .._remat import Recompute, made_in_forward
@@ -50,6 +50,7 @@ def eval_recomputing(
     value laid out as it is (`_after`); None: any of its shape."""
     values: dict[int, Any] = dict(graph.const_values if consts is None else consts)
     values.update(env)
+    literal = literal_made(graph)
     again: dict[int, Any] = {}
     done: set[int] = set()
     lg, reads = None, None
@@ -67,7 +68,9 @@ def eval_recomputing(
         run_op(graph, i, read, into, constrain, bind)
 
     def recompute(k: int, pairs: list[tuple[int, Any]]) -> None:
-        live, anchors = rc.inputs[k], [v for _, v in pairs]
+        # what literals alone make is read as it is: fenced, XLA would write it whole
+        live = [t for t in rc.inputs[k] if t not in literal]
+        anchors = [v for _, v in pairs]
         fenced, _ = jax.lax.optimization_barrier(([fetch(t, pairs) for t in live], anchors))
         start = {**values, **dict(zip(live, fenced, strict=True))}
         laid = [(None if layout is None else layout(a), v) for a, v in pairs]
@@ -78,7 +81,7 @@ def eval_recomputing(
         # queries are split by head): on one reduced to a flag. An untied attempt is dead
         # code XLA drops.
         for how in ("same", "permute", "scalar"):
-            local, tied = _remade(graph, rc, k, dict(start), laid, how, layout, run)
+            local, tied = _remade(graph, rc, k, dict(start), laid, how, layout, run, live)
             if tied:
                 break
         again.update({t: local[t] for t, j in rc.owner.items() if j == k})
@@ -113,9 +116,10 @@ def _remade(
     how: str,
     layout: Callable[[int], tuple] | None,
     run: Callable[[int, Callable[[int], Any], dict[int, Any]], None],
+    fenced: Sequence[int],
 ) -> tuple[dict[int, Any], bool]:
-    """Recompute unit `k` into `local` (its inputs fenced there), its inputs made in the
-    forward tied to a backward value of `laid` ((layout, value) pairs) as `how` says:
+    """Recompute unit `k` into `local` (its `fenced` inputs fenced there), those made in
+    the forward tied to a backward value of `laid` ((layout, value) pairs) as `how` says:
     "same" or "permute" (`_after`), "scalar" (`_scalar_after`); and whether one was."""
 
     def tie(t: int) -> bool:
@@ -127,7 +131,7 @@ def _remade(
         return hit
 
     tied = False
-    for t in rc.inputs[k]:
+    for t in fenced:
         if made_in_forward(graph, t, rc.boundary):
             tied |= tie(t)
     for i in rc.layers[k]:
@@ -137,6 +141,21 @@ def _remade(
         for t in () if tied else graph.ops[i].outputs:
             tied |= tie(t)
     return local, tied
+
+
+def literal_made(graph: Graph) -> frozenset[int]:
+    """The tensors made from literals alone (iotas, a causal mask compared from them, a
+    fill value broadcast): the same wherever they are made. A recompute reads them as
+    they are, not through its barrier: fenced, XLA writes each whole and holds it from
+    the forward to the last recompute (read on compile-only A100s: at a batch of one the
+    masked softmax's fill, broadcast to the scores' shape in float32, and its mask; at
+    hidden 6144 and 8 ways of tensor parallelism, 120 MiB a device), where unfenced it
+    makes them inside the kernels that read them."""
+    made: set[int] = set()
+    for op in graph.ops:
+        if all(graph.tensors[t].kind is TensorKind.CONST or t in made for t in op.inputs):
+            made.update(op.outputs)
+    return frozenset(made)
 
 
 def plan_layout(graph: Graph, groups: Groups, plan: Plan) -> Callable[[int], tuple] | None:

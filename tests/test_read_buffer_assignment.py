@@ -1,0 +1,55 @@
+"""benchmarks/read_buffer_assignment.py reads back what XLA dumps of a compiled program."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from _scripts import load_script
+
+reader = load_script("read_buffer_assignment")
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory):
+    """A small program compiled with its buffer assignment dumped, and its memory stats."""
+    out = tmp_path_factory.mktemp("dump")
+
+    def step(x, w):
+        h = jnp.tanh(x @ w)
+        return (h @ w.T).sum() + jnp.exp(h).sum()
+
+    args = (jnp.ones((64, 128)), jnp.ones((128, 256)))
+    options = {"xla_dump_to": str(out), "xla_dump_hlo_as_text": True}
+    compiled = jax.jit(step).lower(*args).compile(compiler_options=options)
+    return out, compiled.memory_analysis()
+
+
+def test_the_temporary_allocation_is_read_with_its_values(dumped):
+    out, stats = dumped
+    a = reader.read(out)
+    assert a.temp_size == stats.temp_size_in_bytes > 0
+    # every value lies in the allocation, and the allocation is as wide as they reach
+    assert max(v.offset + v.size for v in a.values) == a.temp_size
+    step, peak = a.busiest()
+    assert 0 < peak <= a.temp_size
+    assert peak == max(a.live_bytes(t) for t in range(len(a.schedule)))
+    assert a.schedule[step] and all(v.start <= v.end for v in a.values)
+
+
+def test_values_at_one_offset_count_once():
+    def value(offset, size, start, end):
+        return reader.Value(f"v{offset}", offset, size, "f32[]", start, end)
+
+    # an in-place update: two values share offset 0 at step 1
+    a = reader.Assignment(
+        96, (value(0, 64, 0, 1), value(0, 64, 1, 2), value(64, 32, 1, 3)), ("a", "b", "c", "d"),
+        frozenset({"d"}),
+    )  # fmt: skip
+    assert [a.live_bytes(t) for t in range(4)] == [64, 96, 96, 32]
+    assert a.busiest() == (1, 96)
+    assert a.waiting_for_float32_gemms(1) == 32  # read last by "d", a float32 matmul
+
+
+def test_a_folder_without_a_dump_says_how_to_make_one(tmp_path):
+    with pytest.raises(SystemExit, match="xla_dump_to"):
+        reader.read(tmp_path)
