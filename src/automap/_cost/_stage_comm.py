@@ -112,6 +112,12 @@ def rows_by_phase(
         accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
     kind, mask = np.divmod(key, ac.masks)
     moved = mask & oc.batch_mask
+    if oc.row_split is not None:
+        # XLA splits a gradient dot beside data only where the call that makes the
+        # gradient reduces it; the reduce program reduce-scatters the sum it accumulates
+        # (`_beside.py`)
+        alone = ~(accumulated[r] & per_mb[r])
+        count = np.where((oc.row_split == 1) & ~alone | (oc.row_split == 2) & alone, 0, count)
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)
     d = np.nonzero(deferred)[0]
