@@ -242,31 +242,27 @@ def test_zero1_over_two_beside_a_wider_axis_splits_the_dots_over_it():
 def test_a_stage_splits_the_dots_beside_data_where_its_backward_reduces_them(microbatches):
     # The same GPT in 2 GPipe stages of data 2 x model 2 (v5p 2x2x2), ZeRO-1, as gpt plan
     # 4 of the TPU bench. With one microbatch each stage's backward program makes and
-    # reduces its gradients, and XLA splits its kernels' dots over model as one program
-    # does (the halves all-reduced over data and permuted), the head's part of the tied
-    # table too: stage 1 reduce-scatters none of it. With two, the stage's reduce program
-    # reduce-scatters the sums it accumulated: no permute (`_stage_comm.rows_by_phase`).
+    # reduces its gradients: XLA splits its kernels' dots over model as one program does
+    # (the halves all-reduced over data and permuted), the head's part of the tied table
+    # too, so stage 1 reduce-scatters none of it, and all-reduces whole the lookup's part
+    # (1 MiB, stage 0; `_pipelined._whole_in_backward`). With two, the stage's reduce
+    # program reduce-scatters the sums it accumulated, no permute
+    # (`_stage_comm.rows_by_phase`).
     step, args, graph, groups, wanted = _beside_gpt()
     cuts = uniform_cuts(graph, groups, 2)
     mesh = {"data": 2, "model": 2}
     plan = pipeline_plan(graph, groups, cuts, mesh, wanted, microbatches, "gpipe", zero_stage=1)
     report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
     xla, predicted = report.xla_comm_bytes, report.predicted_comm_bytes
+    permutes = [f"collective-permute@data+model (stage {s})" for s in (0, 1)]
     if microbatches == 2:
-        assert report.collectives_match, report.mismatches
         assert not [key for key in {*xla, *predicted} if key.startswith("collective-permute")]
         return
-    for key in (*(f"collective-permute@data+model (stage {s})" for s in (0, 1)),
-                "all-reduce@data (stage 1)"):  # fmt: skip
-        assert predicted[key] == pytest.approx(xla[key], rel=0.01), key
+    for key in (*permutes, "all-reduce@data (stage 0)", "all-reduce@data (stage 1)"):
+        assert predicted[key] == pytest.approx(xla[key], rel=0.02), key
     assert "reduce-scatter@data (stage 1)" not in xla  # the biases' 16 KiB all-reduced whole
-    assert predicted["reduce-scatter@data (stage 1)"] < 0.01 * xla["all-reduce@data (stage 1)"]
-    # Not priced: stage 0 all-reduces whole the lookup's part of the table (1 MiB), where
-    # it reduce-scatters it with 2 microbatches and at data 4 alone (a stage's ZeRO
-    # gradients all-reduced whole on a TPU, `_tiles.whole_reduced_bytes`, are not priced).
-    assert xla["all-reduce@data (stage 0)"] - predicted["all-reduce@data (stage 0)"] == (
-        pytest.approx(1024 * 256 * 4, rel=0.02)
-    )
+    assert xla["all-reduce@data (stage 0)"] > xla[permutes[0]] + 1024 * 256 * 4  # the lookup's
 
 
 @pytest.mark.parametrize(("topology", "gathered"), [("4x4x4", False), ("2x4x4", True)])

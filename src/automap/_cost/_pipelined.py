@@ -72,6 +72,7 @@ from . import _collectives as C
 from ._beside import split_rows
 from ._compute import op_compute
 from ._kernel import collective_rows, gradients_apart, per_slot
+from ._scatter import SCATTERS
 from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
 from ._stage_comm import N_PHASES, phase_collectives
@@ -141,10 +142,11 @@ class OpCosts:
     axis_costs: C.AxisCosts
     # [rows] a recomputed op's collective run again in the backward (remat), or None.
     row_again: np.ndarray | None = None
-    # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
-    # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
-    # stage's reduce program scatters it all the same (`_stage_comm.rows_by_phase`).
-    row_narrow: np.ndarray | None = None
+    # [rows] a ZeRO gradient a B call that reduces it (one microbatch) all-reduces whole
+    # (or None): one with 16-bit elements, which the plan leaves whole, and a lookup's
+    # (`_whole_in_backward`); a stage's reduce program scatters them all the same
+    # (`_stage_comm.rows_by_phase`).
+    row_whole: np.ndarray | None = None
     # [rows] XLA's split of a gradient dot beside ZeRO's data axis (`_beside.py`), or None:
     # 1 its pieces' rows, 2 the reduce-scatter they replace, where a call reduces the
     # gradient it makes; a stage's reduce program scatters it (`_stage_comm.rows_by_phase`)
@@ -271,7 +273,7 @@ def op_costs(
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
-        row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
+        row_whole=_whole_in_backward(graph)[row_op],  # one check per op, not per row
         row_split=row_split,
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
@@ -288,10 +290,19 @@ def _reductions(model: StageModel, zero_mask: int, zero_stage: int, staged: bool
     return float(layers.reductions)
 
 
-def _narrow_ops(graph) -> np.ndarray:
-    """[n_ops] the op's (first) result has 16-bit elements."""
+def _whole_in_backward(graph) -> np.ndarray:
+    """[n_ops] the op's (first) result has 16-bit elements, or it is a table lookup's
+    gradient (a scatter-add): a stage's B call that reduces such a ZeRO gradient
+    all-reduces it whole. The lookup's read on 2 GPipe stages at data 4, one microbatch,
+    ZeRO-1: a float32 GPT's tied table (its lookup part, stage 0) and a float32 Llama's
+    token table, 1 MiB each, all-reduced whole, on v5p 2x2x2 and A100s alike; with two
+    microbatches the reduce program reduce-scatters it (tests/test_verify_tpu.py)."""
     return np.array(
-        [bool(op.outputs) and graph.tensors[op.outputs[0]].itemsize < 4 for op in graph.ops],
+        [
+            bool(op.outputs)
+            and (graph.tensors[op.outputs[0]].itemsize < 4 or op.primitive in SCATTERS)
+            for op in graph.ops
+        ],
         dtype=bool,
     )
 
@@ -320,7 +331,7 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
         row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < len(op) - len(r.op)]),
-        row_narrow=np.concatenate([oc.row_narrow, np.zeros(len(op), dtype=bool)]),
+        row_whole=np.concatenate([oc.row_whole, np.zeros(len(op), dtype=bool)]),
         row_split=None if oc.row_split is None else np.concatenate([oc.row_split, 0 * op]),
     )
 

@@ -33,7 +33,7 @@ import numpy as np
 from .._graph import Graph, Role
 from .._groups import Groups, update_region
 
-_SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
+SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
 
 
 def gradient_orders(graph: Graph, groups: Groups, width: int) -> tuple[np.ndarray, ...]:
@@ -63,7 +63,7 @@ def gradient_orders(graph: Graph, groups: Groups, width: int) -> tuple[np.ndarra
             continue  # its dims not told apart by their groups
         perm[p, : x.ndim] = [own.index(gid) for gid in made]
         itemsize[p] = x.itemsize
-        lookup[p] = graph.ops[x.producer].primitive in _SCATTERS
+        lookup[p] = graph.ops[x.producer].primitive in SCATTERS
     return perm, itemsize, lookup, parts[0], parts[1]
 
 
