@@ -15,6 +15,7 @@ from automap._cli import app
 from automap._cost import CostModel, axis_links, axis_torus_dims
 from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment
+from automap._pipeline import pipeline_plan, uniform_cuts
 from automap._verify import tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
@@ -204,6 +205,64 @@ def test_zero1_reduce_scatters_a_split_tied_tables_parts_apart():
     assert report.collectives_match, report.mismatches
     xla = report.xla_comm_bytes["reduce-scatter@data"]
     assert report.predicted_comm_bytes["reduce-scatter@data"] == pytest.approx(xla, rel=0.01)
+
+
+def _beside_gpt():
+    """A 2-layer float32 GPT's step, arguments, graph, groups and the assignment that
+    splits its batch on data and nothing else (its kernels whole on every other axis)."""
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=2, seq=128, batch=32, vocab=1024, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    return step, args, graph, groups, {groups.of(batch, 0): "data"}
+
+
+@pytest.mark.slow  # compiled for 4 v5p chips: ~15 s on two loaded cores
+def test_zero1_over_two_beside_a_wider_axis_splits_the_dots_over_it():
+    # A float32 GPT under ZeRO-1 at data 2 x model 2, only the batch split: XLA's SPMD
+    # partitioner splits each kernel's gradient dot in two over model, whose devices hold
+    # its operands whole, all-reduces each half over data and permutes it to the device
+    # ZeRO gives it (3.5 MiB each), where a reduce-scatter of 7 MiB was priced; the
+    # lookup's and the position table's are reduce-scattered (`_cost/_beside.py`).
+    step, args, graph, groups, wanted = _beside_gpt()
+    plan = plan_from_assignment(graph, groups, {"data": 2, "model": 2}, wanted, zero_stage=1)
+    report = verify(step, plan, *args, target="v5p:2x2x1")
+    assert report.collectives_match, report.mismatches
+    xla, predicted = report.xla_comm_bytes, report.predicted_comm_bytes
+    for key in ("collective-permute@data+model", "all-reduce@data", "reduce-scatter@data"):
+        assert predicted[key] == pytest.approx(xla[key], rel=0.01), key
+    assert xla["collective-permute@data+model"] > 2 * xla["reduce-scatter@data"]
+
+
+@pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~30-60 s on two loaded cores
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_stage_splits_the_dots_beside_data_where_its_backward_reduces_them(microbatches):
+    # The same GPT in 2 GPipe stages of data 2 x model 2 (v5p 2x2x2), ZeRO-1, as gpt plan
+    # 4 of the TPU bench. With one microbatch each stage's backward program makes and
+    # reduces its gradients: XLA splits its kernels' dots over model as one program does
+    # (the halves all-reduced over data and permuted), the head's part of the tied table
+    # too, so stage 1 reduce-scatters none of it, and all-reduces whole the lookup's part
+    # (1 MiB, stage 0; `_pipelined._whole_in_backward`). With two, the stage's reduce
+    # program reduce-scatters the sums it accumulated, no permute
+    # (`_stage_comm.rows_by_phase`).
+    step, args, graph, groups, wanted = _beside_gpt()
+    cuts = uniform_cuts(graph, groups, 2)
+    mesh = {"data": 2, "model": 2}
+    plan = pipeline_plan(graph, groups, cuts, mesh, wanted, microbatches, "gpipe", zero_stage=1)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert report.collectives_match, report.mismatches
+    xla, predicted = report.xla_comm_bytes, report.predicted_comm_bytes
+    permutes = [f"collective-permute@data+model (stage {s})" for s in (0, 1)]
+    if microbatches == 2:
+        assert not [key for key in {*xla, *predicted} if key.startswith("collective-permute")]
+        return
+    for key in (*permutes, "all-reduce@data (stage 0)", "all-reduce@data (stage 1)"):
+        assert predicted[key] == pytest.approx(xla[key], rel=0.02), key
+    assert "reduce-scatter@data (stage 1)" not in xla  # the biases' 16 KiB all-reduced whole
+    assert xla["all-reduce@data (stage 0)"] > xla[permutes[0]] + 1024 * 256 * 4  # the lookup's
 
 
 @pytest.mark.parametrize(("topology", "gathered"), [("4x4x4", False), ("2x4x4", True)])

@@ -7,9 +7,11 @@ searchers, which evaluate many assignments at once. DESIGN.md, "Collectives: the
 convention" and "Pipeline".
 """
 
+from ._beside import scope_split as scope_split
 from ._buffers import step_buffers as step_buffers
 from ._collectives import AG as AG
 from ._collectives import AR as AR
+from ._collectives import CP as CP
 from ._collectives import KINDS as KINDS
 from ._collectives import RS as RS
 from ._collectives import AxisCosts as AxisCosts

@@ -44,6 +44,7 @@ class State:
     # [5, slots * kinds * masks]: time, bytes, count (non-gradient, slot 0 only); bytes,
     # rows (gradients, by their combine slot)
     sums: np.ndarray
+    partial: RowTable | None = None  # the partial-sum rows of `key`'s first rows
 
 
 def set_axes(codes: np.ndarray, sets: np.ndarray, sizes: np.ndarray):
@@ -188,7 +189,12 @@ def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
 
 
 def tied_bytes(R: RowTable, st: State, ac: C.AxisCosts, data: int, stage: int) -> float:
-    """Bytes of the tied gradient parts ZeRO reduce-scatters apart (`Tables.tied_partial`)
+    """Bytes of the tied gradient parts ZeRO reduce-scatters apart (`tied_rows`)."""
+    return float(tied_rows(R, st, ac, data, stage).sum())
+
+
+def tied_rows(R: RowTable, st: State, ac: C.AxisCosts, data: int, stage: int) -> np.ndarray:
+    """Per row of `R`, bytes of the tied gradient parts ZeRO reduce-scatters apart (`Tables.tied_partial`)
     over its data axis (code `data`): under ZeRO-3 every one; under ZeRO-1/2 those of a
     parameter another axis splits. A 2-layer float32 GPT at data 4 x model 2 under ZeRO-1,
     its tied token table's rows or hidden dim on model: the lookup's and the head's parts
@@ -199,7 +205,7 @@ def tied_bytes(R: RowTable, st: State, ac: C.AxisCosts, data: int, stage: int) -
         others = np.ones(st.P.shape[1], dtype=bool)
         others[[0, data]] = False
         rows = np.where(st.P[R.tset][:, others].any(axis=1), rows, 0.0)
-    return float(rows.sum())
+    return rows
 
 
 def reshard_rows(R: RowTable, A, P, S, bit, inv, m):
@@ -280,6 +286,7 @@ def totals(
     kept_whole: float = 0.0,
     update_bytes: float = 0.0,
     tied_bytes: float = 0.0,
+    split=None,
 ):
     """Per (kind, axis mask): time, bytes and count, gradient collectives combined (the
     step's once, each loop body's once per trip: `trips` per combine slot).
@@ -293,7 +300,8 @@ def totals(
     (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
     split all-reduce over it (`_terms.update_reductions`), one more collective.
     `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO
-    reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`)."""
+    reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`). `split`: the gradients
+    XLA splits beside data instead (`_beside.Split`), all-reduced in pieces and permuted."""
     n = len(ac.keys)
     s = s.copy()
     if zero_mask and lowering.reduce_scatter:
@@ -301,6 +309,9 @@ def totals(
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0
         s[3, rs] += tied_bytes
+        if split is not None:
+            s[3:, rs] -= (split.removed, split.removed_rows)
+            s[3:, ar] += (split.pieces, split.piece_rows)
         kept = min(kept_whole, s[3, rs])
         if kept > 0:
             s[3, [rs, ar]] += (-kept, kept)
@@ -316,6 +327,11 @@ def totals(
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
+    for axis, piece, permutes in split.permutes if zero_mask and split is not None else ():
+        i = C.CP * ac.masks + (zero_mask | int(ac.bit[axis]))
+        time[i] += ac.time1(C.CP, zero_mask | int(ac.bit[axis]), piece, permutes)
+        nbytes[i] += piece
+        count[i] += permutes
     if zero_mask and update_bytes > 0:
         i = C.AR * ac.masks + zero_mask
         time[i] += ac.time1(C.AR, zero_mask, update_bytes, 1)

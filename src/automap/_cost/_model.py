@@ -84,6 +84,7 @@ from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
+from ._beside import BesideMemo, beside_table
 from ._compute import op_compute
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
@@ -110,7 +111,6 @@ from ._terms import (
     update_reductions,
 )
 from ._tiles import TileMemo, tile_table
-from ._torus import axis_spans_and_rings
 from ._zero import regather_coefs, update_sums
 
 _log = logging.getLogger("automap")
@@ -162,6 +162,8 @@ class CostModel:
             ),
             cluster.lowering.scatter_least_elements,
         )
+        on = cluster.lowering.reduce_scatter  # XLA's split of gradient dots beside data
+        self.beside = BesideMemo(lambda: beside_table(graph, self._tile_memo.table), on)
 
     # ---- public -----------------------------------------------------------------------
 
@@ -357,6 +359,7 @@ class CostModel:
             count=_patch(base.count, idx, count),
             time=_patch(base.time, idx, time),
             sums=base.sums + both,
+            partial=base.partial,
         )
         return self._finish(state, zero_stage, data_axis), state
 
@@ -398,7 +401,7 @@ class CostModel:
         sums = K.sums(
             key, nbytes, count, grad, time, len(C.KINDS) * ac.masks, slot, len(T.combine_trips)
         )
-        return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums)
+        return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums, partial)
 
     def _layout(
         self, st: K.State, zero_stage: int, data_axis: str | None, zero_gather: str = "compute"
@@ -424,14 +427,6 @@ class CostModel:
             st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles, gathers_compute=compute
         )
         return layout, d
-
-    def _kept_whole(self, st: K.State, d: int) -> float:
-        """Bytes of the ZeRO gradients over data (code `d`) all-reduced whole, not scattered
-        (`Lowering.scatter_least_elements`, `_tiles.whole_reduced_bytes`)."""
-        axis = list(st.mesh)[d - 1]
-        spans = lambda: axis_spans_and_rings(self.cluster, st.mesh, axis)  # noqa: E731
-        sizes = self._costs_for(st.mesh).sizes
-        return self._tile_memo.kept_whole(st.codes, st.mesh, sizes, d, spans)
 
     def _finish(
         self,
@@ -502,9 +497,14 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
-            self._kept_whole(st, d) if zero_mask else 0.0,
+            self._tile_memo.kept_whole(self.cluster, st.codes, st.mesh, ac.sizes, d)
+            if zero_mask
+            else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
             K.tied_bytes(self.tables.tied_partial, st, ac, d, L.zero_stage) if zero_mask else 0.0,
+            self.beside.split(st, ac, d, self.tables.tied_partial, L.zero_stage)
+            if zero_mask
+            else None,
         )
         collectives = tuple(
             Collective(

@@ -69,8 +69,10 @@ from .._pipeline import (
 from .._plan import Collective, Cost, Plan
 from .._remat import full_remat
 from . import _collectives as C
+from ._beside import split_rows
 from ._compute import op_compute
 from ._kernel import collective_rows, gradients_apart, per_slot
+from ._scatter import SCATTERS
 from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
 from ._stage_comm import N_PHASES, phase_collectives
@@ -140,10 +142,15 @@ class OpCosts:
     axis_costs: C.AxisCosts
     # [rows] a recomputed op's collective run again in the backward (remat), or None.
     row_again: np.ndarray | None = None
-    # [rows] the row's tensor has 16-bit elements (or None): the plan leaves such a
-    # gradient whole, so a B call that reduces it (one microbatch) all-reduces it; a
-    # stage's reduce program scatters it all the same (`_stage_comm.rows_by_phase`).
-    row_narrow: np.ndarray | None = None
+    # [rows] a ZeRO gradient a B call that reduces it (one microbatch) all-reduces whole
+    # (or None): one with 16-bit elements, which the plan leaves whole, and a lookup's
+    # (`_whole_in_backward`); a stage's reduce program scatters them all the same
+    # (`_stage_comm.rows_by_phase`).
+    row_whole: np.ndarray | None = None
+    # [rows] XLA's split of a gradient dot beside ZeRO's data axis (`_beside.py`), or None:
+    # 1 its pieces' rows, 2 the reduce-scatter they replace, where a call reduces the
+    # gradient it makes; a stage's reduce program scatters it (`_stage_comm.rows_by_phase`)
+    row_split: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -222,37 +229,52 @@ def op_costs(
         zero_comm = zero_comm + zero_op_sums(
             model.graph, model.coefs.reductions, lay, ac, zero_mask
         )
+    nbytes, count, time, row_split = st.nbytes, st.count, st.time, None
+    row_partial = np.arange(len(row_op)) < len(row_op) - len(rf.op)
+    split = split_rows(model.beside, st, ac, d) if zero_mask else None
+    if split is not None:  # XLA's split of gradient dots beside data: rows of their own
+        row_split = np.concatenate([np.where(split.gone, 2, 0), np.ones(len(split.key), int)])
+        new = (split.key, split.nbytes, split.count, split.grad, ~split.grad, True)
+        old = (key, nbytes, count, row_grad, np.zeros(len(key), bool), row_partial)
+        key, nbytes, count, row_grad, permute, row_partial = (
+            np.concatenate([a, np.broadcast_to(b, split.source.shape)])
+            for a, b in zip(old, new, strict=True)
+        )
+        row_op, row_batched = (np.concatenate([x, x[split.source]]) for x in (row_op, row_batched))
+        time = np.concatenate([time, np.zeros(len(split.key))])
+        time = np.where(permute, ac.by_key(key, nbytes, count), time)
     # Gradient reductions are one collective per (kind, axes) for the step: shared by bytes.
-    g = row_grad & (st.count > 0)
-    g_bytes = np.bincount(key[g], st.nbytes[g], minlength=len(ac.keys))
+    g = row_grad & (count > 0) & ((row_split != 2) if row_split is not None else True)
+    g_bytes = np.bincount(key[g], nbytes[g], minlength=len(ac.keys))
     g_any = np.bincount(key[g], minlength=len(ac.keys)) > 0
     trips = g_any * _reductions(model, zero_mask, zero_stage, staged)
     g_time = np.where(g_any, ac.by_key(ac.keys, g_bytes, trips), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(g, st.nbytes / g_bytes[key] * g_time[key], 0.0)
+        share = np.where(g, nbytes / g_bytes[key] * g_time[key], 0.0)
     oc = OpCosts(
         mesh=dict(stage_mesh),
         zero_stage=zero_stage,
         remat=bool(remat),
         compute=compute,
         remat_compute=remat_compute,
-        comm=np.bincount(row_op, st.time, minlength=n),
+        comm=np.bincount(row_op, time, minlength=n),
         grad_comm=np.bincount(row_op, np.nan_to_num(share), minlength=n),
         zero_comm=zero_comm,
         layouts=lay,
         row_op=row_op,
         row_key=key,
-        row_bytes=st.nbytes,
-        row_count=st.count,
+        row_bytes=nbytes,
+        row_count=count,
         row_grad=row_grad,
         row_batched=row_batched,
-        row_partial=np.arange(len(row_op)) < len(row_op) - len(rf.op),
+        row_partial=row_partial,
         batch_mask=int(np.bitwise_or.reduce(ac.bit[st.codes[list(model.groups.batch_groups)]]))
         if model.groups.batch_groups
         else 0,
         zero_mask=zero_mask,
         axis_costs=ac,
-        row_narrow=_narrow_ops(graph)[row_op],  # one check per op, not per row
+        row_whole=_whole_in_backward(graph)[row_op],  # one check per op, not per row
+        row_split=row_split,
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -268,10 +290,19 @@ def _reductions(model: StageModel, zero_mask: int, zero_stage: int, staged: bool
     return float(layers.reductions)
 
 
-def _narrow_ops(graph) -> np.ndarray:
-    """[n_ops] the op's (first) result has 16-bit elements."""
+def _whole_in_backward(graph) -> np.ndarray:
+    """[n_ops] the op's (first) result has 16-bit elements, or it is a table lookup's
+    gradient (a scatter-add): a stage's B call that reduces such a ZeRO gradient
+    all-reduces it whole. The lookup's read on 2 GPipe stages at data 4, one microbatch,
+    ZeRO-1: a float32 GPT's tied table (its lookup part, stage 0) and a float32 Llama's
+    token table, 1 MiB each, all-reduced whole, on v5p 2x2x2 and A100s alike; with two
+    microbatches the reduce program reduce-scatters it (tests/test_verify_tpu.py)."""
     return np.array(
-        [bool(op.outputs) and graph.tensors[op.outputs[0]].itemsize < 4 for op in graph.ops],
+        [
+            bool(op.outputs)
+            and (graph.tensors[op.outputs[0]].itemsize < 4 or op.primitive in SCATTERS)
+            for op in graph.ops
+        ],
         dtype=bool,
     )
 
@@ -300,7 +331,8 @@ def _with_recomputed_rows(model: StageModel, oc: OpCosts, st) -> OpCosts:
         row_again=np.arange(len(oc.row_op) + len(op)) >= len(oc.row_op),
         # Partial-sum rows of forward ops: never an accumulated tensor's, never deferred.
         row_partial=np.concatenate([oc.row_partial, np.arange(len(op)) < len(op) - len(r.op)]),
-        row_narrow=np.concatenate([oc.row_narrow, np.zeros(len(op), dtype=bool)]),
+        row_whole=np.concatenate([oc.row_whole, np.zeros(len(op), dtype=bool)]),
+        row_split=None if oc.row_split is None else np.concatenate([oc.row_split, 0 * op]),
     )
 
 

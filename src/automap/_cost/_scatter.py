@@ -33,20 +33,21 @@ import numpy as np
 from .._graph import Graph, Role
 from .._groups import Groups, update_region
 
-_SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
+SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
 
 
-def gradient_orders(
-    graph: Graph, groups: Groups, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def gradient_orders(graph: Graph, groups: Groups, width: int) -> tuple[np.ndarray, ...]:
     """Per tensor, for each dim of the buffer the backward writes its gradient in (a
     dot_general's output; a lookup's scatter-add, in the table's order), the tensor's own
     dim it is ([T, width], -1 past the rank and for every tensor without one: not a
     parameter, or its dims not found by group), and that buffer's itemsize ([T], 0 for
-    none), and whether a lookup's scatter-add makes it ([T])."""
+    none), and whether a lookup's scatter-add makes it ([T]); and how many of its
+    gradient's parts dot_generals write, and how many other ops ([T] each: a tied
+    table's lookup and head, one each)."""
     perm = np.full((len(graph.tensors), width), -1, dtype=np.int64)
     itemsize = np.zeros(len(graph.tensors), dtype=np.int64)
     lookup = np.zeros(len(graph.tensors), dtype=bool)
+    parts = np.zeros((2, len(graph.tensors)), dtype=np.int64)
     gradients, update = update_region(graph, groups)
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
     consumers = graph.consumers()
@@ -55,14 +56,15 @@ def gradient_orders(
         p = _parameter_of(graph, g, update, params, consumers)
         if p is None:
             continue
+        parts[int(graph.ops[x.producer].primitive != "dot_general"), p] += 1
         own = list(groups.tensor_groups[p][: graph.tensors[p].ndim])
         made = list(groups.tensor_groups[g][: x.ndim])
         if sorted(own) != sorted(made) or len(set(own)) != len(own):
             continue  # its dims not told apart by their groups
         perm[p, : x.ndim] = [own.index(gid) for gid in made]
         itemsize[p] = x.itemsize
-        lookup[p] = graph.ops[x.producer].primitive in _SCATTERS
-    return perm, itemsize, lookup
+        lookup[p] = graph.ops[x.producer].primitive in SCATTERS
+    return perm, itemsize, lookup, parts[0], parts[1]
 
 
 def _parameter_of(graph: Graph, g: int, update, params, consumers) -> int | None:

@@ -495,7 +495,8 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
         row_again = np.zeros(len(oc.row_op), bool)
     extra = {
         "row_again": None if row_again is None else np.concatenate([row_again, again]),
-        "row_narrow": None if oc.row_narrow is None else np.concatenate([oc.row_narrow, pad]),
+        "row_whole": None if oc.row_whole is None else np.concatenate([oc.row_whole, pad]),
+        "row_split": None if oc.row_split is None else np.concatenate([oc.row_split, 0 * pad]),
     }
     return dataclasses.replace(
         oc,

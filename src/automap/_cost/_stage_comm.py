@@ -112,13 +112,20 @@ def rows_by_phase(
         accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
     kind, mask = np.divmod(key, ac.masks)
     moved = mask & oc.batch_mask
+    if oc.row_split is not None:
+        # XLA splits a gradient dot beside data only where the call that makes the
+        # gradient reduces it; the reduce program reduce-scatters the sum it accumulates
+        # (`_beside.py`)
+        alone = ~(accumulated[r] & per_mb[r])
+        count = np.where((oc.row_split == 1) & ~alone | (oc.row_split == 2) & alone, 0, count)
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)
     d = np.nonzero(deferred)[0]
-    # A 16-bit ZeRO gradient left whole is all-reduced where a B call reduces it (the
-    # reduce program scatters it, as `op_costs` prices every ZeRO gradient).
-    narrow = oc.row_narrow if oc.row_narrow is not None else np.zeros(len(r), dtype=bool)
-    kind = np.where(oc.row_grad & narrow & (kind == C.RS) & ~deferred, C.AR, kind)
+    # A 16-bit ZeRO gradient left whole, and a lookup's, are all-reduced whole where a B
+    # call reduces them (the reduce program scatters them, as `op_costs` prices every
+    # ZeRO gradient: `_pipelined._whole_in_backward`).
+    whole = oc.row_whole if oc.row_whole is not None else np.zeros(len(r), dtype=bool)
+    kind = np.where(oc.row_grad & whole & (kind == C.RS) & ~deferred, C.AR, kind)
     rows = np.concatenate([r, r[d]])
     scale = np.where(per_mb[r] & oc.row_batched, 1.0 / m, 1.0)
     return (

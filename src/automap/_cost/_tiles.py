@@ -31,6 +31,7 @@ from .._graph import Graph, Role
 from .._groups import Groups
 from ._scatter import gradient_orders
 from ._sets import SetIndex
+from ._torus import axis_spans_and_rings
 
 LANES = 128  # a tile's minor dimension
 ROWS = 8  # a tile's second-minor dimension (its most: small arrays take fewer)
@@ -85,6 +86,10 @@ class TileTable:
     grad_perm: np.ndarray | None = None
     grad_itemsize: np.ndarray | None = None
     grad_lookup: np.ndarray | None = None
+    # Per parameter, how many parts of its gradient dot_generals write, and other ops
+    # ([T] each; `_scatter.gradient_orders`), read by `beside_candidates`. None: not known.
+    grad_dots: np.ndarray | None = None
+    grad_others: np.ndarray | None = None
 
 
 def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int) -> TileTable:
@@ -138,27 +143,38 @@ def tile_shares(table: TileTable, codes: np.ndarray, sizes: np.ndarray, data: in
 
 
 def _local(table: TileTable, codes: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """[T, R] each array's shard dims: a dim split by the first dim holding its axis."""
-    code = codes[table.groups]
-    local = table.dims.copy()
-    for r in range(code.shape[1]):
-        first = (code[:, r] > 0) & ~(code[:, :r] == code[:, r : r + 1]).any(axis=1)
-        local[:, r] = np.where(first, local[:, r] / sizes[code[:, r]], local[:, r])
+    """[T, R] each array's shard dims (`shard_dims`)."""
+    return shard_dims(table.dims, codes[table.groups], sizes)
+
+
+def shard_dims(dims: np.ndarray, code: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[..., T, R] the shard dims of arrays of `dims` ([T, R]) whose dims take the axis
+    codes `code` ([..., T, R]): a dim split by the first dim holding its axis."""
+    local = np.broadcast_to(dims, code.shape).astype(float)
+    for r in range(code.shape[-1]):
+        c = code[..., r]
+        first = (c > 0) & ~(code[..., :r] == c[..., None]).any(axis=-1)
+        local[..., r] = np.where(first, local[..., r] / sizes[c], local[..., r])
     return local
 
 
 def _zero_local(table: TileTable, local, codes, n: float, data: int) -> np.ndarray:
-    """[T, R] the ZeRO shards' dims of arrays the data axis does not split: the first
-    unsplit dim it divides, else the first split dim whose shard it divides."""
-    code = codes[table.groups]
-    free = ~(code == data).any(axis=1)
+    return zero_shard_dims(local, codes[table.groups], table.rank, n, data)
+
+
+def zero_shard_dims(local, code, rank, n: float, data: int) -> np.ndarray:
+    """[..., T, R] the ZeRO shards' dims (over the axis code `data`, of n devices) of
+    arrays of shard dims `local` ([..., T, R], `shard_dims`) and `rank` the data axis does
+    not split: the first unsplit dim n divides, else the first split dim whose shard it
+    divides."""
+    free = ~(code == data).any(axis=-1)
     out, done = local.copy(), ~free
-    real = np.arange(local.shape[1])[None, :] < table.rank[:, None]
+    real = np.arange(local.shape[-1]) < rank[:, None]
     for unsplit in (True, False):
-        for r in range(local.shape[1]):
-            fits = real[:, r] & ((code[:, r] == 0) == unsplit) & (local[:, r] % n == 0)
+        for r in range(local.shape[-1]):
+            fits = real[:, r] & ((code[..., r] == 0) == unsplit) & (local[..., r] % n == 0)
             take = fits & ~done
-            out[:, r] = np.where(take, local[:, r] / n, out[:, r])
+            out[..., r] = np.where(take, local[..., r] / n, out[..., r])
             done |= take
     return out
 
@@ -171,6 +187,42 @@ def _ratio(table: TileTable, tiled: np.ndarray, raw: np.ndarray, kind: int) -> n
     num = np.bincount(sets, tiled[pick], minlength=table.n_sets)
     den = np.bincount(sets, raw[pick], minlength=table.n_sets)
     return np.where(den > 0, num / np.where(den > 0, den, 1), 1.0)
+
+
+def beside_candidates(table: TileTable) -> np.ndarray:
+    """[T] the parameters whose gradient XLA's SPMD partitioner may split beside ZeRO's
+    data axis (`beside_axis`): of rank 2 or more, some part of the gradient written by a
+    dot in the parameter's own type (behind a convert, a bf16 step's gradients cast to
+    its float32 parameters, the partitioner scatters: a bf16 Llama's at data 8 x model 8,
+    llama plan 10 of the TPU bench, are reduce-scattered)."""
+    dots, size = table.grad_dots, table.grad_itemsize
+    if dots is None or size is None:
+        return np.zeros(len(table.kind), dtype=bool)
+    return (table.kind == PARAM) & (table.rank >= 2) & (size == table.itemsize) & (dots > 0)
+
+
+def beside_axis(dims, rank, code, sizes: np.ndarray, data: int) -> np.ndarray:
+    """[..., T] per parameter of `dims` ([T, R]) and `rank` whose dims take the axis codes
+    `code` ([..., T, R]), the axis code XLA's SPMD partitioner splits its gradient dot
+    over under ZeRO over the axis code `data` (of n devices), 0 for none: the first axis
+    in mesh order of n devices or more that holds the parameter whole, where data does
+    not split it and ZeRO does (its shard, `zero_shard_dims`, is smaller). There, where
+    the dot's operands are whole, it splits the output n ways rather than over data;
+    each device all-reduces its 1/n piece over data and a collective-permute moves it to
+    the device ZeRO gives it. Read on a 2-layer float32 GPT under ZeRO-1, batch on data
+    alone: at data 2 x model 2 (v5p 2x2x1), 2 x 4 (v5p 2x2x2 and A100s alike) and 4 x 4
+    (v5p 4x4x1) the kernels' 7 MiB are all-reduced and permuted as 7/n MiB each, the
+    lookup's and biases' reduce-scattered; at data 4 x model 2 reduce-scattered (libtpu
+    0.0.42.1). Candidates only (`beside_candidates`)."""
+    n = sizes[data]
+    local = shard_dims(dims, code, sizes)
+    zlocal = zero_shard_dims(local, code, rank, n, data)
+    ok = ~(code == data).any(axis=-1) & (zlocal.prod(axis=-1) < local.prod(axis=-1))
+    axis = np.zeros(ok.shape, dtype=np.int64)
+    for a in range(1, len(sizes)):
+        if a != data and sizes[a] >= n:
+            axis = np.where(ok & (axis == 0) & ~(code == a).any(axis=-1), a, axis)
+    return axis
 
 
 def whole_reduced_bytes(
@@ -199,7 +251,8 @@ def whole_reduced_bytes(
         return 0.0
     local = _local(table, codes, sizes)
     zlocal = _zero_local(table, local, codes, sizes[data], data)
-    free = (table.kind == PARAM) & ~(codes[table.groups] == data).any(axis=1)
+    code = codes[table.groups]
+    free = (table.kind == PARAM) & ~(code == data).any(axis=1)
     real = np.arange(zlocal.shape[1])[None, :] < table.rank[:, None]
     # Laid as it pads least (a step's own buffer): some dim on the lanes, another on rows.
     lanes = (real & (zlocal >= LANES)).any(axis=1)
@@ -227,7 +280,12 @@ def whole_reduced_bytes(
         # moved as that buffer is (a bf16 step's gradients in bf16, before their cast)
         scattered &= ~minor_split(table.grad_perm, table.grad_itemsize, lookup, local, zlocal)
         itemsize = np.where(table.grad_itemsize > 0, table.grad_itemsize, itemsize)
-    whole = free & ~scattered
+    # ... and none whose dot XLA splits beside data (`beside_axis`), but a tied table's
+    # lookup part (`_beside.py`)
+    cand = beside_candidates(table) & (table.grad_others == 0)
+    whole = (
+        free & ~scattered & ~(cand & (beside_axis(table.dims, table.rank, code, sizes, data) > 0))
+    )
     return float((local.prod(axis=1) * itemsize)[whole].sum())
 
 
@@ -306,18 +364,17 @@ class TileMemo:
                 self._shares[key] = hit
         return hit
 
-    def kept_whole(
-        self, codes, mesh, sizes: np.ndarray, data: int, spans: Callable[[], tuple[int, int]]
-    ) -> float:
-        """`whole_reduced_bytes` of the layout (0 where the lowering scatters every ZeRO
-        gradient); `spans()`: the torus dimensions the data axis' groups span and the chips
-        of the shortest of them (`_torus.axis_spans_and_rings`)."""
+    def kept_whole(self, cluster, codes, mesh, sizes: np.ndarray, data: int) -> float:
+        """`whole_reduced_bytes` of the layout (`codes` over `mesh` on `cluster`; 0 where
+        the lowering scatters every ZeRO gradient), its data axis' groups spanning the
+        torus dimensions `_torus.axis_spans_and_rings` says."""
         if not self.least:
             return 0.0
         key = (codes.tobytes(), tuple(mesh.items()), data)
         hit = self._whole.get(key)
         if hit is None:
-            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans(), self.least)
+            spans = axis_spans_and_rings(cluster, mesh, list(mesh)[data - 1])
+            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans, self.least)
             if len(self._whole) < self.LIMIT:
                 self._whole[key] = hit
         return hit

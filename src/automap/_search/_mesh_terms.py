@@ -60,6 +60,7 @@ from .._axes import DATA
 from .._cost import (
     AG,
     AR,
+    CP,
     KINDS,
     PARTIAL_SETS,
     RESHARD_SETS,
@@ -81,6 +82,7 @@ from .._cost import (
     prefetch_sides,
     reduction_copy,
     reduction_shares,
+    scope_split,
     set_axes,
     update_reductions,
 )
@@ -129,6 +131,10 @@ class _Scope:
     grad_any: np.ndarray  # [n_c, slots * keys] some gradient row is active on the key
     reduced: np.ndarray  # [n_c] the step's gradient reductions' bytes (`reduced_gradients`)
     coefs: SetCoefs  # the coefficients of the scope's own sets
+    # [n_c] active gradient rows over data alone, and the gradients XLA splits beside it
+    # under ZeRO (`_cost/_beside.scope_split`: arrays per option), None where none
+    zero_rows: np.ndarray | None
+    split: tuple | None
     inv: np.ndarray  # [own sets, n_c] 1 / divisor of each
     free: np.ndarray  # [own sets, n_c] the data axis is not on it
 
@@ -259,6 +265,13 @@ class MeshTerms:
         grad_any[cfg[g], gkey] = True
         rtime = np.where(combined, 0.0, rtime)
 
+        zero_rows, split = None, None
+        if self.d and self.D > 1 and space.cost_model.beside.on:
+            zero_rows, split = scope_split(
+                space.cost_model.beside.table, p, np.tile(prows, n_c), cfg,
+                combined & (slot == 0), A,
+                local, key, nbytes, count, ac, self.d,
+            )  # fmt: skip
         j = np.searchsorted(sl, own)
         inv_c = inv.reshape(n_c, n_sl)[:, j]  # [n_c, own sets]
         on_data = P.reshape(n_c, n_sl, -1)[:, j, self.d] if self.d else np.zeros_like(inv_c, bool)
@@ -270,6 +283,8 @@ class MeshTerms:
             reduced=grad_bytes[:, :n_keys].sum(axis=1),
             grad_any=grad_any,
             coefs=self.coefs.sub(own),
+            zero_rows=zero_rows,
+            split=split,
             inv=inv_c.T,
             free=~on_data.T,
         )
@@ -344,19 +359,38 @@ class MeshTerms:
         layout = Layout(np.ones(0), np.ones(0, dtype=bool), self.D if zero else 1.0, zero_stage)
         combine_trips = gradient_trips(self.coefs, layout, self.T.combine_trips)
         by_kind: dict[tuple[int, int, int], list] = {}
+        zero_key = AR * ac.masks + int(ac.bit[self.d])
+        split = zero and self.space.cluster.lowering.reduce_scatter
         for key in np.flatnonzero(np.any([sc.grad_any.any(axis=0) for sc in self.scopes], axis=0)):
             slot, rest = divmod(int(key), len(KINDS) * ac.masks)
             kind, mask = divmod(rest, ac.masks)
             if zero and not slot and kind == AR and mask == ac.bit[self.d]:
                 kind = RS if self.space.cluster.lowering.reduce_scatter else kind
             by_kind.setdefault((slot, kind, mask), []).extend(
-                (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key], 0.0)
+                _gradient_part(sc, key, split and key == zero_key)
                 for sc in self.scopes
                 if sc.grad_any[:, key].any()
             )
         for (slot, kind, mask), parts in by_kind.items():
             trips = float(combine_trips[slot])
             blocks.combined(kind, mask, parts, indicator=True, trips=trips)
+        if split:
+            self._add_split(blocks, float(combine_trips[0]))
+
+    def _add_split(self, blocks: _Blocks, trips: float) -> None:
+        """The gradients XLA splits beside ZeRO's data axis (`_cost/_beside.py`): their
+        pieces all-reduced over data, combined as the step's gradients are (`trips`: one
+        per layer under ZeRO-3), and each permuted over data and its axis."""
+        mask = int(self.ac.bit[self.d])
+        split = [sc for sc in self.scopes if sc.split is not None]
+        parts = [(sc, sc.split[3].astype(float), sc.split[2], 0.0) for sc in split]
+        if parts:
+            blocks.combined(AR, mask, parts, indicator=True, trips=trips)
+        for a in range(1, len(self.ac.sizes)):
+            permutes = [(sc, sc.split[5][:, a], sc.split[4][:, a], 0.0) for sc in split]
+            permutes = [p for p in permutes if p[1].any()]
+            if permutes:
+                blocks.combined(CP, mask | int(self.ac.bit[a]), permutes, indicator=False)
 
     def _add_gathers(self, blocks: _Blocks, zero_stage: int) -> None:
         """ZeRO's all-gathers of the parameters, combined into one (ZeRO-3: one per forward
@@ -496,6 +530,16 @@ class _Blocks:
             for o, col in enumerate(cols):
                 cfg = np.column_stack([sc.configs, np.full(len(sc.configs), o)])
                 self.add((*sc.units, aux), cfg, col)
+
+
+def _gradient_part(sc: _Scope, key: int, zero: bool) -> tuple:
+    """A scope's part of a combined gradient collective: where ZeRO scatters it over data
+    (`zero`), less what XLA splits beside data (`_cost/_beside.py`), active while a row of
+    it is left."""
+    if not zero or sc.split is None:
+        return (sc, sc.grad_any[:, key].astype(float), sc.grad_bytes[:, key], 0.0)
+    left = (sc.zero_rows - sc.split[1] > 0).astype(float)
+    return (sc, left, sc.grad_bytes[:, key] - sc.split[0], 0.0)
 
 
 def memory_points(lowering: Lowering, T) -> int:
