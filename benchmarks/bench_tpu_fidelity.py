@@ -27,6 +27,16 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
 
+Measured at 1487564 (2026-12-05, the same seed and target; `--models gpt`, then `--models
+llama`, about 19 min each on two shared cores): gpt's collectives 12 of 12, memory 8 of 12;
+llama's 10 and 10 of 12 as below; both models 22 of 24 collectives (92%), 18 of 24 memory
+(75%). The third rule below is priced since bb1595e, in every path (`_cost/_beside.py`:
+the one-stage estimate, the ILP's factors and the pipeline's per-op rows; in a stage only
+where its backward program reduces the gradient itself, one microbatch), and 1487564
+prices a stage's backward program all-reducing a table lookup's ZeRO gradient whole
+(`_pipelined._whole_in_backward`): gpt's GPipe plan 4 matches now. What keeps the other
+plans apart is as below.
+
 Measured at c60709a (2026-12-05, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4; `--plans
 12 --models gpt`, 24 min on two cores beside another helper's tests and this one's):
 gpt's collectives 11 of 12 (9 at 5a0e217: plans 8 and 9 now match), memory 8 of 12 as
@@ -53,14 +63,14 @@ one read:
 - Under ZeRO over a data axis of n beside another of n or more that holds a float32
   kernel whole, XLA's SPMD partitioner splits the kernel's gradient dot over that axis
   and all-reduces each 1/n piece over data, then permutes it to its ZeRO owner (not
-  priced; a 2-layer gpt at data 2 x model 2, 2 x 4, 4 x 4 on v5p and
+  priced at c60709a's revert, priced since bb1595e; a 2-layer gpt at data 2 x model 2, 2 x 4, 4 x 4 on v5p and
   2 x 4 on A100s; not behind a bf16 step's convert: llama plan 10, data 8 x model 8,
   reduce-scatters). No one-stage draw has it; the GPipe plan 4 (pipe 4 x data 2 x model
   8, ZeRO-1, m 1) is it, in each stage's B program (stage 0: all-reduce@data 7.02 MiB of
   [512, 1024], [2048, 256], [512, 256] halves, 6.0 MiB of permutes, 0.25 of
   reduce-scatter, where 13.27 of reduce-scatter is priced): the pipeline's per-op rows
-  (`_pipelined.op_costs`, `_stage_comm`) would price it too, so plan 4 is gpt's one
-  disagreement left. Reads: /work/runs/s9/tpucoll (tied.py, dump.py, colls.py).
+  (`_pipelined.op_costs`, `_stage_comm`) price it too since bb1595e, and plan 4 matches
+  since 1487564 (the stage's lookup gradient all-reduced whole, above).
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
