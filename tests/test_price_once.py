@@ -19,11 +19,11 @@ import pytest
 
 import automap as am
 from _cases import seeds
+from _ilp import ilp_price
 from automap._capture import capture
 from automap._cost import CostModel, compute_time, memory_terms, op_costs
 from automap._groups import build_groups
 from automap._search import MeshTerms, options_of
-from automap._solvers import evaluate_batch
 from automap._space import OPTIONS, ShardSpace, recipe_plan
 from automap._zoo import get_model, list_models
 
@@ -147,14 +147,10 @@ def test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, preset, seed
 def _holds_the_ilps_price(terms: MeshTerms, options, zero: int, cost) -> None:
     """The ILP's factors at `options`, the auxiliary units (combined collectives) at their
     best, give `cost`'s step time, peak memory and feasibility."""
-    problem = terms.problem(zero)
-    aux = list(itertools.product(*map(range, problem.n_options[terms.n_units :])))
-    rows = np.array([[*options, *a] for a in aux]).reshape(len(aux), -1)
-    time, peak, feasible = evaluate_batch(problem, rows)
-    best = int(np.argmin(time))
-    assert time[best] == pytest.approx(cost.step_time_s, rel=1e-9)
-    assert peak[best] == pytest.approx(cost.memory_bytes, rel=1e-9)
-    assert feasible[best] == cost.feasible
+    time, peak, feasible = ilp_price(terms.problem(zero), terms.n_units, options)
+    assert time == pytest.approx(cost.step_time_s, rel=1e-9)
+    assert peak == pytest.approx(cost.memory_bytes, rel=1e-9)
+    assert feasible == cost.feasible
 
 
 @pytest.mark.parametrize("zero", [1, 2])
