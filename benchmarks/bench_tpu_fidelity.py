@@ -27,6 +27,23 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
 
+llama compiled again at 7f9d660 (2026-12-05, `--plans 12 --models llama`, 17 min beside
+tests; 9d0c467 prices every kind@axis of both models' 24 plans byte for byte as it):
+collectives 11 of 12 (10 before), memory 10 of 12 as before; gpt's plans are priced byte
+for byte as at 1487564 (12 and 8 of 12), so both models 23 of 24 collectives (96%), 18 of
+24 memory. Under ZeRO-3 the runtime's ties lay runs of gradients alike (`_scatter.tied_runs`,
+`_tiles.minor_split`; read in libtpu's layout-assignment dumps, `XLA_FLAGS=--xla_dump_to=...
+--xla_dump_hlo_pass_re=layout-assignment`): plan 9's down kernels' [512, 192] gradients,
+laid as the gate's and up's, are all-reduced whole (all-reduce@data priced 0.52 -> 1.08
+MiB, XLA 1.12; reduce-scatter@data 11.69 -> 11.13, XLA 11.13). Plan 11 (all-reduce@data
+2.02 -> 3.02 MiB priced, XLA 3.30; reduce-scatter 24.12 -> 23.12, XLA 22.88) still fails on
+two things read, not priced: layer 0's query gradient (untied: the last backward layer's
+query and key are reduced with the update) laid in the dot's order, its ZeRO split on 16
+lanes, all-reduced whole (0.25 MiB), where its shard pads eight times less transposed
+(the key's beside it is laid as it pads least); and 18 f32[512] norm scales' ZeRO-3
+gathers (forward and backward, shards of 16 or 64) that XLA compiles as all-reduces of
+the gathered buffer (36 KiB, priced as all-gathers; plans 3 and 9 too, within 5% there).
+
 Measured at 1487564 (2026-12-05, the same seed and target; `--models gpt`, then `--models
 llama`, about 19 min each on two shared cores): gpt's collectives 12 of 12, memory 8 of 12;
 llama's 10 and 10 of 12 as below; both models 22 of 24 collectives (92%), 18 of 24 memory
@@ -142,7 +159,9 @@ buffer), so a down kernel split on hidden (plan 9's three [512, 192], plan 11's 
 768]) puts its split on the lanes and is all-reduced whole, where the shard's padding lays
 it row-major in `minor_split`; at data 4 (plan 1) the same step keeps the dot's order, and
 a 1-layer Llama at data 4 lays its equal key and value [128, 512] gradients one each way:
-not a function of the shapes read. gpt plan 8: 2 MiB more reduce-scatter in XLA (-7.1%),
+not a function of the shapes read (read at 7f9d660, above: the runtime's ties join the
+value's with others, which keep the dot's order; the key's, untied, is laid on its own,
+and a 2-layer one lays it as the value's). gpt plan 8: 2 MiB more reduce-scatter in XLA (-7.1%),
 not read. A bf16 token table [512, 512] split 4 ways on its rows (2x2x2) is all-reduced
 whole, [1024, 512] scattered; at data 32 a float32 one all-reduced whole: not priced.
 A slice's every chip in one group spanning two dimensions (data 16 on 4x4x1) all-reduces

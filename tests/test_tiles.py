@@ -153,3 +153,31 @@ def test_a_tpu_scatters_a_gradient_split_on_its_lanes_by_whole_512_byte_rows(
     zlocal = np.array([[512.0, lanes]])
     got = minor_split(perm, np.array([itemsize]), np.array([False]), local, zlocal)
     assert bool(got[0]) is whole
+
+
+# Read from libtpu 0.0.42.1 on v5p 4x4x4 (llama plans 9 and 11 of the TPU bench): under
+# ZeRO-3 the runtime's ties lay a run of gradients alike, as its last member that pads
+# strictly less one way wants (tests/test_verify_tpu.py holds a compiled one).
+@pytest.mark.parametrize(
+    ("zlocal", "local", "whole"),
+    [
+        # data 8 x model 8, in the ties' order: down's [192, 64] shard (transposed pads
+        # less), then up's and gate's [64, 192] (row-major does): down's 64-lane split
+        # all-reduced whole
+        ([[192, 64], [64, 192], [64, 192]], [[192, 512], [512, 192], [512, 192]], [1, 0, 0]),
+        # data 32 x model 2: the out kernel's [256, 16] shard (eight times less padding
+        # transposed), then a value kernel's [16, 64] (row-major): laid row-major, whole
+        ([[256, 16], [16, 64]], [[256, 512], [512, 64]], [1, 0]),
+    ],
+)
+def test_a_tpu_lays_a_zero3_tie_run_of_gradients_as_its_last_strict_member(zlocal, local, whole):
+    n = len(zlocal)
+    perm = np.array([[1, 0]] * n)  # each written transposed, as a Dense kernel's gradient
+    args = (perm, np.full(n, 2), np.zeros(n, dtype=bool), np.array(local, float))
+    zlocal = np.array(zlocal, float)
+    runs = (np.zeros(n, dtype=np.int64), np.arange(n))  # one run, in the ties' order
+    assert minor_split(*args, zlocal, runs).tolist() == [bool(w) for w in whole]
+    assert not minor_split(*args, zlocal).any()  # each alone: its split is on its rows
+    # a run in which no member pads less either way keeps the dots' order
+    square = np.array([[128.0, 128.0]] * n)
+    assert minor_split(*args[:3], square * 4, square, runs).all()

@@ -497,7 +497,7 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
-            self._tile_memo.kept_whole(self.cluster, st.codes, st.mesh, ac.sizes, d)
+            self._tile_memo.kept_whole(self.cluster, st.codes, st.mesh, ac.sizes, d, L.zero_stage)
             if zero_mask
             else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,

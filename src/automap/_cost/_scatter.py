@@ -32,6 +32,7 @@ import numpy as np
 
 from .._graph import Graph, Role
 from .._groups import Groups, update_region
+from .._remat import layer_gathers
 
 SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
 
@@ -87,3 +88,50 @@ def _parameter_of(graph: Graph, g: int, update, params, consumers) -> int | None
                     seen.add(u)
                     frontier.append(u)
     return None
+
+
+def tied_runs(graph: Graph, groups: Groups) -> tuple[np.ndarray, np.ndarray]:
+    """Per parameter, the run of ZeRO-3 gradients whose buffers XLA's TPU lays alike, -1
+    for none, and its place in the runs' order ([T] each, -1 for none).
+
+    Under ZeRO-3 the runtime makes each backward layer's inputs wait for its sharded
+    gradients (`_run._fsdp._after_shards`): each device reads the first element of each
+    shard and ANDs the tests. XLA moves the reshapes to scalars past the ANDs, so the
+    [1, 1] slices of the matrices at the head of one tie's list (up to its first gradient
+    of another rank) are one elementwise chain, and a slice keeps its operand's layout:
+    those gradients, in the parameter's order, are laid all row-major or all transposed.
+    A parameter whose gradient ends in two ties (its bf16 transpose in one, its float32
+    cast in the next) joins their runs. Read in the layout assignment of libtpu 0.0.42.1
+    (a bf16 Llama, ZeRO-3, v5p): `_tiles.minor_split` says which layout a run takes."""
+    n = len(graph.tensors)
+    run, place = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+    _, update = update_region(graph, groups)
+    params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
+    consumers = graph.consumers()
+    parent = list(range(n))
+
+    def root(p: int) -> int:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    at = 0
+    for reduction in layer_gathers(graph, groups).reductions:
+        ends = [t for t in reduction.tied if graph.tensors[t].ndim and graph.tensors[t].size]
+        head = []
+        for t in ends:
+            if graph.tensors[t].ndim != 2:
+                break  # a gradient of another rank ends the chain
+            head.append(t)
+        owners = [_parameter_of(graph, t, update, params, consumers) for t in head]
+        owners = [p for p in owners if p is not None]
+        if len(head) < 2 or len(owners) < 2:
+            continue
+        for p in owners:
+            parent[root(p)] = root(owners[0])
+            run[p], place[p] = 0, at
+            at += 1
+    joined = run >= 0
+    run[joined] = [root(int(p)) for p in np.nonzero(joined)[0]]
+    return run, place

@@ -29,7 +29,7 @@ import numpy as np
 
 from .._graph import Graph, Role
 from .._groups import Groups
-from ._scatter import gradient_orders
+from ._scatter import gradient_orders, tied_runs
 from ._sets import SetIndex
 from ._torus import axis_spans_and_rings
 
@@ -90,6 +90,15 @@ class TileTable:
     # ([T] each; `_scatter.gradient_orders`), read by `beside_candidates`. None: not known.
     grad_dots: np.ndarray | None = None
     grad_others: np.ndarray | None = None
+    # Makes `runs` (`_scatter.tied_runs`): read under ZeRO-3 alone, whose runtime needs
+    # the step's loss (a step without one has no layers to tie).
+    make_runs: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+
+    @functools.cached_property
+    def runs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per parameter, the run of ZeRO-3 gradients the runtime's ties lay alike ([T],
+        -1 for none) and its place in their order ([T]), read by `minor_split`."""
+        return None if self.make_runs is None else self.make_runs()
 
 
 def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int) -> TileTable:
@@ -111,7 +120,8 @@ def tile_table(graph: Graph, groups: Groups, splittable: np.ndarray, n_sets: int
     size = np.array([t.itemsize for t in graph.tensors])
     rank = np.array([max(t.ndim, 1) for t in graph.tensors])
     orders = gradient_orders(graph, groups, width)
-    return TileTable(dims, gids, rank, size, np.array(tset), kind, n_sets, *orders)
+    runs = functools.partial(tied_runs, graph, groups)
+    return TileTable(dims, gids, rank, size, np.array(tset), kind, n_sets, *orders, runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +236,14 @@ def beside_axis(dims, rank, code, sizes: np.ndarray, data: int) -> np.ndarray:
 
 
 def whole_reduced_bytes(
-    table: TileTable, codes, sizes: np.ndarray, data: int, spans: int, ring: int, least: int
+    table: TileTable,
+    codes,
+    sizes: np.ndarray,
+    data: int,
+    spans: int,
+    ring: int,
+    least: int,
+    tied: bool = False,
 ) -> float:
     """Bytes per device of the ZeRO gradients XLA's TPU compiler all-reduces whole rather
     than reduce-scatters (`Lowering.scatter_least_elements`, `least`): a parameter the
@@ -246,7 +263,8 @@ def whole_reduced_bytes(
     Llama's gradients at data 32 x model 2 (llama plans 4, 8 of the TPU bench): [16, 64],
     [8, 256] scattered, [8, 128] not), 128 lanes only where no dot writes the gradient
     (`x.sum(0)`'s [16, 64] shards lie on the lanes: whole); on 2x2x2, rings of 2, f32
-    [16, 128], [8, 512] and bf16 [16, 64] stay whole: the rule per dimension spanned."""
+    [16, 128], [8, 512] and bf16 [16, 64] stay whole: the rule per dimension spanned.
+    `tied`: ZeRO-3, whose runtime ties lay runs of gradients alike (`minor_split`)."""
     if not (data and least and spans):
         return 0.0
     local = _local(table, codes, sizes)
@@ -278,7 +296,8 @@ def whole_reduced_bytes(
         lookup = table.grad_lookup if table.grad_lookup is not None else table.rank < 0
         # ... and none whose split lies on the lanes of its dot's buffer (`minor_split`),
         # moved as that buffer is (a bf16 step's gradients in bf16, before their cast)
-        scattered &= ~minor_split(table.grad_perm, table.grad_itemsize, lookup, local, zlocal)
+        runs = table.runs if tied else None
+        scattered &= ~minor_split(table.grad_perm, table.grad_itemsize, lookup, local, zlocal, runs)
         itemsize = np.where(table.grad_itemsize > 0, table.grad_itemsize, itemsize)
     # ... and none whose dot XLA splits beside data (`beside_axis`), but a tied table's
     # lookup part (`_beside.py`)
@@ -310,6 +329,7 @@ def minor_split(
     lookup: np.ndarray,
     local: np.ndarray,
     zlocal: np.ndarray,
+    runs: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """[T] whether XLA's TPU all-reduces whole a 2-D gradient whose ZeRO split lies on the
     lanes of the layout it gives the buffer the backward writes (`_scatter.gradient_orders`:
@@ -322,20 +342,60 @@ def minor_split(
     whose 384-lane shards hold 768 bytes, all-reduced whole; libtpu 0.0.42.1); a lookup's
     scatter-add one where they are under two tiles' 256 (f32 and bf16 [512, 128] shards
     of a Llama's table at data 4 x model 2 on v5p 2x2x2 all-reduced whole, bf16 [512,
-    256] reduce-scattered; libtpu 0.0.42.1)."""
+    256] reduce-scattered; libtpu 0.0.42.1).
+
+    `runs` (`TileTable.tie_run`, `tie_place`; under ZeRO-3): the gradients of one run are
+    laid alike in their parameter's order, row-major or transposed as the last of them
+    (in the ties' order) that pads strictly less one way wants; transposed (the dots'
+    order) where none does. A bf16 Llama at data 8 x model 8 on v5p 4x4x4 (llama plan 9
+    of the TPU bench): a layer's gate, up and down gradients are one run, the gate's and
+    up's [64, 192] shards pad less row-major, the down's [192, 64] transposed; the up,
+    last, lays all three row-major, the down's split on its lanes (64 of them): all-reduced
+    whole. At data 32 x model 2 (plan 11) a [256, 16] shard of the out kernel, which pads
+    eight times less transposed, is laid row-major behind a value kernel's [16, 64] (a
+    sum of padding does not say it); libtpu 0.0.42.1."""
     known = (itemsize > 0) & (perm[:, 0] >= 0) & (perm[:, 1] >= 0)
     if perm.shape[1] > 2:
         known &= perm[:, 2] < 0  # rank 2 only: higher ranks are read as before
     at = np.arange(len(perm))
     first, last = np.maximum(perm[:, 0], 0), np.maximum(perm[:, 1], 0)
     a, b = zlocal[at, first], zlocal[at, last]
-    transposed = _padding(a, b, itemsize) < _padding(b, a, itemsize)
+    across, along = _padding(a, b, itemsize), _padding(b, a, itemsize)
+    transposed = across < along
+    if runs is not None:
+        transposed = _run_layouts(across, along, runs, known, perm)
     split_last = zlocal[at, last] < local[at, last]
     split_first = zlocal[at, first] < local[at, first]
     on_lanes = np.where(transposed, split_first, split_last)
     lanes = np.where(transposed, a, b)
     narrow = np.where(lookup, lanes < 2 * LANES, np.mod(lanes * itemsize, LANE_BYTES) > 0)
     return known & on_lanes & narrow
+
+
+def _run_layouts(across, along, runs, known, perm) -> np.ndarray:
+    """Per 2-D gradient, whether its buffer is laid transposed (its dim 0 on the lanes),
+    each run's members (`runs`, where `known`) as the last of them with a strict
+    preference wants, the rest as each pads least. `across`, `along`: each buffer's
+    padding laid transposed and row-major; `perm`: its dims' order in the parameter's."""
+    run, place = runs
+    member = known & (run >= 0)
+    transposed = across < along
+    if not member.any():
+        return transposed
+    # row-major in the parameter's order is the buffer's transposed layout for a gradient
+    # written transposed (perm [1, 0]), its row-major one for one written in that order
+    flipped = perm[:, 0] != 0
+    wants = np.where(flipped, transposed, ~transposed)  # row-major in the parameter's order
+    strict = member & ~np.isclose(across, along)
+    key = np.maximum(run, 0)
+    last = np.full(len(run), -1, dtype=np.int64)
+    np.maximum.at(last, key[strict], place[strict])
+    decided = strict & (place == last[key])
+    row_major = np.zeros(len(run), dtype=bool)
+    row_major[key[decided]] = wants[decided]
+    # no strict member: the dots' order, transposed in the parameter's (a Llama's at data 4)
+    laid = row_major[key] & (last[key] >= 0)
+    return np.where(member, np.where(flipped, laid, ~laid), transposed)
 
 
 class TileMemo:
@@ -364,17 +424,21 @@ class TileMemo:
                 self._shares[key] = hit
         return hit
 
-    def kept_whole(self, cluster, codes, mesh, sizes: np.ndarray, data: int) -> float:
+    def kept_whole(
+        self, cluster, codes, mesh, sizes: np.ndarray, data: int, zero_stage: int = 0
+    ) -> float:
         """`whole_reduced_bytes` of the layout (`codes` over `mesh` on `cluster`; 0 where
         the lowering scatters every ZeRO gradient), its data axis' groups spanning the
-        torus dimensions `_torus.axis_spans_and_rings` says."""
+        torus dimensions `_torus.axis_spans_and_rings` says; under ZeRO-3 (`zero_stage`)
+        with the runs the runtime's ties lay alike."""
         if not self.least:
             return 0.0
-        key = (codes.tobytes(), tuple(mesh.items()), data)
+        tied = zero_stage >= 3
+        key = (codes.tobytes(), tuple(mesh.items()), data, tied)
         hit = self._whole.get(key)
         if hit is None:
             spans = axis_spans_and_rings(cluster, mesh, list(mesh)[data - 1])
-            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans, self.least)
+            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans, self.least, tied)
             if len(self._whole) < self.LIMIT:
                 self._whole[key] = hit
         return hit
