@@ -21,8 +21,9 @@ import automap as am
 from _cases import seeds
 from _ilp import ilp_price
 from automap._capture import capture
-from automap._cost import CostModel, memory_terms, op_costs
+from automap._cost import CostModel, memory_terms, op_costs, stage_costs
 from automap._groups import build_groups
+from automap._pipeline import forward_ops, partition, pipeline_schedule
 from automap._search import MeshTerms, options_of
 from automap._space import OPTIONS, ShardSpace, recipe_plan
 from automap._zoo import get_model, list_models
@@ -191,6 +192,18 @@ def test_a_gradient_dot_split_beside_data_is_priced_once(zero):
     assert oc.split_compute[split] == pytest.approx(oc.compute[split])  # halves
     assert {graph.ops[o].primitive for o in split} == {"dot_general"}
     assert len(split) == 6 * TINY["gpt2-xl"]["layers"] + 1  # Q K V O up down, the head
+    # Two stages: with one microbatch each B call reduces its gradients, the dots split;
+    # with two the stages accumulate them and their reduce programs scatter the sums,
+    # the dots whole (`_stage_comm.split_alone`; tests/test_verify_tpu.py reads both).
+    fwd = forward_ops(graph, cm.groups)
+    bounds = [(0, fwd[len(fwd) // 2]), (fwd[len(fwd) // 2], fwd[-1] + 1)]
+    staged = op_costs(cm, assignment, space.meshes[mesh_index], zero_stage=zero)
+    assert staged.split_compute.sum() == pytest.approx(oc.split_compute.sum(), rel=1e-9)
+    for m, whole_dots in ((1, 0.0), (2, staged.split_compute.sum())):
+        part = partition(graph, cm.groups, bounds, m)
+        pc = stage_costs(cm, part, staged, m, pipeline_schedule("gpipe"))
+        priced = sum(c for _, c, _ in pc.cost.per_op)
+        assert priced == pytest.approx(staged.compute.sum() + whole_dots, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["gpt2-xl", "llama", "t5-base"])
