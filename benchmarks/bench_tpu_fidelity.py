@@ -54,16 +54,18 @@ prices a stage's backward program all-reducing a table lookup's ZeRO gradient wh
 (`_pipelined._whole_in_backward`): gpt's GPipe plan 4 matches now. What keeps the other
 plans apart is as below.
 
-Read at 056c5c2 (not priced yet): gpt's GPipe plan 4 is priced at 1.15x XLA's FLOPs (each
+Read at 056c5c2, priced since: gpt's GPipe plan 4 was priced at 1.15x XLA's FLOPs (each
 stage 1.10-1.16x). The third rule below splits each weight gradient's dot beside data,
 and the dot itself runs on its 1/n piece, not only its collectives: stage 2's six
 weight-gradient dots are XLA's f32[512, 256] (half the [512, 512] kernel, n = 2) over
-each chip's 64 sequences, 51.5 GFLOP priced where XLA runs half of it, and 194.4 - 25.8 =
-168.6 GFLOP against XLA's 169.0. `_beside.py` moves only the bytes; its compute relief
-must reach the same three paths (the estimate's compute, the ILP's per-scope compute
-and the pipeline's per-op rows) and verify's count (`_verify/_flops.op_divisors`). The
-one-stage ZeRO plans under remat priced 1.04-1.08x (0, 7, 8) have a data axis wider
-than their model axis, so the rule does not reach them: not read.
+each chip's 64 sequences. Every path now takes 1 - 1/n of such a dot's compute off
+(`_beside.split_compute`: the estimate's compute, the ILP's per-scope compute, the
+pipeline's per-op rows where a B call reduces the gradient, verify's count): plan 4's
+stages 155.7, 162.0, 168.6 and 121.2 GFLOP a chip against XLA's 156.1, 162.6, 169.0 and
+121.4 (1.00x each; 181.5, 179.2, 194.4 and 138.3 before), memory and collectives as
+before (plan 4 of seed 0 verified alone at 372a065). The one-stage ZeRO plans under remat
+priced 1.04-1.08x (0, 7, 8) have a data axis wider than their model axis, so the rule
+does not reach them: not read.
 
 Measured at c60709a (2026-12-05, jax 0.10.2, libtpu 0.0.42.1; seed 0, v5p:4x4x4; `--plans
 12 --models gpt`, 24 min on two cores beside another helper's tests and this one's):

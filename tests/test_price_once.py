@@ -21,8 +21,9 @@ import automap as am
 from _cases import seeds
 from _ilp import ilp_price
 from automap._capture import capture
-from automap._cost import CostModel, compute_time, memory_terms, op_costs
+from automap._cost import CostModel, memory_terms, op_costs, stage_costs
 from automap._groups import build_groups
+from automap._pipeline import forward_ops, partition, pipeline_schedule
 from automap._search import MeshTerms, options_of
 from automap._space import OPTIONS, ShardSpace, recipe_plan
 from automap._zoo import get_model, list_models
@@ -131,7 +132,7 @@ def test_the_ilp_prices_a_plan_term_by_term_as_the_cost_model(name, preset, seed
             compute = params = opt = other = 0.0
             for sc, row in zip(terms.scopes, _scope_rows(terms, options), strict=True):
                 layout = sc.layout(terms.D, zero)
-                compute += compute_time(sc.coefs, layout)[row]
+                compute += sc.compute(terms.D, zero)[row]  # XLA's split dots on 1/n pieces
                 parts = memory_terms(sc.coefs, layout)
                 params, opt = params + parts.params[row], opt + parts.opt[row]
                 other += parts.other[row]
@@ -172,10 +173,37 @@ def test_a_gradient_dot_split_beside_data_is_priced_once(zero):
     kinds = {(c.kind, c.axis): c for c in cost.collectives}
     permuted = kinds["collective-permute", "data+model"]
     assert kinds["all-reduce", "data"].bytes >= permuted.bytes > 0
-    _holds_the_ilps_price(MeshTerms(space, mesh_index), options, zero, cost)
+    terms = MeshTerms(space, mesh_index)
+    _holds_the_ilps_price(terms, options, zero, cost)
     assignment = {cm.groups.batch_groups[0]: "data"}
     oc = op_costs(cm, assignment, space.meshes[mesh_index], zero_stage=zero, staged=False)
     assert float(oc.total.sum()) == pytest.approx(cost.step_time_s, rel=1e-9)
+    # Each split dot runs its half (n = 2): the compute each path prices is the same, and
+    # without the rule (a backend that all-reduces ZeRO's gradients) it is the dots' halves
+    # more; those dots are the kernels' weight gradients, [hidden or ffn] x [hidden or ffn].
+    rows = _scope_rows(terms, options)
+    ilp = sum(sc.compute(terms.D, zero)[row] for sc, row in zip(terms.scopes, rows, strict=True))
+    assert ilp == pytest.approx(cost.compute_s, rel=1e-9)
+    assert float(oc.compute.sum()) == pytest.approx(cost.compute_s, rel=1e-9)
+    plain = CostModel(graph, cm.cluster.with_lowering(reduce_scatter=False), cm.groups)
+    whole = plain.estimate(space.to_plan(mesh_index, options, zero, "split"))
+    split = np.flatnonzero(oc.split_compute)
+    assert whole.compute_s - cost.compute_s == pytest.approx(oc.split_compute.sum(), rel=1e-9)
+    assert oc.split_compute[split] == pytest.approx(oc.compute[split])  # halves
+    assert {graph.ops[o].primitive for o in split} == {"dot_general"}
+    assert len(split) == 6 * TINY["gpt2-xl"]["layers"] + 1  # Q K V O up down, the head
+    # Two stages: with one microbatch each B call reduces its gradients, the dots split;
+    # with two the stages accumulate them and their reduce programs scatter the sums,
+    # the dots whole (`_stage_comm.split_alone`; tests/test_verify_tpu.py reads both).
+    fwd = forward_ops(graph, cm.groups)
+    bounds = [(0, fwd[len(fwd) // 2]), (fwd[len(fwd) // 2], fwd[-1] + 1)]
+    staged = op_costs(cm, assignment, space.meshes[mesh_index], zero_stage=zero)
+    assert staged.split_compute.sum() == pytest.approx(oc.split_compute.sum(), rel=1e-9)
+    for m, whole_dots in ((1, 0.0), (2, staged.split_compute.sum())):
+        part = partition(graph, cm.groups, bounds, m)
+        pc = stage_costs(cm, part, staged, m, pipeline_schedule("gpipe"))
+        priced = sum(c for _, c, _ in pc.cost.per_op)
+        assert priced == pytest.approx(staged.compute.sum() + whole_dots, rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["gpt2-xl", "llama", "t5-base"])

@@ -235,6 +235,9 @@ def test_zero1_over_two_beside_a_wider_axis_splits_the_dots_over_it():
     for key in ("collective-permute@data+model", "all-reduce@data", "reduce-scatter@data"):
         assert predicted[key] == pytest.approx(xla[key], rel=0.01), key
     assert xla["collective-permute@data+model"] > 2 * xla["reduce-scatter@data"]
+    # Each split dot runs its half: the kernels' weight gradients, 3.76 GFLOP of the
+    # step's 20.75 per chip (priced whole, 1.18x XLA's count).
+    assert report.predicted_flops_as_xla == pytest.approx(report.xla_flops, rel=0.01)
 
 
 @pytest.mark.slow  # a pipeline compiled for 8 v5p chips: ~30-60 s on two loaded cores
@@ -254,6 +257,10 @@ def test_a_stage_splits_the_dots_beside_data_where_its_backward_reduces_them(mic
     plan = pipeline_plan(graph, groups, cuts, mesh, wanted, microbatches, "gpipe", zero_stage=1)
     report = verify(step, plan, *args, target="v5p:2x2x2")
     assert report.collectives_match, report.mismatches
+    # ... its dots on their halves where a B call reduces their gradients, whole where
+    # the reduce program does: each stage's FLOPs as XLA counts them.
+    for _, as_xla, xla_flops in report.stage_flops:
+        assert as_xla == pytest.approx(xla_flops, rel=0.01)
     xla, predicted = report.xla_comm_bytes, report.predicted_comm_bytes
     permutes = [f"collective-permute@data+model (stage {s})" for s in (0, 1)]
     if microbatches == 2:

@@ -8,6 +8,7 @@ convention" and "Pipeline".
 """
 
 from ._beside import scope_split as scope_split
+from ._beside import split_compute as split_compute
 from ._buffers import step_buffers as step_buffers
 from ._collectives import AG as AG
 from ._collectives import AR as AR
@@ -54,6 +55,7 @@ from ._sends import link_between as link_between
 from ._sends import sends as sends
 from ._seqpar import gathered_copies as gathered_copies
 from ._seqpar import seqpar_terms as seqpar_terms
+from ._stage_comm import split_alone as split_alone
 from ._terms import Layout as Layout
 from ._terms import SetCoefs as SetCoefs
 from ._terms import compute_time as compute_time

@@ -14,6 +14,15 @@ reduce-scattered), and the row adds an all-reduce over data of 1/n of its bytes,
 with the step's other gradients there, and a collective-permute of those bytes over data
 and that axis, once per occurrence. Per row, so each path reads it on the rows it has: a
 row's scope in the ILP holds its set's groups, so the scope's options fix the rule.
+
+The dot that writes a moved row runs on its 1/n piece too (n: the data axis' size), not
+only its collectives: XLA's TPU compile of gpt's GPipe plan 4 of the TPU bench runs stage
+2's weight-gradient dots as f32[512, 256], half the [512, 512] kernel, over each chip's
+sequences. `split_compute` is what every path takes off its compute for it: the
+estimate's (`Split.compute`, from each moved row's `RowTable.op_s`), the ILP's per scope
+(`scope_split`'s last array), the per-op rows' (`SplitRows.ops`, `_pipelined.op_costs`;
+a pipeline stage's only where its B calls reduce the gradients, `_stage_comm.split_alone`)
+and verify's FLOPs (`BesideMemo.ops`, `_verify/_flops.op_divisors`).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _collectives as C
-from ._kernel import partial_slots, tied_rows
+from ._kernel import partial_slots, per_slot, tied_rows
+from ._kernel import set_axes as held_axes
 from ._rows import RowTable
 from ._tiles import TileTable, beside_axis, beside_candidates
 
@@ -45,6 +55,8 @@ class Beside:
     # summed into the head's (one program; not where reduced apart: `rows`, `BesideMemo`)
     keeps: np.ndarray
     dot_ops: np.ndarray  # [n_ops] a dot_general
+    op_set: np.ndarray  # [n_ops] each op's iteration set (`Tables.op_set`)
+    op_groups: np.ndarray  # [n_ops, K] its groups (`Tables.sets`, the pad past them)
 
     def axes(self, code: np.ndarray, sizes: np.ndarray, data: int) -> np.ndarray:
         """[..., s] the beside axis code of each candidate set (0: none) where the
@@ -70,8 +82,8 @@ class Beside:
         return tuple(np.tile(x, slots) for x in (np.maximum(at, 0), may, keeps))
 
 
-def beside_table(graph, table: TileTable) -> Beside:
-    """The `Beside` of `graph`, from its `TileTable`."""
+def beside_table(graph, table: TileTable, T) -> Beside:
+    """The `Beside` of `graph`, from its `TileTable` and its `Tables` (its ops' sets)."""
     pick = np.flatnonzero(beside_candidates(table))
     sets, slot = np.unique(table.tset[pick], return_inverse=True)
     of_set = np.full(table.n_sets, -1, dtype=np.int64)
@@ -80,19 +92,61 @@ def beside_table(graph, table: TileTable) -> Beside:
     keeps = np.bincount(slot, others > 0, minlength=len(sets)) > 0
     dots = np.array([op.primitive == "dot_general" for op in graph.ops] + [False], dtype=bool)
     rank = table.rank[pick]
-    return Beside(table.dims[pick], table.groups[pick], rank, slot, sets, of_set, keeps, dots)
+    return Beside(
+        table.dims[pick], table.groups[pick], rank, slot, sets, of_set, keeps, dots,
+        T.op_set, T.sets[T.op_set],
+    )  # fmt: skip
 
 
 class Split(NamedTuple):
     """What the rule moves in one plan (`row_split`): the reduce-scatter's bytes and rows
     over data that go, the bytes and rows all-reduced over data instead, and per beside
-    axis code (axis, bytes, occurrences) of its collective-permutes."""
+    axis code (axis, bytes, occurrences) of its collective-permutes; the dots that write
+    the moved rows (`moved_rows`: of a merged table, one per row), and the seconds their
+    split takes off compute (`split_compute`)."""
 
     removed: float = 0.0
     removed_rows: int = 0
     pieces: float = 0.0
     piece_rows: int = 0
     permutes: tuple[tuple[int, float, float], ...] = ()
+    ops: tuple[int, ...] = ()
+    n: float = 1.0  # the data axis' size
+    compute: float = 0.0
+
+
+def split_compute(seconds, n: float):
+    """What the rule takes off its dots' compute (`seconds`, or FLOPs): each runs the 1/n
+    piece of its gradient it writes (n: the data axis' size), not the whole."""
+    return (1.0 - 1.0 / n) * seconds
+
+
+def moved_rows(R: RowTable, axis: np.ndarray) -> np.ndarray:
+    """The rows of `R` (once each) whose virtual rows the rule moves (`row_axes`' `axis`
+    > 0): each written by a dot (by the dots merged into it, `RowTable.op_s`)."""
+    return np.unique(np.flatnonzero(axis > 0) % max(len(R.tset), 1))
+
+
+def moved_seconds(bes: Beside, R: RowTable, rows: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """Per row of `rows` (`moved_rows`), its dots' compute seconds under a plan whose sets'
+    inverse divisors are `inv`. Their sets hold the data axis (the rows are reduced over
+    it), so ZeRO's shares leave them whole (`_zero.zero_shares`)."""
+    return R.op_s[rows] * inv[bes.op_set[R.op[rows]]]
+
+
+def split_seconds(split: Split | None) -> float:
+    """Seconds the rule takes off a plan's compute (`Split.compute`; 0 for None)."""
+    return 0.0 if split is None else split.compute
+
+
+def less_split(seconds: np.ndarray, split: Split | None) -> np.ndarray:
+    """[n_ops] each op's compute `seconds` (`_compute.op_compute`) less what the rule
+    takes off its dots (`split_seconds`, op by op)."""
+    if split is None or not split.ops:
+        return seconds
+    out, ops = seconds.copy(), list(split.ops)
+    out[ops] -= split_compute(seconds[ops], split.n)
+    return out
 
 
 def row_axes(rows, set_axes: np.ndarray, key, count, zero_key: int):
@@ -105,9 +159,10 @@ def row_axes(rows, set_axes: np.ndarray, key, count, zero_key: int):
     return np.where(on, set_axes[at], 0), keeps
 
 
-def split_of(axis, keeps, nbytes, count, n: float) -> Split:
+def split_of(axis, keeps, nbytes, count, n: float, ops=(), seconds: float = 0.0) -> Split:
     """The `Split` of rows moved to the beside axes `axis` (`row_axes`), of `nbytes` and
-    `count` each, over a data axis of n devices."""
+    `count` each, over a data axis of n devices, written by `ops` whose compute is
+    `seconds` (`moved_seconds`)."""
     on = axis > 0
     if not on.any():
         return Split()
@@ -118,7 +173,9 @@ def split_of(axis, keeps, nbytes, count, n: float) -> Split:
         for a in np.unique(axis[on])
     )
     removed = float(np.where(go, nbytes[: len(on)], 0.0).sum())
-    return Split(removed, int(go.sum()), float(piece.sum()), int(on.sum()), permutes)
+    ops = tuple(int(o) for o in ops)
+    saved = float(split_compute(seconds, n))
+    return Split(removed, int(go.sum()), float(piece.sum()), int(on.sum()), permutes, ops, n, saved)
 
 
 class BesideMemo:
@@ -166,7 +223,21 @@ class BesideMemo:
         axis, keeps = row_axes(self.rows(R), set_axes, st.key, st.count, zero_key)
         apart = tied.tset[tied_rows(tied, st, ac, data, stage) > 0]
         keeps = keeps & ~np.isin(bes.sets[self.rows(R)[0]], apart)
-        return split_of(axis, keeps, st.nbytes, st.count, float(ac.sizes[data]))
+        rows = moved_rows(R, axis)
+        seconds = moved_seconds(bes, R, rows, st.inv).sum()
+        n = float(ac.sizes[data])
+        return split_of(axis, keeps, st.nbytes, st.count, n, np.unique(R.op[rows]), seconds)
+
+    def ops(self, st, ac: C.AxisCosts, data: int) -> np.ndarray:
+        """The dots the rule splits in a kernel state `st` of one row per op (`detail`),
+        ZeRO over the axis code `data`: what verify counts 1/n of."""
+        R = st.partial
+        if not self.on or R is None or not len(self.table.sets):
+            return np.zeros(0, dtype=np.int64)
+        zero_key = C.AR * ac.masks + int(ac.bit[data])
+        set_axes = self.axes(st.codes, ac.sizes, data)
+        axis, _ = row_axes(self.rows(R), set_axes, st.key, st.count, zero_key)
+        return np.unique(R.op[moved_rows(R, axis)])
 
 
 def scope_split(bes: Beside, R: RowTable, idx, cfg, grad, A, local, key, nbytes, count, ac, data):
@@ -177,7 +248,10 @@ def scope_split(bes: Beside, R: RowTable, idx, cfg, grad, A, local, key, nbytes,
     the axis codes of the scope's groups (`local`: each group's index there, the pad for
     the rest). Returns per option the active gradient rows over data alone before the
     rule, and its `Split` as arrays ([options] each; the permutes' bytes and occurrences
-    [options, axis codes]), or None where nothing moves."""
+    [options, axis codes]; last, the seconds its dots' split takes off compute, each
+    moved row's once, on its dots' set's divisor in that option), or None where nothing
+    moves. A dot's set is its gradient's groups and its reduced ones: the row's scope
+    holds them (its set and its reduced groups are among the row's)."""
     n_c = len(A)
     zero_key = C.AR * ac.masks + int(ac.bit[data])
     at, may, keeps = bes.rows(R, idx)
@@ -197,6 +271,11 @@ def scope_split(bes: Beside, R: RowTable, idx, cfg, grad, A, local, key, nbytes,
     permutes = np.zeros((2, n_c, len(ac.sizes)))
     np.add.at(permutes[0], (cfg[on], axis[on]), piece[on])
     np.add.at(permutes[1], (cfg[on], axis[on]), count[on])
+    # Each moved row's dots once per option, on their set's divisor there (`moved_seconds`).
+    c, row = np.unique(np.stack([cfg[on], per_slot(R, idx)[:n][on]]), axis=1)
+    groups = local[bes.op_groups[R.op[row]]] + (c * A.shape[1])[:, None]
+    _, inv = held_axes(A.ravel(), groups, ac.sizes)
+    saved = split_compute(R.op_s[row] * inv, float(ac.sizes[data]))
     return rows, (
         np.bincount(cfg[go], nbytes[go], minlength=n_c),
         np.bincount(cfg[go], minlength=n_c),
@@ -204,14 +283,15 @@ def scope_split(bes: Beside, R: RowTable, idx, cfg, grad, A, local, key, nbytes,
         np.bincount(cfg[on], minlength=n_c),
         permutes[0],
         permutes[1],
+        np.bincount(c, saved, minlength=n_c),
     )
 
 
 class SplitRows(NamedTuple):
     """The rule as rows of their own, for per-op prices (`_pipelined.op_costs`): per new
     row the row it comes from, its key, bytes, occurrences and whether it is a gradient
-    (the pieces' all-reduce over data, combined) or not (their permute); and per old row
-    whether its reduce-scatter goes."""
+    (the pieces' all-reduce over data, combined) or not (their permute); per old row
+    whether its reduce-scatter goes; and the dots that write them (`moved_rows`)."""
 
     source: np.ndarray
     key: np.ndarray
@@ -219,6 +299,7 @@ class SplitRows(NamedTuple):
     count: np.ndarray
     grad: np.ndarray
     gone: np.ndarray
+    ops: np.ndarray
 
 
 def split_rows(memo: BesideMemo, st, ac: C.AxisCosts, data: int) -> SplitRows | None:
@@ -244,4 +325,5 @@ def split_rows(memo: BesideMemo, st, ac: C.AxisCosts, data: int) -> SplitRows | 
         count=np.concatenate([st.count[on], st.count[on]]),
         grad=np.arange(2 * len(on)) < len(on),
         gone=gone,
+        ops=np.unique(R.op[moved_rows(R, axis)]),
     )

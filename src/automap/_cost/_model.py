@@ -84,7 +84,7 @@ from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
-from ._beside import BesideMemo, beside_table
+from ._beside import BesideMemo, beside_table, less_split, split_seconds
 from ._compute import op_compute
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
@@ -162,8 +162,8 @@ class CostModel:
             ),
             cluster.lowering.scatter_least_elements,
         )
-        on = cluster.lowering.reduce_scatter  # XLA's split of gradient dots beside data
-        self.beside = BesideMemo(lambda: beside_table(graph, self._tile_memo.table), on)
+        on, T = cluster.lowering.reduce_scatter, self.tables  # XLA's split beside data
+        self.beside = BesideMemo(lambda: beside_table(graph, self._tile_memo.table, T), on)
 
     # ---- public -----------------------------------------------------------------------
 
@@ -441,8 +441,10 @@ class CostModel:
         combined collectives, and the memory at its busiest moment (`split`: sequence
         parallelism's (`SplitMemory`, 1 - 1/t), its stream tensors held 1/t)."""
         L, d = self._layout(st, zero_stage, data_axis, zero_gather)
-        compute = float(compute_time(self.coefs, L))
-        comm, collectives = self._communication(st, L, d)
+        ac, tied = self._costs_for(st.mesh), self.tables.tied_partial  # XLA's split beside data
+        beside = self.beside.split(st, ac, d, tied, L.zero_stage) if L.zero else None
+        compute = float(compute_time(self.coefs, L)) - split_seconds(beside)
+        comm, collectives = self._communication(st, L, d, beside)
         if self.coefs.prefetch is not None:  # ZeRO-3's beside compute: off the path
             comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
         mem = memory_terms(self.coefs, L)
@@ -459,7 +461,7 @@ class CostModel:
         limit = self.cluster.memory_limit
         per_op: tuple = ()
         if detail:
-            per_op = self._per_op(st, (st.P, d, L.data_size) if L.zero else None)
+            per_op = self._per_op(st, (st.P, d, L.data_size) if L.zero else None, beside)
         step = compute + comm
         return Cost(
             step_time_s=step,
@@ -476,9 +478,9 @@ class CostModel:
             per_op=per_op,
         )
 
-    def _communication(self, st: K.State, L: Layout, d: int) -> tuple[float, tuple]:
-        """Seconds of the step's collectives and the collectives per (kind, axes): rows
-        summed (a recomputed layer's twice), gradients combined, ZeRO's scattered (`totals`)."""
+    def _communication(self, st: K.State, L: Layout, d: int, split) -> tuple[float, tuple]:
+        """Seconds of the step's collectives and the collectives per (kind, axes): rows summed
+        (a recomputed layer's twice), gradients combined, ZeRO's scattered but `split`'s."""
         ac = self._costs_for(st.mesh)
         zero_mask = int(ac.bit[d]) if L.zero else 0
         g = gathers(self.coefs, L)
@@ -502,9 +504,7 @@ class CostModel:
             else 0.0,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
             K.tied_bytes(self.tables.tied_partial, st, ac, d, L.zero_stage) if zero_mask else 0.0,
-            self.beside.split(st, ac, d, self.tables.tied_partial, L.zero_stage)
-            if zero_mask
-            else None,
+            split if zero_mask else None,
         )
         collectives = tuple(
             Collective(
@@ -570,12 +570,12 @@ class CostModel:
             return 0.0
         return self._total_flops / (step * self.cluster.peak_flops * devices)
 
-    def _per_op(self, st: K.State, zero=None) -> tuple[tuple[int, float, float], ...]:
+    def _per_op(self, st: K.State, zero=None, split=None) -> tuple[tuple[int, float, float], ...]:
         """(op, compute s, comm s) per op; a combined gradient collective's time is shared
-        among the ops whose partial sums it completes, by bytes."""
+        among the ops whose partial sums it completes, by bytes (`split`: `_beside.Split`)."""
         T = self.tables
         ac = self._costs_for(st.mesh)
-        comp = op_compute(T, st.inv, zero=zero)  # `zero`: ZeRO's shards (`zero_shares`)
+        comp = less_split(op_compute(T, st.inv, zero=zero), split)  # ZeRO's shards, XLA's split
         pf, rf = T.partial_full, T.reshard_full
         ops = np.concatenate([K.per_slot(pf, pf.op), rf.op])
         slot = K.combine_slots(pf, rf)

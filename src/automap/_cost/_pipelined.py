@@ -69,13 +69,13 @@ from .._pipeline import (
 from .._plan import Collective, Cost, Plan
 from .._remat import full_remat
 from . import _collectives as C
-from ._beside import split_rows
+from ._beside import split_compute, split_rows
 from ._compute import op_compute
 from ._kernel import collective_rows, gradients_apart, per_slot
 from ._scatter import SCATTERS
 from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
-from ._stage_comm import N_PHASES, phase_collectives
+from ._stage_comm import N_PHASES, phase_collectives, split_alone
 from ._traffic import (
     Layouts,
     StageMemoryInputs,
@@ -151,6 +151,9 @@ class OpCosts:
     # 1 its pieces' rows, 2 the reduce-scatter they replace, where a call reduces the
     # gradient it makes; a stage's reduce program scatters it (`_stage_comm.rows_by_phase`)
     row_split: np.ndarray | None = None
+    # [n_ops] the compute `compute` leaves out of the dots XLA splits so (`_beside.py`):
+    # a stage whose B calls do not reduce the gradients they make runs them whole
+    split_compute: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -232,7 +235,11 @@ def op_costs(
     nbytes, count, time, row_split = st.nbytes, st.count, st.time, None
     row_partial = np.arange(len(row_op)) < len(row_op) - len(rf.op)
     split = split_rows(model.beside, st, ac, d) if zero_mask else None
+    split_saved = None
     if split is not None:  # XLA's split of gradient dots beside data: rows of their own
+        split_saved = np.zeros(n)  # ... and its dots on their 1/n pieces
+        split_saved[split.ops] = split_compute(compute[split.ops], lay.data_size)
+        compute = compute - split_saved
         row_split = np.concatenate([np.where(split.gone, 2, 0), np.ones(len(split.key), int)])
         new = (split.key, split.nbytes, split.count, split.grad, ~split.grad, True)
         old = (key, nbytes, count, row_grad, np.zeros(len(key), bool), row_partial)
@@ -275,6 +282,7 @@ def op_costs(
         axis_costs=ac,
         row_whole=_whole_in_backward(graph)[row_op],  # one check per op, not per row
         row_split=row_split,
+        split_compute=split_saved,
     )
     return _with_recomputed_rows(model, oc, st) if remat else oc
 
@@ -393,6 +401,9 @@ def stage_costs(
     per_mb = np.isin(phase, [p for p in Phase if p.per_microbatch])
     runs = np.array([m if p.per_microbatch else 1 for p in Phase])  # runs per step
     op_compute = oc.compute / np.where(per_mb, m, 1)
+    if oc.split_compute is not None:  # the dots XLA splits only where a call reduces
+        whole = ~split_alone(graph, part, m)
+        op_compute = op_compute + np.where(whole, oc.split_compute, 0.0) / np.where(per_mb, m, 1)
     op_remat = np.where(phase == Phase.FWD, oc.remat_compute / m, 0.0)
     comm = phase_collectives(model, part, oc, per_mb, m)
     compute = np.bincount(stage * N_PHASES + phase, op_compute, minlength=S * N_PHASES)

@@ -85,6 +85,10 @@ class RowTable:
     table: np.ndarray
     beside: np.ndarray
     table_bytes: np.ndarray
+    # The compute seconds of the op that writes the row, unsharded (`Tables.op_coef`),
+    # summed over merged rows: what XLA's split of a gradient dot beside data takes 1 - 1/n
+    # of (`_beside.py`); merged rows share their ops' sets. 0 where not given.
+    op_s: np.ndarray
 
     def read_sets(self, names: tuple[str, ...]) -> np.ndarray:
         """[rows, n] the sets in columns `names` (`PARTIAL_SETS`, `RESHARD_SETS`)."""
@@ -135,15 +139,17 @@ class RowTable:
             table=rest[:, 9],
             beside=rest[:, 10],
             table_bytes=np.bincount(inv, self.table_bytes, minlength=n),
+            op_s=np.bincount(inv, self.op_s, minlength=n),
             nbytes=np.bincount(inv, self.nbytes, minlength=n),
             count=np.bincount(inv, self.count, minlength=n),
             op=self.op[first],
         )
 
 
-def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTable:
+def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int, op_s=None) -> RowTable:
     """Rows as arrays; the group and small lists padded to one width (pad: never split).
-    A table's lookup takes three virtual rows (`_kernel._moved_lookups`): two columns."""
+    A table's lookup takes three virtual rows (`_kernel._moved_lookups`): two columns.
+    `op_s`: [n_ops] each op's unsharded compute seconds (`RowTable.op_s`), or None."""
     kr = max([1] + [2 if r.lookup == 1 else len(r.group) for r in rows])
     group = np.full((len(rows), kr), pad_group, dtype=np.int64)
     small = np.full((len(rows), kr), empty_set, dtype=np.int64)
@@ -172,6 +178,7 @@ def row_table(rows: list[CandidateRow], pad_group: int, empty_set: int) -> RowTa
         table=np.where(column("table", np.int64) < 0, empty_set, column("table", np.int64)),
         beside=np.where(column("beside", np.int64) < 0, empty_set, column("beside", np.int64)),
         table_bytes=column("table_bytes", float),
+        op_s=np.zeros(len(rows)) if op_s is None else op_s[column("op", np.int64)],
     )
 
 

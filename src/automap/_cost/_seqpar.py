@@ -485,6 +485,9 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     compute = oc.compute.copy()
     ops = list(terms.compute_ops)
     compute[ops] /= t
+    saved = None if oc.split_compute is None else oc.split_compute.copy()
+    if saved is not None:  # what XLA's split beside data leaves out of them, alike
+        saved[ops] /= t
     inv = oc.layouts.inv.copy()
     inv[list(terms.split)] /= t
     pad = np.zeros(n + k, bool)
@@ -501,6 +504,7 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     return dataclasses.replace(
         oc,
         compute=compute,
+        split_compute=saved,
         comm=comm,
         grad_comm=grad_comm,
         layouts=dataclasses.replace(oc.layouts, inv=inv),

@@ -87,6 +87,23 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
     return PhaseComm(time, nbytes, count, op_comm, op_reduce)
 
 
+def _accumulated(graph, part: Partition, m: int) -> np.ndarray:
+    """[n_ops] the op makes a tensor its stage sums over the microbatches (m > 1)."""
+    out = np.zeros(len(part.op_stage), dtype=bool)
+    if m > 1:
+        out[[graph.tensors[t].producer for t in part.accumulated]] = True
+    return out
+
+
+def split_alone(graph, part: Partition, m: int) -> np.ndarray:
+    """[n_ops] the call that runs the op reduces the gradient it makes: not one a stage
+    accumulates over the microbatches. XLA splits a gradient dot beside data only there
+    (its pieces reduced, the dot on its 1/n piece); the reduce program reduce-scatters
+    the sum it accumulates (`_beside.py`)."""
+    per_mb = np.isin(phase_codes(part), [p for p in Phase if p.per_microbatch])
+    return ~(_accumulated(graph, part, m) & per_mb)
+
+
 def rows_by_phase(
     graph, part: Partition, oc: OpCosts, per_mb: np.ndarray, m: int, lookups=None
 ):  # fmt: skip
@@ -107,16 +124,11 @@ def rows_by_phase(
         key = np.where(masked, C.AR * ac.masks + mask, key)
     # A recomputed op's collectives run again in the backward that recomputes it.
     row_phase = phase[r] if oc.row_again is None else np.where(oc.row_again, Phase.BWD, phase[r])
-    accumulated = np.zeros(len(phase), dtype=bool)
-    if m > 1:
-        accumulated[[graph.tensors[t].producer for t in part.accumulated]] = True
+    accumulated = _accumulated(graph, part, m)
     kind, mask = np.divmod(key, ac.masks)
     moved = mask & oc.batch_mask
     if oc.row_split is not None:
-        # XLA splits a gradient dot beside data only where the call that makes the
-        # gradient reduces it; the reduce program reduce-scatters the sum it accumulates
-        # (`_beside.py`)
-        alone = ~(accumulated[r] & per_mb[r])
+        alone = split_alone(graph, part, m)[r]
         count = np.where((oc.row_split == 1) & ~alone | (oc.row_split == 2) & alone, 0, count)
     deferred = oc.row_partial & accumulated[r] & per_mb[r] & (count > 0) & (moved > 0)
     left = np.where(deferred, mask & ~oc.batch_mask, mask)

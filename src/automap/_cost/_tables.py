@@ -226,11 +226,13 @@ def build_tables(
         n_sets,
     )
     table = sets.table(ng)
+    computed = compute_columns(entries, compute.recomputed, zero_ops(graph, pinned, update), n_sets)
+    op_s = computed["op_coef"]  # on the partial-sum rows (`RowTable.op_s`)
     return Tables(
         sets=table,
         splittable=sets.split,
         divisor=np.array([g.divisor for g in groups.groups] + [1], dtype=np.int64),
-        **compute_columns(entries, compute.recomputed, zero_ops(graph, pinned, update), n_sets),
+        **computed,
         **_memory_columns(inp, n_sets),
         gathered=gathered,
         gather_coef=gather_coef,
@@ -238,8 +240,8 @@ def build_tables(
         masters=masters,
         casts_again=lowering.recompute_gathers_casts,
         **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
-        **_row_columns(partial, rows, compute.recomputed),
-        staged_partial_full=row_table(staged, ng, rows.empty),
+        **_row_columns(partial, rows, compute.recomputed, op_s),
+        staged_partial_full=row_table(staged, ng, rows.empty, op_s),
         tied_partial=row_table(
             [r for i, r in enumerate(rows.partial) if i in gone - apart and r.grad], ng, rows.empty
         ),
@@ -351,12 +353,13 @@ def _moments(
 
 
 def _row_columns(
-    partial: list[CandidateRow], rows: RowBuilder, recomputed: Collection[int]
+    partial: list[CandidateRow], rows: RowBuilder, recomputed: Collection[int], op_s: np.ndarray
 ) -> dict:
     """The `Tables` fields of the candidate collectives: per op, merged, and the
-    recomputed ops' own; and each combined collective slot's trips."""
+    recomputed ops' own; and each combined collective slot's trips. `op_s`: each op's
+    unsharded compute seconds, on the partial-sum rows (`RowTable.op_s`)."""
     ng, empty = rows.ng, rows.empty
-    partial_full = row_table(partial, ng, empty)
+    partial_full = row_table(partial, ng, empty, op_s)
     reshard_full = row_table(list(rows.reshard.values()), ng, empty)
     return dict(
         partial=partial_full.merged(),

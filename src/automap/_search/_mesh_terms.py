@@ -132,7 +132,8 @@ class _Scope:
     reduced: np.ndarray  # [n_c] the step's gradient reductions' bytes (`reduced_gradients`)
     coefs: SetCoefs  # the coefficients of the scope's own sets
     # [n_c] active gradient rows over data alone, and the gradients XLA splits beside it
-    # under ZeRO (`_cost/_beside.scope_split`: arrays per option), None where none
+    # under ZeRO (`_cost/_beside.scope_split`: arrays per option, the compute its dots
+    # save last), None where none
     zero_rows: np.ndarray | None
     split: tuple | None
     inv: np.ndarray  # [own sets, n_c] 1 / divisor of each
@@ -141,6 +142,13 @@ class _Scope:
     def layout(self, D: float, zero_stage: int) -> Layout:
         """The scope's sets' layout under every joint option, ZeRO at `zero_stage`."""
         return Layout(self.inv, self.free, D, zero_stage)
+
+    def compute(self, D: float, zero_stage: int) -> np.ndarray:
+        """[n_c] its compute seconds (`compute_time`), less the dots XLA splits beside data
+        under ZeRO (`_cost/_beside.scope_split`, where the backend reduce-scatters)."""
+        L = self.layout(D, zero_stage)
+        saved = self.split[6] if L.zero and self.split is not None else 0.0
+        return compute_time(self.coefs, L) - saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +331,7 @@ class MeshTerms:
         )
         for sc in self.scopes:
             L = sc.layout(self.D, zero_stage)
-            time = sc.comm + compute_time(sc.coefs, L)
+            time = sc.comm + sc.compute(self.D, zero_stage)
             mem = memory_terms(sc.coefs, L)
             if scheduled:
                 # `_cost/_peaks.busiest_moment`: one point per moment, and the reduction's

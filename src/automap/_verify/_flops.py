@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .._axes import DATA, PIPE
-from .._cost import CostModel, zero_shares
+from .._cost import AxisCosts, CostModel, split_alone, split_compute, zero_shares
 from .._graph import Graph, Op
 from .._groups import body_tensor_groups, rule
 from .._pipeline import partition
@@ -97,14 +97,20 @@ def live_ops(graph: Graph) -> np.ndarray:
     return out
 
 
-def op_divisors(model: CostModel, plan: Plan, mesh: dict[str, int]) -> np.ndarray:
+def op_divisors(model: CostModel, plan: Plan, mesh: dict[str, int], split=None) -> np.ndarray:
     """Per op, 1 / the sharding divisor of its iteration space under the plan: the share
     of its FLOPs one device runs, as the cost model prices compute (ZeRO's pinned
-    gradients and update ops on the device's data shard included)."""
-    state = model.state(model.plan_assignment(plan), mesh)
+    gradients and update ops on the device's data shard included, and the gradient dots
+    XLA splits beside data on their 1/n pieces, `_cost/_beside.py`: where `split` is
+    true, [n_ops], for a pipeline's stages, `_stage_comm.split_alone`)."""
+    state = model.state(model.plan_assignment(plan), mesh, detail=True)  # a row per op
     share = state.inv[model.tables.op_set]
     if plan.zero_stage >= 1 and mesh.get(DATA, 1) > 1:
-        share = share * zero_shares(model.tables, state.P, list(mesh).index(DATA) + 1, mesh[DATA])
+        d, n = list(mesh).index(DATA) + 1, mesh[DATA]
+        share = share * zero_shares(model.tables, state.P, d, n)
+        ops = model.beside.ops(state, AxisCosts(model.cluster, mesh), d)
+        ops = ops if split is None else ops[split[ops]]
+        share[ops] -= split_compute(share[ops], n)
     # A loop's own set is empty (its bodies' ops carry its compute, each on its own
     # split): its share is its bodies' ops' shares, weighted by their FLOPs.
     for op in model.graph.ops:
@@ -154,9 +160,12 @@ def op_runs(model: CostModel, plan: Plan) -> np.ndarray:
     return runs
 
 
-def per_op_flops(model: CostModel, plan: Plan, mesh: dict[str, int]) -> tuple[np.ndarray, ...]:
-    """Per op, FLOPs per device per step: (as the graph counts them, as XLA counts them)."""
-    share = op_divisors(model, plan, mesh) * op_runs(model, plan)
+def per_op_flops(
+    model: CostModel, plan: Plan, mesh: dict[str, int], split=None
+) -> tuple[np.ndarray, ...]:
+    """Per op, FLOPs per device per step: (as the graph counts them, as XLA counts them);
+    `split`: as `op_divisors`."""
+    share = op_divisors(model, plan, mesh, split) * op_runs(model, plan)
     graph = model.graph
     counted = np.array([op.flops for op in graph.ops], dtype=float)
     as_xla = np.array([xla_counted_flops(graph, op) for op in graph.ops], dtype=float)
@@ -174,9 +183,10 @@ def predicted_stage_flops(model: CostModel, plan: Plan) -> tuple[tuple[float, fl
     """Per pipeline stage, FLOPs per device per step (every microbatch's share summed):
     (the cost model's, as XLA counts them). The stage mesh is the plan's without "pipe"."""
     stage_mesh = {k: v for k, v in plan.mesh.items() if k != PIPE}
-    counted, as_xla = per_op_flops(model, plan, stage_mesh)
     bounds = [(st.op_start, st.op_stop) for st in plan.stages]
     part = partition(model.graph, model.groups, bounds, plan.microbatches)
+    split = split_alone(model.graph, part, max(1, int(plan.microbatches)))  # `op_divisors`
+    counted, as_xla = per_op_flops(model, plan, stage_mesh, split)
     stage = np.array(part.op_stage)
     return tuple(
         (float(counted[stage == s].sum()), float(as_xla[stage == s].sum()))
