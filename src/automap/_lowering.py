@@ -115,7 +115,7 @@ class Lowering:
     scale gradient) made by elementwise arithmetic is written for a reduction kernel of
     its own (`column_operands`), at the kernel that sums the norm's input gradient into
     the stream's cotangent; a norm's float32 input is kept for its backward
-    (`_residuals._statistics_operand`), and the last norm's input gradient is made again
+    (`_fusion.statistics_operand`), and the last norm's input gradient is made again
     in float32 in the next norm's kernel (`_buffers._remade_norm_gradients`).
     `Lowering.gpu()` and `hopper()` set it (on Hopper, whose 16-bit sums stay 16-bit, the
     column operands alone, each at its own reduction); found in the buffer assignment of
