@@ -11,14 +11,8 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
   slice is local;
 - each residual tensor a matmul reads whole is all-gathered first, once per tensor (XLA
   reuses the gathered copy for every matmul that reads it: queries, keys and values);
-- the ops that make or read residual tensors (norms and their statistics, residual adds,
-  dropout, the norms' backward) work on 1/t of them, and the residuals the backward keeps
-  of them take 1/t of their bytes; the adds of partial sums before their reduce-scatter
-  (the queries', keys' and values' input gradients) work on the whole buffer;
-- where the backend gathers and scatters on a buffer's major dim alone
-  (`Lowering.major_dim_collectives`) and the sequence is not the stream's major dim (a
-  batch-major stream, microbatch over 1), each gathered copy and each reduce-scattered
-  buffer is transposed between the collective's layout and the matmuls' (`layout_rate`);
+- the ops that make residual tensors (norms, residual adds, dropout) work on 1/t of them,
+  and the residuals the backward keeps of them take 1/t of their bytes;
 - a matmul that reads a residual tensor and splits nothing else on t (BERT's masked-LM
   transform) runs on the local sequence, ungathered (`_local_matmul`);
 - an op that sums a residual tensor over its sequence (the gradients of the norms' scales
@@ -40,6 +34,7 @@ stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -47,13 +42,12 @@ import numpy as np
 from .._capture import Residuals
 from .._graph import Graph
 from .._groups import KEPT_WHOLE, Groups, layouts, reduced_dims
-from .._plan import Collective, Cost, Plan
+from .._plan import Collective, Cost, Plan, Spec
 from . import _collectives as C
 from ._buffers import step_buffers
 from ._liveness import NO_BLOCKS, Buffers, alive_among
 from ._overlap import gather_beta, stream_hidden, stream_windows
 from ._residuals import kept_residuals
-from ._seqpar_layout import buffer_bytes, layout_rate, layout_transposes, seq_dim, spec_axes
 
 _MATMUL = "dot_general"
 _ADDS = frozenset({"add", "add_any"})
@@ -83,11 +77,6 @@ class SeqparTerms:
     windows: tuple[tuple[int, ...], ...] = ()
     # (tensor, op) of every op that reads a split tensor whole, from its gathered copy
     whole_reads: tuple[tuple[int, int], ...] = ()
-    # per layout transpose around a gather or reduce-scatter (`layout_rate`): its seconds
-    # at the backend's HBM rate, and the op it is charged to (the collective's reader, or
-    # the matmul making the scattered partial sums)
-    transposed: tuple[float, ...] = ()
-    transposed_at: tuple[int, ...] = ()
 
 
 def seqpar_terms(
@@ -98,27 +87,19 @@ def seqpar_terms(
     recomputed: Collection[int] | Residuals = (),
     boundary: int | None = None,
     taken: Collection[int] | None = (),
-    layout_rate: float = 0.0,
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     is a program of its own, which gathers per reading matmul. `recomputed`: the ops run
     again in the backward, whose gathers run again (`_regathered`), or the `Residuals`,
-    whose `reread` tensors are gathered again too; `taken`: as `stream_windows`'s.
-    `layout_rate`: where the backend collects on major dims alone
-    (`Lowering.major_dim_collectives`), the HBM bytes/s its layout transposes move at
-    (`_seqpar_layout.layout_transposes`); 0 where it does not."""
+    whose `reread` tensors are gathered again too; `taken`: as `stream_windows`'s."""
     recomputed, reread = _run_again(recomputed)
     axis, assignment = plan.sequence_parallel, plan.assignment or {}
     lay = layouts(graph, groups, assignment)
     split = _split_tensors(plan, lay, str(axis))
     consumers = graph.consumers()
     rs, ag, ops, at, reducing = {}, [], set(), [], set()
-    # the partial sums over t of the matmuls that make split tensors, the adds of such sums
-    # alone (before the reduction: on the whole buffer), and per scattered buffer the
-    # partial sum its chain of adds starts from
-    partials, adding, chains = set(), set(), {}
     summed: dict[int, float] = {}
     gathered: set[tuple[int, int]] = set()
     tensors: list[int] = []  # per entry of `ag`: the tensor gathered
@@ -134,36 +115,26 @@ def seqpar_terms(
             reads = []
             if local:
                 out = op.outputs[0]
-                summed[op.index] = buffer_bytes(graph, out, lay[out], plan.mesh, float_bytes)
+                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
         elif op.primitive == _MATMUL:
             if made and _contracts_on(op, groups, assignment, axis):
                 # Partial sums added before they are reduced (the input gradient of the
                 # queries', keys' and values' matmuls) are reduce-scattered once, summed.
                 end = _summed(graph, made[0], split, consumers)
-                rs[end] = buffer_bytes(graph, end, lay[end], plan.mesh, float_bytes)
+                rs[end] = _buffer(graph, end, lay[end], plan.mesh, float_bytes)
                 rs_op[end] = op.index
                 reducing |= {op.index, graph.tensors[end].producer}
-                partials.update(op.outputs)
-                chains.setdefault(end, made[0])
             reads = [t for t in op.inputs if t in split]
         elif op.primitive in KEPT_WHOLE:
             # The embedding's gradient reads its cotangent whole: gathered where it is made.
             reads = [t for t in op.inputs if _made_from(graph, t, split)]
         else:
             reads = []
-            if op.primitive in _ADDS and op.inputs and all(i in partials for i in op.inputs):
-                partials.update(op.outputs)
-                adding.add(op.index)
             if made and len(made) == len(op.outputs):
                 ops.add(op.index)
             elif _sums_sequence(op, graph, split, plan.constraints, axis):
                 out = op.outputs[0]
-                summed[op.index] = buffer_bytes(graph, out, lay[out], plan.mesh, float_bytes)
-                ops.add(op.index)  # on its 1/t of the sequence, as every reader of one
-            elif any(t in split for t in op.inputs):
-                # reads its part of the stream (a norm's statistics, its backward's row
-                # sums): XLA runs every kernel on the split stream on 1/t of the rows
-                ops.add(op.index)
+                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
         # A pipeline's backward program gathers per matmul that reads the tensor (read on
         # compile-only A100s and the CPU: no gather there is shared); one program, and a
         # pipeline's forward, once per tensor. A tensor made whole for the embeddings'
@@ -175,38 +146,19 @@ def seqpar_terms(
             if (t, op.index if apart else -1) not in gathered:
                 gathered.add((t, op.index if apart else -1))
                 tensors.append(t)
-                ag.append(buffer_bytes(graph, t, lay[t], plan.mesh, float_bytes))
+                ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
                 at.append(op.index)
     extra = _regathered(graph, at, tensors, recomputed, boundary is not None, reread)
     again = [False] * len(ag) + [True] * len(extra)
     ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
-    tensors += [tensors[k] for k in extra]
-    ops -= adding  # the partial sums are added whole, before they are scattered
-    transposed: list[tuple[float, int]] = []
-    if layout_rate:
-        # a reduce-scatter of partial sums added first is transposed by the adds' kernel
-        scattered = [e for e in rs if not adding & _adds_between(graph, chains[e], e, consumers)]
-        again_rs = [e for e in scattered if boundary is None and rs_op[e] in recomputed]
-        transposed = layout_transposes(graph, plan, lay, str(axis), tensors, at, whole,
-                                       scattered + again_rs, rs_op, layout_rate)  # fmt: skip
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
     rs_again = [] if boundary is not None else [rs[e] for e in rs if rs_op[e] in recomputed]
     return SeqparTerms(
         tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
         () if boundary is not None or taken is None else stream_windows(graph, at, again, split, taken),
-        tuple(whole), tuple(s for s, _ in transposed), tuple(i for _, i in transposed),
+        tuple(whole),
     )  # fmt: skip
-
-
-def _adds_between(graph: Graph, start: int, end: int, consumers) -> set[int]:
-    """The adds `_summed` followed from a partial sum `start` to the tensor `end` it ends in."""
-    out, t = set(), start
-    while t != end:
-        c = consumers[t][0]
-        out.add(c)
-        t = graph.ops[c].outputs[0]
-    return out
 
 
 def _run_again(recomputed: Collection[int] | Residuals) -> tuple[set[int], set[int]]:
@@ -222,7 +174,7 @@ def _split_tensors(plan: Plan, lay, axis: str) -> set[int]:
     return {
         t
         for t, spec in plan.constraints.items()
-        if axis in spec_axes(spec) and axis not in spec_axes(lay[t])
+        if axis in _axes(spec) and axis not in _axes(lay[t])
     }
 
 
@@ -262,25 +214,29 @@ def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:
     if op.primitive != _MATMUL:
         return None
     contract, batch = op.params["dimension_numbers"]
-    seq = [seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
+    seq = [_seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
     if seq[0] is not None and seq[1] is not None:
         paired = seq[0] in contract[0] and seq[1] in contract[1]
         paired = paired and contract[0].index(seq[0]) == contract[1].index(seq[1])
-        whole = all(t not in split and axis not in spec_axes(lay[t]) for t in op.outputs)
+        whole = all(t not in split and axis not in _axes(lay[t]) for t in op.outputs)
         return True if paired and whole else None
     side = 0 if seq[0] is not None else 1
     if seq[side] is None or seq[side] in (*contract[side], *batch[side]):
         return None
-    whole_other = axis not in spec_axes(lay[op.inputs[1 - side]])
+    whole_other = axis not in _axes(lay[op.inputs[1 - side]])
     return False if whole_other and all(t in split for t in op.outputs) else None
+
+
+def _seq_dim(spec: Spec, axis: str) -> int | None:
+    """The dim of a split tensor's constraint that holds `axis`."""
+    return next((d for d in range(len(spec)) if axis in _axes(spec[d : d + 1])), None)
 
 
 def _sums_sequence(op, graph: Graph, split, constraints, axis: str) -> bool:
     """A reduction (not a matmul: those read the stream gathered) that sums a split tensor
     over its sequence dim: each device holds the sum over its 1/t of the sequence."""
     return any(
-        t in split and axis in spec_axes(constraints[t][d : d + 1])
-        for t, d in reduced_dims(op, graph)
+        t in split and axis in _axes(constraints[t][d : d + 1]) for t, d in reduced_dims(op, graph)
     )
 
 
@@ -414,7 +370,7 @@ def with_sequence_parallel(
         seconds = {i: s / t if i in terms.compute_ops else s for i, s, _ in cost.per_op}
         beta = gather_beta(costs, int(costs.bit[code]))
         comm -= stream_hidden(terms.windows, terms.gathered, seconds, beta)
-    compute = cost.compute_s - saved_s + sum(terms.transposed)
+    compute = cost.compute_s - saved_s
     step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
     return dataclasses.replace(
         cost,
@@ -458,10 +414,27 @@ def _made_from(graph: Graph, t: int, split: set[int]) -> bool:
     )
 
 
+def _axes(spec: Spec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        out.update([e] if isinstance(e, str) else (e or ()))
+    return out
+
+
 def _contracts_on(op, groups: Groups, assignment: Mapping[int, str], axis: str) -> bool:
     """The matmul sums over a group split on `axis`: its output holds partial sums."""
     (contract, _), _ = op.params["dimension_numbers"]
     return any(assignment.get(groups.of(op.inputs[0], d)) == axis for d in contract)
+
+
+def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_bytes: int) -> float:
+    """Per-device bytes of tensor t laid out by `spec` (whole on the sequence)."""
+    tensor = graph.tensors[t]
+    split = math.prod(mesh.get(a, 1) for a in _axes(spec))
+    size = tensor.nbytes
+    if float_bytes and "float" in tensor.dtype and tensor.itemsize < float_bytes:
+        size = tensor.size * float_bytes
+    return size / split
 
 
 def stage_sequence_parallel(model, plan: Plan, oc):
@@ -469,9 +442,7 @@ def stage_sequence_parallel(model, plan: Plan, oc):
     low, res = model.cluster.lowering, model.residuals
     float_bytes = low.collective_float_bytes
     again = res.recomputed if oc.remat else ()
-    rate = layout_rate(model.cluster)
-    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, again, res.boundary,
-                         layout_rate=rate)  # fmt: skip
+    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, again, res.boundary)
     return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
 
 
@@ -517,7 +488,6 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     saved = None if oc.split_compute is None else oc.split_compute.copy()
     if saved is not None:  # what XLA's split beside data leaves out of them, alike
         saved[ops] /= t
-    np.add.at(compute, list(terms.transposed_at), terms.transposed)
     inv = oc.layouts.inv.copy()
     inv[list(terms.split)] /= t
     pad = np.zeros(n + k, bool)
