@@ -92,9 +92,7 @@ def fused_bytes(
       multi-output fusion, and the Triton normalization-diamond fusion on Ampere and
       later), a reduction of a tensor that its elementwise producer writes anyway (kept for
       backward, read by another kernel) runs in the producer's kernel: it does not read
-      that tensor back. (`saved`, on that pipeline, is what XLA stores of the backward's
-      residuals, `_residuals.written_residuals`: softmax's exp(x - max) is not among them,
-      made again in its readers, so no kernel writes it.)
+      that tensor back (softmax's exp(x - max) is written once and summed in the same pass).
 
     Only `ops` run, all where None (XLA removes dead code; a first forward under
     rematerialization runs without the backward, whose reads the recompute serves)."""

@@ -79,33 +79,6 @@ def kept_residuals(
     return stored_residuals(graph, res.saved, lowering, consumers), tuple(sorted(remat))
 
 
-def written_residuals(
-    graph: Graph, res: Residuals, lowering: Lowering, consumers
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """What the step's kernels write for its backward, as XLA stores it (`stored_residuals`),
-    for the time the memory-bound kernels take (`_compute.compute_inputs`): the residuals of
-    the whole step (those a recompute makes again included: it writes what its backward
-    reads), and those of a recomputed program's first forward (the residuals no layer makes
-    again, a layer input stored as itself through its barrier). A residual XLA makes again
-    in its readers is not written by the forward nor read back by the backward: its readers
-    read the operands it is made from. Without `lowering.remakes_residuals`, the jaxpr's.
-
-    Read on a bf16 GPT at the 22B width (hidden 6144, microbatch 4, tp 8, A100s, no
-    recomputation): its layer norms' float32 `2x`, `x - mean` and `rsqrt(var) * scale`,
-    which the jaxpr saves, are in no XLA kernel's outputs. Priced as written, the residual
-    stream's kernels were charged 7.7 GB a layer per device where XLA's fusions move 4.7;
-    as stored, 4.0 (slopes over 2 and 4 layers; tests/test_fusion.py holds 2 layers)."""
-    made_again = {t for ts in res.layer_saved for t in ts}
-    once = [t for t in res.saved if t not in made_again]
-    if not lowering.remakes_residuals:
-        return tuple(res.saved), tuple(once)
-    barred = barrier_inputs(res, consumers, once)
-    return (
-        stored_residuals(graph, res.saved, lowering, consumers),
-        stored_residuals(graph, once, lowering, consumers, stored=barred),
-    )
-
-
 def barrier_inputs(res: Residuals, consumers, saved: Iterable[int]) -> set[int]:
     """Of the residuals no layer recomputes (`saved`), those a recomputed op reads: a
     layer's input, which the recompute takes through its barrier (`_run/_recompute.py`), so
