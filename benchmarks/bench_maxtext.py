@@ -18,15 +18,6 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-<<<<<<< HEAD
-Measured (this script, 2 shared cores, about a minute, on 2026-12-05 with ZeRO-3's
-backward gathers priced beside the backward's matmuls, `Lowering.
-overlaps_backward_gathers`): 0.86 of the published TFLOP/s per chip on every row (281,
-278 and 272 against 328, 323 and 315; steps 8.38, 8.45 and 5.74 s), each fitting in the
-chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (the split stream's backward
-gathers priced beside the backward's matmuls, `Lowering.overlaps_stream_gathers`): 0.85
-(280, 276 and 269; steps 8.41, 8.51 and 5.80 s). Before that (2026-12-04, the backward's
-=======
 Measured (this script, 2 shared cores, about a minute, on 2026-12-05, each row with
 `attention="flash"` as MaxText runs it: every layer's attention core one call to the
 Pallas flash kernel, priced by `_cost/_flash.py`): 0.97 of the published TFLOP/s per chip
@@ -34,13 +25,13 @@ on every row (318, 313 and 304; steps 7.41, 7.50 and 5.13 s; 74.6, 75.5 and 50.1
 the core's float32 scores and softmax, forward, recompute and backward, gone, the kernel's
 matmuls on the 17/32 of the blocks a causal kernel of 16 blocks a side runs; the memory
 as before, since `projections` already recomputed the core, whose scores XLA's v5p
-schedule does not hold at the step's peak). Before it, with the attention written out
-(the same day, with the split
-stream's backward gathers priced beside the backward's matmuls, `Lowering.
+schedule does not hold at the step's peak). Before it, with the attention written out and
+ZeRO-3's backward gathers priced beside the backward's matmuls (`Lowering.
+overlaps_backward_gathers`): 0.86 (281, 278 and 272; steps 8.38, 8.45 and 5.74 s). Before
+that (the same day, with the split stream's backward gathers priced beside the backward's matmuls, `Lowering.
 overlaps_stream_gathers`): 0.85 of the published TFLOP/s per chip on every row (280, 276
 and 269 against 328, 323 and 315; steps 8.41, 8.51 and 5.80 s), each fitting in the
 chip's 95 GiB (74.5, 75.4 and 50.1 GB predicted). Before it (2026-12-04, the backward's
->>>>>>> flash
 second gathers of the split stream priced): 0.81 (266, 263 and 255; 8.84, 8.93, 6.13 s).
 Under `projections` the runtime recomputes each layer's norms, whose gathered outputs the
 forward then does not keep, so the backward gathers them again (XLA's A100 and v5p
