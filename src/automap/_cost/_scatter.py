@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._graph import Graph, Role
-from .._groups import Groups, update_region
+from .._groups import Groups, union_find, update_region
 from .._remat import layer_gathers
 
 SCATTERS = frozenset({"scatter-add", "scatter_add"})  # a lookup's gradient
@@ -108,14 +108,7 @@ def tied_runs(graph: Graph, groups: Groups) -> tuple[np.ndarray, np.ndarray]:
     _, update = update_region(graph, groups)
     params = {leaf.tensor for leaf in graph.leaves(Role.PARAM)}
     consumers = graph.consumers()
-    parent = list(range(n))
-
-    def root(p: int) -> int:
-        while parent[p] != p:
-            parent[p] = parent[parent[p]]
-            p = parent[p]
-        return p
-
+    ties: list[tuple[int, int]] = []  # a run's members, each tied to its first
     at = 0
     for reduction in layer_gathers(graph, groups).reductions:
         ends = [t for t in reduction.tied if graph.tensors[t].ndim and graph.tensors[t].size]
@@ -129,9 +122,10 @@ def tied_runs(graph: Graph, groups: Groups) -> tuple[np.ndarray, np.ndarray]:
         if len(head) < 2 or len(owners) < 2:
             continue
         for p in owners:
-            parent[root(p)] = root(owners[0])
+            ties.append((p, owners[0]))
             run[p], place[p] = 0, at
             at += 1
     joined = run >= 0
-    run[joined] = [root(int(p)) for p in np.nonzero(joined)[0]]
+    find = union_find(n, ties)
+    run[joined] = [find(int(p)) for p in np.nonzero(joined)[0]]
     return run, place

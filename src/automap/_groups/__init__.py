@@ -23,6 +23,7 @@ from ._linkage import Group as Group
 from ._linkage import Groups as Groups
 from ._linkage import build_groups as build_groups
 from ._linkage import group_partners as group_partners
+from ._linkage import union_find as union_find
 from ._mixed import cast_shards as cast_shards
 from ._mixed import distinct_casts as distinct_casts
 from ._mixed import gathers_compute as gathers_compute

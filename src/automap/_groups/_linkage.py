@@ -130,11 +130,11 @@ def build_groups(graph: Graph, *, layer_grouping: bool = True, seams: bool = Tru
         [(int(offsets[ta]) + da, int(offsets[tb]) + db) for (ta, da), (tb, db) in r.ties]
         for r in rules
     ]
-    find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
+    find = union_find(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     batch_dims = {(leaf.tensor, 0) for leaf in graph.leaves(Role.BATCH)}
     splits = _microbatch_ties(graph, offsets, flat_ties, find, batch_dims)
     if splits:
-        find = _union(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
+        find = union_find(int(offsets[-1]), (tie for ties in flat_ties for tie in ties))
     cuts = _cut_seams(graph, offsets, flat_ties, find, batch_dims) if seams else _Cuts()
     if cuts.batch_flat:  # every part of a cut batch group is a batch group
         batch_dims = {
@@ -306,7 +306,7 @@ def _cut_seams(graph: Graph, offsets, flat_ties, find, batch_dims) -> _Cuts:
             for tie in ties
             if cut.get(i) not in (tie, tie[::-1])
         )
-        cut_find = _union(n, kept)
+        cut_find = union_find(n, kept)
         conv_roots = {
             cut_find(int(offsets[t]) + d) for t in conv for d in range(graph.tensors[t].ndim)
         }
@@ -354,7 +354,7 @@ def _microbatch_ties(graph: Graph, offsets, flat_ties, find, batch_dims) -> set[
     return found
 
 
-def _union(n: int, ties) -> Callable[[int], int]:
+def union_find(n: int, ties) -> Callable[[int], int]:
     """Union-find over n flat dims joined by `ties`; returns `find`. Roots are the smallest
     member, so group ids do not depend on the order of the ties."""
     parent = list(range(n))
