@@ -6,6 +6,7 @@ are the largest memory-bound traffic of a training step, so a kernel boundary ch
 that XLA does not make moves a whole step's price (Megatron's one-stage rows, issue 13)."""
 
 import functools
+import math
 import re
 
 import jax
@@ -14,7 +15,11 @@ import pytest
 
 from automap._capture import capture
 from automap._cluster import Cluster
-from automap._cost import CostModel
+from automap._cost import CostModel, layout_rate, seqpar_terms
+from automap._groups import layouts
+from automap._search import Problem
+from automap._space import Recipe, recipe_plan
+from automap._verify import compile_plan, shape_bytes
 from automap._zoo import get_model
 
 B, HEADS, S = 2, 2, 64
@@ -103,10 +108,14 @@ def test_a_reduction_reads_back_what_its_producer_wrote_only_where_xla_does():
     assert reads_back
     cpu = charged(graph, Cluster.preset("cpu", devices=1))
     assert [cpu[op.index] for op in sums] == pytest.approx([exp_bytes + sum_bytes] * len(sums))
-    # XLA's GPU pipeline fuses the sum into the kernel that writes exp (multi-output
-    # fusion; on Ampere and later the Triton softmax fusion): only the sum is written.
+    # XLA's GPU pipeline writes no exp(x - max): the softmax runs in one kernel (on Ampere
+    # and later the Triton softmax fusion), and the backward makes what it reads of it
+    # again from the scores (`_cost/_residuals.py`; the A100 program of this GPT
+    # holds no float32 [B, h, S, S] buffer). No kernel writes it, so none reads it back:
+    # the sum reads the 16-bit scores it is made from.
     gpu = charged(graph, Cluster.preset("a100", devices=1))
-    assert [gpu[op.index] for op in sums] == pytest.approx([sum_bytes] * len(sums))
+    assert all(gpu[graph.tensors[op.inputs[0]].producer] == 0 for op in sums)
+    assert all(sum_bytes < gpu[op.index] < exp_bytes for op in sums)
 
 
 def scores_tensors(graph, dtype: str) -> set[int]:
@@ -117,7 +126,8 @@ def test_a_producer_two_kernels_need_is_read_by_both():
     # Softmax's backward sums dP * p over each row, then scales dP by the sum: two kernels
     # (the second needs the first's result), both fed by converting dP (bfloat16, from the
     # dot) to float32. XLA fuses the convert into both rather than write the float32 copy,
-    # so each kernel reads dP and the saved exp(x - max).
+    # so each kernel reads dP, and the 16-bit scores p is made again from (a GPU stores
+    # no exp(x - max): `_cost/_residuals.py`).
     graph, _ = step()
     model = CostModel(graph, Cluster.preset("a100", devices=1))
     bytes_ = charged(graph, model.cluster)
@@ -129,7 +139,7 @@ def test_a_producer_two_kernels_need_is_read_by_both():
         for t in scores_tensors(graph, "float32")
         if graph.ops[graph.tensors[t].producer].primitive == "exp"
     ]
-    big = graph.tensors[exp[0]].nbytes + graph.tensors[d_p[0]].nbytes
+    big = 2 * graph.tensors[d_p[0]].nbytes  # dP and the scores, both bfloat16
     row_sums = [
         op.index
         for op in graph.ops
@@ -155,22 +165,17 @@ def test_a_producer_two_kernels_need_is_read_by_both():
 
 
 def test_a_first_forward_under_remat_writes_nothing_the_recompute_makes_again():
-    # With full recomputation the backward reads exp(x - max) from the recompute: the
-    # first forward keeps nothing of it, so its kernel (the row sum's) does not write it.
+    # The GELU's tanh (an expensive result, stored for the backward where nothing is
+    # recomputed) is made again by the recompute under full recomputation: the first
+    # forward keeps nothing of it, so its kernel does not write it.
     graph, _ = step()
     model = CostModel(graph, Cluster.preset("a100", devices=1))
     T = model.tables
     rate = model.cluster.hbm_bandwidth * model.cluster.memory_efficiency
     again = set(model.residuals.recomputed)
-    exps = [
-        op.index
-        for op in graph.ops
-        if op.primitive == "exp"
-        and op.index in again
-        and graph.tensors[op.outputs[0]].shape == (B, HEADS, S, S)
-    ]
-    assert exps  # the first layer is recomputed
-    for i in exps:
+    tanhs = [op.index for op in graph.ops if op.primitive == "tanh" and op.index in again]
+    assert tanhs  # the first layer is recomputed
+    for i in tanhs:
         assert T.op_coef[i] * rate >= graph.tensors[graph.ops[i].outputs[0]].nbytes
         assert T.remat_op_coef[i] == 0
     # The layer's forward as a whole moves less the first time than when recomputed.
@@ -195,3 +200,112 @@ def test_a_residual_stream_many_kernels_read_is_written_once():
     ]
     assert len(sums) >= 4  # two layer norms per block, mean and mean of squares
     assert all(bytes_[i] <= 2 * stream for i in sums)
+
+
+def entry_kernels(hlo: str) -> list[tuple[str, list[str]]]:
+    """Per memory-bound kernel of the ENTRY computation (a fusion other than a matmul's):
+    the array types it writes and reads, as "bf16[1,2048,6144]"."""
+    body = hlo[hlo.index("\nENTRY ") :]
+    body = body[body.index("{\n") : body.index("\n}")]
+    types, out = {}, []
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)", line)
+        if not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        types[name] = re.findall(r"[a-z]\w*\[[\d,]*\]", shape)
+        operands = re.findall(r"%([\w.\-]+)", rest[: rest.find(")")])
+        called = rest.partition("calls=")[2].split(",")[0]
+        if opcode == "fusion" and "gemm" not in name + called:  # not a Triton matmul
+            out.append((types[name], [x for o in operands for x in types.get(o, [])]))
+    return out
+
+
+def stream_bytes(
+    batch: int, seq: int, sequence_parallel: bool, clip_norm: float | None = None
+) -> tuple[float, float]:
+    """(model, XLA) bytes per device of the memory-bound kernels that read or write the
+    residual stream ([batch x sequence, hidden], whole or split on the sequence), on a
+    2-layer bf16 GPT of Korthikanti's 22B width at tp 8 compiled for 8 A100s. The model's:
+    each op's priced kernel, on 1/t of the sequence where sequence parallelism runs it so,
+    and its layout transposes (`seqpar_terms`, as `CostModel.estimate` reads them)."""
+    hidden, t = 6144, 8
+    spec = get_model(
+        "gpt-1.3b", layers=2, hidden=hidden, heads=64, seq=seq, batch=batch, vocab=1024,
+        dtype="bfloat16", positions="learned", softmax="fused", clip_norm=clip_norm,
+    )  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    cluster = Cluster.preset("a100", devices=t)
+    problem = Problem.build(step, args, cluster)
+    graph = problem.graph
+    plan = recipe_plan(
+        graph, problem.groups, cluster, Recipe(tp=t, sequence_parallel=sequence_parallel)
+    )
+    # XLA's Triton GEMM finds no tiling for the sequence-parallel program's matmuls
+    options = {"xla_gpu_enable_triton_gemm": False} if sequence_parallel else None
+    hlo = compile_plan(step, plan, args, target="a100", options=options)[1].as_text()
+    rows = batch * seq
+    counted = (rows, rows // t) if sequence_parallel else (rows,)
+
+    def stream(x: str) -> bool:
+        dims = [int(d) for d in x[x.index("[") + 1 : -1].split(",") if d and d != "1"]
+        return len(dims) >= 2 and dims[-1] == hidden and math.prod(dims[:-1]) in counted
+
+    xla = sum(
+        sum(shape_bytes(x) for x in (*written, *read))
+        for written, read in entry_kernels(hlo)
+        if any(stream(x) for x in (*written, *read))
+    )
+    lay = layouts(graph, problem.groups, plan.assignment)
+    whole = {
+        x.id
+        for x in graph.tensors
+        if x.ndim and x.shape[-1] == hidden and x.size == rows * hidden and not any(lay[x.id])
+    }
+    rate = cluster.hbm_bandwidth * cluster.memory_efficiency
+    split, transposed = frozenset(), ()
+    if sequence_parallel:
+        terms = seqpar_terms(graph, problem.groups, plan, layout_rate=layout_rate(cluster))
+        split, transposed = terms.compute_ops, terms.transposed
+    charged = sum(
+        seconds * rate / (t if i in split else 1)
+        for i, seconds, _ in problem.estimate(plan).per_op
+        if graph.ops[i].primitive != "dot_general"
+        and whole.intersection((*graph.ops[i].inputs, *graph.ops[i].outputs))
+    )
+    return charged + rate * sum(transposed), xla
+
+
+@pytest.mark.slow  # a 2-layer GPT of the 22B width compiled for 8 A100s (about 10 s)
+@pytest.mark.gpu_compile
+def test_the_residual_streams_kernels_move_what_xlas_a100_fusions_move():
+    # The stream's norms, adds and casts on a 2-layer bf16 GPT of Korthikanti's 22B width
+    # at tp 8 (the stream held whole on each device): XLA's A100 kernels that read or write
+    # a [batch x sequence, hidden] tensor move 3.25 GB; the model charged 5.25 GB while its
+    # kernels wrote each residual the jaxpr saves, 2.93 GB while they wrote the stream in
+    # 16 bits and its norms' statistics read it back twice, 3.16 GB now. They write what
+    # XLA stores (`_cost/_residuals.py`): the layer norms' float32 `2x`, `x - mean` and
+    # `rsqrt(var) * scale`, which the jaxpr saves for the backward, are made again in
+    # their readers; and the kernel that makes a norm's input writes its float32 value
+    # beside both statistics (`_fusion.statistics_operand`), which its readers read.
+    charged, xla = stream_bytes(batch=1, seq=2048, sequence_parallel=False)
+    assert charged == pytest.approx(xla, rel=0.05)
+
+
+@pytest.mark.slow  # the same GPT at microbatch 4, sequence-parallel (about 15 s)
+@pytest.mark.gpu_compile
+def test_a_sequence_parallel_streams_kernels_move_what_xlas_a100_fusions_move():
+    # Split on the sequence over tp 8, the batch-major stream ([4, 2048, 6144]) is
+    # gathered and reduce-scattered sequence-major (an A100's collectives work on the
+    # major dim: `Lowering.major_dim_collectives`), and XLA transposes each gathered copy
+    # a matmul reads (twice where a weight gradient reads a gathered cotangent) and each
+    # scattered matmul output: 20 kernels of 201 MB, and two adds of partial sums that
+    # write the collective's layout. Every kernel on the stream runs on its 1/8 (the
+    # norms' statistics and backward too, not only the ops that write split tensors),
+    # the adds of partial sums before their reduce-scatter on the whole buffer. XLA's
+    # kernels move 6.66 GB; the model charged 5.13 GB without the transposes, its
+    # reductions whole and its partial sums' adds on 1/8; 6.45 GB now. (Gradients clipped,
+    # as Korthikanti's: unclipped, XLA fuses the position table's gradient into its Adam
+    # update, a kernel this count would take for the stream's.)
+    charged, xla = stream_bytes(batch=4, seq=2048, sequence_parallel=True, clip_norm=1.0)
+    assert charged == pytest.approx(xla, rel=0.05)

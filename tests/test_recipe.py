@@ -261,10 +261,13 @@ def test_one_stage_with_microbatches_accumulates_gradients(gpt):
 
 
 @pytest.mark.slow  # compiled and run
-def test_megatrons_fused_softmax_runs_as_the_float32_one_and_moves_fewer_bytes():
+def test_megatrons_fused_softmax_runs_as_the_float32_one_and_moves_the_same_bytes():
     # The Megatron table's GPT (softmax="fused": 16-bit in, out and saved, float32 inside)
     # under tensor parallelism with full recomputation: the same numbers as the float32
-    # softmax step, and a cheaper attention on the GPU cluster.
+    # softmax step. On the GPU cluster the same time: XLA's GPU pipeline stores neither
+    # softmax's float32 values (it makes them again from the 16-bit scores in their
+    # readers, `_cost/_residuals.py`), and the A100 programs of the two GPTs below at tp 8
+    # are the same kernels, each moving 2.61 GB outside the matmuls.
     def spec(softmax, dtype="float32"):
         return get_model("gpt-1.3b", **{**SMALL, "dtype": dtype, "softmax": softmax})
 
@@ -283,4 +286,4 @@ def test_megatrons_fused_softmax_runs_as_the_float32_one_and_moves_fewer_bytes()
             s.step_fn, *s.abstract_args(), recipe=recipe, cluster=CPU8
         ).predicted.compute_s
 
-    assert compute_s("fused") < 0.95 * compute_s("float32")
+    assert compute_s("fused") == pytest.approx(compute_s("float32"), rel=0.01)

@@ -502,7 +502,7 @@ def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
     # against 98.0 MB) and 0.88x (full) XLA's here, the split plans' 0.85x (46.5 against
     # 54.6) and 1.04x. What the plain plans hold at their peaks, the norms' backward
     # kernels, read in XLA's buffer assignment and priced: the head norm's float32 input,
-    # written by the forward's statistics kernel and kept (`_residuals._statistics_operand`);
+    # written by the forward's statistics kernel and kept (`_fusion.statistics_operand`);
     # its input gradient's float32 value made again in the kernel of the next norm's
     # backward from that input and the all-reduced cotangent, both alive until that kernel
     # (`_buffers._remade_norm_gradients`); and the two float32 operands of the scale
@@ -529,8 +529,8 @@ def test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves(remat, rel):
 def test_a_gpu_norms_backward_holds_what_its_kernel_reads_and_writes():
     # What the plain plans above hold at their peaks, read in XLA's A100 buffer assignment:
     # the head norm's float32 input, written by its statistics' kernel, kept for the
-    # backward rather than made again from the sum's operands (`_residuals.
-    # _statistics_operand`); its input gradient (two parts narrowed from float32, nothing
+    # backward rather than made again from the sum's operands (`_fusion.
+    # statistics_operand`); its input gradient (two parts narrowed from float32, nothing
     # else summed) written 16-bit for its matmuls and made again in float32 inside the
     # kernel where the next norm's backward sums the stream's cotangent, which reads the
     # norm's input and all-reduced cotangent then (`_buffers._remade_norm_gradients`); and

@@ -115,7 +115,7 @@ class Lowering:
     scale gradient) made by elementwise arithmetic is written for a reduction kernel of
     its own (`column_operands`), at the kernel that sums the norm's input gradient into
     the stream's cotangent; a norm's float32 input is kept for its backward
-    (`_residuals._statistics_operand`), and the last norm's input gradient is made again
+    (`_fusion.statistics_operand`), and the last norm's input gradient is made again
     in float32 in the next norm's kernel (`_buffers._remade_norm_gradients`).
     `Lowering.gpu()` and `hopper()` set it (on Hopper, whose 16-bit sums stay 16-bit, the
     column operands alone, each at its own reduction); found in the buffer assignment of
@@ -271,18 +271,32 @@ class Lowering:
     over 64 of 4x4x8's 128 chips): 64 on `Lowering.tpu()`. Held by
     tests/test_verify_tpu.py::test_a_tpu_gathers_over_a_whole_slice_as_an_all_reduce."""
 
+    major_dim_collectives: bool = False
+    """Whether an all-gather or reduce-scatter runs on its buffer's major dim alone, so a
+    split on another dim (a batch-major [b, s, h] stream split on its sequence,
+    `Plan.sequence_parallel`) is laid out sequence-major around the collective and
+    transposed between that layout and its matmuls' (`_cost/_seqpar.py`, `layout_rate`).
+    XLA's A100 pipeline does: a 2-layer bf16 GPT at the 22B width, microbatch 4, tp 8
+    transposes each gathered copy (once, twice where a weight gradient reads it as its
+    left operand) and each reduce-scattered buffer, 22 kernels of 201 MB, 2.1 GB a layer
+    per device (an H100's, the same 22); a microbatch of 1 is sequence-major already. True
+    on `Lowering.gpu()` and `Lowering.hopper()`. Held by tests/test_fusion.py
+    (test_a_sequence_parallel_streams_kernels_move_what_xlas_a100_fusions_move)."""
+
     # ---- presets ----------------------------------------------------------------------
 
     @classmethod
     def gpu(cls) -> Lowering:
         """XLA's GPU pipeline (the v100 and a100 presets; Hopper's is `hopper()`)."""
-        return cls(float32_norm_buffers=True)
+        return cls(float32_norm_buffers=True, major_dim_collectives=True)
 
     @classmethod
     def hopper(cls) -> Lowering:
         """XLA's GPU pipeline on Hopper GPUs (the h100 and h200 presets): bfloat16 adds,
         subtracts and multiplies run in bfloat16 (`native_bf16_arithmetic`)."""
-        return cls(native_bf16_arithmetic=True, float32_norm_buffers=True)
+        return cls(
+            native_bf16_arithmetic=True, float32_norm_buffers=True, major_dim_collectives=True
+        )
 
     @classmethod
     def tpu(cls) -> Lowering:

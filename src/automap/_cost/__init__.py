@@ -55,6 +55,7 @@ from ._sends import link_between as link_between
 from ._sends import sends as sends
 from ._seqpar import gathered_copies as gathered_copies
 from ._seqpar import seqpar_terms as seqpar_terms
+from ._seqpar_layout import layout_rate as layout_rate
 from ._stage_comm import split_alone as split_alone
 from ._terms import Layout as Layout
 from ._terms import SetCoefs as SetCoefs

@@ -274,7 +274,7 @@ def _kept_wide_sum(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
     and the stream's cotangent, summed through the norms' backward, float32 from one
     norm's backward to the next (`Lowering.float32_norm_buffers`). XLA also keeps the
     forward's float32 sum a norm's statistics read for its backward, not made again from
-    its operands (`_residuals._statistics_operand`; under selective recomputation the
+    its operands (`_fusion.statistics_operand`; under selective recomputation the
     runtime makes each layer's again, `_remat/_chains.py`, and the head's is kept)."""
     x = graph.tensors[t]
     p = x.producer

@@ -22,6 +22,7 @@ from .._groups import LOOPS, Groups, body_tensor_groups, rule
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, fused_bytes
 from ._gemm import matmul_seconds
+from ._residuals import written_residuals
 from ._sets import SetIndex
 from ._zero import shares, zero_shares
 
@@ -91,7 +92,8 @@ def compute_inputs(
     pinned: Collection[int],
 ) -> ComputeInputs:
     live = live_ops(graph)
-    made_again = {t for ts in res.layer_saved for t in ts}
+    # the residuals XLA writes, not the jaxpr's: it makes the cheap ones again in readers
+    step_saved, first_saved = written_residuals(graph, res, lowering, graph.consumers())
     return ComputeInputs(
         graph=graph,
         tensor_groups=groups.tensor_groups,
@@ -102,13 +104,8 @@ def compute_inputs(
         live=live,
         recomputed=set(res.recomputed),
         pinned=set(pinned),
-        fused=fused_bytes(graph, res.saved, live, lowering),
-        first=fused_bytes(
-            graph,
-            [t for t in res.saved if t not in made_again],
-            {i for i in live if i <= res.boundary},
-            lowering,
-        ),
+        fused=fused_bytes(graph, step_saved, live, lowering),
+        first=fused_bytes(graph, first_saved, {i for i in live if i <= res.boundary}, lowering),
     )
 
 

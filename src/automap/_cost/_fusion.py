@@ -72,7 +72,10 @@ def _constant(graph: Graph, t: int) -> bool:
 
 
 def fused_bytes(
-    graph: Graph, saved: Iterable[int], ops: set[int] | None, lowering: Lowering
+    graph: Graph,
+    saved: Iterable[int],
+    ops: set[int] | None,
+    lowering: Lowering,
 ) -> np.ndarray:
     """HBM bytes of each fusible op once XLA has fused it with its fusible neighbours.
 
@@ -92,7 +95,18 @@ def fused_bytes(
       multi-output fusion, and the Triton normalization-diamond fusion on Ampere and
       later), a reduction of a tensor that its elementwise producer writes anyway (kept for
       backward, read by another kernel) runs in the producer's kernel: it does not read
-      that tensor back (softmax's exp(x - max) is written once and summed in the same pass).
+      that tensor back. (`saved`, on that pipeline, is what XLA stores of the backward's
+      residuals, `_residuals.written_residuals`: softmax's exp(x - max) is not among them,
+      made again in its readers, so no kernel writes it.)
+
+    - with `Lowering.float32_norm_buffers` (an A100's pipeline), a norm's input (the
+      residual stream's 16-bit sum, `statistics_operand`) is written as its float32 value
+      by the kernel that makes it, which computes the norm's statistics too, both row sums
+      in that one pass: the sums read nothing back, and every reader of the stream (the
+      normalizing kernel, the next residual add, the backward) reads 4 bytes an element.
+      Read in the A100 program of a bf16 GPT at the 22B width (tp 8): per layer and norm,
+      one kernel reads the stream and a block's output and writes the float32 sum with its
+      two row sums, and one reads it and writes the 16-bit normalized value.
 
     Only `ops` run, all where None (XLA removes dead code; a first forward under
     rematerialization runs without the backward, whose reads the recompute serves)."""
@@ -100,6 +114,8 @@ def fused_bytes(
     fusible = [op.primitive in FUSIBLE and op.index in ops for op in graph.ops]
     in_memory = in_memory_tensors(graph, saved, ops)
     nbytes = np.array([t.nbytes for t in graph.tensors], dtype=float)
+    wide = _statistics_written(graph, in_memory, lowering)
+    nbytes[sorted(wide)] *= 2  # a 16-bit tensor held as its float32 value
     out = np.zeros(len(graph.ops))
     cones = _Cones(graph, in_memory, fusible)
     for op in graph.ops:
@@ -109,6 +125,8 @@ def fused_bytes(
         read = cones.reads(op)
         if lowering.multi_output_fusion and op.primitive in REDUCE_SUM_LIKE:
             read = {t for t in read if not (t in op.inputs and _written_alongside(graph, t))}
+            if wide and _row_sum(graph, op):
+                read -= wide  # the statistics, summed in the kernel that writes it
         out[op.index] = nbytes[written].sum() + nbytes[sorted(read)].sum()
     return out
 
@@ -293,3 +311,53 @@ def _written_alongside(graph: Graph, t: int) -> bool:
     elementwise op (a loop fusion, the root of a multi-output fusion with the reduction)."""
     p = graph.tensors[t].producer
     return p is not None and graph.ops[p].primitive in ELEMENTWISE
+
+
+def statistics_operand(graph: Graph, consumers, t: int, lowering: Lowering) -> bool:
+    """Whether t is a mixed-precision row normalization's input: a 16-bit float that a
+    reader widens to float32 for a sum over its last axis (the norm's mean), with
+    `Lowering.float32_norm_buffers` on a GPU that sums 16-bit floats in float32. XLA's GPU
+    pipeline computes the statistics in a reduction kernel that also writes t's float32
+    value (a multi-output fusion; excess precision drops the round trip through 16 bits,
+    `_buffers._kept_wide_sum`) for the normalizing kernel, which cannot run in the
+    reduction's pass; the backward reads that written buffer, not one made again from t's
+    operands. Read in the A100 buffer assignment of a 2-layer bf16 GPT at tp 8: the head's
+    norm, which no recompute makes again, keeps its float32 input (8 MiB) from the forward
+    to its backward, where the model held the bf16 matmul output it is summed from."""
+    if not lowering.float32_norm_buffers or lowering.native_bf16_arithmetic:
+        return False
+    if graph.tensors[t].dtype not in ("bfloat16", "float16"):
+        return False
+    for c in consumers[t]:
+        op = graph.ops[c]
+        wide = graph.tensors[op.outputs[0]]
+        if op.primitive != "convert_element_type" or wide.dtype != "float32":
+            continue
+        if any(
+            graph.ops[r].primitive == "reduce_sum"
+            and tuple(graph.ops[r].params.get("axes", ())) == (wide.ndim - 1,)
+            for r in consumers[wide.id]
+        ):
+            return True
+    return False
+
+
+def _statistics_written(graph: Graph, in_memory: np.ndarray, lowering: Lowering) -> set[int]:
+    """The norms' inputs a kernel writes as their float32 value beside their statistics
+    (`fused_bytes`): in memory, made by an elementwise op (the kernel's root, with the
+    row sums as its other outputs), and read widened for a row sum (`statistics_operand`)."""
+    if not lowering.float32_norm_buffers or lowering.native_bf16_arithmetic:
+        return set()
+    consumers = graph.consumers()
+    return {
+        t.id
+        for t in graph.tensors
+        if in_memory[t.id]
+        and _written_alongside(graph, t.id)
+        and statistics_operand(graph, consumers, t.id, lowering)
+    }
+
+
+def _row_sum(graph: Graph, op) -> bool:
+    """Whether op reduces its operand over the last axis alone (a norm's statistics)."""
+    return tuple(op.params.get("axes", ())) == (graph.tensors[op.inputs[0]].ndim - 1,)

@@ -94,6 +94,7 @@ from ._remat_terms import recompute_copies, recomputed_collectives
 from ._residuals import stored_residuals
 from ._rows import PARTIAL_SETS, RESHARD_SETS, RowTable
 from ._seqpar import SeqparTerms, SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
+from ._seqpar_layout import layout_rate
 from ._tables import build_tables
 from ._terms import (
     Layout,
@@ -201,12 +202,12 @@ class CostModel:
             return self.for_plan(plan).estimate(full_remat(plan))
         if plan.pipelined:
             return estimate_pipeline(self, plan).cost
-        low = self.cluster.lowering
-        terms = split = None
+        low, terms, split = self.cluster.lowering, None, None
         if plan.sequence_parallel:
             again = self.residuals if plan.remat else ()  # their gathers run again
             terms = seqpar_terms(self.graph, self.groups, plan, low.collective_float_bytes, again,
-                                 taken=backward_taken(self.coefs.prefetch, plan, low))  # fmt: skip
+                                 taken=backward_taken(self.coefs.prefetch, plan, low),
+                                 layout_rate=layout_rate(self.cluster))  # fmt: skip
             # The stream's tensors 1/t where the step holds them, before its peak is placed.
             t = plan.mesh[str(plan.sequence_parallel)]
             split = (self._split_memory(terms, bool(plan.remat)), 1 - 1 / t)
@@ -217,8 +218,7 @@ class CostModel:
         cost = with_flash(self, st, plan, cost)  # the attention cores as the kernel runs them
         if terms is None:
             return cost
-        axis = str(plan.sequence_parallel)
-        costs = self._costs_for(plan.mesh)
+        axis, costs = str(plan.sequence_parallel), self._costs_for(plan.mesh)
         return with_sequence_parallel(
             cost, terms, plan.mesh, axis, costs, low.reduce_scatter, low.overlaps_stream_gathers
         )

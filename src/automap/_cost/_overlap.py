@@ -75,7 +75,17 @@ price takes off: 1390 and 869 us on the 4-layer Llama at dp 2, tp 4; 413 and 324
 a 2-layer one (hidden 1024, dp 2, tp 2 on 2x2x1, tests/test_schedule.py). Where XLA
 chains fewer, the price hides more than the schedule: 157 against 188 us with one
 layer (the first layer's backward gathers stay synchronous), 79 against 146 us at
-hidden 512.
+hidden 512. Read again since the stream's kernels are priced as XLA writes them (the
+norms' backward on 1/t of the rows, no residual written for the backward to read) and
+a chain's matmuls at the model's roofline (`ScheduledCollective.compute_s`), MaxText's
+shape on 2x2x2 (dp 2, tp 4, 8 MiB gathers): the chains hide 616 us, the price 326 (695
+and 424 before both). Each of the price's windows holds the compute from one matmul
+before its reader, 7 to 41 us at the model's rates; XLA's 18 chains hold one to seven
+matmuls, 19 to 261 us (the gathers' 39 us each hidden in all but four). Where the
+window falls short, XLA starts the gather earlier; the price does not: its windows
+tile the backward already, so an earlier start shares compute with another chain,
+which XLA's one chain at a time does not allow (not priced: the price hides 0.53 of
+the schedule).
 
 XLA's GPU (8 compile-only A100s, a 2- and a 4-layer GPT at hidden 256) makes every
 collective a start/done pair, but its default scheduler puts each forward gather's start

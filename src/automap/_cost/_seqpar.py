@@ -11,8 +11,14 @@ The residual stream's tensors split on the sequence over the tensor-parallel axi
   slice is local;
 - each residual tensor a matmul reads whole is all-gathered first, once per tensor (XLA
   reuses the gathered copy for every matmul that reads it: queries, keys and values);
-- the ops that make residual tensors (norms, residual adds, dropout) work on 1/t of them,
-  and the residuals the backward keeps of them take 1/t of their bytes;
+- the ops that make or read residual tensors (norms and their statistics, residual adds,
+  dropout, the norms' backward) work on 1/t of them, and the residuals the backward keeps
+  of them take 1/t of their bytes; the adds of partial sums before their reduce-scatter
+  (the queries', keys' and values' input gradients) work on the whole buffer;
+- where the backend gathers and scatters on a buffer's major dim alone
+  (`Lowering.major_dim_collectives`) and the sequence is not the stream's major dim (a
+  batch-major stream, microbatch over 1), each gathered copy and each reduce-scattered
+  buffer is transposed between the collective's layout and the matmuls' (`layout_rate`);
 - a matmul that reads a residual tensor and splits nothing else on t (BERT's masked-LM
   transform) runs on the local sequence, ungathered (`_local_matmul`);
 - an op that sums a residual tensor over its sequence (the gradients of the norms' scales
@@ -34,7 +40,6 @@ stream's kept tensors (`Layouts.inv` of the split tensors, 1/t).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -42,12 +47,13 @@ import numpy as np
 from .._capture import Residuals
 from .._graph import Graph
 from .._groups import KEPT_WHOLE, Groups, layouts, reduced_dims
-from .._plan import Collective, Cost, Plan, Spec
+from .._plan import Collective, Cost, Plan
 from . import _collectives as C
 from ._buffers import step_buffers
 from ._liveness import NO_BLOCKS, Buffers, alive_among
 from ._overlap import gather_beta, stream_hidden, stream_windows
 from ._residuals import kept_residuals
+from ._seqpar_layout import buffer_bytes, layout_rate, layout_transposes, seq_dim, spec_axes
 
 _MATMUL = "dot_general"
 _ADDS = frozenset({"add", "add_any"})
@@ -77,6 +83,11 @@ class SeqparTerms:
     windows: tuple[tuple[int, ...], ...] = ()
     # (tensor, op) of every op that reads a split tensor whole, from its gathered copy
     whole_reads: tuple[tuple[int, int], ...] = ()
+    # per layout transpose around a gather or reduce-scatter (`layout_rate`): its seconds
+    # at the backend's HBM rate, and the op it is charged to (the collective's reader, or
+    # the matmul making the scattered partial sums)
+    transposed: tuple[float, ...] = ()
+    transposed_at: tuple[int, ...] = ()
 
 
 def seqpar_terms(
@@ -87,78 +98,151 @@ def seqpar_terms(
     recomputed: Collection[int] | Residuals = (),
     boundary: int | None = None,
     taken: Collection[int] | None = (),
+    layout_rate: float = 0.0,
 ) -> SeqparTerms:
     """The terms of `plan`'s sequence parallelism, read from its constraints: a residual
     tensor is one whose constraint puts the plan's `sequence_parallel` axis on a dim its
     plain layout leaves whole. `boundary` (pipelines: the last forward op): the backward
     is a program of its own, which gathers per reading matmul. `recomputed`: the ops run
     again in the backward, whose gathers run again (`_regathered`), or the `Residuals`,
-    whose `reread` tensors are gathered again too; `taken`: as `stream_windows`'s."""
+    whose `reread` tensors are gathered again too; `taken`: as `stream_windows`'s.
+    `layout_rate`: where the backend collects on major dims alone
+    (`Lowering.major_dim_collectives`), the HBM bytes/s its layout transposes move at
+    (`_seqpar_layout.layout_transposes`); 0 where it does not."""
     recomputed, reread = _run_again(recomputed)
     axis, assignment = plan.sequence_parallel, plan.assignment or {}
     lay = layouts(graph, groups, assignment)
     split = _split_tensors(plan, lay, str(axis))
     consumers = graph.consumers()
-    rs, ag, ops, at, reducing = {}, [], set(), [], set()
-    summed: dict[int, float] = {}
-    gathered: set[tuple[int, int]] = set()
-    tensors: list[int] = []  # per entry of `ag`: the tensor gathered
-    whole: list[tuple[int, int]] = []  # (tensor, op) of each read of a gathered copy
-    rs_op: dict[int, int] = {}  # per entry of `rs`: its matmul
-    for op in graph.ops:
-        made = [t for t in op.outputs if t in split]
-        local = _local_matmul(op, split, plan.constraints, lay, axis)
-        if local is not None:
-            # Split on the sequence, nothing split on the axis beside it (an unsplit
-            # projection: BERT's masked-LM transform): run on the local part, no gather.
-            ops.add(op.index)
-            reads = []
-            if local:
-                out = op.outputs[0]
-                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
-        elif op.primitive == _MATMUL:
-            if made and _contracts_on(op, groups, assignment, axis):
-                # Partial sums added before they are reduced (the input gradient of the
-                # queries', keys' and values' matmuls) are reduce-scattered once, summed.
-                end = _summed(graph, made[0], split, consumers)
-                rs[end] = _buffer(graph, end, lay[end], plan.mesh, float_bytes)
-                rs_op[end] = op.index
-                reducing |= {op.index, graph.tensors[end].producer}
-            reads = [t for t in op.inputs if t in split]
-        elif op.primitive in KEPT_WHOLE:
-            # The embedding's gradient reads its cotangent whole: gathered where it is made.
-            reads = [t for t in op.inputs if _made_from(graph, t, split)]
-        else:
-            reads = []
-            if made and len(made) == len(op.outputs):
-                ops.add(op.index)
-            elif _sums_sequence(op, graph, split, plan.constraints, axis):
-                out = op.outputs[0]
-                summed[op.index] = _buffer(graph, out, lay[out], plan.mesh, float_bytes)
-        # A pipeline's backward program gathers per matmul that reads the tensor (read on
-        # compile-only A100s and the CPU: no gather there is shared); one program, and a
-        # pipeline's forward, once per tensor. A tensor made whole for the embeddings'
-        # gradients is gathered once where it is made, whichever program: Hugging Face
-        # BERT's word, position and type tables read one cotangent (one gather on A100s).
-        apart = boundary is not None and op.index > boundary and op.primitive == _MATMUL
-        for t in reads:
-            whole.append((t, op.index))
-            if (t, op.index if apart else -1) not in gathered:
-                gathered.add((t, op.index if apart else -1))
-                tensors.append(t)
-                ag.append(_buffer(graph, t, lay[t], plan.mesh, float_bytes))
-                at.append(op.index)
+    walk = _Walk(graph, groups, plan, lay, split, consumers, float_bytes)
+    read_whole = [(op.index, walk.visit(op)) for op in graph.ops]
+    rs, rs_op, adding, ops, summed = walk.rs, walk.rs_op, walk.adding, walk.ops, walk.summed
+    ag, at, tensors, whole = _gathers(graph, read_whole, boundary, plan, lay, float_bytes)
     extra = _regathered(graph, at, tensors, recomputed, boundary is not None, reread)
     again = [False] * len(ag) + [True] * len(extra)
     ag, at = ag + [ag[k] for k in extra], at + [at[k] for k in extra]
+    tensors += [tensors[k] for k in extra]
+    ops -= adding  # the partial sums are added whole, before they are scattered
+    transposed: list[tuple[float, int]] = []
+    if layout_rate:
+        # a reduce-scatter of partial sums added first is transposed by the adds' kernel
+        scattered = [
+            e for e in rs if not adding & _adds_between(graph, walk.chains[e], e, consumers)
+        ]
+        scattered += [e for e in scattered if boundary is None and rs_op[e] in recomputed]
+        transposed = layout_transposes(graph, plan, lay, str(axis), tensors, at, whole,
+                                       scattered, rs_op, layout_rate)  # fmt: skip
     # A pipeline's recomputed rows carry their ops (`seqpar_op_costs` moves them alike).
     rs_again = [] if boundary is not None else [rs[e] for e in rs if rs_op[e] in recomputed]
     return SeqparTerms(
-        tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(reducing), tuple(at),
+        tuple(rs.values()), tuple(ag), frozenset(ops), frozenset(walk.reducing), tuple(at),
         frozenset(split), tuple(summed.values()), tuple(summed), tuple(again), tuple(rs_again),
         () if boundary is not None or taken is None else stream_windows(graph, at, again, split, taken),
-        tuple(whole),
+        tuple(whole), tuple(s for s, _ in transposed), tuple(i for _, i in transposed),
     )  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Walk:
+    """The walk over a step's ops that sorts them for `seqpar_terms` (a thin stateful
+    shell, read once): `visit` records what one op does to the split stream and returns
+    the split tensors it reads whole."""
+
+    graph: Graph
+    groups: Groups
+    plan: Plan
+    lay: object
+    split: set[int]
+    consumers: object
+    float_bytes: int
+    rs: dict[int, float] = dataclasses.field(default_factory=dict)  # scattered buffer: bytes
+    rs_op: dict[int, int] = dataclasses.field(default_factory=dict)  # per entry of `rs`: its matmul
+    reducing: set[int] = dataclasses.field(default_factory=set)
+    ops: set[int] = dataclasses.field(default_factory=set)  # run on 1/t of the sequence
+    summed: dict[int, float] = dataclasses.field(default_factory=dict)
+    # the partial sums over t of the matmuls that make split tensors, the adds of such sums
+    # alone (before the reduction: on the whole buffer), and per scattered buffer the
+    # partial sum its chain of adds starts from
+    partials: set[int] = dataclasses.field(default_factory=set)
+    adding: set[int] = dataclasses.field(default_factory=set)
+    chains: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def bytes_of(self, t: int) -> float:
+        return buffer_bytes(self.graph, t, self.lay[t], self.plan.mesh, self.float_bytes)
+
+    def visit(self, op) -> list[int]:
+        axis, split = self.plan.sequence_parallel, self.split
+        made = [t for t in op.outputs if t in split]
+        local = _local_matmul(op, split, self.plan.constraints, self.lay, axis)
+        if local is not None:
+            # Split on the sequence, nothing split on the axis beside it (an unsplit
+            # projection: BERT's masked-LM transform): run on the local part, no gather.
+            self.ops.add(op.index)
+            if local:
+                self.summed[op.index] = self.bytes_of(op.outputs[0])
+            return []
+        if op.primitive == _MATMUL:
+            if made and _contracts_on(op, self.groups, self.plan.assignment or {}, axis):
+                self._scatter(op, made[0])
+            return [t for t in op.inputs if t in split]
+        if op.primitive in KEPT_WHOLE:
+            # The embedding's gradient reads its cotangent whole: gathered where it is made.
+            return [t for t in op.inputs if _made_from(self.graph, t, split)]
+        if op.primitive in _ADDS and op.inputs and all(i in self.partials for i in op.inputs):
+            self.partials.update(op.outputs)
+            self.adding.add(op.index)
+        if made and len(made) == len(op.outputs):
+            self.ops.add(op.index)
+        elif _sums_sequence(op, self.graph, split, self.plan.constraints, axis):
+            self.summed[op.index] = self.bytes_of(op.outputs[0])
+            self.ops.add(op.index)  # on its 1/t of the sequence, as every reader of one
+        elif any(t in split for t in op.inputs):
+            # reads its part of the stream (a norm's statistics, its backward's row sums):
+            # XLA runs every kernel on the split stream on 1/t of the rows
+            self.ops.add(op.index)
+        return []
+
+    def _scatter(self, op, made: int) -> None:
+        # Partial sums added before they are reduced (the input gradient of the queries',
+        # keys' and values' matmuls) are reduce-scattered once, summed.
+        end = _summed(self.graph, made, self.split, self.consumers)
+        self.rs[end] = self.bytes_of(end)
+        self.rs_op[end] = op.index
+        self.reducing |= {op.index, self.graph.tensors[end].producer}
+        self.partials.update(op.outputs)
+        self.chains.setdefault(end, made)
+
+
+def _gathers(graph: Graph, read_whole, boundary: int | None, plan: Plan, lay, float_bytes: int):
+    """Per gather of a split tensor: its bytes, the op it is charged to and the tensor; and
+    (tensor, op) of every read of a gathered copy. A pipeline's backward program gathers
+    per matmul that reads the tensor (read on compile-only A100s and the CPU: no gather
+    there is shared); one program, and a pipeline's forward, once per tensor. A tensor made
+    whole for the embeddings' gradients is gathered once where it is made, whichever
+    program: Hugging Face BERT's word, position and type tables read one cotangent (one
+    gather on A100s)."""
+    ag, at, tensors, whole, gathered = [], [], [], [], set()
+    for index, reads in read_whole:
+        apart = boundary is not None and index > boundary
+        apart = apart and graph.ops[index].primitive == _MATMUL
+        for t in reads:
+            whole.append((t, index))
+            if (t, index if apart else -1) not in gathered:
+                gathered.add((t, index if apart else -1))
+                tensors.append(t)
+                ag.append(buffer_bytes(graph, t, lay[t], plan.mesh, float_bytes))
+                at.append(index)
+    return ag, at, tensors, whole
+
+
+def _adds_between(graph: Graph, start: int, end: int, consumers) -> set[int]:
+    """The adds `_summed` followed from a partial sum `start` to the tensor `end` it ends in."""
+    out, t = set(), start
+    while t != end:
+        c = consumers[t][0]
+        out.add(c)
+        t = graph.ops[c].outputs[0]
+    return out
 
 
 def _run_again(recomputed: Collection[int] | Residuals) -> tuple[set[int], set[int]]:
@@ -174,7 +258,7 @@ def _split_tensors(plan: Plan, lay, axis: str) -> set[int]:
     return {
         t
         for t, spec in plan.constraints.items()
-        if axis in _axes(spec) and axis not in _axes(lay[t])
+        if axis in spec_axes(spec) and axis not in spec_axes(lay[t])
     }
 
 
@@ -214,29 +298,25 @@ def _local_matmul(op, split, constraints, lay, axis: str) -> bool | None:
     if op.primitive != _MATMUL:
         return None
     contract, batch = op.params["dimension_numbers"]
-    seq = [_seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
+    seq = [seq_dim(constraints[t], axis) if t in split else None for t in op.inputs[:2]]
     if seq[0] is not None and seq[1] is not None:
         paired = seq[0] in contract[0] and seq[1] in contract[1]
         paired = paired and contract[0].index(seq[0]) == contract[1].index(seq[1])
-        whole = all(t not in split and axis not in _axes(lay[t]) for t in op.outputs)
+        whole = all(t not in split and axis not in spec_axes(lay[t]) for t in op.outputs)
         return True if paired and whole else None
     side = 0 if seq[0] is not None else 1
     if seq[side] is None or seq[side] in (*contract[side], *batch[side]):
         return None
-    whole_other = axis not in _axes(lay[op.inputs[1 - side]])
+    whole_other = axis not in spec_axes(lay[op.inputs[1 - side]])
     return False if whole_other and all(t in split for t in op.outputs) else None
-
-
-def _seq_dim(spec: Spec, axis: str) -> int | None:
-    """The dim of a split tensor's constraint that holds `axis`."""
-    return next((d for d in range(len(spec)) if axis in _axes(spec[d : d + 1])), None)
 
 
 def _sums_sequence(op, graph: Graph, split, constraints, axis: str) -> bool:
     """A reduction (not a matmul: those read the stream gathered) that sums a split tensor
     over its sequence dim: each device holds the sum over its 1/t of the sequence."""
     return any(
-        t in split and axis in _axes(constraints[t][d : d + 1]) for t, d in reduced_dims(op, graph)
+        t in split and axis in spec_axes(constraints[t][d : d + 1])
+        for t, d in reduced_dims(op, graph)
     )
 
 
@@ -370,7 +450,7 @@ def with_sequence_parallel(
         seconds = {i: s / t if i in terms.compute_ops else s for i, s, _ in cost.per_op}
         beta = gather_beta(costs, int(costs.bit[code]))
         comm -= stream_hidden(terms.windows, terms.gathered, seconds, beta)
-    compute = cost.compute_s - saved_s
+    compute = cost.compute_s - saved_s + sum(terms.transposed)
     step = cost.step_time_s - (cost.compute_s - compute) - (cost.comm_s - comm)
     return dataclasses.replace(
         cost,
@@ -414,27 +494,10 @@ def _made_from(graph: Graph, t: int, split: set[int]) -> bool:
     )
 
 
-def _axes(spec: Spec) -> set[str]:
-    out: set[str] = set()
-    for e in spec:
-        out.update([e] if isinstance(e, str) else (e or ()))
-    return out
-
-
 def _contracts_on(op, groups: Groups, assignment: Mapping[int, str], axis: str) -> bool:
     """The matmul sums over a group split on `axis`: its output holds partial sums."""
     (contract, _), _ = op.params["dimension_numbers"]
     return any(assignment.get(groups.of(op.inputs[0], d)) == axis for d in contract)
-
-
-def _buffer(graph: Graph, t: int, spec: Spec, mesh: Mapping[str, int], float_bytes: int) -> float:
-    """Per-device bytes of tensor t laid out by `spec` (whole on the sequence)."""
-    tensor = graph.tensors[t]
-    split = math.prod(mesh.get(a, 1) for a in _axes(spec))
-    size = tensor.nbytes
-    if float_bytes and "float" in tensor.dtype and tensor.itemsize < float_bytes:
-        size = tensor.size * float_bytes
-    return size / split
 
 
 def stage_sequence_parallel(model, plan: Plan, oc):
@@ -442,7 +505,9 @@ def stage_sequence_parallel(model, plan: Plan, oc):
     low, res = model.cluster.lowering, model.residuals
     float_bytes = low.collective_float_bytes
     again = res.recomputed if oc.remat else ()
-    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, again, res.boundary)
+    rate = layout_rate(model.cluster)
+    terms = seqpar_terms(model.graph, model.groups, plan, float_bytes, again, res.boundary,
+                         layout_rate=rate)  # fmt: skip
     return seqpar_op_costs(oc, terms, str(plan.sequence_parallel), low.reduce_scatter)
 
 
@@ -488,6 +553,7 @@ def seqpar_op_costs(oc, terms: SeqparTerms, axis: str, reduce_scatter: bool):
     saved = None if oc.split_compute is None else oc.split_compute.copy()
     if saved is not None:  # what XLA's split beside data leaves out of them, alike
         saved[ops] /= t
+    np.add.at(compute, list(terms.transposed_at), terms.transposed)
     inv = oc.layouts.inv.copy()
     inv[list(terms.split)] /= t
     pad = np.zeros(n + k, bool)

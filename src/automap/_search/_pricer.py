@@ -191,8 +191,12 @@ class PipelinePricer:
         template = self._template(intra.with_techniques(True, intra.remat_policy, False))
         return self.model.for_plan(template)
 
-    def op_costs(self, intra: Intra):
-        if intra not in self._oc:
+    def op_costs(self, intra: Intra, microbatches: int):
+        """`intra`'s per-op costs in a pipeline of `microbatches`: they depend on it where
+        the residual stream is split (a batch-major stream's layout transposes, which a
+        microbatch of one sequence does without, `_seqpar_layout`)."""
+        key = (intra, microbatches if intra.sequence_parallel else 1)
+        if key not in self._oc:
             model = self.model_for(intra)
             if intra.sequence_parallel:
                 template = self._template(intra)
@@ -201,13 +205,14 @@ class PipelinePricer:
                         "sequence parallelism does not apply to this intra-stage plan: ask "
                         "`sequence_parallel_applies` first."
                     )
-                self._oc[intra] = plan_op_costs(model, template)
+                template = dataclasses.replace(template, microbatches=microbatches)
+                self._oc[key] = plan_op_costs(model, template)
             else:
-                self._oc[intra] = op_costs(
+                self._oc[key] = op_costs(
                     model, intra.assign, intra.stage_mesh,
                     zero_stage=intra.zero_stage, remat=intra.remat,
                 )  # fmt: skip
-        return self._oc[intra]
+        return self._oc[key]
 
     # ---- tables and prices --------------------------------------------------------------
 
@@ -221,7 +226,7 @@ class PipelinePricer:
             self._tables[key] = segment_tables(
                 self.model_for(intra),
                 self.fine,
-                self.op_costs(intra),
+                self.op_costs(intra, microbatches),
                 microbatches,
                 self.schedule,
                 stages,
@@ -266,7 +271,7 @@ class PipelinePricer:
             self._priced[key] = stage_costs(
                 self.model_for(intra),
                 self.coarse(cuts),
-                self.op_costs(intra),
+                self.op_costs(intra, microbatches),
                 microbatches,
                 self.schedule_for(chunks, split),
             )
@@ -366,7 +371,7 @@ class PipelinePricer:
         key = (intra, stages, microbatches, split)
         if key not in self._optimal:
             point = Point(stages, intra.stage_mesh, microbatches, "dqn")
-            oc, model = self.op_costs(intra), self.model_for(intra)
+            oc, model = self.op_costs(intra, microbatches), self.model_for(intra)
             fine, cands = self.fine, self.cands
             if self.pool(intra) is not None:
                 fine, cands = (

@@ -102,14 +102,22 @@ def _devices(plan: Plan, target: str | None) -> list[Any]:
 
 
 def compile_plan(
-    fn: Callable, plan: Plan, args: tuple, graph: Any = None, target: str | None = None
+    fn: Callable,
+    plan: Plan,
+    args: tuple,
+    graph: Any = None,
+    target: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> tuple[Prepared, Any]:
     """`fn` under `plan` compiled by XLA on a CPU mesh, or with `target` (a GPU's name)
     on compile-only GPUs (`_gpu.py`); arguments stay abstract. The executable is kept so
-    that a numerics check runs it without compiling twice."""
+    that a numerics check runs it without compiling twice. `options`: XLA debug options
+    for this compile alone (`{"xla_gpu_enable_triton_gemm": False}` where XLA's Triton
+    GEMM finds no tiling for a matmul)."""
     mesh = make_mesh(plan, _devices(plan, target))
     prepared = Prepared(fn, plan, mesh, args, graph=graph)
-    return prepared, prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+    lowered = prepared.jitted.lower(*prepared.abstract_args(args))
+    return prepared, lowered.compile(options) if options else lowered.compile()
 
 
 def compiled_text(fn: Callable, plan: Plan, args: tuple) -> str:

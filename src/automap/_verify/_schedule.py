@@ -69,7 +69,8 @@ _NOT_COMPUTE = frozenset(
 )
 _MATMUL_OPS = frozenset({"dot", "convolution"})
 # What runs inside one collective's window: compute instructions, matmuls, dot FLOPs, bytes.
-_Span = tuple[int, int, float, float]
+_Span = tuple[int, int, float, float, float]
+_NOTHING: _Span = (0, 0, 0.0, 0.0, 0.0)
 _CALLS = re.compile(r"\b(?:calls|to_apply)=(%?[\w.\-]+)")
 _OPERAND = re.compile(r"\s*%?([\w.\-]+)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
@@ -88,11 +89,20 @@ class ScheduledCollective:
     # where it starts in the entry computation's schedule (the index of its instruction,
     # its start, its chain's first step, or the fusion calling it); -1 in a loop's body
     position: int = -1
+    matmul_written: float = 0.0  # of `written`, what the matmuls among them write
 
     @property
     def overlapped(self) -> bool:
         """Whether any compute runs while the collective is in flight."""
         return self.between > 0
+
+    def compute_s(self, flop_rate: float, byte_rate: float) -> float:
+        """Seconds of the compute inside at these rates, as the cost model prices an op
+        (`_cost/_compute.py`: max of its FLOPs' and its bytes' time): the matmuls' FLOPs
+        or their results' bytes, whichever is longer, then every other op's written bytes,
+        read back (~2x)."""
+        matmuls = max(self.flops / flop_rate, 2 * self.matmul_written / byte_rate)
+        return matmuls + 2 * (self.written - self.matmul_written) / byte_rate
 
 
 def scheduled_collectives(
@@ -140,8 +150,9 @@ def scheduled_collectives(
         ScheduledCollective(
             c,
             c.name in spans,
-            *spans.get(c.name, (0, 0, 0.0, 0.0)),
+            *spans.get(c.name, _NOTHING)[:4],
             position.get(starts.get(c.name, c.name), -1),
+            spans.get(c.name, _NOTHING)[4],
         )
         for c in parse_collectives(hlo_text, num_devices)
     ]
@@ -154,14 +165,16 @@ def _span(
     with_matmul: set[str],
     flops: Mapping[str, float],
 ) -> _Span:
-    """`ScheduledCollective`'s between, matmuls, flops and written of the instructions
-    the schedule runs while a collective is in flight."""
+    """`ScheduledCollective`'s between, matmuls, flops, written and matmul_written of the
+    instructions the schedule runs while a collective is in flight."""
     work = [ins for ins in window if _computes(ins)]
+    matmuls = [ins for ins in work if _is_matmul(ins, with_matmul)]
     return (
         len(work),
-        sum(_is_matmul(ins, with_matmul) for ins in work),
+        len(matmuls),
         sum(_own_flops(ins, shapes) + sum(flops[c] for c in _callees(ins, comps)) for ins in work),
         sum(shape_bytes(ins[1]) for ins in work),
+        sum(shape_bytes(ins[1]) for ins in matmuls),
     )
 
 
