@@ -18,7 +18,11 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured (this script, 2 shared cores, about a minute, on 2026-12-05, each row with
+Measured at 2e9e4ea (2026-12-05, about a minute; `--plan 120` planned each row in 23-60 s):
+1.01-1.02 of the published TFLOP/s per chip (333, 328 and 318; steps 7.08, 7.15 and 4.90
+s), since the memory-bound kernels write what XLA stores of their residuals, not every one
+the jaxpr saves (a6518b4); the planner's plans as before, each faster than MaxText's
+configuration (0.95, 0.97, 0.98). Before it, measured (this script, 2 shared cores, about a minute, on 2026-12-05, each row with
 `attention="flash"` as MaxText runs it: every layer's attention core one call to the
 Pallas flash kernel, priced by `_cost/_flash.py`): 0.97 of the published TFLOP/s per chip
 on every row (318, 313 and 304; steps 7.41, 7.50 and 5.13 s; 74.6, 75.5 and 50.1 GB:
