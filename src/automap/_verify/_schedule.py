@@ -68,7 +68,8 @@ _NOT_COMPUTE = frozenset(
     }
 )
 _MATMUL_OPS = frozenset({"dot", "convolution"})
-# What runs inside one collective's window: compute instructions, matmuls, dot FLOPs, bytes.
+# What runs inside one collective's window: compute instructions, matmuls, dot FLOPs, bytes
+# written, and of those the matmuls' (`ScheduledCollective`'s fields of those names).
 _Span = tuple[int, int, float, float, float]
 _NOTHING: _Span = (0, 0, 0.0, 0.0, 0.0)
 _CALLS = re.compile(r"\b(?:calls|to_apply)=(%?[\w.\-]+)")
