@@ -86,6 +86,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         fused_row_contraction=256,
         float32_norm_buffers=False,  # read on A100s' mixed-precision norms, not on a TPU
         major_dim_collectives=False,  # read on A100s and H100s, not read on a TPU
+        early_recompute=False,  # read on A100s, not on a TPU
     )
     for name in ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
         assert am.Cluster.preset(name).lowering == am.Lowering.tpu() == tpu
@@ -100,9 +101,10 @@ def test_a_cluster_carries_its_compilers_lowering():
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles
     # TPU programs with, tests/test_schedule.py); XLA's GPU leaves the window empty
-    # (bfloat16 arithmetic in bfloat16 is Hopper's, and the major-dim collectives read on
-    # GPUs; neither measured on a TPU: left off there)
+    # (bfloat16 arithmetic in bfloat16 is Hopper's; the major-dim collectives and the
+    # early recompute read on GPUs; none measured on a TPU: left off there)
     gpu_only = {"native_bf16_arithmetic", "float32_norm_buffers", "major_dim_collectives"}
+    gpu_only.add("early_recompute")
     assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - gpu_only)
     assert not am.Lowering.gpu().overlaps_prefetch
     assert not am.Lowering.gpu().overlaps_stream_gathers

@@ -36,8 +36,9 @@ def step_buffers(
     a layer's residuals live twice: in the first forward until its last forward reader,
     and again from the backward's first read of any of them (JAX emits a layer's
     recompute as one block before its backward; each layer's first and last forward op and
-    that moment are its `blocks`), and a layer's input its recompute reads is stored
-    itself (`_residuals.barrier_inputs`). With the copies of a convolutional net
+    that moment are its `blocks`), or from before the kernels that precede that read
+    (`_recompute_moment`), and a layer's input its recompute reads is stored itself
+    (`_residuals.barrier_inputs`). With the copies of a convolutional net
     (`convolution_copies`), and with `lowering.float32_norm_buffers` the column
     reductions' written operands (`column_operands`) and 16-bit sums held in float32
     (`_kept_wide_sum`)."""
@@ -76,9 +77,10 @@ def step_buffers(
         mine = sorted(stand_ins(ts, again) - kept)
         reads = first[mine][first[mine] >= 0]
         if len(reads):
-            birth[mine] = reads.min()
+            at = _recompute_moment(graph, res.boundary, int(reads.min()), lowering)
+            birth[mine] = at
             made = [graph.tensors[t].producer for t in ts]
-            blocks.append((min(made), max(made), reads.min()))
+            blocks.append((min(made), max(made), at))
         recomputed += mine
     if lowering.fuses_matmul_operands:
         # a residual made again in its backward readers (a matmul's operand too, which XLA
@@ -302,6 +304,20 @@ def _narrowed_source(graph: Graph, t: int) -> int | None:
     u = graph.ops[p].inputs[0]
     narrow = graph.tensors[t].dtype in ("bfloat16", "float16")
     return u if narrow and graph.tensors[u].dtype == "float32" else None
+
+
+def _recompute_moment(graph: Graph, boundary: int, first_read: int, lowering: Lowering) -> int:
+    """Where a recomputed layer's residuals are made again: at the backward's first read
+    of any of them, or with `lowering.early_recompute` just after the backward's last
+    matmul before that read, before the kernels between (the next layer's norm backward,
+    reading its all-reduced cotangent)."""
+    if not lowering.early_recompute:
+        return first_read
+    ops = graph.ops
+    last = next(
+        (i for i in range(first_read - 1, boundary, -1) if ops[i].primitive == "dot_general"), None
+    )
+    return first_read if last is None else last + 1
 
 
 def _remade_norm_gradients(
