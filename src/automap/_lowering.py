@@ -295,7 +295,8 @@ class Lowering:
     at tp 8 0.94x, 0.98x; 3 layers at tp 4 x dp 2 0.87x, 0.94x; at dp 8, tp 2 x dp 4 and
     dp 8 with ZeRO-1 the peak lies elsewhere: the same price. True on `Lowering.gpu()` and
     `Lowering.hopper()`. Held by tests/test_seqpar.py
-    (test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves)."""
+    (test_on_a_gpu_the_split_saves_what_xlas_buffer_assignment_saves) and
+    tests/test_verify_gpu.py (3 layers at tp 4 x dp 2)."""
 
     # ---- presets ----------------------------------------------------------------------
 
