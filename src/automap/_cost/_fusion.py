@@ -334,8 +334,7 @@ def statistics_operand(graph: Graph, consumers, t: int, lowering: Lowering) -> b
         if op.primitive != "convert_element_type" or wide.dtype != "float32":
             continue
         if any(
-            graph.ops[r].primitive == "reduce_sum"
-            and tuple(graph.ops[r].params.get("axes", ())) == (wide.ndim - 1,)
+            graph.ops[r].primitive == "reduce_sum" and _row_sum(graph, graph.ops[r])
             for r in consumers[wide.id]
         ):
             return True

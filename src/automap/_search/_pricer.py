@@ -39,6 +39,7 @@ from .._axes import MODEL
 from .._cost import (
     PipelineCost,
     estimate_pipeline,
+    layout_rate,
     op_costs,
     pipeline_decisions,
     plan_op_costs,
@@ -193,9 +194,11 @@ class PipelinePricer:
 
     def op_costs(self, intra: Intra, microbatches: int):
         """`intra`'s per-op costs in a pipeline of `microbatches`: they depend on it where
-        the residual stream is split (a batch-major stream's layout transposes, which a
-        microbatch of one sequence does without, `_seqpar_layout`)."""
-        key = (intra, microbatches if intra.sequence_parallel else 1)
+        the residual stream is split on a backend that collects on major dims alone (a
+        batch-major stream's layout transposes, which a microbatch of one sequence does
+        without, `_cost/_seqpar_layout.py`); built once per intra-stage plan elsewhere."""
+        per_microbatch = intra.sequence_parallel and layout_rate(self.model.cluster) > 0
+        key = (intra, microbatches if per_microbatch else 1)
         if key not in self._oc:
             model = self.model_for(intra)
             if intra.sequence_parallel:
@@ -205,7 +208,7 @@ class PipelinePricer:
                         "sequence parallelism does not apply to this intra-stage plan: ask "
                         "`sequence_parallel_applies` first."
                     )
-                template = dataclasses.replace(template, microbatches=microbatches)
+                template = dataclasses.replace(template, microbatches=key[1])
                 self._oc[key] = plan_op_costs(model, template)
             else:
                 self._oc[key] = op_costs(
