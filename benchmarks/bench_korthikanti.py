@@ -12,17 +12,15 @@ each row in a fresh process. The rows and the markdown are `automap._bench`'s
     python benchmarks/bench_korthikanti.py                  # price every row
     python benchmarks/bench_korthikanti.py --rows 22B --plan 60 --json-out k.json
 
-Measured at 6f34526 (prices only, every row; the rows' GPT clips its gradients to a global
-norm of 1.0 before Adam, as Megatron-LM's `--clip-grad` default does): the full column at
-0.97/0.89/0.91/0.93 of the published time (22B/175B/530B/1T), SP + selective at
-0.94/0.96/0.97/1.01, mean absolute error 5.5% (2.9% with the full column as Megatron
-recomputes: 1.04/0.97/0.99/1.00); predicted speedups 1.33/1.23/1.23/1.21, as Megatron
-recomputes 1.43/1.33/1.32/1.31, against 1.29/1.32/1.30/1.32. The clip, as XLA compiles it
-(fused, one combined all-reduce), added 3.5 ms to the 22B step and 0.02-0.04 s to the
-pipelined ones: the 22B speedup as Megatron recomputes stays 0.14 over. What Megatron's
-optimizer runs apart that XLA fuses (21-35 ms there) and why it would not close that
-speedup (the layer without sequence parallelism is priced 22.1 ms against Table 4's 19.6):
-docs/DESIGN.md, Rematerialization ("Megatron-LM's full recomputation does more than ours").
+Measured on 2026-12-05 (prices only, every row, 2.4 min on two cores): as `am.apply` runs
+them, the full column at 0.89/0.84/0.87/0.90 of the published time (22B/175B/530B/1T)
+and SP + selective at 0.96/0.91/0.93/0.98, mean absolute error 8.9%. As Megatron-LM runs
+them (`_bench._megatron.megatron_priced`: its full recomputation runs each layer's forward
+whole, and its optimizer reads every main gradient for the clip's norm and zeroes the
+main-gradient buffer, 8 bytes a parameter, 10-14 ms a step here): the full column at
+0.97/0.92/0.95/0.97, SP + selective at 0.97/0.92/0.93/0.98, mean absolute error 4.8% (5.1%
+with the recompute alone); predicted speedups 1.29/1.32/1.32/1.31 against
+1.29/1.32/1.30/1.32. What is left is named in docs/DESIGN.md, Rematerialization.
 
 Planning uses abstract shapes only: no weights are allocated.
 """

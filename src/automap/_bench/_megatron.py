@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._cost import CostModel
+from .._graph import Role
 from .._plan import Cost, Plan
 from .._remat import megatron_recompute
 from .._search import Problem
@@ -102,7 +103,7 @@ def job_of(row: MegatronRow) -> PlanJob:
 
 def price_row(row: MegatronRow) -> tuple[Cost, Cost, Cost]:
     """Megatron's configuration of the row priced by the cost model, as `am.apply` runs it
-    and as Megatron-LM recomputes (`megatron_priced`), and the same sizes with the 2022
+    and as Megatron-LM runs it (`megatron_priced`), and the same sizes with the 2022
     techniques (sequence parallelism where tensor parallel, selective recomputation:
     Korthikanti et al.'s recipe, what the planner is held against), on one captured
     program."""
@@ -117,12 +118,51 @@ def price_row(row: MegatronRow) -> tuple[Cost, Cost, Cost]:
     return problem.estimate(plan), megatron_priced(problem, plan), problem.estimate(modern_plan)
 
 
+# What Megatron-LM's optimizer (its 2022 `optimizer/optimizer.py`, `optimizer/clip_grads.py`)
+# runs beside the layers that the zoo's step has no counterpart of, in bytes a parameter
+# over the float32 main gradients: the global norm `--clip-grad` needs, a multi-tensor pass
+# that reads every main gradient (4; XLA sums their squares in the kernels that widen the
+# gradients for Adam), and the main-gradient buffer zeroed before each step (4; our first
+# microbatch writes its sum). Adam's own pass and the copy of the updated float32
+# parameters to the 16-bit ones the layers read are priced already: the zoo's step fuses
+# Adam and casts its parameters once a step. Left out: the clip's scale (8 more), which
+# runs only in a step whose norm is over the bound, and that is not published.
+OPTIMIZER_PASS_BYTES = 8
+
+
+def optimizer_passes_s(problem: Problem, cost: Cost) -> float:
+    """Seconds of Megatron-LM's optimizer passes (`OPTIMIZER_PASS_BYTES` a parameter) on
+    the device `cost` peaks on, at the cost model's rate for memory-bound kernels. Its
+    parameters are counted from the optimizer state it holds (the step's state bytes a
+    parameter), which, unlike its parameter bytes, holds no 16-bit casts."""
+    graph = problem.graph
+    count = sum(graph.tensors[leaf.tensor].size for leaf in graph.inputs if leaf.role == Role.PARAM)
+    state = sum(
+        graph.tensors[leaf.tensor].nbytes for leaf in graph.inputs if leaf.role == Role.OPT_STATE
+    )
+    held = cost.memory_breakdown.get("opt_state", 0.0) * count / max(state, 1)
+    rate = problem.cluster.hbm_bandwidth * problem.cluster.memory_efficiency
+    return held * OPTIMIZER_PASS_BYTES / rate
+
+
 def megatron_priced(problem: Problem, plan: Plan) -> Cost:
-    """`plan` (recomputing every layer in full) priced as Megatron-LM recomputes: each
-    layer's forward run whole again (`_remat.megatron_recompute`), its last matmul and
-    all-reduce included, which XLA's recompute drops."""
-    rc = megatron_recompute(problem.graph, problem.groups)
-    return CostModel(problem.graph, problem.cluster, problem.groups, rc).estimate(plan)
+    """`plan` priced as Megatron-LM runs it: under full recomputation each layer's forward
+    run whole again (`_remat.megatron_recompute`), its last matmul and all-reduce
+    included, which XLA's recompute drops; and its optimizer's passes over the main
+    gradients (`optimizer_passes_s`) added to the step."""
+    if plan.remat and plan.remat_policy == "full" and plan.remat_layers is None:
+        rc = megatron_recompute(problem.graph, problem.groups)
+        cost = CostModel(problem.graph, problem.cluster, problem.groups, rc).estimate(plan)
+    else:
+        cost = problem.estimate(plan)
+    extra = optimizer_passes_s(problem, cost)
+    step = cost.step_time_s + extra
+    return dataclasses.replace(
+        cost,
+        step_time_s=step,
+        compute_s=cost.compute_s + extra,
+        mfu=cost.mfu * cost.step_time_s / step,
+    )
 
 
 def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto") -> dict:
@@ -136,7 +176,7 @@ def megatron_record(row: MegatronRow, plan_s: float = 0.0, searcher: str = "auto
         "dp": row.dp,
         "predicted_tflops": got,
         "ratio": got / row.published,
-        # As Megatron-LM recomputes (its whole layer forward again).
+        # As Megatron-LM runs it (its whole layer forward again, its optimizer's passes).
         "megatron_ratio": tflops_per_gpu(row, megatron.step_time_s) / row.published,
         "step_s": cost.step_time_s,
         # The same sizes with sequence parallelism and selective recomputation.
