@@ -11,15 +11,21 @@ import pytest
 import automap as am
 from automap._bench import (
     KORTHIKANTI_TABLE,
+    OPTIMIZER_PASS_BYTES,
     korthikanti_lines,
     korthikanti_table,
+    megatron_priced,
+    optimizer_passes_s,
     select_korthikanti_rows,
     to_markdown,
+    train_step,
 )
 from automap._capture import capture
 from automap._cost import CostModel
 from automap._groups import build_groups
 from automap._remat import megatron_recompute, recompute_plan
+from automap._search import Problem
+from automap._space import recipe_plan
 from automap._verify import comm_bytes, compile_plan, parse_collectives
 from automap._zoo import get_model
 
@@ -159,3 +165,23 @@ def test_xla_recomputes_less_of_a_layer_than_megatron_and_each_is_priced():
 
 def _bytes(cost, kind: str) -> float:
     return sum(c.bytes for c in cost.collectives if c.kind == kind)
+
+
+def test_megatrons_optimizer_passes_count_a_stages_parameters_not_its_16_bit_casts():
+    # A pipeline stage holds each weight's 16-bit cast beside its float32 master, so its
+    # parameter bytes over 4 would count 1.5 parameters a weight; the passes count them
+    # from the optimizer state (Adam's two float32 moments a parameter). A 4-layer bf16
+    # GPT in 2 stages of 2 layers (vocabulary 128): the busiest stage holds half the
+    # layers' parameters and the tables it reads.
+    spec = get_model("gpt-1.3b", layers=4, hidden=256, heads=4, seq=64, vocab=128, batch=8)
+    cluster = am.Cluster.preset("a100", devices=2)
+    problem = Problem.build(train_step(spec), spec.abstract_args(), cluster)
+    plan = recipe_plan(problem.graph, problem.groups, cluster, am.Recipe(pp=2, microbatches=2))
+    cost = problem.estimate(plan)
+    rate = cluster.hbm_bandwidth * cluster.memory_efficiency
+    held = optimizer_passes_s(problem, cost) * rate / OPTIMIZER_PASS_BYTES
+    layer = 12 * 256 * 256  # a layer's matrices; its biases and norms are under 1% more
+    assert 2 * layer < held < 2 * layer + 256 * (128 + 64) + 0.02 * layer * 2
+    assert cost.memory_breakdown["params"] / 4 > 1.2 * held  # the casts the count leaves out
+    priced = megatron_priced(problem, plan)
+    assert priced.step_time_s == pytest.approx(cost.step_time_s + held * 8 / rate)

@@ -39,10 +39,13 @@ from ._maxtext import maxtext_lines as maxtext_lines
 from ._maxtext import maxtext_table as maxtext_table
 from ._maxtext import select_maxtext_rows as select_maxtext_rows
 from ._megatron import MEGATRON_TABLE as MEGATRON_TABLE
+from ._megatron import OPTIMIZER_PASS_BYTES as OPTIMIZER_PASS_BYTES
 from ._megatron import MegatronRow as MegatronRow
 from ._megatron import job_of as job_of
+from ._megatron import megatron_priced as megatron_priced
 from ._megatron import megatron_table as megatron_table
 from ._megatron import model_flops as model_flops
+from ._megatron import optimizer_passes_s as optimizer_passes_s
 from ._megatron import select_rows as select_rows
 from ._run import FULL as FULL
 from ._run import QUICK as QUICK
