@@ -103,8 +103,12 @@ def test_a_cluster_carries_its_compilers_lowering():
     # TPU programs with, tests/test_schedule.py); XLA's GPU leaves the window empty
     # (bfloat16 arithmetic in bfloat16 is Hopper's; the major-dim collectives and the
     # early recompute read on GPUs; none measured on a TPU: left off there)
-    gpu_only = {"native_bf16_arithmetic", "float32_norm_buffers", "major_dim_collectives"}
-    gpu_only.add("early_recompute")
+    gpu_only = {
+        "native_bf16_arithmetic",
+        "float32_norm_buffers",
+        "major_dim_collectives",
+        "early_recompute",
+    }
     assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - gpu_only)
     assert not am.Lowering.gpu().overlaps_prefetch
     assert not am.Lowering.gpu().overlaps_stream_gathers

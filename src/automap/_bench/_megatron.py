@@ -136,10 +136,7 @@ def optimizer_passes_s(problem: Problem, cost: Cost) -> float:
     parameters are counted from the optimizer state it holds (the step's state bytes a
     parameter), which, unlike its parameter bytes, holds no 16-bit casts."""
     graph = problem.graph
-    count = sum(graph.tensors[leaf.tensor].size for leaf in graph.inputs if leaf.role == Role.PARAM)
-    state = sum(
-        graph.tensors[leaf.tensor].nbytes for leaf in graph.inputs if leaf.role == Role.OPT_STATE
-    )
+    count, state = graph.param_count(), graph.role_bytes(Role.OPT_STATE)
     held = cost.memory_breakdown.get("opt_state", 0.0) * count / max(state, 1)
     rate = problem.cluster.hbm_bandwidth * problem.cluster.memory_efficiency
     return held * OPTIMIZER_PASS_BYTES / rate
