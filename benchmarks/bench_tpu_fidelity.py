@@ -26,6 +26,7 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py                       # 12 plans a model, v5p 4x4x4
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
+    python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
 
 llama compiled again at 7f9d660 (2026-12-05, `--plans 12 --models llama`, 17 min beside
 tests; 9d0c467 prices every kind@axis of both models' 24 plans byte for byte as it):
@@ -467,21 +468,23 @@ MODELS = {
 CRITERION = {"collectives": 0.95, "memory": 0.90}  # issue 27: the shares of plans to hold
 
 
-def program(name: str, devices: int):
-    """(step, abstract args): the zoo model with 2 sequences per chip, the step jitted with
+def program(name: str, devices: int, sequences: int = 2):
+    """(step, abstract args): the zoo model with `sequences` per chip, the step jitted with
     its parameters and optimizer state donated, as a training loop runs it."""
     zoo_name, overrides = MODELS[name]
-    spec = get_model(zoo_name, batch=2 * devices, **overrides)
+    spec = get_model(zoo_name, batch=sequences * devices, **overrides)
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
 
-def bench_model(name: str, target: str, plans: int, seed: int, pipelines: float, zero: float):
-    """Every drawn plan of `name` verified on `target`: bench_memory's rows, with the
-    collectives' bytes per kind@axis on both sides."""
+def bench_model(
+    name: str, target: str, plans: int, seed: int, pipelines: float, zero: float, sequences: int
+):
+    """Every drawn plan of `name` verified on `target`, `sequences` per chip: bench_memory's
+    rows, with the collectives' bytes per kind@axis on both sides."""
     from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
-    step, args = program(name, cluster.devices)
+    step, args = program(name, cluster.devices, sequences)
 
     def show(report) -> None:
         for why in report.mismatches:
@@ -545,16 +548,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipelines", type=float, default=0.25, help="share of pipelines")
     parser.add_argument("--zero", type=float, default=0.5, help="share of one-stage ZeRO 1-3")
+    parser.add_argument(
+        "--sequences", type=int, default=2, help="sequences per chip (the global batch / chips)"
+    )
     parser.add_argument("--json", help="write every plan's row to this file")
     opts = parser.parse_args(argv)
     results = [
-        bench_model(m, opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero)
+        bench_model(
+            m, opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences
+        )
         for m in opts.models
     ]
     v = report(results, opts.target)
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"target": opts.target, "verdict": v, "results": results}, f, indent=2)
+            rows = {"target": opts.target, "sequences": opts.sequences, "verdict": v}
+            json.dump({**rows, "results": results}, f, indent=2)
     return v
 
 

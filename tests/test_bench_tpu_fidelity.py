@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 from _scripts import load_script
@@ -25,9 +26,11 @@ def test_the_benchmark_prints_the_criterion_over_its_plans(bench, tmp_path, caps
     monkeypatch.setattr(bench, "MODELS", {"gpt": ("gpt2-xl", TINY)})
     out = tmp_path / "rows.json"
     args = ["--plans", "2", "--models", "gpt", "--target", "v5p:2x2x2", "--pipelines", "0"]
-    verdict = bench.main([*args, "--zero", "1", "--json", str(out)])
+    verdict = bench.main([*args, "--zero", "1", "--sequences", "4", "--json", str(out)])
     text = capsys.readouterr().out
-    rows = json.loads(out.read_text())["results"][0]["rows"]
+    saved = json.loads(out.read_text())
+    rows = saved["results"][0]["rows"]
+    assert saved["sequences"] == 4
     assert verdict["plans"] == 2 and verdict["errors"] == 0, text
     for row in rows:
         assert row["zero"] > 0 and row["xla_memory"] > 0 and row["xla_comm"], row
@@ -36,3 +39,15 @@ def test_the_benchmark_prints_the_criterion_over_its_plans(bench, tmp_path, caps
     assert verdict["collectives"] == matched / 2
     assert "collectives matched" in text and "issue 27 asks 95%" in text
     assert "memory within 15%" in text and "issue 27 asks 90%" in text
+
+
+def test_the_benchmarks_batch_is_its_sequences_per_chip(bench, monkeypatch):
+    # --sequences sizes the same drawn plans' activations against XLA's on-chip VMEM,
+    # which holds tens of MiB a program apart from the HBM its buffer assignment counts
+    monkeypatch.setattr(bench, "MODELS", {"gpt": ("gpt2-xl", TINY)})
+    for sequences in (2, 8):
+        _, args = bench.program("gpt", 8, sequences)
+        tokens = [
+            x.shape for x in jax.tree_util.tree_leaves(args) if x.dtype.kind == "i" and x.ndim == 2
+        ]
+        assert tokens and all(s[0] == 8 * sequences for s in tokens), tokens
