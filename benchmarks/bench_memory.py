@@ -480,6 +480,9 @@ def plan_row(name: str, i: int, plan, report, seconds: float) -> dict:
         seconds=seconds,
     )
     row["memory_ratio"] = _ratio(row["predicted_memory"], row["xla_memory"])
+    # XLA's TPU live peak (one-program plans): the bytes alive at once, before placement
+    row["xla_live_peak"] = report.xla_live_peak_bytes
+    row["live_ratio"] = _ratio(row["predicted_memory"], row["xla_live_peak"])
     row["flops_ratio"] = _ratio(row["predicted_flops_as_xla"], row["xla_flops"])
     return row
 
@@ -512,6 +515,7 @@ def plan_line(r: dict) -> str:
             if r["xla_flops"]
             else "n/a  "
         )
+        + (f"live peak {r['live_ratio']:5.2f}  " if r.get("live_ratio") else "")
         + f"({r['seconds']:.1f}s)"
     )
 

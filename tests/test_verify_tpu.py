@@ -60,6 +60,12 @@ def test_a_plan_compiled_for_a_v5p_slice_holds_what_the_cost_model_prices():
     parts = report.predicted_memory_breakdown
     state = parts["params"] + parts["opt_state"] + parts["other"]
     assert report.xla_memory_breakdown["arguments"] == pytest.approx(state, rel=0.01)
+    # XLA's live peak holds the arguments and what is alive at once; its allocation holds
+    # that and the gaps its placement leaves, so never less
+    peak, xla = report.xla_live_peak_bytes, report.xla_memory_breakdown
+    assert xla["arguments"] < peak <= report.xla_memory_bytes
+    live = f"XLA's live peak {peak / 2**20:.2f} MiB ({report.predicted_memory_bytes / peak:.2f}x)"
+    assert live in report.summary()
     assert report.numerics_ok is None  # compiled, never run
     assert "(4 compile-only v5p:2x2x1 TPU devices)" in report.summary()
 

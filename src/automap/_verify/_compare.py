@@ -19,7 +19,7 @@ from .._cluster import Cluster
 from .._cost import CostModel
 from .._lowering import Lowering
 from .._plan import Plan
-from ._tpu import target_cluster
+from ._tpu import is_tpu_target, target_cluster
 
 TOLERANCE = 0.05  # a kind@axis matches when its bytes agree within 5%
 # A kind@axis moving under 1% of all communication bytes (the larger of the two totals)
@@ -101,6 +101,21 @@ def compiled_memory(compiled: Any) -> float | None:
         + stats.temp_size_in_bytes
         - stats.alias_size_in_bytes
     )
+
+
+def live_peak(compiled: Any, target: str | None) -> float | None:
+    """XLA's TPU figure of the most bytes its schedule holds at once, arguments included,
+    before its placement lays the temporaries out (`peak_memory_in_bytes`); None off a TPU
+    target, where the field means otherwise or is not given. Read on compile-only v5p chips
+    (libtpu 0.0.42.1): it is the arguments plus the temporaries live at the busiest step of
+    the buffer assignment's live ranges (`benchmarks/read_buffer_assignment.py`), where
+    the temporaries `compiled_memory` counts also hold the gaps XLA's placement leaves
+    between buffers, which the cost model does not price."""
+    if not is_tpu_target(target):
+        return None
+    stats = compiled.memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0) if stats is not None else 0
+    return float(peak) if peak else None
 
 
 def memory_parts(compiled: Any) -> dict[str, float]:

@@ -40,6 +40,10 @@ class VerifyReport:
     # "temporaries", "aliased"); a pipeline's are its largest stage's.
     predicted_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     xla_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # XLA's TPU live peak of a one-program plan (`_compare.live_peak`: the most bytes its
+    # schedule holds at once, before placement); None elsewhere. Shown beside the buffer
+    # assignment, so a gap can be told apart: the bytes alive, or where XLA lays them.
+    xla_live_peak_bytes: float | None = None
     # FLOPs per device per step: the cost model's (remat's recompute included), the same
     # counted as XLA counts them (`_flops.py`: loop bodies once, no padded convolution
     # taps), and XLA's `cost_analysis()` ("flops" + "transcendentals"); a pipeline's are
@@ -82,6 +86,12 @@ class VerifyReport:
                 f"memory per device: predicted {fmt_bytes(self.predicted_memory_bytes)}, XLA's "
                 f"buffer assignment {fmt_bytes(self.xla_memory_bytes)} ({ratio:.2f}x)"
             )
+            if self.xla_live_peak_bytes:
+                lines.append(
+                    f"  XLA's live peak {fmt_bytes(self.xla_live_peak_bytes)} "
+                    f"({self.predicted_memory_bytes / self.xla_live_peak_bytes:.2f}x): the most "
+                    "bytes its schedule holds at once, before its placement leaves gaps"
+                )
             for side, parts in (
                 ("predicted", self.predicted_memory_breakdown),
                 ("XLA", self.xla_memory_breakdown),
