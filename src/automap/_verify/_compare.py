@@ -108,9 +108,10 @@ def live_peak(compiled: Any, target: str | None) -> float | None:
     before its placement lays the temporaries out (`peak_memory_in_bytes`); None off a TPU
     target, where the field means otherwise or is not given. Read on compile-only v5p chips
     (libtpu 0.0.42.1): it is the arguments plus the temporaries live at the busiest step of
-    the buffer assignment's live ranges (`benchmarks/read_buffer_assignment.py`), where
-    the temporaries `compiled_memory` counts also hold the gaps XLA's placement leaves
-    between buffers, which the cost model does not price."""
+    the buffer assignment's live ranges (`benchmarks/read_buffer_assignment.py`). The
+    temporaries `compiled_memory` counts hold more: XLA's HBM allocation, with the gaps its
+    placement leaves between buffers, and on the plans read that allocation's excess over
+    the live bytes once more (docs/DESIGN.md, "TPU slices"); the cost model prices neither."""
     if not is_tpu_target(target):
         return None
     stats = compiled.memory_analysis()
