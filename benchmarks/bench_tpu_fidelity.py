@@ -28,17 +28,18 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
 
-At 2 and 8 sequences a chip (2026-12-06 at 4d7429d; the default, then `--sequences 8`,
-the same draws; 8 and 10 min, idle), collectives and memory within 15%: 23 and 18 of 24
-at 2, as before; 23 and 20 at 8 (gpt 12 and 9, llama 11 and 11). 2 -> 8: in, gpt 4 1.16
--> 0.99, gpt 7 0.69 -> 0.89, llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87
--> 0.73, llama 7 1.03 -> 1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. Within
-15% of XLA's live peak (verify's; 21 one-program plans): 14 at 2, 11 at 8. Not priced:
-- XLA's TPU keeps part of each program's temporaries in the chip's VMEM (memory-space
-  assignment), outside the HBM `memory_analysis()` counts: 41.5-47.6 MiB in each backward
-  program of gpt's GPipe plan 4 at 2 a chip, 20-34 in each forward (the dump's
-  `memory-usage-report`, space `vmem (color=1)`), 23.4 in llama plan 11's: a third of
-  what the over-priced small plans hold in HBM (46-66 MiB). The model prices none.
+At 2 and 8 sequences a chip (2026-12-06, 4d7429d; the default, then `--sequences 8`, 8
+and 10 min, idle), collectives and memory: 23, 18 of 24 at 2, as before; 23, 20 at 8 (gpt
+12 and 9, llama 11 and 11); the same draws. 2 -> 8: in, gpt 4 1.16 -> 0.99, gpt 7 0.69
+-> 0.89, llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87 -> 0.73, llama 7
+1.03 -> 1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. Within
+15% of XLA's live peak (verify's; 21 one-program plans): 14 at 2, 11 at 8. XLA recomputes
+what remat is charged (gpt plan 8 at 2: 9.90 GFLOP more with it, priced alike).
+Not priced:
+- XLA's TPU keeps part of each program's temporaries in VMEM (memory-space assignment),
+  outside the HBM `memory_analysis()` counts: 41.5-47.6 MiB in each backward program of
+  gpt's GPipe plan 4 at 2 a chip, 20-34 in each forward (dumps' `memory-usage-report`,
+  `vmem (color=1)`), 23.4 in llama plan 11's: a third of what the small plans hold.
 - What grows with the batch is not VMEM. gpt plan 6 at 8: XLA's HBM allocation
   (preallocated-temp) is 3.09 GiB, the bytes live at its busiest step 2.55 GiB (the loss'
   f32 [512, 128, 4096] logits and shift, 1 GiB each, four f32 [512, 128, 512], 50 MiB of
@@ -46,10 +47,9 @@ at 2, as before; 23 and 20 at 8 (gpt 12 and 9, llama 11 and 11). 2 -> 8: in, gpt
   placement leaves gaps (the shift laid at 2.24 GB over a 384 MiB one), and
   `memory_analysis()` counts the allocation and its excess over the live bytes once more
   (DESIGN.md, TPU slices). gpt plans 0 and 8 (ZeRO, remat) are under the live peak: plan
-  8 holds a f32 [32, 128, 2048] MLP pre-activation from step 941 to 2602 of 4263, read by
-  its weight gradient; not a recompute XLA dropped (the runtime's optimization barriers
-  are in every CSE pass's dump; with and without remat XLA counts 50.22 and 40.32 GFLOP
-  at 2, the model 54.07 and 44.17: the 1.08x is not remat); where it is made, not read.
+  8 holds layer 2's recomputed f32 [32, 128, 2048] MLP pre-activation (its one value of
+  that shape) from step 941, after layer 3's backward (the loss: 640-665), to 2602 of 4263,
+  where its weight gradient runs, long after the input gradient (the model frees it then).
 
 llama compiled again at 7f9d660 (2026-12-05, `--plans 12 --models llama`, 17 min beside
 tests; 9d0c467 prices every kind@axis of both models' 24 plans byte for byte as it):
