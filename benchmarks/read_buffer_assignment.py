@@ -39,6 +39,7 @@ SUFFIX = "after_optimizations-buffer-assignment.txt"
 _VALUE = re.compile(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)")
 _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
+_COLOR = re.compile(r", color \d+,")  # an allocation in another memory space than HBM
 _FLOAT32_GEMM = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[[^\n]*?calls=%gemm_fusion", re.M)
 
 
@@ -91,11 +92,15 @@ class Assignment:
 
 
 def _temp_values(text: str) -> tuple[int, list[tuple[str, int, int, str]]]:
-    """(size, [(value, offset, size, shape)]) of the preallocated temporary allocation."""
+    """(size, [(value, offset, size, shape)]) of the preallocated temporary allocation in
+    the device's main memory. XLA's TPU lays a temporary allocation per memory space
+    ("color 1": the chip's VMEM, where its memory-space assignment moves values; others
+    for its scalar memories), each from offset 0: only the default space's is HBM, and
+    its values alone are summed by offset."""
     size, values, inside = 0, [], False
     for line in text.splitlines():
         if line.startswith("allocation"):
-            inside = "preallocated-temp" in line
+            inside = "preallocated-temp" in line and not _COLOR.search(line)
             if inside:
                 size = int(re.search(r"size (\d+)", line).group(1))
         elif inside and (m := _VALUE.match(line)):

@@ -53,3 +53,25 @@ def test_values_at_one_offset_count_once():
 def test_a_folder_without_a_dump_says_how_to_make_one(tmp_path):
     with pytest.raises(SystemExit, match="xla_dump_to"):
         reader.read(tmp_path)
+
+
+def test_only_the_main_memorys_temporaries_are_read(tmp_path):
+    # XLA's TPU dumps a temporary allocation per memory space, each from offset 0: the
+    # chip's VMEM ("color 1") holds what memory-space assignment moved there, not HBM
+    name = "module_0000.jit_step.after_optimizations"
+    (tmp_path / f"{name}-buffer-assignment.txt").write_text(
+        "BufferAssignment:\n"
+        "allocation 0: size 3072, preallocated-temp:\n"
+        " value: <2 a @0> (size=2048,offset=0): f32[512]{0}\n"
+        " value: <3 b @0> (size=1024,offset=2048): f32[256]{0}\n"
+        "allocation 1: size 8192, color 1, preallocated-temp:\n"
+        " value: <4 c @0> (size=8192,offset=0): f32[2048]{0:S(1)}\n"
+    )
+    (tmp_path / f"{name}-live-range.txt").write_text(
+        "HloLiveRange (max 2):\n  InstructionSequence:\n    0:a\n    1:b\n    2:c\n"
+        "  BufferLiveRange:\n    a{}:0-1\n    b{}:1-2\n    c{}:0-2\n"
+    )
+    a = reader.read(tmp_path)
+    assert a.temp_size == 3072
+    assert [v.name for v in a.values] == ["a{}", "b{}"]
+    assert a.busiest() == (1, 3072)  # VMEM's 8192 bytes at offset 0 are not HBM's
