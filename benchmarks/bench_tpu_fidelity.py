@@ -544,8 +544,8 @@ def report(results: list[dict], target: str) -> dict:
     live = [r["live_ratio"] for res in results for r in res["rows"] if r.get("live_ratio")]
     inside = sum(abs(x - 1) <= WITHIN for x in live)
     print(
-        f"memory within 15% of XLA's live peak (one-program plans, before its placement; "
-        f"not the criterion): {inside} of {len(live)}"
+        f"memory within 15% of XLA's live peak (before its placement; not the criterion): "
+        f"{inside} of {len(live)}"
     )
     for key in ("collectives", "memory"):
         held = "holds" if v[key] >= CRITERION[key] else "fails"

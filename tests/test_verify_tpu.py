@@ -60,8 +60,8 @@ def test_a_plan_compiled_for_a_v5p_slice_holds_what_the_cost_model_prices():
     parts = report.predicted_memory_breakdown
     state = parts["params"] + parts["opt_state"] + parts["other"]
     assert report.xla_memory_breakdown["arguments"] == pytest.approx(state, rel=0.01)
-    # XLA's live peak holds the arguments and what is alive at once; its allocation holds
-    # that and the gaps its placement leaves, so never less
+    # XLA's live peak holds the arguments and what is alive at once; here its buffer
+    # assignment's figure holds that and the gaps its placement leaves besides
     peak, xla = report.xla_live_peak_bytes, report.xla_memory_breakdown
     assert xla["arguments"] < peak <= report.xla_memory_bytes
     live = f"XLA's live peak {peak / 2**20:.2f} MiB ({report.predicted_memory_bytes / peak:.2f}x)"
@@ -317,6 +317,10 @@ def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
         assert predicted == pytest.approx(xla, rel=0.15)
     for _, as_xla, xla in report.stage_flops:
         assert as_xla == pytest.approx(xla, rel=0.05)
+    # each stage's live peak: its programs' (libtpu's peak_memory_in_bytes) with what the
+    # runtime holds besides, as its buffer-assignment figure is combined
+    assert report.xla_live_peak_bytes > report.xla_memory_breakdown["held inputs"]
+    assert "XLA's live peak" in report.summary()
 
 
 def test_compile_only_tpus_say_what_they_cannot_do():

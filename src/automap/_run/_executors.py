@@ -94,6 +94,8 @@ class Dry(Live):
         self._runs: dict[Any, int] = {}
         self._held: Callable[[], list[Any]] = list
         self.peak = [0.0] * len(meshes)  # per stage, bytes per device (`memory`)
+        # the same with each program's live peak for its own part (`memory(live=True)`)
+        self.live = [0.0] * len(meshes)
 
     def watch(self, held: Callable[[], list[Any]]) -> None:
         self._held = held
@@ -118,6 +120,10 @@ class Dry(Live):
             - stats.alias_size_in_bytes
         )
         self.peak[stage] = max(self.peak[stage], float(kept + own))
+        # XLA's TPU figure of the program's bytes alive at once: arguments, outputs and the
+        # temporaries live at its busiest step (`_verify._compare.live_peak`)
+        live = getattr(stats, "peak_memory_in_bytes", 0)
+        self.live[stage] = max(self.live[stage], float(kept + live))
 
     @property
     def programs(self) -> dict[Any, SegmentProgram]:

@@ -113,7 +113,7 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     run.gather = lambda tree: gather(tree, meshes)  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
     run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
-    run.memory = lambda *args: prepare(*args).memory(args)  # type: ignore[attr-defined]
+    run.memory = lambda *args, live=False: prepare(*args).memory(args, live)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
     return run
 
@@ -377,15 +377,17 @@ class _Pipeline(Accumulation):
         (same jitted segments, same input shardings), without running anything."""
         return tuple(self._dry(args).programs.values())
 
-    def memory(self, args: tuple) -> tuple[float, ...]:
+    def memory(self, args: tuple, live: bool = False) -> tuple[float, ...]:
         """Per stage, the peak bytes per device of one step on `args`: at each program
         the stage runs, XLA's buffer assignment of that program (arguments + outputs +
-        temporaries - aliased) plus every other value the runtime holds on the stage's
-        devices then (the residuals of microbatches in flight, the gradient sums, the
-        parameters and optimizer state the program does not read); the largest.
+        temporaries - aliased; `live`: XLA's TPU live peak of it, `peak_memory_in_bytes`)
+        plus every other value the runtime holds on the stage's devices then (the
+        residuals of microbatches in flight, the gradient sums, the parameters and
+        optimizer state the program does not read); the largest.
         With virtual stages (interleaved), a stage's devices hold every chunk they run: each
         stage gets its devices' peak over the programs of all their chunks."""
-        peak, groups = self._dry(args).peak, len(self.meshes) // self.plan.virtual_stages
+        dry = self._dry(args)
+        peak, groups = dry.live if live else dry.peak, len(self.meshes) // self.plan.virtual_stages
         return tuple(max(peak[p % groups :: groups]) for p in range(len(peak)))
 
     def _dry(self, args: tuple) -> Dry:

@@ -304,6 +304,7 @@ def _verify_pipeline(
         tuple(notes),
         predicted_memory_bytes=max(m[0] for m in memory),
         xla_memory_bytes=None if any(m[1] is None for m in memory) else max(m[1] for m in memory),
+        xla_live_peak_bytes=max(run.memory(*args, live=True)) if is_tpu_target(target) else None,
         predicted_memory_breakdown={k: float(v) for k, v in pc.stage_memory[largest].items()},
         xla_memory_breakdown=parts,
         predicted_flops=flops[busiest][0],

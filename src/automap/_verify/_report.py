@@ -40,9 +40,10 @@ class VerifyReport:
     # "temporaries", "aliased"); a pipeline's are its largest stage's.
     predicted_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     xla_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    # XLA's TPU live peak of a one-program plan (`_compare.live_peak`: the most bytes its
-    # schedule holds at once, before placement); None elsewhere. Shown beside the buffer
-    # assignment, so a gap can be told apart: the bytes alive, or where XLA lays them.
+    # XLA's TPU live peak (`_compare.live_peak`: the most bytes its schedule holds at once,
+    # before placement; a pipeline's largest stage's, as `run.memory(live=True)` combines
+    # its programs'); None elsewhere. Shown beside the buffer assignment, so a gap can be
+    # told apart: the bytes alive, or where XLA lays them.
     xla_live_peak_bytes: float | None = None
     # FLOPs per device per step: the cost model's (remat's recompute included), the same
     # counted as XLA counts them (`_flops.py`: loop bodies once, no padded convolution
