@@ -104,15 +104,15 @@ def compiled_memory(compiled: Any) -> float | None:
 
 
 def live_peak(compiled: Any, target: str | None) -> float | None:
-    """XLA's TPU figure of the most bytes its schedule holds at once, arguments included,
-    before its placement lays the temporaries out (`peak_memory_in_bytes`); None off a TPU
-    target, where the field means otherwise or is not given. Read on compile-only v5p chips
-    (libtpu 0.0.42.1): it is the arguments, the outputs and the temporaries live at the
-    busiest step of the buffer assignment's live ranges (`benchmarks/read_buffer_assignment.py`;
-    a step's outputs are its donated arguments, counted once). The
-    temporaries `compiled_memory` counts hold more: XLA's HBM allocation, with the gaps its
-    placement leaves between buffers, and on the plans read that allocation's excess over
-    the live bytes once more (docs/DESIGN.md, "TPU slices"); the cost model prices neither."""
+    """XLA's TPU figure of the most bytes its schedule holds at once, before its placement
+    lays the temporaries out (`peak_memory_in_bytes`); None off a TPU target, where the
+    field means otherwise or is not given. Read on compile-only v5p chips (libtpu 0.0.42.1):
+    the arguments, the outputs (a step's are its donated arguments, counted once) and the
+    temporaries live at the busiest step of the buffer assignment's live ranges
+    (`benchmarks/read_buffer_assignment.py`). The temporaries `compiled_memory` counts hold
+    more: XLA's HBM allocation, with the gaps its placement leaves between buffers, and on
+    the plans read that allocation's excess over the live bytes once more (docs/DESIGN.md,
+    "TPU slices"); the cost model prices neither."""
     if not is_tpu_target(target):
         return None
     stats = compiled.memory_analysis()
