@@ -57,27 +57,13 @@ its all-reduces over data+model priced 1.25 MiB against XLA's 768 KiB on plan 0)
 With `--target v5p:2x2x2` (or another TPU topology of 8 devices) the plans are compiled by
 XLA's TPU compiler through libtpu (`automap._verify._tpu`, the `tpu-compile` extra), priced
 on the tpu-v5p preset on that slice. At c056793 (seed 0, `--plans 4 --models mlp gpt
-bert`, 4 min): collectives matched on 4 of 12 plans, memory within 15% on 0 of 12
-(0.08-0.47x), FLOPs on 12 of 12. With arrays priced in XLA's TPU tiles
-(`Lowering.tpu()`, `automap._cost._tiles`), at ce6da51, the same draw: memory 1 of 12
-(0.14-0.92x), collectives 4 of 12, FLOPs 12 of 12; the priced parameters + optimizer state
-+ batch now equal XLA's arguments on all 12 plans (0.46-0.99x before). What is left of
-memory is not arrays: XLA's TPU temp allocation gives each tuple value (async copies,
-multi-output fusions, combined collectives) a 16 KiB slot of its own (64 to 512 slots,
-1-8 MiB, on these plans), and `temp_size_in_bytes` counts about them twice; the arrays
-span 0.25-4.75 MiB (docs/DESIGN.md, "TPU slices"). Collectives: with the ZeRO gradients
-XLA all-reduces whole priced so (`Lowering.scatter_least_elements`, after b668f39, the
-same draw): still 4 of 12 plans match, but the ZeRO plans' reduce-scatter@data is
-XLA's on three of five (predicted / XLA, KiB: mlp ZeRO-1 512 / 512, was 556; bert ZeRO-3
-192 / 192, was 481; gpt ZeRO-3 192 / 192, was 398; bert ZeRO-1 128 / 192, was 384; bert
-ZeRO-2 256 / 168, was 352) and their all-reduce@data is 3-47% under XLA's (was -100%).
-What keeps them apart: bert's tied word table, its gradient reduce-scattered once per
-use; XLA laying a gradient as its matmul makes it (a [256, 64] scattered on its 64);
-ZeRO-3's forward gathers kept for the backward (gpt's 860 / 496 KiB of all-gathers);
-biases all-reduced twice (mlp, 3 KiB); and plans that put the hidden dim on "data" (gpt's
-data 2 x model 4: +5.8% all-reduce@data) or tensor parallel ones whose small all-gathers
-and collective-permutes were not examined. At 256 wide (tests/test_verify_tpu.py) tensor,
-data and ZeRO-1 plans and a pipeline match.
+bert`, 4 min) memory was within 15% on 0 of 12 plans (0.08-0.47x); with arrays priced in
+XLA's TPU tiles (`automap._cost._tiles`, ce6da51) the priced parameters, optimizer state
+and batch equal XLA's arguments on all 12, and what is left on plans this small is not
+arrays: each tuple value gets a 16 KiB slot of XLA's TPU temp allocation, which
+`temp_size_in_bytes` counts about twice (docs/DESIGN.md, "TPU slices"). The 64-chip
+slice's fidelity, collectives included, is `bench_tpu_fidelity.py`'s; at 256 wide
+(tests/test_verify_tpu.py) tensor, data and ZeRO-1 plans and a pipeline match.
 
 Models: the zoo (mlp, bert, gpt, vgg19, as in bench_fidelity.py, float32) and two
 third-party families written as their users write them: a Flax (linen) transformer
@@ -403,11 +389,12 @@ def bench_model(
 
 
 def verify_drawn(
-    name, step, args, plans, seed, pipelines, zero, target, cluster=None, show=None
+    name, step, args, plans, seed, pipelines, zero, target, cluster=None, show=None, only=None
 ) -> list[dict]:
     """`plans` plans of `step` drawn by `draw_plan` (on `cluster`'s devices, default 8),
     each verified (`target`: compiled for that GPU or TPU slice) into a `plan_row`, one
-    printed line each and `show(report)` after it; a plan verify refuses is an error row."""
+    printed line each and `show(report)` after it; a plan verify refuses is an error row.
+    `only`: verify that one of the draws alone (the others are drawn, not compiled)."""
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
@@ -419,6 +406,8 @@ def verify_drawn(
     for i in range(plans):
         t0 = time.perf_counter()
         plan = draw_plan(graph, groups, rng, pipelines, zero, cluster)
+        if only is not None and i != only:
+            continue
         try:
             report = verify(step, plan, *args, target=target)
         except Exception as e:

@@ -500,10 +500,17 @@ def program(name: str, devices: int, sequences: int = 2):
 
 
 def bench_model(
-    name: str, target: str, plans: int, seed: int, pipelines: float, zero: float, sequences: int
+    name: str,
+    target: str,
+    plans: int,
+    seed: int,
+    pipelines: float,
+    zero: float,
+    sequences: int,
+    only: int | None = None,
 ):
-    """Every drawn plan of `name` verified on `target`, `sequences` per chip: bench_memory's
-    rows, with the collectives' bytes per kind@axis on both sides."""
+    """Every drawn plan of `name` verified on `target` (`only`: that one draw), `sequences`
+    per chip: bench_memory's rows, with the collectives' bytes per kind@axis on both sides."""
     from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
@@ -513,7 +520,7 @@ def bench_model(
         for why in report.mismatches:
             print(f"{'':>13}{why}", flush=True)
 
-    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show)
+    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show, only)
     return {"model": name, "rows": rows}
 
 
@@ -580,14 +587,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sequences", type=int, default=2, help="sequences per chip (the global batch / chips)"
     )
+    parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
     opts = parser.parse_args(argv)
-    results = [
-        bench_model(
-            m, opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences
-        )
-        for m in opts.models
-    ]
+    draw = (opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
+    results = [bench_model(m, *draw, only=opts.only) for m in opts.models]
     v = report(results, opts.target)
     if opts.json:
         with open(opts.json, "w") as f:

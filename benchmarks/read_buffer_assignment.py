@@ -20,6 +20,11 @@ heap packing.
 "xla_dump_hlo_as_text": True})` for one program). With several programs in DIR,
 `--module` picks one by name (default: the one with the largest temporary allocation).
 
+On a TPU dump it reads the chip's VMEM too (the temporary allocation of color 1, where
+XLA's memory-space assignment moves values out of HBM): what it holds at HBM's busiest
+step, and the step where the two memories together hold most, which is what a cost model
+that prices one memory for every buffer should be held against.
+
 It also says how many of the live bytes wait for a matmul that writes float32 and runs
 later: on a 16-bit program, XLA's GPU compiles a small weight gradient (a contraction over
 batch and sequence) as float32 partial products over slices of the contraction, reduced by
@@ -39,7 +44,8 @@ SUFFIX = "after_optimizations-buffer-assignment.txt"
 _VALUE = re.compile(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)")
 _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
-_COLOR = re.compile(r", color \d+,")  # an allocation in another memory space than HBM
+_COLOR = re.compile(r", color (\d+),")  # an allocation in another memory space than HBM
+VMEM = 1  # XLA's TPU: the chip's vector memory, where memory-space assignment moves values
 _FLOAT32_GEMM = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[[^\n]*?calls=%gemm_fusion", re.M)
 
 
@@ -91,16 +97,26 @@ class Assignment:
         return sum(v.size for v in later if self.schedule[v.end] in self.float32_gemms)
 
 
-def _temp_values(text: str) -> tuple[int, list[tuple[str, int, int, str]]]:
+def together(main: Assignment, alternate: Assignment) -> tuple[int, int, int]:
+    """(step, main bytes, alternate bytes) at the step where a program's temporaries in two
+    memory spaces of one schedule add up to most: what it holds at once wherever XLA put
+    it, which a cost model that knows one memory prices."""
+    steps = range(len(main.schedule))
+    step = max(steps, key=lambda t: main.live_bytes(t) + alternate.live_bytes(t), default=0)
+    return step, main.live_bytes(step), alternate.live_bytes(step)
+
+
+def _temp_values(text: str, space: int = 0) -> tuple[int, list[tuple[str, int, int, str]]]:
     """(size, [(value, offset, size, shape)]) of the preallocated temporary allocation in
-    the device's main memory. XLA's TPU lays a temporary allocation per memory space
-    ("color 1": the chip's VMEM, where its memory-space assignment moves values; others
-    for its scalar memories), each from offset 0: only the default space's is HBM, and
-    its values alone are summed by offset."""
+    memory space `space` (0: the device's main memory). XLA's TPU lays a temporary
+    allocation per memory space ("color 1": the chip's VMEM, where its memory-space
+    assignment moves values; others for its scalar memories), each from offset 0: only
+    the default space's is HBM, and each space's values are summed by offset apart."""
     size, values, inside = 0, [], False
     for line in text.splitlines():
         if line.startswith("allocation"):
-            inside = "preallocated-temp" in line and not _COLOR.search(line)
+            color = _COLOR.search(line)
+            inside = "preallocated-temp" in line and int(color.group(1) if color else 0) == space
             if inside:
                 size = int(re.search(r"size (\d+)", line).group(1))
         elif inside and (m := _VALUE.match(line)):
@@ -126,9 +142,10 @@ def _schedule_and_ranges(text: str) -> tuple[list[str], dict[str, tuple[int, int
     return schedule, ranges
 
 
-def read(dump: Path, module: str | None = None) -> Assignment:
+def read(dump: Path, module: str | None = None, space: int = 0) -> Assignment:
     """The buffer assignment of one program dumped in `dump` (`module`: a part of its file
-    name; default the program with the largest temporary allocation)."""
+    name; default the program with the largest temporary allocation in HBM), its
+    temporaries in memory space `space` (0: HBM; `VMEM` on a TPU)."""
     files = sorted(f for f in Path(dump).glob(f"*{SUFFIX}") if (module or "") in f.name)
     if not files:
         raise SystemExit(
@@ -137,7 +154,7 @@ def read(dump: Path, module: str | None = None) -> Assignment:
         )
     temps = {f: _temp_values(f.read_text()) for f in files}
     path = max(files, key=lambda f: temps[f][0])
-    size, raw = temps[path]
+    size, raw = temps[path] if space == 0 else _temp_values(path.read_text(), space)
     schedule, ranges = _schedule_and_ranges(
         path.with_name(path.name.replace("-buffer-assignment.txt", "-live-range.txt")).read_text()
     )
@@ -164,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     name = a.schedule[at] if at < len(a.schedule) else "?"
     print(f"temporary allocation {a.temp_size} B; busiest step {step}: {peak} B live "
           f"({peak / max(a.temp_size, 1):.3f} of it)")  # fmt: skip
+    vmem = read(opts.dump, opts.module, VMEM)
+    if vmem.values:
+        both, main_bytes, vmem_bytes = together(a, vmem)
+        print(f"VMEM (color {VMEM}): {vmem.live_bytes(step)} B live at step {step}, "
+              f"{vmem.busiest()[1]} B at its busiest; both memories at once: {main_bytes} "
+              f"+ {vmem_bytes} B at step {both}")  # fmt: skip
     wait = a.waiting_for_float32_gemms(at)
     print(f"step {at} ({name}): {a.live_bytes(at)} B live, {wait} B of it waiting for a "
           "later matmul that writes float32")  # fmt: skip

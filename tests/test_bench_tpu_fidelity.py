@@ -51,3 +51,24 @@ def test_the_benchmarks_batch_is_its_sequences_per_chip(bench, monkeypatch):
             x.shape for x in jax.tree_util.tree_leaves(args) if x.dtype.kind == "i" and x.ndim == 2
         ]
         assert tokens and all(s[0] == 8 * sequences for s in tokens), tokens
+
+
+def test_only_verifies_one_draw_of_the_same_sequence(bench, monkeypatch, capsys):
+    # `--only N` compiles draw N alone (to dump its buffer assignment): the earlier draws
+    # are still drawn, so it is the plan the whole run verifies as its N-th
+    import automap._verify
+
+    monkeypatch.setattr(bench, "MODELS", {"gpt": ("gpt2-xl", TINY)})
+    verified = []
+
+    def record(step, plan, *args, target=None):
+        verified.append(plan)
+        raise RuntimeError("not compiled here")
+
+    monkeypatch.setattr(automap._verify, "verify", record)
+    every = bench.bench_model("gpt", "v5p:2x2x2", 3, 0, 0.25, 0.5, 2)
+    one = bench.bench_model("gpt", "v5p:2x2x2", 3, 0, 0.25, 0.5, 2, only=2)
+    assert [r["plan"] for r in every["rows"]] == [0, 1, 2] and len(verified) == 4
+    assert [r["plan"] for r in one["rows"]] == [2] and "error" in one["rows"][0]
+    assert verified[3] == verified[2] != verified[1]
+    assert "not compiled here" in capsys.readouterr().out

@@ -75,3 +75,30 @@ def test_only_the_main_memorys_temporaries_are_read(tmp_path):
     assert a.temp_size == 3072
     assert [v.name for v in a.values] == ["a{}", "b{}"]
     assert a.busiest() == (1, 3072)  # VMEM's 8192 bytes at offset 0 are not HBM's
+
+
+def test_vmem_is_read_apart_and_with_hbm_at_one_step(tmp_path, capsys):
+    # what the program holds in both memories at once: HBM's busiest step is not always
+    # where the two together peak
+    name = "module_0000.jit_step.after_optimizations"
+    (tmp_path / f"{name}-buffer-assignment.txt").write_text(
+        "BufferAssignment:\n"
+        "allocation 0: size 3072, preallocated-temp:\n"
+        " value: <2 a @0> (size=2048,offset=0): f32[512]{0}\n"
+        " value: <3 b @0> (size=3072,offset=0): f32[768]{0}\n"
+        "allocation 1: size 8192, color 1, preallocated-temp:\n"
+        " value: <4 c @0> (size=8192,offset=0): f32[2048]{0:S(1)}\n"
+    )
+    (tmp_path / f"{name}-live-range.txt").write_text(
+        "HloLiveRange (max 2):\n  InstructionSequence:\n    0:a\n    1:b\n    2:c\n"
+        "  BufferLiveRange:\n    a{}:0-0\n    b{}:1-2\n    c{}:0-0\n"
+    )
+    hbm, vmem = reader.read(tmp_path), reader.read(tmp_path, space=reader.VMEM)
+    assert hbm.busiest() == (1, 3072)
+    assert (vmem.temp_size, [v.name for v in vmem.values]) == (8192, ["c{}"])
+    assert [vmem.live_bytes(t) for t in range(3)] == [8192, 0, 0]
+    assert reader.together(hbm, vmem) == (0, 2048, 8192)
+    reader.main([str(tmp_path)])
+    said = capsys.readouterr().out
+    assert "VMEM (color 1): 0 B live at step 1, 8192 B at its busiest" in said
+    assert "both memories at once: 2048 + 8192 B at step 0" in said
