@@ -29,27 +29,33 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
 
 At 2 and 8 sequences a chip (2026-12-06, 4d7429d; the default, then `--sequences 8`, 8
-and 10 min, idle), collectives and memory: 23, 18 of 24 at 2, as before; 23, 20 at 8 (gpt
-12 and 9, llama 11 and 11); the same draws. 2 -> 8: in, gpt 4 1.16 -> 0.99, gpt 7 0.69
--> 0.89, llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87 -> 0.73, llama 7
-1.03 -> 1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. Within
-15% of XLA's live peak (verify's; 21 one-program plans): 14 at 2, 11 at 8. XLA recomputes
-what remat is charged (gpt plan 8 at 2: 9.90 GFLOP more with it, priced alike).
-Not priced:
-- XLA's TPU keeps part of each program's temporaries in VMEM (memory-space assignment),
-  outside the HBM `memory_analysis()` counts: 41.5-47.6 MiB in each backward program of
-  gpt's GPipe plan 4 at 2 a chip, 20-34 in each forward (dumps' `memory-usage-report`,
-  `vmem (color=1)`), 23.4 in llama plan 11's: a third of what the small plans hold.
-- What grows with the batch is not VMEM. gpt plan 6 at 8: XLA's HBM allocation
-  (preallocated-temp) is 3.09 GiB, the bytes live at its busiest step 2.55 GiB (the loss'
-  f32 [512, 128, 4096] logits and shift, 1 GiB each, four f32 [512, 128, 512], 50 MiB of
-  relayout copies; `read_buffer_assignment.py`), which the model prices (1.03x); XLA's
-  placement leaves gaps (the shift laid at 2.24 GB over a 384 MiB one), and
-  `memory_analysis()` counts the allocation and its excess over the live bytes once more
-  (DESIGN.md, TPU slices). gpt plans 0 and 8 (ZeRO, remat) are under the live peak: plan
-  8 holds layer 2's recomputed f32 [32, 128, 2048] MLP pre-activation (its one value of
-  that shape) from step 941, after layer 3's backward (the loss: 640-665), to 2602 of 4263,
-  where its weight gradient runs, long after the input gradient (the model frees it then).
+and 10 min, idle), collectives and memory: 23, 18 of 24 at 2; 23, 20 at 8 (gpt 12 and 9,
+llama 11 and 11), the same draws. 2 -> 8: in, gpt 4 1.16 -> 0.99, gpt 7 0.69 -> 0.89,
+llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87 -> 0.73, llama 7 1.03 ->
+1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. XLA recomputes what remat is
+charged (gpt plan 8 at 2: 9.90 GFLOP more with it, priced alike). Where the bytes are
+(1013dc0, each one-program plan compiled alone: `XLA_FLAGS="--xla_dump_to=DIR
+--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step" python
+benchmarks/bench_tpu_fidelity.py --models gpt --plans 9 --only 8`, then `python
+benchmarks/read_buffer_assignment.py DIR`): the priced temporaries (the priced peak less
+XLA's arguments) are within 15% of what XLA's hold at once in HBM and VMEM together on 17
+of the 21 one-program plans at 2 a chip and 17 at 8; the priced peak is within 15% of
+`memory_analysis()`'s figure on 16 and 17, of the HBM allocation (arguments + outputs -
+aliased + temporaries, the memory-usage report's HBM total) on 15 and 17. Out of the
+first at 2: gpt 0, 3, 8 (0.67-0.81, ZeRO-1/2: the relayout copies below), llama 11 (1.16);
+at 8: gpt 0, 8 (0.46, 0.60), gpt 1 (1.21), llama 7 (1.31). Not priced, each read:
+- Where XLA's TPU puts the bytes: memory-space assignment holds 0-46 MiB of them in VMEM
+  at HBM's busiest step (none where that is the loss' logits: gpt 2, 5, 6, 9, 10, llama
+  7), the HBM allocation leaves gaps over its live bytes (8-61 MiB a plan at 2 a chip,
+  0.55 GiB on gpt 6 at 8), and `memory_analysis()` counts the gaps once more
+  (DESIGN.md, TPU slices). They decide the small plans: llama 3, 4, 8, 9, 11 allocate 34-39
+  MiB of HBM temporaries, 48-62 priced, 42-58 alive in both memories.
+- gpt 0 and 8 (ZeRO-1/2, remat) at 8: on plan 8 XLA's TPU runs three weight-gradient dots
+  (f32 [512, 512], [512, 2048], [512, 512]) in the steps of an updated bias shard's
+  all-gather (`async_collective_fusion`, f32 [1, 1, 128] over data 16), late: the
+  recomputed f32 [32, 128, 2048] MLP pre-activation waits from step 941 to 2602 of 4263.
+- gpt 1, llama 7 (remat, no ZeRO) at 8, over what XLA holds in both (1.21, 1.31): gpt
+  1's dy @ wo^T is fused with GELU's derivative, never written (5a0e217); llama 7's not read.
 
 llama compiled again at 7f9d660 (2026-12-05, `--plans 12 --models llama`, 17 min beside
 tests; 9d0c467 prices every kind@axis of both models' 24 plans byte for byte as it):
@@ -67,16 +73,6 @@ lanes, all-reduced whole (0.25 MiB), where its shard pads eight times less trans
 (the key's beside it is laid as it pads least); and 18 f32[512] norm scales' ZeRO-3
 gathers (forward and backward, shards of 16 or 64) that XLA compiles as all-reduces of
 the gathered buffer (36 KiB, priced as all-gathers; plans 3 and 9 too, within 5% there).
-
-Measured at 1487564 (2026-12-05, the same seed and target; `--models gpt`, then `--models
-llama`, about 19 min each on two shared cores): gpt's collectives 12 of 12, memory 8 of 12;
-llama's 10 and 10 of 12 as below; both models 22 of 24 collectives (92%), 18 of 24 memory
-(75%). The third rule below is priced since bb1595e, in every path (`_cost/_beside.py`:
-the one-stage estimate, the ILP's factors and the pipeline's per-op rows; in a stage only
-where its backward program reduces the gradient itself, one microbatch), and 1487564
-prices a stage's backward program all-reducing a table lookup's ZeRO gradient whole
-(`_pipelined._whole_in_backward`): gpt's GPipe plan 4 matches now. What keeps the other
-plans apart is as below.
 
 Read at 056c5c2, priced since: gpt's GPipe plan 4 was priced at 1.15x XLA's FLOPs (each
 stage 1.10-1.16x). The third rule below splits each weight gradient's dot beside data,
@@ -117,14 +113,14 @@ one read:
 - Under ZeRO over a data axis of n beside another of n or more that holds a float32
   kernel whole, XLA's SPMD partitioner splits the kernel's gradient dot over that axis
   and all-reduces each 1/n piece over data, then permutes it to its ZeRO owner (not
-  priced at c60709a's revert, priced since bb1595e; a 2-layer gpt at data 2 x model 2, 2 x 4, 4 x 4 on v5p and
-  2 x 4 on A100s; not behind a bf16 step's convert: llama plan 10, data 8 x model 8,
-  reduce-scatters). No one-stage draw has it; the GPipe plan 4 (pipe 4 x data 2 x model
-  8, ZeRO-1, m 1) is it, in each stage's B program (stage 0: all-reduce@data 7.02 MiB of
-  [512, 1024], [2048, 256], [512, 256] halves, 6.0 MiB of permutes, 0.25 of
-  reduce-scatter, where 13.27 of reduce-scatter is priced): the pipeline's per-op rows
-  (`_pipelined.op_costs`, `_stage_comm`) price it too since bb1595e, and plan 4 matches
-  since 1487564 (the stage's lookup gradient all-reduced whole, above).
+  priced at c60709a's revert, priced since bb1595e; a 2-layer gpt at data 2 x model 2, 2
+  x 4, 4 x 4 on v5p and 2 x 4 on A100s; not behind a bf16 step's convert: llama plan 10,
+  data 8 x model 8, reduce-scatters). No one-stage draw has it; the GPipe plan 4 (pipe 4
+  x data 2 x model 8, ZeRO-1, m 1) is it, in each stage's B program (stage 0:
+  all-reduce@data 7.02 MiB of [512, 1024], [2048, 256], [512, 256] halves, 6.0 MiB of
+  permutes, 0.25 of reduce-scatter, where 13.27 of reduce-scatter is priced): the
+  pipeline's per-op rows price it too, and plan 4 matches since 1487564, which prices a
+  stage's B program all-reducing a lookup's ZeRO gradient whole (`_whole_in_backward`).
 
 | model | collectives | memory +-15% | ZeRO 1-3 memory | remat memory | pipelines memory |
 |-------|------------:|-------------:|----------------:|-------------:|-----------------:|
