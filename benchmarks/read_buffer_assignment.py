@@ -44,7 +44,7 @@ SUFFIX = "after_optimizations-buffer-assignment.txt"
 _VALUE = re.compile(r" value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)")
 _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
-_COLOR = re.compile(r", color (\d+),")  # an allocation in another memory space than HBM
+_COLOR = re.compile(r", color (\d+),")  # an allocation's memory space (without one: HBM)
 VMEM = 1  # XLA's TPU: the chip's vector memory, where memory-space assignment moves values
 _FLOAT32_GEMM = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[[^\n]*?calls=%gemm_fusion", re.M)
 
