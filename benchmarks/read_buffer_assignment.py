@@ -25,6 +25,14 @@ XLA's memory-space assignment moves values out of HBM): what it holds at HBM's b
 step, and the step where the two memories together hold most, which is what a cost model
 that prices one memory for every buffer should be held against.
 
+`--matmuls` lists instead the schedule's steps that run a matmul, with what each writes:
+where each weight gradient runs, with its layer's backward or after the whole
+input-gradient chain (docs/DESIGN.md, "TPU slices"):
+
+    XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step" \
+        automap verify plan.json --target v5p:2x2x1
+    python benchmarks/read_buffer_assignment.py DIR --matmuls
+
 It also says how many of the live bytes wait for a matmul that writes float32 and runs
 later: on a 16-bit program, XLA's GPU compiles a small weight gradient (a contraction over
 batch and sequence) as float32 partial products over slices of the contraction, reduced by
@@ -46,6 +54,10 @@ _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
 _COLOR = re.compile(r", color (\d+),")  # an allocation's memory space (without one: HBM)
 VMEM = 1  # XLA's TPU: the chip's vector memory, where memory-space assignment moves values
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*?^\}", re.M | re.S)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*$", re.M)
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_MATMUL = re.compile(r" (?:convolution|dot)\(")
 _FLOAT32_GEMM = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[[^\n]*?calls=%gemm_fusion", re.M)
 
 
@@ -70,6 +82,7 @@ class Assignment:
     values: tuple[Value, ...]
     schedule: tuple[str, ...]
     float32_gemms: frozenset[str]  # matmul fusions that write float32
+    program: str = ""  # the optimized HLO's text, where it was dumped beside
 
     def live(self, step: int) -> list[Value]:
         return [v for v in self.values if v.start <= step <= v.end]
@@ -104,6 +117,28 @@ def together(main: Assignment, alternate: Assignment) -> tuple[int, int, int]:
     steps = range(len(main.schedule))
     step = max(steps, key=lambda t: main.live_bytes(t) + alternate.live_bytes(t), default=0)
     return step, main.live_bytes(step), alternate.live_bytes(step)
+
+
+def matmuls(hlo: str, schedule: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """(step, instruction, result shape) of each scheduled instruction of the entry
+    computation that runs a matmul (a dot or, on a TPU, a convolution), in itself or in the
+    computations it calls: which weight gradients run where in the schedule."""
+    bodies = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo)}
+    entry = hlo[hlo.index("\nENTRY") :] if "\nENTRY" in hlo else ""
+
+    def runs_one(body: str, seen: frozenset = frozenset()) -> bool:
+        callees = set(_CALLS.findall(body)) - seen
+        return bool(_MATMUL.search(body)) or any(
+            runs_one(bodies.get(c, ""), seen | callees) for c in callees
+        )
+
+    made = {}
+    for m in _INSTRUCTION.finditer(entry):
+        line = m.group(0)
+        callee = _CALLS.search(line)
+        if _MATMUL.search(line) or (callee and runs_one(bodies.get(callee.group(1), ""))):
+            made[m.group(1)] = m.group(2)
+    return [(t, name, made[name]) for t, name in enumerate(schedule) if name in made]
 
 
 def _temp_values(text: str, space: int = 0) -> tuple[int, list[tuple[str, int, int, str]]]:
@@ -159,13 +194,14 @@ def read(dump: Path, module: str | None = None, space: int = 0) -> Assignment:
         path.with_name(path.name.replace("-buffer-assignment.txt", "-live-range.txt")).read_text()
     )
     hlo = path.with_name(path.name.replace("-buffer-assignment.txt", ".txt"))
-    gemms = frozenset(_FLOAT32_GEMM.findall(hlo.read_text())) if hlo.exists() else frozenset()
+    program = hlo.read_text() if hlo.exists() else ""
+    gemms = frozenset(_FLOAT32_GEMM.findall(program))
     values = tuple(
         Value(name, offset, nbytes, shape, *ranges[name])
         for name, offset, nbytes, shape in raw
         if name in ranges
     )
-    return Assignment(size, values, tuple(schedule), gemms)
+    return Assignment(size, values, tuple(schedule), gemms, program)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--module", help="a part of the program's dump file name")
     parser.add_argument("--at", type=int, help="the step to show (default: the busiest)")
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest value shown")
+    parser.add_argument("--matmuls", action="store_true", help="list the matmuls by step")
     opts = parser.parse_args(argv)
     a = read(opts.dump, opts.module)
     step, peak = a.busiest()
@@ -190,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     wait = a.waiting_for_float32_gemms(at)
     print(f"step {at} ({name}): {a.live_bytes(at)} B live, {wait} B of it waiting for a "
           "later matmul that writes float32")  # fmt: skip
+    if opts.matmuls:
+        for t, instruction, shape in matmuls(a.program, a.schedule):
+            print(f"  step {t:>6}  {instruction:<40} {shape[:72]}")
+        return
     for v in sorted(a.live(at), key=lambda v: v.offset):
         if v.size >= opts.min_bytes:
             maker = a.schedule[v.start] if v.start < len(a.schedule) else ""

@@ -36,6 +36,18 @@ def test_the_temporary_allocation_is_read_with_its_values(dumped):
     assert a.schedule[step] and all(v.start <= v.end for v in a.values)
 
 
+def test_the_matmuls_are_listed_in_schedule_order(dumped, capsys):
+    # where each matmul runs: on a TPU, whether a weight gradient runs with its layer's
+    # backward or after the whole input-gradient chain (docs/DESIGN.md, "TPU slices")
+    out, _ = dumped
+    a = reader.read(out)
+    found = reader.matmuls(a.program, a.schedule)
+    assert len(found) == 2 and found[0][2].startswith("f32[64,256]")  # x @ w, then h @ w.T
+    assert found[0][0] < found[1][0] and all(a.schedule[t] == name for t, name, _ in found)
+    reader.main([str(out), "--matmuls"])
+    assert f"step {found[1][0]:>6}  {found[1][1]}" in capsys.readouterr().out
+
+
 def test_values_at_one_offset_count_once():
     def value(offset, size, start, end):
         return reader.Value(f"v{offset}", offset, size, "f32[]", start, end)
