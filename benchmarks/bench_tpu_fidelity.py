@@ -34,7 +34,7 @@ llama 11 and 11), the same draws. 2 -> 8: in, gpt 4 1.16 -> 0.99, gpt 7 0.69 -> 
 llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87 -> 0.73, llama 7 1.03 ->
 1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. XLA recomputes what remat is
 charged (gpt plan 8 at 2: 9.90 GFLOP more with it, priced alike). Where the bytes are
-(1013dc0, each one-program plan compiled alone: `XLA_FLAGS="--xla_dump_to=DIR
+(ce96918, each one-program plan compiled alone: `XLA_FLAGS="--xla_dump_to=DIR
 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step" python
 benchmarks/bench_tpu_fidelity.py --models gpt --plans 9 --only 8`, then `python
 benchmarks/read_buffer_assignment.py DIR`): the priced temporaries (the priced peak less
