@@ -469,7 +469,7 @@ def plan_row(name: str, i: int, plan, report, seconds: float) -> dict:
         seconds=seconds,
     )
     row["memory_ratio"] = _ratio(row["predicted_memory"], row["xla_memory"])
-    # XLA's TPU live peak (one-program plans): the bytes alive at once, before placement
+    # XLA's TPU live peak (a pipeline's: its busiest stage's): the bytes alive at once, before placement
     row["xla_live_peak"] = report.xla_live_peak_bytes
     row["live_ratio"] = _ratio(row["predicted_memory"], row["xla_live_peak"])
     row["flops_ratio"] = _ratio(row["predicted_flops_as_xla"], row["xla_flops"])

@@ -591,8 +591,8 @@ def main(argv: list[str] | None = None) -> dict:
     v = report(results, opts.target)
     if opts.json:
         with open(opts.json, "w") as f:
-            rows = {"target": opts.target, "sequences": opts.sequences, "verdict": v}
-            json.dump({**rows, "results": results}, f, indent=2)
+            header = {"target": opts.target, "sequences": opts.sequences, "verdict": v}
+            json.dump({**header, "results": results}, f, indent=2)
     return v
 
 

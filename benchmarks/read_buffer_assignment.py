@@ -45,6 +45,7 @@ is in docs/DESIGN.md ("A scheduled step's peak").
 
 import argparse
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -126,17 +127,15 @@ def matmuls(hlo: str, schedule: tuple[str, ...]) -> list[tuple[int, str, str]]:
     bodies = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo)}
     entry = hlo[hlo.index("\nENTRY") :] if "\nENTRY" in hlo else ""
 
-    def runs_one(body: str, seen: frozenset = frozenset()) -> bool:
-        callees = set(_CALLS.findall(body)) - seen
-        return bool(_MATMUL.search(body)) or any(
-            runs_one(bodies.get(c, ""), seen | callees) for c in callees
-        )
+    @functools.cache
+    def runs_one(computation: str) -> bool:  # an HLO call graph has no cycles
+        body = bodies.get(computation, "")
+        return bool(_MATMUL.search(body)) or any(map(runs_one, _CALLS.findall(body)))
 
     made = {}
     for m in _INSTRUCTION.finditer(entry):
         line = m.group(0)
-        callee = _CALLS.search(line)
-        if _MATMUL.search(line) or (callee and runs_one(bodies.get(callee.group(1), ""))):
+        if _MATMUL.search(line) or any(map(runs_one, _CALLS.findall(line))):
             made[m.group(1)] = m.group(2)
     return [(t, name, made[name]) for t, name in enumerate(schedule) if name in made]
 
@@ -213,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--matmuls", action="store_true", help="list the matmuls by step")
     opts = parser.parse_args(argv)
     a = read(opts.dump, opts.module)
+    if opts.matmuls:
+        for t, instruction, shape in matmuls(a.program, a.schedule):
+            print(f"  step {t:>6}  {instruction:<40} {shape[:72]}")
+        return
     step, peak = a.busiest()
     at = step if opts.at is None else opts.at
     name = a.schedule[at] if at < len(a.schedule) else "?"
@@ -227,10 +230,6 @@ def main(argv: list[str] | None = None) -> None:
     wait = a.waiting_for_float32_gemms(at)
     print(f"step {at} ({name}): {a.live_bytes(at)} B live, {wait} B of it waiting for a "
           "later matmul that writes float32")  # fmt: skip
-    if opts.matmuls:
-        for t, instruction, shape in matmuls(a.program, a.schedule):
-            print(f"  step {t:>6}  {instruction:<40} {shape[:72]}")
-        return
     for v in sorted(a.live(at), key=lambda v: v.offset):
         if v.size >= opts.min_bytes:
             maker = a.schedule[v.start] if v.start < len(a.schedule) else ""
