@@ -34,11 +34,9 @@ llama 11 and 11), the same draws. 2 -> 8: in, gpt 4 1.16 -> 0.99, gpt 7 0.69 -> 
 llama 4 1.42 -> 0.93, llama 8 1.28 -> 0.92; out, gpt 6 0.87 -> 0.73, llama 7 1.03 ->
 1.27; still out, gpt 0 0.79 -> 0.61, gpt 8 0.67 -> 0.61. XLA recomputes what remat is
 charged (gpt plan 8 at 2: 9.90 GFLOP more with it, priced alike). Where the bytes are
-(ce96918, each one-program plan compiled alone: `XLA_FLAGS="--xla_dump_to=DIR
---xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step" python
-benchmarks/bench_tpu_fidelity.py --models gpt --plans 9 --only 8`, then `python
-benchmarks/read_buffer_assignment.py DIR`): the priced temporaries (the priced peak less
-XLA's arguments) are within 15% of what XLA's hold at once in HBM and VMEM together on 17
+(ce96918; each one-program plan compiled alone, `--only N`, dumped and read by
+`read_buffer_assignment.py`, commands in BENCHMARKS.md): the priced temporaries (priced
+peak less XLA's arguments) are within 15% of what XLA's hold at once in HBM and VMEM on 17
 of the 21 one-program plans at 2 a chip and 17 at 8; the priced peak is within 15% of
 `memory_analysis()`'s figure on 16 and 17, of the HBM allocation (arguments + outputs -
 aliased + temporaries, the memory-usage report's HBM total) on 15 and 17. Out of the
@@ -586,6 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
     opts = parser.parse_args(argv)
+    if opts.only is not None and not 0 <= opts.only < opts.plans:
+        parser.error(f"--only {opts.only}: give a draw from 0 to {opts.plans - 1} (of --plans)")
     draw = (opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
     results = [bench_model(m, *draw, only=opts.only) for m in opts.models]
     v = report(results, opts.target)

@@ -72,3 +72,11 @@ def test_only_verifies_one_draw_of_the_same_sequence(bench, monkeypatch, capsys)
     assert [r["plan"] for r in one["rows"]] == [2] and "error" in one["rows"][0]
     assert verified[3] == verified[2] != verified[1]
     assert "not compiled here" in capsys.readouterr().out
+
+
+def test_an_only_outside_the_draws_is_refused_in_one_line(bench, capsys):
+    # else no plan is compiled and the verdict reads "0% of 0 plans" as if measured
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--plans", "3", "--only", "3"])
+    assert stop.value.code == 2
+    assert "--only 3: give a draw from 0 to 2 (of --plans)" in capsys.readouterr().err
