@@ -11,6 +11,7 @@ from ._errors import ApplyError as ApplyError
 from ._errors import AutomapError as AutomapError
 from ._errors import CaptureError as CaptureError
 from ._errors import ClusterError as ClusterError
+from ._errors import CompiledOutOfMemoryError as CompiledOutOfMemoryError
 from ._errors import InfeasibleError as InfeasibleError
 from ._errors import ModelError as ModelError
 from ._errors import PlanError as PlanError

@@ -47,3 +47,14 @@ class PriceWarning(UserWarning):
 class SaveWarning(UserWarning):
     """A file a search writes on the side (the DQN's search state or trained agent) could
     not be written, a full disk say: the search and its plan stand, that file does not."""
+
+
+class CompiledOutOfMemoryError(ApplyError):
+    """XLA could not fit a plan's program in the memory per device it was given
+    (`verify(hbm_bytes=...)`): `used_bytes` is what XLA said the program needs at least,
+    `limit_bytes` what it was given."""
+
+    def __init__(self, message: str, *, used_bytes: float = 0.0, limit_bytes: float = 0.0):
+        super().__init__(message)
+        self.used_bytes = used_bytes
+        self.limit_bytes = limit_bytes

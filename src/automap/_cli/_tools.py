@@ -159,6 +159,15 @@ def verify_cmd(
             "prices that device (a pipeline's programs stage by stage).",
         ),
     ] = None,
+    hbm_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--hbm-gib",
+            help="With a TPU --target: compile as if each chip had this much HBM (GiB), as "
+            "for a plan that fills the chip; XLA's scheduler otherwise spends what a small "
+            "program leaves free on overlap.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -176,7 +185,8 @@ def verify_cmd(
         raise AutomapError("--numerics runs the plan, which --target only compiles: give one.")
     where = f"for {target}" if target else "on a CPU mesh"
     with busy(f"compiling with XLA {where}...", not (quiet or as_json)):
-        report = verify_in_subprocess(plan_file, concrete=numerics, target=target)
+        hbm = hbm_gib * 2**30 if hbm_gib is not None else None
+        report = verify_in_subprocess(plan_file, concrete=numerics, target=target, hbm_bytes=hbm)
     if as_json:
         print_json(report.to_dict())
     elif not quiet:

@@ -43,6 +43,7 @@ from ._compare import (
 )
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._gpu import gpu_devices
+from ._hbm import hbm_options, out_of_hbm
 from ._hlo import comm_bytes
 from ._numerics import compare_outputs, reordered
 from ._report import VerifyReport
@@ -133,6 +134,7 @@ def verify(
     cluster: Any = None,
     target: str | None = None,
     compiled: tuple[Prepared, Any] | None = None,
+    hbm_bytes: float | None = None,
 ) -> VerifyReport:
     """Compile `fn` under `plan` with XLA and compare its collectives with the cost model's.
 
@@ -150,7 +152,14 @@ def verify(
     that compiled the plan to read its program: verify reads that executable rather than
     compiling the same program again (a large model compiled for a GPU or TPU takes
     tens of seconds). One-program plans only: a pipeline's programs are its runtime's.
+
+    `hbm_bytes` (a TPU target, one-program plans): compile as if each chip had that much
+    HBM, XLA's own rematerialization off (`_hbm.py`: with a whole chip free, XLA's
+    scheduler spends it on overlap, as it cannot for a plan that fills the chip); a
+    program XLA cannot fit raises `CompiledOutOfMemoryError`.
     """
+    if hbm_bytes is not None:
+        _check_hbm(plan, target, compiled)
     if plan.pipelined:
         if compiled is not None:
             raise ApplyError(
@@ -162,7 +171,7 @@ def verify(
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
     if compiled is None:
-        compiled = compile_plan(fn, plan, args, graph=graph, target=target)
+        compiled = _compile_within(fn, plan, args, graph, target, hbm_bytes)
     else:
         _check_compiled(compiled, plan, target)
     prepared, compiled = compiled
@@ -175,7 +184,7 @@ def verify(
     match, mismatches = compare_collectives(predicted if target else as_on_cpu(predicted), xla)
     flops, flops_as_xla = predicted_flops(model, plan)
     notes = [ratio_note(flops, flops_as_xla), _donation_note(compiled), _overlap_note(overlapped)]
-    notes = [n for n in notes if n]
+    notes = [n for n in notes if n] + ([_hbm_note(hbm_bytes)] if hbm_bytes else [])
     report = VerifyReport(
         dict(plan.mesh),
         match,
@@ -200,6 +209,40 @@ def verify(
         ok, err = _numerics(fn, got, args, plan.devices, graph)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
+
+
+def _check_hbm(plan: Plan, target: str | None, compiled: Any) -> None:
+    """`hbm_bytes` is a TPU compile's, of one program that verify compiles itself."""
+    if not is_tpu_target(target):
+        raise ApplyError(
+            f"verify(hbm_bytes=...) limits what XLA's TPU compiler may use: give a TPU "
+            f"target (e.g. target='v5p:4x4x4'), not {target!r}"
+        )
+    if plan.pipelined or compiled is not None:
+        raise ApplyError(
+            "verify(hbm_bytes=...) compiles one program under the limit itself: not with "
+            "a pipeline plan (its runtime compiles its programs) or compiled=..."
+        )
+
+
+def _compile_within(fn, plan, args, graph, target, hbm_bytes) -> tuple[Prepared, Any]:
+    """`compile_plan`, under `hbm_bytes` a chip where given (`_hbm.py`)."""
+    if hbm_bytes is None:
+        return compile_plan(fn, plan, args, graph=graph, target=target)
+    try:
+        return compile_plan(fn, plan, args, graph, target, options=hbm_options(hbm_bytes))
+    except Exception as e:
+        short = out_of_hbm(e, hbm_bytes)
+        if short is None:
+            raise
+        raise short from None
+
+
+def _hbm_note(hbm_bytes: float) -> str:
+    return (
+        f"compiled as if each chip had {hbm_bytes / 2**20:.1f} MiB of HBM, XLA's own "
+        "rematerialization off: its scheduler holds the program within that"
+    )
 
 
 def _check_compiled(compiled: Any, plan: Plan, target: str | None) -> None:

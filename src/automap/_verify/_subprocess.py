@@ -36,12 +36,13 @@ def verify_in_subprocess(
     concrete: bool = False,
     timeout: float | None = None,
     target: str | None = None,
+    hbm_bytes: float | None = None,
 ) -> VerifyReport:
     """`verify` in a fresh Python with as many virtual CPU devices as the plan needs.
 
     The step is rebuilt from the plan's provenance (a zoo model or a `--fn` target);
     `concrete=True` also runs the numerics check on random or seeded arguments; `target`
-    compiles for that GPU instead (`verify`'s).
+    compiles for that GPU or TPU instead, `hbm_bytes` its HBM a chip (`verify`'s).
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     n = max(plan.devices, 1)
@@ -57,6 +58,7 @@ def verify_in_subprocess(
             cmd += ["--cluster", str(Path(tmp) / "cluster.json")]
         cmd += ["--concrete"] if concrete else []
         cmd += ["--target", target] if target else []
+        cmd += ["--hbm", repr(float(hbm_bytes))] if hbm_bytes is not None else []
         flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
         env = {
             **os.environ,
@@ -114,15 +116,17 @@ def subprocess_main(argv: list[str]) -> None:
         )
         target = argv[argv.index("--target") + 1] if "--target" in argv else None
         concrete = "--concrete" in argv
+        hbm = float(argv[argv.index("--hbm") + 1]) if "--hbm" in argv else None
         fn, args, _ = rebuild(plan.provenance, abstract=True)
         if concrete and reduce_reason(plan, args, plan.devices):
             # Too big to run here: XLA's collectives on the full-size program, the numbers
             # on a reduced variant, as `apply --check` does.
-            report = verify(fn, plan, *args, cluster=cluster, target=target)
+            report = verify(fn, plan, *args, cluster=cluster, target=target, hbm_bytes=hbm)
             result = _with_reduced_numerics(report, plan).to_dict()
         else:
             fn, args, _ = rebuild(plan.provenance, abstract=not concrete)
-            result = verify(fn, plan, *args, cluster=cluster, target=target).to_dict()
+            result = verify(fn, plan, *args, cluster=cluster, target=target, hbm_bytes=hbm)
+            result = result.to_dict()
     except AutomapError as e:
         result = {"error": str(e), "type": type(e).__name__}
     print(_MARK + json.dumps(result))
