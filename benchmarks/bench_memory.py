@@ -383,7 +383,7 @@ def bench_model(
     target: str | None = None,
 ) -> dict:
     step, args = program(name)
-    show = (lambda report: print(report.summary())) if verbose else None
+    show = (lambda plan, report: print(report.summary())) if verbose else None
     rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, show=show)
     return {"model": name, "rows": rows}
 
@@ -393,8 +393,9 @@ def verify_drawn(
 ) -> list[dict]:
     """`plans` plans of `step` drawn by `draw_plan` (on `cluster`'s devices, default 8),
     each verified (`target`: compiled for that GPU or TPU slice) into a `plan_row`, one
-    printed line each and `show(report)` after it; a plan verify refuses is an error row.
-    `only`: verify that one of the draws alone (the others are drawn, not compiled)."""
+    printed line each and `show(plan, report)` after it, whose dict (if any) joins the
+    row; a plan verify refuses is an error row. `only`: verify that one of the draws
+    alone (the others are drawn, not compiled)."""
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
@@ -416,8 +417,7 @@ def verify_drawn(
             continue
         rows.append(plan_row(name, i, plan, report, time.perf_counter() - t0))
         print(plan_line(rows[-1]), flush=True)
-        if show is not None:
-            show(report)
+        rows[-1].update((show or (lambda *_: None))(plan, report) or {})
     return rows
 
 

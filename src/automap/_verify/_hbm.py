@@ -5,16 +5,23 @@ leaves free. Its latency-hiding scheduler moves work to overlap collectives whil
 allows: on a float32 GPT under ZeRO-1 (v5p 2x2x1, data 4, 32 sequences a chip, full
 remat) it runs every weight-gradient matmul inside the asynchronous all-gathers of the
 updated parameter shards, after the whole input-gradient chain, and holds each layer's
-recomputed activations until then: 605 MiB live, where the same program scheduled within
-420 MiB holds 311 MiB and runs each layer's weight gradients with its backward. A model of
-0.3% of a chip's 95 GiB is scheduled as no model that fills a chip can be, and the plans
-a planner returns fill the chip. `verify(hbm_bytes=...)` compiles as the chip would be
-compiled if the plan filled it: XLA's scheduler held to `hbm_bytes` a chip.
+recomputed activations until then: 601 MiB by its buffer assignment, where the same
+program scheduled within 420 MiB holds 311 MiB and runs each layer's weight gradients
+with its backward (priced: 269 MiB; `benchmarks/read_buffer_assignment.py --matmuls`
+lists where each matmul runs). A model of 0.3% of a chip's 95 GiB is scheduled as no
+model that fills a chip can be, and the plans a planner returns fill the chip.
+`verify(hbm_bytes=...)` compiles a plan as if it filled the chip: XLA's scheduler held to
+`hbm_bytes` a chip.
 
-Tight, XLA's compiler also recomputes values of its own (its rematerialization pass) to
-fit: 18% more FLOPs on a bf16 Llama under ZeRO-3 held to 1.15x its priced peak. That is
-another program than the plan's, so it is turned off here: the program is the plan's,
-scheduled to fit, or XLA says it cannot fit it (`CompiledOutOfMemoryError`).
+Pressed, XLA also recomputes values of its own (its rematerialization pass) to fit: 18%
+more FLOPs on a bf16 Llama under ZeRO-3 held to 1.15x its priced peak. That is another
+program than the plan's, so it is turned off here: the program is the plan's, scheduled
+to fit, or XLA says it cannot fit it (`CompiledOutOfMemoryError`). Pressed, XLA also
+packs its HBM tighter, with fewer gaps between buffers, and a program of tens of MiB
+keeps as much of itself in the chip's VMEM, which the HBM figures leave out, as when
+free: a bf16 Llama's ZeRO-3 plans at 2 sequences a chip on v5p 4x4x4 come to 1.14-1.32x
+their priced peaks held, 0.96-1.05x free (plan 3: 33.8 MiB of HBM temporaries held, 41.1
+free, 35 MiB in VMEM either way); at 8 a chip, 1.01-1.03x held.
 """
 
 from __future__ import annotations
