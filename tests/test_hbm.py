@@ -10,8 +10,7 @@ from typer.testing import CliRunner
 import automap as am
 from automap import ApplyError, CompiledOutOfMemoryError
 from automap._cli import app
-from automap._verify import hbm_options, verify
-from automap._verify._hbm import out_of_hbm
+from automap._verify import hbm_options, out_of_hbm, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
 

@@ -153,13 +153,10 @@ def verify(
     compiling the same program again (a large model compiled for a GPU or TPU takes
     tens of seconds). One-program plans only: a pipeline's programs are its runtime's.
 
-    `hbm_bytes` (a TPU target, one-program plans): compile as if each chip had that much
-    HBM, XLA's own rematerialization off (`_hbm.py`: with a whole chip free, XLA's
-    scheduler spends it on overlap, as it cannot for a plan that fills the chip); a
-    program XLA cannot fit raises `CompiledOutOfMemoryError`.
+    `hbm_bytes` (a TPU target, one program): compile as if each chip had that much HBM
+    (`_hbm.py`); where XLA cannot fit the plan there, `CompiledOutOfMemoryError`.
     """
-    if hbm_bytes is not None:
-        _check_hbm(plan, target, compiled)
+    _check_hbm(plan, target, compiled, hbm_bytes)
     if plan.pipelined:
         if compiled is not None:
             raise ApplyError(
@@ -211,8 +208,12 @@ def verify(
     return report
 
 
-def _check_hbm(plan: Plan, target: str | None, compiled: Any) -> None:
-    """`hbm_bytes` is a TPU compile's, of one program that verify compiles itself."""
+def _check_hbm(plan: Plan, target: str | None, compiled: Any, hbm_bytes: float | None) -> None:
+    """`hbm_bytes`, where given, is a TPU compile's, of one program that verify compiles
+    itself: with a whole chip free XLA's scheduler spends it on overlap, as it cannot for
+    a plan that fills the chip, and XLA's own rematerialization is turned off."""
+    if hbm_bytes is None:
+        return
     if not is_tpu_target(target):
         raise ApplyError(
             f"verify(hbm_bytes=...) limits what XLA's TPU compiler may use: give a TPU "
