@@ -32,8 +32,9 @@ import re
 from .._errors import ApplyError, CompiledOutOfMemoryError
 
 MIB = 2**20
-# libtpu's flags, as compile options (`Lowered.compile(compiler_options)`). Only values
-# at least this large are rematerialized by XLA: none.
+# libtpu's flags, taken as compile options (`Lowered.compile(compiler_options)`): the HBM
+# a chip has, and the least size of a value XLA's rematerialization may recompute (none
+# is this large, so it recomputes nothing).
 _LIMIT = "xla_tpu_max_hbm_size_mib"
 _NO_REMAT = {"xla_tpu_rematerialization_min_size_in_bytes": 1 << 50}
 
