@@ -393,9 +393,8 @@ def verify_drawn(
 ) -> list[dict]:
     """`plans` plans of `step` drawn by `draw_plan` (on `cluster`'s devices, default 8),
     each verified (`target`: compiled for that GPU or TPU slice) into a `plan_row`, one
-    printed line each and `show(plan, report)` after it, whose dict (if any) joins the
-    row; a plan verify refuses is an error row. `only`: verify that one of the draws
-    alone (the others are drawn, not compiled)."""
+    printed line each and `show(plan, report)` after it, whose dict joins the row; a
+    plan verify refuses is an error row. `only`: that draw alone (all are drawn)."""
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
@@ -417,7 +416,8 @@ def verify_drawn(
             continue
         rows.append(plan_row(name, i, plan, report, time.perf_counter() - t0))
         print(plan_line(rows[-1]), flush=True)
-        rows[-1].update((show or (lambda *_: None))(plan, report) or {})
+        if show is not None:
+            rows[-1].update(show(plan, report) or {})
     return rows
 
 

@@ -45,7 +45,6 @@ is in docs/DESIGN.md ("A scheduled step's peak").
 
 import argparse
 import dataclasses
-import functools
 import re
 from pathlib import Path
 
@@ -55,10 +54,6 @@ _RANGE = re.compile(r"\s+(\S+):(\d+)-(\d+)$")
 _STEP = re.compile(r"\s+(\d+):(\S+)$")
 _COLOR = re.compile(r", color (\d+),")  # an allocation's memory space (without one: HBM)
 VMEM = 1  # XLA's TPU: the chip's vector memory, where memory-space assignment moves values
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*?^\}", re.M | re.S)
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*$", re.M)
-_CALLS = re.compile(r"calls=%([\w.\-]+)")
-_MATMUL = re.compile(r" (?:convolution|dot)\(")
 _FLOAT32_GEMM = re.compile(r"^\s*(?:ROOT )?%(\S+) = f32\[[^\n]*?calls=%gemm_fusion", re.M)
 
 
@@ -121,22 +116,11 @@ def together(main: Assignment, alternate: Assignment) -> tuple[int, int, int]:
 
 
 def matmuls(hlo: str, schedule: tuple[str, ...]) -> list[tuple[int, str, str]]:
-    """(step, instruction, result shape) of each scheduled instruction of the entry
-    computation that runs a matmul (a dot or, on a TPU, a convolution), in itself or in the
-    computations it calls: which weight gradients run where in the schedule."""
-    bodies = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo)}
-    entry = hlo[hlo.index("\nENTRY") :] if "\nENTRY" in hlo else ""
+    """(step, instruction, result shape) of each step of the schedule that runs a matmul
+    (`automap._verify.matmul_instructions`): which weight gradients run where."""
+    from automap._verify import matmul_instructions
 
-    @functools.cache
-    def runs_one(computation: str) -> bool:  # an HLO call graph has no cycles
-        body = bodies.get(computation, "")
-        return bool(_MATMUL.search(body)) or any(map(runs_one, _CALLS.findall(body)))
-
-    made = {}
-    for m in _INSTRUCTION.finditer(entry):
-        line = m.group(0)
-        if _MATMUL.search(line) or any(map(runs_one, _CALLS.findall(line))):
-            made[m.group(1)] = m.group(2)
+    made = matmul_instructions(hlo) if hlo else {}
     return [(t, name, made[name]) for t, name in enumerate(schedule) if name in made]
 
 

@@ -35,6 +35,7 @@ from ._numerics import reordered as reordered
 from ._report import VerifyReport as VerifyReport
 from ._saved import check_saved_plan as check_saved_plan
 from ._schedule import ScheduledCollective as ScheduledCollective
+from ._schedule import matmul_instructions as matmul_instructions
 from ._schedule import overlapped_bytes as overlapped_bytes
 from ._schedule import scheduled_collectives as scheduled_collectives
 from ._subprocess import subprocess_main as subprocess_main

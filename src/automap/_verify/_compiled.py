@@ -228,12 +228,11 @@ def _check_hbm(plan: Plan, target: str | None, compiled: Any, hbm_bytes: float |
 
 def _compile_within(fn, plan, args, graph, target, hbm_bytes) -> tuple[Prepared, Any]:
     """`compile_plan`, under `hbm_bytes` a chip where given (`_hbm.py`)."""
-    if hbm_bytes is None:
-        return compile_plan(fn, plan, args, graph=graph, target=target)
+    options = None if hbm_bytes is None else hbm_options(hbm_bytes)
     try:
-        return compile_plan(fn, plan, args, graph, target, options=hbm_options(hbm_bytes))
+        return compile_plan(fn, plan, args, graph, target, options=options)
     except Exception as e:
-        short = out_of_hbm(e, hbm_bytes)
+        short = None if hbm_bytes is None else out_of_hbm(e, hbm_bytes)
         if short is None:
             raise
         raise short from None

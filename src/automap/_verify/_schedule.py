@@ -113,11 +113,7 @@ def scheduled_collectives(
     and counts), with the compute its schedule places between its start and done."""
     comps, entry = computations(hlo_text)
     flops = _dot_flops(comps)
-    # Computations holding a matmul: a dot (however deep its fusion nests it) or a
-    # convolution (XLA's TPU writes matmuls as convolutions).
-    with_matmul = {
-        c for c, ins in comps.items() if flops[c] or any(i[2] in _MATMUL_OPS for i in ins)
-    }
+    with_matmul = _with_matmul(comps, flops)
     spans: dict[str, _Span] = {}
     position: dict[str, int] = {}  # in the entry: what a fusion or an async pair calls, there
     for k, ins in enumerate(comps[entry]):
@@ -215,6 +211,21 @@ def overlapped_bytes(
         nbytes = c.bytes * c.count
         out[key] = (hidden + (nbytes if s.overlapped else 0.0), total + nbytes)
     return out
+
+
+def matmul_instructions(hlo_text: str) -> dict[str, str]:
+    """The entry computation's instructions that run a matmul, in themselves or in what
+    they call (a fusion, an asynchronous collective fused with the work it overlaps), each
+    with its result's shape: where a compiled schedule runs its matmuls."""
+    comps, entry = computations(hlo_text)
+    with_matmul = _with_matmul(comps, _dot_flops(comps))
+    return {ins[0]: ins[1] for ins in comps[entry] if _is_matmul(ins, with_matmul)}
+
+
+def _with_matmul(comps: Mapping[str, list[Instruction]], flops: Mapping[str, float]) -> set[str]:
+    """Computations holding a matmul: a dot (however deep its fusion nests it) or a
+    convolution (XLA's TPU writes matmuls as convolutions)."""
+    return {c for c, ins in comps.items() if flops[c] or any(i[2] in _MATMUL_OPS for i in ins)}
 
 
 def _computes(ins: Instruction) -> bool:
