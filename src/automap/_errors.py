@@ -52,9 +52,12 @@ class SaveWarning(UserWarning):
 class CompiledOutOfMemoryError(ApplyError):
     """XLA could not fit a plan's program in the memory per device it was given
     (`verify(hbm_bytes=...)`): `used_bytes` is what XLA said the program needs at least,
-    `limit_bytes` what it was given."""
+    `limit_bytes` what it was given; None where not known (the error rebuilt from its
+    message in the process that ran verify in a subprocess)."""
 
-    def __init__(self, message: str, *, used_bytes: float = 0.0, limit_bytes: float = 0.0):
+    def __init__(
+        self, message: str, *, used_bytes: float | None = None, limit_bytes: float | None = None
+    ):
         super().__init__(message)
         self.used_bytes = used_bytes
         self.limit_bytes = limit_bytes
