@@ -73,6 +73,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     tpu = dataclasses.replace(
         am.Lowering.gpu(),
         tile_padding=True,
+        concatenates_combined=False,  # every all-reduce written over its own operand
         scatter_least_elements=2048,
         overlaps_prefetch=True,
         overlaps_stream_gathers=True,  # the split stream's backward gathers chained
@@ -108,6 +109,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         "float32_norm_buffers",
         "major_dim_collectives",
         "early_recompute",
+        "concatenates_combined",  # XLA's TPU writes each all-reduce over its operand
     }
     assert all(getattr(tpu, flag) for flag in set(am.Lowering.switches()) - gpu_only)
     assert not am.Lowering.gpu().overlaps_prefetch

@@ -140,6 +140,20 @@ class Lowering:
     (`_cost/_model.reduction_copy`; read only where `frees_at_last_use`). Found in 3aaff1f;
     held by test_memory_holds_the_gradients_and_the_copy_the_cpus_all_reduce_writes
     (tests/test_verify.py)."""
+    concatenates_combined: bool = True
+    """Whether a combined all-reduce first copies its operands into one buffer (XLA's GPU
+    combiner reduces their concatenation), so a recomputed layer's partial sums are held
+    twice at its recompute (`_buffers.combined_copies`) and the step's combined gradient
+    reduction writes a copy beside the gradients (`_peaks.reduction_copy`). XLA's TPU,
+    False, writes each result of an all-reduce, combined or lone, over its own operand: in
+    libtpu 0.0.42.1's buffer assignments every all-reduce result whose operand is in HBM
+    lies at that operand's offset (54 of 54 on a 256-chip bf16 Llama plan that all-reduces
+    its recomputed gate and up projections, 768 MiB each, and 73 of 74 over five more
+    programs of gpt and Llama on 4 to 256 chips, the one a table's scattered gradient).
+    Found where a Llama plan under remat was priced 1.27x XLA's buffers (its recompute's
+    partial sums, 1.1 GiB, priced twice); held by tests/test_tpu_memory.py
+    (test_a_tpu_reduces_a_recomputed_layers_partial_sums_in_place). Off on the CPU too,
+    whose buffers are not scheduled (`frees_at_last_use`): read only where they are."""
     tile_padding: bool = False
     """Whether every array takes whole tiles of the device's memory, its minor two
     dimensions padded to (8, 128) (fewer rows where small; `_cost/_tiles.py`). XLA's TPU
@@ -323,6 +337,7 @@ class Lowering:
         the flags the runtime compiles TPU programs with, `_run/_compiler.py`)."""
         return cls(
             tile_padding=True,
+            concatenates_combined=False,
             scatter_least_elements=2048,
             overlaps_prefetch=True,
             overlaps_backward_gathers=True,
@@ -346,6 +361,7 @@ class Lowering:
             multi_output_fusion=False,
             matmul_accumulates=False,
             all_reduce_in_place=False,
+            concatenates_combined=False,
             reassociates_all_reduce=False,
             parallel_iota_lookups=False,
             remakes_residuals=False,

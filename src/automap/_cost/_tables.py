@@ -94,7 +94,8 @@ class Tables:
     moments: Moments | None
     moments_remat: Moments | None
     # The recomputed layers' activation all-reduces, copied once more at their recompute
-    # (`combined_copies`); None where nothing is recomputed or the buffers aren't scheduled.
+    # (`combined_copies`); None where nothing is recomputed, the buffers aren't scheduled
+    # or the backend reduces combined operands in place (`Lowering.concatenates_combined`).
     copies: CombinedCopies | None
     param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
@@ -318,7 +319,9 @@ def _moment_columns(
     moments = _moments(inp, remat=False, **step)[1]
     again, moments_remat = _moments(inp, remat=True, **step)
     recomputed_rows = [r for r in partial if r.op in recomputed and not r.grad]
-    copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, inp.ng, empty)
+    copies = None
+    if inp.lowering.concatenates_combined:
+        copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, inp.ng, empty)
     return dict(moments=moments, moments_remat=moments_remat, copies=copies)
 
 
