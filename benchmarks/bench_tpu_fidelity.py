@@ -5,9 +5,10 @@ Issue 27's criterion: on random TPU plans (64-256 chips, ZeRO, remat and pipelin
 drawn) at least 95% have the collectives XLA's TPU compile inserts and at least 90% a
 peak memory within 15% of its buffer assignment. This prints both.
 
-For each model, plans are drawn as `bench_memory.py` draws them (`draw_plan`), but from
-the shard space of the target's slice (`automap._verify.target_cluster`: the tpu-v5p
-preset on 4x4x4 for the default): a random mesh factorization of its chips, a random
+For each model and target, plans are drawn as `bench_memory.py` draws them (`draw_plan`),
+but from the shard space of the target's slice (`automap._verify.target_cluster`: by
+default the tpu-v5p preset on 4x4x4 and on 4x8x8, 64 and 256 chips, the ends of the
+issue's range; the verdict is over both): a random mesh factorization of its chips, a random
 axis or none per splittable group, ZeRO 1-3 on a share `--zero` of the one-stage plans,
 remat on or off, and a share `--pipelines` of pipelines (2 or 4 stages, 1, 2 or 4
 microbatches, GPipe or 1F1B, the stage mesh data or data x model). Each plan goes
@@ -37,7 +38,8 @@ cores: "gpt" (the zoo's GPT, 4 layers, hidden 512, seq 128, float32) and "llama"
 zoo's Llama, 4 layers, hidden 512, 8 heads of which 2 key/value, SwiGLU 1536, bfloat16
 compute over float32 parameters), both with a global batch of 2 sequences per chip.
 
-    python benchmarks/bench_tpu_fidelity.py                       # 12 plans a model, v5p 4x4x4
+    python benchmarks/bench_tpu_fidelity.py                       # 12 a model, 64 and 256 chips
+    python benchmarks/bench_tpu_fidelity.py --target v5p:4x4x4    # 64 chips alone
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
@@ -73,6 +75,8 @@ MODELS = {
     "llama": ("llama", dict(BLOCKS, kv_heads=2, ffn=1536, dtype="bfloat16")),
 }
 CRITERION = {"collectives": 0.95, "memory": 0.90}  # issue 27: the shares of plans to hold
+# The slices drawn on by default: the two ends of issue 27's range of 64-256 chips.
+TARGETS = ("v5p:4x4x4", "v5p:4x8x8")
 
 
 def program(name: str, devices: int, sequences: int = 2):
@@ -106,7 +110,7 @@ def bench_model(
         return None if plan.pipelined else held_to_priced(step, args, plan, report, target)
 
     rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show, only)
-    return {"model": name, "rows": rows}
+    return {"model": name, "target": target, "rows": rows}
 
 
 def held_to_priced(step, args, plan, report, target: str) -> dict:
@@ -167,10 +171,13 @@ def verdict(results: list[dict]) -> dict:
     )
 
 
-def report(results: list[dict], target: str) -> dict:
-    summarize(results)
+def report(results: list[dict]) -> dict:
+    targets = sorted({res["target"] for res in results})
+    # a model's line per slice where several are drawn: "gpt@256", its chips
+    several = len(targets) > 1
+    summarize([{**res, "model": _label(res)} if several else res for res in results])
     v = verdict(results)
-    print(f"\nmost common collective disagreements on {target}:")
+    print(f"\nmost common collective disagreements on {', '.join(targets)}:")
     for why, count in v["disagreements"]:
         print(f"  {count:>3} x {why}")
     live = [r["live_ratio"] for res in results for r in res["rows"] if r.get("live_ratio")]
@@ -194,6 +201,12 @@ def report(results: list[dict], target: str) -> dict:
     return v
 
 
+def _label(res: dict) -> str:
+    from automap._verify import target_devices
+
+    return f"{res['model']}@{target_devices(res['target'])}"
+
+
 def _target(text: str) -> str:
     from automap._verify import is_tpu_target, target_devices
 
@@ -210,7 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plans", type=int, default=12, help="random plans per model")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--target", type=_target, default="v5p:4x4x4", help="TPU topology")
+    parser.add_argument(
+        "--target",
+        type=_target,
+        nargs="+",
+        default=list(TARGETS),
+        help="TPU topologies, each drawn --plans times a model",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipelines", type=float, default=0.25, help="share of pipelines")
     parser.add_argument("--zero", type=float, default=0.5, help="share of one-stage ZeRO 1-3")
@@ -222,9 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     opts = parser.parse_args(argv)
     if opts.only is not None and not 0 <= opts.only < opts.plans:
         parser.error(f"--only {opts.only}: give a draw from 0 to {opts.plans - 1} (of --plans)")
-    draw = (opts.target, opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
-    results = [bench_model(m, *draw, only=opts.only) for m in opts.models]
-    v = report(results, opts.target)
+    draw = (opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
+    results = [bench_model(m, t, *draw, only=opts.only) for t in opts.target for m in opts.models]
+    v = report(results)
     if opts.json:
         with open(opts.json, "w") as f:
             header = {"target": opts.target, "sequences": opts.sequences, "verdict": v}
