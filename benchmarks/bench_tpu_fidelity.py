@@ -191,6 +191,13 @@ def report(results: list[dict]) -> dict:
         f"{v['memory_whole_chip']:.0%} of {v['plans']}; with the HBM held to the priced "
         f"peak + 15%: {v['memory_held'][0]} of {v['memory_held'][1]} one-program plans"
     )
+    if several:  # each slice's shares apart, then the criterion's over all of them
+        v["per_target"] = {t: verdict([r for r in results if r["target"] == t]) for t in targets}
+        for t, each in v["per_target"].items():
+            print(
+                f"on {t}: collectives {each['collectives']:.0%}, memory {each['memory']:.0%} "
+                f"of {each['plans']} plans"
+            )
     for key in ("collectives", "memory"):
         held = "holds" if v[key] >= CRITERION[key] else "fails"
         label = "collectives matched" if key == "collectives" else "memory within 15%"

@@ -86,3 +86,29 @@ def test_an_only_outside_the_draws_is_refused_in_one_line(bench, capsys):
         bench.main(["--plans", "3", "--only", "3"])
     assert stop.value.code == 2
     assert "--only 3: give a draw from 0 to 2 (of --plans)" in capsys.readouterr().err
+
+
+def test_two_slices_are_one_verdict_and_each_apart(bench, capsys):
+    # The default draws on 64 and 256 chips (issue 27's range): the criterion's shares are
+    # over every plan of both, each slice's printed apart, each model line by its chips.
+    def row(plan: int, collectives: bool, ratio: float) -> dict:
+        return dict(
+            model="gpt", plan=plan, mesh={"data": 8}, stages=0, microbatches=1, schedule="",
+            zero=0, remat=False, collectives=collectives, mismatches=[],
+            predicted_memory=ratio * 2**20, xla_memory=2**20, memory_ratio=ratio,
+            predicted_flops_as_xla=1.0, xla_flops=1.0, flops_ratio=1.0, seconds=1.0,
+        )  # fmt: skip
+
+    results = [
+        {"model": "gpt", "target": "v5p:2x2x2", "rows": [row(0, True, 1.0), row(1, True, 1.0)]},
+        {"model": "gpt", "target": "v5p:2x2x1", "rows": [row(0, False, 1.0), row(1, True, 1.5)]},
+    ]
+    verdict = bench.report(results)
+    text = capsys.readouterr().out
+    assert verdict["plans"] == 4
+    assert verdict["collectives"] == 3 / 4 and verdict["memory"] == 3 / 4
+    each = verdict["per_target"]
+    assert each["v5p:2x2x2"]["collectives"] == each["v5p:2x2x2"]["memory"] == 1.0
+    assert each["v5p:2x2x1"]["collectives"] == each["v5p:2x2x1"]["memory"] == 0.5
+    assert "gpt@8" in text and "gpt@4" in text
+    assert "on v5p:2x2x1: collectives 50%, memory 50% of 2 plans" in text
