@@ -20,18 +20,19 @@ per plan, the fractions, the most common collective disagreements and the worst 
 ones. Deterministic by seed.
 
 Which buffer assignment: XLA's TPU compiler schedules within the HBM it is told a chip
-has (`automap._verify._hbm`). Given a whole v5p chip, of which these programs fill under
+has (`automap._run._hbm`). Given a whole v5p chip, of which these programs fill under
 2%, its scheduler spends the rest on overlap (a float32 gpt's weight-gradient matmuls run
 inside the update's all-gathers, after the whole backward, every recomputed activation
-held until then); held to less, it schedules to fit. So each one-program plan is also
+held until then); held to less, it schedules to fit. So each plan is also
 compiled with each chip's HBM held to its priced peak + 15% (`verify(hbm_bytes=...)`,
 XLA's own rematerialization off, so the program is the plan's: its FLOPs x1.000), as a
 plan that fills its chip is compiled. A plan is within 15% (`memory_in`) where the priced
 peak is within 15% of XLA's buffer assignment in either compile: XLA's peak for the plan
 lies between the two with the HBM it is given. Out: priced under what XLA needs even when
 pressed (or XLA cannot fit it in the priced peak + 15%), or over what it holds with the
-whole chip. Pipelines are compiled once, with the whole chip (the runtime compiles their
-programs). Both figures are printed apart too.
+whole chip. A pipeline's programs are each held to the HBM its stage leaves them beside
+what the runtime holds there (its largest stage's priced peak + 15% a chip). Both figures
+are printed apart too.
 
 Models, sized so a chip holds MiB-scale arrays and one compile takes ~20-60 s on two
 cores: "gpt" (the zoo's GPT, 4 layers, hidden 512, seq 128, float32) and "llama" (the
@@ -107,7 +108,7 @@ def bench_model(
     def show(plan, report) -> dict | None:
         for why in report.mismatches:
             print(f"{'':>13}{why}", flush=True)
-        return None if plan.pipelined else held_to_priced(step, args, plan, report, target)
+        return held_to_priced(step, args, plan, report, target)
 
     rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show, only)
     return {"model": name, "target": target, "rows": rows}
@@ -144,7 +145,7 @@ def _within(ratio: float | None) -> bool:
 def memory_in(row: dict) -> bool:
     """The criterion's test of one plan: the priced peak within 15% of XLA's buffer
     assignment with the chip's whole HBM, or with it held to the priced peak + 15%
-    (`held_to_priced`; one-program plans). XLA's peak for a plan moves with the HBM it
+    (`held_to_priced`). XLA's peak for a plan moves with the HBM it
     is given, between those two (its scheduler spends what is free on overlap, and
     under pressure schedules to fit); a price within 15% of one of them is a schedule
     XLA makes. Out: priced under what XLA needs even when pressed (or it cannot fit the
@@ -189,7 +190,7 @@ def report(results: list[dict]) -> dict:
     print(
         f"memory within 15% of XLA's buffer assignment with the chip's whole HBM: "
         f"{v['memory_whole_chip']:.0%} of {v['plans']}; with the HBM held to the priced "
-        f"peak + 15%: {v['memory_held'][0]} of {v['memory_held'][1]} one-program plans"
+        f"peak + 15%: {v['memory_held'][0]} of {v['memory_held'][1]} plans"
     )
     if several:  # each slice's shares apart, then the criterion's over all of them
         v["per_target"] = {t: verdict([r for r in results if r["target"] == t]) for t in targets}

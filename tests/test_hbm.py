@@ -1,5 +1,5 @@
 """verify(hbm_bytes=...): a TPU program compiled for a chip with only so much HBM
-(`automap._verify._hbm`), as XLA compiles a plan that fills the chip."""
+(`automap._run._hbm`), as XLA compiles a plan that fills the chip."""
 
 import json
 
@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 import automap as am
 from automap import ApplyError, CompiledOutOfMemoryError
 from automap._cli import app
-from automap._verify import hbm_options, out_of_hbm, verify
+from automap._run import hbm_options, out_of_hbm
+from automap._verify import verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
 
@@ -99,3 +100,30 @@ def test_automap_verify_holds_a_tpus_hbm_and_says_when_it_cannot_fit(tmp_path, m
     out = CliRunner().invoke(app, [*verify_on, "0.001"])
     assert out.exit_code != 0
     assert "XLA's TPU compiler cannot fit this plan in 1.0 MiB of HBM a chip" in out.output
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.slow  # a two-stage pipeline compiled three times for 4 v5p chips: ~40 s
+def test_a_pipelines_programs_are_compiled_within_the_hbm_their_stage_leaves():
+    # GPipe over 2 stages x data 2 on v5p 2x2x1: each stage's programs run beside what
+    # the runtime holds on its chips (the other microbatch's activations, the stage's
+    # parameters and state when a program does not read them), so each is compiled
+    # within the chip's HBM less that. The same programs (FLOPs, collectives), each
+    # stage's figure within the chip; below what a stage holds between its programs,
+    # nothing fits.
+    spec = get_model(
+        "gpt2-xl", layers=2, hidden=256, heads=4, seq=128, batch=32, vocab=512, dtype="float32"
+    )
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    recipe = am.Recipe(pp=2, dp=2, microbatches=2, remat="full")
+    plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
+    free = verify(step, plan, *args, target="v5p:2x2x1")
+    hbm = 1.15 * free.predicted_memory_bytes
+    held = verify(step, plan, *args, target="v5p:2x2x1", hbm_bytes=hbm)
+    assert held.collectives_match and held.xla_comm_bytes == free.xla_comm_bytes
+    assert held.stage_flops == free.stage_flops
+    assert all(xla <= hbm for _, xla in held.stage_memory_bytes)
+    assert "compiled as if each chip had" in held.summary()
+    with pytest.raises(CompiledOutOfMemoryError, match=r"cannot fit in .* between its programs"):
+        verify(step, plan, *args, target="v5p:2x2x1", hbm_bytes=0.1 * free.predicted_memory_bytes)

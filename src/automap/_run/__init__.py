@@ -15,6 +15,8 @@ from ._distributed import rows_in_process_order as rows_in_process_order
 from ._distributed import send as send
 from ._distributed import send_program as send_program
 from ._executors import SegmentProgram as SegmentProgram
+from ._hbm import hbm_options as hbm_options
+from ._hbm import out_of_hbm as out_of_hbm
 from ._interpret import eval_graph as eval_graph
 from ._interpret import run_graph as run_graph
 from ._pipelined import apply_pipeline as apply_pipeline

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .._pipeline import Phase
 from ._distributed import move
+from ._hbm import hbm_options, no_room, out_of_hbm
 from ._segments import Segment
 
 
@@ -88,8 +89,11 @@ class Dry(Live):
     for the shardings the live step would give its inputs (a jitted segment is compiled
     once per input signature, as jit's cache does), counted per run, and not run."""
 
-    def __init__(self, meshes: list[Mesh]) -> None:
+    def __init__(self, meshes: list[Mesh], hbm: float | None = None) -> None:
         self._meshes = meshes
+        # A TPU chip's HBM to compile each program within (`_hbm.py`): what the stage
+        # holds beside the program when it is first compiled taken off (None: a whole chip)
+        self._hbm = hbm
         self._found: dict[Any, tuple[int, str, Any]] = {}
         self._runs: dict[Any, int] = {}
         self._held: Callable[[], list[Any]] = list
@@ -100,19 +104,23 @@ class Dry(Live):
     def watch(self, held: Callable[[], list[Any]]) -> None:
         self._held = held
 
+    def _kept(self, stage: int, values: list[Any]) -> int:
+        """Bytes per device the stage holds beside a program run on `values`."""
+        devices = set(self._meshes[stage].devices.flat)
+        args = {id(v) for v in values}
+        others = {id(v): v for v in self._held() if id(v) not in args}
+        return sum(
+            _device_bytes(v)
+            for v in others.values()
+            if getattr(v, "sharding", None) is not None and v.sharding.device_set <= devices
+        )
+
     def _note_peak(self, stage: int, compiled: Any, values: list[Any]) -> None:
         """The stage's bytes per device while `compiled` runs on `values`."""
         stats = compiled.memory_analysis()
         if stats is None:
             return
-        devices = set(self._meshes[stage].devices.flat)
-        args = {id(v) for v in values}
-        others = {id(v): v for v in self._held() if id(v) not in args}
-        kept = sum(
-            _device_bytes(v)
-            for v in others.values()
-            if getattr(v, "sharding", None) is not None and v.sharding.device_set <= devices
-        )
+        kept = self._kept(stage, values)
         own = (
             stats.argument_size_in_bytes
             + stats.output_size_in_bytes
@@ -139,11 +147,28 @@ class Dry(Live):
     ) -> list[Any]:
         key = (key, tuple((v.shape, v.dtype, v.sharding) for v in values))
         if key not in self._found:
-            self._found[key] = (stage, kind, jitted.lower(*values).compile())
+            self._found[key] = (stage, kind, self._compiled(stage, jitted, values))
         self._runs[key] = self._runs.get(key, 0) + 1
         self._note_peak(stage, self._found[key][2], values)
         outs = self._found[key][2].out_info
         return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding) for o in outs]
+
+    def _compiled(self, stage: int, jitted: Callable, values: list[Any]) -> Any:
+        """`jitted` compiled for `values`, within the chip's HBM less what the stage holds
+        beside it where a limit is given."""
+        lowered = jitted.lower(*values)
+        if self._hbm is None:
+            return lowered.compile()
+        kept = self._kept(stage, values)
+        if kept >= self._hbm:
+            raise no_room(self._hbm, kept)
+        try:
+            return lowered.compile(hbm_options(self._hbm - kept))
+        except Exception as e:
+            short = out_of_hbm(e, self._hbm, besides=kept)
+            if short is None:
+                raise
+            raise short from None
 
     def call(
         self, seg: Segment, jitted: Callable, values: list[Any], adding: bool = False

@@ -112,8 +112,9 @@ def apply_pipeline(fn: Callable, plan: Plan, devices: Sequence[Any] | None = Non
     # outputs whole to every process (every process calls it).
     run.gather = lambda tree: gather(tree, meshes)  # type: ignore[attr-defined]
     run.prepare = prepare  # type: ignore[attr-defined]
-    run.compile = lambda *args: prepare(*args).compile(args)  # type: ignore[attr-defined]
-    run.memory = lambda *args, live=False: prepare(*args).memory(args, live)  # type: ignore[attr-defined]
+    # `hbm`: each TPU program compiled within that HBM a chip (`Dry`), as if it filled it
+    run.compile = lambda *args, hbm=None: prepare(*args).compile(args, hbm)  # type: ignore[attr-defined]
+    run.memory = lambda *args, live=False, hbm=None: prepare(*args).memory(args, live, hbm)  # type: ignore[attr-defined]
     run.trace = ()  # type: ignore[attr-defined]
     return run
 
@@ -372,12 +373,14 @@ class _Pipeline(Accumulation):
         ]
         return jax.tree_util.tree_unflatten(graph.out_tree, flat)
 
-    def compile(self, args: tuple) -> tuple[SegmentProgram, ...]:
+    def compile(self, args: tuple, hbm: float | None = None) -> tuple[SegmentProgram, ...]:
         """Every program one step on `args` runs, compiled as the step would compile it
         (same jitted segments, same input shardings), without running anything."""
-        return tuple(self._dry(args).programs.values())
+        return tuple(self._dry(args, hbm).programs.values())
 
-    def memory(self, args: tuple, live: bool = False) -> tuple[float, ...]:
+    def memory(
+        self, args: tuple, live: bool = False, hbm: float | None = None
+    ) -> tuple[float, ...]:
         """Per stage, the peak bytes per device of one step on `args`: at each program
         the stage runs, XLA's buffer assignment of that program (arguments + outputs +
         temporaries - aliased; `live`: XLA's TPU live peak of it, `peak_memory_in_bytes`)
@@ -386,18 +389,18 @@ class _Pipeline(Accumulation):
         optimizer state the program does not read); the largest.
         With virtual stages (interleaved), a stage's devices hold every chunk they run: each
         stage gets its devices' peak over the programs of all their chunks."""
-        dry = self._dry(args)
+        dry = self._dry(args, hbm)
         peak, groups = dry.live if live else dry.peak, len(self.meshes) // self.plan.virtual_stages
         return tuple(max(peak[p % groups :: groups]) for p in range(len(peak)))
 
-    def _dry(self, args: tuple) -> Dry:
+    def _dry(self, args: tuple, hbm: float | None = None) -> Dry:
         """The step walked on abstract values: once per argument structure (its programs
         and peaks are those of any arguments of these shapes)."""
         leaves = jax.tree.leaves(args) if self.feed is None else self.feed.global_leaves
         abstract = tuple(jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x)) for x in leaves)
-        key = tuple((x.shape, x.dtype) for x in abstract)
+        key = (*((x.shape, x.dtype) for x in abstract), hbm)
         if key not in self.dry_runs:
-            dry = Dry(self.meshes)
+            dry = Dry(self.meshes, hbm)
             self._step(abstract, dry)
             self.dry_runs[key] = dry
         return self.dry_runs[key]

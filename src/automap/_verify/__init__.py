@@ -22,8 +22,6 @@ from ._flops import predicted_stage_flops as predicted_stage_flops
 from ._flops import xla_counted_flops as xla_counted_flops
 from ._gpu import gpu_devices as gpu_devices
 from ._gpu import target_config as target_config
-from ._hbm import hbm_options as hbm_options
-from ._hbm import out_of_hbm as out_of_hbm
 from ._hlo import axis_of as axis_of
 from ._hlo import comm_bytes as comm_bytes
 from ._hlo import parse_collectives as parse_collectives

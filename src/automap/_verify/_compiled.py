@@ -28,7 +28,7 @@ from .._capture import capture
 from .._cost import estimate_pipeline
 from .._errors import ApplyError
 from .._plan import Plan
-from .._run import Prepared, apply_pipeline, make_mesh, validate_plan
+from .._run import Prepared, apply_pipeline, hbm_options, make_mesh, out_of_hbm, validate_plan
 from ._compare import (
     as_on_cpu,
     collective_bytes,
@@ -43,7 +43,6 @@ from ._compare import (
 )
 from ._flops import compiled_flops, predicted_flops, predicted_stage_flops, ratio_note
 from ._gpu import gpu_devices
-from ._hbm import hbm_options, out_of_hbm
 from ._hlo import comm_bytes
 from ._numerics import compare_outputs, reordered
 from ._report import VerifyReport
@@ -153,8 +152,9 @@ def verify(
     compiling the same program again (a large model compiled for a GPU or TPU takes
     tens of seconds). One-program plans only: a pipeline's programs are its runtime's.
 
-    `hbm_bytes` (a TPU target, one program): compile as if each chip had that much HBM
-    (`_hbm.py`); where XLA cannot fit the plan there, `CompiledOutOfMemoryError`.
+    `hbm_bytes` (a TPU target): compile as if each chip had that much HBM
+    (`_run/_hbm.py`; a pipeline stage's programs each within what the stage holds beside
+    it leaves); where XLA cannot fit the plan there, `CompiledOutOfMemoryError`.
     """
     _check_hbm(plan, target, compiled, hbm_bytes)
     if plan.pipelined:
@@ -163,7 +163,7 @@ def verify(
                 "verify(compiled=...) takes one program, but a pipeline plan runs several: "
                 "call verify without it and it compiles each stage's programs"
             )
-        return _verify_pipeline(fn, plan, args, cluster, target)
+        return _verify_pipeline(fn, plan, args, cluster, target, hbm_bytes)
     validate_plan(plan)
 
     graph = capture(fn, *args)  # once, for the cost model, constraints and the fingerprint
@@ -219,10 +219,10 @@ def _check_hbm(plan: Plan, target: str | None, compiled: Any, hbm_bytes: float |
             f"verify(hbm_bytes=...) limits what XLA's TPU compiler may use: give a TPU "
             f"target (e.g. target='v5p:4x4x4'), not {target!r}"
         )
-    if plan.pipelined or compiled is not None:
+    if compiled is not None:
         raise ApplyError(
-            "verify(hbm_bytes=...) compiles one program under the limit itself: not with "
-            "a pipeline plan (its runtime compiles its programs) or compiled=..."
+            "verify(hbm_bytes=...) compiles the plan under the limit itself: not with "
+            "compiled=... (drop it, or the limit)"
         )
 
 
@@ -270,7 +270,12 @@ def _check_compiled(compiled: Any, plan: Plan, target: str | None) -> None:
 
 
 def _verify_pipeline(
-    fn: Callable, plan: Plan, args: tuple, cluster: Any = None, target: str | None = None
+    fn: Callable,
+    plan: Plan,
+    args: tuple,
+    cluster: Any = None,
+    target: str | None = None,
+    hbm: float | None = None,
 ) -> VerifyReport:
     """A pipeline plan runs as several XLA programs, not one: per stage its "pre", "F",
     "B" and "post" segments on the stage's sub-mesh, F and B once per microbatch, and
@@ -282,11 +287,12 @@ def _verify_pipeline(
     one-program plans. Stage-to-stage sends are `jax.device_put`s, not XLA collectives:
     they are left out of both sides. With concrete arguments the pipeline is also run
     and compared with the one-device step. With `target` the programs are compiled for
-    that GPU (`_gpu.py`) and held against its cost model; nothing runs."""
+    that GPU (`_gpu.py`) and held against its cost model; nothing runs. `hbm`: each TPU
+    chip's HBM, each program compiled within what its stage holds beside it leaves."""
 
     run = apply_pipeline(fn, plan, _devices(plan, target))
     pipe = run.prepare(*args)  # traces, partitions and checks the plan
-    programs = run.compile(*args)
+    programs = run.compile(*args, hbm=hbm)
     xla: dict[str, float] = {}
     overlapped: dict[str, float] = {}  # of those, what compute overlaps (`_schedule.py`)
     extra = set()  # programs that are not segments: microbatches joined or summed
@@ -305,7 +311,7 @@ def _verify_pipeline(
     pc = estimate_pipeline(model, plan)
     predicted = pipeline_predicted(pc)
     stages = range(len(plan.stages))
-    held = run.memory(*args)  # the same abstract walk as run.compile: compiled once
+    held = run.memory(*args, hbm=hbm)  # the same abstract walk as run.compile: compiled once
     memory = tuple((float(pc.stage_memory_bytes[s]), float(held[s])) for s in stages)
     largest = max(stages, key=lambda s: memory[s][0])
     parts = stage_memory_parts(pipe, programs, largest, pc.in_flight[largest])
@@ -328,6 +334,8 @@ def _verify_pipeline(
     ]
     if overlapped:
         notes.append(_overlap_note(overlapped))
+    if hbm:
+        notes.append(_hbm_note(hbm))
     if extra:
         notes.append(
             "the runtime also combines microbatches in programs of its own "
@@ -347,7 +355,9 @@ def _verify_pipeline(
         tuple(notes),
         predicted_memory_bytes=max(m[0] for m in memory),
         xla_memory_bytes=None if any(m[1] is None for m in memory) else max(m[1] for m in memory),
-        xla_live_peak_bytes=max(run.memory(*args, live=True)) if is_tpu_target(target) else None,
+        xla_live_peak_bytes=max(run.memory(*args, live=True, hbm=hbm))
+        if is_tpu_target(target)
+        else None,
         predicted_memory_breakdown={k: float(v) for k, v in pc.stage_memory[largest].items()},
         xla_memory_breakdown=parts,
         predicted_flops=flops[busiest][0],

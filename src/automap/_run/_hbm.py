@@ -57,14 +57,29 @@ def hbm_options(hbm_bytes: float) -> dict[str, int]:
     return {_LIMIT: math.ceil(hbm_bytes / MIB), **_NO_REMAT}
 
 
-def out_of_hbm(error: Exception, hbm_bytes: float) -> CompiledOutOfMemoryError | None:
+def no_room(hbm_bytes: float, besides: float) -> CompiledOutOfMemoryError:
+    """A pipeline stage that holds `besides` between its programs, no less than the
+    chip's `hbm_bytes`: no program fits beside it."""
+    return CompiledOutOfMemoryError(
+        f"this plan cannot fit in {hbm_bytes / MIB:.1f} MiB of HBM a chip: a pipeline "
+        f"stage holds {besides / MIB:.1f} MiB between its programs; give more HBM, or a "
+        "plan that holds less (more stages, fewer microbatches in flight, ZeRO, remat)",
+        used_bytes=besides,
+        limit_bytes=hbm_bytes,
+    )
+
+
+def out_of_hbm(
+    error: Exception, hbm_bytes: float, besides: float = 0.0
+) -> CompiledOutOfMemoryError | None:
     """XLA's error that the program does not fit in `hbm_bytes`, as one line a user can
-    act on; None for any other error."""
+    act on; None for any other error. `besides`: what the chip holds beside the program
+    (a pipeline stage's values between its programs), which XLA was given less HBM for."""
     found = _USED.search(str(error))
     if "RESOURCE_EXHAUSTED" not in str(error) or found is None:
         return None
     size, unit = (found.group(1), found.group(2)) if found.group(1) else found.group(3, 4)
-    used = float(size) * _UNIT[unit]
+    used = float(size) * _UNIT[unit] + besides
     return CompiledOutOfMemoryError(
         f"XLA's TPU compiler cannot fit this plan in {hbm_bytes / MIB:.1f} MiB of HBM a "
         f"chip: it needs at least {used / MIB:.1f} MiB with its own rematerialization off; "
