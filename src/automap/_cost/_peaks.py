@@ -26,7 +26,7 @@ def reduction_copy(zero_size: float, lowering: Lowering, param_bytes: float) -> 
     over two axes one after the other), else a whole bucket. That is min(reduced, bucket)
     but for a plan that reduces less than a bucket of a model that has more, at most a
     bucket over; and linear, as the shard ILP's memory points must be (`param_bytes`: the
-    model's unsplit parameter bytes). None where the backend reduces each combined operand
+    model's unsplit parameter bytes). Nothing where the backend reduces each combined operand
     in place (`Lowering.concatenates_combined`: XLA's TPU)."""
     if zero_size and lowering.reduce_scatter:
         return 1.0 / zero_size, 0.0
