@@ -46,7 +46,7 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
 
 Figures, plan by plan, and what each run found: `bench_tpu_fidelity_log.md` beside
-this script and BENCHMARKS.md ("Random plans compiled for a 64-chip TPU v5p slice").
+this script and BENCHMARKS.md ("Random plans compiled for 64- and 256-chip TPU v5p slices").
 """
 
 from __future__ import annotations
