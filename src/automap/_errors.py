@@ -51,8 +51,9 @@ class SaveWarning(UserWarning):
 
 class CompiledOutOfMemoryError(ApplyError):
     """XLA could not fit a plan's program in the memory per device it was given
-    (`verify(hbm_bytes=...)`): `used_bytes` is what XLA said the program needs at least,
-    `limit_bytes` what it was given; None where not known (the error rebuilt from its
+    (`verify(hbm_bytes=...)`): `used_bytes` is what a chip needs at least (XLA's figure
+    for the program, with what a pipeline stage holds beside it), `limit_bytes` the HBM a
+    chip was given; None where not known (the error rebuilt from its
     message in the process that ran verify in a subprocess)."""
 
     def __init__(

@@ -11,7 +11,8 @@ with its backward (priced: 269 MiB; `benchmarks/read_buffer_assignment.py --matm
 lists where each matmul runs). A model of 0.3% of a chip's 95 GiB is scheduled as no
 model that fills a chip can be, and the plans a planner returns fill the chip.
 `verify(hbm_bytes=...)` compiles a plan as if it filled the chip: XLA's scheduler held to
-`hbm_bytes` a chip.
+`hbm_bytes` a chip. A pipeline stage's programs run beside what the runtime holds on its
+chips, so the runtime's abstract walk (`_executors.Dry`) gives each what that leaves.
 
 Pressed, XLA also recomputes values of its own (its rematerialization pass) to fit: 18%
 more FLOPs on a bf16 Llama under ZeRO-3 held to 1.15x its priced peak. That is another

@@ -209,7 +209,7 @@ def verify(
 
 
 def _check_hbm(plan: Plan, target: str | None, compiled: Any, hbm_bytes: float | None) -> None:
-    """`hbm_bytes`, where given, is a TPU compile's, of one program that verify compiles
+    """`hbm_bytes`, where given, is a TPU compile's, of the program(s) verify compiles
     itself: with a whole chip free XLA's scheduler spends it on overlap, as it cannot for
     a plan that fills the chip, and XLA's own rematerialization is turned off."""
     if hbm_bytes is None:
@@ -241,7 +241,8 @@ def _compile_within(fn, plan, args, graph, target, hbm_bytes) -> tuple[Prepared,
 def _hbm_note(hbm_bytes: float) -> str:
     return (
         f"compiled as if each chip had {hbm_bytes / 2**20:.1f} MiB of HBM, XLA's own "
-        "rematerialization off: its scheduler holds the program within that"
+        "rematerialization off: its scheduler holds each program within that (a pipeline "
+        "stage's, within what the stage holds beside it leaves)"
     )
 
 
