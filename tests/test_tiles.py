@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import automap as am
-from automap._cost import CostModel, minor_split, tiled_bytes
+from automap._cost import PADDED_MOST, CostModel, minor_split, row_padding, tiled_bytes
 from automap._zoo import get_model
 
 
@@ -181,3 +181,20 @@ def test_a_tpu_lays_a_zero3_tie_run_of_gradients_as_its_last_strict_member(zloca
     # a run in which no member pads less either way keeps the dots' order
     square = np.array([[128.0, 128.0]] * n)
     assert minor_split(*args[:3], square * 4, square, runs).all()
+
+
+# Read from libtpu 0.0.42.1 on v5p 4x8x8 at data 128 x model 2: a dot's bf16 or f32
+# [lanes, 128 x rows] gradient pinned to P(None, "data"), each shard's rows padded to the
+# rows given (and permuted home), or all-reduced whole (None) where that pads over half.
+@pytest.mark.parametrize(
+    ("lanes", "rows", "padded"),
+    [(512, 6, 8), (512, 7, 8), (512, 8, 8), (512, 11, 16), (512, 12, 16), (512, 20, 24),
+     (512, 5, None), (512, 10, None), (256, 20, 24), (2048, 6, 8), (128, 12, 16),
+     (128, 22, 32), (128, 24, 32), (128, 40, 48), (128, 20, None), (128, 21, None),
+     (384, 24, 32), (384, 20, None)],
+)  # fmt: skip
+def test_a_tpu_pads_a_row_split_zero_shard_to_whole_chunks(lanes, rows, padded):
+    zlocal = np.array([[lanes, rows]], dtype=float)
+    on_rows, of, to = row_padding(zlocal, zlocal * [1, 128], np.array([2]), 2048)
+    assert on_rows[0] and of[0] == rows
+    assert (to[0] if to[0] <= PADDED_MOST * rows else None) == padded

@@ -571,6 +571,28 @@ def test_a_tpu_on_rings_of_four_scatters_zero_gradients_by_their_shards_rows():
     assert report.xla_comm_bytes.get("all-reduce@data", 0) < 2**15  # the norms' alone
 
 
+@pytest.mark.slow  # compiled for 32 v5p chips: ~10 s on two loaded cores
+def test_a_tpu_pads_a_zero_gradients_rows_to_whole_chunks_and_permutes_them_home():
+    # A 1-layer bf16 Llama (hidden 512, ffn 192), the batch on data 16 x model 2 of a v5p
+    # 4x4x2, ZeRO-1: the down kernel's gradient [192, 512] is split 16 ways on its rows,
+    # 12 a shard. XLA pads each shard to 16 rows (whole chunks of 2048 elements in (8, 128)
+    # tiles: `_tiles.row_padding`), reduce-scatters the padded [256, 512], then moves each
+    # device's 12 rows to it with collective-permutes, one per distance: three of 16 rows
+    # and the farthest's last 12 (llama plan 9 of the TPU bench on 256 chips: 1536 rows
+    # over 128 chips, 31 permutes of 16 rows and one of 12 a gradient).
+    step, args, graph, groups = _small_llama(dtype="bfloat16", hidden=512, ffn=192, batch=32)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    mesh, wanted = {"data": 16, "model": 2}, {groups.of(batch, 0): "data"}
+    plan = plan_from_assignment(graph, groups, mesh, wanted, zero_stage=1)
+    report = verify(step, plan, *args, target="v5p:4x4x2")
+    assert report.collectives_match, report.mismatches
+    xla, priced = report.xla_comm_bytes, report.predicted_comm_bytes
+    assert xla["collective-permute@data"] == (3 * 16 + 12) * 512 * 2
+    assert priced["collective-permute@data"] == xla["collective-permute@data"]
+    padding = (256 - 192) * 512 * 2
+    assert priced["reduce-scatter@data"] == xla["reduce-scatter@data"] > padding
+
+
 @pytest.mark.slow  # compiled for 4 v5p chips: ~15 s on two loaded cores
 def test_a_tpu_lays_a_zero3_tie_run_of_gradients_alike():
     # A 2-layer bf16 Llama (hidden 512, ffn 1792), the batch on data 4 of a v5p 2x2x1,

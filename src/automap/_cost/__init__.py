@@ -68,7 +68,9 @@ from ._terms import moments_held as moments_held
 from ._terms import prefetch_sides as prefetch_sides
 from ._terms import reduction_shares as reduction_shares
 from ._terms import update_reductions as update_reductions
+from ._tiles import PADDED_MOST as PADDED_MOST
 from ._tiles import minor_split as minor_split
+from ._tiles import row_padding as row_padding
 from ._tiles import tiled_bytes as tiled_bytes
 from ._torus import axis_links as axis_links
 from ._torus import axis_torus_dims as axis_torus_dims

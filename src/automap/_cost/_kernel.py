@@ -25,6 +25,7 @@ import numpy as np
 from .._lowering import Lowering
 from . import _collectives as C
 from ._rows import RowTable
+from ._tiles import ZeroScatter
 
 
 @dataclasses.dataclass
@@ -283,7 +284,7 @@ def totals(
     zero_count: int,
     lowering: Lowering,
     trips: np.ndarray | None = None,
-    kept_whole: float = 0.0,
+    scatter: ZeroScatter | None = None,
     update_bytes: float = 0.0,
     tied_bytes: float = 0.0,
     split=None,
@@ -295,9 +296,9 @@ def totals(
     over the data axis' `zero_mask` becomes a reduce-scatter of the same buffer (where the
     backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
-    layout: a body's are reduced inside the loop, per trip. `kept_whole`: the bytes of
-    those gradients the backend all-reduces whole all the same
-    (`_tiles.whole_reduced_bytes`). `update_bytes`: what the update's own sums over ZeRO's
+    layout: a body's are reduced inside the loop, per trip. `scatter`: where the backend
+    departs from a plain reduce-scatter of those gradients (`_tiles.whole_reduced_bytes`):
+    the bytes it all-reduces whole all the same, the rows it pads, the permutes after. `update_bytes`: what the update's own sums over ZeRO's
     split all-reduce over it (`_terms.update_reductions`), one more collective.
     `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO
     reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`). `split`: the gradients
@@ -312,11 +313,13 @@ def totals(
         if split is not None:
             s[3:, rs] -= (split.removed, split.removed_rows)
             s[3:, ar] += (split.pieces, split.piece_rows)
-        kept = min(kept_whole, s[3, rs])
+        scatter = scatter or ZeroScatter()
+        kept = min(scatter.whole, s[3, rs])
         if kept > 0:
             s[3, [rs, ar]] += (-kept, kept)
             s[4, ar] = 1.0
             s[4, rs] = float(s[3, rs] > 0)
+        s[3, rs] += scatter.padding if s[3, rs] > 0 else 0.0
     trips = np.ones(1) if trips is None else trips
     g_time, g_bytes, calls = combined_times(s, ac, trips)
     time = s[0, :n] + g_time.sum(axis=0)
@@ -327,6 +330,11 @@ def totals(
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
+    if zero_mask and scatter is not None and scatter.permutes:
+        i = C.CP * ac.masks + zero_mask
+        time[i] += ac.time1(C.CP, zero_mask, scatter.permute_bytes, scatter.permutes)
+        nbytes[i] += scatter.permute_bytes
+        count[i] += scatter.permutes
     for axis, piece, permutes in split.permutes if zero_mask and split is not None else ():
         i = C.CP * ac.masks + (zero_mask | int(ac.bit[axis]))
         time[i] += ac.time1(C.CP, zero_mask | int(ac.bit[axis]), piece, permutes)

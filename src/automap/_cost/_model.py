@@ -499,9 +499,9 @@ class CostModel:
             count,
             self.cluster.lowering,
             gradient_trips(self.coefs, L, self.tables.combine_trips),
-            self._tile_memo.kept_whole(self.cluster, st.codes, st.mesh, ac.sizes, d, L.zero_stage)
+            self._tile_memo.zero_scatter(self.cluster, st.codes, st.mesh, ac.sizes, d, L.zero_stage)
             if zero_mask
-            else 0.0,
+            else None,
             float(update_reductions(self.coefs, L)) if zero_mask else 0.0,
             K.tied_bytes(self.tables.tied_partial, st, ac, d, L.zero_stage) if zero_mask else 0.0,
             split if zero_mask else None,

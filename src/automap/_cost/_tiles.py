@@ -235,6 +235,17 @@ def beside_axis(dims, rank, code, sizes: np.ndarray, data: int) -> np.ndarray:
     return axis
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroScatter:
+    """How XLA's TPU moves one plan's ZeRO gradients, where it departs from a plain
+    reduce-scatter of each (bytes per device; `whole_reduced_bytes`)."""
+
+    whole: float = 0.0  # gradients all-reduced whole
+    padding: float = 0.0  # rows added to those reduce-scattered padded (`row_padding`)
+    permute_bytes: float = 0.0  # the collective-permutes that move padded shards home
+    permutes: int = 0
+
+
 def whole_reduced_bytes(
     table: TileTable,
     codes,
@@ -244,8 +255,8 @@ def whole_reduced_bytes(
     ring: int,
     least: int,
     tied: bool = False,
-) -> float:
-    """Bytes per device of the ZeRO gradients XLA's TPU compiler all-reduces whole rather
+) -> ZeroScatter:
+    """The ZeRO gradients XLA's TPU compiler all-reduces whole rather
     than reduce-scatters (`Lowering.scatter_least_elements`, `least`): a parameter the
     data axis (code `data`, its groups spanning `spans` torus dimensions) does not split,
     whose ZeRO shard (`_zero_local`) is 1-D, has no dim of 128 lanes with another of 16
@@ -264,9 +275,11 @@ def whole_reduced_bytes(
     [8, 256] scattered, [8, 128] not), 128 lanes only where no dot writes the gradient
     (`x.sum(0)`'s [16, 64] shards lie on the lanes: whole); on 2x2x2, rings of 2, f32
     [16, 128], [8, 512] and bf16 [16, 64] stay whole: the rule per dimension spanned.
+    Over long rings a 2-D shard split on its rows is first padded to whole chunks
+    (`row_padding`), or kept whole where that pads it by over half.
     `tied`: ZeRO-3, whose runtime ties lay runs of gradients alike (`minor_split`)."""
     if not (data and least and spans):
-        return 0.0
+        return ZeroScatter()
     local = _local(table, codes, sizes)
     zlocal = _zero_local(table, local, codes, sizes[data], data)
     code = codes[table.groups]
@@ -283,8 +296,12 @@ def whole_reduced_bytes(
         # lies on the lanes (x.sum(0)'s [512, 64], split 32 ways, laid {0,1}: whole)
         written = table.grad_itemsize > 0 if table.grad_itemsize is not None else ~real[:, 0]
         sized &= lanes | written
+        on_rows, rows_of, rows_to = row_padding(zlocal, local, table.rank, least)
+        sized = np.where(on_rows, rows_to <= PADDED_MOST * rows_of, sized)
     else:
         sized = lanes & rows & (elements >= least * spans)
+        on_rows, rows_of = np.zeros(len(sized), dtype=bool), np.ones(len(sized))
+        rows_to = rows_of
     scattered = (
         (table.rank >= 2)
         & sized
@@ -305,7 +322,58 @@ def whole_reduced_bytes(
     whole = (
         free & ~scattered & ~(cand & (beside_axis(table.dims, table.rank, code, sizes, data) > 0))
     )
-    return float((local.prod(axis=1) * itemsize)[whole].sum())
+    nbytes = local.prod(axis=1) * itemsize
+    padded = free & scattered & on_rows & ~whole
+    moves = _padded_moves(rows_of, rows_to, nbytes, padded, int(sizes[data]))
+    return ZeroScatter(float(nbytes[whole].sum()), *moves)
+
+
+#: Over long rings XLA's TPU reduce-scatters a 2-D gradient split on its rows in chunks of
+#: whole (8, 128) tiles of `Lowering.scatter_least_elements` (2048) elements: a shard of
+#: other rows is padded to the next (bf16 [512, 12] shards over 128 chips to [512, 16]:
+#: one all-reduce of the padded [512, 2048] and a slice), then moved to the device owning
+#: its rows by collective-permutes, one per distance a shard moves: the padded shard, and
+#: the last one's rows in the farthest. Where that pads a shard by over this share, it
+#: is all-reduced whole. libtpu 0.0.42.1, v5p 4x8x8, data 128 x model 2 (and 4x4x4 at
+#: data 32 x model 2), a dot's bf16 or f32 [H, 128 r] gradient pinned to P(None, "data"):
+#: at H = 512, r = 6, 7, 11, 12, 13, 20 padded to 8, 8, 16, 16, 16, 24 (32, 16, 40, 32, 24,
+#: 22 permutes), r = 5 and 10 whole; at H = 128 and 384 (3 lane tiles) r = 12, 22, 24 to
+#: 16, 32, 32, r = 20 and 21 whole. Past 6 chunks XLA sometimes pads further: at H = 512
+#: r = 52 and 56 went to 64 and r = 72 to 80 over 128 chips (not over 32), not priced.
+PADDED_MOST = 1.5
+
+
+def row_padding(zlocal, local, rank: np.ndarray, least: int) -> tuple[np.ndarray, ...]:
+    """Per array of ZeRO shard dims `zlocal` ([T, R]) of dims `local` and `rank`: whether
+    it is a 2-D shard split on its smaller dim, laid on the rows (as it pads least,
+    `_padding`: a lane tile's 128 or more on the lanes), that dim's rows, and those rows
+    padded to whole chunks of `least` elements of (8, 128) tiles (`PADDED_MOST`)."""
+    if zlocal.shape[1] < 2:
+        return np.zeros(len(rank), dtype=bool), np.ones(len(rank)), np.ones(len(rank))
+    at, small = np.arange(len(rank)), np.argmin(zlocal[:, :2], axis=1)
+    rows, lanes = zlocal[at, small], zlocal[at, 1 - small]
+    ones = np.ones(len(rows))
+    on_rows = (rank == 2) & (lanes >= LANES) & (rows < lanes) & (rows < local[at, small])
+    on_rows &= _padding(lanes, rows, ones) <= _padding(rows, lanes, ones)
+    laid = np.ceil(lanes / LANES) * LANES * ROWS  # elements of 8 rows
+    unit = ROWS * least / np.gcd(laid.astype(np.int64), least)
+    return on_rows, rows, np.ceil(rows / unit) * unit
+
+
+def _padded_moves(rows, rows_to, nbytes, padded, n: int) -> tuple[float, float, int]:
+    """(bytes added by padding, bytes permuted, permutes) of the `padded` gradients, of
+    `nbytes` each on a device, their shards' `rows` padded to `rows_to` (`row_padding`),
+    reduce-scattered over n devices."""
+    pick = padded & (rows_to > rows)
+    if not pick.any():
+        return 0.0, 0.0, 0
+    s, p, whole = rows[pick], rows_to[pick], nbytes[pick]
+    # device i owns rows [s i, s i + s), the padded scatter leaves it [p i, p i + p)
+    far = (n - 1) - np.floor(s * (n - 1) / p)
+    last = np.minimum(s * n, p * (n - far)) - s * (n - 1)
+    row_bytes = whole / (s * n)
+    moved = ((far - 1) * p + last) * row_bytes
+    return float((whole * (p / s - 1)).sum()), float(moved.sum()), int(far.sum())
 
 
 def _padding(minor: np.ndarray, second: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
@@ -408,7 +476,7 @@ class TileMemo:
     def __init__(self, make_table: Callable[[], TileTable], least: int):
         self._make_table, self.least = make_table, least
         self._shares: dict[tuple, TileShares] = {}
-        self._whole: dict[tuple, float] = {}
+        self._whole: dict[tuple, ZeroScatter] = {}
 
     @functools.cached_property
     def table(self) -> TileTable:
@@ -424,15 +492,15 @@ class TileMemo:
                 self._shares[key] = hit
         return hit
 
-    def kept_whole(
+    def zero_scatter(
         self, cluster, codes, mesh, sizes: np.ndarray, data: int, zero_stage: int = 0
-    ) -> float:
-        """`whole_reduced_bytes` of the layout (`codes` over `mesh` on `cluster`; 0 where
+    ) -> ZeroScatter:
+        """`whole_reduced_bytes` of the layout (`codes` over `mesh` on `cluster`; none where
         the lowering scatters every ZeRO gradient), its data axis' groups spanning the
         torus dimensions `_torus.axis_spans_and_rings` says; under ZeRO-3 (`zero_stage`)
         with the runs the runtime's ties lay alike."""
         if not self.least:
-            return 0.0
+            return ZeroScatter()
         tied = zero_stage >= 3
         key = (codes.tobytes(), tuple(mesh.items()), data, tied)
         hit = self._whole.get(key)
