@@ -298,8 +298,9 @@ def totals(
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
     layout: a body's are reduced inside the loop, per trip. `scatter`: where the backend
     departs from a plain reduce-scatter of those gradients (`_tiles.whole_reduced_bytes`):
-    the bytes it all-reduces whole all the same, the rows it pads, the permutes after. `update_bytes`: what the update's own sums over ZeRO's
-    split all-reduce over it (`_terms.update_reductions`), one more collective.
+    the bytes it all-reduces whole all the same, the rows it pads, the permutes after.
+    `update_bytes`: what the update's own sums over ZeRO's split all-reduce over it
+    (`_terms.update_reductions`), one more collective.
     `tied_bytes`: a tied parameter's gradient parts reassociation left out, which ZeRO
     reduce-scatters apart (`tied_bytes`, `Tables.tied_partial`). `split`: the gradients
     XLA splits beside data instead (`_beside.Split`), all-reduced in pieces and permuted."""
