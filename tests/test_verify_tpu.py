@@ -562,7 +562,7 @@ def test_a_tpu_on_rings_of_four_scatters_zero_gradients_by_their_shards_rows():
     # ZeRO-3: every torus dimension data spans is a ring of 4, and XLA reduce-scatters every
     # matrix's gradient, the key and value kernels' [16, 64] shards and the [16, 128] ones
     # included, which the rule per torus dimension spanned (2048 elements each, 128 lanes:
-    # measured on 2x2x2's rings of 2) kept whole (`_tiles.whole_reduced_bytes`, `ring`).
+    # measured on 2x2x2's rings of 2) kept whole (`_tiles.tpu_zero_scatter`, `ring`).
     report = _zero3_report(
         {"data": 8, "model": 2}, "v5p:4x4x1", hidden=128, heads=2, kv_heads=1, batch=32
     )

@@ -250,7 +250,7 @@ class Lowering:
     scatter_least_elements: int = 0
     """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
     enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
-    whole_reduced_bytes`): a shard of at least this many elements per torus dimension the
+    tpu_zero_scatter`): a shard of at least this many elements per torus dimension the
     data axis' group spans, of rank 2 or more, at least 128 lanes and 16 rows in its minor
     two dimensions, over a group spanning fewer than three torus dimensions. XLA's TPU
     compiler decides so (libtpu 0.0.42.1, `x.sum(0)` of a data-sharded f32 or bf16

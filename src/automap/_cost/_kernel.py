@@ -297,7 +297,7 @@ def totals(
     backend has one: XLA's CPU all-reduces and slices), and `zero_bytes`/`zero_count` are
     the parameters' all-gathers over it. Only the step's gradients (slot 0) meet the ZeRO
     layout: a body's are reduced inside the loop, per trip. `scatter`: where the backend
-    departs from a plain reduce-scatter of those gradients (`_tiles.whole_reduced_bytes`):
+    departs from a plain reduce-scatter of those gradients (`_tiles.tpu_zero_scatter`):
     the bytes it all-reduces whole all the same, the rows it pads, the permutes after.
     `update_bytes`: what the update's own sums over ZeRO's split all-reduce over it
     (`_terms.update_reductions`), one more collective.
@@ -306,7 +306,9 @@ def totals(
     XLA splits beside data instead (`_beside.Split`), all-reduced in pieces and permuted."""
     n = len(ac.keys)
     s = s.copy()
-    if zero_mask and lowering.reduce_scatter:
+    scattered = bool(zero_mask and lowering.reduce_scatter)
+    scatter = scatter or ZeroScatter()
+    if scattered:
         ar, rs = C.AR * ac.masks + zero_mask, C.RS * ac.masks + zero_mask
         s[3:, rs] += s[3:, ar]
         s[3:, ar] = 0.0
@@ -314,7 +316,6 @@ def totals(
         if split is not None:
             s[3:, rs] -= (split.removed, split.removed_rows)
             s[3:, ar] += (split.pieces, split.piece_rows)
-        scatter = scatter or ZeroScatter()
         kept = min(scatter.whole, s[3, rs])
         if kept > 0:
             s[3, [rs, ar]] += (-kept, kept)
@@ -331,7 +332,7 @@ def totals(
         time[i] += ac.time1(C.AG, zero_mask, zero_bytes, zero_count)
         nbytes[i] += zero_bytes
         count[i] += zero_count
-    if zero_mask and scatter is not None and scatter.permutes:
+    if scattered and scatter.permutes:
         i = C.CP * ac.masks + zero_mask
         time[i] += ac.time1(C.CP, zero_mask, scatter.permute_bytes, scatter.permutes)
         nbytes[i] += scatter.permute_bytes

@@ -20,7 +20,7 @@ gate's [512, 64] gradient (shard [128, 64], laid {0,1}) is all-reduced whole; th
 step in float32 (f32 [256, 128] shards) and at hidden 1024 (bf16 [512, 256]) reduce-scatters
 its transposed gradients, as a float32 GPT's [1024, 256] MLP one at data 4 (shard [256,
 256] laid {0,1}). The rule
-of `_tiles.whole_reduced_bytes` (`Lowering.scatter_least_elements`, `_tiles.minor_split`)
+of `_tiles.tpu_zero_scatter` (`Lowering.scatter_least_elements`, `_tiles.minor_split`)
 reads these orders. A lookup's gradient (a scatter-add into the table, in its order) is
 laid alike: the embedding's bf16[512, 512] shard of [1024, 512] at model 2, ZeRO's split
 on its hidden (minor) dim, all-reduced whole there.

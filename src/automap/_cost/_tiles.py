@@ -82,7 +82,7 @@ class TileTable:
     # Per parameter, the buffer a dot_general writes its gradient in: for each of its dims
     # the parameter's dim ([T, R], -1 where none is known) and its itemsize ([T], 0 for
     # none), and whether a lookup's scatter-add writes it ([T]): `_scatter.gradient_orders`,
-    # read by `whole_reduced_bytes`. None: not known.
+    # read by `tpu_zero_scatter`. None: not known.
     grad_perm: np.ndarray | None = None
     grad_itemsize: np.ndarray | None = None
     grad_lookup: np.ndarray | None = None
@@ -238,7 +238,7 @@ def beside_axis(dims, rank, code, sizes: np.ndarray, data: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class ZeroScatter:
     """How XLA's TPU moves one plan's ZeRO gradients, where it departs from a plain
-    reduce-scatter of each (bytes per device; `whole_reduced_bytes`)."""
+    reduce-scatter of each (bytes per device; `tpu_zero_scatter`)."""
 
     whole: float = 0.0  # gradients all-reduced whole
     padding: float = 0.0  # rows added to those reduce-scattered padded (`row_padding`)
@@ -246,7 +246,7 @@ class ZeroScatter:
     permutes: int = 0
 
 
-def whole_reduced_bytes(
+def tpu_zero_scatter(
     table: TileTable,
     codes,
     sizes: np.ndarray,
@@ -256,8 +256,9 @@ def whole_reduced_bytes(
     least: int,
     tied: bool = False,
 ) -> ZeroScatter:
-    """The ZeRO gradients XLA's TPU compiler all-reduces whole rather
-    than reduce-scatters (`Lowering.scatter_least_elements`, `least`): a parameter the
+    """How XLA's TPU compiler moves one plan's ZeRO gradients (`ZeroScatter`): the bytes
+    it all-reduces whole rather than reduce-scatters (`Lowering.scatter_least_elements`,
+    `least`), and those it pads and permutes (`row_padding`). Whole: a parameter the
     data axis (code `data`, its groups spanning `spans` torus dimensions) does not split,
     whose ZeRO shard (`_zero_local`) is 1-D, has no dim of 128 lanes with another of 16
     rows (XLA lays a gradient as it pads least: f32[128, 64] shards of [128, 256] are
@@ -467,7 +468,7 @@ def _run_layouts(across, along, runs, known, perm) -> np.ndarray:
 
 
 class TileMemo:
-    """A graph's `tile_shares` and `whole_reduced_bytes` per layout, each computed once
+    """A graph's `tile_shares` and `tpu_zero_scatter` per layout, each computed once
     (the searchers revisit layouts); the `TileTable` is made on first use, as only TPU
     lowerings read it."""
 
@@ -495,7 +496,7 @@ class TileMemo:
     def zero_scatter(
         self, cluster, codes, mesh, sizes: np.ndarray, data: int, zero_stage: int = 0
     ) -> ZeroScatter:
-        """`whole_reduced_bytes` of the layout (`codes` over `mesh` on `cluster`; none where
+        """`tpu_zero_scatter` of the layout (`codes` over `mesh` on `cluster`; none where
         the lowering scatters every ZeRO gradient), its data axis' groups spanning the
         torus dimensions `_torus.axis_spans_and_rings` says; under ZeRO-3 (`zero_stage`)
         with the runs the runtime's ties lay alike."""
@@ -506,7 +507,7 @@ class TileMemo:
         hit = self._whole.get(key)
         if hit is None:
             spans = axis_spans_and_rings(cluster, mesh, list(mesh)[data - 1])
-            hit = whole_reduced_bytes(self.table, codes, sizes, data, *spans, self.least, tied)
+            hit = tpu_zero_scatter(self.table, codes, sizes, data, *spans, self.least, tied)
             if len(self._whole) < self.LIMIT:
                 self._whole[key] = hit
         return hit

@@ -93,7 +93,7 @@ def axis_torus_dims(cluster: Cluster, mesh: Mapping[str, int]) -> dict[str, int]
 def axis_spans_and_rings(cluster: Cluster, mesh: Mapping[str, int], axis: str) -> tuple[int, int]:
     """(`axis_torus_dims`' count for `axis`, the chips of the shortest torus dimension its
     groups span: 0 where they span none). XLA's TPU picks its ZeRO reduce-scatters by it
-    (`_tiles.whole_reduced_bytes`)."""
+    (`_tiles.tpu_zero_scatter`)."""
     spans = axis_torus_dims(cluster, mesh).get(axis, 0)
     sizes = tuple(mesh.values())
     on = cluster if math.prod(sizes) == cluster.devices else _fitting(cluster, sizes)
