@@ -290,19 +290,13 @@ def tpu_zero_scatter(
     lanes = (real & (zlocal >= LANES)).any(axis=1)
     rows = (real & (zlocal >= 2 * ROWS)).sum(axis=1) >= 2
     elements = zlocal.prod(axis=1)
-    if ring >= 4:  # long rings: 16 rows, or 8 and `least` elements (the shard's second dim)
-        second = np.sort(np.where(real, zlocal, 0), axis=1)[:, -2 if zlocal.shape[1] > 1 else -1]
-        sized = (second >= 2 * ROWS) | ((second >= ROWS) & (elements >= least))
-        # a gradient no dot writes is laid as it pads least: a shard under 128 lanes wide
-        # lies on the lanes (x.sum(0)'s [512, 64], split 32 ways, laid {0,1}: whole)
-        written = table.grad_itemsize > 0 if table.grad_itemsize is not None else ~real[:, 0]
-        sized &= lanes | written
-        on_rows, rows_of, rows_to = row_padding(zlocal, local, table.rank, least)
+    on_rows, rows_of, rows_to = row_padding(zlocal, local, table.rank, least)
+    on_rows &= ring >= 4  # padded over long rings alone
+    if ring >= 4:
+        sized = _long_ring_sized(table, zlocal, real, lanes, least)
         sized = np.where(on_rows, rows_to <= PADDED_MOST * rows_of, sized)
     else:
         sized = lanes & rows & (elements >= least * spans)
-        on_rows, rows_of = np.zeros(len(sized), dtype=bool), np.ones(len(sized))
-        rows_to = rows_of
     scattered = (
         (table.rank >= 2)
         & sized
@@ -327,6 +321,18 @@ def tpu_zero_scatter(
     padded = free & scattered & on_rows & ~whole
     moves = _padded_moves(rows_of, rows_to, nbytes, padded, int(sizes[data]))
     return ZeroScatter(float(nbytes[whole].sum()), *moves)
+
+
+def _long_ring_sized(table: TileTable, zlocal, real, lanes, least: int) -> np.ndarray:
+    """Per array of ZeRO shard dims `zlocal` (`real` past none of its rank; `lanes`: a dim
+    of 128 or more), whether a shard is large enough to scatter over rings of 4 chips or
+    more: 16 rows, or 8 and `least` elements (its second dim); a gradient no dot writes
+    is laid as it pads least, so a shard under 128 lanes wide lies on the lanes
+    (x.sum(0)'s [512, 64], split 32 ways, laid {0,1}: whole)."""
+    second = np.sort(np.where(real, zlocal, 0), axis=1)[:, -2 if zlocal.shape[1] > 1 else -1]
+    sized = (second >= 2 * ROWS) | ((second >= ROWS) & (zlocal.prod(axis=1) >= least))
+    written = table.grad_itemsize > 0 if table.grad_itemsize is not None else ~real[:, 0]
+    return sized & (lanes | written)
 
 
 #: Over long rings XLA's TPU reduce-scatters a 2-D gradient split on its rows in chunks of
