@@ -224,6 +224,17 @@ class Lowering:
     stored gate output in the backward's kernel (`_cost._residuals._remade_from`; held by
     tests/test_tpu_memory.py). Its GPU pipeline calls cuBLAS, which reads its operands
     from memory (False)."""
+    holds_split_operands: bool = False
+    """With `fuses_matmul_operands`: whether a weight-gradient dot XLA splits beside ZeRO's
+    data axis (`_cost/_beside.py`) reads a float32 operand an elementwise chain makes (a
+    layer norm's output, GELU's) from a buffer the forward writes, at the width the matmul
+    reads it (bf16), rather than making it again inside the dot: the dot runs on a slice
+    of it, into which XLA does not fuse the chain (`_cost._buffers.split_operands`, priced
+    without remat). XLA's TPU does (libtpu 0.0.42.1, v5p 4x8x8: gpt plan 6 of the TPU
+    bench, data 16 x model 16 under ZeRO-2, held each whole layer's two norm outputs as
+    bf16 [32, 128, 512] and its GELU output as bf16 [32, 128, 2048] for the dots' [512, 32]
+    pieces: 72 MiB the model left out, 0.83x XLA's buffers; 0.96x with them). Held by
+    tests/test_verify_tpu.py."""
     matmul_operand_bytes: int = 0
     """Bytes per element a float32 matmul reads its operands in at the default precision,
     where not 0: a float32 residual kept only for matmuls (every tensor it stands in for
@@ -346,6 +357,7 @@ class Lowering:
             gather_all_reduced_from=64,
             recompute_gathers_casts=True,
             fuses_matmul_operands=True,
+            holds_split_operands=True,
             matmul_operand_bytes=2,
             fused_row_elements=1024,
             fused_row_contraction=256,

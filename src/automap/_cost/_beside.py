@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _collectives as C
+from ._buffers import SplitOperands
 from ._kernel import partial_slots, per_slot, tied_rows
 from ._kernel import set_axes as held_axes
 from ._rows import RowTable
@@ -113,6 +114,7 @@ class Split(NamedTuple):
     ops: tuple[int, ...] = ()
     n: float = 1.0  # the data axis' size
     compute: float = 0.0
+    sets: tuple[int, ...] = ()  # the tensor sets of the moved rows (the split gradients)
 
 
 def split_compute(seconds, n: float):
@@ -159,10 +161,10 @@ def row_axes(rows, set_axes: np.ndarray, key, count, zero_key: int):
     return np.where(on, set_axes[at], 0), keeps
 
 
-def split_of(axis, keeps, nbytes, count, n: float, ops=(), seconds: float = 0.0) -> Split:
+def split_of(axis, keeps, nbytes, count, n: float, ops=(), seconds: float = 0.0, sets=()) -> Split:
     """The `Split` of rows moved to the beside axes `axis` (`row_axes`), of `nbytes` and
     `count` each, over a data axis of n devices, written by `ops` whose compute is
-    `seconds` (`moved_seconds`)."""
+    `seconds` (`moved_seconds`), of the tensor sets `sets`."""
     on = axis > 0
     if not on.any():
         return Split()
@@ -175,7 +177,20 @@ def split_of(axis, keeps, nbytes, count, n: float, ops=(), seconds: float = 0.0)
     removed = float(np.where(go, nbytes[: len(on)], 0.0).sum())
     ops = tuple(int(o) for o in ops)
     saved = float(split_compute(seconds, n))
-    return Split(removed, int(go.sum()), float(piece.sum()), int(on.sum()), permutes, ops, n, saved)
+    sets = tuple(int(x) for x in sets)
+    return Split(
+        removed, int(go.sum()), float(piece.sum()), int(on.sum()), permutes, ops, n, saved, sets
+    )
+
+
+def split_held(operands: SplitOperands | None, inv: np.ndarray, split: Split | None):
+    """[moments] bytes per device the `split` gradient dots' operands hold from the
+    forward at each of a step's candidate moments (`_buffers.split_operands`: each where a
+    dot that reads it writes a split gradient), `inv` per set; None where nothing is."""
+    if operands is None or split is None or not split.sets:
+        return None
+    on = np.isin(operands.grads, split.sets).any(axis=1)
+    return operands.live[:, on] @ inv[operands.sets[on]] if on.any() else None
 
 
 class BesideMemo:
@@ -226,7 +241,8 @@ class BesideMemo:
         rows = moved_rows(R, axis)
         seconds = moved_seconds(bes, R, rows, st.inv).sum()
         n = float(ac.sizes[data])
-        return split_of(axis, keeps, st.nbytes, st.count, n, np.unique(R.op[rows]), seconds)
+        ops = np.unique(R.op[rows])
+        return split_of(axis, keeps, st.nbytes, st.count, n, ops, seconds, np.unique(R.tset[rows]))
 
     def ops(self, st, ac: C.AxisCosts, data: int) -> np.ndarray:
         """The dots the rule splits in a kernel state `st` of one row per op (`detail`),

@@ -22,7 +22,7 @@ from .._groups import ELEMENTWISE
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import barrier_inputs, matmuls_alone, stand_in_map
+from ._residuals import MATMULS, barrier_inputs, matmuls_alone, stand_in_map
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -128,6 +128,54 @@ def step_buffers(
     )
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
     return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitOperands:
+    """The float32 operands a plan's split gradient dots hold (`split_operands`), for the
+    step's candidate moments: what each holds at each, its tensor set, and the tensor sets
+    of the gradients the backward dots that read it write (any of them split keeps it)."""
+
+    live: np.ndarray  # [moments, c] bytes alive (unsplit, at the width held)
+    sets: np.ndarray  # [c]
+    grads: np.ndarray  # [c, r] padded with -1
+
+
+def split_operands(
+    graph: Graph, res: Residuals, consumers, lowering: Lowering, tensor_set, at: np.ndarray
+) -> SplitOperands | None:
+    """The residuals a weight-gradient dot holds where XLA splits it beside ZeRO's data
+    axis (`_beside.py`), alive at the moments `at` of a step without remat; None where
+    the lowering holds none (`Lowering.holds_split_operands`).
+
+    XLA's TPU makes a float32 matmul operand that an elementwise chain writes (a layer
+    norm's output, GELU's) again inside each backward matmul that reads it, from what it
+    is made of (`_residuals._remade_from`): no buffer holds it past the forward. A split
+    dot runs on its piece of the operand, and the chain is not fused into it: the forward
+    writes the operand in the width the matmul reads (`_operand_width`: bf16) and holds
+    it until the dot (read on compile-only v5p chips: `Lowering.holds_split_operands`)."""
+    if not (lowering.fuses_matmul_operands and lowering.holds_split_operands):
+        return None
+    once = stand_in_map(graph, consumers, lowering) if lowering.remakes_residuals else None
+    kept = {t for r in res.saved for t in once(r)} if once else set(res.saved)
+    rows = []
+    for r in sorted(set(res.saved) - kept):
+        x = graph.tensors[r]
+        dots = [c for c in consumers[r] if c > res.boundary and graph.ops[c].primitive in MATMULS]
+        # (one a reshape makes is read through it from what it reshapes: no buffer)
+        made = x.producer is not None and graph.ops[x.producer].primitive in ELEMENTWISE
+        if x.dtype == "float32" and made and dots:
+            grads = sorted({int(tensor_set[graph.ops[c].outputs[0]]) for c in dots})
+            width = _operand_width(graph, consumers, (r,), lowering)
+            rows.append((x.nbytes * width, x.producer, max(dots), int(tensor_set[r]), grads))
+    if not rows:
+        return None
+    nbytes, birth, death, sets, grads = zip(*rows, strict=True)
+    on = (np.array(birth)[None, :] <= at[:, None]) & (at[:, None] <= np.array(death)[None, :])
+    padded = np.full((len(rows), max(map(len, grads))), -1, dtype=np.int64)
+    for j, g in enumerate(grads):
+        padded[j, : len(g)] = g
+    return SplitOperands(on * np.array(nbytes), np.array(sets, dtype=np.int64), padded)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,7 @@ from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
-from ._beside import BesideMemo, beside_table, less_split, split_seconds
+from ._beside import BesideMemo, beside_table, less_split, split_held, split_seconds
 from ._compute import op_compute
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
@@ -448,7 +448,7 @@ class CostModel:
         if self.coefs.prefetch is not None:  # ZeRO-3's beside compute: off the path
             comm -= float(hidden_time(self.coefs, L, self._gather_beta(st, d)))
         mem = memory_terms(self.coefs, L)
-        grads, acts, outputs = self._peak(st, L, mem, split)
+        grads, acts, outputs = self._peak(st, L, mem, split, beside)
         parts = {
             "params": float(mem.params),
             "grads": grads,
@@ -519,10 +519,11 @@ class CostModel:
         ac = self._costs_for(st.mesh)
         return gather_beta(ac, int(ac.bit[d])) if d else 0.0
 
-    def _peak(self, st: K.State, L: Layout, mem: Memory, split=None) -> tuple[float, float, float]:
+    def _peak(self, st: K.State, L: Layout, mem: Memory, split=None, beside=None):
         """(gradients, activations, outputs) at the step's peak: its busiest candidate
         moment where the backend schedules its buffers (`_peaks.busiest_moment`), else
-        the larger of the backward's, the reduction's and the update's (`update_peak`)."""
+        the larger of the backward's, the reduction's and the update's (`update_peak`);
+        without remat, with what the `beside` split's dots hold (`_beside.split_held`)."""
         ac = self._costs_for(st.mesh)
         acts, outputs = float(mem.acts), float(mem.outputs)
         if split is not None:  # sequence parallelism's stream tensors held 1/t
@@ -530,9 +531,8 @@ class CostModel:
             acts -= shrink * float(part.kept @ L.inv) / L.microbatches
         if step_moments(self.coefs, L) is None:
             # Where the gradients' all-reduce is not in place (XLA's CPU), its result is a
-            # second copy of what it reduces, alive beside the local gradients at the end
-            # of the backward, when the activations are gone: a second peak.
-            # (Reduced layer by layer, one layer's copy at a time.)
+            # second copy of what it reduces, beside the local gradients at the backward's
+            # end, the activations gone: a second peak (layer by layer, a layer's copy).
             in_place = self.cluster.lowering.all_reduce_in_place
             largest, _ = reduction_shares(self.coefs, L)
             reduced = 0.0 if in_place else largest * reduced_gradients(st.sums, ac)
@@ -543,14 +543,14 @@ class CostModel:
         )
         copy = share * reduced + const
         alone = split[0].uncombined if split is not None else None  # reduced alone: no copy
-        copied = recompute_copies(self.tables, st, ac, alone) if st.remat else None  # at recompute
+        operands = split_held(self.tables.split_operands, L.made_inv, beside)
+        copied = recompute_copies(self.tables, st, ac, alone) if st.remat else operands
         made, at, out = moments_held(self.coefs, L, reduced, copied)
         if split is not None:
             at = at + part.at_moments(L.inv, shrink) / L.microbatches
         moments = step_moments(self.coefs, L)
         early = float(early_outputs(self.coefs, L)) if moments.outputs is not None else 0.0
-        # At the end: the local gradients the last reduction reduces (all, but layer by
-        # layer), and what it writes.
+        # At the end: the gradients the last reduction reduces (all, or a layer's) and its copy.
         _, last = reduction_shares(self.coefs, L)
         return busiest_moment(made, at, out, last * reduced + copy, early)
 

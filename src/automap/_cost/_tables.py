@@ -21,7 +21,7 @@ from .._graph import Graph, Role
 from .._groups import Groups, distinct_casts, narrow_params, zero_region
 from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers
-from ._buffers import CombinedCopies, combined_copies, step_buffers
+from ._buffers import CombinedCopies, SplitOperands, combined_copies, split_operands, step_buffers
 from ._compute import ComputeEntries, Rates, add_op_compute, compute_columns, compute_inputs
 from ._fsdp import layer_gathered_parameters
 from ._liveness import Moments, gathered_parameters, past_forward, step_moments
@@ -97,6 +97,9 @@ class Tables:
     # (`combined_copies`); None where nothing is recomputed, the buffers aren't scheduled
     # or the backend reduces combined operands in place (`Lowering.concatenates_combined`).
     copies: CombinedCopies | None
+    # The operands a weight-gradient dot split beside ZeRO's data axis holds from the
+    # forward, at the step's moments without remat (`split_operands`); None where none.
+    split_operands: SplitOperands | None
     param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
@@ -297,9 +300,9 @@ def _moment_columns(
     recomputed: Collection[int],
 ) -> dict:
     """The `Tables` fields of the step's peak moments (`moments`, `moments_remat`,
-    `copies`), where the backend frees each buffer at its last reader, else None."""
+    `copies`, `split_operands`), where the backend frees each buffer at its last reader, else None."""
     if not inp.lowering.frees_at_last_use:
-        return dict(moments=None, moments_remat=None, copies=None)
+        return dict(moments=None, moments_remat=None, copies=None, split_operands=None)
     graph, consumers = inp.graph, inp.consumers
     last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
     grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in partial if r.grad]
@@ -322,7 +325,8 @@ def _moment_columns(
     copies = None
     if inp.lowering.concatenates_combined:
         copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, inp.ng, empty)
-    return dict(moments=moments, moments_remat=moments_remat, copies=copies)
+    split = split_operands(graph, inp.res, consumers, inp.lowering, step["tensor_set"], moments.at)
+    return dict(moments=moments, moments_remat=moments_remat, copies=copies, split_operands=split)
 
 
 def _moments(

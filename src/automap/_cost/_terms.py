@@ -151,6 +151,11 @@ class Layout:
         return self.inv / np.where(self.free, self.data_size, 1.0)
 
     @property
+    def made_inv(self) -> np.ndarray:
+        """`inv` times what each set's buffers take in tiles (`TileShares.made`), if any."""
+        return self.inv if self.tiles is None else self.inv * self.tiles.made
+
+    @property
     def sharded_masters(self) -> bool:
         """ZeRO-1/2 keeps the masters of `SetCoefs.master` on shards."""
         return self.zero and self.zero_stage < 3 and self.gathers_compute
@@ -312,9 +317,8 @@ def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
     if moments.outputs is not None:
         made = held_bytes(moments.outputs, L.inv, zinv, L.zero_stage, L.sharded_masters)
     gathered = L.inv * L.free if L.zero_stage >= 3 and L.zero else None
-    inv = L.inv if L.tiles is None else L.inv * L.tiles.made
     shard = 1 / L.data_size if layered(c, L) else None  # reduced layer by layer
-    return moment_bytes(moments, inv, reduced, gathered, L.microbatches, copies, made, shard)
+    return moment_bytes(moments, L.made_inv, reduced, gathered, L.microbatches, copies, made, shard)
 
 
 def early_outputs(c: SetCoefs, L: Layout):
