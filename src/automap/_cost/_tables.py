@@ -300,7 +300,8 @@ def _moment_columns(
     recomputed: Collection[int],
 ) -> dict:
     """The `Tables` fields of the step's peak moments (`moments`, `moments_remat`,
-    `copies`, `split_operands`), where the backend frees each buffer at its last reader, else None."""
+    `copies`, `split_operands`), where the backend frees each buffer at its last reader,
+    else None."""
     if not inp.lowering.frees_at_last_use:
         return dict(moments=None, moments_remat=None, copies=None, split_operands=None)
     graph, consumers = inp.graph, inp.consumers
