@@ -39,6 +39,7 @@ from ._buffers import SplitOperands
 from ._kernel import partial_slots, per_slot, tied_rows
 from ._kernel import set_axes as held_axes
 from ._rows import RowTable
+from ._terms import Layout
 from ._tiles import TileTable, beside_axis, beside_candidates
 
 
@@ -183,14 +184,15 @@ def split_of(axis, keeps, nbytes, count, n: float, ops=(), seconds: float = 0.0,
     )
 
 
-def split_held(operands: SplitOperands | None, inv: np.ndarray, split: Split | None):
+def split_held(operands: SplitOperands | None, L: Layout, split: Split | None):
     """[moments] bytes per device the `split` gradient dots' operands hold from the
-    forward at each of a step's candidate moments (`_buffers.split_operands`: each where a
-    dot that reads it writes a split gradient), `inv` per set; None where nothing is."""
-    if operands is None or split is None or not split.sets:
+    forward at each candidate moment of a step without remat (`_buffers.split_operands`:
+    each where a dot that reads it writes a split gradient), laid as `L` lays each set;
+    None where nothing is (under remat the recompute writes them: `Moments` of its own)."""
+    if operands is None or split is None or not split.sets or L.remat:
         return None
     on = np.isin(operands.grads, split.sets).any(axis=1)
-    return operands.live[:, on] @ inv[operands.sets[on]] if on.any() else None
+    return operands.live[:, on] @ L.made_inv[operands.sets[on]] if on.any() else None
 
 
 class BesideMemo:

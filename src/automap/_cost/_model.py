@@ -543,7 +543,7 @@ class CostModel:
         )
         copy = share * reduced + const
         alone = split[0].uncombined if split is not None else None  # reduced alone: no copy
-        operands = split_held(self.tables.split_operands, L.made_inv, beside)
+        operands = split_held(self.tables.split_operands, L, beside)  # None under remat
         copied = recompute_copies(self.tables, st, ac, alone) if st.remat else operands
         made, at, out = moments_held(self.coefs, L, reduced, copied)
         if split is not None:
