@@ -254,7 +254,10 @@ class Lowering:
     holds 2x the logits in temporaries for n from 2048, r from 2048 and K 512 or 1024,
     1x for n = 1024 or K up to 256; a 2-layer GPT's f32 [32, 128, 4096] logits, K = 512,
     and their shift were both alive at its peak, with K = 256 one kernel made both); 0:
-    never apart (the cost model's GPU and CPU rules store the exp instead)."""
+    never apart (the cost model's GPU and CPU rules store the exp instead). Rows within
+    it, a recomputed softmax's exp is written by the kernel of the matmul that makes its
+    scores and stored at its width, the scores never written (`_cost._residuals.
+    _row_kernel_exp`: a bf16 Llama's f32 exp, read on v5p)."""
     fused_row_contraction: int = 0
     """With `fused_row_elements`: the longest contraction whose matmul XLA fuses into the
     kernel of its output's softmax shift, however long the row (XLA's TPU: 256)."""

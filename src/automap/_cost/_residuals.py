@@ -176,6 +176,8 @@ def _remade_from(
     rows, depth = lowering.fused_row_elements, lowering.fused_row_contraction
     if rows and _shift_apart(graph, t, rows, depth):
         return None
+    if recomputed and rows and _row_kernel_exp(graph, t, rows):
+        return None
     if not recomputed and statistics_operand(graph, consumers, t, lowering):
         return None
     # a matmul reader fuses a float32 operand's chain too (with the convert it runs it
@@ -246,6 +248,52 @@ def _shift_apart(graph: Graph, t: int, row_limit: int, contraction_limit: int) -
         elif r.primitive in _CHEAP:
             todo.extend((i, depth + 1) for i in r.inputs)
     return False
+
+
+def _row_kernel_exp(graph: Graph, t: int, row_limit: int) -> bool:
+    """Whether t is a recomputed softmax's exp that XLA's TPU writes from the matmul
+    kernel making its scores: exp(x - max) over rows of at most `row_limit`, x made from
+    the matmul's output by elementwise and layout ops (a widening convert, a scale, a
+    broadcast mask). The kernel reduces each row inside (`Lowering.fused_row_elements`)
+    and writes the exp and its row sums, never the scores, so the exp the backward reads
+    is stored at its width, not made again from the scores. Read on compile-only v5p
+    chips (libtpu 0.0.42.1): a recomputed bf16 Llama layer's f32 [128, 2, 4, 128, 128]
+    exp, one output of the kernel of its query-key matmul, held through the layer's
+    backward (llama plan 7 of the TPU bench, data 64 on v5p 4x4x4); a layer the forward
+    keeps holds what the cost model prices already, so only recomputed ones are read."""
+    op = graph.ops[graph.tensors[t].producer]
+    if op.primitive != "exp":
+        return False
+    shift = graph.tensors[op.inputs[0]].producer
+    if shift is None or graph.ops[shift].primitive != "sub":
+        return False
+    x = graph.ops[shift].inputs[0]
+    if not graph.tensors[x].ndim or graph.tensors[x].shape[-1] > row_limit:
+        return False
+    for _ in range(8):  # back to the matmul, through its kernel's elementwise and layout ops
+        p = graph.tensors[x].producer
+        if p is None:
+            return False
+        made = graph.ops[p]
+        if made.primitive in MATMULS:
+            return True
+        floats = [i for i in made.inputs if _full_float(graph, i, graph.tensors[x].size)]
+        if made.primitive not in _CHEAP | _LAYOUT or len(floats) != 1:
+            return False
+        x = floats[0]
+    return False
+
+
+_LAYOUT = frozenset({"transpose"})
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+
+def _full_float(graph: Graph, t: int, size: int) -> bool:
+    """Whether t is a float array of `size` elements that is no broadcast (a mask's, a
+    constant's: a kernel reads their small sources)."""
+    x, p = graph.tensors[t], graph.tensors[t].producer
+    broadcast = p is not None and graph.ops[p].primitive == "broadcast_in_dim"
+    return x.size == size and x.dtype in _FLOATS and not broadcast
 
 
 def _matmul_made(graph: Graph, t: int, depth: int = 3):
