@@ -119,7 +119,10 @@ def test_a_pipelines_programs_are_compiled_within_the_hbm_their_stage_leaves():
     recipe = am.Recipe(pp=2, dp=2, microbatches=2, remat="full")
     plan = am.plan_recipe(step, *args, recipe=recipe, cluster=v5p)
     free = verify(step, plan, *args, target="v5p:2x2x1")
-    hbm = 1.15 * free.predicted_memory_bytes
+    # Held to XLA's own figure + 15%, not the price's: XLA's reported temporaries count
+    # its allocation's excess over the live bytes once more, so at MiBs a chip a program
+    # that fits a limit set from the price (0.92x XLA's live peak here) can read over it.
+    hbm = 1.15 * max(xla for _, xla in free.stage_memory_bytes)
     held = verify(step, plan, *args, target="v5p:2x2x1", hbm_bytes=hbm)
     assert held.collectives_match and held.xla_comm_bytes == free.xla_comm_bytes
     assert held.stage_flops == free.stage_flops

@@ -22,7 +22,7 @@ from .._groups import ELEMENTWISE
 from .._lowering import Lowering
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
-from ._residuals import MATMULS, barrier_inputs, matmuls_alone, stand_in_map
+from ._residuals import MATMULS, barrier_inputs, matmuls_alone, stand_in_map, stored_residuals
 from ._rows import CandidateRow, RowTable, row_table
 
 
@@ -294,6 +294,21 @@ def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering, narrow: bool
     ):
         return 1.0
     return 4.0 / x.itemsize
+
+
+def held_widths(
+    graph: Graph, saved: Iterable[int], lowering: Lowering, consumers, recomputed: bool = False
+) -> tuple[tuple[int, float], ...]:
+    """`stored_residuals` of `saved`, each with how many times its bytes XLA holds it at
+    (`_operand_width` of the residuals it is stored for), as `step_buffers` holds them:
+    what a pipeline stage's recompute makes is priced by the one-stage rules."""
+    serves: dict[int, list[int]] = {}
+    for r in saved:
+        for t in stored_residuals(graph, [r], lowering, consumers, recomputed):
+            serves.setdefault(t, []).append(r)
+    return tuple(
+        (t, _operand_width(graph, consumers, rs, lowering)) for t, rs in sorted(serves.items())
+    )
 
 
 def _operand_width(graph: Graph, consumers, residuals: Iterable[int], lowering: Lowering) -> float:

@@ -85,13 +85,13 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._beside import BesideMemo, beside_table, less_split, split_held, split_seconds
+from ._buffers import held_widths
 from ._compute import op_compute
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
-from ._residuals import stored_residuals
 from ._rows import PARTIAL_SETS, RESHARD_SETS, RowTable
 from ._seqpar import SeqparTerms, SplitMemory, seqpar_terms, split_memory, with_sequence_parallel
 from ._seqpar_layout import layout_rate
@@ -169,13 +169,13 @@ class CostModel:
     # ---- public -----------------------------------------------------------------------
 
     @functools.cached_property
-    def layer_stored(self) -> tuple[tuple[int, ...], ...]:
-        """Per recomputed layer, the residuals of it XLA stores (`stored_residuals` of
-        `residuals.layer_saved`): the same for every pipeline partition priced, so made
-        once (a 1T GPT's Megatron expert prices some 40 partitions of 128 layers)."""
+    def layer_stored(self) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """Per recomputed layer, the residuals of it XLA stores, each with its width
+        (`held_widths` of `residuals.layer_saved`): the same for every pipeline partition
+        priced, so made once (a 1T GPT's Megatron expert prices some 40 partitions)."""
         consumers = self.graph.consumers()
         return tuple(
-            stored_residuals(self.graph, ts, self.cluster.lowering, consumers, recomputed=True)
+            held_widths(self.graph, ts, self.cluster.lowering, consumers, recomputed=True)
             for ts in self.residuals.layer_saved
         )
 

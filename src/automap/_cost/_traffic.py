@@ -109,9 +109,9 @@ class StageMemoryInputs:
     # (`reduce_program`) where the step's peak is priced as its busiest moment
     # (`Lowering.frees_at_last_use`).
     lowering: Lowering
-    # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`
-    # (`CostModel.layer_stored`, made once).
-    layer_stored: Sequence[tuple[int, ...]] = ()
+    # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`, each
+    # with the width XLA holds it at (`CostModel.layer_stored`, made once).
+    layer_stored: Sequence[tuple[tuple[int, float], ...]] = ()
     # ZeRO-3's layers (`Tables.layers`, None without a loss) and what its gather of each
     # parameter moves (`Tables.gathered`): F and B gather layer by layer (`_fsdp.py`)
     layers: LayerGathers | None = None
@@ -551,7 +551,7 @@ def _remade(
     part: Partition,
     lay: Layouts,
     res,
-    layer_stored: Sequence[tuple[int, ...]],
+    layer_stored: Sequence[tuple[tuple[int, float], ...]],
     m: int,
     phase: np.ndarray,
 ) -> list[Remade]:
@@ -561,7 +561,9 @@ def _remade(
     program (the stage's B), so these are the ones XLA stores (`stored_residuals`), of
     what the recompute makes: an operand it stores in place of a cheap residual and that
     comes from outside the layer (its input, a weight) is held already. `layer_stored`:
-    `stored_residuals` of each of `res.layer_saved`."""
+    `stored_residuals` of each of `res.layer_saved`, each with the width the one-stage
+    step holds it at (`_buffers.held_widths`: a float32 residual only matmuls read, as
+    their bf16 operand on a TPU)."""
     out = []
     consumers = graph.consumers()
     again = set(res.recomputed)
@@ -571,12 +573,13 @@ def _remade(
             continue
         s = part.op_stage[graph.tensors[ts[0]].producer]
         made = [
-            t
-            for t in stored
+            (t, w)
+            for t, w in stored
             if graph.tensors[t].producer in again and part.op_stage[graph.tensors[t].producer] == s
         ]
         b = sum(
-            graph.tensors[t].nbytes * lay.inv[t] / (m if t in part.batched else 1) for t in made
+            graph.tensors[t].nbytes * w * lay.inv[t] / (m if t in part.batched else 1)
+            for t, w in made
         )
         out.append(Remade(s, min(reads), max(reads), b))
     return out
