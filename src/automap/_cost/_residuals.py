@@ -270,18 +270,15 @@ def _row_kernel_exp(graph: Graph, t: int, row_limit: int) -> bool:
     x = graph.ops[shift].inputs[0]
     if not graph.tensors[x].ndim or graph.tensors[x].shape[-1] > row_limit:
         return False
-    for _ in range(8):  # back to the matmul, through its kernel's elementwise and layout ops
-        p = graph.tensors[x].producer
-        if p is None:
-            return False
-        made = graph.ops[p]
-        if made.primitive in MATMULS:
-            return True
-        floats = [i for i in made.inputs if _full_float(graph, i, graph.tensors[x].size)]
-        if made.primitive not in _CHEAP | _LAYOUT or len(floats) != 1:
-            return False
-        x = floats[0]
-    return False
+    # back to the matmul, through its kernel's elementwise and layout ops
+    return _back_to_matmul(graph, x, 8, _through_kernel) is not None
+
+
+def _through_kernel(graph: Graph, op, t: int) -> int | None:
+    """The one float operand of t's size that elementwise or layout op `op` makes t from
+    (the rest broadcasts), else None."""
+    floats = [i for i in op.inputs if _full_float(graph, i, graph.tensors[t].size)]
+    return floats[0] if op.primitive in _CHEAP | _LAYOUT and len(floats) == 1 else None
 
 
 _LAYOUT = frozenset({"transpose"})
@@ -299,17 +296,31 @@ def _full_float(graph: Graph, t: int, size: int) -> bool:
 def _matmul_made(graph: Graph, t: int, depth: int = 3):
     """The matmul whose output t is, or that t is made from alone by elementwise ops with
     operands far smaller than it (a scale, a mask's broadcast), in its type; else None."""
-    for _ in range(depth + 1):
+    return _back_to_matmul(graph, t, depth + 1, _through_small)
+
+
+def _through_small(graph: Graph, op, t: int) -> int | None:
+    """The one operand not far smaller than t that elementwise op `op` makes t from, in
+    t's type, else None."""
+    big = [i for i in op.inputs if 8 * graph.tensors[i].nbytes > graph.tensors[t].nbytes]
+    if op.primitive not in _CHEAP or len(big) != 1 or op.primitive == "convert_element_type":
+        return None  # (a 16-bit matmul's output widened is reduced in its own kernel)
+    return big[0]
+
+
+def _back_to_matmul(graph: Graph, t: int, steps: int, follow):
+    """The matmul t is made from within `steps` ops, each step back through the operand
+    `follow(graph, op, t)` names (None: no way back), else None."""
+    for _ in range(steps):
         p = graph.tensors[t].producer
         if p is None:
             return None
         op = graph.ops[p]
         if op.primitive in MATMULS:
             return op
-        big = [i for i in op.inputs if 8 * graph.tensors[i].nbytes > graph.tensors[t].nbytes]
-        if op.primitive not in _CHEAP or len(big) != 1 or op.primitive == "convert_element_type":
-            return None  # (a 16-bit matmul's output widened is reduced in its own kernel)
-        t = big[0]
+        t = follow(graph, op, t)
+        if t is None:
+            return None
     return None
 
 
