@@ -235,6 +235,12 @@ class Lowering:
     bf16 [32, 128, 512] and its GELU output as bf16 [32, 128, 2048] for the dots' [512, 32]
     pieces: 72 MiB the model left out, 0.83x XLA's buffers; 0.96x with them). Held by
     tests/test_verify_tpu.py."""
+    fuses_matmul_epilogues: bool = False
+    """Whether a matmul whose output only elementwise ops read runs them in its own kernel
+    and never writes that output, where no mesh axis splits its contraction
+    (`_cost._buffers.epilogue_rows`, `_cost._epilogue.py`). XLA's TPU does (libtpu
+    0.0.42.1: a recomputed up-projection's kernel makes GELU's derivative times the
+    incoming gradient); its GPU pipeline calls cuBLAS, which writes every output (False)."""
     matmul_operand_bytes: int = 0
     """Bytes per element a float32 matmul reads its operands in at the default precision,
     where not 0: a float32 residual kept only for matmuls (every tensor it stands in for
@@ -361,6 +367,7 @@ class Lowering:
             recompute_gathers_casts=True,
             fuses_matmul_operands=True,
             holds_split_operands=True,
+            fuses_matmul_epilogues=True,
             matmul_operand_bytes=2,
             fused_row_elements=1024,
             fused_row_contraction=256,

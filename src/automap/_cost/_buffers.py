@@ -20,6 +20,7 @@ from .._capture import Residuals
 from .._graph import Graph
 from .._groups import ELEMENTWISE
 from .._lowering import Lowering
+from ._epilogue import epilogue_rows
 from ._fusion import FUSIBLE, in_memory_tensors, is_expensive
 from ._liveness import Buffers
 from ._residuals import MATMULS, barrier_inputs, matmuls_alone, stand_in_map, stored_residuals
@@ -127,7 +128,13 @@ def step_buffers(
         dtype=float,
     )
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
-    return Buffers(tensor=tensor, birth=born, death=dies, width=width, blocks=block)
+    epilogue = None
+    if lowering.fuses_matmul_epilogues:
+        spans = (tensor, born, dies)
+        epilogue = epilogue_rows(graph, consumers, res.boundary, spans, serves, in_memory)
+    return Buffers(
+        tensor=tensor, birth=born, death=dies, width=width, blocks=block, epilogue=epilogue
+    )
 
 
 @dataclasses.dataclass(frozen=True)

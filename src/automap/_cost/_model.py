@@ -47,23 +47,21 @@ numpy operations over those tables:
   With rematerialization (`_remat/_recompute.py`, what `am.apply` runs): each recomputed layer's ops
   are charged a second time, and the activations are the layers' inputs, the residuals
   made outside them, and one layer's residuals (its backward's). A step that does not
-  donate its state holds the new beside the old from the update on (`_outputs.py`).
+  donate its state holds the new beside the old from the update on (`_outputs.py`). A TPU
+  matmul's elementwise readers run in its kernel, which writes no output of its own where
+  no axis splits its contraction (`_epilogue.py`).
 
 Each of these terms is stated once, in `_terms.py` (ZeRO's in `_zero.py`), and read both
 here and by the shard ILP's factors (`_search/_mesh_terms.py`); this module evaluates the
 collectives, places the peak and assembles the `Cost`.
 
-Time is compute + communication (XLA's GPU compiler hides part of an FSDP step's gathers
-behind compute, where this is an upper bound: `_verify/_schedule.py` reads it, DESIGN.md
-"Collectives overlapped with compute"), less ZeRO-3's prefetch beside the forward's
-compute where the lowering overlaps it (`_overlap.py`: XLA's TPU under the flags the
-runtime compiles TPU programs with, `Lowering.tpu()`). The data-parallel gradient
-all-reduce is not overlapped with the backward either: XLA's GPU pipeline runs its latency-hiding scheduler only when asked
-(`xla_gpu_enable_latency_hiding_scheduler`, off by default); without it the all-reduces
-are async but placed by a memory-minimizing schedule that promises no overlap. Megatron-LM
-of the SC'21 paper (local DDP) also all-reduces after the backward. Plans with pipeline
-stages are timed by their schedule on top of these per-op costs (`_pipelined.py`: bubble,
-point-to-point sends, memory per stage).
+Time is compute + communication (an upper bound where XLA's GPU hides FSDP's gathers:
+`_verify/_schedule.py`, DESIGN.md "Collectives overlapped with compute"), less ZeRO-3's
+prefetch beside the forward's compute where the lowering overlaps it (`_overlap.py`: XLA's
+TPU, `Lowering.tpu()`). The gradients' all-reduce is not overlapped with the backward:
+XLA's GPU runs its latency-hiding scheduler only when asked (off by default), as
+Megatron-LM's SC'21 runs (local DDP) all-reduce after the backward. Pipelines are timed by
+their schedule on top of these per-op costs (`_pipelined.py`: bubble, sends, memory).
 """
 
 from __future__ import annotations
@@ -87,6 +85,7 @@ from . import _kernel as K
 from ._beside import BesideMemo, beside_table, less_split, split_held, split_seconds
 from ._buffers import held_widths
 from ._compute import op_compute
+from ._epilogue import less_unwritten
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
@@ -545,6 +544,7 @@ class CostModel:
         alone = split[0].uncombined if split is not None else None  # reduced alone: no copy
         operands = split_held(self.tables.split_operands, L, beside)  # None under remat
         copied = recompute_copies(self.tables, st, ac, alone) if st.remat else operands
+        copied = less_unwritten(copied, self.tables.epilogues, st.codes, st.P, L)
         made, at, out = moments_held(self.coefs, L, reduced, copied)
         if split is not None:
             at = at + part.at_moments(L.inv, shrink) / L.microbatches

@@ -23,6 +23,7 @@ from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, SplitOperands, combined_copies, split_operands, step_buffers
 from ._compute import ComputeEntries, Rates, add_op_compute, compute_columns, compute_inputs
+from ._epilogue import Epilogues, epilogues
 from ._fsdp import layer_gathered_parameters
 from ._liveness import Moments, gathered_parameters, past_forward, step_moments
 from ._outputs import held_outputs, output_coef
@@ -100,6 +101,10 @@ class Tables:
     # The operands a weight-gradient dot split beside ZeRO's data axis holds from the
     # forward, at the step's moments without remat (`split_operands`); None where none.
     split_operands: SplitOperands | None
+    # The matmul outputs XLA's TPU may leave unwritten, at the step's moments without and
+    # with remat (`_epilogue.py`); each None where none may be, the pair where the buffers
+    # aren't scheduled.
+    epilogues: tuple[Epilogues | None, Epilogues | None] | None
     param_leaves: np.ndarray  # [n_sets] parameter leaves (rank >= 1) of each set
     partial: RowTable  # merged, for evaluate
     reshard: RowTable
@@ -303,7 +308,9 @@ def _moment_columns(
     `copies`, `split_operands`), where the backend frees each buffer at its last reader,
     else None."""
     if not inp.lowering.frees_at_last_use:
-        return dict(moments=None, moments_remat=None, copies=None, split_operands=None)
+        return dict(
+            moments=None, moments_remat=None, copies=None, split_operands=None, epilogues=None
+        )
     graph, consumers = inp.graph, inp.consumers
     last = [max(consumers[t], default=-1) for t in range(len(graph.tensors))]
     grads = [(max(last[t] for t in graph.ops[r.op].outputs), r.nbytes) for r in partial if r.grad]
@@ -320,14 +327,25 @@ def _moment_columns(
         sets=sets,
         held=held_outputs(graph, narrow_params(graph, inp.update)),
     )
-    moments = _moments(inp, remat=False, **step)[1]
+    once, moments = _moments(inp, remat=False, **step)
     again, moments_remat = _moments(inp, remat=True, **step)
+    tset = step["tensor_set"]
+    spared = (
+        epilogues(graph, once, moments.at, tset, partial, inp.ng, empty),
+        epilogues(graph, again, moments_remat.at, tset, partial, inp.ng, empty),
+    )
     recomputed_rows = [r for r in partial if r.op in recomputed and not r.grad]
     copies = None
     if inp.lowering.concatenates_combined:
         copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, inp.ng, empty)
     split = split_operands(graph, inp.res, consumers, inp.lowering, step["tensor_set"], moments.at)
-    return dict(moments=moments, moments_remat=moments_remat, copies=copies, split_operands=split)
+    return dict(
+        moments=moments,
+        moments_remat=moments_remat,
+        copies=copies,
+        split_operands=split,
+        epilogues=spared,
+    )
 
 
 def _moments(
