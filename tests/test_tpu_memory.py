@@ -127,16 +127,16 @@ def _output_fusion_ops(dump) -> list[set[str]]:
 
 @pytest.mark.slow  # compiled twice for 4 v5p chips: ~50 s on two loaded cores
 @pytest.mark.parametrize("split", [False, True])
-def test_a_tpu_runs_gelu_in_the_up_projections_kernel_where_its_contraction_is_whole(
+def test_a_tpu_runs_gelus_derivative_in_the_matmuls_kernel_where_its_contraction_is_whole(
     tmp_path, split
 ):
     # A 1-layer float32 GPT (hidden 512, 64 sequences) under full remat on v5p 2x2x1. At
-    # data 4, XLA's TPU runs GELU (its tanh) in the recomputed up-projection's kernel,
-    # which writes GELU's output and never the matmul's f32 [16, 128, 2048]: priced as
-    # written (the rule off) the step is 1.07x XLA's live peak, as spared 0.98x
-    # (`_cost/_epilogue.py`). With the hidden dim on model (4), the up-projection makes
-    # partial sums to all-reduce first: no kernel runs GELU beside a matmul, and the
-    # model spares nothing (1.02x either way).
+    # data 4, XLA's TPU runs GELU's derivative (its tanh) times the incoming gradient, and
+    # the bias gradient's sum, in the kernel of the backward matmul that makes that
+    # gradient, which never writes its f32 [16, 128, 2048] output: priced as written (the
+    # rule off) the step is 1.07x XLA's live peak, as spared 0.98x (`_cost/_epilogue.py`).
+    # With the hidden dim on model (4), the matmuls make partial sums to all-reduce first:
+    # no kernel runs GELU beside a matmul, and the model spares nothing (1.02x either way).
     spec = get_model(
         "gpt2-xl", layers=1, hidden=512, heads=4, seq=128, batch=64, vocab=512, dtype="float32"
     )
@@ -149,8 +149,9 @@ def test_a_tpu_runs_gelu_in_the_up_projections_kernel_where_its_contraction_is_w
     plan = dataclasses.replace(plan, remat=True)
     dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
     compiled = compile_plan(step, plan, args, target="v5p:2x2x1", options=dump)
-    gelu_in_a_matmul = any({"convolution", "tanh"} <= ops for ops in _output_fusion_ops(tmp_path))
-    assert gelu_in_a_matmul is not split
+    derivative = {"convolution", "tanh", "multiply", "reduce"}  # with the bias gradient
+    in_a_matmul = any(derivative <= ops for ops in _output_fusion_ops(tmp_path))
+    assert in_a_matmul is not split
     report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
     assert report.predicted_memory_bytes == pytest.approx(report.xla_live_peak_bytes, rel=0.05)
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
