@@ -238,9 +238,10 @@ class Lowering:
     fuses_matmul_epilogues: bool = False
     """Whether a matmul whose output only elementwise ops read runs them in its own kernel
     and never writes that output, where no mesh axis splits its contraction
-    (`_cost._buffers.epilogue_rows`, `_cost._epilogue.py`). XLA's TPU does (libtpu
-    0.0.42.1: a recomputed up-projection's kernel makes GELU's derivative times the
-    incoming gradient); its GPU pipeline calls cuBLAS, which writes every output (False)."""
+    (`_cost._epilogue.py`). XLA's TPU does (libtpu 0.0.42.1: the kernel of the backward
+    matmul that makes an MLP's hidden gradient makes GELU's derivative times it, and the
+    bias gradient's sum); its GPU pipeline calls cuBLAS, which writes every output
+    (False)."""
     matmul_operand_bytes: int = 0
     """Bytes per element a float32 matmul reads its operands in at the default precision,
     where not 0: a float32 residual kept only for matmuls (every tensor it stands in for

@@ -2,8 +2,8 @@
 
 XLA's TPU fuses the elementwise ops that alone read a matmul's output into the matmul's
 kernel (an output fusion): the kernel writes what they make, not the matmul's result
-(`Lowering.fuses_matmul_epilogues`; `_buffers.epilogue_rows` lists the buffers it may
-spare). Where a mesh axis splits the matmul's contraction, each device's kernel makes a
+(`Lowering.fuses_matmul_epilogues`; `epilogue_rows` marks the buffers it may spare,
+for `_buffers.step_buffers`). Where a mesh axis splits the matmul's contraction, each device's kernel makes a
 partial sum, which must be reduced before any reader sees it: that one is written. Which
 contractions a plan splits is its layout's, not the graph's, so the buffers are tabled
 apart from the step's moments (as `_buffers.split_operands` are) and taken out per plan.
@@ -32,10 +32,12 @@ def epilogue_rows(graph: Graph, consumers, boundary: int, spans, serves, in_memo
     chain (SwiGLU's silu(gate) x up), only the later kernel runs it: the earlier output is
     written for it to read.
 
-    Read in the buffer assignment on compile-only v5p chips (libtpu 0.0.42.1): a GPT
-    under remat at data 16 x model 16 on 4x8x8 runs 36 of its 85 matmul kernels with an
-    elementwise epilogue (GELU's derivative times the incoming gradient made in the
-    recomputed up-projection's kernel), none of them writing the matmul's output."""
+    Read in the HLO compiled for v5p chips (libtpu 0.0.42.1): a float32 GPT's backward
+    runs GELU's derivative times the incoming gradient, its convert to bf16 and the bias
+    gradient's sum in the kernel of the matmul that makes that gradient, one a layer
+    (gpt plans 1 on 64 and on 256 chips of the TPU bench, with and without remat), and
+    never writes that matmul's float32 output; most other matmuls run a bias add and a
+    convert so. Held by tests/test_tpu_memory.py."""
     tensor, born, dies = spans
     chains: dict[int, set[int]] = {}  # candidate tensor -> the elementwise ops it feeds
     for t in sorted(set(tensor.tolist())):

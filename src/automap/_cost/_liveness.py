@@ -79,8 +79,9 @@ class Buffers:
     # [layers, 3] per recomputed layer: its first and last forward op and the moment its
     # recompute runs (its residuals' birth in the backward); empty without remat.
     blocks: np.ndarray
-    # per buffer, whether it is a matmul's output XLA's TPU may write only after its
-    # elementwise readers (`_buffers.epilogue_rows`); None where none may be
+    # per buffer, whether it is a matmul's output XLA's TPU may leave unwritten, its
+    # elementwise readers run in the matmul's kernel (`_epilogue.epilogue_rows`); None
+    # where none may be
     epilogue: np.ndarray | None = None
 
 
