@@ -83,6 +83,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         recompute_gathers_casts=True,  # a recompute's ZeRO-3 gathers move the bf16 casts
         fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
         holds_split_operands=True,  # but held for a gradient dot split beside data
+        fuses_matmul_epilogues=True,  # GELU's derivative run in its matmul's kernel
         matmul_operand_bytes=2,
         fused_row_elements=1024,  # a wide softmax shift written beside its logits
         fused_row_contraction=256,
