@@ -18,6 +18,7 @@ import numpy as np
 
 from .._graph import Graph
 from .._groups import ELEMENTWISE
+from ._kernel import split_reductions
 from ._liveness import Buffers
 from ._rows import CandidateRow, RowTable, row_table
 
@@ -78,7 +79,6 @@ class Epilogues:
     """The buffers a step's matmuls may spare (one column each), at the step's moments."""
 
     live: np.ndarray  # [moments, c] bytes alive at each moment (unsplit, at the width held)
-    tensor: np.ndarray  # [c] the tensor of each
     sets: np.ndarray  # [c] the tensor set of each
     rows: RowTable | None  # the partial-sum rows of their matmuls (None: no contraction splits)
     owner: np.ndarray  # [rows] the column whose matmul each row is of
@@ -111,7 +111,6 @@ def epilogues(
             owner.append(c)
     return Epilogues(
         live=on * (nbytes * buf.width[idx]),
-        tensor=tensor,
         sets=tensor_set[tensor],
         rows=row_table(mine, n_groups, empty) if mine else None,
         owner=np.array(owner, dtype=np.int64),
@@ -131,13 +130,11 @@ def less_unwritten(copied, both, codes: np.ndarray, P: np.ndarray, L):
 def unwritten(E: Epilogues | None, codes: np.ndarray, P: np.ndarray, made_inv: np.ndarray):
     """[moments] bytes per device of `E`'s buffers the plan does not write: those of the
     matmuls whose contraction no mesh axis splits (`codes`, the axis code of each group;
-    `P`, which axes each set is split over, as `_kernel.partial_results` reads them),
+    `P`, which axes each set is split over: `_kernel.split_reductions`),
     laid as `made_inv` lays each set. None where there are none."""
     if E is None:
         return None
     fused = np.ones(len(E.sets), dtype=bool)
     if E.rows is not None:
-        a = codes[E.rows.group]
-        split = ((a > 0) & ~P[E.rows.small, a]).any(axis=1)
-        fused[E.owner[split]] = False
+        fused[E.owner[split_reductions(E.rows, codes, P)[1].any(axis=1)]] = False
     return E.live[:, fused] @ made_inv[E.sets[fused]] if fused.any() else None

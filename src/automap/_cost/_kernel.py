@@ -88,8 +88,7 @@ def partial_rows(R: RowTable, A, P, S, bit, inv, m, lowering: Lowering):
       reduce-scatter (ReduceScatterCreator): one all-reduce of `base` over the rest (the
       first column's slot), one reduce-scatter of `whole` over K (the last slot).
     """
-    a = A[R.group]  # [rows, KR]
-    act = (a > 0) & ~P[R.small, a]
+    a, act = split_reductions(R, A, P)  # [rows, KR]
     kept = act & P[R.tset[:, None], a]
     rest = np.bitwise_or.reduce(np.where(act & ~kept, bit[a], 0), axis=1)
     base = R.nbytes * inv[R.tset]
@@ -179,12 +178,19 @@ def gradients_apart(R: RowTable, a, P) -> np.ndarray:
     return per_slot(R, _regrouped(R, a, P) & (R.lookup == 2))
 
 
+def split_reductions(R: RowTable, A, P) -> tuple[np.ndarray, np.ndarray]:
+    """([rows, KR] the axis code of each partial-sum row's reduced groups under the plan's
+    codes `A`, [rows, KR] whether that axis splits the group where the op makes a partial
+    sum over it: an axis the op's `small` side does not hold (`P`, per set and axis))."""
+    a = A[R.group]
+    return a, (a > 0) & ~P[R.small, a]
+
+
 def partial_results(R: RowTable, A, P, S, bit, inv) -> np.ndarray:
     """Per partial-sum row, the bytes per device it all-reduces under the plan (its result
     as split, per occurrence; `partial_rows`' `base`), 0 where no axis of its reduced groups
     makes it an all-reduce (none split, or only axes its output keeps: a reduce-scatter)."""
-    a = A[R.group]
-    act = (a > 0) & ~P[R.small, a]
+    a, act = split_reductions(R, A, P)
     reduced = (act & ~P[R.tset[:, None], a]).any(axis=1)
     return np.where(reduced, R.nbytes / np.maximum(R.count, 1) * inv[R.tset], 0.0)
 

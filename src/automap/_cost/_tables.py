@@ -338,7 +338,7 @@ def _moment_columns(
     copies = None
     if inp.lowering.concatenates_combined:
         copies = combined_copies(recomputed_rows, again.blocks, moments_remat.at, inp.ng, empty)
-    split = split_operands(graph, inp.res, consumers, inp.lowering, step["tensor_set"], moments.at)
+    split = split_operands(graph, inp.res, consumers, inp.lowering, tset, moments.at)
     return dict(
         moments=moments,
         moments_remat=moments_remat,
