@@ -57,13 +57,14 @@ from .._groups import (
     unzero_spec,
     zero_mismatch,
 )
-from .._pipeline import Unit, partition, plan_schedule, split_backward
+from .._pipeline import Phase, Unit, partition, plan_schedule, split_backward
 from .._plan import Plan
 from .._remat import plan_recompute
 from ._accumulate import Accumulation, axes_entry, without_axes
 from ._distributed import Feed, check_stages, gather
 from ._executors import LIVE, Dry, Hosts, Live, SegmentProgram
 from ._fsdp import Layerwise, eval_layerwise, plan_layerwise, within
+from ._handed import handed_shardings
 from ._interpret import eval_ops
 from ._recompute import eval_recomputing, plan_layout
 from ._segments import (
@@ -81,6 +82,7 @@ from ._segments import (
 from ._shared import (
     check_device_count,
     check_divisible,
+    check_micro_divisible,
     check_paths,
     leaf_dtype,
     leaf_shape,
@@ -264,7 +266,7 @@ class _Pipeline(Accumulation):
                 shape = self.graph.tensors[leaf.tensor].shape
                 check_divisible(f"input {leaf.path}", shape, self.spec[leaf.tensor], mesh)
                 if leaf.tensor in self.part.batched:
-                    _micro_divisible(
+                    check_micro_divisible(
                         f"input {leaf.path}",
                         micro.tensors[leaf.tensor].shape,
                         self.spec[leaf.tensor],
@@ -280,7 +282,7 @@ class _Pipeline(Accumulation):
             for t in graph.ops[i].outputs:
                 if t in wanted:
                     what = f"internal tensor {t} (on pipeline stage {seg.stage})"
-                    _micro_divisible(what, graph.tensors[t].shape, wanted[t], stage_mesh)
+                    check_micro_divisible(what, graph.tensors[t].shape, wanted[t], stage_mesh)
                     spec = wanted[t]
                     if t in self.deferred:  # its partial sums: a leading per-device axis
                         axes = self.partial[self.deferred[t]]
@@ -308,6 +310,9 @@ class _Pipeline(Accumulation):
             for t in seg.outputs
             if t in self.out_spec and self.out_spec[t] != wanted.get(t)
         }
+        if seg.kind is Phase.FWD:  # a mask another program reads leaves in the plan's layout
+            pinned = {*shardings, *leave, *self.part.accumulated, *self.deferred}
+            leave |= handed_shardings(graph, seg.outputs, self.layout, mesh, stage_mesh, pinned)
 
         # ZeRO-3: F and B gather each layer's parameters as it runs, as one program does.
         lw = self._layerwise(seg, mesh)
@@ -586,13 +591,3 @@ def gathered_lookup(eqn: Any, whole: NamedSharding) -> Callable:
         )
 
     return lookup
-
-
-def _micro_divisible(what: str, shape, spec, mesh) -> None:
-    try:
-        check_divisible(what, tuple(shape), spec, mesh)
-    except ApplyError as e:
-        raise ApplyError(
-            f"{e} (On a pipeline stage a per-microbatch tensor has the microbatch's batch "
-            "size: fewer microbatches or a smaller data axis may fit.)"
-        ) from None

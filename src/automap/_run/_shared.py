@@ -164,3 +164,14 @@ def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:
         return cache[key]
 
     return prepare
+
+
+def check_micro_divisible(what: str, shape, spec, mesh) -> None:
+    """`check_divisible` of a pipeline's per-microbatch tensor, at its microbatch's shape."""
+    try:
+        check_divisible(what, tuple(shape), spec, mesh)
+    except ApplyError as e:
+        raise ApplyError(
+            f"{e} (On a pipeline stage a per-microbatch tensor has the microbatch's batch "
+            "size: fewer microbatches or a smaller data axis may fit.)"
+        ) from None
