@@ -1,5 +1,6 @@
-"""A value one pipeline program hands another leaves in the plan's layout
-(`_run/_handed.py`): read in the compiled programs' arguments on 8 CPU devices."""
+"""A value made from constants alone that one pipeline program hands another leaves in
+the plan's layout (`_run/_handed.py`): read in the compiled programs' arguments on 8 CPU
+devices."""
 
 import re
 
