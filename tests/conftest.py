@@ -139,6 +139,7 @@ SECONDS = {
     "tests/test_compare.py": 23,
     "tests/test_korthikanti.py": 22,
     "tests/test_budgets.py": 19,
+    "tests/pipeline/test_handed.py": 18,
     "tests/pipeline/test_zero_bubble.py": 18,
     "tests/rl/test_agent.py": 15,
     "tests/test_odd_steps.py": 15,

@@ -5,6 +5,7 @@ devices."""
 import re
 
 import jax
+import pytest
 
 from automap._capture import capture
 from automap._groups import build_groups
@@ -15,6 +16,7 @@ from automap._verify import verify
 from automap._zoo import get_model
 
 
+@pytest.mark.slow  # two stages' programs compiled and run on 8 CPU devices: ~20 s
 def test_a_causal_mask_handed_to_another_stages_backward_leaves_split_on_data():
     # A Llama cut at its first layer's mask broadcast ([batch, kv heads, group, q, k],
     # made from a [q, k] constant). The partition puts a backward op on the lowest stage
