@@ -39,8 +39,9 @@ lint: $(STAMP)
 # built once), the longest files first (tests/conftest.py's SECONDS; xdist's own order,
 # by number of tests, hands out files of a few long tests near the end, where one can
 # leave the other worker idle); the slowest tests are listed at the end, to keep the
-# suite in its budget. Both cores are busy nearly throughout (make test: 2,016 s of CPU
-# in 1,028 s), so the suite's time is its CPU time over two: cut work to cut it.
+# suite in its budget. Both cores are busy nearly throughout (at ad28835: tests summing
+# to 2,970 s in 1,506 s on two idle cores), so the suite's time is its work over two: cut
+# work to cut it.
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP) lint
 	AUTOMAP_TEST_CASES=full $(PYTEST) --durations=30
