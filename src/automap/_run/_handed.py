@@ -21,8 +21,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._errors import ApplyError
-from .._graph import Graph, TensorKind
+from .._graph import Graph
 from ._accumulate import axes_entry
+from ._recompute import literal_made
 from ._shared import check_divisible
 
 
@@ -35,16 +36,16 @@ def handed_shardings(
     pinned: Collection[int],
 ) -> dict[int, NamedSharding]:
     """Per output of a program (`outputs`, of `graph` at the program's shapes) made from
-    constants alone (`made_from_nothing`), its sharding on the stage's `mesh` by the
+    literals alone (`_recompute.literal_made`), its sharding on the stage's `mesh` by the
     plan's layout (`layout`: `_recompute.plan_layout`; None for a plan with no
     assignment, which pins nothing). Left out: what the program pins already (`pinned`),
     and a value whose shape the plan's layout does not divide (XLA lays it out)."""
     if layout is None:
         return {}
-    nothing = made_from_nothing(graph)
+    literal = literal_made(graph)
     out: dict[int, NamedSharding] = {}
     for t in outputs:
-        if t in pinned or t not in nothing:
+        if t in pinned or t not in literal:
             continue
         spec = tuple(axes_entry(axes) if axes else None for axes in layout(t))
         try:
@@ -53,15 +54,3 @@ def handed_shardings(
             continue
         out[t] = NamedSharding(mesh, PartitionSpec(*spec))
     return out
-
-
-def made_from_nothing(graph: Graph) -> frozenset[int]:
-    """The values the step makes from constants alone (iotas, literals, and what ops make
-    of those only): nothing the step reads tells XLA how to lay them out."""
-    if "made_from_nothing" not in graph.memo:
-        made: set[int] = set()
-        for op in graph.ops:
-            if all(t in made or graph.tensors[t].kind is TensorKind.CONST for t in op.inputs):
-                made.update(op.outputs)
-        graph.memo["made_from_nothing"] = frozenset(made)
-    return graph.memo["made_from_nothing"]
