@@ -6,18 +6,20 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import automap as am
+from _scripts import load_script
 from automap import ApplyError
 from automap._cli import app
 from automap._cost import CostModel, axis_links, axis_torus_dims
 from automap._graph import Role
 from automap._groups import build_groups, plan_from_assignment
 from automap._pipeline import pipeline_plan, uniform_cuts
-from automap._verify import tpu_devices, verify
+from automap._verify import live_peak, tpu_devices, verify
 from automap._zoo import get_model
 from test_verify import tiny_fn_plan
 
@@ -337,6 +339,38 @@ def test_compile_only_tpus_say_what_they_cannot_do():
     devices = tpu_devices("v5p:2x2x2", (2, 4))
     assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
     assert jax.devices()[0].platform == "cpu"  # this process's backend is unchanged
+
+
+@pytest.mark.parametrize(("rows", "vmems"), [(16384, True), (65536, False)])
+def test_libtpus_live_peak_counts_the_busier_memory_of_the_two(tmp_path, rows, vmems):
+    # `_compare.live_peak`: libtpu's peak_memory_in_bytes is the arguments, the outputs
+    # and the temporaries alive at the busiest step of HBM or of the chip's VMEM, whichever
+    # holds more, read against the buffer assignment's two temporary allocations. A
+    # [rows, 1024] float32 chain a chip: at 16384 rows memory-space assignment holds more
+    # of it in VMEM (36 MiB) than HBM's live peak (32 MiB); at 65536, HBM's 128 MiB win.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    reader = load_script("read_buffer_assignment")
+    mesh = Mesh(np.array(tpu_devices("v5p:2x2x1", (4,))), ("data",))
+
+    def chain(x, w):
+        h = jnp.tanh(x @ w)
+        return (jnp.tanh(h @ w.T) @ w).sum(), h @ w
+
+    x = jax.ShapeDtypeStruct(
+        (4 * rows, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("data"))
+    )
+    w = jax.ShapeDtypeStruct(
+        (1024, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())
+    )
+    options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
+    stats = (compiled := jax.jit(chain).lower(x, w).compile(options)).memory_analysis()
+    hbm = reader.read(tmp_path).busiest()[1]
+    vmem = reader.read(tmp_path, space=reader.VMEM).busiest()[1]
+    assert (vmem > hbm) is vmems
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    assert live_peak(compiled, "v5p:2x2x1") == held + max(hbm, vmem)
+    assert live_peak(compiled, None) is None  # a GPU's or the CPU's field means otherwise
 
 
 def test_the_cost_model_lays_a_mesh_on_the_torus_as_jax_does():

@@ -129,7 +129,8 @@ class Dry(Live):
         )
         self.peak[stage] = max(self.peak[stage], float(kept + own))
         # XLA's TPU figure of the program's bytes alive at once: arguments, outputs and the
-        # temporaries live at its busiest step (`_verify._compare.live_peak`)
+        # temporaries live at the busiest step of HBM, or of VMEM where that holds more
+        # (`_verify._compare.live_peak`)
         live = getattr(stats, "peak_memory_in_bytes", 0)
         self.live[stage] = max(self.live[stage], float(kept + live))
 

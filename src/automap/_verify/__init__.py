@@ -12,6 +12,7 @@ without one. DESIGN.md, "Collectives: the bytes convention".
 from ._compare import as_on_cpu as as_on_cpu
 from ._compare import compare_collectives as compare_collectives
 from ._compare import compiled_memory as compiled_memory
+from ._compare import live_peak as live_peak
 from ._compare import predicted_bytes as predicted_bytes
 from ._compare import predicted_memory as predicted_memory
 from ._compiled import compile_plan as compile_plan

@@ -104,15 +104,18 @@ def compiled_memory(compiled: Any) -> float | None:
 
 
 def live_peak(compiled: Any, target: str | None) -> float | None:
-    """XLA's TPU figure of the most bytes its schedule holds at once, before its placement
-    lays the temporaries out (`peak_memory_in_bytes`); None off a TPU target, where the
-    field means otherwise or is not given. Read on compile-only v5p chips (libtpu 0.0.42.1):
-    the arguments, the outputs (a step's are its donated arguments, counted once) and the
-    temporaries live at the busiest step of the buffer assignment's live ranges
-    (`benchmarks/read_buffer_assignment.py`). The temporaries `compiled_memory` counts hold
-    more: XLA's HBM allocation, with the gaps its placement leaves between buffers, and on
-    the plans read that allocation's excess over the live bytes once more (docs/DESIGN.md,
-    "TPU slices"); the cost model prices neither."""
+    """libtpu's figure of the most bytes the program holds at once (`peak_memory_in_bytes`);
+    None off a TPU target, where the field means otherwise or is not given. Read on
+    compile-only v5p chips (libtpu 0.0.42.1, `tests/test_verify_tpu.py`): the arguments,
+    the outputs (a step's are its donated arguments, counted once) and the temporaries
+    alive at the busiest step of whichever of the chip's two memories holds more of them:
+    HBM's on a large program; on a small one, where XLA's memory-space assignment moves
+    values out of HBM into the chip's VMEM (47 MiB at most on the TPU fidelity bench's
+    plans), VMEM's, though HBM then holds fewer. So it is at least what HBM holds alive
+    at once, and the larger of the two memories' figures, not their sum. The temporaries
+    `compiled_memory` counts are HBM's allocation, with the gaps its placement leaves
+    between buffers (docs/DESIGN.md, "TPU slices"); the cost model prices neither memory
+    apart."""
     if not is_tpu_target(target):
         return None
     stats = compiled.memory_analysis()

@@ -40,10 +40,11 @@ class VerifyReport:
     # "temporaries", "aliased"); a pipeline's are its largest stage's.
     predicted_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
     xla_memory_breakdown: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    # XLA's TPU live peak (`_compare.live_peak`: the most bytes its schedule holds at once,
-    # before placement; a pipeline's largest stage's, as `run.memory(live=True)` combines
-    # its programs'); None elsewhere. Shown beside the buffer assignment, so a gap can be
-    # told apart: the bytes alive, or where XLA lays them.
+    # XLA's TPU live peak (`_compare.live_peak`: the arguments and the temporaries alive
+    # at once in HBM, or in the chip's VMEM where that holds more, before placement; a
+    # pipeline's largest stage's, as `run.memory(live=True)` combines its programs');
+    # None elsewhere. Shown beside the buffer assignment, so a gap can be told apart: the
+    # bytes alive, or where XLA lays them.
     xla_live_peak_bytes: float | None = None
     # FLOPs per device per step: the cost model's (remat's recompute included), the same
     # counted as XLA counts them (`_flops.py`: loop bodies once, no padded convolution
@@ -91,7 +92,8 @@ class VerifyReport:
                 lines.append(
                     f"  XLA's live peak {fmt_bytes(self.xla_live_peak_bytes)} "
                     f"({self.predicted_memory_bytes / self.xla_live_peak_bytes:.2f}x): the most "
-                    "bytes its schedule holds at once, before its placement leaves gaps"
+                    "bytes its schedule holds at once in HBM, or in VMEM where that holds "
+                    "more, before its placement leaves gaps"
                 )
             for side, parts in (
                 ("predicted", self.predicted_memory_breakdown),
