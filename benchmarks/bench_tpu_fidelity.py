@@ -45,6 +45,7 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --plans 2 --models gpt --target v5p:2x2x2
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
+    python benchmarks/bench_tpu_fidelity.py --dump /tmp/d         # and XLA's HBM and VMEM read
 
 Figures, plan by plan, and what each run found: `bench_tpu_fidelity_log.md` beside
 this script and BENCHMARKS.md ("Random plans compiled for 64- and 256-chip TPU v5p slices").
@@ -56,7 +57,9 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -98,9 +101,11 @@ def bench_model(
     zero: float,
     sequences: int,
     only: int | None = None,
+    dump: str | None = None,
 ):
     """Every drawn plan of `name` verified on `target` (`only`: that one draw), `sequences`
-    per chip: bench_memory's rows, with the collectives' bytes per kind@axis on both sides."""
+    per chip: bench_memory's rows, with the collectives' bytes per kind@axis on both sides
+    (`dump`: and what each one-program plan's buffer assignment holds, `dumped`)."""
     from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
@@ -109,10 +114,55 @@ def bench_model(
     def show(plan, report) -> dict | None:
         for why in report.mismatches:
             print(f"{'':>13}{why}", flush=True)
-        return held_to_priced(step, args, plan, report, target)
+        read = dumped(dump, report, plan) if dump else {}
+        held = held_to_priced(step, args, plan, report, target)
+        if dump:  # the held compile's modules: not read, removed
+            dumped(dump, None, plan)
+        return {**held, **read}
 
     rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show, only)
     return {"model": name, "target": target, "rows": rows}
+
+
+def dumped(folder: str, report, plan) -> dict:
+    """What XLA's dump of the compile just made holds (`--dump`, read and then removed):
+    for a one-program plan, the arguments with HBM's temporaries at their busiest step
+    (XLA's HBM live peak, which libtpu's own figure is not where VMEM's peak is higher:
+    `automap._verify.live_peak`), VMEM's at that step, and the arguments with the two
+    memories' temporaries at the step they hold most together, which is what a model
+    that prices one memory for every buffer prices (`read_buffer_assignment.py`). None
+    of it for a pipeline, whose stage peak combines its programs with what the runtime
+    holds between them. `report` None: the files are removed unread."""
+    import read_buffer_assignment as reader
+
+    root = Path(folder)
+    made = sorted(root.glob(f"*{reader.SUFFIX}"))
+    tpu = [f for f in made if ".cpu_" not in f.name]  # the compile-only chips' programs
+    out = {}
+    if report is not None and tpu and not plan.pipelined:
+        main = max(tpu, key=lambda f: reader.read(root, f.name.split(".")[0] + ".").temp_size)
+        module = main.name.split(".")[0] + "."
+        hbm, vmem = reader.read(root, module), reader.read(root, module, reader.VMEM)
+        step, live = hbm.busiest()
+        both = reader.together(hbm, vmem)
+        xla = report.xla_memory_breakdown
+        held = xla["arguments"] + xla["outputs"] - xla["aliased"]
+        out = dict(
+            xla_hbm_live=held + live,
+            xla_vmem_at_hbm_peak=float(vmem.live_bytes(step)),
+            xla_both_live=held + both[1] + both[2],
+        )
+        price = report.predicted_memory_bytes
+        print(
+            f"{'':>13}dumped: HBM live {out['xla_hbm_live'] / 2**20:.1f} MiB = "
+            f"{price / out['xla_hbm_live']:.2f} (VMEM {out['xla_vmem_at_hbm_peak'] / 2**20:.1f} "
+            f"MiB beside it); both memories at once {out['xla_both_live'] / 2**20:.1f} MiB = "
+            f"{price / out['xla_both_live']:.2f}",
+            flush=True,
+        )
+    for f in root.iterdir():
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    return out
 
 
 def held_to_priced(step, args, plan, report, target: str) -> dict:
@@ -191,6 +241,16 @@ def report(results: list[dict]) -> dict:
         f"memory within 15% of XLA's live peak (before its placement; not the criterion): "
         f"{inside} of {len(live)}"
     )
+    for key, what in (("xla_hbm_live", "HBM's"), ("xla_both_live", "HBM's and VMEM's")):
+        priced = [
+            r["predicted_memory"] / r[key] for res in results for r in res["rows"] if r.get(key)
+        ]
+        if priced:  # --dump: read in the buffer assignments
+            print(
+                f"memory within 15% of what {what} temporaries hold alive at once with the "
+                f"arguments (one-program plans, dumped; not the criterion): "
+                f"{sum(abs(x - 1) <= WITHIN for x in priced)} of {len(priced)}"
+            )
     print(
         f"memory within 15% of XLA's buffer assignment with the chip's whole HBM: "
         f"{v['memory_whole_chip']:.0%} of {v['plans']}; with the HBM held to the priced "
@@ -250,11 +310,28 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
+    parser.add_argument(
+        "--dump",
+        help="an empty folder: each compile's buffer assignment is dumped there, read "
+        "(HBM's and VMEM's live temporaries, `dumped`) and removed",
+    )
     opts = parser.parse_args(argv)
+    if opts.dump:
+        Path(opts.dump).mkdir(parents=True, exist_ok=True)
+        if any(Path(opts.dump).iterdir()):
+            parser.error(f"--dump {opts.dump}: give an empty folder (its files are removed)")
+        # read when the first backend starts, which nothing has yet
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={opts.dump} --xla_dump_hlo_as_text"
+        )
     if opts.only is not None and not 0 <= opts.only < opts.plans:
         parser.error(f"--only {opts.only}: give a draw from 0 to {opts.plans - 1} (of --plans)")
     draw = (opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
-    results = [bench_model(m, t, *draw, only=opts.only) for t in opts.target for m in opts.models]
+    results = [
+        bench_model(m, t, *draw, only=opts.only, dump=opts.dump)
+        for t in opts.target
+        for m in opts.models
+    ]
     v = report(results)
     if opts.json:
         with open(opts.json, "w") as f:

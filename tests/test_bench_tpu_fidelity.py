@@ -112,3 +112,37 @@ def test_two_slices_are_one_verdict_and_each_apart(bench, capsys):
     assert each["v5p:2x2x1"]["collectives"] == each["v5p:2x2x1"]["memory"] == 0.5
     assert "gpt@8" in text and "gpt@4" in text
     assert "on v5p:2x2x1: collectives 50%, memory 50% of 2 plans" in text
+
+
+@pytest.mark.slow  # a tiny plan compiled for 4 v5p chips: ~5 s
+def test_a_dumped_compile_is_read_for_both_memories_and_removed(bench, tmp_path, capsys):
+    # `--dump`: what a one-program plan's HBM holds alive at once (not libtpu's own peak
+    # figure, which is VMEM's where that peaks higher), and both memories together
+    import automap as am
+    from automap._verify import compile_plan, verify
+    from automap._zoo import get_model
+
+    spec = get_model("gpt2-xl", **{**TINY, "batch": 8})
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
+    plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=4), cluster=v5p)
+    options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
+    compiled = compile_plan(step, plan, args, target="v5p:2x2x1", options=options)
+    report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
+    read = bench.dumped(str(tmp_path), report, plan)
+    assert not any(tmp_path.iterdir())  # read, then removed
+    xla = report.xla_memory_breakdown
+    state = xla["arguments"] + xla["outputs"] - xla["aliased"]
+    assert state < read["xla_hbm_live"] <= report.xla_memory_bytes  # the gaps are not live
+    assert read["xla_both_live"] >= read["xla_hbm_live"]
+    assert read["xla_vmem_at_hbm_peak"] >= 0
+    assert f"HBM live {read['xla_hbm_live'] / 2**20:.1f} MiB" in capsys.readouterr().out
+
+
+def test_a_dump_folder_with_files_is_refused_in_one_line(bench, tmp_path, capsys):
+    # its files are removed after each compile is read: a folder in use is not taken
+    (tmp_path / "kept.txt").write_text("not the benchmark's")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--plans", "1", "--dump", str(tmp_path)])
+    assert stop.value.code == 2 and (tmp_path / "kept.txt").exists()
+    assert f"--dump {tmp_path}: give an empty folder" in capsys.readouterr().err
