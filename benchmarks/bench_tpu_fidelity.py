@@ -147,10 +147,15 @@ def dumped(folder: str, report, plan) -> dict:
         both = reader.together(hbm, vmem)
         xla = report.xla_memory_breakdown
         held = xla["arguments"] + xla["outputs"] - xla["aliased"]
+        tuples = [v for v in hbm.values if v.shape.startswith("(")]
         out = dict(
             xla_hbm_live=held + live,
             xla_vmem_at_hbm_peak=float(vmem.live_bytes(step)),
             xla_both_live=held + both[1] + both[2],
+            # the allocation, and the tuple-shaped values in it (an async start's, a
+            # multi-output fusion's: a slot of pointers each, docs/DESIGN.md "TPU slices")
+            xla_hbm_allocation=float(hbm.temp_size),
+            xla_tuple_slots=(len(tuples), float(sum(v.size for v in tuples))),
         )
         price = report.predicted_memory_bytes
         print(
