@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -128,9 +129,11 @@ def dumped(folder: str, report, plan) -> dict:
     """What XLA's dump of the compile just made holds (`--dump`, read and then removed):
     for a one-program plan, the arguments with HBM's temporaries at their busiest step
     (XLA's HBM live peak, which libtpu's own figure is not where VMEM's peak is higher:
-    `automap._verify.live_peak`), VMEM's at that step, and the arguments with the two
-    memories' temporaries at the step they hold most together, which is what a model
-    that prices one memory for every buffer prices (`read_buffer_assignment.py`). None
+    `automap._verify.live_peak`), VMEM's at that step (the values made there, and apart
+    the copies memory-space assignment prefetched there of values HBM holds too), and
+    the arguments with HBM's temporaries and VMEM's made values at the step they hold
+    most together, which is what a model that prices one memory for every buffer
+    prices (`read_buffer_assignment.py`). None
     of it for a pipeline, whose stage peak combines its programs with what the runtime
     holds between them. `report` None: the files are removed unread."""
     import read_buffer_assignment as reader
@@ -143,14 +146,19 @@ def dumped(folder: str, report, plan) -> dict:
         main = max(tpu, key=lambda f: reader.read(root, f.name.split(".")[0] + ".").temp_size)
         module = main.name.split(".")[0] + "."
         hbm, vmem = reader.read(root, module), reader.read(root, module, reader.VMEM)
+        # VMEM's values made there, not its prefetched copies of values HBM holds too
+        made = dataclasses.replace(
+            vmem, values=tuple(v for v in vmem.values if not v.name.startswith("copy-start"))
+        )
         step, live = hbm.busiest()
-        both = reader.together(hbm, vmem)
+        both = reader.together(hbm, made)
         xla = report.xla_memory_breakdown
         held = xla["arguments"] + xla["outputs"] - xla["aliased"]
         tuples = [v for v in hbm.values if v.shape.startswith("(")]
         out = dict(
             xla_hbm_live=held + live,
-            xla_vmem_at_hbm_peak=float(vmem.live_bytes(step)),
+            xla_vmem_at_hbm_peak=float(made.live_bytes(step)),
+            xla_vmem_copies_at_hbm_peak=float(vmem.live_bytes(step) - made.live_bytes(step)),
             xla_both_live=held + both[1] + both[2],
             # the allocation, and the tuple-shaped values in it (an async start's, a
             # multi-output fusion's: a slot of pointers each, docs/DESIGN.md "TPU slices")
@@ -161,7 +169,8 @@ def dumped(folder: str, report, plan) -> dict:
         print(
             f"{'':>13}dumped: HBM live {out['xla_hbm_live'] / 2**20:.1f} MiB = "
             f"{price / out['xla_hbm_live']:.2f} (VMEM {out['xla_vmem_at_hbm_peak'] / 2**20:.1f} "
-            f"MiB beside it); both memories at once {out['xla_both_live'] / 2**20:.1f} MiB = "
+            f"MiB beside it, and {out['xla_vmem_copies_at_hbm_peak'] / 2**20:.1f} of prefetched "
+            "copies); both memories at once {out['xla_both_live'] / 2**20:.1f} MiB = "
             f"{price / out['xla_both_live']:.2f}",
             flush=True,
         )

@@ -135,7 +135,8 @@ def test_a_dumped_compile_is_read_for_both_memories_and_removed(bench, tmp_path,
     state = xla["arguments"] + xla["outputs"] - xla["aliased"]
     assert state < read["xla_hbm_live"] <= report.xla_memory_bytes  # the gaps are not live
     assert read["xla_both_live"] >= read["xla_hbm_live"]
-    assert read["xla_vmem_at_hbm_peak"] >= 0
+    assert read["xla_vmem_at_hbm_peak"] >= 0 and read["xla_vmem_copies_at_hbm_peak"] >= 0
+    assert read["xla_hbm_allocation"] >= read["xla_hbm_live"] - state  # live within it
     assert f"HBM live {read['xla_hbm_live'] / 2**20:.1f} MiB" in capsys.readouterr().out
 
 
