@@ -169,9 +169,9 @@ def dumped(folder: str, report, plan) -> dict:
         print(
             f"{'':>13}dumped: HBM live {out['xla_hbm_live'] / 2**20:.1f} MiB = "
             f"{price / out['xla_hbm_live']:.2f} (VMEM {out['xla_vmem_at_hbm_peak'] / 2**20:.1f} "
-            f"MiB beside it, and {out['xla_vmem_copies_at_hbm_peak'] / 2**20:.1f} of prefetched "
-            "copies); both memories at once {out['xla_both_live'] / 2**20:.1f} MiB = "
-            f"{price / out['xla_both_live']:.2f}",
+            f"MiB made there beside it, {out['xla_vmem_copies_at_hbm_peak'] / 2**20:.1f} of "
+            f"prefetched copies); both memories at once {out['xla_both_live'] / 2**20:.1f} "
+            f"MiB = {price / out['xla_both_live']:.2f}",
             flush=True,
         )
     for f in root.iterdir():

@@ -137,7 +137,9 @@ def test_a_dumped_compile_is_read_for_both_memories_and_removed(bench, tmp_path,
     assert read["xla_both_live"] >= read["xla_hbm_live"]
     assert read["xla_vmem_at_hbm_peak"] >= 0 and read["xla_vmem_copies_at_hbm_peak"] >= 0
     assert read["xla_hbm_allocation"] >= read["xla_hbm_live"] - state  # live within it
-    assert f"HBM live {read['xla_hbm_live'] / 2**20:.1f} MiB" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"HBM live {read['xla_hbm_live'] / 2**20:.1f} MiB" in said
+    assert f"both memories at once {read['xla_both_live'] / 2**20:.1f} MiB" in said
 
 
 def test_a_dump_folder_with_files_is_refused_in_one_line(bench, tmp_path, capsys):
