@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import shutil
@@ -129,11 +128,11 @@ def dumped(folder: str, report, plan) -> dict:
     """What XLA's dump of the compile just made holds (`--dump`, read and then removed):
     for a one-program plan, the arguments with HBM's temporaries at their busiest step
     (XLA's HBM live peak, which libtpu's own figure is not where VMEM's peak is higher:
-    `automap._verify.live_peak`), VMEM's at that step (the values made there, and apart
-    the copies memory-space assignment prefetched there of values HBM holds too), and
-    the arguments with HBM's temporaries and VMEM's made values at the step they hold
+    `automap._verify.live_peak`), VMEM's at that step (the values made there or moved
+    there out of HBM, and apart the copies it prefetched there of values HBM holds too),
+    and the arguments with HBM's temporaries and VMEM's own values at the step they hold
     most together, which is what a model that prices one memory for every buffer
-    prices (`read_buffer_assignment.py`). None
+    prices (`read_buffer_assignment.py`, `apart`). None
     of it for a pipeline, whose stage peak combines its programs with what the runtime
     holds between them. `report` None: the files are removed unread."""
     import read_buffer_assignment as reader
@@ -146,10 +145,8 @@ def dumped(folder: str, report, plan) -> dict:
         main = max(tpu, key=lambda f: reader.read(root, f.name.split(".")[0] + ".").temp_size)
         module = main.name.split(".")[0] + "."
         hbm, vmem = reader.read(root, module), reader.read(root, module, reader.VMEM)
-        # VMEM's values made there, not its prefetched copies of values HBM holds too
-        made = dataclasses.replace(
-            vmem, values=tuple(v for v in vmem.values if not v.name.startswith("copy-start"))
-        )
+        # VMEM's values made or moved there, not its copies of values HBM holds too
+        made = reader.apart(hbm, vmem)
         step, live = hbm.busiest()
         both = reader.together(hbm, made)
         xla = report.xla_memory_breakdown
@@ -169,8 +166,8 @@ def dumped(folder: str, report, plan) -> dict:
         print(
             f"{'':>13}dumped: HBM live {out['xla_hbm_live'] / 2**20:.1f} MiB = "
             f"{price / out['xla_hbm_live']:.2f} (VMEM {out['xla_vmem_at_hbm_peak'] / 2**20:.1f} "
-            f"MiB made there beside it, {out['xla_vmem_copies_at_hbm_peak'] / 2**20:.1f} of "
-            f"prefetched copies); both memories at once {out['xla_both_live'] / 2**20:.1f} "
+            f"MiB of its own beside it, {out['xla_vmem_copies_at_hbm_peak'] / 2**20:.1f} of "
+            f"copies of HBM's); both memories at once {out['xla_both_live'] / 2**20:.1f} "
             f"MiB = {price / out['xla_both_live']:.2f}",
             flush=True,
         )

@@ -23,7 +23,8 @@ heap packing.
 On a TPU dump it reads the chip's VMEM too (the temporary allocation of color 1, where
 XLA's memory-space assignment moves values out of HBM): what it holds at HBM's busiest
 step, and the step where the two memories together hold most, which is what a cost model
-that prices one memory for every buffer should be held against.
+that prices one memory for every buffer should be held against (`apart`: a VMEM copy of
+a value HBM still holds counts once; one whose HBM source is dead, a move, counts).
 
 `--matmuls` lists instead the schedule's steps that run a matmul, with what each writes:
 where each weight gradient runs, with its layer's backward or after the whole
@@ -113,6 +114,34 @@ def together(main: Assignment, alternate: Assignment) -> tuple[int, int, int]:
     steps = range(len(main.schedule))
     step = max(steps, key=lambda t: main.live_bytes(t) + alternate.live_bytes(t), default=0)
     return step, main.live_bytes(step), alternate.live_bytes(step)
+
+
+_COPY_START = re.compile(r"%(copy-start(?:\.\d+)?) = .*? copy-start\(%([\w.\-]+)\)")
+_TUPLE_ELEMENT = re.compile(
+    r"%(get-tuple-element(?:\.\d+)?) = \S+ get-tuple-element\(%([\w.\-]+)\), index=(\d+)"
+)
+
+
+def apart(main: Assignment, alternate: Assignment) -> Assignment:
+    """The alternate memory's values that hold what the main memory does not at the same
+    step: those made there, and a copy memory-space assignment made there (`copy-start`)
+    for the steps after its source's last in the main memory's temporaries: an activation
+    moved out of HBM until its backward reads it. A prefetched copy of a value HBM still
+    holds, or of an argument (never in the temporaries), counts once, in HBM."""
+    element = {m[0]: f"{m[1]}{{{m[2]}}}" for m in _TUPLE_ELEMENT.findall(main.program)}
+    source = {dst: element.get(op, f"{op}{{}}") for dst, op in _COPY_START.findall(main.program)}
+    last = {v.name: v.end for v in main.values}
+    kept = []
+    for v in alternate.values:
+        name = v.name.split("{")[0]
+        if name.startswith("copy-start"):
+            if source.get(name) not in last:
+                continue  # an argument's copy, or one not read: HBM holds it too
+            v = dataclasses.replace(v, start=max(v.start, last[source[name]] + 1))
+            if v.start > v.end:
+                continue
+        kept.append(v)
+    return dataclasses.replace(alternate, values=tuple(kept))
 
 
 def matmuls(hlo: str, schedule: tuple[str, ...]) -> list[tuple[int, str, str]]:
@@ -207,10 +236,11 @@ def main(argv: list[str] | None = None) -> None:
           f"({peak / max(a.temp_size, 1):.3f} of it)")  # fmt: skip
     vmem = read(opts.dump, opts.module, VMEM)
     if vmem.values:
-        both, main_bytes, vmem_bytes = together(a, vmem)
+        both, main_bytes, vmem_bytes = together(a, apart(a, vmem))
         print(f"VMEM (color {VMEM}): {vmem.live_bytes(step)} B live at step {step}, "
               f"{vmem.busiest()[1]} B at its busiest; both memories at once: {main_bytes} "
-              f"+ {vmem_bytes} B at step {both}")  # fmt: skip
+              f"+ {vmem_bytes} B at step {both}, VMEM's copies of what HBM still holds "
+              "counted once")  # fmt: skip
     wait = a.waiting_for_float32_gemms(at)
     print(f"step {at} ({name}): {a.live_bytes(at)} B live, {wait} B of it waiting for a "
           "later matmul that writes float32")  # fmt: skip

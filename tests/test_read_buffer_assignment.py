@@ -114,3 +114,38 @@ def test_vmem_is_read_apart_and_with_hbm_at_one_step(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "VMEM (color 1): 0 B live at step 1, 8192 B at its busiest" in said
     assert "both memories at once: 2048 + 8192 B at step 0" in said
+
+
+def test_a_vmem_copy_counts_apart_from_hbm_only_once_its_source_is_dead():
+    # memory-space assignment moves an activation out of HBM into VMEM until its backward
+    # reads it (its HBM source dies at the copy), and prefetches copies of values HBM
+    # still holds or of arguments (never in the temporaries): only the move is VMEM's own
+    def value(name, offset, size, start, end):
+        return reader.Value(name, offset, size, "bf16[]", start, end)
+
+    program = (
+        "  %get-tuple-element.1 = bf16[256]{0} get-tuple-element(%fusion.7), index=1\n"
+        "  %copy-start.1 = (bf16[256]{0:S(1)}, bf16[256]{0}, u32[]) copy-start(%get-tuple-element.1)\n"
+        "  %copy-start.2 = (bf16[256]{0:S(1)}, bf16[256]{0}, u32[]) copy-start(%fusion.8)\n"
+        "  %copy-start.3 = (bf16[256]{0:S(1)}, bf16[256]{0}, u32[]) copy-start(%param.0)\n"
+    )
+    hbm = reader.Assignment(
+        1024, (value("fusion.7{1}", 0, 512, 0, 2), value("fusion.8{}", 512, 512, 0, 9)),
+        tuple("abcdefghij"), frozenset(), program,
+    )  # fmt: skip
+    vmem = reader.Assignment(
+        1536,
+        (
+            value("copy-start.1{0}", 0, 512, 1, 8),  # moved: HBM's source dies at step 2
+            value("copy-start.2{0}", 512, 512, 3, 5),  # a prefetch: fusion.8 lives to 9
+            value("copy-start.3{0}", 1024, 512, 0, 9),  # an argument's copy
+            value("fusion.9{}", 1024, 256, 6, 7),  # made in VMEM
+        ),
+        tuple("abcdefghij"), frozenset(),
+    )  # fmt: skip
+    own = reader.apart(hbm, vmem)
+    assert [(v.name, v.start, v.end) for v in own.values] == [
+        ("copy-start.1{0}", 3, 8),
+        ("fusion.9{}", 6, 7),
+    ]
+    assert reader.together(hbm, own) == (6, 512, 768)
