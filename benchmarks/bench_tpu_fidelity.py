@@ -132,15 +132,17 @@ def dumped(folder: str, report, plan) -> dict:
     there out of HBM, and apart the copies it prefetched there of values HBM holds too),
     and the arguments with HBM's temporaries and VMEM's own values at the step they hold
     most together, which is what a model that prices one memory for every buffer
-    prices (`read_buffer_assignment.py`, `apart`). None
-    of it for a pipeline, whose stage peak combines its programs with what the runtime
-    holds between them. `report` None: the files are removed unread."""
+    prices (`read_buffer_assignment.py`, `apart`). None of it for a pipeline, whose
+    stage peak combines its programs with what the runtime holds between them. `report`
+    None: the files are removed unread."""
     import read_buffer_assignment as reader
 
     root = Path(folder)
-    made = sorted(root.glob(f"*{reader.SUFFIX}"))
-    tpu = [f for f in made if ".cpu_" not in f.name]  # the compile-only chips' programs
+    files = sorted(root.glob(f"*{reader.SUFFIX}"))
+    tpu = [f for f in files if ".cpu_" not in f.name]  # the compile-only chips' programs
     out = {}
+    if report is not None and not plan.pipelined and not tpu:
+        print(f"{'':>13}dumped: nothing in {folder} (XLA read its flags before --dump)")
     if report is not None and tpu and not plan.pipelined:
         main = max(tpu, key=lambda f: reader.read(root, f.name.split(".")[0] + ".").temp_size)
         module = main.name.split(".")[0] + "."
@@ -157,10 +159,11 @@ def dumped(folder: str, report, plan) -> dict:
             xla_vmem_at_hbm_peak=float(made.live_bytes(step)),
             xla_vmem_copies_at_hbm_peak=float(vmem.live_bytes(step) - made.live_bytes(step)),
             xla_both_live=held + both[1] + both[2],
-            # the allocation, and the tuple-shaped values in it (an async start's, a
-            # multi-output fusion's: a slot of pointers each, docs/DESIGN.md "TPU slices")
+            # the allocation, and how many tuple-shaped values it holds (an async start's,
+            # a multi-output fusion's: each a few pointers in a 16 KiB slot of its own,
+            # docs/DESIGN.md "TPU slices"), which set most of its excess over the live bytes
             xla_hbm_allocation=float(hbm.temp_size),
-            xla_tuple_slots=(len(tuples), float(sum(v.size for v in tuples))),
+            xla_tuple_slots=len(tuples),
         )
         price = report.predicted_memory_bytes
         print(

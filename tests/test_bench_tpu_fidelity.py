@@ -137,6 +137,7 @@ def test_a_dumped_compile_is_read_for_both_memories_and_removed(bench, tmp_path,
     assert read["xla_both_live"] >= read["xla_hbm_live"]
     assert read["xla_vmem_at_hbm_peak"] >= 0 and read["xla_vmem_copies_at_hbm_peak"] >= 0
     assert read["xla_hbm_allocation"] >= read["xla_hbm_live"] - state  # live within it
+    assert read["xla_tuple_slots"] > 0  # the step's async collectives, at least
     said = capsys.readouterr().out
     assert f"HBM live {read['xla_hbm_live'] / 2**20:.1f} MiB" in said
     assert f"both memories at once {read['xla_both_live'] / 2**20:.1f} MiB" in said
@@ -149,3 +150,12 @@ def test_a_dump_folder_with_files_is_refused_in_one_line(bench, tmp_path, capsys
         bench.main(["--plans", "1", "--dump", str(tmp_path)])
     assert stop.value.code == 2 and (tmp_path / "kept.txt").exists()
     assert f"--dump {tmp_path}: give an empty folder" in capsys.readouterr().err
+
+
+def test_a_dump_folder_left_empty_says_so(bench, tmp_path, capsys):
+    # --dump given to a process whose XLA had read its flags already: no file comes,
+    # and the row says nothing rather than a figure of another compile
+    import types
+
+    assert bench.dumped(str(tmp_path), object(), types.SimpleNamespace(pipelined=False)) == {}
+    assert f"dumped: nothing in {tmp_path}" in capsys.readouterr().out
