@@ -144,9 +144,8 @@ def dumped(folder: str, report, plan) -> dict:
     if report is not None and not plan.pipelined and not tpu:
         print(f"{'':>13}dumped: nothing in {folder} (XLA read its flags before --dump)")
     if report is not None and tpu and not plan.pipelined:
-        main = max(tpu, key=lambda f: reader.read(root, f.name.split(".")[0] + ".").temp_size)
-        module = main.name.split(".")[0] + "."
-        hbm, vmem = reader.read(root, module), reader.read(root, module, reader.VMEM)
+        # the step's program: the one with the largest HBM temporaries, as `read` picks
+        hbm, vmem = reader.read(root), reader.read(root, space=reader.VMEM)
         # VMEM's values made or moved there, not its copies of values HBM holds too
         made = reader.apart(hbm, vmem)
         step, live = hbm.busiest()
