@@ -87,6 +87,8 @@ def test_a_cluster_carries_its_compilers_lowering():
         matmul_operand_bytes=2,
         fused_row_elements=1024,  # a wide softmax shift written beside its logits
         fused_row_contraction=256,
+        apart_row_elements=8192,  # not for a real vocabulary's rows
+        apart_row_contraction=1024,
         float32_norm_buffers=False,  # read on A100s' mixed-precision norms, not on a TPU
         major_dim_collectives=False,  # read on A100s and H100s, not read on a TPU
         early_recompute=False,  # read on A100s, not on a TPU
@@ -100,6 +102,7 @@ def test_a_cluster_carries_its_compilers_lowering():
     numbers = {"collective_float_bytes", "all_reduce_combine_bytes", "scatter_least_elements"}
     numbers.add("gather_all_reduced_from")
     numbers |= {"matmul_operand_bytes", "fused_row_elements", "fused_row_contraction"}
+    numbers |= {"apart_row_elements", "apart_row_contraction"}
     assert set(am.Lowering.switches()) == set(am.Lowering.field_names()) - numbers
     assert not any(getattr(cpu, flag) for flag in am.Lowering.switches())
     # ZeRO-3's prefetch beside compute: the TPU's (under the flags the runtime compiles

@@ -268,6 +268,17 @@ class Lowering:
     fused_row_contraction: int = 0
     """With `fused_row_elements`: the longest contraction whose matmul XLA fuses into the
     kernel of its output's softmax shift, however long the row (XLA's TPU: 256)."""
+    apart_row_elements: int = 0
+    """With `fused_row_elements`, where not 0: the longest row whose shift XLA still
+    writes apart; a longer one it makes again inside each kernel that reads it, as it
+    does a short one. XLA's TPU: 8192 (libtpu 0.0.42.1, v5p, the float32 log-softmax
+    loss of [r, K] @ [K, n] logits a chip, K = 512: 2x the logits in temporaries for n
+    from 4096 to 8192, 1x for n = 8704 to 50304, a real vocabulary; a 2048-wide GPT's
+    [512, 1024, 32000] logits on a v5p chip are one buffer, not two)."""
+    apart_row_contraction: int = 0
+    """With `apart_row_elements`: the longest contraction whose matmul's shift XLA writes
+    apart (XLA's TPU: 1024; with K = 2048 or 3072 the shift of rows of 2048 to 32000 is
+    made again inside its readers, 1x the logits)."""
     scatter_least_elements: int = 0
     """Where not 0, XLA reduce-scatters a ZeRO gradient only where its shard is large
     enough for the group, else it all-reduces it whole and slices (`_cost._tiles.
@@ -372,6 +383,8 @@ class Lowering:
             matmul_operand_bytes=2,
             fused_row_elements=1024,
             fused_row_contraction=256,
+            apart_row_elements=8192,
+            apart_row_contraction=1024,
         )
 
     @classmethod

@@ -13,6 +13,7 @@ backward are two programs, so there the runtime chooses what its backward makes 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable
 
 import numpy as np
@@ -174,7 +175,7 @@ def _remade_from(
         return []  # a step input: stored as such, not an activation
     op = graph.ops[p]
     rows, depth = lowering.fused_row_elements, lowering.fused_row_contraction
-    if rows and _shift_apart(graph, t, rows, depth):
+    if rows and _shift_apart(graph, t, (rows, depth), _apart_bounds(lowering)):
         return None
     if recomputed and rows and _row_kernel_exp(graph, t, rows):
         return None
@@ -220,19 +221,27 @@ def default_precision(op) -> bool:
     )
 
 
-def _shift_apart(graph: Graph, t: int, row_limit: int, contraction_limit: int) -> bool:
+def _apart_bounds(lowering: Lowering) -> tuple[float, float]:
+    """The longest row and contraction whose softmax shift XLA writes apart (no bound
+    where the lowering gives none: `Lowering.apart_row_elements`)."""
+    rows, depth = lowering.apart_row_elements, lowering.apart_row_contraction
+    return (rows or math.inf, depth or math.inf)
+
+
+def _shift_apart(graph: Graph, t: int, above: tuple[int, int], up_to: tuple[float, float]) -> bool:
     """Whether t is a softmax's shift written apart (`Lowering.fused_row_elements`): a
     matmul's output less a reduction of that output over its last axis, rows longer than
-    `row_limit`, the matmul contracting more than `contraction_limit` elements."""
+    `above[0]` and at most `up_to[0]`, the matmul contracting more than `above[1]` and at
+    most `up_to[1]` elements (the graph's shapes: a plan that splits them is not read)."""
     op = graph.ops[graph.tensors[t].producer]
     if op.primitive != "sub" or len(op.inputs) != 2:
         return False
     a, b = op.inputs
     x = graph.tensors[a]
-    if not x.ndim or x.shape[-1] <= row_limit:
+    if not x.ndim or not above[0] < x.shape[-1] <= up_to[0]:
         return False
     dot = _matmul_made(graph, a)
-    if dot is None or _contraction(graph, dot) <= contraction_limit:
+    if dot is None or not above[1] < _contraction(graph, dot) <= up_to[1]:
         return False
     todo, seen = [(b, 0)], set()
     while todo:  # b: a's row reduction, broadcast back (through a max, a stop_gradient)
