@@ -46,6 +46,7 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --target v4:4x4x8     # 128 v4 chips, 256 cores
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
     python benchmarks/bench_tpu_fidelity.py --dump /tmp/d         # and XLA's HBM and VMEM read
+    python benchmarks/bench_tpu_fidelity.py --size chip --plans 6 --target v5p:4x4x4
 
 Figures, plan by plan, and what each run found: `bench_tpu_fidelity_log.md` beside
 this script and BENCHMARKS.md ("Random plans compiled for 64- and 256-chip TPU v5p slices").
@@ -79,15 +80,23 @@ MODELS = {
     "gpt": ("gpt2-xl", dict(BLOCKS, dtype="float32")),
     "llama": ("llama", dict(BLOCKS, kv_heads=2, ffn=1536, dtype="bfloat16")),
 }
+# `--size chip`: the same layers at the widths a run on such a slice trains (rows of 1024
+# keys, a real vocabulary), arrays of GiB a chip, beside which XLA's fixed bytes per
+# program (tens of MiB in VMEM, a 16 KiB slot per tuple) are under a percent: what the
+# small models' figures say of plans a user runs. A compile takes ~30-120 s.
+CHIP = dict(hidden=2048, heads=16, seq=1024, vocab=32000)
+CHIP_MODELS = {"gpt": CHIP, "llama": dict(CHIP, kv_heads=4, ffn=5632)}
 CRITERION = {"collectives": 0.95, "memory": 0.90}  # issue 27: the shares of plans to hold
 # The slices drawn on by default: the two ends of issue 27's range of 64-256 chips.
 TARGETS = ("v5p:4x4x4", "v5p:4x8x8")
 
 
-def program(name: str, devices: int, sequences: int = 2):
-    """(step, abstract args): the zoo model with `sequences` per chip, the step jitted with
-    its parameters and optimizer state donated, as a training loop runs it."""
+def program(name: str, devices: int, sequences: int = 2, size: str = "small"):
+    """(step, abstract args): the zoo model with `sequences` per chip (`size` "chip": at
+    `CHIP_MODELS`' widths), the step jitted with its parameters and optimizer state
+    donated, as a training loop runs it."""
     zoo_name, overrides = MODELS[name]
+    overrides = overrides | (CHIP_MODELS[name] if size == "chip" else {})
     spec = get_model(zoo_name, batch=sequences * devices, **overrides)
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
@@ -102,6 +111,7 @@ def bench_model(
     sequences: int,
     only: int | None = None,
     dump: str | None = None,
+    size: str = "small",
 ):
     """Every drawn plan of `name` verified on `target` (`only`: that one draw), `sequences`
     per chip: bench_memory's rows, with the collectives' bytes per kind@axis on both sides
@@ -109,7 +119,7 @@ def bench_model(
     from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
-    step, args = program(name, cluster.devices, sequences)
+    step, args = program(name, cluster.devices, sequences, size)
 
     def show(plan, report) -> dict | None:
         for why in report.mismatches:
@@ -321,6 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--sequences", type=int, default=2, help="sequences per chip (the global batch / chips)"
     )
+    parser.add_argument(
+        "--size",
+        choices=("small", "chip"),
+        default="small",
+        help="the models' widths: small (MiB a chip), or chip (GiB a chip, CHIP_MODELS)",
+    )
     parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
     parser.add_argument(
@@ -341,14 +357,15 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--only {opts.only}: give a draw from 0 to {opts.plans - 1} (of --plans)")
     draw = (opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
     results = [
-        bench_model(m, t, *draw, only=opts.only, dump=opts.dump)
+        bench_model(m, t, *draw, only=opts.only, dump=opts.dump, size=opts.size)
         for t in opts.target
         for m in opts.models
     ]
     v = report(results)
     if opts.json:
         with open(opts.json, "w") as f:
-            header = {"target": opts.target, "sequences": opts.sequences, "verdict": v}
+            header = {"target": opts.target, "sequences": opts.sequences, "size": opts.size}
+            header["verdict"] = v
             json.dump({**header, "results": results}, f, indent=2)
     return v
 

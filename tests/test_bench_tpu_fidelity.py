@@ -59,6 +59,18 @@ def test_the_benchmarks_batch_is_its_sequences_per_chip(bench, monkeypatch):
         assert tokens and all(s[0] == 8 * sequences for s in tokens), tokens
 
 
+def test_chip_size_draws_the_same_layers_at_a_runs_widths(bench):
+    # --size chip: the models at widths a slice trains (a real vocabulary, rows of 1024
+    # keys), abstract arrays only; the small models keep their widths
+    for name in ("gpt", "llama"):
+        small = jax.tree_util.tree_leaves(bench.program(name, 8)[1])
+        chip = jax.tree_util.tree_leaves(bench.program(name, 8, size="chip")[1])
+        assert len(chip) == len(small)  # the same layers
+        assert (8 * 2, 1024) in {x.shape for x in chip}  # the tokens: 2 a chip, 1024 long
+        assert any(set(x.shape) == {32000, 2048} for x in chip), name  # the token table
+        assert not any(32000 in x.shape for x in small), name
+
+
 def test_only_verifies_one_draw_of_the_same_sequence(bench, monkeypatch, capsys):
     # `--only N` compiles draw N alone (to dump its buffer assignment): the earlier draws
     # are still drawn, so it is the plan the whole run verifies as its N-th
