@@ -85,18 +85,19 @@ MODELS = {
 # program (tens of MiB in VMEM, a 16 KiB slot per tuple) are under a percent: what the
 # small models' figures say of plans a user runs. A compile takes ~30-120 s.
 CHIP = dict(hidden=2048, heads=16, seq=1024, vocab=32000)
-CHIP_MODELS = {"gpt": CHIP, "llama": dict(CHIP, kv_heads=4, ffn=5632)}
+# per `--size`, each model's widths over MODELS' own
+SIZES = {"small": {}, "chip": {"gpt": CHIP, "llama": dict(CHIP, kv_heads=4, ffn=5632)}}
 CRITERION = {"collectives": 0.95, "memory": 0.90}  # issue 27: the shares of plans to hold
 # The slices drawn on by default: the two ends of issue 27's range of 64-256 chips.
 TARGETS = ("v5p:4x4x4", "v5p:4x8x8")
 
 
 def program(name: str, devices: int, sequences: int = 2, size: str = "small"):
-    """(step, abstract args): the zoo model with `sequences` per chip (`size` "chip": at
-    `CHIP_MODELS`' widths), the step jitted with its parameters and optimizer state
-    donated, as a training loop runs it."""
+    """(step, abstract args): the zoo model with `sequences` per chip at the widths of
+    `size` (`SIZES`), the step jitted with its parameters and optimizer state donated,
+    as a training loop runs it."""
     zoo_name, overrides = MODELS[name]
-    overrides = overrides | (CHIP_MODELS[name] if size == "chip" else {})
+    overrides = overrides | SIZES[size].get(name, {})
     spec = get_model(zoo_name, batch=sequences * devices, **overrides)
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
 
@@ -333,9 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--size",
-        choices=("small", "chip"),
+        choices=tuple(SIZES),
         default="small",
-        help="the models' widths: small (MiB a chip), or chip (GiB a chip, CHIP_MODELS)",
+        help="the models' widths: small (MiB a chip), or chip (GiB a chip, SIZES)",
     )
     parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
@@ -364,8 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     v = report(results)
     if opts.json:
         with open(opts.json, "w") as f:
-            header = {"target": opts.target, "sequences": opts.sequences, "size": opts.size}
-            header["verdict"] = v
+            header = dict(target=opts.target, sequences=opts.sequences, size=opts.size, verdict=v)
             json.dump({**header, "results": results}, f, indent=2)
     return v
 
