@@ -20,6 +20,7 @@ TESTS = Path(__file__).resolve().parent
 LAYERS = (
     ("_version", "_errors", "_axes"),
     ("_lowering", "_slices"),
+    ("_presets",),
     ("_graph", "_cluster"),
     ("_plan",),
     ("_solvers", "rl", "_zoo"),

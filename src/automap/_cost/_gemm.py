@@ -14,7 +14,7 @@ units were full. Two mechanisms replace it:
   its (tiled) arithmetic takes to run is memory-bound, and takes the streaming time.
 
 The arithmetic rate is `Cluster.matmul_efficiency` x peak: what the largest well-shaped
-GEMMs reach, a published measurement where the presets have one (`_cluster.py`).
+GEMMs reach, a published measurement where the presets have one (`_presets.py`).
 Wave quantization (tiles over a whole number of SM waves) depends on the per-device
 shape a plan gives and is not modelled: a plan's split divides the unsharded seconds.
 """

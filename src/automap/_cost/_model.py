@@ -82,13 +82,13 @@ from .._plan import Collective, Cost, Plan
 from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_key, remat_residuals
 from . import _collectives as C
 from . import _kernel as K
-from ._beside import BesideMemo, beside_table, less_split, split_held, split_seconds
+from ._beside import BesideMemo, beside_table, split_held, split_seconds
 from ._buffers import held_widths
-from ._compute import op_compute
 from ._epilogue import less_unwritten
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
 from ._peaks import busiest_moment, reduced_gradients, reduction_copy, update_peak
+from ._per_op import per_op
 from ._pipelined import estimate_pipeline
 from ._remat_terms import recompute_copies, recomputed_collectives
 from ._rows import PARTIAL_SETS, RESHARD_SETS, RowTable
@@ -571,23 +571,8 @@ class CostModel:
         return self._total_flops / (step * self.cluster.peak_flops * devices)
 
     def _per_op(self, st: K.State, zero=None, split=None) -> tuple[tuple[int, float, float], ...]:
-        """(op, compute s, comm s) per op; a combined gradient collective's time is shared
-        among the ops whose partial sums it completes, by bytes (`split`: `_beside.Split`)."""
-        T = self.tables
-        ac = self._costs_for(st.mesh)
-        comp = less_split(op_compute(T, st.inv, zero=zero), split)  # ZeRO's shards, XLA's split
-        pf, rf = T.partial_full, T.reshard_full
-        ops = np.concatenate([K.per_slot(pf, pf.op), rf.op])
-        slot = K.combine_slots(pf, rf)
-        grad = np.concatenate([K.per_slot(pf, pf.grad), rf.grad]) | (slot > 0)
-        g_time, g_bytes, _ = K.combined_times(st.sums, ac, T.combine_trips)
-        g_time, g_bytes = g_time.ravel(), g_bytes.ravel()
-        gkey = slot * len(ac.keys) + st.key
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = np.where(grad, st.nbytes / g_bytes[gkey] * g_time[gkey], 0.0)
-        own = np.where(grad, 0.0, st.time)
-        comm = np.bincount(ops, own + np.nan_to_num(share), minlength=len(comp))
-        return tuple((i, float(comp[i]), float(comm[i])) for i in range(len(comp)))
+        """(op, compute s, comm s) per op (`_per_op.per_op`)."""
+        return per_op(self.tables, st, self._costs_for(st.mesh), zero, split)
 
 
 def _take(R: RowTable, idx: np.ndarray) -> RowTable:
