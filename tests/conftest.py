@@ -109,7 +109,7 @@ def pytest_report_header(config):
 # (an idle `make test` with AUTOMAP_TEST_TIMES, below, at b51610a: 999 s); the others
 # follow, most tests first, as xdist orders them.
 SECONDS = {
-    "tests/test_verify_tpu.py": 184,
+    "tests/test_verify_tpu.py": 162,
     "tests/test_verify_gpu.py": 170,
     "tests/test_numerics.py": 163,
     "tests/test_seqpar.py": 99,
@@ -138,6 +138,7 @@ SECONDS = {
     "tests/test_bad_input.py": 23,
     "tests/test_compare.py": 23,
     "tests/test_korthikanti.py": 22,
+    "tests/test_tpu_collectives.py": 22,
     "tests/test_budgets.py": 19,
     "tests/pipeline/test_handed.py": 18,
     "tests/pipeline/test_zero_bubble.py": 18,

@@ -137,7 +137,7 @@ def _moved_lookups(R: RowTable, a, P, S, bit, inv, virtual):
     masked, is all-reduced over Y. The backward scatter-adds into that layout, all-reduces
     it over X and permutes it back. Without Y, the table is gathered whole over X and its
     gradient all-reduced. Read on v5p 2x2x2, A100s and the CPU alike (tests/
-    test_verify_tpu.py: a Llama's token table and batch on data 4 x model 2; data 8 x
+    test_tpu_collectives.py: a Llama's token table and batch on data 4 x model 2; data 8 x
     model 8 on 4x4x4 moved 0.5 MiB each way, all-reducing 2 MiB over model)."""
     kind, mask, nbytes = (x.reshape(-1, len(R.tset)) for x in virtual)
     kept = (a > 0) & P[R.tset[:, None], a]  # X: on the table's rows and the indices
