@@ -82,6 +82,8 @@ class Epilogues:
     sets: np.ndarray  # [c] the tensor set of each
     rows: RowTable | None  # the partial-sum rows of their matmuls (None: no contraction splits)
     owner: np.ndarray  # [rows] the column whose matmul each row is of
+    # `live` where the attention cores run as the flash kernel (None where none can)
+    flash: np.ndarray | None = None
 
 
 def epilogues(
@@ -92,9 +94,11 @@ def epilogues(
     partial: Sequence[CandidateRow],
     n_groups: int,
     empty: int,
+    flash: Buffers | None = None,
 ) -> Epilogues | None:
     """The `Epilogues` of the step whose buffers are `buf` at its candidate moments `at`
-    (`Moments.at`); `partial`: the step's partial-sum rows. None where none may be spared."""
+    (`Moments.at`); `partial`: the step's partial-sum rows; `flash`: its buffers as the
+    flash kernel leaves them, if it may run. None where none may be spared."""
     if buf.epilogue is None or not buf.epilogue.any():
         return None
     idx = np.flatnonzero(buf.epilogue)
@@ -111,6 +115,7 @@ def epilogues(
             owner.append(c)
     return Epilogues(
         live=on * (nbytes * buf.width[idx]),
+        flash=None if flash is None else on * (nbytes * flash.width[idx]),
         sets=tensor_set[tensor],
         rows=row_table(mine, n_groups, empty) if mine else None,
         owner=np.array(owner, dtype=np.int64),
@@ -121,20 +126,24 @@ def less_unwritten(copied, both, codes: np.ndarray, P: np.ndarray, L):
     """What a plan `L` holds at each moment beside the step's buffers (`copied`, per
     moment, or None) less what its matmuls do not write (`unwritten` of `both`, the
     `Tables.epilogues` pair: without and with remat)."""
-    spared = unwritten(both[int(L.remat)], codes, P, L.made_inv) if both else None
+    spared = unwritten(both[int(L.remat)], codes, P, L.made_inv, L.flash) if both else None
     if spared is None:
         return copied
     return -spared if copied is None else copied - spared
 
 
-def unwritten(E: Epilogues | None, codes: np.ndarray, P: np.ndarray, made_inv: np.ndarray):
+def unwritten(
+    E: Epilogues | None, codes: np.ndarray, P: np.ndarray, made_inv: np.ndarray, flash=False
+):
     """[moments] bytes per device of `E`'s buffers the plan does not write: those of the
     matmuls whose contraction no mesh axis splits (`codes`, the axis code of each group;
     `P`, which axes each set is split over: `_kernel.split_reductions`),
-    laid as `made_inv` lays each set. None where there are none."""
+    laid as `made_inv` lays each set (`flash`: of the buffers the flash kernel leaves).
+    None where there are none."""
     if E is None:
         return None
+    live = E.flash if flash and E.flash is not None else E.live
     fused = np.ones(len(E.sets), dtype=bool)
     if E.rows is not None:
         fused[E.owner[split_reductions(E.rows, codes, P)[1].any(axis=1)]] = False
-    return E.live[:, fused] @ made_inv[E.sets[fused]] if fused.any() else None
+    return live[:, fused] @ made_inv[E.sets[fused]] if fused.any() else None

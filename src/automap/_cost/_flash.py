@@ -11,16 +11,30 @@ the four written backward dots (dP, dV, dQ, dK) and QKᵀ once more (flash's bac
 the scores again from Q, K and the saved log-sum-exp). The softmax's elementwise work
 runs inside the kernel, on blocks held in the core's VMEM: no HBM traffic is priced for it.
 
-Memory: the kernel holds none of the core's inner tensors (the float32 scores, the
-probabilities), but the price still does: what the kernel keeps for its backward beyond
-Q, K, V and the output (which the written core keeps too), its two float32 row statistics
-(log-sum-exp and maximum) per query and head, is added to the written core's memory
-(for every core not recomputed; for the recomputed one while its backward runs). Taking
-the kept scores off the finished peak was wrong: the step's busiest moment need not hold
-them (a 64B Llama's no-recomputation plan on 64 v5p chips came out at -21.9 GB). Until
-the liveness model takes them off moment by moment, a flash plan is priced at most its
-written memory: never fitting where it does not. Under recomputation (MaxText's
-configuration) the scores are not kept, and this is within 15% of XLA's v5p buffers.
+Memory: the kernel writes none of the core's inner tensors (the scores, their mask, max,
+exp and sums, the probabilities, and in the backward their gradients), so the step's
+buffers are walked moment by moment without them (`kernel_buffers`: `Moments.flash`,
+picked by `Layout.flash`), the peak placed among the moments of both walks (taking the
+kept scores off the finished peak instead was wrong: the busiest moment need not hold
+them, and a 64B Llama's no-recomputation plan on 64 v5p chips came out at -21.9 GB). What
+the kernel keeps for its backward beyond Q, K, V and the output (which the written core
+keeps too) is its two float32 row statistics (log-sum-exp and maximum), each laid
+[batch, heads, queries, 128]: the Pallas TPU kernel broadcasts a row's statistic over the
+128 lanes of a vector register (`MIN_BLOCK_SIZE` in `jax.experimental.pallas.ops.tpu.
+flash_attention`; its VJP takes the statistics' first lane and broadcasts them again,
+which XLA's TPU folds into holding the broadcast ones), so they take 1 KiB per query row
+and head, as much as the row's queries at a head dimension of 512 in bf16. They are
+buffers in the walk, from the forward kernel (from the backward's start where the core is
+recomputed) to the core's backward's end, with the third its backward makes (the rows of
+dO·O, `di`), laid alike, while that backward runs. So are the kernel's operands, which the
+runtime lays [batch, heads, sequence, head dim] for it (`_run/_flash.py`): the queries and
+the output kept for the backward as the statistics are (beside the core's own, which the
+written step keeps too), the keys and values repeated to every query head while the
+backward runs (read in the buffer assignments of a 2-layer bf16 Llama, 8 heads in 2
+key/value groups, rows of 1024, at data 4 on v5p 2x2x1: the statistics as float32
+[32, 1, 1024, 128], the queries and output as bf16 [32, 1, 1024, 64] and, under
+recomputation, the repeated keys and values as bf16 [4, 2, 4, 1024, 64], each laid in
+128-lane tiles).
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,8 +52,10 @@ from .._graph import Graph
 from .._plan import Cost, Plan
 from .._remat import BLOCK, FlashCore, flash_cores
 from ._compute import op_compute
+from ._liveness import Buffers
 
-_ROW_STATS = 2 * 4  # float32 log-sum-exp and maximum per query row and head
+# float32 log-sum-exp and maximum per query row and head, each over the kernel's 128 lanes
+_ROW_STATS = 2 * 4 * 128
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -57,6 +74,62 @@ def _cores(model: Any) -> tuple[FlashCore, ...]:
     return hit
 
 
+def kernel_cores(graph: Graph, groups: Any) -> tuple[FlashCore, ...]:
+    """Every attention core of the program, where the flash kernel can run them all (the
+    cores `_run/_flash.py` binds), else none."""
+    try:
+        return flash_cores(graph, groups)
+    except PlanError:
+        return ()
+
+
+def kernel_buffers(
+    graph: Graph, buf: Buffers, cores: Sequence[FlashCore], recomputed: Collection[int] = ()
+) -> Buffers | None:
+    """`buf` as the flash kernel leaves them (None where it runs no core). It writes none of
+    a core's inner values: the forward's but its output (the scores, their mask, max, exp,
+    sums, the probabilities), the backward's but the cotangents of q, k and v. It keeps its
+    two row statistics from the forward to the core's backward (from the backward's start
+    where the core is `recomputed`: its forward runs again there), and the core's backward
+    makes a third (the rows of dO·O), each float32 over 128 lanes (`_ROW_STATS`): buffers
+    of their own, laid as the scores they stand for are split. So are the queries and the
+    output as the runtime lays them for the kernel, kept alike, and the keys and values it
+    repeats to every query head for the backward (the module's docstring)."""
+    if not cores:
+        return None
+    gone: set[int] = set()
+    extra: list[tuple[int, int, int, float]] = []  # tensor, birth, death, width
+    for fc in cores:
+        sinks = {fc.out, *fc.grads}
+        for i in (*fc.forward, fc.d2, *fc.backward):
+            gone.update(t for t in graph.ops[i].outputs if t not in sinks)
+        scores = graph.ops[fc.d1].outputs[0]
+        t = graph.tensors[scores]
+        row = t.nbytes / math.prod(t.shape) * graph.tensors[fc.k].shape[fc.k_labels.index("t")]
+        start, end = min(fc.backward), max(fc.backward)
+        kept = start if fc.d1 in recomputed else fc.d1
+        extra += [
+            (scores, kept, end, _ROW_STATS / row),  # the row statistics
+            (fc.q, kept, end, 1.0),  # the queries and the output, as the kernel lays them
+            (fc.out, kept, end, 1.0),
+            (scores, start, end, _ROW_STATS / 2 / row),  # the backward's rows of dO·O
+            (fc.q, start, end, 2.0),  # and its keys and values, one per query head
+        ]
+    width = np.where(np.isin(buf.tensor, np.fromiter(gone, dtype=np.int64)), 0.0, buf.width)
+    tensor, birth, death, more = (np.array(x) for x in zip(*extra, strict=True))
+    epilogue = buf.epilogue
+    if epilogue is not None:
+        epilogue = np.concatenate([epilogue, np.zeros(len(extra), dtype=bool)])
+    return dataclasses.replace(
+        buf,
+        tensor=np.concatenate([buf.tensor, tensor.astype(buf.tensor.dtype)]),
+        birth=np.concatenate([buf.birth, birth.astype(buf.birth.dtype)]),
+        death=np.concatenate([buf.death, death.astype(buf.death.dtype)]),
+        width=np.concatenate([width, more.astype(float)]),
+        epilogue=epilogue,
+    )
+
+
 def with_flash(model: Any, st: Any, plan: Plan, cost: Cost) -> Cost:
     """`cost` with every attention core priced as the flash kernel (the module's
     docstring); `cost` itself under written attention."""
@@ -71,9 +144,7 @@ def with_flash(model: Any, st: Any, plan: Plan, cost: Cost) -> Cost:
     graph, T = model.graph, model.tables
     first = op_compute(T, st.inv)
     again = op_compute(T, st.inv, remat=True) if st.remat else np.zeros_like(first)
-    written = kernel = held = 0.0
-    once = False  # the recomputed cores' statistics: one core's, while its backward runs
-    recomputed = set(model.residuals.recomputed) if st.remat else set()
+    written = kernel = 0.0
     for fc in cores:
         ops = (*fc.forward, fc.d2, *fc.backward)
         written += float(sum(first[i] + again[i] for i in ops))
@@ -81,29 +152,11 @@ def with_flash(model: Any, st: Any, plan: Plan, cost: Cost) -> Cost:
         dots = [j for j in fc.backward if graph.ops[j].primitive == "dot_general"]
         forward = first[fc.d1] + first[fc.d2] + again[fc.d1] + again[fc.d2]
         kernel += share * float(forward + sum(first[j] for j in dots) + first[fc.d1])
-        if fc.d1 not in recomputed or not once:
-            held += _row_stats(graph, T, st, fc)
-            once = once or fc.d1 in recomputed
-    acts = cost.memory_breakdown["activations"] + held  # the scores: see the module doc
-    parts = {**cost.memory_breakdown, "activations": acts}
-    total = sum(parts.values())
     compute = cost.compute_s - written + kernel
     step = cost.step_time_s - written + kernel
     return dataclasses.replace(
         cost,
         step_time_s=step,
         compute_s=compute,
-        memory_bytes=total,
-        memory_breakdown=parts,
         mfu=cost.mfu * cost.step_time_s / step if step > 0 else cost.mfu,
-        feasible=total <= cost.memory_limit_bytes,
-        reason="" if total <= cost.memory_limit_bytes else cost.reason,
     )
-
-
-def _row_stats(graph: Graph, T: Any, st: Any, fc: FlashCore) -> float:
-    """Bytes per device of the kernel's row statistics for one core: two float32 per
-    query row per head (per element of the scores' rows), split as QKᵀ is."""
-    scores = graph.tensors[graph.ops[fc.d1].outputs[0]]
-    rows = math.prod(scores.shape) / graph.tensors[fc.k].shape[fc.k_labels.index("t")]
-    return rows * _ROW_STATS * float(st.inv[T.op_set[fc.d1]])

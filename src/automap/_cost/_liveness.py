@@ -62,6 +62,9 @@ class Moments:
     # whole), and the share reduced by then (held as shards); None where it does not.
     unreduced: np.ndarray | None = None
     reduced: np.ndarray | None = None
+    # [k, n_sets] `live` where the attention cores run as the flash kernel, which writes
+    # none of their inner values (`_flash.kernel_buffers`); None where none can.
+    flash: np.ndarray | None = None
 
 
 NO_BLOCKS = np.zeros((0, 3), dtype=np.int64)
@@ -126,22 +129,25 @@ def step_moments(
     n_ops: int,
     regathered: Buffers | None = None,
     outputs: Sequence[Buffers] = (),
+    flash: Buffers | None = None,
 ) -> Moments:
     """The candidate moments of `buffers` and ZeRO-3's `gathered` parameters (`nbytes`,
     `tensor_set` per tensor; `set_groups` the groups of each set, padded with `n_groups`).
     `gradients`: (last reader, bytes) of each gradient a collective may reduce, and the op
     before which ZeRO-3's layer-by-layer reduction reduces it (where it does). `outputs`:
     the outputs held apart from the arguments (`_outputs.held_outputs`), alive from their
-    op to the end: the program's last op, where all are made, is a candidate too."""
+    op to the end: the program's last op, where all are made, is a candidate too. `flash`:
+    the buffers where the attention cores run as the flash kernel, whose peaks are
+    candidates too, and whose bytes at every candidate are `Moments.flash`."""
     n_sets = len(set_groups)
     rows = [tuple(g) for g in gradients]
     layered = bool(rows) and all(len(g) == 3 for g in rows)
     grads = np.array([g[:2] for g in rows], dtype=float).reshape(-1, 2)
     due = np.array([g[2] for g in rows] if layered else [], dtype=np.int64)
 
-    def curve(per_set: np.ndarray, zero: bool) -> np.ndarray:
+    def curve(per_set: np.ndarray, zero: bool, own: Buffers) -> np.ndarray:
         ev = np.zeros(n_ops + 2)
-        for buf in (buffers, gathered) if zero else (buffers,):
+        for buf in (own, gathered) if zero else (own,):
             w = nbytes[buf.tensor] * buf.width * per_set[tensor_set[buf.tensor]]
             np.add.at(ev, buf.birth, w)
             np.add.at(ev, buf.death + 1, -w)
@@ -164,7 +170,8 @@ def step_moments(
     for per_set in probes:
         # as data parallel holds the gradients, ZeRO-3 its gathered parameters too
         for zero in (False, True, "layered") if layered else (False, True):
-            picked.update(_highest_peaks(curve(per_set, zero), PER_PROBE))
+            for own in (buffers,) if flash is None else (buffers, flash):
+                picked.update(_highest_peaks(curve(per_set, zero, own), PER_PROBE))
     # and each recomputed layer's recompute, where its combined all-reduces copy
     picked.update(int(b) for b in buffers.blocks[:, 2])
     held = any(len(b.tensor) for b in outputs)
@@ -184,6 +191,7 @@ def step_moments(
         else None,
         unreduced=held_at(at, grads, due) if layered else None,
         reduced=held_at(at, np.column_stack([due - 1, grads[:, 1]])) if layered else None,
+        flash=None if flash is None else _alive(flash, at, nbytes, tensor_set, n_sets),
     )
 
 

@@ -213,7 +213,8 @@ class CostModel:
         # One program on the whole batch (microbatches run through the staged runtime, above).
         codes = self.codes(self.plan_assignment(plan), plan.mesh)
         st = self._state(codes, dict(plan.mesh), 1, plan.remat, True)
-        cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather)
+        flash = plan.attention == "flash"
+        cost = self._finish(st, plan.zero_stage, None, True, split, plan.zero_gather, flash)
         cost = with_flash(self, st, plan, cost)  # the attention cores as the kernel runs them
         if terms is None:
             return cost
@@ -403,12 +404,18 @@ class CostModel:
         return K.State(A, mesh, m, bool(remat), P, inv, key, nbytes, count, time, sums, partial)
 
     def _layout(
-        self, st: K.State, zero_stage: int, data_axis: str | None, zero_gather: str = "compute"
+        self,
+        st: K.State,
+        zero_stage: int,
+        data_axis: str | None,
+        zero_gather: str = "compute",
+        flash: bool = False,
     ) -> tuple[Layout, int]:
         """The plan's layout per set (`_terms.Layout`) and the axis code ZeRO shards over:
         `data_axis` (default: the mesh's data axis; 0 where there is none). `zero_gather`:
         the plan's (`Plan.zero_gather`); what plans are made with, "compute", otherwise
-        (on the mesh's data axis: `plan_from_assignment` keeps masters on no other)."""
+        (on the mesh's data axis: `plan_from_assignment` keeps masters on no other).
+        `flash`: the attention cores run as the flash kernel (`Plan.attention`)."""
         mesh = st.mesh
         if data_axis is None:
             data_axis = DATA if DATA in mesh else None
@@ -422,10 +429,8 @@ class CostModel:
                 st.codes, mesh, sizes, d if zero_stage >= 1 and D > 1 else 0
             )
         compute = zero_gather == "compute" and data_axis == DATA
-        layout = Layout(
-            st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles, gathers_compute=compute
-        )
-        return layout, d
+        layout = Layout(st.inv, free, D, zero_stage, st.remat, st.microbatches, tiles)
+        return dataclasses.replace(layout, gathers_compute=compute, flash=flash), d
 
     def _finish(
         self,
@@ -435,11 +440,12 @@ class CostModel:
         detail: bool = False,
         split=None,
         zero_gather: str = "compute",
+        flash: bool = False,
     ) -> Cost:
         """The plan's `Cost` from its evaluated state: the terms of `_terms.py`, the
         combined collectives, and the memory at its busiest moment (`split`: sequence
         parallelism's (`SplitMemory`, 1 - 1/t), its stream tensors held 1/t)."""
-        L, d = self._layout(st, zero_stage, data_axis, zero_gather)
+        L, d = self._layout(st, zero_stage, data_axis, zero_gather, flash)
         ac, tied = self._costs_for(st.mesh), self.tables.tied_partial  # XLA's split beside data
         beside = self.beside.split(st, ac, d, tied, L.zero_stage) if L.zero else None
         compute = float(compute_time(self.coefs, L)) - split_seconds(beside)

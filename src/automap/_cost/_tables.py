@@ -24,6 +24,7 @@ from .._remat import LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, SplitOperands, combined_copies, split_operands, step_buffers
 from ._compute import ComputeEntries, Rates, add_op_compute, compute_columns, compute_inputs
 from ._epilogue import Epilogues, epilogues
+from ._flash import kernel_buffers, kernel_cores
 from ._fsdp import layer_gathered_parameters
 from ._liveness import Moments, gathered_parameters, past_forward, step_moments
 from ._outputs import held_outputs, output_coef
@@ -150,6 +151,9 @@ class TableInputs:
     regathered: Collection[int]
     # where ZeRO-3 gathers layer by layer (`_remat.layer_gathers`), None without a loss
     layers: LayerGathers | None = None
+    # the attention cores the flash kernel runs, where the backend runs it
+    # (`_flash.kernel_cores`; none elsewhere)
+    kernel: tuple = ()
 
 
 def combine_update_sums(rows: RowBuilder, update: Collection[int]) -> None:
@@ -211,7 +215,10 @@ def build_tables(
             candidate_rows(rows, op, graph, groups.tensor_groups, tset, at)
     combine_update_sums(rows, update)
     layers = layer_gathers(graph, groups) if loss_boundary(graph) is not None else None
-    inp = TableInputs(graph, res, lowering, graph.consumers(), tset, ng, update, regathered, layers)
+    kernel = kernel_cores(graph, groups) if lowering.flash_attention else ()
+    inp = TableInputs(
+        graph, res, lowering, graph.consumers(), tset, ng, update, regathered, layers, kernel
+    )
     partial = staged = rows.partial
     gone = apart = set()
     if lowering.reassociates_all_reduce:
@@ -327,12 +334,12 @@ def _moment_columns(
         sets=sets,
         held=held_outputs(graph, narrow_params(graph, inp.update)),
     )
-    once, moments = _moments(inp, remat=False, **step)
-    again, moments_remat = _moments(inp, remat=True, **step)
+    once, once_flash, moments = _moments(inp, remat=False, **step)
+    again, again_flash, moments_remat = _moments(inp, remat=True, **step)
     tset = step["tensor_set"]
     spared = (
-        epilogues(graph, once, moments.at, tset, partial, inp.ng, empty),
-        epilogues(graph, again, moments_remat.at, tset, partial, inp.ng, empty),
+        epilogues(graph, once, moments.at, tset, partial, inp.ng, empty, once_flash),
+        epilogues(graph, again, moments_remat.at, tset, partial, inp.ng, empty, again_flash),
     )
     recomputed_rows = [r for r in partial if r.op in recomputed and not r.grad]
     copies = None
@@ -359,9 +366,11 @@ def _moments(
     sets: np.ndarray,
     held: tuple,
 ):
-    """The step's buffers and candidate peak moments, with or without `remat`."""
+    """The step's buffers, as the flash kernel leaves them (None where it runs no core),
+    and its candidate peak moments, with or without `remat`."""
     graph, res, consumers = inp.graph, inp.res, inp.consumers
     buf = step_buffers(graph, res, consumers, remat, inp.lowering)
+    flash = kernel_buffers(graph, buf, inp.kernel, res.recomputed if remat else ())
     # ZeRO-3 gathers layer by layer (`_fsdp.py`); a step without layers as XLA gathers.
     if inp.layers is not None:
         whole = layer_gathered_parameters(graph, inp.layers, gathered, buf.blocks)
@@ -373,9 +382,10 @@ def _moments(
     made = (
         None if remat and inp.layers is None else past_forward(buf, again, consumers, res.boundary)
     )
-    return buf, step_moments(
-        buf, whole, nbytes, tensor_set, sets, inp.ng, grads, len(graph.ops), made, held
+    moments = step_moments(
+        buf, whole, nbytes, tensor_set, sets, inp.ng, grads, len(graph.ops), made, held, flash
     )
+    return buf, flash, moments
 
 
 def _row_columns(

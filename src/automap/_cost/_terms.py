@@ -120,6 +120,7 @@ def _sub_moments(m: Moments | None, sets: np.ndarray) -> Moments | None:
         outputs=None if m.outputs is None else m.outputs[:, :, sets],
         unreduced=m.unreduced,
         reduced=m.reduced,
+        flash=None if m.flash is None else m.flash[:, sets],
     )
 
 
@@ -139,6 +140,9 @@ class Layout:
     # ZeRO-1/2 gathers a mixed-precision step's compute-dtype copies, its float32 masters
     # on shards (`Plan.zero_gather` "compute", what plans are made with; `_groups/_mixed.py`)
     gathers_compute: bool = True
+    # the attention cores run as the flash kernel (`Plan.attention`): none of their inner
+    # values is a buffer (`Moments.flash`)
+    flash: bool = False
 
     @property
     def zero(self) -> bool:
@@ -303,8 +307,12 @@ def update_reductions(c: SetCoefs, L: Layout) -> float | np.ndarray:
 
 def step_moments(c: SetCoefs, L: Layout) -> Moments | None:
     """The candidate peak moments the plan's step is priced at (with or without remat),
-    None where the backend's buffers are not scheduled."""
-    return c.moments_remat if L.remat else c.moments
+    None where the backend's buffers are not scheduled. Where the attention cores run as
+    the flash kernel, what is alive at each is the kernel's (`Moments.flash`)."""
+    m = c.moments_remat if L.remat else c.moments
+    if L.flash and m is not None and m.flash is not None:
+        return dataclasses.replace(m, live=m.flash)
+    return m
 
 
 def moments_held(c: SetCoefs, L: Layout, reduced, copies=None):
