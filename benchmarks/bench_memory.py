@@ -344,8 +344,7 @@ def program(name: str):
     if name in THIRD_PARTY:
         step, args = THIRD_PARTY[name]()
     else:
-        zoo_name, overrides = MODELS[name]
-        model = get_model(zoo_name, **overrides)
+        model = get_model(MODELS[name][0], **MODELS[name][1])
         step, args = model.step_fn, model.abstract_args()
     return jax.jit(step, donate_argnums=(0, 1)), args
 
@@ -384,30 +383,31 @@ def bench_model(
 ) -> dict:
     step, args = program(name)
     show = (lambda plan, report: print(report.summary())) if verbose else None
-    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, show=show)
+    rows = verify_drawn(name, step, args, plans, (seed, pipelines, zero), target, show=show)
     return {"model": name, "rows": rows}
 
 
 def verify_drawn(
-    name, step, args, plans, seed, pipelines, zero, target, cluster=None, show=None, only=None
+    name, step, args, plans, draws, target, cluster=None, show=None, only=None, adjust=None
 ) -> list[dict]:
-    """`plans` plans of `step` drawn by `draw_plan` (on `cluster`'s devices, default 8),
-    each verified (`target`: compiled for that GPU or TPU slice) into a `plan_row`, one
-    printed line each and `show(plan, report)` after it, whose dict joins the row; a
-    plan verify refuses is an error row. `only`: that draw alone (all are drawn)."""
+    """`plans` plans of `step` drawn by `draw_plan` (`draws`: its seed and shares of pipelines
+    and ZeRO; `cluster`'s devices, default 8), each as `adjust(plan)` says, verified (`target`:
+    a GPU or TPU slice) into a printed `plan_row`, `show(plan, report)`'s dict joined; a
+    refused plan is an error row; `only`: that draw alone (all are drawn)."""
     from automap._capture import capture
     from automap._groups import build_groups
     from automap._verify import verify
 
     graph = capture(step, *args)
     groups = build_groups(graph)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(draws[0])
     rows = []
     for i in range(plans):
         t0 = time.perf_counter()
-        plan = draw_plan(graph, groups, rng, pipelines, zero, cluster)
+        plan = draw_plan(graph, groups, rng, *draws[1:], cluster)
         if only is not None and i != only:
             continue
+        plan = adjust(plan) if adjust else plan
         try:
             report = verify(step, plan, *args, target=target)
         except Exception as e:

@@ -47,6 +47,7 @@ compute over float32 parameters), both with a global batch of 2 sequences per ch
     python benchmarks/bench_tpu_fidelity.py --sequences 8         # 4x the batch, the same draws
     python benchmarks/bench_tpu_fidelity.py --dump /tmp/d         # and XLA's HBM and VMEM read
     python benchmarks/bench_tpu_fidelity.py --size chip --plans 6 --target v5p:4x4x4
+    python benchmarks/bench_tpu_fidelity.py --size chip --plans 6 --attention flash
 
 Figures, plan by plan, and what each run found: `bench_tpu_fidelity_log.md` beside
 this script and BENCHMARKS.md ("Random plans compiled for 64- and 256-chip TPU v5p slices").
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -113,10 +115,13 @@ def bench_model(
     only: int | None = None,
     dump: str | None = None,
     size: str = "small",
+    attention: str = "written",
 ):
     """Every drawn plan of `name` verified on `target` (`only`: that one draw), `sequences`
     per chip: bench_memory's rows, with the collectives' bytes per kind@axis on both sides
-    (`dump`: and what each one-program plan's buffer assignment holds, `dumped`)."""
+    (`dump`: and what each one-program plan's buffer assignment holds, `dumped`). Each
+    one-stage plan runs its attention as `attention` says (`flash`: the kernel, as the
+    planner runs it on a TPU; a pipeline's stays written, which flash cannot be)."""
     from automap._verify import target_cluster, target_devices
 
     cluster = target_cluster(target, target_devices(target))
@@ -131,7 +136,11 @@ def bench_model(
             dumped(dump, None, plan)
         return {**held, **read}
 
-    rows = verify_drawn(name, step, args, plans, seed, pipelines, zero, target, cluster, show, only)
+    def adjust(plan):
+        return plan if plan.pipelined else dataclasses.replace(plan, attention=attention)
+
+    draws = (seed, pipelines, zero)
+    rows = verify_drawn(name, step, args, plans, draws, target, cluster, show, only, adjust)
     return {"model": name, "target": target, "rows": rows}
 
 
@@ -338,6 +347,13 @@ def main(argv: list[str] | None = None) -> dict:
         default="small",
         help="the models' widths: small (MiB a chip), or chip (GiB a chip, SIZES)",
     )
+    parser.add_argument(
+        "--attention",
+        choices=("written", "flash"),
+        default="written",
+        help="how each one-stage plan runs its attention: written out, or by the flash "
+        "kernel as the planner runs it on a TPU (the draws are the same)",
+    )
     parser.add_argument("--only", type=int, help="compile that draw alone (0-based)")
     parser.add_argument("--json", help="write every plan's row to this file")
     parser.add_argument(
@@ -358,14 +374,22 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--only {opts.only}: give a draw from 0 to {opts.plans - 1} (of --plans)")
     draw = (opts.plans, opts.seed, opts.pipelines, opts.zero, opts.sequences)
     results = [
-        bench_model(m, t, *draw, only=opts.only, dump=opts.dump, size=opts.size)
+        bench_model(
+            m, t, *draw, only=opts.only, dump=opts.dump, size=opts.size, attention=opts.attention
+        )
         for t in opts.target
         for m in opts.models
     ]
     v = report(results)
     if opts.json:
         with open(opts.json, "w") as f:
-            header = dict(target=opts.target, sequences=opts.sequences, size=opts.size, verdict=v)
+            header = dict(
+                target=opts.target,
+                sequences=opts.sequences,
+                size=opts.size,
+                attention=opts.attention,
+                verdict=v,
+            )
             json.dump({**header, "results": results}, f, indent=2)
     return v
 

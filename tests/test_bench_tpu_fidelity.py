@@ -92,6 +92,31 @@ def test_only_verifies_one_draw_of_the_same_sequence(bench, monkeypatch, capsys)
     assert "not compiled here" in capsys.readouterr().out
 
 
+def test_flash_verifies_the_same_draws_with_the_kernels_attention(bench, monkeypatch):
+    # `--attention flash`: each one-stage plan runs its attention as the planner runs it on
+    # a TPU; a pipeline keeps it written (flash runs one-stage plans only); else the same
+    import dataclasses
+
+    import automap._verify
+
+    monkeypatch.setattr(bench, "MODELS", {"gpt": ("gpt2-xl", TINY)})
+    seen: dict[str, list] = {"written": [], "flash": []}
+    for attention, plans in seen.items():
+
+        def record(step, plan, *args, target=None, plans=plans):
+            plans.append(plan)
+            raise RuntimeError("not compiled here")
+
+        monkeypatch.setattr(automap._verify, "verify", record)
+        bench.bench_model("gpt", "v5p:2x2x2", 6, 0, 0.5, 0.5, 2, attention=attention)
+    pairs = list(zip(seen["written"], seen["flash"], strict=True))
+    assert any(w.pipelined for w, _ in pairs) and any(not w.pipelined for w, _ in pairs)
+    for written, flash in pairs:
+        assert written.attention == "written"
+        assert flash.attention == ("written" if written.pipelined else "flash")
+        assert dataclasses.replace(flash, attention="written") == written
+
+
 def test_an_only_outside_the_draws_is_refused_in_one_line(bench, capsys):
     # else no plan is compiled and the verdict reads "0% of 0 plans" as if measured
     with pytest.raises(SystemExit) as stop:
