@@ -18,7 +18,12 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
-Measured at 2e9e4ea (2026-12-05, about a minute; `--plan 120` planned each row in 23-60 s):
+Measured at c59c523 (2026-12-07; flash attention's memory walked moment by moment): the
+same 1.01-1.02 and steps; memory 67.5, 72.0 and 47.8 GB (74.0, 75.2 and 49.9 before);
+`--plan 120`: 32B and 128B the same plans, 64B the same mesh without the split stream at
+7.13 s, 1.00 of MaxText's (the split-stream plan, 6.91 s, is priced as before, but the
+walk's work runs out one variant before it: BENCHMARKS.md, "MaxText: the planner on each
+row"). Measured at 2e9e4ea (2026-12-05, about a minute; `--plan 120` planned each row in 23-60 s):
 1.01-1.02 of the published TFLOP/s per chip (333, 328 and 318; steps 7.08, 7.15 and 4.90
 s), since the memory-bound kernels write what XLA stores of their residuals, not every one
 the jaxpr saves (a6518b4); the planner's plans as before, each faster than MaxText's

@@ -218,6 +218,12 @@ def plan_flash(graph: Graph, groups: Any, plan: Any, mesh: Any) -> dict[int, Cal
             return P(*[None if x in _SEQ or not axes.get(x) else axes[x] for x in labels])
 
         specs = tuple(spec(lab) for lab in (fc.q_labels, fc.k_labels, fc.v_labels))
+        # Over a mesh axis that splits none of the kernel's dims, every chip runs the core
+        # whole, and the transpose of an input replicated over it all-reduces its equal
+        # cotangents there (check_vma=False, which Pallas kernels need; manual over fewer
+        # axes, XLA cannot partition a Mosaic kernel): dq, dk and dv, all-reduced over
+        # the axes the core is not split on, which the cost model does not price yet
+        # (read on v5p: docs/DESIGN.md, "Flash attention").
         return jax.shard_map(
             f, mesh=mesh, in_specs=specs, out_specs=spec(fc.out_labels), check_vma=False
         )
