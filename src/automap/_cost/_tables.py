@@ -20,7 +20,7 @@ from .._cluster import Cluster
 from .._graph import Graph, Role
 from .._groups import Groups, distinct_casts, narrow_params, zero_region
 from .._lowering import Lowering
-from .._remat import LayerGathers, layer_gathers
+from .._remat import FlashCore, LayerGathers, layer_gathers
 from ._buffers import CombinedCopies, SplitOperands, combined_copies, split_operands, step_buffers
 from ._compute import ComputeEntries, Rates, add_op_compute, compute_columns, compute_inputs
 from ._epilogue import Epilogues, epilogues
@@ -153,7 +153,7 @@ class TableInputs:
     layers: LayerGathers | None = None
     # the attention cores the flash kernel runs, where the backend runs it
     # (`_flash.kernel_cores`; none elsewhere)
-    kernel: tuple = ()
+    kernel: tuple[FlashCore, ...] = ()
 
 
 def combine_update_sums(rows: RowBuilder, update: Collection[int]) -> None:
@@ -366,8 +366,8 @@ def _moments(
     sets: np.ndarray,
     held: tuple,
 ):
-    """The step's buffers, as the flash kernel leaves them (None where it runs no core),
-    and its candidate peak moments, with or without `remat`."""
+    """The step's buffers, the same as the flash kernel leaves them (None where it runs no
+    core), and the step's candidate peak moments, with or without `remat`."""
     graph, res, consumers = inp.graph, inp.res, inp.consumers
     buf = step_buffers(graph, res, consumers, remat, inp.lowering)
     flash = kernel_buffers(graph, buf, inp.kernel, res.recomputed if remat else ())
