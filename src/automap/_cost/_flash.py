@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -57,8 +56,6 @@ from ._liveness import Buffers
 # float32 log-sum-exp and maximum per query row and head, each over the kernel's 128 lanes
 _ROW_STATS = 2 * 4 * 128
 
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def causal_share(seq: int, block: int = BLOCK) -> float:
     """The share of a causal kernel's blocks it computes: nb(nb+1)/2 of nb² (nb blocks of
@@ -68,10 +65,9 @@ def causal_share(seq: int, block: int = BLOCK) -> float:
 
 
 def _cores(model: Any) -> tuple[FlashCore, ...]:
-    hit = _cache.get(model)
-    if hit is None:
-        hit = _cache[model] = flash_cores(model.graph, model.groups)
-    return hit
+    """The cores the model's tables walked as the kernel runs them, else the one-line
+    PlanError of a program the kernel cannot run (`flash_cores`)."""
+    return model.tables.flash_cores or flash_cores(model.graph, model.groups)
 
 
 def kernel_cores(graph: Graph, groups: Any) -> tuple[FlashCore, ...]:

@@ -131,6 +131,9 @@ class Tables:
     layers: LayerGathers | None = None
     # gather -> its iota op, where XLA partitions the lookup as parallel (`iota_lookups`)
     iota_lookups: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # the attention cores the flash kernel runs, where the backend runs it, as the
+    # moments' flash walk took them (`_flash.kernel_cores`; none elsewhere)
+    flash_cores: tuple[FlashCore, ...] = ()
     # ZeRO-3's gather for a recompute moves `gathered` as the forward's does, not the
     # parameter (`Lowering.recompute_gathers_casts`: XLA's TPU; its GPU gathers the latter)
     casts_again: bool = False
@@ -263,6 +266,7 @@ def build_tables(
         ),
         layers=layers,
         iota_lookups=lookups,
+        flash_cores=kernel,
     )
 
 

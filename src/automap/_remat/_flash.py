@@ -345,17 +345,18 @@ def _backward(graph, boundary, core, d2, operands, p):
     (the dots reading those operands and a tensor of the path, and the transposes that
     put each in its operand's layout)."""
     inner = {t for i in core for t in graph.ops[i].outputs} - {graph.ops[d2].outputs[0]}
-    bwd = range(boundary + 1, len(graph.ops))
-    dv_dots = [j for j in bwd if graph.ops[j].primitive == DOT and p in graph.ops[j].inputs]
+    readers = graph.consumers()  # each tensor's, in program order
+    dv_dots = [j for j in readers[p] if j > boundary and graph.ops[j].primitive == DOT]
     if len(dv_dots) != 1:
         raise PlanError("flash attention: the backward does not read the probabilities once.")
     d_out = next(t for t in graph.ops[dv_dots[0]].inputs if t != p)
-    readers: dict[int, list[int]] = {}
-    for j in bwd:
-        for t in graph.ops[j].inputs:
-            readers.setdefault(t, []).append(j)
+    # The walk starts at the backward's first reader of dO or of a core value: no op before
+    # it reads the path (a cheap prefix skip; each core's walk ran the whole backward).
+    first = min(
+        (j for t in (d_out, *inner) for j in readers[t] if j > boundary), default=len(graph.ops)
+    )
     path, grads, ops = {d_out}, {}, []
-    for j in bwd:
+    for j in range(first, len(graph.ops)):
         op = graph.ops[j]
         if not any(t in path or t in inner for t in op.inputs):
             continue
@@ -387,7 +388,7 @@ def _layout_out(graph, j, operand, readers, ops):
     """The dot's output, or the transpose of it that has `operand`'s shape."""
     t = graph.ops[j].outputs[0]
     want = graph.tensors[operand].shape
-    nxt = readers.get(t, [])
+    nxt = readers[t]
     if len(nxt) == 1 and graph.ops[nxt[0]].primitive == "transpose":
         ops.append(nxt[0])
         t = graph.ops[nxt[0]].outputs[0]
