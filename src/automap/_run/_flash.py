@@ -69,11 +69,13 @@ def flash_binds(
     interpret: bool = False,
 ) -> dict[int, Callable]:
     """`bind` entries (`_interpret.run_op`) that run each core by the flash kernel.
-    `wrap(fc, f)`: f put under the plan's mesh (shard_map), or as is on one device."""
+    `wrap(fc, forward, backward)`: the kernel, (q, k, v) -> (its output, its VJP), from
+    the two halves of its VJP (`_halves`), put under the plan's mesh (shard_map) or as
+    they are on one device."""
     out: dict[int, Callable] = {}
     for fc in cores:
         shapes = {t: graph.tensors[t].shape for t in (fc.q, fc.k, fc.v)}
-        kernel = _vjp_of(wrap(fc, flash_function(fc, shapes)), interpret)
+        kernel = wrap(fc, *_halves(flash_function(fc, shapes), interpret))
         state: dict[str, Any] = {}
         for i in fc.forward:
             out[i] = _zeros(graph, i, _keep_qk(graph, fc, state) if i == fc.d1 else None)
@@ -110,23 +112,37 @@ def _interpret_mode():
         fa.pl = real
 
 
-def _vjp_of(f: Callable, interpret: bool) -> Callable:
-    """(q, k, v) -> (f's output, its VJP); f's Pallas calls traced in interpret mode (on
-    CPU) when `interpret`, the VJP's too (its backward kernels are traced when called)."""
-    if not interpret:
-        return lambda *args: jax.vjp(f, *args)
+def _halves(f: Callable, interpret: bool) -> tuple[Callable, Callable]:
+    """f's VJP in two functions of arrays: forward(q, k, v) -> (out, residuals), and
+    backward(residuals, d_out) -> (dq, dk, dv); the Pallas calls traced in interpret mode
+    (on CPU) when `interpret`. Apart, each runs under its own shard_map, which is never
+    transposed: the transpose of one shard_map around the whole kernel all-reduces the
+    cotangent of an input over each mesh axis its spec does not split, and a core whole
+    over an axis was all-reduced there though every chip computed the same gradients."""
+    mode = _interpret_mode if interpret else contextlib.nullcontext
+    tree: dict[str, Any] = {}
 
-    def run(*args):
-        with _interpret_mode():
-            out, vjp = jax.vjp(f, *args)
+    def forward(q, k, v):
+        with mode():
+            out, vjp = jax.vjp(f, q, k, v)
+        residuals, tree["def"] = jax.tree.flatten(vjp)
+        return out, tuple(residuals)
 
-        def back(ct):
-            with _interpret_mode():
-                return vjp(ct)
+    def backward(residuals, d_out):
+        with mode():
+            return jax.tree.unflatten(tree["def"], residuals)(d_out)
 
-        return out, back
+    return forward, backward
 
-    return run
+
+def _unsplit(forward: Callable, backward: Callable) -> Callable:
+    """The kernel on one device: (q, k, v) -> (out, its VJP)."""
+
+    def kernel(q, k, v):
+        out, residuals = forward(q, k, v)
+        return out, functools.partial(backward, residuals)
+
+    return kernel
 
 
 def _keep_qk(graph: Graph, fc: FlashCore, state: dict) -> Callable:
@@ -205,27 +221,48 @@ def plan_flash(graph: Graph, groups: Any, plan: Any, mesh: Any) -> dict[int, Cal
     matched = flash_cores(graph, groups)
     layout = plan_layout(graph, groups, plan)
 
-    def wrap(fc: FlashCore, f: Callable) -> Callable:
+    def wrap(fc: FlashCore, forward: Callable, backward: Callable) -> Callable:
         if mesh.size == 1:
-            return f
-        from jax.sharding import PartitionSpec as P
-
+            return _unsplit(forward, backward)
         # A plan written by hand records no layouts: the kernel then reads the core whole.
         split = layout(fc.q) if layout is not None else ((),) * len(fc.q_labels)
         axes = {x: a for x, a in zip(fc.q_labels, split, strict=True) if x not in _SEQ}
-
-        def spec(labels):
-            return P(*[None if x in _SEQ or not axes.get(x) else axes[x] for x in labels])
-
-        specs = tuple(spec(lab) for lab in (fc.q_labels, fc.k_labels, fc.v_labels))
-        # Over a mesh axis that splits none of the kernel's dims, every chip runs the core
-        # whole, and the transpose of an input replicated over it all-reduces its equal
-        # cotangents there (check_vma=False, which Pallas kernels need; manual over fewer
-        # axes, XLA cannot partition a Mosaic kernel): dq, dk and dv, all-reduced over
-        # the axes the core is not split on, which the cost model does not price yet
-        # (read on v5p: docs/DESIGN.md, "Flash attention").
-        return jax.shard_map(
-            f, mesh=mesh, in_specs=specs, out_specs=spec(fc.out_labels), check_vma=False
-        )
+        return _sharded(fc, forward, backward, mesh, axes)
 
     return flash_binds(graph, matched, wrap, interpret=platform == "cpu")
+
+
+def _sharded(fc: FlashCore, forward: Callable, backward: Callable, mesh: Any, axes: dict):
+    """The kernel's halves each under shard_map over the whole mesh (check_vma=False, which
+    Pallas kernels need; manual over fewer axes, XLA cannot partition a Mosaic kernel). The
+    core's dims split as `axes` says; over an axis that splits none of them every chip
+    runs the core whole, and its dq, dk and dv are declared replicated there, as they are,
+    not summed. The residuals cross between the two per chip: a leading dim of one a chip,
+    split over every axis."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(labels):
+        return P(*[None if x in _SEQ or not axes.get(x) else axes[x] for x in labels])
+
+    ins = tuple(spec(lab) for lab in (fc.q_labels, fc.k_labels, fc.v_labels))
+    out, per_chip = spec(fc.out_labels), P(tuple(mesh.axis_names))
+
+    def local_forward(q, k, v):
+        o, residuals = forward(q, k, v)
+        return o, tuple(r[None] for r in residuals)
+
+    def local_backward(residuals, d_out):
+        return backward(tuple(r[0] for r in residuals), d_out)
+
+    sharded_forward = jax.shard_map(
+        local_forward, mesh=mesh, in_specs=ins, out_specs=(out, per_chip), check_vma=False
+    )
+    sharded_backward = jax.shard_map(
+        local_backward, mesh=mesh, in_specs=(per_chip, out), out_specs=ins, check_vma=False
+    )
+
+    def kernel(q, k, v):
+        o, residuals = sharded_forward(q, k, v)
+        return o, functools.partial(sharded_backward, residuals)
+
+    return kernel
