@@ -18,6 +18,9 @@ set beside MaxText's. The rows and the markdown are `automap._bench`'s (`maxtext
 
 Planning uses abstract shapes only: no weights are allocated.
 
+`--plan 120` at a5659e5 (2026-12-07; the one-stage walk takes a point's split-stream chain
+first): 32B the same plan (6.74 s, 0.95), 64B data 32 x model 2 with the split stream at
+6.91 s (0.97), 128B the split stream with selective recomputation at 4.55 s (0.93).
 Measured at c59c523 (2026-12-07; flash attention's memory walked moment by moment): the
 same 1.01-1.02 and steps; memory 67.5, 72.0 and 47.8 GB (74.0, 75.2 and 49.9 before);
 `--plan 120`: 32B and 128B the same plans, 64B the same mesh without the split stream at
