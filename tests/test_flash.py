@@ -234,8 +234,8 @@ def test_a_core_whole_over_an_axis_computes_what_the_written_attention_does():
 @pytest.mark.slow  # one v5p compile of a 2-layer Llama: ~20 s
 def test_a_core_whole_over_an_axis_is_not_all_reduced_there():
     # Under one shard_map around the kernel, its VJP was the shard_map's transpose, which
-    # all-reduced the cotangents of q, k and v over the idle axis: 2 x 4 MiB a layer here,
-    # a collective nothing priced (3-9 GiB on the chip-size draws of 64 v5p chips).
+    # all-reduced the cotangents of q, k and v over the idle axis (1 MiB here, 512 KiB a
+    # layer), a collective nothing priced (3-9 GiB on the chip-size draws of 64 v5p chips).
     spec = _llama(dtype="bfloat16")
     plan = _idle_model_axis(spec, "flash")
     report = am.verify(spec.step_fn, plan, *spec.abstract_args(), target="v5p:2x2x2")

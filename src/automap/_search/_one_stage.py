@@ -32,8 +32,10 @@ in time and memory):
   (ZeRO-3 only adds gathers to ZeRO-2): where that is no faster than the best so far, it
   is skipped unpriced;
 - of a point's two chains, the split stream's first: its variants hold less (the stream
-  split over the model axis) and, on a TPU, are no slower, so the best it sets lets the
-  other chain's fastest variant end that chain. Taken the other way, MaxText's 64B row
+  split over the model axis) and on a TPU are no slower, so the best it sets lets the
+  other chain's fastest variant end that chain (on a GPU, where the split stream's
+  transposes can make it slower, the other chain is still walked wherever its point
+  prices under the best, as above). Taken the other way, MaxText's 64B row
   spent its work walking the chain without the split stream of a ZeRO-2 point (all four
   of its variants) and stopped one variant before the split-stream plan of the ZeRO-3
   point, 7.13 s where that plan prices 6.91.
