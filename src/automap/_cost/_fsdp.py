@@ -28,6 +28,7 @@ import numpy as np
 from .._graph import Graph, Role
 from .._remat import LayerGathers
 from ._liveness import NO_BLOCKS, Buffers
+from ._residuals import matmuls_alone
 
 
 def roots(graph: Graph, lg: LayerGathers) -> dict[int, frozenset[int]]:
@@ -91,6 +92,21 @@ def _readers(
     return {i: frozenset(reads[i]) for i in sorted(reads)}
 
 
+def served_bytes(
+    graph: Graph,
+    p: int,
+    ops: Collection[int],
+    gathered: Mapping[int, float],
+    narrow: Mapping[int, float],
+) -> float:
+    """The bytes one gather of parameter p moves, serving the ops `ops` (those reading p
+    or what is made from it there): `narrow`'s where all are default-precision matmuls
+    (`_zero.matmul_gathered_bytes`), else `gathered`'s."""
+    if p in narrow and matmuls_alone([graph.ops[i] for i in ops]):
+        return narrow[p]
+    return gathered.get(p, graph.tensors[p].nbytes)
+
+
 class Gathered(NamedTuple):
     """One parameter gathered by ZeRO-3 in one program (`program_gathers`)."""
 
@@ -139,9 +155,11 @@ def layer_gathered_parameters(
     lg: LayerGathers,
     gathered: Mapping[int, float],
     blocks: np.ndarray = NO_BLOCKS,
+    narrow: Mapping[int, float] | None = None,
 ) -> Buffers:
     """The whole copies ZeRO-3's layer-by-layer gathers make (`Buffers`, at the width XLA
-    gathers: `gathered`, bytes per parameter): per forward layer, each parameter it reads
+    gathers: `gathered`, bytes per parameter, or `narrow`'s where only matmuls read the
+    copy, `served_bytes`): per forward layer, each parameter it reads
     from the start of the previous layer (where its gather may start: the prefetch; the
     first two layers' gathers have no anchor and go first) to its last read there; and per
     parameter the backward reads, from its first backward read (or the recompute of a
@@ -149,15 +167,15 @@ def layer_gathered_parameters(
     moment of its recompute) to its last."""
     rows, widths = [], []
 
-    def width(p: int) -> float:
+    def width(p: int, ops: Collection[int]) -> float:
         nbytes = graph.tensors[p].nbytes
-        return gathered.get(p, nbytes) / nbytes if nbytes else 1.0
+        return served_bytes(graph, p, ops, gathered, narrow or {}) / nbytes if nbytes else 1.0
 
     forward = sorted(forward_reads(graph, lg).items())
     for (layer, p), ops in forward:
         birth = layer_start(lg, layer - 1) if lg.anchor[layer] is not None else 0
         rows.append((p, birth, max(ops)))
-        widths.append(width(p))
+        widths.append(width(p, ops))
     read_in_forward: dict[int, list[int]] = {}
     for (_, p), ops in forward:
         read_in_forward.setdefault(p, []).extend(ops)
@@ -169,7 +187,7 @@ def layer_gathered_parameters(
                 birth = min(birth, int(moment))
         rows.append((p, birth, max(ops)))
         # read through the recompute's barrier, XLA gathers the parameter, not its cast
-        widths.append(width(p) if birth == min(ops) else 1.0)
+        widths.append(width(p, ops) if birth == min(ops) else 1.0)
     t, b, d = np.array(rows, dtype=np.int64).reshape(-1, 3).T
     return Buffers(
         tensor=t, birth=b, death=d, width=np.array(widths, dtype=float), blocks=NO_BLOCKS
@@ -182,6 +200,7 @@ def programs_gathered_peak(
     programs: Sequence[Collection[int]],
     gathered: Mapping[int, float],
     per_device: np.ndarray,
+    narrow: Mapping[int, float] | None = None,
 ) -> float:
     """The most bytes of ZeRO-3's gathered copies alive at once in any of `programs` (each
     its ops: a pipeline stage's F, B and W), placed as `layer_gathered_parameters` places
@@ -190,7 +209,7 @@ def programs_gathered_peak(
     a device's bytes of it per byte (0 where ZeRO gathers nothing of it)."""
     mine = set().union(*programs)
     rows = layer_gathered_parameters(
-        graph, dataclasses.replace(lg, remake=lg.remake & mine), gathered
+        graph, dataclasses.replace(lg, remake=lg.remake & mine), gathered, narrow=narrow
     )
     nbytes = np.array([graph.tensors[t].nbytes * per_device[t] for t in rows.tensor]) * rows.width
     peak = 0.0
@@ -251,37 +270,46 @@ def gather_coefs(
     saved_remat: Collection[int],
     gradients: Collection[int] = (),
     casts_again: bool = False,
+    narrow: Mapping[int, float] | None = None,
 ) -> GatherCoefs:
     """`GatherCoefs` of `graph` (`set_of`: a tensor's set; `recomputed`: the ops remat runs
     again, whose parameters the backward's gather serves as well; `saved_remat`: what
     remat keeps for the backward; `gradients`: the step's, `_groups.update_region`'s;
     `casts_again`: the recompute's gathers move what the forward's do, `gathered`
-    (`Lowering.recompute_gathers_casts`), not the parameters)."""
+    (`Lowering.recompute_gathers_casts`), not the parameters; `narrow`: a gather's bytes
+    where only matmuls read its copy, `served_bytes`)."""
     root = roots(graph, lg)
-    bwd = set(backward_reads(graph, lg))
-    again = {p for i in recomputed for t in graph.ops[i].inputs for p in root.get(t, ())}
+    bwd = backward_reads(graph, lg)
+    again: dict[int, list[int]] = {}  # parameter -> the recomputed ops reading it
+    for i in recomputed:
+        for p in frozenset().union(*(root.get(t, frozenset()) for t in graph.ops[i].inputs)):
+            again.setdefault(p, []).append(i)
 
     pairs = forward_reads(graph, lg)
     kept = np.zeros(n_sets)
     for t in set(saved_remat) & (lg.lazy - set(root_params(graph))):
         kept[set_of(t)] += graph.tensors[t].nbytes
 
-    def coefs(params, whole=frozenset()) -> tuple[np.ndarray, np.ndarray]:
+    def coefs(uses, whole=frozenset()) -> tuple[np.ndarray, np.ndarray]:
+        """Per (parameter, the ops its gather serves)."""
         coef, leaves = np.zeros(n_sets), np.zeros(n_sets)
-        for p in params:
+        for p, ops in uses:
             nbytes = graph.tensors[p].nbytes
-            coef[set_of(p)] += nbytes if p in whole else gathered.get(p, nbytes)
+            coef[set_of(p)] += (
+                nbytes if p in whole else served_bytes(graph, p, ops, gathered, narrow or {})
+            )
             leaves[set_of(p)] += graph.tensors[p].ndim > 0
         return coef, leaves
 
+    both = {p: bwd.get(p, []) + again.get(p, []) for p in bwd.keys() | again.keys()}
     return GatherCoefs(
-        coefs([p for _, p in pairs])[0],
+        coefs([(p, ops) for (_, p), ops in pairs.items()])[0],
         len({layer for layer, p in pairs if graph.tensors[p].ndim}),
-        *coefs(sorted(bwd)),
+        *coefs(sorted(bwd.items())),
         # the recompute reads through its barrier: XLA's GPU gathers those parameters, not
         # their casts (read on compile-only A100s; the CPU widens a 16-bit gather anyway);
         # XLA's TPU moves the cast across the barrier and gathers it
-        *coefs(sorted(bwd | again), whole=frozenset() if casts_again else again),
+        *coefs(sorted(both.items()), whole=frozenset() if casts_again else frozenset(again)),
         kept,
         *reduction_shares(graph, lg, gradients),
     )

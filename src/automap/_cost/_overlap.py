@@ -110,7 +110,7 @@ from .._groups import Groups
 from .._lowering import Lowering
 from .._remat import LayerGathers, layer_gathers, made_after
 from ._collectives import AG
-from ._fsdp import backward_reads, forward_reads, roots
+from ._fsdp import backward_reads, forward_reads, roots, served_bytes
 from ._zero import tensor_sets
 
 
@@ -162,13 +162,17 @@ def step_prefetch(
         return None
     lg = layer_gathers(graph, groups)
     pairs: list[Pair] = [(p, w, w) for p, w in prefetch_windows(graph, lg, T)] if forward else []
+    moved = [T.gathered.get(p, graph.tensors[p].nbytes) for p, _, _ in pairs]
     if backward:
         # Under remat the recompute reading a matrix gathers it (`_fsdp.gather_coefs`), all
         # its layer's at once: XLA's TPU runs those synchronously ("full", read on v5p).
         root = roots(graph, lg)
         first = {p for i in recomputed for t in graph.ops[i].inputs for p in root.get(t, ())}
-        pairs += [(p, w, () if p in first else w) for p, w in backward_windows(graph, lg).items()]
-    return prefetch_coefs(graph, pairs, T, T.gathered, tensor_sets(groups, T), lg)
+        reads = backward_reads(graph, lg)
+        for p, w in backward_windows(graph, lg).items():
+            pairs.append((p, w, () if p in first else w))
+            moved.append(served_bytes(graph, p, reads[p], T.gathered, T.gathered_narrow))
+    return prefetch_coefs(graph, pairs, T, moved, tensor_sets(groups, T), lg)
 
 
 def backward_taken(prefetch: Prefetch | None, plan, lowering) -> frozenset[int] | None:
@@ -264,19 +268,20 @@ def prefetch_coefs(
     graph: Graph,
     pairs: Sequence[Pair],
     T,
-    gathered: Mapping[int, float],
+    moved: Sequence[float],
     set_of: Callable[[int], int],
     lg: LayerGathers,
 ) -> Prefetch:
-    """`Prefetch` of `pairs` in `graph` (`T`: its `Tables`; `set_of`: a tensor's set;
-    `lg`: its layers, whose boundary tells the backward's windows)."""
+    """`Prefetch` of `pairs` in `graph` (`T`: its `Tables`; `moved`: the bytes each pair's
+    gather moves whole; `set_of`: a tensor's set; `lg`: its layers, whose boundary tells
+    the backward's windows)."""
     n_sets = len(T.sets)
     first = np.where(T.remat_op_coef > 0, T.remat_op_coef, T.op_coef)
     body_first = np.where(T.body_remat_coef > 0, T.body_remat_coef, T.body_coef)
     gather = np.zeros((len(pairs), n_sets))
     compute, compute_remat = np.zeros_like(gather), np.zeros_like(gather)
     for k, (p, window, window_remat) in enumerate(pairs):
-        gather[k, set_of(p)] = gathered.get(p, graph.tensors[p].nbytes)
+        gather[k, set_of(p)] = moved[k]
         for out, coef, body_coef, ops in (
             (compute[k], T.op_coef, T.body_coef, window),
             (compute_remat[k], first, body_first, window_remat),

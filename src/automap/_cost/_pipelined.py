@@ -485,6 +485,7 @@ def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> St
         layer_stored=model.layer_stored if oc.remat else (),
         layers=model.tables.layers,
         gathered=model.tables.gathered,
+        gathered_narrow=model.tables.gathered_narrow,
     )
 
 

@@ -83,6 +83,7 @@ def phase_collectives(model: StageModel, part: Partition, oc: OpCosts, per_mb, m
             model.tables.gathered,
             model.tables.layers,
             model.tables.casts_again,
+            model.tables.gathered_narrow,
         )
     return PhaseComm(time, nbytes, count, op_comm, op_reduce)
 

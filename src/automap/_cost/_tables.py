@@ -42,7 +42,7 @@ from ._rows import (
     summed_partials,
 )
 from ._sets import SetIndex
-from ._zero import MasterCoefs, gathered_bytes, zero_ops
+from ._zero import MasterCoefs, gathered_bytes, matmul_gathered_bytes, zero_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,9 @@ class Tables:
     # Per parameter leaf (tensor id), the bytes ZeRO-3's gather of it moves
     # (`gathered_bytes`), and those summed by set.
     gathered: Mapping[int, float]
+    # Of those a matmul reads narrower than a gather moves them (a tied table's head),
+    # the bytes of a gather only such matmuls read (`_zero.matmul_gathered_bytes`).
+    gathered_narrow: Mapping[int, float]
     gather_coef: np.ndarray  # [n_sets]
     # The masters ZeRO-1/2 keeps on shards where it gathers compute-dtype copies
     # (`_groups.narrow_params`): their bytes, what their casts' gathers move (`gathered`,
@@ -231,6 +234,7 @@ def build_tables(
         staged = [r for i, r in enumerate(rows.partial) if i not in apart]
     n_sets = len(sets.ids)
     gathered = gathered_bytes(graph, inp.consumers, update, lowering)
+    gathered_narrow = matmul_gathered_bytes(graph, gathered, lowering)
     gather_coef = np.zeros(n_sets)
     np.add.at(gather_coef, [tset[t] for t in gathered], list(gathered.values()))
     narrow = narrow_params(graph, update)
@@ -254,11 +258,14 @@ def build_tables(
         **computed,
         **_memory_columns(inp, n_sets),
         gathered=gathered,
+        gathered_narrow=gathered_narrow,
         gather_coef=gather_coef,
         master_coef=master_coef,
         masters=masters,
         casts_again=lowering.recompute_gathers_casts,
-        **_moment_columns(inp, partial, gathered, table, rows.empty, compute.recomputed),
+        **_moment_columns(
+            inp, partial, (gathered, gathered_narrow), table, rows.empty, compute.recomputed
+        ),
         **_row_columns(partial, rows, compute.recomputed, op_s),
         staged_partial_full=row_table(staged, ng, rows.empty, op_s),
         tied_partial=row_table(
@@ -310,7 +317,7 @@ def _memory_columns(inp: TableInputs, n_sets: int) -> dict[str, np.ndarray]:
 def _moment_columns(
     inp: TableInputs,
     partial: list[CandidateRow],
-    gathered: Mapping[int, float],
+    gathered: tuple[Mapping[int, float], Mapping[int, float]],
     sets: np.ndarray,
     empty: int,
     recomputed: Collection[int],
@@ -331,7 +338,8 @@ def _moment_columns(
         due = [inp.layers.reduced_at(r.op) for r in partial if r.grad]
         grads = [(*g, n_ops if d is None else d) for g, d in zip(grads, due, strict=True)]
     step = dict(
-        gathered=gathered,
+        gathered=gathered[0],
+        narrow=gathered[1],
         grads=grads,
         tensor_set=np.array(inp.tset, dtype=np.int64),
         nbytes=np.array([t.nbytes for t in graph.tensors], dtype=float),
@@ -364,6 +372,7 @@ def _moments(
     *,
     remat: bool,
     gathered: Mapping[int, float],
+    narrow: Mapping[int, float],
     grads: list[tuple[int, float]],
     tensor_set: np.ndarray,
     nbytes: np.ndarray,
@@ -377,7 +386,7 @@ def _moments(
     flash = kernel_buffers(graph, buf, inp.kernel, res.recomputed if remat else ())
     # ZeRO-3 gathers layer by layer (`_fsdp.py`); a step without layers as XLA gathers.
     if inp.layers is not None:
-        whole = layer_gathered_parameters(graph, inp.layers, gathered, buf.blocks)
+        whole = layer_gathered_parameters(graph, inp.layers, gathered, buf.blocks, narrow)
     else:
         whole = gathered_parameters(graph, consumers, res.boundary, inp.update, remat, gathered)
     # What ZeRO-3 makes again from the shards for the backward (and, under remat, for the

@@ -116,6 +116,7 @@ class StageMemoryInputs:
     # parameter moves (`Tables.gathered`): F and B gather layer by layer (`_fsdp.py`)
     layers: LayerGathers | None = None
     gathered: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    gathered_narrow: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def layerwise(self) -> bool:
@@ -233,7 +234,7 @@ def _gathered_layers(inp: StageMemoryInputs, out: list[dict[str, float]]) -> Non
     for s in range(inp.part.n_stages):
         programs = [inp.part.ops(s, ph) for ph in phases]
         out[s]["params"] += programs_gathered_peak(
-            inp.graph, inp.layers, programs, inp.gathered, per_device
+            inp.graph, inp.layers, programs, inp.gathered, per_device, inp.gathered_narrow
         )
 
 

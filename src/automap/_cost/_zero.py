@@ -36,7 +36,7 @@ from .._lowering import Lowering
 from .._pipeline import Partition, Phase, op_programs
 from .._remat import LayerGathers, layer_gathers
 from . import _collectives as C
-from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers
+from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers, served_bytes
 from ._residuals import matmuls_alone
 from ._traffic import Layouts, phase_codes
 
@@ -101,6 +101,25 @@ def gathered_bytes(
     return out
 
 
+def matmul_gathered_bytes(
+    graph: Graph, gathered: Mapping[int, float], lowering: Lowering
+) -> dict[int, float]:
+    """Per float32 parameter leaf whose gathers `gathered_bytes` prices wider than a
+    matmul's operand (a reader other than matmuls: a tied token table's lookup), the
+    bytes a gather of it moves where only default-precision matmuls read what it gathers
+    (`_fsdp.served_bytes`): XLA's TPU gathers a float32 GPT's tied table as float32 for
+    the lookup's layer and as its bf16 cast for the head's, forward and backward (gpt 1
+    of the chip-size TPU bench, ZeRO-3 over data 32: three gathers, 125 MiB a chip less
+    than three of float32)."""
+    operand = lowering.matmul_operand_bytes
+    out = {}
+    for leaf in graph.leaves(Role.PARAM):
+        x = graph.tensors[leaf.tensor]
+        if operand and x.dtype == "float32" and gathered[leaf.tensor] > x.size * operand:
+            out[leaf.tensor] = float(x.size * operand)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RegatherCoefs:
     """ZeRO-3's second gather by group set, like `Tables.param_coef` (`_groups.Regather`),
@@ -153,8 +172,9 @@ def regather_coefs(graph: Graph, groups: Groups, T, res, rg: Regather) -> Regath
         lg = layer_gathers(graph, groups)
         grads = update_region(graph, groups)[0]
         layers = gather_coefs(
-            graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads, T.casts_again
-        )
+            graph, lg, T.gathered, set_of, n, res.recomputed, res.saved_remat, grads,
+            T.casts_again, T.gathered_narrow,
+        )  # fmt: skip
     return RegatherCoefs(coef, leaves, acts, layers)
 
 
@@ -404,7 +424,7 @@ def zero_op_gathers(
     if zero_stage >= 3 and T.layers is not None:  # layer by layer, as `zero_gathers`
         recomputed = model.residuals.recomputed if remat else ()
         gs = program_gathers(graph, T.layers, range(len(graph.ops)), recomputed)
-        charged, n = gather_bytes(graph, lay, T.gathered, gs, T.casts_again)
+        charged, n = gather_bytes(graph, lay, T.gathered, gs, T.casts_again, T.gathered_narrow)
         total = sum(b for _, b in charged)
         if total and n:
             seconds = ac.time1(C.AG, zero_mask, total, n)
@@ -446,18 +466,21 @@ def gather_bytes(
     gathered: Mapping[int, float],
     gs: Sequence[Gathered],
     casts_again: bool = False,
+    narrow: Mapping[int, float] | None = None,
 ) -> tuple[list[tuple[int, float]], int]:
     """(reader, bytes per device) of each of ZeRO-3's gathers `gs` (`program_gathers`) of
     a parameter the layout does not already split on data, and the collectives they take
     (those holding a leaf of rank >= 1, as `Gathers.count`). `casts_again`: a recompute's
-    gather moves `gathered` as the forward's does (`Lowering.recompute_gathers_casts`)."""
+    gather moves `gathered` as the forward's does (`Lowering.recompute_gathers_casts`);
+    `narrow`: as `_fsdp.served_bytes`, by the gather's first reader."""
     charged, collectives = [], set()
     for g in gs:
         if lay.on_data[g.param]:
             continue
         nbytes = graph.tensors[g.param].nbytes
         whole = g.whole and not casts_again
-        charged.append((g.reader, (nbytes if whole else gathered[g.param]) * lay.inv[g.param]))
+        served = served_bytes(graph, g.param, (g.reader,), gathered, narrow or {})
+        charged.append((g.reader, (nbytes if whole else served) * lay.inv[g.param]))
         if graph.tensors[g.param].ndim:
             collectives.add(g.collective)
     return charged, len(collectives)
@@ -487,6 +510,7 @@ def add_zero_gathers(
     gathered: Mapping[int, float],
     layers: LayerGathers | None = None,
     casts_again: bool = False,
+    narrow: Mapping[int, float] | None = None,
 ) -> None:
     """ZeRO's all-gathers, charged to the (stage, phase) programs that gather each
     parameter, as XLA compiles each program apart (seen with jax 0.10 on the CPU). ZeRO-1/2:
@@ -497,7 +521,8 @@ def add_zero_gathers(
     a layer cut mid-way) is updated on only one of them. Under remat a B program
     gathers again, for its recompute, the parameters the `recomputed` ops read (XLA merges
     no gather behind the recompute's barrier with the backward's own). `gathered`: what
-    a ZeRO-3 gather of each parameter moves (`Tables.gathered`). With `layers` (a step
+    a ZeRO-3 gather of each parameter moves (`Tables.gathered`; `narrow`, where only
+    matmuls read it, `Tables.gathered_narrow`). With `layers` (a step
     with a loss), ZeRO-3's F, B and W programs gather layer by layer instead, as one
     program does (`per_layer_gathers`)."""
     ac, consumers = oc.axis_costs, graph.consumers()
@@ -505,7 +530,7 @@ def add_zero_gathers(
     phases = (Phase.PRE, Phase.FWD, Phase.BWD) if oc.zero_stage >= 3 else (Phase.POST,)
     if oc.zero_stage >= 3 and layers is not None:
         into = (time, nbytes, count)
-        per_layer_gathers(graph, part, oc, into, recomputed, gathered, layers, casts_again)
+        per_layer_gathers(graph, part, oc, into, recomputed, gathered, layers, casts_again, narrow)
         phases = (Phase.PRE,)
     phase, program = phase_codes(part), op_programs(graph, part)
     moved: dict[tuple[int, int], float] = {}
@@ -536,6 +561,7 @@ def per_layer_gathers(
     gathered: Mapping[int, float],
     layers: LayerGathers,
     casts_again: bool = False,
+    narrow: Mapping[int, float] | None = None,
 ) -> None:
     """ZeRO-3's gathers of each stage's F, B and W programs, layer by layer as the runtime
     makes them (`_fsdp.program_gathers`: a combined collective per forward layer, one per
@@ -549,7 +575,7 @@ def per_layer_gathers(
         for ph in (Phase.FWD, Phase.BWD, Phase.WGT):
             again = recomputed & forward if ph is Phase.BWD else ()
             gs = program_gathers(graph, layers, part.ops(s, ph), again)
-            charged, n = gather_bytes(graph, oc.layouts, gathered, gs, casts_again)
+            charged, n = gather_bytes(graph, oc.layouts, gathered, gs, casts_again, narrow)
             b = sum(b for _, b in charged)
             if b and n:
                 time[s, ph, key] += ac.time1(C.AG, oc.zero_mask, b, n)
