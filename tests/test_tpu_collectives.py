@@ -3,11 +3,15 @@
 lookups under split dimensions. Compiled on the compile-only chips of a v5p topology
 (`verify(target=...)`, libtpu without a TPU), as in test_verify_tpu.py."""
 
+import re
+
 import pytest
 
+import automap as am
 from automap._graph import Role
 from automap._groups import plan_from_assignment
-from automap._verify import verify
+from automap._verify import compile_plan, verify
+from automap._zoo import get_model
 from test_verify_tpu import small_llama
 
 # Every test here loads libtpu (make puts it in .venv/tpu-compile): `-m tpu_compile`
@@ -153,22 +157,17 @@ def test_a_tied_tables_head_gathers_its_bf16_cast_and_its_lookup_the_table():
     # vocabulary of 8192 over a 1-layer model at hidden 256: the table is most of them),
     # now within 0.1%. (The table's gradient XLA all-reduces whole where a reduce-scatter
     # is priced, a mismatch of its own, not read: so the gathers are held, not the whole.)
-    import re
-
-    import automap as am
-    from automap._verify import compile_plan
-    from automap._zoo import get_model
-
     spec = get_model(
         "gpt2-xl", layers=1, hidden=256, heads=4, seq=128, batch=16, vocab=8192, dtype="float32"
     )
     step, args = spec.step_fn, spec.abstract_args()
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
     plan = am.plan_recipe(step, *args, recipe=am.Recipe(dp=8, zero=3), cluster=v5p)
-    report = verify(step, plan, *args, target="v5p:2x2x2")
+    compiled = compile_plan(step, plan, args, target="v5p:2x2x2")
+    report = verify(step, plan, *args, target="v5p:2x2x2", compiled=compiled)
     key = "all-gather@data"
     assert report.predicted_comm_bytes[key] == pytest.approx(report.xla_comm_bytes[key], rel=0.05)
-    hlo = compile_plan(step, plan, args, target="v5p:2x2x2")[1].as_text()
+    hlo = compiled[1].as_text()
     # each collective once (an async one's text repeats in the computations it spans)
     found = re.findall(r"= (\w+)\[8192,256\][^ ]* all-gather\(.*?channel_id=(\d+)", hlo)
     gathers = sorted({channel: dtype for dtype, channel in found}.values())

@@ -97,12 +97,12 @@ def served_bytes(
     p: int,
     ops: Collection[int],
     gathered: Mapping[int, float],
-    narrow: Mapping[int, float],
+    narrow: Mapping[int, float] | None,
 ) -> float:
     """The bytes one gather of parameter p moves, serving the ops `ops` (those reading p
     or what is made from it there): `narrow`'s where all are default-precision matmuls
     (`_zero.matmul_gathered_bytes`), else `gathered`'s."""
-    if p in narrow and matmuls_alone([graph.ops[i] for i in ops]):
+    if narrow and p in narrow and matmuls_alone([graph.ops[i] for i in ops]):
         return narrow[p]
     return gathered.get(p, graph.tensors[p].nbytes)
 
@@ -169,7 +169,7 @@ def layer_gathered_parameters(
 
     def width(p: int, ops: Collection[int]) -> float:
         nbytes = graph.tensors[p].nbytes
-        return served_bytes(graph, p, ops, gathered, narrow or {}) / nbytes if nbytes else 1.0
+        return served_bytes(graph, p, ops, gathered, narrow) / nbytes if nbytes else 1.0
 
     forward = sorted(forward_reads(graph, lg).items())
     for (layer, p), ops in forward:
@@ -296,7 +296,7 @@ def gather_coefs(
         for p, ops in uses:
             nbytes = graph.tensors[p].nbytes
             coef[set_of(p)] += (
-                nbytes if p in whole else served_bytes(graph, p, ops, gathered, narrow or {})
+                nbytes if p in whole else served_bytes(graph, p, ops, gathered, narrow)
             )
             leaves[set_of(p)] += graph.tensors[p].ndim > 0
         return coef, leaves

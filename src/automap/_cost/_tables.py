@@ -264,7 +264,7 @@ def build_tables(
         masters=masters,
         casts_again=lowering.recompute_gathers_casts,
         **_moment_columns(
-            inp, partial, (gathered, gathered_narrow), table, rows.empty, compute.recomputed
+            inp, partial, gathered, gathered_narrow, table, rows.empty, compute.recomputed
         ),
         **_row_columns(partial, rows, compute.recomputed, op_s),
         staged_partial_full=row_table(staged, ng, rows.empty, op_s),
@@ -317,7 +317,8 @@ def _memory_columns(inp: TableInputs, n_sets: int) -> dict[str, np.ndarray]:
 def _moment_columns(
     inp: TableInputs,
     partial: list[CandidateRow],
-    gathered: tuple[Mapping[int, float], Mapping[int, float]],
+    gathered: Mapping[int, float],
+    narrow: Mapping[int, float],
     sets: np.ndarray,
     empty: int,
     recomputed: Collection[int],
@@ -338,8 +339,8 @@ def _moment_columns(
         due = [inp.layers.reduced_at(r.op) for r in partial if r.grad]
         grads = [(*g, n_ops if d is None else d) for g, d in zip(grads, due, strict=True)]
     step = dict(
-        gathered=gathered[0],
-        narrow=gathered[1],
+        gathered=gathered,
+        narrow=narrow,
         grads=grads,
         tensor_set=np.array(inp.tset, dtype=np.int64),
         nbytes=np.array([t.nbytes for t in graph.tensors], dtype=float),

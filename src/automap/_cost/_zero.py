@@ -479,7 +479,7 @@ def gather_bytes(
             continue
         nbytes = graph.tensors[g.param].nbytes
         whole = g.whole and not casts_again
-        served = served_bytes(graph, g.param, (g.reader,), gathered, narrow or {})
+        served = served_bytes(graph, g.param, (g.reader,), gathered, narrow)
         charged.append((g.reader, (nbytes if whole else served) * lay.inv[g.param]))
         if graph.tensors[g.param].ndim:
             collectives.add(g.collective)

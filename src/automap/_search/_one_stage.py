@@ -121,7 +121,9 @@ class OneStagePolish:
             except PlanError:
                 continue
             options = technique_options(self.model, base)
-            chains = [(sp, [r for _, r in c]) for sp, c in itertools.groupby(options, key=_sp)]
+            chains = [
+                (sp, [r for _, r in c]) for sp, c in itertools.groupby(options, key=lambda o: o[0])
+            ]
             for sp, remats in sorted(chains, key=lambda chain: not chain[0]):  # split first
                 if not sp and point.cost.step_time_s >= self.best_time:
                     continue  # no variant of this chain is faster than its point
@@ -195,10 +197,6 @@ def technique_variant(
     if sp:
         plan = sequence_parallel(model.graph, model.groups, plan, MODEL)
     return dataclasses.replace(plan, predicted=model.estimate(plan))
-
-
-def _sp(option: tuple[bool, tuple[bool, str]]) -> bool:
-    return option[0]
 
 
 def _zero3_applies(point: OneStagePoint) -> bool:
