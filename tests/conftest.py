@@ -146,6 +146,7 @@ SECONDS = {
     "tests/test_odd_steps.py": 15,
     "tests/test_distributed.py": 14,
     "tests/test_loops.py": 14,
+    "tests/test_layouts.py": 14,
     "tests/pipeline/test_process.py": 13,
     "tests/test_fusion.py": 13,
     "tests/pipeline/test_grad_reduce.py": 13,

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 import automap as am
+from _scripts import load_script
 from automap._capture import find_residuals
 from automap._cost import CostModel, stored_residuals
 from automap._groups import build_groups, plan_from_assignment
@@ -113,6 +114,22 @@ def test_a_tpu_reduces_a_recomputed_layers_partial_sums_in_place(tmp_path):
     assert copied.memory_bytes > 1.2 * report.xla_memory_bytes
 
 
+def _held(dump, compiled, report) -> float:
+    """What a TPU program holds: libtpu's live peak (the arguments, the outputs and HBM's
+    busiest temporaries) where HBM's temporaries are the busier; where the chip's VMEM
+    holds more at its busiest, libtpu's figure is VMEM's alone, and what HBM and VMEM hold
+    together at their busiest step is (`read_buffer_assignment.together`: an activation
+    moved to VMEM counted there, a prefetched copy once)."""
+    reader = load_script("read_buffer_assignment")
+    hbm, vmem = reader.read(dump), reader.read(dump, space=reader.VMEM)
+    if hbm.busiest()[1] >= vmem.busiest()[1]:
+        return report.xla_live_peak_bytes
+    _, in_hbm, in_vmem = reader.together(hbm, reader.apart(hbm, vmem))
+    stats = compiled.memory_analysis()
+    args = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+    return args + in_hbm + in_vmem
+
+
 def _output_fusion_ops(dump) -> list[set[str]]:
     """The ops of each output fusion (a matmul's kernel and what XLA fused into it) of a
     TPU program, `dump` its `xla_dump_to` folder."""
@@ -134,9 +151,10 @@ def test_a_tpu_runs_gelus_derivative_in_the_matmuls_kernel_where_its_contraction
     # data 4, XLA's TPU runs GELU's derivative (its tanh) times the incoming gradient, and
     # the bias gradient's sum, in the kernel of the backward matmul that makes that
     # gradient, which never writes its f32 [16, 128, 2048] output: priced as written (the
-    # rule off) the step is 1.07x XLA's live peak, as spared 0.98x (`_cost/_epilogue.py`).
-    # With the hidden dim on model (4), the matmuls make partial sums to all-reduce first:
-    # no kernel runs GELU beside a matmul, and the model spares nothing (1.02x either way).
+    # rule off) the step is 1.09x what XLA's program holds (`_held`: here HBM and VMEM at
+    # once, VMEM the busier), as spared 1.02x (`_cost/_epilogue.py`). With the hidden dim
+    # on model (4), the matmuls make partial sums to all-reduce first: no kernel runs GELU
+    # beside a matmul, and the model spares nothing (1.04x XLA's live peak either way).
     spec = get_model(
         "gpt2-xl", layers=1, hidden=512, heads=4, seq=128, batch=64, vocab=512, dtype="float32"
     )
@@ -153,10 +171,11 @@ def test_a_tpu_runs_gelus_derivative_in_the_matmuls_kernel_where_its_contraction
     in_a_matmul = any(derivative <= ops for ops in _output_fusion_ops(tmp_path))
     assert in_a_matmul is not split
     report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
-    assert report.predicted_memory_bytes == pytest.approx(report.xla_live_peak_bytes, rel=0.05)
+    held = _held(tmp_path, compiled[1], report)
+    assert report.predicted_memory_bytes == pytest.approx(held, rel=0.05)
     v5p = am.Cluster.preset("tpu-v5p", topology="2x2x1")
     written = CostModel(graph, v5p.with_lowering(fuses_matmul_epilogues=False)).estimate(plan)
     if split:
         assert written.memory_bytes == report.predicted_memory_bytes
     else:
-        assert written.memory_bytes > 1.05 * report.xla_live_peak_bytes
+        assert written.memory_bytes > 1.05 * held

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
@@ -49,6 +50,7 @@ from ._shared import (
     placed,
     validate_plan,
 )
+from ._state_layout import auto_formats, compile_laid, input_formats
 
 
 def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
@@ -140,30 +142,56 @@ class Prepared:
                 out,
             )
 
-        # A step the user jitted with donate_argnums keeps its donation here.
+        # A step the user jitted with donate_argnums keeps its donation here. Without ZeRO
+        # its donated state is laid out as XLA chooses (`_state_layout.py`), so the step
+        # runs compiled for abstract arguments (`jax.jit` takes no concrete array where a
+        # layout is AUTO). Under ZeRO the layout XLA chooses for a gradient decides which
+        # gradients it reduce-scatters and which it all-reduces whole, and the cost model
+        # reads that choice for row-major state (`_cost/_scatter.py`), so it stays so.
         donated = donated_leaves(fn, args, len(paths))
-        self.jitted = jax.jit(
-            step,
-            in_shardings=tuple(self.in_shardings),
-            donate_argnums=donated,
-            compiler_options=compiler_options(mesh),
-        )
+        self.laid_by_xla = donated if plan.zero_stage == 0 else ()
+        self.step = step
+        self.jit_options = {"donate_argnums": donated, "compiler_options": compiler_options(mesh)}
+        laid = auto_formats(self.in_shardings, self.laid_by_xla)
+        outs = {"out_shardings": Format(Layout.AUTO)} if self.laid_by_xla else {}
+        self.jitted = jax.jit(step, in_shardings=tuple(laid), **self.jit_options, **outs)
+        self.executable: Any = None  # compiled on the first call where XLA lays the state
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
-        """Flat abstract arguments carrying the plan's shardings (for lower/compile)."""
+        """Flat abstract arguments carrying the plan's shardings (for lower/compile); a
+        Python scalar stays weakly typed, as `jax.jit` traces it when called."""
         leaves = jax.tree_util.tree_leaves(args)
         if self.feed is not None:  # the process-local batch shares stand for global arrays
             leaves = self.feed.global_leaves
         return [
-            jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x), sharding=s)
+            jax.ShapeDtypeStruct(leaf_shape(x), leaf_dtype(x), sharding=s, weak_type=_weak(x))
             for x, s in zip(leaves, self.in_shardings, strict=True)
         ]
+
+    def compile(self, args: tuple, options: dict[str, Any] | None = None) -> Any:
+        """The step compiled for `args` (arrays or ShapeDtypeStructs) as it runs; `options`:
+        XLA's debug options for this compile."""
+        abstract = self.abstract_args(args)
+        if self.laid_by_xla:
+            return compile_laid(self.step, self.jit_options, abstract, self.laid_by_xla, options)
+        lowered = self.jitted.lower(*abstract)
+        return lowered.compile(options) if options else lowered.compile()
 
     def __call__(self, args: tuple) -> Any:
         leaves = jax.tree_util.tree_leaves(args)
         if self.feed is not None:
-            return self.jitted(*self.feed.place(leaves, self.in_shardings))
-        return self.jitted(*placed(leaves, self.in_shardings))
+            leaves = self.feed.place(leaves, self.in_shardings)
+        if not self.laid_by_xla:
+            return self.jitted(*placed(leaves, self.in_shardings))
+        if self.executable is None:
+            self.executable = self.compile(args)
+        # The state a loop feeds back is laid out as compiled; the first call's moves once.
+        return self.executable(*placed(leaves, input_formats(self.executable)))
+
+
+def _weak(x: Any) -> bool:
+    # A Python number traces weakly typed; numpy's scalars and bools do not.
+    return bool(getattr(x, "weak_type", type(x) in (int, float, complex)))
 
 
 def _constrained(graph: Any, groups: Groups, plan: Plan, mesh: Mesh) -> Callable:

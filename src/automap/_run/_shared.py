@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.layout import Format
 
 from .._errors import ApplyError, PlanError
 from .._plan import Plan, Spec
@@ -132,7 +133,7 @@ def structure_key(args: tuple) -> Any:
 
 
 def placed(leaves: list[Any], shardings: list[Any]) -> list[Any]:
-    """The leaves with the plan's shardings: moved by one `jax.device_put` of those not
+    """The leaves with the plan's shardings (or `Format`s, shardings with a layout): moved by one `jax.device_put` of those not
     already laid out so (numpy arrays, scalars, arrays sharded otherwise). A training
     loop feeds back the step's own outputs, already placed: `device_put` of those moves
     nothing but still costs ~60 us a leaf of host time before the step is dispatched,
@@ -141,7 +142,7 @@ def placed(leaves: list[Any], shardings: list[Any]) -> list[Any]:
     moving = [
         i
         for i, (x, s) in enumerate(zip(leaves, shardings, strict=True))
-        if not (isinstance(x, jax.Array) and x.sharding == s)
+        if not (isinstance(x, jax.Array) and _laid(x, s))
     ]
     if not moving:
         return list(leaves)
@@ -150,6 +151,14 @@ def placed(leaves: list[Any], shardings: list[Any]) -> list[Any]:
     for i, x in zip(moving, moved, strict=True):
         out[i] = x
     return out
+
+
+def _laid(x: jax.Array, where: Any) -> bool:
+    """Whether `x` is already where `where` (a sharding, or a `Format`: a sharding and a
+    layout in memory) puts it."""
+    if isinstance(where, Format):
+        return x.format == where
+    return x.sharding == where
 
 
 def per_structure(make: Callable[[tuple], Any]) -> Callable[..., Any]:

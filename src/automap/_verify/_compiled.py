@@ -28,7 +28,15 @@ from .._capture import capture
 from .._cost import estimate_pipeline
 from .._errors import ApplyError
 from .._plan import Plan
-from .._run import Prepared, apply_pipeline, hbm_options, make_mesh, out_of_hbm, validate_plan
+from .._run import (
+    Prepared,
+    apply_pipeline,
+    hbm_options,
+    input_formats,
+    make_mesh,
+    out_of_hbm,
+    validate_plan,
+)
 from ._compare import (
     as_on_cpu,
     collective_bytes,
@@ -117,8 +125,7 @@ def compile_plan(
     GEMM finds no tiling for a matmul)."""
     mesh = make_mesh(plan, _devices(plan, target))
     prepared = Prepared(fn, plan, mesh, args, graph=graph)
-    lowered = prepared.jitted.lower(*prepared.abstract_args(args))
-    return prepared, lowered.compile(options) if options else lowered.compile()
+    return prepared, prepared.compile(args, options)
 
 
 def compiled_text(fn: Callable, plan: Plan, args: tuple) -> str:
@@ -171,7 +178,7 @@ def verify(
         compiled = _compile_within(fn, plan, args, graph, target, hbm_bytes)
     else:
         _check_compiled(compiled, plan, target)
-    prepared, compiled = compiled
+    compiled = compiled[1]
     scheduled = scheduled_collectives(compiled.as_text())
     xla = comm_bytes([s.collective for s in scheduled], plan.mesh)
     overlapped = {k: v for k, (v, _) in overlapped_bytes(scheduled, plan.mesh).items() if v}
@@ -202,7 +209,7 @@ def verify(
     )
     leaves = jax.tree_util.tree_leaves(args)
     if not target and leaves and not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        got = compiled(*jax.device_put(_fresh(leaves), prepared.in_shardings))
+        got = compiled(*jax.device_put(_fresh(leaves), input_formats(compiled)))
         ok, err = _numerics(fn, got, args, plan.devices, graph)
         report = dataclasses.replace(report, numerics_ok=ok, max_abs_err=err)
     return report
