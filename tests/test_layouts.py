@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental.layout import Format, Layout
 
 import automap as am
 from automap import Plan
 from automap._run import apply, input_formats
+from automap._run._shared import placed
 from automap._verify import compile_plan, verify
 from automap._zoo import get_model
 
@@ -79,6 +81,18 @@ def test_a_donating_loop_runs_its_state_as_compiled_and_computes_the_unsharded_l
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-3
         )
+
+
+def test_a_donated_array_laid_out_anew_is_given_up_to_its_copy():
+    # The first call of a donating step lays its state out as compiled: a donated array
+    # only laid out otherwise (its sharding kept) is freed as it is copied, so that a chip
+    # that holds the state once need not hold it twice; one not donated is kept.
+    x, y = jnp.ones((8, 16)), jnp.ones((8, 16))
+    column = Format(Layout(major_to_minor=(1, 0)), x.sharding)
+    moved = placed([x, y], [column, column], donated=(0,))
+    assert all(m.format.layout.major_to_minor == (1, 0) for m in moved)
+    assert x.is_deleted() and not y.is_deleted()
+    np.testing.assert_array_equal(np.asarray(moved[0]), np.ones((8, 16)))
 
 
 @pytest.mark.tpu_compile

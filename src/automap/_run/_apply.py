@@ -186,7 +186,8 @@ class Prepared:
         if self.executable is None:
             self.executable = self.compile(args)
         # The state a loop feeds back is laid out as compiled; the first call's moves once.
-        return self.executable(*placed(leaves, input_formats(self.executable)))
+        laid = placed(leaves, input_formats(self.executable), self.laid_by_xla)
+        return self.executable(*laid)
 
 
 def _weak(x: Any) -> bool:

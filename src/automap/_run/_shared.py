@@ -7,7 +7,7 @@ prepared programs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,13 +132,16 @@ def structure_key(args: tuple) -> Any:
     return treedef, tuple((leaf_shape(x), leaf_dtype(x)) for x in leaves)
 
 
-def placed(leaves: list[Any], shardings: list[Any]) -> list[Any]:
-    """The leaves with the plan's shardings (or `Format`s, shardings with a layout): moved by one `jax.device_put` of those not
-    already laid out so (numpy arrays, scalars, arrays sharded otherwise). A training
-    loop feeds back the step's own outputs, already placed: `device_put` of those moves
-    nothing but still costs ~60 us a leaf of host time before the step is dispatched,
-    70-78 ms a step for gpt-1.3b's and bert-large's parameters and Adam moments on an
-    H200 (`benchmarks/bench_h200_kernels.py`), while the GPU waited."""
+def placed(leaves: list[Any], shardings: list[Any], donated: Sequence[int] = ()) -> list[Any]:
+    """The leaves with the plan's shardings (or `Format`s: shardings with a layout in
+    memory): moved by one `jax.device_put` of those not already laid out so (numpy
+    arrays, scalars, arrays sharded or laid otherwise). A training loop feeds back the
+    step's own outputs, already placed: `device_put` of those moves nothing but still
+    costs ~60 us a leaf of host time before the step is dispatched, 70-78 ms a step for
+    gpt-1.3b's and bert-large's parameters and Adam moments on an H200
+    (`benchmarks/bench_h200_kernels.py`), while the GPU waited. A `donated` array laid
+    out anew on its own devices is given up to its copy, as the step would take it: a
+    chip that holds the state once need not hold it twice to lay it out again."""
     moving = [
         i
         for i, (x, s) in enumerate(zip(leaves, shardings, strict=True))
@@ -147,10 +150,18 @@ def placed(leaves: list[Any], shardings: list[Any]) -> list[Any]:
     if not moving:
         return list(leaves)
     out = list(leaves)
-    moved = jax.device_put([leaves[i] for i in moving], [shardings[i] for i in moving])
+    given = [i in donated and _relaid(leaves[i], shardings[i]) for i in moving]
+    moved = jax.device_put(
+        [leaves[i] for i in moving], [shardings[i] for i in moving], donate=given
+    )
     for i, x in zip(moving, moved, strict=True):
         out[i] = x
     return out
+
+
+def _relaid(x: Any, where: Any) -> bool:
+    """Whether moving `x` to `where` only lays it out anew (a `Format` of its sharding)."""
+    return isinstance(x, jax.Array) and isinstance(where, Format) and x.sharding == where.sharding
 
 
 def _laid(x: jax.Array, where: Any) -> bool:

@@ -67,14 +67,23 @@ def compile_laid(
     if all(ins[i].layout == outs[o].layout for i, o in pairs.items()):
         return compiled
     laid, pinned = list(ins), [Format(Layout.AUTO)] * len(outs)
-    for i, o in pairs.items():
-        laid[i] = pinned[o] = outs[o]
+    for i, o in pairs.items():  # each pair laid as the update leaves it, sharded as planned
+        laid[i] = Format(outs[o].layout, ins[i].sharding)
+        pinned[o] = outs[o]
     tree = jax.tree_util.tree_structure(compiled.output_formats)
     pinned_tree = jax.tree_util.tree_unflatten(tree, pinned)
     return _compile(step, jit_options, laid, pinned_tree, abstract, options)
 
 
-def _compile(step, jit_options, in_formats, out_formats, abstract, options) -> Any:
+def _compile(
+    step: Callable,
+    jit_options: dict[str, Any],
+    in_formats: Sequence[Any],
+    out_formats: Any,
+    abstract: Sequence[jax.ShapeDtypeStruct],
+    options: dict[str, Any] | None,
+) -> Any:
+    """One compile of `step`: `out_formats` None lays every output as XLA chooses."""
     out = Format(Layout.AUTO) if out_formats is None else out_formats
     jitted = jax.jit(step, in_shardings=tuple(in_formats), out_shardings=out, **jit_options)
     lowered = jitted.lower(*abstract)
