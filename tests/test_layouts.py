@@ -83,6 +83,30 @@ def test_a_donating_loop_runs_its_state_as_compiled_and_computes_the_unsharded_l
         )
 
 
+def noisy_step(params, key, x):
+    k1, k2 = jax.random.split(key)
+    noisy = x + jax.random.normal(k1, x.shape)
+    grads = jax.grad(lambda p: jnp.mean(noisy @ p["w"]))(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), k2
+
+
+def test_a_donated_typed_key_stays_laid_as_jax_lays_it_beside_the_state():
+    # A typed PRNG key is laid out as its key data, of another rank: donated beside the
+    # parameters it keeps its own layout (its pair with the key it becomes too, as JAX
+    # asks of a donated pair) while the parameters are laid as XLA chooses.
+    params = {"w": jax.random.normal(jax.random.key(1), (16, 4))}
+    x = jnp.ones((8, 16))
+    plan = Plan(
+        mesh={"data": 2}, specs={"[0]['w']": (None, None), "[1]": (), "[2]": ("data", None)}
+    )
+    step = apply(jax.jit(noisy_step, donate_argnums=(0, 1)), plan)
+    got = step(*step(jax.tree.map(jnp.copy, params), jax.random.key(0), x), x)
+    want = jax.jit(noisy_step)(*jax.jit(noisy_step)(params, jax.random.key(0), x), x)
+    np.testing.assert_allclose(np.asarray(got[0]["w"]), np.asarray(want[0]["w"]), rtol=1e-6)
+    assert (jax.random.key_data(got[1]) == jax.random.key_data(want[1])).all()
+    assert step.prepare(*got, x).laid_by_xla == (0,)
+
+
 def test_a_donated_array_laid_out_anew_is_given_up_to_its_copy():
     # The first call of a donating step lays its state out as compiled: a donated array
     # only laid out otherwise (its sharding kept) is freed as it is copied, so that a chip

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._axes import DATA
@@ -50,7 +49,7 @@ from ._shared import (
     placed,
     validate_plan,
 )
-from ._state_layout import auto_formats, compile_laid, input_formats
+from ._state_layout import compile_laid, extended, input_formats, laid_jit
 
 
 def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
@@ -118,7 +117,8 @@ class Prepared:
             check_divisible(f"input {path}", leaf_shape(leaf), plan.specs[path], plan.mesh)
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
         body = fn if not reinterpret else _constrained(graph, groups, plan, mesh)
-        out_flat = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, *args))[0]
+        shapes = jax.eval_shape(fn, *args)
+        out_flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
         out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
         strange = sorted(set(plan.out_specs) - set(out_paths))
         if strange:
@@ -149,12 +149,19 @@ class Prepared:
         # gradients it reduce-scatters and which it all-reduces whole, and the cost model
         # reads that choice for row-major state (`_cost/_scatter.py`), so it stays so.
         donated = donated_leaves(fn, args, len(paths))
-        self.laid_by_xla = donated if plan.zero_stage == 0 else ()
+        self.laid_by_xla = tuple(
+            i for i in donated if plan.zero_stage == 0 and not extended(leaf_dtype(flat[i][1]))
+        )
         self.step = step
         self.jit_options = {"donate_argnums": donated, "compiler_options": compiler_options(mesh)}
-        laid = auto_formats(self.in_shardings, self.laid_by_xla)
-        outs = {"out_shardings": Format(Layout.AUTO)} if self.laid_by_xla else {}
-        self.jitted = jax.jit(step, in_shardings=tuple(laid), **self.jit_options, **outs)
+        self.outs, self.out_tree = jax.tree_util.tree_flatten(shapes)
+        if self.laid_by_xla:
+            ins = self.abstract_args(args)
+            self.jitted = laid_jit(
+                step, self.jit_options, ins, self.outs, self.out_tree, self.laid_by_xla
+            )
+        else:
+            self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), **self.jit_options)
         self.executable: Any = None  # compiled on the first call where XLA lays the state
 
     def abstract_args(self, args: tuple) -> list[jax.ShapeDtypeStruct]:
@@ -173,7 +180,8 @@ class Prepared:
         XLA's debug options for this compile."""
         abstract = self.abstract_args(args)
         if self.laid_by_xla:
-            return compile_laid(self.step, self.jit_options, abstract, self.laid_by_xla, options)
+            laid, outs = self.laid_by_xla, (self.outs, self.out_tree)
+            return compile_laid(self.step, self.jit_options, abstract, *outs, laid, options)
         lowered = self.jitted.lower(*abstract)
         return lowered.compile(options) if options else lowered.compile()
 

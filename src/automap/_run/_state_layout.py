@@ -23,14 +23,20 @@ import jax
 from jax.experimental.layout import Format, Layout
 
 
-def auto_formats(shardings: Sequence[Any], donated: Sequence[int]) -> list[Any]:
-    """The jit's input shardings with each donated leaf's layout left to XLA."""
-    return [Format(Layout.AUTO, s) if i in donated else s for i, s in enumerate(shardings)]
+def input_formats(compiled: Any) -> list[Any]:
+    """Where each flat argument of a compiled step goes: its layout and sharding, or its
+    sharding alone for a typed PRNG key (its layout is its key data's, of another rank,
+    which `jax.device_put` takes for no key)."""
+    avals = compiled.in_avals[0]
+    return [
+        f.sharding if extended(a.dtype) else f
+        for f, a in zip(compiled.input_formats[0], avals, strict=True)
+    ]
 
 
-def input_formats(compiled: Any) -> list[Format]:
-    """The layout and sharding of each flat argument of a compiled step."""
-    return list(compiled.input_formats[0])
+def extended(dtype: Any) -> bool:
+    """A dtype JAX lays out as data of another shape (a typed PRNG key's)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def aliases(ins: Sequence[Any], outs: Sequence[Any], donated: Sequence[int]) -> dict[int, int]:
@@ -47,44 +53,66 @@ def aliases(ins: Sequence[Any], outs: Sequence[Any], donated: Sequence[int]) -> 
     return pairs
 
 
+def laid_jit(
+    step: Callable,
+    jit_options: dict[str, Any],
+    ins: Sequence[jax.ShapeDtypeStruct],
+    outs: Sequence[Any],
+    out_tree: Any,
+    laid: Sequence[int],
+    pinned: dict[int, Format] | None = None,
+) -> Any:
+    """`step` jitted (`jit_options`: donate_argnums and the rest) with each input of `laid`
+    that a donated buffer pairs with an output laid out as XLA chooses, and that output
+    too (`Layout.AUTO` on both, as JAX asks of a pair); `pinned`: each such input's format
+    from a first compile, to lay the pair so both ways. `ins`: the abstract arguments,
+    sharded as planned; `outs`, `out_tree`: the step's outputs (shape and dtype)."""
+    pairs = aliases(ins, outs, jit_options["donate_argnums"])
+    in_formats: list[Any] = [x.sharding for x in ins]
+    out_formats: list[Any] = [None] * len(outs)  # sharding and layout left to XLA
+    for i, o in pairs.items():
+        if i not in laid:
+            continue
+        if pinned is None:
+            in_formats[i], out_formats[o] = (
+                Format(Layout.AUTO, ins[i].sharding),
+                Format(Layout.AUTO),
+            )
+        else:
+            in_formats[i], out_formats[o] = Format(pinned[i].layout, ins[i].sharding), pinned[i]
+    out_shardings = jax.tree_util.tree_unflatten(out_tree, out_formats)
+    return jax.jit(step, in_shardings=tuple(in_formats), out_shardings=out_shardings, **jit_options)
+
+
 def compile_laid(
     step: Callable,
     jit_options: dict[str, Any],
     abstract: Sequence[jax.ShapeDtypeStruct],
-    donated: Sequence[int],
+    outs: Sequence[Any],
+    out_tree: Any,
+    laid: Sequence[int],
     options: dict[str, Any] | None = None,
 ) -> Any:
-    """`step` compiled for `abstract` with its donated leaves laid out as XLA chooses, and
-    each laid out as its output comes back (`jit_options`: jax.jit's other arguments;
-    `options`: XLA's debug options for this compile)."""
-    shardings = [x.sharding for x in abstract]
+    """`step` compiled for `abstract` with the donated state of `laid` laid out as XLA
+    chooses, each leaf as its output comes back (`laid_jit`; `options`: XLA's debug
+    options for this compile)."""
     compiled = _compile(
-        step, jit_options, auto_formats(shardings, donated), None, abstract, options
+        laid_jit(step, jit_options, abstract, outs, out_tree, laid), abstract, options
     )
-    ins, outs = input_formats(compiled), jax.tree_util.tree_leaves(compiled.output_formats)
-    out_avals = jax.tree_util.tree_leaves(compiled.out_info)
-    pairs = aliases(abstract, out_avals, donated)
-    if all(ins[i].layout == outs[o].layout for i, o in pairs.items()):
+    got_in = input_formats(compiled)
+    got_out = jax.tree_util.tree_leaves(compiled.output_formats)
+    pairs = {
+        i: o for i, o in aliases(abstract, outs, jit_options["donate_argnums"]).items() if i in laid
+    }
+    if all(got_in[i].layout == got_out[o].layout for i, o in pairs.items()):
         return compiled
-    laid, pinned = list(ins), [Format(Layout.AUTO)] * len(outs)
-    for i, o in pairs.items():  # each pair laid as the update leaves it, sharded as planned
-        laid[i] = Format(outs[o].layout, ins[i].sharding)
-        pinned[o] = outs[o]
-    tree = jax.tree_util.tree_structure(compiled.output_formats)
-    pinned_tree = jax.tree_util.tree_unflatten(tree, pinned)
-    return _compile(step, jit_options, laid, pinned_tree, abstract, options)
+    pinned = {i: got_out[o] for i, o in pairs.items()}
+    jitted = laid_jit(step, jit_options, abstract, outs, out_tree, laid, pinned)
+    return _compile(jitted, abstract, options)
 
 
 def _compile(
-    step: Callable,
-    jit_options: dict[str, Any],
-    in_formats: Sequence[Any],
-    out_formats: Any,
-    abstract: Sequence[jax.ShapeDtypeStruct],
-    options: dict[str, Any] | None,
+    jitted: Any, abstract: Sequence[jax.ShapeDtypeStruct], options: dict[str, Any] | None
 ) -> Any:
-    """One compile of `step`: `out_formats` None lays every output as XLA chooses."""
-    out = Format(Layout.AUTO) if out_formats is None else out_formats
-    jitted = jax.jit(step, in_shardings=tuple(in_formats), out_shardings=out, **jit_options)
     lowered = jitted.lower(*abstract)
     return lowered.compile(options) if options else lowered.compile()
