@@ -67,12 +67,9 @@ def laid_jit(
     too (`Layout.AUTO` on both, as JAX asks of a pair); `pinned`: each such input's format
     from a first compile, to lay the pair so both ways. `ins`: the abstract arguments,
     sharded as planned; `outs`, `out_tree`: the step's outputs (shape and dtype)."""
-    pairs = aliases(ins, outs, jit_options["donate_argnums"])
     in_formats: list[Any] = [x.sharding for x in ins]
     out_formats: list[Any] = [None] * len(outs)  # sharding and layout left to XLA
-    for i, o in pairs.items():
-        if i not in laid:
-            continue
+    for i, o in _laid_pairs(ins, outs, jit_options, laid).items():
         if pinned is None:
             in_formats[i], out_formats[o] = (
                 Format(Layout.AUTO, ins[i].sharding),
@@ -101,14 +98,20 @@ def compile_laid(
     )
     got_in = input_formats(compiled)
     got_out = jax.tree_util.tree_leaves(compiled.output_formats)
-    pairs = {
-        i: o for i, o in aliases(abstract, outs, jit_options["donate_argnums"]).items() if i in laid
-    }
+    pairs = _laid_pairs(abstract, outs, jit_options, laid)
     if all(got_in[i].layout == got_out[o].layout for i, o in pairs.items()):
         return compiled
     pinned = {i: got_out[o] for i, o in pairs.items()}
     jitted = laid_jit(step, jit_options, abstract, outs, out_tree, laid, pinned)
     return _compile(jitted, abstract, options)
+
+
+def _laid_pairs(
+    ins: Sequence[Any], outs: Sequence[Any], jit_options: dict[str, Any], laid: Sequence[int]
+) -> dict[int, int]:
+    """The donated pairs (input: output) whose input is one of `laid`."""
+    pairs = aliases(ins, outs, jit_options["donate_argnums"])
+    return {i: o for i, o in pairs.items() if i in laid}
 
 
 def _compile(
