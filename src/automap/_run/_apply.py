@@ -354,7 +354,10 @@ def apply(fn: Callable, plan: Plan, *, devices: Sequence[Any] | None = None) -> 
 
     The result computes what `fn` computes (up to float reassociation). Arguments may be
     numpy or jax arrays; they are placed with the plan's shardings. The step is traced
-    and compiled once per argument structure.
+    and compiled once per argument structure. A step jitted with `donate_argnums` (and
+    no ZeRO in the plan) keeps its donated state laid out in memory as XLA chooses: the
+    first call lays the state out so, giving up the donated arrays, and the state it
+    returns goes back in as it is (DESIGN.md, "Layouts of the state").
     """
     plan = _a_plan(plan)
     if plan.pipelined:  # stages on sub-meshes, fed microbatch by microbatch
