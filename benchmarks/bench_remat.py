@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
         prepared = am.apply(
             spec.step_fn, Plan(mesh={}, specs=specs, remat=remat), devices=jax.devices()[:1]
         ).prepare(*args)
-        compiled = prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+        compiled = prepared.compile(args)
         ca = compiled.cost_analysis()
         flops = (ca[0] if isinstance(ca, list) else ca)["flops"]
         dots = len(re.findall(r"= \S+ dot\(", compiled.as_text()))

@@ -45,7 +45,7 @@ def _compiled(spec, plan):
     run = am.apply(spec.step_fn, plan, devices=jax.devices()[:1])
     args = spec.abstract_args()
     prepared = run.prepare(*args)
-    return prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+    return prepared.compile(args)
 
 
 def _flops(compiled) -> float:
@@ -100,7 +100,7 @@ def test_recomputed_collectives_are_priced_as_xla_compiles_them():
     compiled, predicted = {}, {}
     for remat in (False, True):
         prepared = am.apply(spec.step_fn, dataclasses.replace(plan, remat=remat)).prepare(*args)
-        hlo = prepared.jitted.lower(*prepared.abstract_args(args)).compile().as_text()
+        hlo = prepared.compile(args).as_text()
         compiled[remat] = comm_bytes(parse_collectives(hlo, 4), mesh)
         cost = model.evaluate(assignment, mesh, remat=remat)
         predicted[remat] = {f"{c.kind}@{c.axis}": c.bytes for c in cost.collectives}

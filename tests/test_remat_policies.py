@@ -46,7 +46,7 @@ def _compiled(spec, plan):
     run = am.apply(spec.step_fn, plan, devices=jax.devices()[:1])
     args = spec.abstract_args()
     prepared = run.prepare(*args)
-    return prepared.jitted.lower(*prepared.abstract_args(args)).compile()
+    return prepared.compile(args)
 
 
 def _flops(compiled) -> float:
