@@ -13,8 +13,7 @@ from jax.experimental.layout import Format, Layout
 
 import automap as am
 from automap import Plan
-from automap._run import apply, input_formats
-from automap._run._shared import placed
+from automap._run import apply, input_formats, placed
 from automap._verify import compile_plan, verify
 from automap._zoo import get_model
 

@@ -22,5 +22,6 @@ from ._interpret import run_graph as run_graph
 from ._pipelined import apply_pipeline as apply_pipeline
 from ._recompute import eval_recomputing as eval_recomputing
 from ._shared import other_program as other_program
+from ._shared import placed as placed
 from ._shared import validate_plan as validate_plan
 from ._state_layout import input_formats as input_formats

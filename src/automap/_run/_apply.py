@@ -118,17 +118,7 @@ class Prepared:
         self.in_shardings = [_sharding(mesh, plan.specs[p]) for p in paths]
         body = fn if not reinterpret else _constrained(graph, groups, plan, mesh)
         shapes = jax.eval_shape(fn, *args)
-        out_flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
-        out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
-        strange = sorted(set(plan.out_specs) - set(out_paths))
-        if strange:
-            raise PlanError(
-                f"the plan has output specs for {strange}, which the step does not return "
-                f"(its outputs: {sorted(out_paths)}); the plan was made for another program."
-            )
-        for path, spec in plan.out_specs.items():
-            check_divisible(f"output {path}", out_paths[path].shape, spec, plan.mesh)
-        out_shardings = {p: _sharding(mesh, s) for p, s in plan.out_specs.items()}
+        out_shardings = _out_shardings(plan, mesh, shapes)
 
         def step(*flat_args: Any) -> Any:
             out = body(*jax.tree_util.tree_unflatten(self.treedef, flat_args))
@@ -142,24 +132,35 @@ class Prepared:
                 out,
             )
 
-        # A step the user jitted with donate_argnums keeps its donation here. Without ZeRO
-        # its donated state is laid out as XLA chooses (`_state_layout.py`), so the step
-        # runs compiled for abstract arguments (`jax.jit` takes no concrete array where a
-        # layout is AUTO). Under ZeRO the layout XLA chooses for a gradient decides which
-        # gradients it reduce-scatters and which it all-reduces whole, and the cost model
-        # reads that choice for row-major state (`_cost/_scatter.py`), so it stays so.
         donated = donated_leaves(fn, args, len(paths))
+        self._jit(step, args, donated, plan, mesh, shapes)
+
+    def _jit(
+        self,
+        step: Callable,
+        args: tuple,
+        donated: tuple[int, ...],
+        plan: Plan,
+        mesh: Mesh,
+        shapes: Any,
+    ) -> None:
+        """`self.jitted`: `step` jitted with the plan's shardings and the user's donation.
+        Without ZeRO the donated state is laid out as XLA chooses (`_state_layout.py`), so
+        the step runs compiled for abstract arguments (`jax.jit` takes no concrete array
+        where a layout is AUTO). Under ZeRO the layout XLA chooses for a gradient decides
+        which gradients it reduce-scatters and which it all-reduces whole, and the cost
+        model reads that choice for row-major state (`_cost/_scatter.py`): it stays so."""
+        leaves = jax.tree_util.tree_leaves(args)
         self.laid_by_xla = tuple(
-            i for i in donated if plan.zero_stage == 0 and not extended(leaf_dtype(flat[i][1]))
+            i for i in donated if plan.zero_stage == 0 and not extended(leaf_dtype(leaves[i]))
         )
         self.step = step
         self.jit_options = {"donate_argnums": donated, "compiler_options": compiler_options(mesh)}
         self.outs, self.out_tree = jax.tree_util.tree_flatten(shapes)
         if self.laid_by_xla:
             ins = self.abstract_args(args)
-            self.jitted = laid_jit(
-                step, self.jit_options, ins, self.outs, self.out_tree, self.laid_by_xla
-            )
+            laid = self.laid_by_xla
+            self.jitted = laid_jit(step, self.jit_options, ins, self.outs, self.out_tree, laid)
         else:
             self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), **self.jit_options)
         self.executable: Any = None  # compiled on the first call where XLA lays the state
@@ -196,6 +197,21 @@ class Prepared:
         # The state a loop feeds back is laid out as compiled; the first call's moves once.
         laid = placed(leaves, input_formats(self.executable), self.laid_by_xla)
         return self.executable(*laid)
+
+
+def _out_shardings(plan: Plan, mesh: Mesh, shapes: Any) -> dict[str, NamedSharding]:
+    """The plan's output specs as shardings, each checked against the step's outputs."""
+    out_flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    out_paths = {jax.tree_util.keystr(p): leaf for p, leaf in out_flat}
+    strange = sorted(set(plan.out_specs) - set(out_paths))
+    if strange:
+        raise PlanError(
+            f"the plan has output specs for {strange}, which the step does not return "
+            f"(its outputs: {sorted(out_paths)}); the plan was made for another program."
+        )
+    for path, spec in plan.out_specs.items():
+        check_divisible(f"output {path}", out_paths[path].shape, spec, plan.mesh)
+    return {p: _sharding(mesh, s) for p, s in plan.out_specs.items()}
 
 
 def _weak(x: Any) -> bool:
