@@ -49,7 +49,14 @@ from ._shared import (
     placed,
     validate_plan,
 )
-from ._state_layout import compile_laid, extended, input_formats, laid_jit
+from ._state_layout import (
+    compiled_for,
+    extended,
+    input_formats,
+    laid_jit,
+    laid_pairs,
+    unstable,
+)
 
 
 def make_mesh(plan: Plan, devices: Sequence[Any] | None = None) -> Mesh:
@@ -156,11 +163,11 @@ class Prepared:
         )
         self.step = step
         self.jit_options = {"donate_argnums": donated, "compiler_options": compiler_options(mesh)}
-        self.outs, self.out_tree = jax.tree_util.tree_flatten(shapes)
+        outs, self.out_tree = jax.tree_util.tree_flatten(shapes)
+        ins = self.abstract_args(args)
+        self.pairs = laid_pairs(ins, outs, donated, self.laid_by_xla)
         if self.laid_by_xla:
-            ins = self.abstract_args(args)
-            laid = self.laid_by_xla
-            self.jitted = laid_jit(step, self.jit_options, ins, self.outs, self.out_tree, laid)
+            self.jitted = laid_jit(step, self.jit_options, ins, self.out_tree, self.pairs)
         else:
             self.jitted = jax.jit(step, in_shardings=tuple(self.in_shardings), **self.jit_options)
         self.executable: Any = None  # compiled on the first call where XLA lays the state
@@ -180,11 +187,14 @@ class Prepared:
         """The step compiled for `args` (arrays or ShapeDtypeStructs) as it runs; `options`:
         XLA's debug options for this compile."""
         abstract = self.abstract_args(args)
-        if self.laid_by_xla:
-            laid, outs = self.laid_by_xla, (self.outs, self.out_tree)
-            return compile_laid(self.step, self.jit_options, abstract, *outs, laid, options)
-        lowered = self.jitted.lower(*abstract)
-        return lowered.compile(options) if options else lowered.compile()
+        compiled = compiled_for(self.jitted, abstract, options)
+        pinned = unstable(compiled, self.pairs) if self.laid_by_xla else {}
+        if not pinned:
+            return compiled
+        # XLA gave some donated leaf back laid otherwise than it took it: a loop would
+        # lay it out anew each step. Compiled again with each pair pinned as it comes back.
+        jitted = laid_jit(self.step, self.jit_options, abstract, self.out_tree, self.pairs, pinned)
+        return compiled_for(jitted, abstract, options)
 
     def __call__(self, args: tuple) -> Any:
         leaves = jax.tree_util.tree_leaves(args)

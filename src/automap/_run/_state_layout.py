@@ -53,23 +53,29 @@ def aliases(ins: Sequence[Any], outs: Sequence[Any], donated: Sequence[int]) -> 
     return pairs
 
 
+def laid_pairs(
+    ins: Sequence[Any], outs: Sequence[Any], donated: Sequence[int], laid: Sequence[int]
+) -> dict[int, int]:
+    """The donated pairs (input: output, `aliases`) whose input is one of `laid`."""
+    return {i: o for i, o in aliases(ins, outs, donated).items() if i in laid}
+
+
 def laid_jit(
     step: Callable,
     jit_options: dict[str, Any],
     ins: Sequence[jax.ShapeDtypeStruct],
-    outs: Sequence[Any],
     out_tree: Any,
-    laid: Sequence[int],
+    pairs: dict[int, int],
     pinned: dict[int, Format] | None = None,
 ) -> Any:
-    """`step` jitted (`jit_options`: donate_argnums and the rest) with each input of `laid`
-    that a donated buffer pairs with an output laid out as XLA chooses, and that output
-    too (`Layout.AUTO` on both, as JAX asks of a pair); `pinned`: each such input's format
-    from a first compile, to lay the pair so both ways. `ins`: the abstract arguments,
-    sharded as planned; `outs`, `out_tree`: the step's outputs (shape and dtype)."""
+    """`step` jitted (`jit_options`: donate_argnums and the rest) with the input and the
+    output of each of `pairs` laid out as XLA chooses (`Layout.AUTO` on both, as JAX asks
+    of a donated pair); `pinned`: each such input's format from a first compile, to lay
+    the pair so both ways. `ins`: the abstract arguments, sharded as planned; `out_tree`:
+    the step's outputs."""
     in_formats: list[Any] = [x.sharding for x in ins]
-    out_formats: list[Any] = [None] * len(outs)  # sharding and layout left to XLA
-    for i, o in _laid_pairs(ins, outs, jit_options, laid).items():
+    out_formats: list[Any] = [None] * out_tree.num_leaves  # left to XLA
+    for i, o in pairs.items():
         if pinned is None:
             in_formats[i], out_formats[o] = (
                 Format(Layout.AUTO, ins[i].sharding),
@@ -81,41 +87,19 @@ def laid_jit(
     return jax.jit(step, in_shardings=tuple(in_formats), out_shardings=out_shardings, **jit_options)
 
 
-def compile_laid(
-    step: Callable,
-    jit_options: dict[str, Any],
-    abstract: Sequence[jax.ShapeDtypeStruct],
-    outs: Sequence[Any],
-    out_tree: Any,
-    laid: Sequence[int],
-    options: dict[str, Any] | None = None,
-) -> Any:
-    """`step` compiled for `abstract` with the donated state of `laid` laid out as XLA
-    chooses, each leaf as its output comes back (`laid_jit`; `options`: XLA's debug
-    options for this compile)."""
-    compiled = _compile(
-        laid_jit(step, jit_options, abstract, outs, out_tree, laid), abstract, options
-    )
+def unstable(compiled: Any, pairs: dict[int, int]) -> dict[int, Format]:
+    """Where a compile lays some pair's input otherwise than its output: each pair's
+    output format, to pin the pair to (`laid_jit`); empty where every pair agrees."""
     got_in = input_formats(compiled)
     got_out = jax.tree_util.tree_leaves(compiled.output_formats)
-    pairs = _laid_pairs(abstract, outs, jit_options, laid)
     if all(got_in[i].layout == got_out[o].layout for i, o in pairs.items()):
-        return compiled
-    pinned = {i: got_out[o] for i, o in pairs.items()}
-    jitted = laid_jit(step, jit_options, abstract, outs, out_tree, laid, pinned)
-    return _compile(jitted, abstract, options)
+        return {}
+    return {i: got_out[o] for i, o in pairs.items()}
 
 
-def _laid_pairs(
-    ins: Sequence[Any], outs: Sequence[Any], jit_options: dict[str, Any], laid: Sequence[int]
-) -> dict[int, int]:
-    """The donated pairs (input: output) whose input is one of `laid`."""
-    pairs = aliases(ins, outs, jit_options["donate_argnums"])
-    return {i: o for i, o in pairs.items() if i in laid}
-
-
-def _compile(
+def compiled_for(
     jitted: Any, abstract: Sequence[jax.ShapeDtypeStruct], options: dict[str, Any] | None
 ) -> Any:
+    """`jitted` compiled for `abstract`; `options`: XLA's debug options for this compile."""
     lowered = jitted.lower(*abstract)
     return lowered.compile(options) if options else lowered.compile()
