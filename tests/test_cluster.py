@@ -74,6 +74,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         am.Lowering.gpu(),
         tile_padding=True,
         concatenates_combined=False,  # every all-reduce written over its own operand
+        all_reduce_combine_bytes=120 * 2**20,  # all-reduces joined up to 120 MiB
         scatter_least_elements=2048,
         overlaps_prefetch=True,
         overlaps_stream_gathers=True,  # the split stream's backward gathers chained

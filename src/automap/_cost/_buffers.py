@@ -128,12 +128,18 @@ def step_buffers(
         dtype=float,
     )
     block = np.array(blocks, dtype=np.int64).reshape(-1, 3)
-    epilogue = None
+    epilogue = apart = None
     if lowering.fuses_matmul_epilogues:
         spans = (tensor, born, dies)
-        epilogue = epilogue_rows(graph, consumers, res.boundary, spans, serves, in_memory)
+        epilogue, apart = epilogue_rows(graph, consumers, res.boundary, spans, serves, in_memory)
     return Buffers(
-        tensor=tensor, birth=born, death=dies, width=width, blocks=block, epilogue=epilogue
+        tensor=tensor,
+        birth=born,
+        death=dies,
+        width=width,
+        blocks=block,
+        epilogue=epilogue,
+        apart=apart,
     )
 
 

@@ -115,7 +115,7 @@ def kernel_buffers(
     tensor, birth, death, more = (np.array(x) for x in zip(*extra, strict=True))
     epilogue = buf.epilogue
     if epilogue is not None:
-        epilogue = np.concatenate([epilogue, np.zeros(len(extra), dtype=bool)])
+        epilogue = np.concatenate([epilogue, np.full(len(extra), -1, dtype=np.int64)])
     return dataclasses.replace(
         buf,
         tensor=np.concatenate([buf.tensor, tensor.astype(buf.tensor.dtype)]),

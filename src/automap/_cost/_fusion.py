@@ -196,12 +196,28 @@ def _materialize_shared(
                 continue
             reads = nbytes[sorted(cones.reads(op))].sum()
             for t in pending:
-                k = len(kernels[t])
-                if (k - 1) * reads > (k + 1) * nbytes[t]:
+                if written_for(len(kernels[t]), reads, nbytes[t]):
                     in_memory[t] = changed = True
         if not changed:
             break
     return np.array(in_memory, dtype=bool)
+
+
+def written_for(kernels: int, reads: float, nbytes: float, tie: bool = False) -> bool:
+    """Whether XLA writes a fused value that `kernels` kernels read, rather than making it
+    again in each: fused into all, each reads what it is made from (`reads` bytes); written
+    once (`nbytes`), it is read by all (`_materialize_shared` gives the weighing). `tie`:
+    whether it is written where the two read alike."""
+    more, less = (kernels - 1) * reads, (kernels + 1) * nbytes
+    return more > less or (tie and more == less)
+
+
+def cone_reads(graph: Graph, in_memory, tensors: Iterable[int]) -> dict[int, set[int]]:
+    """Per tensor, the in-memory tensors a kernel that makes it inside itself reads: from
+    its producer's operands back through the fusible ops whose results are not written."""
+    fusible = [op.primitive in FUSIBLE for op in graph.ops]
+    cones = _Cones(graph, in_memory, fusible)
+    return {t: cones.reads(graph.ops[graph.tensors[t].producer]) for t in tensors}
 
 
 def _kernels_reading(graph: Graph, in_memory: Sequence[bool], fusible: list[bool]) -> list:

@@ -82,10 +82,13 @@ class Buffers:
     # [layers, 3] per recomputed layer: its first and last forward op and the moment its
     # recompute runs (its residuals' birth in the backward); empty without remat.
     blocks: np.ndarray
-    # per buffer, whether it is a matmul's output XLA's TPU may leave unwritten, its
-    # elementwise readers run in the matmul's kernel (`_epilogue.epilogue_rows`); None
-    # where none may be
+    # per buffer, the matmul output whose contraction decides whether XLA's TPU writes it
+    # (`_epilogue.epilogue_rows`), -1 where none does; None where none may be spared
     epilogue: np.ndarray | None = None
+    # [n, 5] (buffer, first moment, last moment, that matmul output, kind) where that
+    # matmul's split holds a buffer longer or a value takes it over (`_apart.apart_rows`);
+    # None where none may
+    apart: np.ndarray | None = None
 
 
 def gathered_parameters(
@@ -174,6 +177,10 @@ def step_moments(
                 picked.update(_highest_peaks(curve(per_set, zero, own), PER_PROBE))
     # and each recomputed layer's recompute, where its combined all-reduces copy
     picked.update(int(b) for b in buffers.blocks[:, 2])
+    # and each kernel a split matmul's chain runs apart in, which reads what it is made
+    # from as it runs (`_epilogue.epilogue_rows`: where the plan splits it, it is busier)
+    if buffers.apart is not None:
+        picked.update(int(u) for u in buffers.apart[:, 2])
     held = any(len(b.tensor) for b in outputs)
     if held:
         picked.add(n_ops - 1)

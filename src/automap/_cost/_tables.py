@@ -350,9 +350,12 @@ def _moment_columns(
     once, once_flash, moments = _moments(inp, remat=False, **step)
     again, again_flash, moments_remat = _moments(inp, remat=True, **step)
     tset = step["tensor_set"]
+    joins = inp.lowering.all_reduce_combine_bytes
     spared = (
-        epilogues(graph, once, moments.at, tset, partial, inp.ng, empty, once_flash),
-        epilogues(graph, again, moments_remat.at, tset, partial, inp.ng, empty, again_flash),
+        epilogues(graph, once, moments.at, tset, partial, (inp.ng, empty), joins, once_flash),
+        epilogues(
+            graph, again, moments_remat.at, tset, partial, (inp.ng, empty), joins, again_flash
+        ),
     )
     recomputed_rows = [r for r in partial if r.op in recomputed and not r.grad]
     copies = None
