@@ -20,14 +20,26 @@ from automap._zoo import get_model
 pytestmark = pytest.mark.tpu_compile
 
 
-def _llama(layers: int, batch: int):
-    """A bfloat16 Llama (hidden 512, SwiGLU 1536, 8 heads in 2 key/value groups, seq 128):
+def _llama(layers: int, batch: int, ffn: int = 1536):
+    """A bfloat16 Llama (hidden 512, SwiGLU `ffn`, 8 heads in 2 key/value groups, seq 128):
     (step, args), the step jitted with its state donated."""
     spec = get_model(
-        "llama", layers=layers, hidden=512, heads=8, kv_heads=2, ffn=1536, seq=128,
+        "llama", layers=layers, hidden=512, heads=8, kv_heads=2, ffn=ffn, seq=128,
         vocab=4096, batch=batch, dtype="bfloat16",
     )  # fmt: skip
     return jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+
+
+def _hidden_split(step, args, dump):
+    """(graph, plan, compiled) of `step` with its residual stream's hidden dim split 4
+    ways, under full remat, compiled for v5p 2x2x1 and dumped into the folder `dump`."""
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    hidden = groups.of(next(op for op in graph.ops if op.primitive == "dot_general").inputs[0], 2)
+    plan = plan_from_assignment(graph, groups, {"model": 4}, {hidden: "model"})
+    plan = dataclasses.replace(plan, remat=True)
+    options = {"xla_dump_to": str(dump), "xla_dump_hlo_as_text": True}
+    return graph, plan, compile_plan(step, plan, args, target="v5p:2x2x1", options=options)
 
 
 @pytest.mark.slow  # compiled for 4 v5p chips: ~45 s on two loaded cores
@@ -97,13 +109,7 @@ def test_a_tpu_reduces_a_recomputed_layers_partial_sums_in_place(tmp_path):
     # out and the model does not price (0.95x both memories' live bytes there). It was
     # 0.99x while the model made the recomputed softmax's exp again from the scores.
     step, args = _llama(layers=2, batch=64)
-    graph = am.capture(step, *args)
-    groups = build_groups(graph)
-    hidden = groups.of(next(op for op in graph.ops if op.primitive == "dot_general").inputs[0], 2)
-    plan = plan_from_assignment(graph, groups, {"model": 4}, {hidden: "model"})
-    plan = dataclasses.replace(plan, remat=True)
-    dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
-    compiled = compile_plan(step, plan, args, target="v5p:2x2x1", options=dump)
+    graph, plan, compiled = _hidden_split(step, args, tmp_path)
     same, elsewhere = _all_reduces_in_place(tmp_path)
     assert same >= 8 and elsewhere == 0  # the layers' partial sums, twice under remat
     report = verify(step, plan, *args, target="v5p:2x2x1", compiled=compiled)
@@ -225,18 +231,8 @@ def test_a_tpu_runs_a_split_swiglus_backward_apart_from_its_matmuls(tmp_path, ba
     # epilogues would run it, 1.22x. At 48 (48 MiB each) they are one combined
     # all-reduce, whose elements it is not written over: 0.95x; as if written over one,
     # 0.76x.
-    spec = get_model(
-        "llama", layers=1, hidden=512, heads=8, kv_heads=2, ffn=4096, seq=128,
-        vocab=4096, batch=batch, dtype="bfloat16",
-    )  # fmt: skip
-    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
-    graph = am.capture(step, *args)
-    groups = build_groups(graph)
-    hidden = groups.of(next(op for op in graph.ops if op.primitive == "dot_general").inputs[0], 2)
-    plan = plan_from_assignment(graph, groups, {"model": 4}, {hidden: "model"})
-    plan = dataclasses.replace(plan, remat=True)
-    dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
-    compiled = compile_plan(step, plan, args, target="v5p:2x2x1", options=dump)
+    step, args = _llama(layers=1, batch=batch, ffn=4096)
+    graph, plan, compiled = _hidden_split(step, args, tmp_path)
     over = _written_over(tmp_path, f"bf16[{batch},128,4096]")
     if batch == 128:
         assert (True, False) in over and not any(joined for _, joined in over)
