@@ -61,8 +61,10 @@ def apart_rows(graph: Graph, consumers, spans, owner, spared, serves, in_memory)
 def siblings(graph: Graph, consumers, t: int) -> list[int]:
     """The outputs of the matmuls that read the operand matmul output t is made from, t's
     among them (of the same rank: not a weight's gradient): the partial sums XLA may join
-    into one all-reduce with t's."""
+    into one all-reduce with t's. t alone where no matmul makes it (no all-reduce)."""
     op = graph.ops[graph.tensors[t].producer]
+    if op.primitive != "dot_general":
+        return [t]
     rank = graph.tensors[t].ndim
     out = []
     for c in sorted(set(consumers[op.inputs[0]])):
