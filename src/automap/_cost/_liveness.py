@@ -177,8 +177,8 @@ def step_moments(
                 picked.update(_highest_peaks(curve(per_set, zero, own), PER_PROBE))
     # and each recomputed layer's recompute, where its combined all-reduces copy
     picked.update(int(b) for b in buffers.blocks[:, 2])
-    # and each kernel a split matmul's chain runs apart in, which reads what it is made
-    # from as it runs (`_epilogue.epilogue_rows`: where the plan splits it, it is busier)
+    # and each kernel a split matmul's chain runs apart in, which reads what it makes its
+    # value from as it runs (`_apart.py`: where the plan splits the matmul, it is busier)
     if buffers.apart is not None:
         picked.update(int(u) for u in buffers.apart[:, 2])
     held = any(len(b.tensor) for b in outputs)
