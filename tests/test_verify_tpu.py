@@ -21,7 +21,7 @@ from automap._groups import build_groups, plan_from_assignment
 from automap._pipeline import pipeline_plan, uniform_cuts
 from automap._verify import live_peak, tpu_devices, verify
 from automap._zoo import get_model
-from test_verify import tiny_fn_plan
+from test_verify import tiny_fn_plan, wide_mlp_pipeline
 
 # Every test here loads libtpu (make puts it in .venv/tpu-compile): `-m tpu_compile`
 # selects them, `-m "not tpu_compile"` leaves them out where it is not installed.
@@ -326,6 +326,19 @@ def test_a_pipeline_compiled_for_a_v5p_slice_holds_what_its_stages_are_priced():
     # runtime holds besides, as its buffer-assignment figure is combined
     assert report.xla_live_peak_bytes > report.xla_memory_breakdown["held inputs"]
     assert "XLA's live peak" in report.summary()
+
+
+def test_a_bf16_stage_holds_the_16_bit_gradients_its_backward_returns():
+    # With one microbatch there is no running sum: a stage holds the gradients its B
+    # program returns until the update widens them, a bfloat16 step's at 16 bits (they
+    # were priced at the float32 parameters' width, 2x XLA's). Its B program also holds
+    # the bf16 [128, 4096] gradient stage 1 sends back, an argument, while it runs.
+    step, args, plan = wide_mlp_pipeline("bfloat16")
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    (priced, xla), _ = report.stage_memory_bytes
+    assert priced == pytest.approx(xla, rel=0.15), report.summary()
+    grads = report.predicted_memory_breakdown["grads"]
+    assert grads == pytest.approx(report.xla_memory_breakdown["gradients"], rel=0.05)
 
 
 def test_compile_only_tpus_say_what_they_cannot_do():

@@ -76,13 +76,8 @@ from ._scatter import SCATTERS
 from ._sends import PipeLinks, Sends, sends
 from ._seqpar import stage_sequence_parallel
 from ._stage_comm import N_PHASES, phase_collectives, split_alone
-from ._traffic import (
-    Layouts,
-    StageMemoryInputs,
-    phase_codes,
-    stage_layouts,
-    stage_memory,
-)
+from ._stage_layouts import Layouts, stage_layouts
+from ._traffic import StageMemoryInputs, phase_codes, stage_memory
 from ._zero import zero_gradient_keys, zero_op_gathers, zero_op_sums
 
 

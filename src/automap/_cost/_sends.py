@@ -31,7 +31,8 @@ import numpy as np
 from .._cluster import Cluster, Link
 from .._graph import Graph, Role
 from .._pipeline import Partition, Phase
-from ._traffic import PER_MICROBATCH, Layouts, phase_codes
+from ._stage_layouts import Layouts
+from ._traffic import PER_MICROBATCH, phase_codes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from ._fsdp import programs_gathered_peak
 from ._fusion import FUSIBLE
 from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
 from ._residuals import stage_residuals
+from ._stage_layouts import Layouts
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
@@ -49,47 +50,6 @@ _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's 
 _PRE, _FWD, _BWD, _POST = int(Phase.PRE), int(Phase.FWD), int(Phase.BWD), int(Phase.POST)
 PER_MICROBATCH = (_FWD, _BWD, int(Phase.WGT))  # the phases run once per microbatch
 _BACKWARD = PER_MICROBATCH[1:]  # a microbatch's backward, split in two or not
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Layouts:
-    """Per-device size of every tensor under an intra-stage plan."""
-
-    inv: np.ndarray  # [n_tensors] 1 / sharding divisor of the tensor's layout
-    on_data: np.ndarray  # [n_tensors] the layout already splits it on the data axis
-    data_size: int  # size of the data axis (1 without one): what ZeRO shards over
-
-
-def stage_layouts(
-    graph: Graph, tensor_groups, codes: np.ndarray, mesh: Mapping[str, int], data_axis
-):
-    """Layouts from axis codes per group (1-based in mesh order, 0: none), as `CostModel`
-    reads an assignment: a tensor split on several groups' axes is divided by each
-    distinct axis once."""
-    sizes = [1, *mesh.values()]
-    d = list(mesh).index(data_axis) + 1 if data_axis in mesh else 0
-    # Each tensor's axis per dim, padded with "none" (code 0) past its rank: the stage DP
-    # asks for every point it prices, and a loop over the tensors took a tenth of it.
-    axes = np.append(np.asarray(codes, dtype=np.int64), 0)[_group_table(graph, tensor_groups)]
-    split = np.ones(len(graph.tensors))  # a product of whole numbers: exact
-    for a in range(1, len(sizes)):
-        split[(axes == a).any(axis=1)] *= sizes[a]
-    inv = 1.0 / split
-    on_data = (axes == d).any(axis=1) if d else np.zeros(len(graph.tensors), dtype=bool)
-    return Layouts(inv, on_data, int(sizes[d]) if d else 1)
-
-
-def _group_table(graph: Graph, tensor_groups) -> np.ndarray:
-    """[n_tensors, most dims] the group of each tensor's dims, padded with -1 (which
-    `stage_layouts` reads as a group with no axis); made once per graph and groups."""
-    held = graph.memo.get("group_table")
-    if held is None or held[0] is not tensor_groups:
-        width = max((len(tg) for tg in tensor_groups), default=0)
-        table = np.full((len(tensor_groups), max(width, 1)), -1, dtype=np.int64)
-        for t, tg in enumerate(tensor_groups):
-            table[t, : len(tg)] = tg
-        held = graph.memo["group_table"] = (tensor_groups, table)
-    return held[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +131,14 @@ def stage_memory(inp: StageMemoryInputs) -> tuple[list[dict[str, float]], np.nda
     op_act = np.zeros(len(inp.graph.ops))
     _leaves(inp, out, op_state)
     _gathered_layers(inp, out)
-    sums = running_sums(inp.graph, inp.part, inp.lay, inp.phase) if inp.m > 1 else []
-    if inp.m > 1:
-        # The runtime holds the running sums it adds each microbatch's into, at their own
-        # width (a mixed-precision step's 16-bit weight gradients, not the float32
-        # parameters'): those, rather than the parameter leaves' bytes.
-        for s in range(inp.part.n_stages):
-            out[s]["grads"] = sum(b for q, _, b in sums if q == s)
+    sums = running_sums(inp.graph, inp.part, inp.lay, inp.phase)
+    # The runtime holds the running sums it adds each microbatch's into, or with one
+    # microbatch the gradients its B program returns, at their own width (a
+    # mixed-precision step's 16-bit weight gradients, not the float32 parameters'):
+    # those, rather than the parameter leaves' bytes.
+    for s in range(inp.part.n_stages):
+        out[s]["grads"] = sum(b for q, _, b in sums if q == s)
+    sums = sums if inp.m > 1 else []  # no reduce program adds them up
     _once_made(inp, out, op_state)
     held_act = _residuals(inp, out, op_act, op_state)
     deferred = deferred_weight_bytes(inp.graph, inp.part, inp.lay.inv, inp.res, inp.schedule, inp.m)
@@ -426,19 +387,22 @@ def temporaries(
     buffer is written when a kernel XLA cannot fuse into its reader makes it or reads it
     (a matmul, a reduction), or when it crosses from one program to the next
     (`once_programs`). Not counted: a new parameter or optimizer state, written over the
-    old one where the step donates it (else `kept`), and with one microbatch a gradient, which is the
-    gradient buffer itself; with several, a microbatch's gradient is a buffer of its own
-    until it is added into the running sum: at once, or, for those in `held`
-    (`held_gradients`), at the end of its stage's backward. `remade`: the recomputed
+    old one where the step donates it (else `kept`), and with one microbatch a gradient,
+    which is the gradient buffer itself; with several, a microbatch's gradient is a
+    buffer of its own until it is added into the running sum: at once, or, for those in
+    `held` (`held_gradients`), at the end of its stage's backward. `remade`: the recomputed
     layers' stored residuals, alive while their layer's backward runs. `kept`: bytes per
     device of outputs the step holds apart from its arguments (`post_outputs`), each alive
-    from its op to the end of the phase. `program`: `op_programs(graph, part)`, when the
-    caller has it."""
+    from its op to the end of the phase. A backward also holds the gradients the next
+    stage sent it: arguments of its program, which the runtime does not donate, alive
+    while it runs (tests/test_verify.py; stage 0 of the TPU bench's GPipe GPT plan 3 on
+    256 chips, cut inside a layer, receives 80 MiB a chip). `program`:
+    `op_programs(graph, part)`, when the caller has it."""
     stage, phase = part.op_stage, phase_codes(part)
     skip = {leaf.tensor for leaf in graph.outputs} if which == Phase.POST else set()
     if m == 1:
         skip |= set(part.accumulated)
-    walk, last = _phase_walk(graph, part, which, program)
+    walk, last, received = _phase_walk(graph, part, which, program)
     if held and which in _BACKWARD:
         last = dict(last)
         end = {s: i for i, s, *_ in walk}  # each stage's last op of its B (or W)
@@ -452,6 +416,10 @@ def temporaries(
     for r in remade:
         starts.setdefault(r.first, []).append(r)
     ends: dict[int, list[Remade]] = {}
+    for s, ts in received.items():  # the program's arguments: alive while it runs
+        for t in ts:
+            b = graph.tensors[t].nbytes * inv[t]
+            held_now[s] += b / m if t in part.batched else b
     for i, s, outputs, touched in walk:
         for r in starts.get(i, ()):
             held_now[r.stage] += r.nbytes
@@ -474,17 +442,27 @@ def temporaries(
 
 def _phase_walk(graph: Graph, part: Partition, which: Phase, program=None):
     """What `temporaries` walks of phase `which`, made once per partition: per op (index,
-    stage, each output with whether a kernel writes it, the tensors it touches), and each
-    tensor's last reader in the phase."""
+    stage, each output with whether a kernel writes it, the tensors it touches), each
+    tensor's last reader in the phase, and per stage the backward values another stage
+    made that its ops read (a backward's received gradients)."""
 
     def make():
         programs = op_programs(graph, part) if program is None else program
         consumers = graph.consumers()
-        walk, last = [], {}
-        for i in np.flatnonzero(phase_codes(part) == which).tolist():
+        phase, stage = phase_codes(part), part.op_stage
+        walk, last, received = [], {}, {}
+        for i in np.flatnonzero(phase == which).tolist():
             op = graph.ops[i]
             for t in op.inputs:
                 last[t] = i
+                p = graph.tensors[t].producer
+                if (
+                    which in _BACKWARD
+                    and p is not None
+                    and phase[p] in _BACKWARD
+                    and stage[p] != stage[i]
+                ):
+                    received.setdefault(int(stage[i]), set()).add(t)
             outputs = tuple(
                 (
                     t,
@@ -497,7 +475,7 @@ def _phase_walk(graph: Graph, part: Partition, which: Phase, program=None):
                 for t in op.outputs
             )
             walk.append((i, int(part.op_stage[i]), outputs, (*op.inputs, *op.outputs)))
-        return tuple(walk), last
+        return tuple(walk), last, {s: tuple(sorted(ts)) for s, ts in received.items()}
 
     return part.derived(graph, f"phase walk {int(which)}", make)
 

@@ -38,7 +38,8 @@ from .._remat import LayerGathers, layer_gathers
 from . import _collectives as C
 from ._fsdp import GatherCoefs, Gathered, gather_coefs, program_gathers, served_bytes
 from ._residuals import matmuls_alone
-from ._traffic import Layouts, phase_codes
+from ._stage_layouts import Layouts
+from ._traffic import phase_codes
 
 if TYPE_CHECKING:
     from ._tables import Tables

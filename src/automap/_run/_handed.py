@@ -9,7 +9,7 @@ whole batch's copy. One case read in a dump: a Llama pipeline on a v5p slice, cu
 a layer. Its stage 0 backward read layer 1's causal mask, broadcast to [batch, heads, q,
 k], as pred[512, 2, 4, 128, 128]: 64 MiB a chip. The plan splits that batch over data 16,
 and the cost model prices 4 MiB. So a value made from constants alone leaves a forward
-program in the plan's layout of it, the layout `_cost/_traffic.stage_layouts` prices.
+program in the plan's layout of it, the layout `_cost/_stage_layouts.stage_layouts` prices.
 Other values keep the layout XLA's propagation gives them. Pinned as well, a sequence-
 parallel GPT's backward gathered a small value again that its forward had left whole.
 """
