@@ -451,18 +451,14 @@ def _phase_walk(graph: Graph, part: Partition, which: Phase, program=None):
         consumers = graph.consumers()
         phase, stage = phase_codes(part), part.op_stage
         walk, last, received = [], {}, {}
+        backward = which in _BACKWARD
         for i in np.flatnonzero(phase == which).tolist():
-            op = graph.ops[i]
+            op, s = graph.ops[i], int(stage[i])
             for t in op.inputs:
                 last[t] = i
                 p = graph.tensors[t].producer
-                if (
-                    which in _BACKWARD
-                    and p is not None
-                    and phase[p] in _BACKWARD
-                    and stage[p] != stage[i]
-                ):
-                    received.setdefault(int(stage[i]), set()).add(t)
+                if backward and p is not None and phase[p] in _BACKWARD and stage[p] != s:
+                    received.setdefault(s, set()).add(t)
             outputs = tuple(
                 (
                     t,
@@ -474,7 +470,7 @@ def _phase_walk(graph: Graph, part: Partition, which: Phase, program=None):
                 )
                 for t in op.outputs
             )
-            walk.append((i, int(part.op_stage[i]), outputs, (*op.inputs, *op.outputs)))
+            walk.append((i, s, outputs, (*op.inputs, *op.outputs)))
         return tuple(walk), last, {s: tuple(sorted(ts)) for s, ts in received.items()}
 
     return part.derived(graph, f"phase walk {int(which)}", make)
