@@ -84,6 +84,7 @@ def test_a_cluster_carries_its_compilers_lowering():
         recompute_gathers_casts=True,  # a recompute's ZeRO-3 gathers move the bf16 casts
         fuses_matmul_operands=True,  # float32 matmul operands made again, kept as bf16
         holds_split_operands=True,  # but held for a gradient dot split beside data
+        late_split_dots=True,  # ... which runs at the end of a stage's B that reduces it
         fuses_matmul_epilogues=True,  # GELU's derivative run in its matmul's kernel
         matmul_operand_bytes=2,
         fused_row_elements=1024,  # a wide softmax shift written beside its logits

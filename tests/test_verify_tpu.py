@@ -2,6 +2,7 @@
 chips of a TPU topology (no TPU here: libtpu describes the slice), held against the cost
 model as it prices that TPU."""
 
+import dataclasses
 import functools
 import json
 
@@ -569,6 +570,58 @@ def test_a_tpu_holds_the_operands_of_the_gradient_dots_it_splits():
     assert fused.memory_bytes < 0.92 * report.xla_live_peak_bytes
     held = report.predicted_memory_bytes - fused.memory_bytes
     assert held == pytest.approx(52 * 2**20, rel=0.05)
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~45 s on two idle cores
+def test_a_tpu_stage_runs_its_split_mlp_gradient_dot_at_its_backwards_end():
+    # A float32 2-layer GPT in 2 GPipe stages (cut at layer 0's second MLP matmul) of
+    # data 2 x model 2, one microbatch, ZeRO-1, full recomputation: each B program
+    # reduces the gradients it makes, and XLA splits their dots beside data. Stage 1's B
+    # runs layer 1's first MLP weight-gradient dot after the layer's attention backward,
+    # holding the two float32 [64, 128, 2048] values it reads (made for it with the
+    # hidden's gradient) from then to there (`Lowering.late_split_dots`). Priced so,
+    # stage 1 is 1.00x XLA's; priced as run in order, 0.76x.
+    spec = get_model("gpt2-xl", layers=2, hidden=512, heads=8, seq=128, batch=128,
+                     vocab=4096, dtype="float32")  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    cut = [op.index for op in graph.ops if op.primitive == "dot_general"][7]
+    wanted = {groups.of(batch, 0): "data"}
+    mesh = {"data": 2, "model": 2}
+    plan = pipeline_plan(graph, groups, (cut,), mesh, wanted, 1, "gpipe", zero_stage=1)
+    plan = dataclasses.replace(plan, remat=True)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    assert "collective-permute@data+model (stage 1)" in report.xla_comm_bytes  # split dots
+    _, (priced, xla) = report.stage_memory_bytes
+    assert priced == pytest.approx(xla, rel=0.05), report.summary()
+    v5p = am.Cluster.preset("tpu-v5p", topology="2x2x2")
+    # (stage 1 is the larger either way)
+    held = CostModel(graph, v5p.with_lowering(late_split_dots=False)).estimate(plan).memory_bytes
+    assert held < 0.85 * xla
+    assert priced - held == pytest.approx(2 * 64 * 128 * 2048 * 4, rel=0.25)
+
+
+@pytest.mark.slow  # compiled for 8 v5p chips: ~45 s on two idle cores
+def test_a_tpu_stage_frees_each_recomputed_residual_after_its_last_read():
+    # A bf16 2-layer Llama in two 1F1B stages of data 4 (cut at layer 0's MLP), one
+    # microbatch, full recomputation. XLA frees each value a recomputed layer stores when
+    # the layer's backward has last read what it serves: the SwiGLU's after the MLP's
+    # backward, before the attention's. Priced so, stage 1 is 1.03x XLA's; priced with
+    # every such value held to the layer's last backward read, 1.09x.
+    spec = get_model("llama", layers=2, hidden=512, heads=8, kv_heads=2, ffn=1536, seq=128,
+                     vocab=4096, batch=128, dtype="bfloat16")  # fmt: skip
+    step, args = jax.jit(spec.step_fn, donate_argnums=(0, 1)), spec.abstract_args()
+    graph = am.capture(step, *args)
+    groups = build_groups(graph)
+    batch = next(leaf.tensor for leaf in graph.inputs if leaf.role == Role.BATCH)
+    cut = [op.index for op in graph.ops if op.primitive == "dot_general"][7]
+    plan = pipeline_plan(graph, groups, (cut,), {"data": 4}, {groups.of(batch, 0): "data"})
+    plan = dataclasses.replace(plan, remat=True)
+    report = verify(step, plan, *args, target="v5p:2x2x2")
+    _, (priced, xla) = report.stage_memory_bytes
+    assert priced == pytest.approx(xla, rel=0.05), report.summary()
 
 
 def small_llama(**sizes):

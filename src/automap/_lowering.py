@@ -238,6 +238,22 @@ class Lowering:
     bf16 [32, 128, 512] and its GELU output as bf16 [32, 128, 2048] for the dots' [512, 32]
     pieces: 72 MiB the model left out, 0.83x XLA's buffers; 0.96x with them). Held by
     tests/test_verify_tpu.py."""
+    late_split_dots: bool = False
+    """With `holds_split_operands`: whether, in a pipeline stage's B program that reduces
+    the gradients it makes (one microbatch), the weight-gradient dots XLA splits beside
+    ZeRO's data axis run at the program's end, so what they read is alive to there
+    (`_cost._traffic.temporaries`). XLA's TPU defers one of them in every B program read
+    (libtpu 0.0.42.1): a float32 GPT's first MLP weight gradient, run after the layer's
+    attention backward, its two float32 operands (made with the hidden's gradient) held
+    from the MLP's backward to it. On v5p 4x8x8, stage 0 of gpt's GPipe plan 3 of the TPU
+    bench (data 8 x model 8, ZeRO-1, full recomputation) holds the two f32 [64, 128,
+    2048] over steps 155-275 of 381, even with its HBM held to 400 MiB; a 2-stage GPT on
+    v5p 2x2x2 holds them so at 16, 32 and 64 sequences a device. XLA runs the attention's
+    split dots and the second MLP matmul's in order; the model defers every split dot,
+    which over-prices where their operands weigh: that GPT's stage 1 at 1.19x, 1.13x,
+    1.00x of XLA's (0.97x, 0.88x, 0.76x without). Why XLA defers that one is not read.
+    Llama's bf16 gradients, reduced whole, are not split. Held by
+    tests/test_verify_tpu.py (64 sequences a device)."""
     fuses_matmul_epilogues: bool = False
     """Whether a matmul whose output only elementwise ops read runs them in its own kernel
     and never writes that output, where no mesh axis splits its contraction
@@ -383,6 +399,7 @@ class Lowering:
             recompute_gathers_casts=True,
             fuses_matmul_operands=True,
             holds_split_operands=True,
+            late_split_dots=True,
             fuses_matmul_epilogues=True,
             matmul_operand_bytes=2,
             fused_row_elements=1024,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -309,18 +310,29 @@ def _held_wide(graph: Graph, consumers, t: int, lowering: Lowering, narrow: bool
     return 4.0 / x.itemsize
 
 
+class Held(NamedTuple):
+    """One stored residual (`held_widths`)."""
+
+    tensor: int
+    width: float  # how many times its own bytes XLA holds it at (`_operand_width`)
+    serves: tuple[int, ...]  # the residuals of `saved` it is stored for
+
+
 def held_widths(
     graph: Graph, saved: Iterable[int], lowering: Lowering, consumers, recomputed: bool = False
-) -> tuple[tuple[int, float], ...]:
+) -> tuple[Held, ...]:
     """`stored_residuals` of `saved`, each with how many times its bytes XLA holds it at
-    (`_operand_width` of the residuals it is stored for), as `step_buffers` holds them:
-    what a pipeline stage's recompute makes is priced by the one-stage rules."""
+    (`_operand_width` of the residuals it is stored for) and those residuals, as
+    `step_buffers` holds them: what a pipeline stage's recompute makes is priced by the
+    one-stage rules, each stored tensor alive until the last backward read of what it
+    serves."""
     serves: dict[int, list[int]] = {}
     for r in saved:
         for t in stored_residuals(graph, [r], lowering, consumers, recomputed):
             serves.setdefault(t, []).append(r)
     return tuple(
-        (t, _operand_width(graph, consumers, rs, lowering)) for t, rs in sorted(serves.items())
+        Held(t, _operand_width(graph, consumers, rs, lowering), tuple(rs))
+        for t, rs in sorted(serves.items())
     )
 
 

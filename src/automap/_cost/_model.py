@@ -83,7 +83,7 @@ from .._remat import Recompute, full_remat, layer_spans, plan_recompute, remat_k
 from . import _collectives as C
 from . import _kernel as K
 from ._beside import BesideMemo, beside_table, split_held, split_seconds
-from ._buffers import held_widths
+from ._buffers import Held, held_widths
 from ._epilogue import less_unwritten
 from ._flash import with_flash
 from ._overlap import backward_taken, gather_beta, step_prefetch
@@ -168,10 +168,11 @@ class CostModel:
     # ---- public -----------------------------------------------------------------------
 
     @functools.cached_property
-    def layer_stored(self) -> tuple[tuple[tuple[int, float], ...], ...]:
-        """Per recomputed layer, the residuals of it XLA stores, each with its width
-        (`held_widths` of `residuals.layer_saved`): the same for every pipeline partition
-        priced, so made once (a 1T GPT's Megatron expert prices some 40 partitions)."""
+    def layer_stored(self) -> tuple[tuple[Held, ...], ...]:
+        """Per recomputed layer, the residuals of it XLA stores, each with its width and
+        what it serves (`held_widths` of `residuals.layer_saved`): the same for every
+        pipeline partition priced, so made once (a 1T GPT's Megatron expert prices some 40
+        partitions)."""
         consumers = self.graph.consumers()
         return tuple(
             held_widths(self.graph, ts, self.cluster.lowering, consumers, recomputed=True)

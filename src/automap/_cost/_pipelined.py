@@ -478,10 +478,20 @@ def _memory_inputs(model: StageModel, part, oc: OpCosts, m: int, schedule) -> St
         remat=oc.remat,
         lowering=model.cluster.lowering,
         layer_stored=model.layer_stored if oc.remat else (),
+        late=late_ops(model, part, oc, m),
         layers=model.tables.layers,
         gathered=model.tables.gathered,
         gathered_narrow=model.tables.gathered_narrow,
     )
+
+
+def late_ops(model: StageModel, part, oc: OpCosts, m: int) -> frozenset[int]:
+    """The weight-gradient dots XLA splits beside data (`_beside.py`) in a B program that
+    reduces them, which it runs at the program's end (`Lowering.late_split_dots`)."""
+    if oc.split_compute is None or not model.cluster.lowering.late_split_dots:
+        return frozenset()
+    split = (oc.split_compute > 0) & split_alone(model.graph, part, m)
+    return frozenset(np.flatnonzero(split & (phase_codes(part) == Phase.BWD)).tolist())
 
 
 def _pipeline_cost(

@@ -411,7 +411,9 @@ def stage_residuals(
     held: list[set[int]] = [set() for _ in range(part.n_stages)]
     for t in res.saved_remat if remat else res.saved:
         if t in layered or t in generated:
-            continue  # made again in its layer's backward (`_traffic._remade`), or in the B
+            # made again in its layer's backward (`_remade.recomputed_values`), or by the
+            # B program that reads it (`generated`: a causal mask)
+            continue
         holders = {stage[c] for c in consumers[t] if phase[c] in _BACKWARD or c in recomputed} or {
             stage[graph.tensors[t].producer]
         }

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,8 +37,12 @@ from ._deferred import deferred_weight_bytes
 from ._fsdp import programs_gathered_peak
 from ._fusion import FUSIBLE
 from ._outputs import NEW_MASTERS, NEW_OPT_STATE, NEW_PARAMS, OTHER_OUTPUTS, held_outputs
+from ._remade import Remade, recomputed_values
 from ._residuals import stage_residuals
 from ._stage_layouts import Layouts
+
+if TYPE_CHECKING:
+    from ._buffers import Held
 
 _ROLE_KEY = {Role.PARAM: "params", Role.OPT_STATE: "opt_state"}
 _PEAK_KEYS = ("activations", "outputs")  # what a device holds at one program's peak
@@ -70,8 +74,12 @@ class StageMemoryInputs:
     # (`Lowering.frees_at_last_use`).
     lowering: Lowering
     # Under remat: per recomputed layer, `stored_residuals` of its `res.layer_saved`, each
-    # with the width XLA holds it at (`CostModel.layer_stored`, made once).
-    layer_stored: Sequence[tuple[tuple[int, float], ...]] = ()
+    # with the width XLA holds it at and what it serves (`CostModel.layer_stored`).
+    layer_stored: Sequence[tuple[Held, ...]] = ()
+    # The backward ops XLA runs at the end of their stage's B program, their operands
+    # alive to there (`_pipelined.late_ops`: the weight-gradient dots it splits beside
+    # data where the B program reduces them, `Lowering.late_split_dots`).
+    late: frozenset[int] = frozenset()
     # ZeRO-3's layers (`Tables.layers`, None without a loss) and what its gather of each
     # parameter moves (`Tables.gathered`): F and B gather layer by layer (`_fsdp.py`)
     layers: LayerGathers | None = None
@@ -274,8 +282,13 @@ def _temporaries(
     S = part.n_stages
     program = op_programs(graph, part)
     held = () if inp.lowering.matmul_accumulates else held_gradients(graph, part, lay, m, phase)
-    remade = _remade(graph, part, lay, inp.res, inp.layer_stored, m, phase) if inp.remat else ()
-    bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade)
+    late = inp.late
+    remade = (
+        recomputed_values(graph, part, lay.inv, inp.res, inp.layer_stored, m, phase, late)
+        if inp.remat
+        else ()
+    )
+    bwd = temporaries(graph, part, lay.inv, m, Phase.BWD, program, held, remade, late=late)
     # A split backward (ZB-H1) runs B and W as programs of their own: the larger's.
     wgt = temporaries(graph, part, lay.inv, m, Phase.WGT, program, held)
     bwd = [max(b, w) for b, w in zip(bwd, wgt, strict=True)]
@@ -379,6 +392,7 @@ def temporaries(
     held: Collection[int] = (),
     remade: Sequence[Remade] = (),
     kept: Mapping[int, float] | None = None,
+    late: Collection[int] = (),
 ) -> list[float]:
     """Per stage, the most bytes per device the ops of phase `which` (BWD: one
     microbatch's backward; POST: the update) hold at once of what they make themselves
@@ -391,9 +405,11 @@ def temporaries(
     which is the gradient buffer itself; with several, a microbatch's gradient is a
     buffer of its own until it is added into the running sum: at once, or, for those in
     `held` (`held_gradients`), at the end of its stage's backward. `remade`: the recomputed
-    layers' stored residuals, alive while their layer's backward runs. `kept`: bytes per
-    device of outputs the step holds apart from its arguments (`post_outputs`), each alive
-    from its op to the end of the phase. A backward also holds the gradients the next
+    layers' stored residuals, each alive from its layer's recompute to the last backward
+    read of what it serves. `late`: ops that run at the end of their stage's program,
+    what they read alive to there. `kept`: bytes per device of outputs the step holds
+    apart from its arguments (`post_outputs`), each alive from its op to the end of the
+    phase. A backward also holds the gradients the next
     stage sent it: arguments of its program, which the runtime does not donate, alive
     while it runs (tests/test_verify.py; stage 0 of the TPU bench's GPipe GPT plan 3 on
     256 chips, cut inside a layer, receives 80 MiB a chip). `program`:
@@ -403,12 +419,16 @@ def temporaries(
     if m == 1:
         skip |= set(part.accumulated)
     walk, last, received = _phase_walk(graph, part, which, program)
-    if held and which in _BACKWARD:
+    if (held or late) and which in _BACKWARD:
         last = dict(last)
         end = {s: i for i, s, *_ in walk}  # each stage's last op of its B (or W)
         for t in held:
             if phase[p := graph.tensors[t].producer] == which:
                 last[t] = end[int(stage[p])]
+        for i in late:
+            if phase[i] == which:
+                for t in graph.ops[i].inputs:
+                    last[t] = end[int(stage[i])]
     peak = [0.0] * part.n_stages
     held_now = [0.0] * part.n_stages  # bytes alive now, per stage
     live: list[dict[int, float]] = [{} for _ in range(part.n_stages)]
@@ -510,54 +530,6 @@ def held_gradients(
 
 #: Ops XLA's layout assignment makes free (a bitcast) between a matmul and its reader.
 _LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type"})
-
-
-class Remade(NamedTuple):
-    """One recomputed layer's stored residuals in the backward walk (`temporaries`)."""
-
-    stage: int
-    first: int  # the backward op that first reads the layer's residuals: the recompute
-    last: int  # the backward op that last reads them
-    nbytes: float  # per device, one microbatch's
-
-
-def _remade(
-    graph: Graph,
-    part: Partition,
-    lay: Layouts,
-    res,
-    layer_stored: Sequence[tuple[tuple[int, float], ...]],
-    m: int,
-    phase: np.ndarray,
-) -> list[Remade]:
-    """Per recomputed layer, the residuals it makes again in its backward: one
-    microbatch's, alive from the first backward op that reads the layer's residuals (the
-    recompute runs just before it) to the last. The layer and its backward are one
-    program (the stage's B), so these are the ones XLA stores (`stored_residuals`), of
-    what the recompute makes: an operand it stores in place of a cheap residual and that
-    comes from outside the layer (its input, a weight) is held already. `layer_stored`:
-    `stored_residuals` of each of `res.layer_saved`, each with the width the one-stage
-    step holds it at (`_buffers.held_widths`: a float32 residual only matmuls read, as
-    their bf16 operand on a TPU)."""
-    out = []
-    consumers = graph.consumers()
-    again = set(res.recomputed)
-    for ts, stored in zip(res.layer_saved, layer_stored, strict=True):
-        reads = [c for t in ts for c in consumers[t] if phase[c] == _BWD]
-        if not reads:
-            continue
-        s = part.op_stage[graph.tensors[ts[0]].producer]
-        made = [
-            (t, w)
-            for t, w in stored
-            if graph.tensors[t].producer in again and part.op_stage[graph.tensors[t].producer] == s
-        ]
-        b = sum(
-            graph.tensors[t].nbytes * w * lay.inv[t] / (m if t in part.batched else 1)
-            for t, w in made
-        )
-        out.append(Remade(s, min(reads), max(reads), b))
-    return out
 
 
 def phase_codes(part: Partition) -> np.ndarray:
